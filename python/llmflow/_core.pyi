@@ -1,0 +1,183 @@
+"""Type stubs and user docs for `llmflow._core`, the Rust policy core.
+
+The core reads no clock: every call that depends on time takes `now_us`, an integer number of
+microseconds on any monotonic timeline the caller chooses (the simulator passes
+`round(env.now * 1e6)`, the gateway passes `time.monotonic_ns() // 1000`).
+"""
+
+from collections.abc import Mapping
+from typing import Any, Literal, final
+
+__version__: str
+
+DecisionKind = Literal["admitted", "queued", "rejected"]
+RejectReason = Literal[
+    "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
+    "no_healthy_backend",
+]
+Outcome = Literal["completed", "error", "timeout", "cancelled"]
+ExpiryReason = Literal["queue_timeout", "first_token_timeout", "deadline"]
+
+class PolicyError(Exception):
+    """Base class of every error the core raises."""
+
+class ConfigError(PolicyError, ValueError):
+    """A policy config value is missing, of the wrong type or out of range."""
+
+class UnknownTenantError(PolicyError, KeyError):
+    """`submit` named a tenant the config does not declare."""
+
+class UnknownBackendError(PolicyError, KeyError):
+    """An observation named a backend the config does not declare."""
+
+class DuplicateRequestError(PolicyError):
+    """`submit` reused the id of a request that is still live."""
+
+class InvalidArgumentError(PolicyError, ValueError):
+    """An argument is out of range (negative tokens, a KV usage outside 0..1, ...)."""
+
+@final
+class Decision:
+    """What `Governor.submit` decided. Never an exception: rejecting is a normal outcome."""
+
+    kind: DecisionKind
+    request_id: int
+    backend: str | None
+    """Backend the request runs on when admitted; `None` otherwise."""
+    priority: int
+    """Integer for vLLM's `--scheduling-policy priority` (lower runs first)."""
+    position: int | None
+    """0-based place in the waiting queue when queued."""
+    estimated_wait_s: float
+    """Estimated time until the request starts (0 when admitted)."""
+    reason: RejectReason | None
+    retry_after_s: float | None
+    """Positive when rejected: the estimated time for the queue to drain enough."""
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def queued(self) -> bool: ...
+    @property
+    def rejected(self) -> bool: ...
+
+@final
+class Admission:
+    """A queued request that `Governor.dispatch` moved onto a backend."""
+
+    request_id: int
+    backend: str
+    priority: int
+    queue_wait_s: float
+
+@final
+class Expired:
+    """A request that `Governor.expire` ended because one of its deadlines passed."""
+
+    request_id: int
+    reason: ExpiryReason
+    was_running: bool
+    """True when it held a slot (the caller must abort it upstream)."""
+    backend: str | None
+
+@final
+class Governor:
+    """Admission controller, fair queue and KV ledger for a set of vLLM backends.
+
+    Args:
+        config: the policy config as a mapping (see `llmflow.config.PolicyConfig.to_core`).
+
+    Raises:
+        ConfigError: naming the key, the bad value and what is allowed.
+    """
+
+    def __init__(self, config: Mapping[str, Any]) -> None: ...
+    def submit(
+        self,
+        request_id: int,
+        tenant: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        now_us: int,
+    ) -> Decision:
+        """Decide on a new request: admit it now, queue it, or reject it.
+
+        Raises:
+            DuplicateRequestError: `request_id` is still live.
+            UnknownTenantError: the tenant is not in the config.
+            InvalidArgumentError: negative token counts.
+        """
+    def dispatch(self, now_us: int) -> list[Admission]:
+        """Move queued requests onto free slots, in fair order. Call after anything frees one."""
+    def on_first_token(self, request_id: int, now_us: int) -> None:
+        """Record the first token of a running request (feeds the prefill-throughput estimate)."""
+    def on_tokens(self, request_id: int, n: int, now_us: int) -> None:
+        """Record `n` more generated tokens: grows the request's KV footprint and fair-share cost."""
+    def finish(self, request_id: int, outcome: Outcome, now_us: int) -> bool:
+        """End a live request (queued or running) and free what it held.
+
+        Returns:
+            False when the request was not live (already ended): ending twice is a no-op.
+        """
+    def cancel(self, request_id: int, now_us: int) -> bool:
+        """Same as `finish(request_id, "cancelled", now_us)`."""
+    def expire(self, now_us: int) -> list[Expired]:
+        """End every request whose queue-wait, first-token or total deadline has passed."""
+    def next_deadline_us(self) -> int | None:
+        """Earliest deadline among live requests, to schedule the next `expire` call."""
+    def observe_backend(
+        self,
+        backend: str,
+        now_us: int,
+        *,
+        kv_usage: float | None = None,
+        running: int | None = None,
+        waiting: int | None = None,
+        preemptions_total: int | None = None,
+    ) -> None:
+        """Feed a scrape of a backend's metrics (KV usage in 0..1, vLLM's counters)."""
+    def set_backend_health(self, backend: str, healthy: bool, now_us: int) -> None:
+        """Mark a backend healthy or not; unhealthy backends receive no admissions."""
+    def start_draining(self) -> None:
+        """Refuse new requests (reason `draining`); live ones continue."""
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def running(self) -> int:
+        """Requests holding a slot, all backends together."""
+    @property
+    def queued(self) -> int:
+        """Requests in the waiting queue."""
+    @property
+    def kv_blocks_in_use(self) -> int:
+        """KV blocks the ledger holds for live requests, all backends together."""
+    @property
+    def shed_level(self) -> int:
+        """Preemption-breaker level: 0 when calm, higher sheds non-protected tiers harder."""
+    def request_kv(self, request_id: int, now_us: int) -> tuple[int, float] | None:
+        """(blocks now, block-seconds so far) of a live request, or None."""
+    def snapshot(self, now_us: int) -> dict[str, Any]:
+        """JSON-ready state for metrics and the dashboard (queues, slots, KV, counters)."""
+    def tenant_service(self, tenant: str) -> float:
+        """Cost charged to a tenant so far, in weighted tokens (for fairness checks)."""
+
+def kv_slots(
+    vram_bytes: float,
+    weights_bytes: float,
+    activations_bytes: float,
+    avg_context_tokens: float,
+    kv_bytes_per_token: float,
+) -> float:
+    """The seed's capacity formula: `(VRAM - weights - activations) / (ctx * kv_bytes_per_token)`.
+
+    Raises:
+        InvalidArgumentError: non-positive context or bytes per token, or negative memory.
+    """
+
+def kv_bytes_per_token(
+    layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tp: int = 1
+) -> int:
+    """KV bytes one token occupies on one GPU: `2 * layers * kv_heads * head_dim * dtype / tp`.
+
+    Raises:
+        InvalidArgumentError: a zero argument.
+    """

@@ -1,0 +1,262 @@
+"""The llmflow YAML config: one file whose sections mirror the seed's, validated with clear errors.
+
+Defaults are the seed's values (`max_concurrency_per_gpu: 16`, `max_waiting: 200`,
+`client_window: 8`, `first_token_timeout_ms: 3000`, `sse_flush_interval: 20ms`, 80% queue fill
+for normal traffic, 85% KV pressure, 1.5 s TTFT SLA). `Settings.to_core()` turns a validated file
+into the mapping `llmflow._core.Governor` takes, so the gateway and the simulator build the very
+same policy from the same file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["ConfigFileError", "Settings", "load_settings", "parse_duration_ms"]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$")
+_UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
+
+
+class ConfigFileError(ValueError):
+    """A config file could not be read or does not validate; the message lists every problem."""
+
+
+def parse_duration_ms(value: Any) -> Any:
+    """Accept `20ms`, `1.5s`, `2m` or a bare number of milliseconds; `None` stays `None`."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str) and (match := _DURATION.match(value)):
+        return float(match.group(1)) * _UNIT_MS[match.group(2) or "ms"]
+    raise ValueError(f"expected a duration such as '20ms', '1.5s' or a number of ms, got {value!r}")
+
+
+DurationMs = Annotated[float, BeforeValidator(parse_duration_ms), Field(ge=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Streaming(_Section):
+    enabled: bool = True
+    first_token_timeout_ms: DurationMs | None = 3000.0
+    sse_flush_interval: DurationMs = 20.0  # 0 forwards every chunk as soon as it arrives
+    on_first_token_timeout: Literal["error", "degrade"] = "degrade"
+
+
+class Backpressure(_Section):
+    client_window: int = Field(8, ge=1, le=4096)  # unacknowledged chunks per client
+    pause_when_full: bool = True
+    stall_timeout_ms: DurationMs = 30_000.0  # a client stalled this long loses its slot
+
+
+class Queue(_Section):
+    max_waiting: int = Field(200, ge=0)
+    strategy: Literal["fair", "fifo"] = "fair"
+    max_wait_ms: DurationMs | None = 30_000.0
+
+
+class Gate(_Section):
+    max_concurrency_per_gpu: int = Field(16, ge=1)
+    queue: Queue = Queue()
+    on_queue_full: Literal["reject_429"] = "reject_429"
+
+
+class Tier(_Section):
+    name: str = Field(min_length=1)
+    shed_at: Fraction = 1.0  # queue fill above which this tier is refused
+    max_share: Fraction = 1.0  # share of each backend's slots this tier may hold
+    protected: bool = False  # exempt from KV-pressure and preemption shedding (VIP)
+
+
+class Tenant(_Section):
+    name: str = Field(min_length=1)
+    tier: str
+    weight: float = Field(1.0, gt=0)
+    api_keys: list[str] = []
+
+
+class Timeouts(_Section):
+    total_ms: DurationMs | None = 120_000.0  # total deadline; the partial text is returned
+
+
+class Kv(_Section):
+    pressure_threshold: Fraction | None = 0.85
+    block_size: int = Field(16, ge=1)
+    input_token_weight: float = Field(1.0, ge=0)
+    output_token_weight: float = Field(2.0, ge=0)
+    kv_weight: float = Field(1.0, ge=0)  # how much a long request's KV footprint lowers it
+
+
+class Sla(_Section):
+    ttft_ms: DurationMs | None = 1500.0
+    prefill_tokens_per_s: float = Field(8000.0, gt=0)  # prior until measured online
+
+
+class Preemption(_Section):
+    cooldown_ms: DurationMs | None = 10_000.0  # None disables the breaker
+
+
+class Metrics(_Section):
+    scrape_interval_ms: DurationMs = 500.0
+    stale_after_ms: DurationMs | None = 3000.0
+
+
+class Backend(_Section):
+    name: str = Field(min_length=1)
+    url: str | None = None  # None: the built-in simulated vLLM
+    gpus: int = Field(1, ge=1)
+    models: list[str] = ["llmflow-sim"]
+    max_model_len: int = Field(8192, ge=1)
+    kv_blocks: int = Field(0, ge=0)  # 0: learn it from vLLM's cache_config_info
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+class Server(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+
+
+_DEFAULT_TIERS = (
+    Tier(name="vip", shed_at=1.0, protected=True),
+    Tier(name="normal", shed_at=0.8),
+    Tier(name="batch", shed_at=0.5, max_share=0.5),
+)
+
+
+class Settings(_Section):
+    """The whole config file. Every section is optional; omitted keys take the seed's values."""
+
+    streaming: Streaming = Streaming()
+    backpressure: Backpressure = Backpressure()
+    gate: Gate = Gate()
+    tiers: list[Tier] = Field(default_factory=lambda: list(_DEFAULT_TIERS), min_length=1)
+    default_tier: str = "normal"
+    tenants: list[Tenant] = []
+    timeouts: Timeouts = Timeouts()
+    kv: Kv = Kv()
+    sla: Sla = Sla()
+    preemption: Preemption = Preemption()
+    metrics: Metrics = Metrics()
+    backends: list[Backend] = Field(default_factory=lambda: [Backend(name="sim0")], min_length=1)
+    server: Server = Server()
+
+    @model_validator(mode="after")
+    def _check_references(self) -> Settings:
+        tier_names = [t.name for t in self.tiers]
+        _require_unique("tiers", tier_names)
+        _require_unique("tenants", [t.name for t in self.tenants])
+        _require_unique("backends", [b.name for b in self.backends])
+        _require_unique("api_keys", [k for t in self.tenants for k in t.api_keys])
+        if self.default_tier not in tier_names:
+            raise ValueError(f"default_tier {self.default_tier!r} is not one of {tier_names}")
+        for tenant in self.tenants:
+            if tenant.tier not in tier_names:
+                raise ValueError(
+                    f"tenants[{tenant.name}].tier {tenant.tier!r} is not one of {tier_names}"
+                )
+        return self
+
+    @property
+    def anonymous_tenant(self) -> str:
+        """Tenant every request maps to when no API keys are configured."""
+        return "anonymous"
+
+    @property
+    def auth_enabled(self) -> bool:
+        """True when at least one tenant has an API key: requests must then present one."""
+        return any(t.api_keys for t in self.tenants)
+
+    def to_core(self) -> dict[str, Any]:
+        """The mapping `llmflow._core.Governor` takes (its keys are the core's own names)."""
+        tenants = [{"name": t.name, "tier": t.tier, "weight": t.weight} for t in self.tenants]
+        if self.anonymous_tenant not in {t.name for t in self.tenants}:
+            tenants.append({"name": self.anonymous_tenant, "tier": self.default_tier, "weight": 1.0})
+        return {
+            "backends": [
+                {"name": b.name, "gpus": b.gpus, "kv_blocks": b.kv_blocks} for b in self.backends
+            ],
+            "block_size": self.kv.block_size,
+            "max_concurrency_per_gpu": self.gate.max_concurrency_per_gpu,
+            "max_waiting": self.gate.queue.max_waiting,
+            "strategy": self.gate.queue.strategy,
+            "tiers": [t.model_dump() for t in self.tiers],
+            "tenants": tenants,
+            "kv_pressure_threshold": self.kv.pressure_threshold,
+            "ttft_sla_ms": self.sla.ttft_ms,
+            "prefill_tokens_per_s": self.sla.prefill_tokens_per_s,
+            "preemption_cooldown_ms": self.preemption.cooldown_ms,
+            "queue_timeout_ms": self.gate.queue.max_wait_ms,
+            "first_token_timeout_ms": self.streaming.first_token_timeout_ms,
+            "request_timeout_ms": self.timeouts.total_ms,
+            "stale_after_ms": self.metrics.stale_after_ms,
+            "input_token_weight": self.kv.input_token_weight,
+            "output_token_weight": self.kv.output_token_weight,
+            "kv_weight": self.kv.kv_weight,
+        }
+
+
+def _require_unique(what: str, names: list[str]) -> None:
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"{what} must be unique; repeated: {duplicates}")
+
+
+def load_settings(path: str | Path | None = None, data: dict[str, Any] | None = None) -> Settings:
+    """Read and validate a YAML config file (or an already-parsed mapping).
+
+    Args:
+        path: YAML file; `None` with no `data` gives the defaults.
+        data: a parsed mapping, used instead of `path`.
+
+    Returns:
+        The validated settings.
+
+    Raises:
+        ConfigFileError: the file is missing, is not YAML, or a key is wrong; the message names
+            each bad key, its value and what is allowed.
+    """
+    if data is None and path is not None:
+        data = _read_yaml(Path(path))
+    try:
+        return Settings.model_validate(data or {})
+    except ValidationError as exc:
+        raise ConfigFileError(_describe(exc, path)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigFileError(f"{path}: cannot read config file ({exc.strerror})") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigFileError(f"{path}: not valid YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigFileError(f"{path}: the top level must be a mapping of sections")
+    return loaded
+
+
+def _describe(exc: ValidationError, path: str | Path | None) -> str:
+    where = f"{path}: " if path else ""
+    lines = [f"{where}invalid config ({exc.error_count()} problem(s)):"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        message = "unknown key; remove it or check its spelling" if err["type"] == (
+            "extra_forbidden"
+        ) else err["msg"]
+        lines.append(f"  {key}: {message}{got}")
+    return "\n".join(lines)
