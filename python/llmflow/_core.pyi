@@ -21,19 +21,19 @@ ExpiryReason = Literal["queue_timeout", "first_token_timeout", "deadline"]
 class PolicyError(Exception):
     """Base class of every error the core raises."""
 
-class ConfigError(PolicyError, ValueError):
+class ConfigError(PolicyError):
     """A policy config value is missing, of the wrong type or out of range."""
 
-class UnknownTenantError(PolicyError, KeyError):
+class UnknownTenantError(PolicyError):
     """`submit` named a tenant the config does not declare."""
 
-class UnknownBackendError(PolicyError, KeyError):
+class UnknownBackendError(PolicyError):
     """An observation named a backend the config does not declare."""
 
 class DuplicateRequestError(PolicyError):
     """`submit` reused the id of a request that is still live."""
 
-class InvalidArgumentError(PolicyError, ValueError):
+class InvalidArgumentError(PolicyError):
     """An argument is out of range (negative tokens, a KV usage outside 0..1, ...)."""
 
 @final
@@ -133,8 +133,23 @@ class Governor:
         running: int | None = None,
         waiting: int | None = None,
         preemptions_total: int | None = None,
+        kv_blocks: int | None = None,
     ) -> None:
-        """Feed a scrape of a backend's metrics (KV usage in 0..1, vLLM's counters)."""
+        """Feed a scrape of a backend's metrics (KV usage in 0..1, vLLM's counters).
+
+        Args:
+            backend: the backend's name in the config.
+            now_us: when the scrape was taken.
+            kv_usage: `vllm:kv_cache_usage_perc` (0..1).
+            running: `vllm:num_requests_running`.
+            waiting: `vllm:num_requests_waiting`.
+            preemptions_total: `vllm:num_preemptions_total`; a rise trips the breaker.
+            kv_blocks: the backend's KV capacity in blocks (`cache_config_info`), when learned.
+
+        Raises:
+            UnknownBackendError: the backend is not in the config.
+            InvalidArgumentError: `kv_usage` outside 0..1.
+        """
     def set_backend_health(self, backend: str, healthy: bool, now_us: int) -> None:
         """Mark a backend healthy or not; unhealthy backends receive no admissions."""
     def start_draining(self) -> None:
@@ -148,6 +163,11 @@ class Governor:
     def queued(self) -> int:
         """Requests in the waiting queue."""
     @property
+    def live(self) -> int:
+        """Requests queued or running."""
+    def is_live(self, request_id: int) -> bool:
+        """Whether the request is queued or running."""
+    @property
     def kv_blocks_in_use(self) -> int:
         """KV blocks the ledger holds for live requests, all backends together."""
     @property
@@ -159,6 +179,9 @@ class Governor:
         """JSON-ready state for metrics and the dashboard (queues, slots, KV, counters)."""
     def tenant_service(self, tenant: str) -> float:
         """Cost charged to a tenant so far, in weighted tokens (for fairness checks)."""
+    def copy(self) -> Governor:
+        """An independent copy of the whole state (for what-if checks and tests)."""
+    def __copy__(self) -> Governor: ...
 
 def kv_slots(
     vram_bytes: float,

@@ -1,1 +1,39 @@
-pub mod x {}
+//! llmflow's policy core: admission, fair queueing and KV-cache accounting for LLM serving.
+//!
+//! The domain modules (`admission`, `fair_queue`, `kv`, `backend`, `capacity`) know nothing of
+//! Python and read no clock; `py` is the only PyO3 seam.
+
+pub mod admission;
+pub mod backend;
+pub mod capacity;
+pub mod config;
+pub mod error;
+pub mod fair_queue;
+pub mod kv;
+pub mod snapshot;
+pub mod types;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use admission::Governor;
+pub use config::PolicyConfig;
+pub use error::{PolicyError, PolicyResult};
+pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};
+
+#[cfg(feature = "python")]
+#[pyo3::pymodule(gil_used = true)]
+pub mod _core {
+    #[pymodule_export]
+    use crate::py::{
+        kv_bytes_per_token, kv_slots, PyAdmission, PyDecision, PyExpired, PyGovernor,
+        ConfigError, DuplicateRequestError, InvalidArgumentError, PolicyError,
+        UnknownBackendError, UnknownTenantError,
+    };
+
+    #[pymodule_init]
+    fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        use pyo3::types::PyModuleMethods;
+        m.add("__version__", env!("CARGO_PKG_VERSION"))
+    }
+}

@@ -1,0 +1,157 @@
+"""Prometheus metrics of the gateway, in a registry of its own.
+
+Counters and histograms are updated on events (admission, first token, end of a request).
+Gauges that mirror state (queue by tier, in flight, KV, backend health, shed level) are read
+from the core and the scraper when `/metrics` is scraped, so the hot path never touches them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from prometheus_client.metrics_core import Metric
+
+    from llmflow.gateway.policy import Policy
+    from llmflow.gateway.scraper import Scraper
+    from llmflow.gateway.session import StreamSession
+
+__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+_CHUNK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+_OUTCOME = {  # how a session ended -> the core's outcome label
+    "completed": "completed", "error": "error", "deadline": "timeout",
+    "first_token_timeout": "timeout", "queue_timeout": "timeout", "timeout": "timeout",
+}
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports.
+
+    Args:
+        policy: the core runtime (read at scrape time).
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.policy = policy
+        self.scraper: Scraper | None = None
+        self.draining: Callable[[], bool] = lambda: False
+        self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> count, for /api/state
+        r = self.registry
+        self.requests = Counter("llmflow_requests", "Requests by tier, outcome and reason",
+                                ["tier", "outcome", "reason"], registry=r)
+        self.ttft = Histogram("llmflow_ttft_seconds", "Arrival to first token, as the gateway "
+                              "sees it", ["tier"], buckets=_TTFT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("llmflow_queue_wait_seconds", "Time spent queued before "
+                                    "admission", ["tier"], buckets=_TTFT_BUCKETS, registry=r)
+        self.inter_chunk = Histogram("llmflow_inter_chunk_seconds", "Gap between writes to a "
+                                     "streaming client", buckets=_CHUNK_BUCKETS, registry=r)
+        self.tokens = Counter("llmflow_tokens_streamed", "Generated tokens relayed to clients",
+                              ["tier"], registry=r)
+        self.truncations = Counter("llmflow_truncations", "Replies cut with a notice",
+                                   ["reason"], registry=r)
+        self.aborts = Counter("llmflow_upstream_aborts", "Upstream requests aborted before they "
+                              "finished", ["reason"], registry=r)
+        self.registry.register(_StateCollector(self))
+
+    def rejected(self, tier: str, reason: str) -> None:
+        """Count a request the core (or validation) turned away."""
+        self.requests.labels(tier, "rejected", reason).inc()
+        self.outcomes["rejected", reason] += 1
+
+    def first_token(self, session: StreamSession) -> None:
+        """Record a session's time to first token."""
+        assert session.first_token_at is not None
+        tier = session.prepared.tier
+        self.ttft.labels(tier).observe(session.first_token_at - session.prepared.arrived)
+
+    def request_ended(self, session: StreamSession) -> None:
+        """Count a finished session by outcome and reason, and its tokens."""
+        outcome = _OUTCOME.get(session.end, "cancelled")
+        tier = session.prepared.tier
+        self.requests.labels(tier, outcome, session.end).inc()
+        self.outcomes[outcome, session.end] += 1
+        if session.parser.completion_tokens:
+            self.tokens.labels(tier).inc(session.parser.completion_tokens)
+        if session.ticket.backend is not None:
+            self.queue_wait.labels(tier).observe(session.ticket.queue_wait_s)
+
+    def truncated(self, reason: str) -> None:
+        """Count a reply cut with a visible notice."""
+        self.truncations.labels(reason).inc()
+
+    def upstream_aborted(self, reason: str) -> None:
+        """Count an upstream request closed before it finished."""
+        self.aborts.labels(reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        policy, governor = self.m.policy, self.m.policy.governor
+        queued: Tally[str] = Tally(t.tier for t in policy.tickets() if not t.admitted.done())
+        by_tier = GaugeMetricFamily("llmflow_queue_length", "Requests waiting, by tier",
+                                    labels=["tier"])
+        for tier, count in sorted(queued.items()):
+            by_tier.add_metric([tier], count)
+        yield by_tier
+        yield _gauge("llmflow_queue_total", "Requests in the core's waiting queue",
+                     governor.queued)
+        yield _gauge("llmflow_in_flight", "Requests holding a backend slot", governor.running)
+        yield _gauge("llmflow_kv_blocks_in_use", "KV blocks the ledger holds",
+                     governor.kv_blocks_in_use)
+        yield _gauge("llmflow_shed_level", "Preemption-breaker shed level", governor.shed_level)
+        yield _gauge("llmflow_draining", "1 while the gateway drains for shutdown",
+                     int(self.m.draining()))
+        if self.m.scraper is not None:
+            yield from _backend_gauges(self.m.scraper)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _backend_gauges(scraper: Scraper) -> Iterator[Metric]:
+    families = {
+        "kv_usage": GaugeMetricFamily("llmflow_backend_kv_usage", "Backend KV cache usage "
+                                      "(0..1), last scrape", labels=["backend"]),
+        "healthy": GaugeMetricFamily("llmflow_backend_healthy", "1 when the backend is healthy",
+                                     labels=["backend"]),
+        "running": GaugeMetricFamily("llmflow_backend_running", "Requests vLLM reports running",
+                                     labels=["backend"]),
+        "waiting": GaugeMetricFamily("llmflow_backend_waiting", "Requests vLLM reports waiting",
+                                     labels=["backend"]),
+        "age": GaugeMetricFamily("llmflow_backend_scrape_age_seconds", "Seconds since the last "
+                                 "good scrape", labels=["backend"]),
+    }
+    now = time.monotonic()
+    for name, state in scraper.states.items():
+        families["healthy"].add_metric([name], int(state.healthy))
+        if state.kv_usage is not None:
+            families["kv_usage"].add_metric([name], state.kv_usage)
+        if state.running is not None:
+            families["running"].add_metric([name], state.running)
+        if state.waiting is not None:
+            families["waiting"].add_metric([name], state.waiting)
+        if state.scraped_at is not None:
+            families["age"].add_metric([name], now - state.scraped_at)
+    yield from families.values()

@@ -1,0 +1,281 @@
+"""Chunk logic of the stream: parse, count tokens, coalesce, assemble, and the truncation tail.
+
+Pure functions and small classes over OpenAI chunk dicts; no I/O. Coalescing merges consecutive
+chunks only when the result is itself a valid chunk (text deltas of open choices); anything else
+(tool calls, a choice that already finished) stays a chunk of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmflow.gateway.types import Endpoint, Json
+
+__all__ = [
+    "Accumulator",
+    "ChunkParser",
+    "ClientOptions",
+    "encode_event",
+    "merge_chunks",
+    "notice_for",
+    "tail_chunk",
+]
+
+_TEXT_DELTAS = frozenset({"content", "reasoning_content", "reasoning"})
+NOTICES = {  # visible text appended when the gateway cuts a reply
+    "deadline": "\n\n[llmflow: reply truncated: the request reached its total deadline]",
+    "first_token_timeout": "[llmflow: the model did not start answering in time; please retry]",
+    "shutdown": "\n\n[llmflow: reply truncated: the gateway is shutting down]",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """What the client asked for that changes the shape of the reply."""
+
+    endpoint: Endpoint
+    model: str
+    stream: bool
+    n: int = 1
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+def notice_for(reason: str) -> str:
+    """The visible notice for a cut reply."""
+    return NOTICES.get(reason, f"\n\n[llmflow: reply truncated ({reason})]")
+
+
+def encode_event(chunk: Json) -> bytes:
+    """One SSE frame: `data: {json}` and a blank line."""
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ChunkParser:
+    """Reads upstream payloads: counts new tokens and shapes chunks for the client.
+
+    Upstream is always asked for continuous usage stats, so each chunk states the tokens
+    generated so far; chunks without usage count one token per text delta.
+
+    Args:
+        options: the client's requested shape (usage reporting in particular).
+    """
+
+    def __init__(self, options: ClientOptions) -> None:
+        self.options = options
+        self.completion_tokens = 0
+        self.usage: Json | None = None
+        self.template: Json | None = None  # id/created/model of the upstream reply
+
+    def feed(self, data: bytes) -> tuple[Json | None, int]:
+        """Parse one `data:` payload.
+
+        Returns:
+            (chunk to forward, or None; tokens generated since the previous payload).
+        """
+        chunk: Any = json.loads(data)
+        if not isinstance(chunk, dict):
+            return None, 0
+        if self.template is None and "id" in chunk:
+            self.template = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
+        usage = chunk.get("usage")
+        new = self._count(chunk, usage)
+        choices = chunk.get("choices")
+        if isinstance(usage, dict):
+            self.usage = usage
+        if not choices:  # the usage-only chunk that ends an include_usage stream
+            keep = "error" in chunk or self.options.include_usage
+            return (chunk if keep else None), new
+        if not self.options.continuous_usage and "usage" in chunk:
+            if self.options.include_usage:
+                chunk["usage"] = None
+            else:
+                del chunk["usage"]
+        return chunk, new
+
+    def _count(self, chunk: Json, usage: Any) -> int:
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            new = usage["completion_tokens"] - self.completion_tokens
+            self.completion_tokens = usage["completion_tokens"]
+            return max(new, 0)
+        new = sum(1 for c in chunk.get("choices") or () if _text_of(c))
+        self.completion_tokens += new
+        return new
+
+
+def _text_of(choice: Json) -> str:
+    if "delta" in choice:
+        delta = choice["delta"] or {}
+        return "".join(v for k, v in delta.items() if k in _TEXT_DELTAS and isinstance(v, str))
+    text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def merge_chunks(chunks: list[Json]) -> list[Json]:
+    """Coalesce consecutive chunks into as few valid chunks as possible (order kept)."""
+    out: list[Json] = []
+    for chunk in chunks:
+        if not out or not _merge_into(out[-1], chunk):
+            out.append(chunk)
+    return out
+
+
+def _merge_into(a: Json, b: Json) -> bool:
+    choices_a, choices_b = a.get("choices"), b.get("choices")
+    if not choices_a or not choices_b or a.get("object") != b.get("object") or "error" in b:
+        return False
+    by_index = {c.get("index", 0): c for c in choices_a}
+    for cb in choices_b:
+        ca = by_index.get(cb.get("index", 0))
+        if ca is not None and not _choice_mergeable(ca, cb):
+            return False
+    for cb in choices_b:
+        ca = by_index.get(cb.get("index", 0))
+        if ca is None:
+            choices_a.append(cb)
+            by_index[cb.get("index", 0)] = cb
+        else:
+            _merge_choice(ca, cb)
+    if "usage" in b:
+        a["usage"] = b["usage"]
+    return True
+
+
+def _choice_mergeable(ca: Json, cb: Json) -> bool:
+    if ca.get("finish_reason") is not None or ca.get("logprobs") or cb.get("logprobs"):
+        return False
+    if set(ca) | set(cb) > {"index", "delta", "text", "finish_reason", "logprobs", "stop_reason"}:
+        return False
+    for key, value in (cb.get("delta") or {}).items():
+        if key not in _TEXT_DELTAS and key != "role" and value not in (None, "", []):
+            return False
+    return all(k in _TEXT_DELTAS or k == "role" or v in (None, "", [])
+               for k, v in (ca.get("delta") or {}).items())
+
+
+def _merge_choice(ca: Json, cb: Json) -> None:
+    if "text" in cb:
+        ca["text"] = (ca.get("text") or "") + (cb.get("text") or "")
+    if "delta" in cb:
+        delta = ca.setdefault("delta", {})
+        for key, value in (cb["delta"] or {}).items():
+            if key in _TEXT_DELTAS and isinstance(value, str):
+                delta[key] = (delta.get(key) or "") + value
+            elif key == "role":
+                delta.setdefault("role", value)
+    ca["finish_reason"] = cb.get("finish_reason")
+    if "stop_reason" in cb:
+        ca["stop_reason"] = cb["stop_reason"]
+
+
+def tail_chunk(options: ClientOptions, template: Json | None, open_choices: list[int],
+               reason: str, request_id: int) -> Json:
+    """The chunk that ends a reply the gateway cut: the notice, a finish_reason, the marker.
+
+    Args:
+        options: the client's endpoint and model.
+        template: id/created/model of the upstream reply, when one arrived.
+        open_choices: indexes of choices still unfinished.
+        reason: why it was cut (`deadline`, `first_token_timeout`, `shutdown`).
+        request_id: the gateway's request id, for an id when upstream sent none.
+
+    Returns:
+        A valid chunk with a top-level `"llmflow": {"truncated": true, "reason": ...}`.
+    """
+    notice = notice_for(reason)
+    chat = options.endpoint == "chat"
+    base = template or {"id": f"{'chatcmpl' if chat else 'cmpl'}-llmflow-{request_id}",
+                        "created": int(time.time()), "model": options.model}
+    choices = [
+        {"index": i, "delta": {"content": notice}, "logprobs": None, "finish_reason": "length"}
+        if chat else {"index": i, "text": notice, "logprobs": None, "finish_reason": "length"}
+        for i in open_choices
+    ]
+    return {**base, "object": "chat.completion.chunk" if chat else "text_completion",
+            "choices": choices, "llmflow": {"truncated": True, "reason": reason}}
+
+
+class Accumulator:
+    """Builds the non-streaming reply from the chunks of an upstream stream.
+
+    Args:
+        options: the client's endpoint, model and `n`.
+    """
+
+    def __init__(self, options: ClientOptions) -> None:
+        self.options = options
+        self._choices: dict[int, Json] = {}
+        self.template: Json | None = None
+        self.marker: Json | None = None
+
+    def open_choices(self) -> list[int]:
+        """Indexes of choices that have not finished (all of `n` before any arrived)."""
+        seen = [i for i, c in sorted(self._choices.items()) if c.get("finish_reason") is None]
+        unseen = [i for i in range(self.options.n) if i not in self._choices]
+        return sorted(seen + unseen)
+
+    def add(self, chunk: Json) -> None:
+        """Fold one chunk in (text, tool calls, logprobs, finish reasons, the marker)."""
+        if self.template is None and "id" in chunk:
+            self.template = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
+        if "llmflow" in chunk:
+            self.marker = chunk["llmflow"]
+        for choice in chunk.get("choices") or ():
+            acc = self._choices.setdefault(choice.get("index", 0), {"text": [], "tools": {}})
+            _fold(acc, choice)
+
+    def response(self, usage: Json | None) -> Json:
+        """The complete `chat.completion` or `text_completion` object."""
+        chat = self.options.endpoint == "chat"
+        base = self.template or {"id": "llmflow", "created": int(time.time()),
+                                 "model": self.options.model}
+        choices = [_finish_choice(i, self._choices.get(i, {"text": []}), chat)
+                   for i in sorted(set(self._choices) | set(range(self.options.n)))]
+        body: Json = {**base, "object": "chat.completion" if chat else "text_completion",
+                      "choices": choices, "usage": usage}
+        if self.marker is not None:
+            body["llmflow"] = self.marker
+        return body
+
+
+def _fold(acc: Json, choice: Json) -> None:
+    acc["text"].append(_text_of(choice))
+    delta = choice.get("delta") or {}
+    for call in delta.get("tool_calls") or ():
+        slot = acc["tools"].setdefault(call.get("index", 0), {"function": {"arguments": ""}})
+        for key in ("id", "type"):
+            if call.get(key):
+                slot[key] = call[key]
+        function = call.get("function") or {}
+        if function.get("name"):
+            slot["function"]["name"] = function["name"]
+        slot["function"]["arguments"] += function.get("arguments") or ""
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        merged = acc.setdefault("logprobs", {})
+        for key, value in logprobs.items():
+            merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    if choice.get("finish_reason") is not None:
+        acc["finish_reason"] = choice["finish_reason"]
+    if "stop_reason" in choice:
+        acc["stop_reason"] = choice["stop_reason"]
+
+
+def _finish_choice(index: int, acc: Json, chat: bool) -> Json:
+    text = "".join(acc["text"])
+    out: Json = {"index": index, "logprobs": acc.get("logprobs"),
+                 "finish_reason": acc.get("finish_reason")}
+    if "stop_reason" in acc:
+        out["stop_reason"] = acc["stop_reason"]
+    if not chat:
+        out["text"] = text
+        return out
+    message: Json = {"role": "assistant", "content": text}
+    if acc.get("tools"):
+        message["tool_calls"] = [acc["tools"][k] for k in sorted(acc["tools"])]
+    out["message"] = message
+    return out

@@ -1,0 +1,170 @@
+"""The HTTP client to vLLM backends: open a streamed completion, read its SSE events, abort it.
+
+Every request goes upstream as a stream, whatever the client asked for: the gateway needs each
+token as it is made to time the first token, grow the KV ledger, and keep the partial text when a
+deadline cuts a reply. Aborting is closing the response: vLLM aborts a request whose connection
+closes, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from llmflow.gateway.types import Json
+
+__all__ = ["Upstream", "UpstreamError", "UpstreamStream"]
+
+_CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treated as down
+_WRITE_TIMEOUT_S = 30.0  # sending one request body
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body worth reading
+_DONE = b"[DONE]"
+
+
+class UpstreamError(Exception):
+    """A backend could not serve a request.
+
+    Args:
+        status: the status to answer the client with (4xx passed through, 502, 504).
+        code: machine-readable reason (`backend_unavailable`, `backend_error`, ...).
+        message: what happened.
+        backend_down: True when the backend could not be reached at all.
+    """
+
+    def __init__(self, status: int, code: str, message: str, *, backend_down: bool = False):
+        super().__init__(message)
+        self.status, self.code, self.message, self.backend_down = status, code, message, backend_down
+
+
+class UpstreamStream:
+    """One streamed completion from a backend; iterate `events()`, always `aclose()`."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.closed = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The `data:` payloads of the SSE stream, up to (not including) `[DONE]`.
+
+        Raises:
+            UpstreamError: the connection broke mid-stream (502).
+        """
+        buffer = b""
+        try:
+            async for piece in self.response.aiter_bytes():
+                buffer += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
+                while (end := buffer.find(b"\n\n")) >= 0:
+                    block, buffer = buffer[:end], buffer[end + 2 :]
+                    data = _data_of(block)
+                    if data is None:
+                        continue
+                    if data == _DONE:
+                        return
+                    yield data
+        except httpx.HTTPError as exc:
+            raise UpstreamError(502, "backend_error", f"backend stream broke: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        """Close the connection (aborting the request upstream if it is still running)."""
+        if not self.closed:
+            self.closed = True
+            await self.response.aclose()
+
+
+def _data_of(block: bytes) -> bytes | None:
+    if block.startswith(b"data:") and b"\n" not in block:
+        return block[5:].strip()
+    lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+class Upstream:
+    """A pooled HTTP/1.1 client for all backends.
+
+    Args:
+        max_connections: connection pool size (at least the number of concurrent streams).
+    """
+
+    def __init__(self, max_connections: int = 8192) -> None:
+        limits = httpx.Limits(max_connections=max_connections,
+                              max_keepalive_connections=max_connections)
+        timeout = httpx.Timeout(connect=_CONNECT_TIMEOUT_S, read=None, write=_WRITE_TIMEOUT_S,
+                                pool=_CONNECT_TIMEOUT_S)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+    async def open(self, base_url: str, path: str, body: Json, request_id: str) -> UpstreamStream:
+        """Send a streamed completion and wait for the backend's response headers.
+
+        Args:
+            base_url: the backend, e.g. `http://127.0.0.1:8000`.
+            path: `/v1/chat/completions` or `/v1/completions`.
+            body: the JSON body (already rewritten for streaming).
+            request_id: sent as `X-Request-Id`, so backend logs name the gateway's request.
+
+        Returns:
+            The open stream (status 200).
+
+        Raises:
+            UpstreamError: unreachable (502, `backend_down`), timed out (504), or an error status
+                (4xx passed through with the backend's message, 5xx as 502).
+        """
+        request = self.client.build_request(
+            "POST", base_url + path, content=json.dumps(body).encode(),
+            headers={"content-type": "application/json", "x-request-id": request_id,
+                     "accept": "text/event-stream"},
+        )
+        try:
+            response = await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise UpstreamError(502, "backend_unavailable", f"backend unreachable: {exc!r}",
+                                backend_down=True) from exc
+        except httpx.TimeoutException as exc:
+            raise UpstreamError(504, "backend_timeout", f"backend timed out: {exc!r}") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamError(502, "backend_error", f"backend failed: {exc!r}") from exc
+        if response.status_code != 200:
+            raise await _status_error(response)
+        return UpstreamStream(response)
+
+    async def get(self, url: str, timeout_s: float) -> httpx.Response:
+        """A plain GET (metrics scrapes), with its own timeout."""
+        return await self.client.get(url, timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
+        await self.client.aclose()
+
+
+async def _status_error(response: httpx.Response) -> UpstreamError:
+    try:
+        raw = b""
+        async for piece in response.aiter_bytes():
+            raw += piece
+            if len(raw) > _ERROR_BODY_LIMIT:
+                break
+    except httpx.HTTPError:
+        raw = b""
+    finally:
+        await response.aclose()
+    message = _error_message(raw) or f"backend answered {response.status_code}"
+    if 400 <= response.status_code < 500:
+        return UpstreamError(response.status_code, "backend_rejected", message)
+    return UpstreamError(502, "backend_error", f"backend error {response.status_code}: {message}")
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        body: Any = json.loads(raw)
+    except ValueError:
+        return raw[:500].decode("utf-8", "replace").strip()
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", ""))
+    if isinstance(body, dict) and "message" in body:
+        return str(body["message"])
+    return str(error or "")

@@ -1,0 +1,485 @@
+"""One vLLM V1 engine: continuous batching with chunked prefill over a paged KV cache.
+
+`EngineCore` is pure bookkeeping (no SimPy, no clock): `schedule()` plans the next step and
+returns its duration, `complete(now)` applies it. It follows vLLM V1's scheduler:
+
+1. running requests first, in admission order: each decode takes one token of the step budget
+   (`max_num_batched_tokens`), each unfinished prefill the next chunk of what is left;
+2. when their KV blocks do not fit, preempt from the tail of the running list (FCFS) or the
+   worst `(priority, arrival)` (priority scheduling) until they do; a preempted request loses
+   its KV and is put back at the head of the waiting queue to be recomputed (vLLM V1), or is
+   swapped to host memory over PCIe when `preemption="swap"`;
+3. if nothing was preempted, admit waiting requests while the budget, `max_num_seqs` and free
+   blocks allow, the last one possibly with a partial chunk.
+
+The hot path is O(1) per step in the number of decoding requests: decoders are kept in
+aggregate. A decoder's computed-token count is `c = k + step`, so it needs a new block exactly
+when `(k + step) % block_size == 0`; counting decoders by `k % block_size` gives the number of
+new blocks a step needs in one lookup, and a heap keyed by finishing step gives completions.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from llmflow.sim.costmodel import StepCost
+
+__all__ = ["EngineConfig", "EngineCore", "EngineError", "Seq", "SeqOwner"]
+
+WAITING, PREFILL, DECODE, SWAPPED, DONE = range(5)
+STATE_NAMES = ("waiting", "prefill", "decode", "swapped", "done")
+
+
+class EngineError(ValueError):
+    """A request the engine refuses, as vLLM answers 400 (too long for `max_model_len`)."""
+
+
+class SeqOwner(Protocol):
+    """Who hears about a sequence's first token and end (a client attempt, a test log)."""
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        """The first output token was sampled at `now`."""
+
+    def on_finished(self, seq: Seq, now: float) -> None:
+        """The sequence ended at `now`; `seq.finish_reason` says why."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM launch flags the model needs (names as vLLM's CLI)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    max_model_len: int = 8192
+    num_gpu_blocks: int | None = None  # None: derived from GPU memory by the cost model
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_blocks: int = 0  # host blocks for swap preemption (vLLM --swap-space)
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
+
+
+class Seq:
+    """One request inside the engine.
+
+    Args:
+        rid: request id (unique among live sequences of this engine).
+        prompt: prompt tokens.
+        max_tokens: the request's cap on output tokens.
+        eos_at: output tokens after which the model emits EOS (`None`: never, as `ignore_eos`).
+        priority: vLLM priority (lower runs first; used by priority scheduling only).
+        owner: notified of the first token and the end.
+        stop_after: the client disconnects after this many tokens (`None`: never).
+    """
+
+    __slots__ = (
+        "arrival", "blocks", "computed", "epoch", "finish_reason", "gen", "k", "max_tokens",
+        "num_tokens", "order", "owner", "preemptions", "priority", "prompt", "rid", "state",
+        "stop", "stop_reason", "t_end", "t_first", "t_sched",
+    )
+
+    def __init__(
+        self, rid: int, prompt: int, max_tokens: int, eos_at: int | None = None,
+        priority: int = 0, owner: SeqOwner | None = None, stop_after: int | None = None,
+    ):
+        self.rid, self.prompt, self.max_tokens, self.priority = rid, prompt, max_tokens, priority
+        self.owner = owner
+        self.stop, self.stop_reason = max_tokens, "length"
+        if eos_at is not None and eos_at < self.stop:
+            self.stop, self.stop_reason = max(1, eos_at), "stop"
+        if stop_after is not None and stop_after < self.stop:
+            self.stop, self.stop_reason = max(1, stop_after), "abort"
+        self.state, self.gen, self.computed, self.blocks, self.k = WAITING, 0, 0, 0, 0
+        self.num_tokens = prompt
+        self.arrival = self.t_sched = self.t_first = self.t_end = -1.0
+        self.order = self.epoch = self.preemptions = 0
+        self.finish_reason = ""
+
+
+class EngineCore:
+    """Scheduler state of one vLLM instance; see the module docstring.
+
+    Args:
+        config: launch flags.
+        cost: step-time model (gives the KV capacity when `config.num_gpu_blocks` is None).
+
+    Raises:
+        EngineError: `max_model_len` does not fit in the KV cache, or inconsistent flags.
+    """
+
+    def __init__(self, config: EngineConfig, cost: StepCost):
+        self.config, self.cost = config, cost
+        self.block_size = bs = config.block_size
+        self.num_blocks = config.num_gpu_blocks or cost.kv_blocks(bs)
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise EngineError("max_num_batched_tokens must be >= max_num_seqs (as vLLM checks)")
+        if self.num_blocks * bs < config.max_model_len:
+            raise EngineError(
+                f"max_model_len {config.max_model_len} needs {-(-config.max_model_len // bs)} "
+                f"KV blocks but only {self.num_blocks} fit; lower max_model_len"
+            )
+        self._priority = config.scheduling_policy == "priority"
+        self._swap = config.preemption_mode == "swap"
+        self._thr = config.long_prefill_token_threshold
+        self.step = 0  # engine steps completed
+        self.used = 0  # GPU blocks held
+        self.cpu_used = 0  # host blocks held by swapped sequences
+        self.running: dict[int, Seq] = {}  # admission order: the tail is preempted first
+        self.prefilling: dict[int, Seq] = {}
+        self.waiting_fifo: deque[Seq] = deque()
+        self.waiting_heap: list[tuple[int, float, int, Seq]] = []
+        self.swapped: deque[Seq] = deque()
+        self.n_waiting = 0
+        self.n_swapped = 0
+        self.n_dec = 0
+        self._cnt = [0] * bs  # decoders by k % block_size
+        self._sumk = 0  # sum of k over decoders: their total context is sumk + n_dec * step
+        self._heap: list[tuple[int, int, int, Seq]] = []  # (finish step, order, epoch, seq)
+        self._chunks: list[tuple[Seq, int, int]] = []  # (seq, tokens, new blocks) of this step
+        self._aborts: list[Seq] = []
+        self.in_step = False
+        self._order = 0
+        self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.peak_used = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add(self, seq: Seq, now: float) -> None:
+        """Queue a new request (vLLM's `add_request`).
+
+        Raises:
+            EngineError: prompt plus `max_tokens` exceed `max_model_len`, or an empty prompt.
+        """
+        limit = self.config.max_model_len
+        if seq.prompt < 1 or seq.max_tokens < 1:
+            raise EngineError("prompt and max_tokens must be at least 1 token")
+        if seq.prompt + seq.max_tokens > limit:
+            raise EngineError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{seq.prompt + seq.max_tokens} tokens ({seq.prompt} in the messages, "
+                f"{seq.max_tokens} in the completion)."
+            )
+        self._order += 1
+        seq.order, seq.arrival, seq.state = self._order, now, WAITING
+        self._push_waiting(seq, front=False)
+
+    def abort(self, seq: Seq, now: float, reason: str = "abort") -> bool:
+        """Abort a live request (client disconnect). Mid-step aborts apply after the step.
+
+        Returns:
+            False when the sequence had already ended.
+        """
+        if seq.state == DONE:
+            return False
+        seq.finish_reason = reason
+        if self.in_step:
+            self._aborts.append(seq)
+        else:
+            self._remove(seq, now)
+        return True
+
+    def generated(self, seq: Seq) -> int:
+        """Output tokens the sequence has produced so far."""
+        if seq.state == DECODE:
+            return seq.k + self.step - seq.prompt + 1
+        return seq.gen
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch (vLLM's `num_requests_running`)."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting, swapped ones included (vLLM's `num_requests_waiting`)."""
+        return self.n_waiting + self.n_swapped
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of GPU KV blocks in use (vLLM's `kv_cache_usage_perc`, 0..1)."""
+        return self.used / self.num_blocks
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or swapped."""
+        return not self.running and not self.n_waiting and not self.n_swapped
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> float | None:
+        """Plan the next step and allocate its KV blocks.
+
+        Returns:
+            The step's duration in seconds, or None when there is nothing to run.
+        """
+        s, bs = self.step, self.block_size
+        chunks = self._chunks
+        chunks.clear()
+        budget = self.config.max_num_batched_tokens - self.n_dec
+        need = self._cnt[-s % bs] if self.n_dec else 0
+        for seq in self.prefilling.values():
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.computed, budget)
+            if self._thr:
+                n = min(n, self._thr)
+            nb = -(-(seq.computed + n) // bs) - seq.blocks
+            chunks.append((seq, n, nb))
+            need += nb
+            budget -= n
+        swap_bytes = 0.0
+        if need > self.num_blocks - self.used:
+            need, swap_bytes = self._preempt(need)
+        else:
+            if self.n_swapped:
+                need, budget, swap_bytes = self._swap_in(need, budget)
+            if self.n_waiting:
+                need = self._admit(need, budget)
+        if not chunks and not self.n_dec:
+            return None
+        self.used += need
+        if self.used > self.peak_used:
+            self.peak_used = self.used
+        self.in_step = True
+        p_tok = p_attn = p_ctx = 0
+        for seq, n, _ in chunks:
+            o = seq.computed
+            p_tok += n
+            p_attn += n * (2 * o + n)
+            p_ctx += o + n
+        d = self.n_dec
+        return self.cost.step_time(d, self._sumk + d * s, p_tok, p_attn, p_ctx, swap_bytes)
+
+    def complete(self, now: float) -> tuple[list[Seq], list[Seq]]:
+        """Apply the planned step at `now` (its end).
+
+        Returns:
+            (sequences whose first token came out, sequences that ended), in engine order.
+        """
+        s = self.step
+        first: list[Seq] = []
+        ended: list[Seq] = []
+        self.generation_tokens_total += self.n_dec
+        for seq, n, nb in self._chunks:
+            seq.computed += n
+            seq.blocks += nb
+            if seq.computed < seq.num_tokens:
+                continue
+            del self.prefilling[seq.rid]
+            seq.gen += 1
+            self.generation_tokens_total += 1
+            if seq.t_first < 0:
+                seq.t_first = now
+                self.prompt_tokens_total += seq.prompt
+                first.append(seq)
+            if seq.gen >= seq.stop:
+                seq.finish_reason = seq.stop_reason
+                self._free_running(seq, now, seq.blocks)
+                ended.append(seq)
+            else:
+                self._to_decode(seq, seq.computed, s + 1)
+        self._chunks.clear()
+        self.step = s = s + 1
+        heap = self._heap
+        while heap and heap[0][0] < s:
+            _, _, epoch, seq = heapq.heappop(heap)
+            if seq.state != DECODE or seq.epoch != epoch:
+                continue
+            self._leave_decode(seq)
+            seq.gen = seq.stop
+            seq.finish_reason = seq.stop_reason
+            self._free_running(seq, now, -(-(seq.k + s) // self.block_size))
+            ended.append(seq)
+        self.in_step = False
+        if self._aborts:
+            for seq in self._aborts:
+                if seq.state != DONE:
+                    self._remove(seq, now)
+                    ended.append(seq)
+            self._aborts.clear()
+        return first, ended
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _push_waiting(self, seq: Seq, front: bool) -> None:
+        seq.state = WAITING
+        self.n_waiting += 1
+        if self._priority:
+            heapq.heappush(self.waiting_heap, (seq.priority, seq.arrival, seq.order, seq))
+        elif front:
+            self.waiting_fifo.appendleft(seq)
+        else:
+            self.waiting_fifo.append(seq)
+
+    def _peek_waiting(self) -> Seq:
+        if self._priority:
+            heap = self.waiting_heap
+            while heap[0][3].state != WAITING:
+                heapq.heappop(heap)
+            return heap[0][3]
+        fifo = self.waiting_fifo
+        while fifo[0].state != WAITING:
+            fifo.popleft()
+        return fifo[0]
+
+    def _pop_waiting(self) -> None:
+        self.n_waiting -= 1
+        if self._priority:
+            heapq.heappop(self.waiting_heap)
+        else:
+            self.waiting_fifo.popleft()
+
+    def _admit(self, need: int, budget: int) -> int:
+        bs, cap, free = self.block_size, self.config.max_num_seqs, self.num_blocks - self.used
+        while self.n_waiting and budget > 0 and len(self.running) < cap:
+            seq = self._peek_waiting()
+            n = min(seq.num_tokens, budget)
+            if self._thr:
+                n = min(n, self._thr)
+            nb = -(-n // bs)
+            if need + nb > free:
+                break
+            self._pop_waiting()
+            seq.state, seq.computed, seq.blocks = PREFILL, 0, 0
+            if seq.t_sched < 0:
+                seq.t_sched = float(self.step)  # replaced by the wrapper with the time
+            self.running[seq.rid] = seq
+            self.prefilling[seq.rid] = seq
+            self._chunks.append((seq, n, nb))
+            need += nb
+            budget -= n
+        return need
+
+    def _swap_in(self, need: int, budget: int) -> tuple[int, int, float]:
+        bs, moved = self.block_size, 0
+        while self.n_swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if seq.state != SWAPPED:
+                self.swapped.popleft()
+                continue
+            held = seq.blocks
+            extra = 0
+            if seq.computed >= seq.num_tokens and seq.computed % bs == 0:
+                extra = 1  # the decode it joins in this step opens a new block
+            if need + held + extra > self.num_blocks - self.used or budget < 1:
+                break
+            self.swapped.popleft()
+            self.n_swapped -= 1
+            self.cpu_used -= held
+            moved += held
+            need += held + extra
+            self.running[seq.rid] = seq
+            if seq.computed >= seq.num_tokens:
+                budget -= 1
+                self._to_decode(seq, seq.computed, self.step)
+            else:
+                seq.state = PREFILL
+                self.prefilling[seq.rid] = seq
+        return need, budget, moved * bs * self.cost.kv_bytes_per_token
+
+    def _preempt(self, need: int) -> tuple[int, float]:
+        s, bs = self.step, self.block_size
+        swapped_out = 0
+        while need > self.num_blocks - self.used and self.running:
+            victim = self._victim()
+            if victim.state == DECODE:
+                if (victim.k + s) % bs == 0:
+                    need -= 1
+                held = -(-(victim.k + s) // bs)
+                victim.computed = victim.k + s
+                victim.gen = victim.computed - victim.prompt + 1
+                self._leave_decode(victim)
+            else:
+                for i, (seq, _, nb) in enumerate(self._chunks):
+                    if seq is victim:
+                        need -= nb
+                        del self._chunks[i]
+                        break
+                held = victim.blocks
+                del self.prefilling[victim.rid]
+            del self.running[victim.rid]
+            self.used -= held
+            victim.preemptions += 1
+            self.num_preemptions += 1
+            if self._swap and self.cpu_used + held <= self.config.swap_space_blocks:
+                victim.state, victim.blocks = SWAPPED, held
+                victim.num_tokens = victim.prompt + victim.gen
+                self.cpu_used += held
+                self.swapped.append(victim)
+                self.n_swapped += 1
+                swapped_out += held
+            else:
+                victim.computed = victim.blocks = 0
+                victim.num_tokens = victim.prompt + victim.gen
+                self._push_waiting(victim, front=True)
+        return need, swapped_out * bs * self.cost.kv_bytes_per_token
+
+    def _victim(self) -> Seq:
+        if self._priority:
+            return max(self.running.values(), key=lambda q: (q.priority, q.arrival, q.order))
+        return self.running[next(reversed(self.running))]
+
+    def _to_decode(self, seq: Seq, computed: int, step: int) -> None:
+        seq.state = DECODE
+        seq.k = k = computed - step
+        self._cnt[k % self.block_size] += 1
+        self._sumk += k
+        self.n_dec += 1
+        # finishes at the end of the step in which its computed count is prompt + stop - 2
+        heapq.heappush(self._heap, (seq.prompt + seq.stop - 2 - k, seq.order, seq.epoch, seq))
+
+    def _leave_decode(self, seq: Seq) -> None:
+        self._cnt[seq.k % self.block_size] -= 1
+        self._sumk -= seq.k
+        self.n_dec -= 1
+        seq.epoch += 1
+
+    def _free_running(self, seq: Seq, now: float, blocks: int) -> None:
+        del self.running[seq.rid]
+        self.used -= blocks
+        seq.state, seq.blocks, seq.t_end = DONE, 0, now
+
+    def _remove(self, seq: Seq, now: float) -> None:
+        state = seq.state
+        if state == WAITING:
+            self.n_waiting -= 1
+        elif state == SWAPPED:
+            self.n_swapped -= 1
+            self.cpu_used -= seq.blocks
+        elif state == PREFILL:
+            del self.prefilling[seq.rid]
+            del self.running[seq.rid]
+            self.used -= seq.blocks
+        elif state == DECODE:
+            seq.gen = self.generated(seq)
+            self._leave_decode(seq)
+            del self.running[seq.rid]
+            self.used -= -(-(seq.k + self.step) // self.block_size)
+        seq.state, seq.blocks, seq.t_end = DONE, 0, now
+
+    def check(self) -> dict[str, Any]:
+        """Recount every invariant from scratch (slow; tests only).
+
+        Raises:
+            AssertionError: a counter disagrees with the sequences it summarises.
+        """
+        bs, s = self.block_size, self.step
+        held = sum(
+            -(-(q.k + s) // bs) if q.state == DECODE else q.blocks for q in self.running.values()
+        )
+        assert held == self.used, (held, self.used)
+        assert 0 <= self.used <= self.num_blocks, (self.used, self.num_blocks)
+        decs = [q for q in self.running.values() if q.state == DECODE]
+        assert len(decs) == self.n_dec
+        assert sum(q.k for q in decs) == self._sumk
+        assert len(self.running) <= self.config.max_num_seqs
+        live_wait = {id(q) for q in (*self.waiting_fifo, *(e[3] for e in self.waiting_heap))
+                     if q.state == WAITING}
+        assert len(live_wait) == self.n_waiting, (len(live_wait), self.n_waiting)
+        return {"used": self.used, "running": len(self.running), "waiting": self.n_waiting}

@@ -1,0 +1,567 @@
+//! The governor: admission control, queueing, shedding and deadlines for a set of backends.
+//!
+//! Every call takes `now_us`; nothing here reads a clock, so the simulator and the gateway
+//! drive the very same decisions, and a replay of the same events gives the same answers.
+//!
+//! Life of a request: `submit` admits it onto a backend, queues it, or rejects it with a reason
+//! and a Retry-After. `dispatch` moves queued requests onto freed slots in fair order. Token
+//! observations grow its KV footprint and its tenant's fair-share counter. `finish` (or
+//! `expire`) ends it exactly once and frees its slot, queue entry and KV blocks.
+
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashMap;
+
+use crate::backend::{BackendState, Observation, EWMA_ALPHA};
+use crate::config::{PolicyConfig, TierConfig};
+use crate::error::{PolicyError, PolicyResult};
+use crate::fair_queue::{FairQueue, QueuedItem};
+use crate::kv::KvLedger;
+use crate::types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};
+
+/// Mean service time assumed until the first completion is measured; it only shapes the
+/// first Retry-After and queue-wait estimates.
+const PRIOR_SERVICE_S: f64 = 10.0;
+/// Highest preemption-breaker level; each level halves what non-protected tiers may use.
+const MAX_SHED_LEVEL: u8 = 3;
+/// Retry-After bounds: never zero (clients would hammer), never beyond an hour.
+const RETRY_AFTER_RANGE: (f64, f64) = (0.05, 3600.0);
+/// Context tokens per extra unit of output cost: with `kv_weight` 1 a token generated on a
+/// 4k context costs 4 more than one on an empty context, since it holds 4x the KV.
+const KV_COST_TOKENS: f64 = 1024.0;
+
+#[derive(Debug, Clone)]
+pub(crate) struct Running {
+    pub backend: u32,
+    admitted_us: u64,
+    pub first_token: bool,
+    /// Prefill work on the backend when admitted (its own prompt included): divided by the
+    /// time to first token it measures the backend's prefill throughput.
+    prefill_ahead: u64,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    pub tenant: u32,
+    pub tier: usize,
+    pub prompt: u64,
+    pub generated: u64,
+    pub priority: i64,
+    pub submitted_us: u64,
+    pub running: Option<Running>,
+    deadlines: [Option<u64>; 3],
+}
+
+/// Counts by decision, reason and outcome, for metrics.
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    pub admitted: u64,
+    pub queued: u64,
+    pub dispatched: u64,
+    pub rejected: [u64; 7],
+    pub finished: [u64; 4],
+    pub expired: [u64; 3],
+}
+
+#[derive(Debug, Clone)]
+pub struct Governor {
+    pub(crate) config: PolicyConfig,
+    tenant_index: FxHashMap<String, u32>,
+    pub(crate) tenant_tier: Vec<usize>,
+    pub(crate) requests: FxHashMap<u64, Request>,
+    pub(crate) queue: FairQueue,
+    pub(crate) ledger: KvLedger,
+    pub(crate) backends: Vec<BackendState>,
+    deadlines: BTreeSet<(u64, u64, ExpiryReason)>,
+    pub(crate) shed_level: u8,
+    breaker_until_us: u64,
+    service_s: Option<f64>,
+    pub(crate) draining: bool,
+    pub(crate) counters: Counters,
+}
+
+fn us(ms: Option<f64>) -> Option<u64> {
+    ms.map(|v| (v * 1000.0).round() as u64)
+}
+
+impl Governor {
+    pub fn new(config: PolicyConfig) -> PolicyResult<Self> {
+        config.validate()?;
+        let tier_of = |name: &str| config.tiers.iter().position(|t| t.name == name);
+        let tenant_tier: Vec<usize> =
+            config.tenants.iter().map(|t| tier_of(&t.tier).unwrap_or(0)).collect();
+        let weights: Vec<(usize, f64)> =
+            config.tenants.iter().zip(&tenant_tier).map(|(t, &tier)| (tier, t.weight)).collect();
+        let tiers = config.tiers.len();
+        let backends = config
+            .backends
+            .iter()
+            .map(|b| {
+                BackendState::new(b, config.max_concurrency_per_gpu, tiers, config.prefill_tokens_per_s)
+            })
+            .collect();
+        Ok(Self {
+            tenant_index: config.tenants.iter().enumerate().map(|(i, t)| (t.name.clone(), i as u32)).collect(),
+            queue: FairQueue::new(config.strategy, tiers, &weights),
+            ledger: KvLedger::new(config.block_size, config.tenants.len(), config.backends.len()),
+            tenant_tier,
+            requests: FxHashMap::default(),
+            backends,
+            deadlines: BTreeSet::new(),
+            shed_level: 0,
+            breaker_until_us: 0,
+            service_s: None,
+            draining: false,
+            counters: Counters::default(),
+            config,
+        })
+    }
+
+    pub fn from_json(text: &str) -> PolicyResult<Self> {
+        Self::new(PolicyConfig::from_json(text)?)
+    }
+
+    // ---- queries -------------------------------------------------------------------------
+
+    pub fn running(&self) -> u32 {
+        self.backends.iter().map(|b| b.running).sum()
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn live(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_live(&self, id: u64) -> bool {
+        self.requests.contains_key(&id)
+    }
+
+    pub fn tenant_id(&self, name: &str) -> PolicyResult<u32> {
+        self.tenant_index.get(name).copied().ok_or_else(|| PolicyError::UnknownTenant(name.into()))
+    }
+
+    pub fn backend_id(&self, name: &str) -> PolicyResult<u32> {
+        self.backends
+            .iter()
+            .position(|b| b.name == name)
+            .map(|i| i as u32)
+            .ok_or_else(|| PolicyError::UnknownBackend(name.into()))
+    }
+
+    pub fn backend_name(&self, backend: u32) -> &str {
+        &self.backends[backend as usize].name
+    }
+
+    pub fn tier_name(&self, tier: usize) -> &str {
+        &self.config.tiers[tier].name
+    }
+
+    /// Earliest pending deadline, so callers know when to call `expire` next.
+    pub fn next_deadline_us(&self) -> Option<u64> {
+        self.deadlines.first().map(|&(at, _, _)| at)
+    }
+
+    /// Weighted tokens charged to a tenant so far.
+    pub fn tenant_service(&self, tenant: u32) -> f64 {
+        self.queue.service(tenant)
+    }
+
+    /// Requests per second the backends drain when saturated: slots / mean service time.
+    pub fn drain_rate(&self) -> f64 {
+        let slots: u32 = self.backends.iter().filter(|b| b.healthy).map(|b| b.cap).sum();
+        f64::from(slots.max(1)) / self.service_s.unwrap_or(PRIOR_SERVICE_S)
+    }
+
+    pub(crate) fn stale_after_us(&self) -> Option<u64> {
+        us(self.config.stale_after_ms)
+    }
+
+    pub(crate) fn backend_kv_usage(&self, b: usize, now_us: u64) -> f64 {
+        let backend = &self.backends[b];
+        let stale = backend.is_stale(now_us, self.stale_after_us());
+        backend.kv_usage(self.ledger.backend_blocks(b as u32), stale)
+    }
+
+    // ---- the request lifecycle ---------------------------------------------------------------
+
+    /// Decide on a new request: admit it now, queue it, or reject it.
+    pub fn submit(
+        &mut self,
+        id: u64,
+        tenant: u32,
+        prompt: u64,
+        max_tokens: u64,
+        now_us: u64,
+    ) -> PolicyResult<Decision> {
+        if self.requests.contains_key(&id) {
+            return Err(PolicyError::DuplicateRequest(id));
+        }
+        let tier_idx = *self
+            .tenant_tier
+            .get(tenant as usize)
+            .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
+        self.tick(now_us);
+        let decision = self.decide(tier_idx, prompt, max_tokens, now_us);
+        match decision {
+            Decision::Rejected { reason, .. } => {
+                self.counters.rejected[reason as usize] += 1;
+            }
+            Decision::Admitted { backend, priority } => {
+                self.insert(id, tenant, tier_idx, prompt, priority, now_us);
+                self.start(id, backend, now_us);
+                self.counters.admitted += 1;
+            }
+            Decision::Queued { priority, .. } => {
+                self.insert(id, tenant, tier_idx, prompt, priority, now_us);
+                self.queue.push(tenant, QueuedItem { id, prompt_tokens: prompt });
+                if let Some(ms) = us(self.config.queue_timeout_ms) {
+                    self.set_deadline(id, ExpiryReason::QueueTimeout, now_us + ms);
+                }
+                self.counters.queued += 1;
+            }
+        }
+        Ok(decision)
+    }
+
+    fn decide(&self, tier_idx: usize, prompt: u64, max_tokens: u64, now_us: u64) -> Decision {
+        let tier = &self.config.tiers[tier_idx];
+        let reject = |reason, retry: f64| Decision::Rejected {
+            reason,
+            retry_after_s: retry.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
+        };
+        let drain = self.drain_rate();
+        if self.draining {
+            return reject(RejectReason::Draining, f64::from(self.running() + 1) / drain);
+        }
+        if !self.backends.iter().any(|b| b.healthy) {
+            let wait = self.stale_after_us().map_or(PRIOR_SERVICE_S, |u| u as f64 / 1e6);
+            return reject(RejectReason::NoHealthyBackend, wait);
+        }
+        if !tier.protected {
+            if let Some(retry) = self.kv_pressure_retry(now_us, drain) {
+                return reject(RejectReason::KvPressure, retry);
+            }
+        }
+        let priority = self.priority(tier_idx, prompt + max_tokens);
+        let ahead: usize = (0..=tier_idx).map(|t| self.queue.tier_len(t)).sum();
+        let sla_excess = if tier.protected { None } else { self.sla_excess(tier_idx, prompt) };
+        if ahead == 0 {
+            if let Some(backend) = self.pick_backend(tier_idx, now_us) {
+                if let Some(excess) = sla_excess {
+                    return reject(RejectReason::TtftSla, excess);
+                }
+                return Decision::Admitted { backend, priority };
+            }
+        }
+        let queued = self.queue.len();
+        let max_waiting = self.config.max_waiting as usize;
+        let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / drain;
+        if queued >= max_waiting {
+            return reject(RejectReason::QueueFull, over(max_waiting));
+        }
+        let tier_limit = (tier.shed_at * max_waiting as f64).floor() as usize;
+        if queued >= tier_limit {
+            return reject(RejectReason::TierShed, over(tier_limit));
+        }
+        if !tier.protected && self.shed_level > 0 {
+            let scale = 0.5_f64.powi(i32::from(self.shed_level));
+            let limit = (tier.shed_at * scale * max_waiting as f64).floor() as usize;
+            if queued >= limit {
+                let cooldown = self.breaker_until_us.saturating_sub(now_us) as f64 / 1e6;
+                return reject(RejectReason::PreemptionBreaker, cooldown.max(over(limit)));
+            }
+        }
+        if let Some(excess) = sla_excess {
+            return reject(RejectReason::TtftSla, excess);
+        }
+        Decision::Queued { position: ahead as u32, estimated_wait_s: (ahead + 1) as f64 / drain, priority }
+    }
+
+    /// The time for enough running work to finish that KV usage falls below the threshold, when
+    /// every healthy backend is above it.
+    fn kv_pressure_retry(&self, now_us: u64, drain: f64) -> Option<f64> {
+        let threshold = self.config.kv_pressure_threshold?;
+        let mut lowest = f64::INFINITY;
+        for (i, b) in self.backends.iter().enumerate().filter(|(_, b)| b.healthy) {
+            lowest = lowest.min(self.backend_kv_usage(i, now_us));
+            let _ = b;
+        }
+        if lowest <= threshold {
+            return None;
+        }
+        let running = f64::from(self.running().max(1));
+        let must_finish = (running * (lowest - threshold) / lowest).ceil().max(1.0);
+        Some(must_finish / drain)
+    }
+
+    /// Seconds by which the prefill work ahead of a new request overshoots the TTFT SLA.
+    fn sla_excess(&self, tier_idx: usize, prompt: u64) -> Option<f64> {
+        let sla_s = self.config.ttft_sla_ms? / 1000.0;
+        let queued: u64 = (0..=tier_idx).map(|t| self.queue.tier_prompt_tokens(t)).sum();
+        let healthy = self.backends.iter().filter(|b| b.healthy);
+        let (pending, tps) = healthy.fold((0, 0.0), |(p, r), b| (p + b.prefill_pending, r + b.prefill_tps));
+        let estimate = (queued + pending + prompt) as f64 / tps;
+        (estimate > sla_s).then_some(estimate - sla_s)
+    }
+
+    /// vLLM priority (lower runs first): the tier in the thousands, then the request's KV
+    /// footprint, so long requests lose priority to short ones of the same tier.
+    fn priority(&self, tier_idx: usize, tokens: u64) -> i64 {
+        let blocks = self.ledger.blocks_for(tokens) as f64;
+        let kv_rank = (blocks * self.config.kv_weight / 8.0).min(999.0) as i64;
+        tier_idx as i64 * 1000 + kv_rank
+    }
+
+    /// Slots a tier may hold on a backend now. Stale metrics halve everything (we are flying
+    /// blind); the preemption breaker halves non-protected tiers per level; `max_share` caps
+    /// a tier's own use.
+    fn limits(&self, b: usize, tier: &TierConfig, now_us: u64) -> (u32, u32) {
+        let backend = &self.backends[b];
+        let mut total = backend.cap;
+        if backend.is_stale(now_us, self.stale_after_us()) {
+            total = (total / 2).max(1);
+        }
+        if !tier.protected {
+            total = (total >> self.shed_level).max(1);
+        }
+        let share = ((f64::from(backend.cap) * tier.max_share).floor() as u32).max(1);
+        (total, share.min(total))
+    }
+
+    /// The healthy backend with the most free slots for this tier, or none.
+    fn pick_backend(&self, tier_idx: usize, now_us: u64) -> Option<u32> {
+        let tier = &self.config.tiers[tier_idx];
+        let mut best: Option<(u32, u32)> = None;
+        for (i, b) in self.backends.iter().enumerate() {
+            if !b.healthy {
+                continue;
+            }
+            let (total, share) = self.limits(i, tier, now_us);
+            if b.running >= total || b.running_by_tier[tier_idx] >= share {
+                continue;
+            }
+            if !tier.protected
+                && self.config.kv_pressure_threshold.is_some_and(|t| self.backend_kv_usage(i, now_us) > t)
+            {
+                continue;
+            }
+            let headroom = total - b.running;
+            if best.is_none_or(|(h, _)| headroom > h) {
+                best = Some((headroom, i as u32));
+            }
+        }
+        best.map(|(_, i)| i)
+    }
+
+    /// Move queued requests onto free slots: tiers in strict order, tenants fairly within.
+    pub fn dispatch(&mut self, now_us: u64) -> Vec<Admission> {
+        self.tick(now_us);
+        let mut admitted = Vec::new();
+        for tier_idx in 0..self.config.tiers.len() {
+            while self.queue.tier_len(tier_idx) > 0 {
+                let Some(backend) = self.pick_backend(tier_idx, now_us) else { break };
+                let Some((_, item)) = self.queue.pop(tier_idx) else { break };
+                let req = &self.requests[&item.id];
+                let (priority, waited) = (req.priority, now_us.saturating_sub(req.submitted_us));
+                self.clear_deadline(item.id, ExpiryReason::QueueTimeout);
+                self.start(item.id, backend, now_us);
+                self.counters.dispatched += 1;
+                admitted.push(Admission { request_id: item.id, backend, priority, queue_wait_us: waited });
+            }
+        }
+        admitted
+    }
+
+    fn insert(&mut self, id: u64, tenant: u32, tier: usize, prompt: u64, priority: i64, now_us: u64) {
+        let request = Request {
+            tenant,
+            tier,
+            prompt,
+            generated: 0,
+            priority,
+            submitted_us: now_us,
+            running: None,
+            deadlines: [None; 3],
+        };
+        self.requests.insert(id, request);
+        if let Some(ms) = us(self.config.request_timeout_ms) {
+            self.set_deadline(id, ExpiryReason::Deadline, now_us + ms);
+        }
+    }
+
+    /// Give a request its slot: count it on the backend, open its KV entry, charge its prompt.
+    fn start(&mut self, id: u64, backend: u32, now_us: u64) {
+        let b = &mut self.backends[backend as usize];
+        let req = self.requests.get_mut(&id).expect("start: request is live");
+        b.running += 1;
+        b.running_by_tier[req.tier] += 1;
+        b.prefill_pending += req.prompt;
+        req.running = Some(Running {
+            backend,
+            admitted_us: now_us,
+            first_token: false,
+            prefill_ahead: b.prefill_pending,
+        });
+        let (tenant, prompt) = (req.tenant, req.prompt);
+        self.ledger.open(id, tenant, backend, prompt, now_us);
+        self.queue.charge(tenant, self.config.input_token_weight * prompt as f64);
+        if let Some(ms) = us(self.config.first_token_timeout_ms) {
+            self.set_deadline(id, ExpiryReason::FirstTokenTimeout, now_us + ms);
+        }
+    }
+
+    /// Record a running request's first token. Returns false if it is not running.
+    pub fn on_first_token(&mut self, id: u64, now_us: u64) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else { return false };
+        let Some(run) = req.running.as_mut() else { return false };
+        if run.first_token {
+            return true;
+        }
+        run.first_token = true;
+        let b = &mut self.backends[run.backend as usize];
+        b.prefill_pending -= req.prompt;
+        b.record_prefill(run.prefill_ahead, now_us.saturating_sub(run.admitted_us));
+        self.clear_deadline(id, ExpiryReason::FirstTokenTimeout);
+        true
+    }
+
+    /// Record `n` more generated tokens (the first ones also count as the first token).
+    pub fn on_tokens(&mut self, id: u64, n: u64, now_us: u64) -> bool {
+        if n == 0 || !self.on_first_token(id, now_us) {
+            return n == 0 && self.requests.get(&id).is_some_and(|r| r.running.is_some());
+        }
+        let req = self.requests.get_mut(&id).expect("on_tokens: checked above");
+        req.generated += n;
+        let context = (req.prompt + req.generated) as f64;
+        let tenant = req.tenant;
+        self.ledger.grow(id, n, now_us);
+        let per_token = self.config.output_token_weight + self.config.kv_weight * context / KV_COST_TOKENS;
+        self.queue.charge(tenant, per_token * n as f64);
+        true
+    }
+
+    /// End a live request and free everything it held. Returns false if it was not live.
+    pub fn finish(&mut self, id: u64, outcome: Outcome, now_us: u64) -> bool {
+        let Some(req) = self.requests.remove(&id) else { return false };
+        for (slot, at) in req.deadlines.iter().enumerate() {
+            if let Some(at) = at {
+                self.deadlines.remove(&(*at, id, ExpiryReason::ALL[slot]));
+            }
+        }
+        match req.running {
+            None => {
+                self.queue.remove(id);
+            }
+            Some(run) => {
+                let b = &mut self.backends[run.backend as usize];
+                b.running -= 1;
+                b.running_by_tier[req.tier] -= 1;
+                if !run.first_token {
+                    b.prefill_pending -= req.prompt;
+                }
+                self.ledger.close(id, now_us);
+                if outcome == Outcome::Completed {
+                    let took = now_us.saturating_sub(run.admitted_us) as f64 / 1e6;
+                    let smoothed = self.service_s.map_or(took, |s| s + EWMA_ALPHA * (took - s));
+                    self.service_s = Some(smoothed.max(1e-3));
+                }
+            }
+        }
+        self.counters.finished[outcome as usize] += 1;
+        true
+    }
+
+    /// End every request whose deadline has passed, reporting which and why.
+    pub fn expire(&mut self, now_us: u64) -> Vec<Expired> {
+        let mut expired = Vec::new();
+        while let Some(&(at, id, reason)) = self.deadlines.first() {
+            if at > now_us {
+                break;
+            }
+            let backend = self.requests[&id].running.as_ref().map(|r| r.backend);
+            self.finish(id, Outcome::Timeout, now_us);
+            self.counters.expired[reason as usize] += 1;
+            expired.push(Expired { request_id: id, reason, was_running: backend.is_some(), backend });
+        }
+        expired
+    }
+
+    fn set_deadline(&mut self, id: u64, reason: ExpiryReason, at: u64) {
+        self.deadlines.insert((at, id, reason));
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.deadlines[reason as usize] = Some(at);
+        }
+    }
+
+    fn clear_deadline(&mut self, id: u64, reason: ExpiryReason) {
+        if let Some(req) = self.requests.get_mut(&id) {
+            if let Some(at) = req.deadlines[reason as usize].take() {
+                self.deadlines.remove(&(at, id, reason));
+            }
+        }
+    }
+
+    // ---- backend observations ---------------------------------------------------------------
+
+    /// Feed a scrape of a backend's metrics. A rising preemption counter trips the breaker.
+    pub fn observe_backend(
+        &mut self,
+        backend: u32,
+        now_us: u64,
+        kv_usage: Option<f64>,
+        running: Option<u64>,
+        waiting: Option<u64>,
+        preemptions_total: Option<u64>,
+    ) -> PolicyResult<()> {
+        if let Some(v) = kv_usage {
+            if !(0.0..=1.0 + 1e-9).contains(&v) {
+                return Err(PolicyError::invalid(format!("kv_usage must be in 0..1, got {v}")));
+            }
+        }
+        let b = self
+            .backends
+            .get_mut(backend as usize)
+            .ok_or_else(|| PolicyError::UnknownBackend(backend.to_string()))?;
+        b.observed = Some(Observation { kv_usage, running, waiting, at_us: now_us });
+        let mut tripped = false;
+        if let Some(total) = preemptions_total {
+            tripped = b.preemptions_seen.is_some_and(|seen| total > seen);
+            if tripped {
+                b.preemptions_total += total - b.preemptions_seen.unwrap_or(total);
+            }
+            b.preemptions_seen = Some(total);
+        }
+        self.tick(now_us);
+        if tripped {
+            if let Some(cooldown) = us(self.config.preemption_cooldown_ms) {
+                self.shed_level = (self.shed_level + 1).min(MAX_SHED_LEVEL);
+                self.breaker_until_us = now_us + cooldown;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn set_kv_capacity(&mut self, backend: u32, blocks: u64) {
+        self.backends[backend as usize].kv_capacity_blocks = blocks;
+    }
+
+    pub fn set_backend_health(&mut self, backend: u32, healthy: bool) {
+        self.backends[backend as usize].healthy = healthy;
+    }
+
+    pub fn start_draining(&mut self) {
+        self.draining = true;
+    }
+
+    /// Let the breaker cool down one level per elapsed cool-down period.
+    fn tick(&mut self, now_us: u64) {
+        let Some(cooldown) = us(self.config.preemption_cooldown_ms) else { return };
+        while self.shed_level > 0 && now_us >= self.breaker_until_us {
+            self.shed_level -= 1;
+            self.breaker_until_us += cooldown;
+        }
+    }
+}

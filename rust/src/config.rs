@@ -1,0 +1,306 @@
+//! The policy config the core is built from, with validation that names the key, the bad value
+//! and what is allowed. The user-facing YAML lives in Python (`llmflow.config`); it produces this
+//! shape, which is also what Rust benchmarks and tests build directly.
+
+use serde::Deserialize;
+
+use crate::error::{PolicyError, PolicyResult};
+
+/// One vLLM instance the gateway routes to.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    pub name: String,
+    #[serde(default = "one")]
+    pub gpus: u32,
+    /// KV blocks vLLM allocated; 0 when unknown (the ledger then cannot estimate usage itself).
+    #[serde(default)]
+    pub kv_blocks: u64,
+}
+
+/// A priority class. Tiers are listed from most to least important; that order is strict.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierConfig {
+    pub name: String,
+    /// Queue fill (0..1] beyond which this tier is refused, so lower tiers are shed first.
+    #[serde(default = "one_f")]
+    pub shed_at: f64,
+    /// Share (0..1] of each backend's slots this tier may hold at once, so a flood of one tier
+    /// cannot take every slot from the others.
+    #[serde(default = "one_f")]
+    pub max_share: f64,
+    /// Exempt from KV-pressure, TTFT-SLA and preemption-breaker shedding (a VIP tier).
+    #[serde(default)]
+    pub protected: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    pub name: String,
+    pub tier: String,
+    /// Fair-share weight inside the tier: a weight-2 tenant gets twice the service.
+    #[serde(default = "one_f")]
+    pub weight: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// Virtual Token Counter fairness between tenants inside a tier.
+    Fair,
+    /// Arrival order inside a tier (the seed's plain bounded queue).
+    Fifo,
+}
+
+/// Every knob of the policy. Optional limits set to `None` are disabled.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    pub backends: Vec<BackendConfig>,
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency_per_gpu: u32,
+    #[serde(default = "default_waiting")]
+    pub max_waiting: u32,
+    #[serde(default = "default_strategy")]
+    pub strategy: Strategy,
+    pub tiers: Vec<TierConfig>,
+    pub tenants: Vec<TenantConfig>,
+    #[serde(default)]
+    pub kv_pressure_threshold: Option<f64>,
+    #[serde(default)]
+    pub ttft_sla_ms: Option<f64>,
+    #[serde(default = "default_prefill_tps")]
+    pub prefill_tokens_per_s: f64,
+    #[serde(default)]
+    pub preemption_cooldown_ms: Option<f64>,
+    #[serde(default)]
+    pub queue_timeout_ms: Option<f64>,
+    #[serde(default)]
+    pub first_token_timeout_ms: Option<f64>,
+    #[serde(default)]
+    pub request_timeout_ms: Option<f64>,
+    #[serde(default)]
+    pub stale_after_ms: Option<f64>,
+    #[serde(default = "one_f")]
+    pub input_token_weight: f64,
+    #[serde(default = "default_output_weight")]
+    pub output_token_weight: f64,
+    #[serde(default = "one_f")]
+    pub kv_weight: f64,
+}
+
+fn one() -> u32 {
+    1
+}
+fn one_f() -> f64 {
+    1.0
+}
+fn default_block_size() -> u32 {
+    16
+}
+fn default_concurrency() -> u32 {
+    16
+}
+fn default_waiting() -> u32 {
+    200
+}
+fn default_strategy() -> Strategy {
+    Strategy::Fair
+}
+fn default_prefill_tps() -> f64 {
+    8000.0
+}
+fn default_output_weight() -> f64 {
+    2.0
+}
+
+impl PolicyConfig {
+    /// Parse and validate a JSON document of this shape.
+    pub fn from_json(text: &str) -> PolicyResult<Self> {
+        let config: Self = serde_json::from_str(text)
+            .map_err(|e| PolicyError::config("(document)", e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Check every value against what the policy can work with.
+    pub fn validate(&self) -> PolicyResult<()> {
+        if self.backends.is_empty() {
+            return Err(PolicyError::config("backends", "at least one backend is required"));
+        }
+        unique("backends", self.backends.iter().map(|b| b.name.as_str()))?;
+        for (i, b) in self.backends.iter().enumerate() {
+            if b.gpus == 0 {
+                return Err(PolicyError::config(format!("backends[{i}].gpus"), "must be >= 1, got 0"));
+            }
+        }
+        positive_int("block_size", self.block_size)?;
+        positive_int("max_concurrency_per_gpu", self.max_concurrency_per_gpu)?;
+        self.validate_tiers()?;
+        if self.tenants.is_empty() {
+            return Err(PolicyError::config("tenants", "at least one tenant is required"));
+        }
+        unique("tenants", self.tenants.iter().map(|t| t.name.as_str()))?;
+        for (i, t) in self.tenants.iter().enumerate() {
+            if !self.tiers.iter().any(|tier| tier.name == t.tier) {
+                let names: Vec<&str> = self.tiers.iter().map(|t| t.name.as_str()).collect();
+                return Err(PolicyError::config(
+                    format!("tenants[{i}].tier"),
+                    format!("{:?} is not a declared tier; allowed: {names:?}", t.tier),
+                ));
+            }
+            positive_f(&format!("tenants[{i}].weight"), t.weight)?;
+        }
+        if let Some(v) = self.kv_pressure_threshold {
+            fraction("kv_pressure_threshold", v)?;
+        }
+        positive_f("prefill_tokens_per_s", self.prefill_tokens_per_s)?;
+        for (key, value) in [
+            ("ttft_sla_ms", self.ttft_sla_ms),
+            ("preemption_cooldown_ms", self.preemption_cooldown_ms),
+            ("queue_timeout_ms", self.queue_timeout_ms),
+            ("first_token_timeout_ms", self.first_token_timeout_ms),
+            ("request_timeout_ms", self.request_timeout_ms),
+            ("stale_after_ms", self.stale_after_ms),
+        ] {
+            if let Some(v) = value {
+                positive_f(key, v)?;
+            }
+        }
+        for (key, value) in [
+            ("input_token_weight", self.input_token_weight),
+            ("output_token_weight", self.output_token_weight),
+            ("kv_weight", self.kv_weight),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(PolicyError::config(key, format!("must be >= 0, got {value}")));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_tiers(&self) -> PolicyResult<()> {
+        if self.tiers.is_empty() {
+            return Err(PolicyError::config("tiers", "at least one tier is required"));
+        }
+        if self.tiers.len() > 255 {
+            return Err(PolicyError::config("tiers", "at most 255 tiers"));
+        }
+        unique("tiers", self.tiers.iter().map(|t| t.name.as_str()))?;
+        for (i, t) in self.tiers.iter().enumerate() {
+            fraction(&format!("tiers[{i}].shed_at"), t.shed_at)?;
+            fraction(&format!("tiers[{i}].max_share"), t.max_share)?;
+            // A more important tier must never be shed while a less important one is still let
+            // in: that is what makes "VIP is never shed before normal" hold by construction.
+            if i > 0 && t.shed_at > self.tiers[i - 1].shed_at {
+                return Err(PolicyError::config(
+                    format!("tiers[{i}].shed_at"),
+                    format!(
+                        "{} is above the more important tier {:?} ({}); tiers are listed from \
+                         most to least important and shed_at must not increase down the list",
+                        t.shed_at,
+                        self.tiers[i - 1].name,
+                        self.tiers[i - 1].shed_at
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn unique<'a>(key: &str, names: impl Iterator<Item = &'a str>) -> PolicyResult<()> {
+    let mut seen = std::collections::HashSet::new();
+    for name in names {
+        if name.is_empty() {
+            return Err(PolicyError::config(key, "names must not be empty"));
+        }
+        if !seen.insert(name) {
+            return Err(PolicyError::config(key, format!("name {name:?} appears twice")));
+        }
+    }
+    Ok(())
+}
+
+fn positive_int(key: &str, value: u32) -> PolicyResult<()> {
+    if value == 0 {
+        return Err(PolicyError::config(key, "must be >= 1, got 0"));
+    }
+    Ok(())
+}
+
+fn positive_f(key: &str, value: f64) -> PolicyResult<()> {
+    if !(value.is_finite() && value > 0.0) {
+        return Err(PolicyError::config(key, format!("must be a number > 0, got {value}")));
+    }
+    Ok(())
+}
+
+fn fraction(key: &str, value: f64) -> PolicyResult<()> {
+    if !(value > 0.0 && value <= 1.0) {
+        return Err(PolicyError::config(key, format!("must be in (0, 1], got {value}")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn sample_json() -> String {
+        r#"{"backends":[{"name":"b0","gpus":1,"kv_blocks":1000}],
+            "max_concurrency_per_gpu":2,"max_waiting":4,
+            "tiers":[{"name":"vip","protected":true},{"name":"normal","shed_at":0.5},
+                     {"name":"batch","shed_at":0.5,"max_share":0.5}],
+            "tenants":[{"name":"v","tier":"vip"},{"name":"a","tier":"normal"},
+                       {"name":"b","tier":"normal"},{"name":"z","tier":"batch"}],
+            "kv_pressure_threshold":0.85,"ttft_sla_ms":1500,"preemption_cooldown_ms":1000,
+            "queue_timeout_ms":5000,"first_token_timeout_ms":3000,"request_timeout_ms":60000}"#
+            .to_string()
+    }
+
+    // The sample used across the crate's tests parses and validates.
+    #[test]
+    fn sample_is_valid() {
+        let c = PolicyConfig::from_json(&sample_json()).unwrap();
+        assert_eq!(c.tiers.len(), 3);
+        assert_eq!(c.strategy, Strategy::Fair);
+    }
+
+    // An unknown key is refused with its name, so typos do not silently fall back to defaults.
+    #[test]
+    fn unknown_key_is_named() {
+        let text = sample_json().replace("\"max_waiting\"", "\"max_wating\"");
+        let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
+        assert!(err.contains("max_wating"), "{err}");
+    }
+
+    // A tenant pointing at a missing tier names the key and the allowed tiers.
+    #[test]
+    fn tenant_tier_must_exist() {
+        let text = sample_json().replace(r#""tier":"batch""#, r#""tier":"gold""#);
+        let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
+        assert!(err.contains("tenants[3].tier") && err.contains("vip"), "{err}");
+    }
+
+    // shed_at must not rise down the tier list, or VIP could be shed before normal.
+    #[test]
+    fn shed_at_must_not_increase() {
+        let text = sample_json().replace(r#"{"name":"vip","protected":true}"#,
+            r#"{"name":"vip","protected":true,"shed_at":0.4}"#);
+        let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
+        assert!(err.contains("tiers[1].shed_at"), "{err}");
+    }
+
+    // Thresholds outside (0, 1] are refused with the value.
+    #[test]
+    fn fraction_range() {
+        let text = sample_json().replace("0.85", "1.5");
+        let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
+        assert!(err.contains("kv_pressure_threshold") && err.contains("1.5"), "{err}");
+    }
+}

@@ -1,0 +1,279 @@
+//! The waiting queue: strict order between tiers, weighted fairness between tenants in a tier.
+//!
+//! Fairness is the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
+//! Models" (OSDI 2024): each tenant has a counter of the service it received (weighted tokens,
+//! divided by its weight); the backlogged tenant with the smallest counter goes next. A tenant
+//! that becomes backlogged has its counter lifted to the smallest backlogged counter, so idling
+//! earns no credit to starve the others later. Cost is counted in tokens (and KV, via the
+//! charges the admission controller makes), so one tenant's 1,500 long requests cannot starve
+//! another's short ones. Inside one tenant, requests keep arrival order.
+//!
+//! Every operation is O(log n): tenants are kept in a `BTreeSet` keyed by counter, a tenant's
+//! requests in a `BTreeMap` keyed by arrival number.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap;
+
+use crate::config::Strategy;
+
+#[derive(Debug, Clone, Copy)]
+pub struct QueuedItem {
+    pub id: u64,
+    pub prompt_tokens: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct TierQueue {
+    /// Backlogged tenants by (ordering key, tenant index); the key is the VTC counter's bits
+    /// (non-negative floats order like their bit patterns) or, for FIFO, the head's arrival.
+    backlog: BTreeSet<(u64, u32)>,
+    len: usize,
+    prompt_tokens: u64,
+    /// Counter of the tenant served last: the lift for a tenant arriving to an idle tier.
+    last_served: f64,
+}
+
+#[derive(Debug, Clone)]
+struct TenantQueue {
+    tier: usize,
+    weight: f64,
+    counter: f64,
+    service: f64,
+    items: BTreeMap<u64, QueuedItem>,
+    key: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct FairQueue {
+    strategy: Strategy,
+    tiers: Vec<TierQueue>,
+    tenants: Vec<TenantQueue>,
+    index: FxHashMap<u64, (u32, u64)>,
+    next_seq: u64,
+}
+
+impl FairQueue {
+    /// `tenants` gives each tenant's (tier index, weight).
+    pub fn new(strategy: Strategy, tiers: usize, tenants: &[(usize, f64)]) -> Self {
+        Self {
+            strategy,
+            tiers: vec![TierQueue::default(); tiers],
+            tenants: tenants
+                .iter()
+                .map(|&(tier, weight)| TenantQueue {
+                    tier,
+                    weight,
+                    counter: 0.0,
+                    service: 0.0,
+                    items: BTreeMap::new(),
+                    key: None,
+                })
+                .collect(),
+            index: FxHashMap::default(),
+            next_seq: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.index.contains_key(&id)
+    }
+
+    pub fn tier_len(&self, tier: usize) -> usize {
+        self.tiers[tier].len
+    }
+
+    /// Prompt tokens waiting in one tier: the prefill work it will bring.
+    pub fn tier_prompt_tokens(&self, tier: usize) -> u64 {
+        self.tiers[tier].prompt_tokens
+    }
+
+    pub fn counter(&self, tenant: u32) -> f64 {
+        self.tenants[tenant as usize].counter
+    }
+
+    /// Weighted tokens charged to a tenant so far.
+    pub fn service(&self, tenant: u32) -> f64 {
+        self.tenants[tenant as usize].service
+    }
+
+    pub fn tenant_len(&self, tenant: u32) -> usize {
+        self.tenants[tenant as usize].items.len()
+    }
+
+    /// Queue a request at the back of its tenant's line.
+    pub fn push(&mut self, tenant: u32, item: QueuedItem) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let t = tenant as usize;
+        if self.tenants[t].items.is_empty() {
+            self.lift(t);
+        }
+        self.tenants[t].items.insert(seq, item);
+        self.index.insert(item.id, (tenant, seq));
+        let tier = &mut self.tiers[self.tenants[t].tier];
+        tier.len += 1;
+        tier.prompt_tokens += item.prompt_tokens;
+        self.rekey(t);
+    }
+
+    /// Take the next request of a tier: the oldest of the tenant with the smallest counter.
+    pub fn pop(&mut self, tier: usize) -> Option<(u32, QueuedItem)> {
+        let &(_, tenant) = self.tiers[tier].backlog.first()?;
+        let t = tenant as usize;
+        let (_, item) = self.tenants[t].items.pop_first()?;
+        self.index.remove(&item.id);
+        self.forget(tier, item);
+        self.tiers[tier].last_served = self.tenants[t].counter;
+        self.rekey(t);
+        Some((tenant, item))
+    }
+
+    /// Take a request out wherever it is (cancelled or expired while waiting).
+    pub fn remove(&mut self, id: u64) -> Option<(u32, QueuedItem)> {
+        let (tenant, seq) = self.index.remove(&id)?;
+        let t = tenant as usize;
+        let item = self.tenants[t].items.remove(&seq)?;
+        self.forget(self.tenants[t].tier, item);
+        self.rekey(t);
+        Some((tenant, item))
+    }
+
+    /// Charge a tenant for service: `cost` weighted tokens, divided by its weight.
+    pub fn charge(&mut self, tenant: u32, cost: f64) {
+        let t = &mut self.tenants[tenant as usize];
+        t.service += cost;
+        t.counter += cost / t.weight;
+        if self.strategy == Strategy::Fair {
+            self.rekey(tenant as usize);
+        }
+    }
+
+    fn forget(&mut self, tier: usize, item: QueuedItem) {
+        let tier = &mut self.tiers[tier];
+        tier.len -= 1;
+        tier.prompt_tokens -= item.prompt_tokens;
+    }
+
+    /// VTC's counter lift for a tenant that becomes backlogged.
+    fn lift(&mut self, t: usize) {
+        let tier = &self.tiers[self.tenants[t].tier];
+        let floor = match tier.backlog.first() {
+            Some(&(_, other)) => self.tenants[other as usize].counter,
+            None => tier.last_served,
+        };
+        let tenant = &mut self.tenants[t];
+        tenant.counter = tenant.counter.max(floor);
+    }
+
+    /// Put the tenant at the right place in its tier's backlog (or take it out when empty).
+    fn rekey(&mut self, t: usize) {
+        let tenant = &self.tenants[t];
+        let new_key = tenant.items.first_key_value().map(|(&seq, _)| match self.strategy {
+            Strategy::Fair => tenant.counter.to_bits(),
+            Strategy::Fifo => seq,
+        });
+        if new_key == tenant.key {
+            return;
+        }
+        let backlog = &mut self.tiers[tenant.tier].backlog;
+        if let Some(old) = tenant.key {
+            backlog.remove(&(old, t as u32));
+        }
+        if let Some(new) = new_key {
+            backlog.insert((new, t as u32));
+        }
+        self.tenants[t].key = new_key;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(id: u64) -> QueuedItem {
+        QueuedItem { id, prompt_tokens: 10 }
+    }
+
+    // Two tenants of one tier alternate when each service costs the same.
+    #[test]
+    fn equal_tenants_alternate() {
+        let mut q = FairQueue::new(Strategy::Fair, 1, &[(0, 1.0), (0, 1.0)]);
+        for id in 0..4 {
+            q.push(0, item(id));
+        }
+        for id in 10..14 {
+            q.push(1, item(id));
+        }
+        let mut order = vec![];
+        while let Some((tenant, it)) = q.pop(0) {
+            q.charge(tenant, 100.0);
+            order.push(it.id);
+        }
+        assert_eq!(order, vec![0, 10, 1, 11, 2, 12, 3, 13]);
+    }
+
+    // A tenant of weight 2 is served twice as often as one of weight 1.
+    #[test]
+    fn weights_share_service() {
+        let mut q = FairQueue::new(Strategy::Fair, 1, &[(0, 2.0), (0, 1.0)]);
+        for id in 0..6 {
+            q.push(0, item(id));
+            q.push(1, item(100 + id));
+        }
+        let mut heavy = 0;
+        for _ in 0..6 {
+            let (tenant, _) = q.pop(0).unwrap();
+            q.charge(tenant, 10.0);
+            heavy += usize::from(tenant == 0);
+        }
+        assert_eq!(heavy, 4);
+    }
+
+    // A tenant that was idle is lifted to the backlogged minimum, earning no credit for idling.
+    #[test]
+    fn lift_on_new_backlog() {
+        let mut q = FairQueue::new(Strategy::Fair, 1, &[(0, 1.0), (0, 1.0)]);
+        q.push(0, item(1));
+        q.charge(0, 1000.0);
+        q.push(0, item(2));
+        q.push(1, item(3));
+        assert!((q.counter(1) - 1000.0).abs() < 1e-9);
+    }
+
+    // FIFO keeps arrival order across tenants of a tier.
+    #[test]
+    fn fifo_is_arrival_order() {
+        let mut q = FairQueue::new(Strategy::Fifo, 1, &[(0, 1.0), (0, 1.0)]);
+        q.push(0, item(1));
+        q.push(0, item(2));
+        q.push(1, item(3));
+        q.charge(0, 1e9);
+        let order: Vec<u64> = std::iter::from_fn(|| q.pop(0).map(|(_, i)| i.id)).collect();
+        assert_eq!(order, vec![1, 2, 3]);
+    }
+
+    // Removing from the middle keeps counts and prompt totals right.
+    #[test]
+    fn remove_anywhere() {
+        let mut q = FairQueue::new(Strategy::Fair, 2, &[(0, 1.0), (1, 1.0)]);
+        q.push(0, item(1));
+        q.push(0, item(2));
+        q.push(1, item(3));
+        assert_eq!(q.remove(2).map(|(_, i)| i.id), Some(2));
+        assert!(q.remove(2).is_none());
+        assert_eq!((q.len(), q.tier_len(0), q.tier_prompt_tokens(0)), (2, 1, 10));
+        assert_eq!(q.pop(0).map(|(_, i)| i.id), Some(1));
+        assert!(q.pop(0).is_none());
+        assert_eq!(q.pop(1).map(|(_, i)| i.id), Some(3));
+        assert!(q.is_empty());
+    }
+}

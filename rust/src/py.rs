@@ -1,0 +1,369 @@
+//! The PyO3 seam: thin wrappers that convert arguments and delegate to the domain types.
+//!
+//! Per-request calls take microseconds and keep the GIL; only construction parses JSON.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::admission::Governor;
+use crate::capacity;
+use crate::error::PolicyError as CoreError;
+use crate::types::{Admission, Decision, Expired, Outcome};
+
+create_exception!(llmflow._core, PolicyError, PyException, "Base class of every core error.");
+create_exception!(llmflow._core, ConfigError, PolicyError, "A policy config value is wrong.");
+create_exception!(llmflow._core, UnknownTenantError, PolicyError, "Unknown tenant.");
+create_exception!(llmflow._core, UnknownBackendError, PolicyError, "Unknown backend.");
+create_exception!(llmflow._core, DuplicateRequestError, PolicyError, "Request id still live.");
+create_exception!(llmflow._core, InvalidArgumentError, PolicyError, "Argument out of range.");
+
+impl From<CoreError> for PyErr {
+    fn from(err: CoreError) -> PyErr {
+        let message = err.to_string();
+        match err {
+            CoreError::Config { .. } => ConfigError::new_err(message),
+            CoreError::UnknownTenant(_) => UnknownTenantError::new_err(message),
+            CoreError::UnknownBackend(_) => UnknownBackendError::new_err(message),
+            CoreError::DuplicateRequest(_) => DuplicateRequestError::new_err(message),
+            CoreError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
+        }
+    }
+}
+
+#[cold]
+fn negative(name: &str, value: i64) -> PyErr {
+    InvalidArgumentError::new_err(format!("{name} must be >= 0, got {value}"))
+}
+
+fn non_negative(name: &str, value: i64) -> PyResult<u64> {
+    u64::try_from(value).map_err(|_| negative(name, value))
+}
+
+/// Decision returned by `Governor.submit`.
+#[pyclass(name = "Decision", module = "llmflow._core", frozen, get_all)]
+pub struct PyDecision {
+    kind: &'static str,
+    request_id: u64,
+    backend: Option<String>,
+    priority: i64,
+    position: Option<u32>,
+    estimated_wait_s: f64,
+    reason: Option<&'static str>,
+    retry_after_s: Option<f64>,
+}
+
+#[pymethods]
+impl PyDecision {
+    #[getter]
+    fn admitted(&self) -> bool {
+        self.kind == "admitted"
+    }
+    #[getter]
+    fn queued(&self) -> bool {
+        self.kind == "queued"
+    }
+    #[getter]
+    fn rejected(&self) -> bool {
+        self.kind == "rejected"
+    }
+    fn __repr__(&self) -> String {
+        match self.kind {
+            "admitted" => format!("Decision(admitted, backend={:?}, priority={})",
+                self.backend.as_deref().unwrap_or(""), self.priority),
+            "queued" => format!("Decision(queued, position={}, estimated_wait_s={:.3})",
+                self.position.unwrap_or(0), self.estimated_wait_s),
+            _ => format!("Decision(rejected, reason={:?}, retry_after_s={:.3})",
+                self.reason.unwrap_or(""), self.retry_after_s.unwrap_or(0.0)),
+        }
+    }
+}
+
+#[pyclass(name = "Admission", module = "llmflow._core", frozen, get_all)]
+pub struct PyAdmission {
+    request_id: u64,
+    backend: String,
+    priority: i64,
+    queue_wait_s: f64,
+}
+
+#[pymethods]
+impl PyAdmission {
+    fn __repr__(&self) -> String {
+        format!("Admission(request_id={}, backend={:?})", self.request_id, self.backend)
+    }
+}
+
+#[pyclass(name = "Expired", module = "llmflow._core", frozen, get_all)]
+pub struct PyExpired {
+    request_id: u64,
+    reason: &'static str,
+    was_running: bool,
+    backend: Option<String>,
+}
+
+#[pymethods]
+impl PyExpired {
+    fn __repr__(&self) -> String {
+        format!("Expired(request_id={}, reason={:?})", self.request_id, self.reason)
+    }
+}
+
+/// One governor per event loop (or simulation): the GIL serialises access to it.
+#[pyclass(name = "Governor", module = "llmflow._core")]
+pub struct PyGovernor {
+    inner: Governor,
+}
+
+impl PyGovernor {
+    fn backend_name(&self, backend: u32) -> String {
+        self.inner.backend_name(backend).to_owned()
+    }
+}
+
+#[pymethods]
+impl PyGovernor {
+    #[new]
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if !config.is_instance_of::<PyDict>() {
+            return Err(ConfigError::new_err(format!(
+                "config must be a mapping (dict), got {}",
+                config.get_type().name()?
+            )));
+        }
+        let json = py.import("json")?.call_method1("dumps", (config,))?;
+        Ok(Self { inner: Governor::from_json(json.extract::<&str>()?)? })
+    }
+
+    fn submit(
+        &mut self,
+        request_id: u64,
+        tenant: &str,
+        prompt_tokens: i64,
+        max_tokens: i64,
+        now_us: u64,
+    ) -> PyResult<PyDecision> {
+        let tenant_id = self.inner.tenant_id(tenant)?;
+        let prompt = non_negative("prompt_tokens", prompt_tokens)?;
+        let max_tokens = non_negative("max_tokens", max_tokens)?;
+        let decision = self.inner.submit(request_id, tenant_id, prompt, max_tokens, now_us)?;
+        let mut out = PyDecision {
+            kind: "admitted",
+            request_id,
+            backend: None,
+            priority: 0,
+            position: None,
+            estimated_wait_s: 0.0,
+            reason: None,
+            retry_after_s: None,
+        };
+        match decision {
+            Decision::Admitted { backend, priority } => {
+                out.backend = Some(self.backend_name(backend));
+                out.priority = priority;
+            }
+            Decision::Queued { position, estimated_wait_s, priority } => {
+                out.kind = "queued";
+                out.position = Some(position);
+                out.estimated_wait_s = estimated_wait_s;
+                out.priority = priority;
+            }
+            Decision::Rejected { reason, retry_after_s } => {
+                out.kind = "rejected";
+                out.reason = Some(reason.as_str());
+                out.retry_after_s = Some(retry_after_s);
+            }
+        }
+        Ok(out)
+    }
+
+    fn dispatch(&mut self, now_us: u64) -> Vec<PyAdmission> {
+        let admissions: Vec<Admission> = self.inner.dispatch(now_us);
+        admissions
+            .into_iter()
+            .map(|a| PyAdmission {
+                request_id: a.request_id,
+                backend: self.backend_name(a.backend),
+                priority: a.priority,
+                queue_wait_s: a.queue_wait_us as f64 / 1e6,
+            })
+            .collect()
+    }
+
+    fn on_first_token(&mut self, request_id: u64, now_us: u64) {
+        self.inner.on_first_token(request_id, now_us);
+    }
+
+    fn on_tokens(&mut self, request_id: u64, n: i64, now_us: u64) -> PyResult<()> {
+        let n = non_negative("n", n)?;
+        self.inner.on_tokens(request_id, n, now_us);
+        Ok(())
+    }
+
+    fn finish(&mut self, request_id: u64, outcome: &str, now_us: u64) -> PyResult<bool> {
+        let outcome = Outcome::parse(outcome).ok_or_else(|| {
+            InvalidArgumentError::new_err(format!(
+                "outcome must be one of completed, error, timeout, cancelled; got {outcome:?}"
+            ))
+        })?;
+        Ok(self.inner.finish(request_id, outcome, now_us))
+    }
+
+    fn cancel(&mut self, request_id: u64, now_us: u64) -> bool {
+        self.inner.finish(request_id, Outcome::Cancelled, now_us)
+    }
+
+    fn expire(&mut self, now_us: u64) -> Vec<PyExpired> {
+        let expired: Vec<Expired> = self.inner.expire(now_us);
+        expired
+            .into_iter()
+            .map(|e| PyExpired {
+                request_id: e.request_id,
+                reason: e.reason.as_str(),
+                was_running: e.was_running,
+                backend: e.backend.map(|b| self.backend_name(b)),
+            })
+            .collect()
+    }
+
+    fn next_deadline_us(&self) -> Option<u64> {
+        self.inner.next_deadline_us()
+    }
+
+    #[pyo3(signature = (backend, now_us, *, kv_usage=None, running=None, waiting=None,
+                        preemptions_total=None, kv_blocks=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn observe_backend(
+        &mut self,
+        backend: &str,
+        now_us: u64,
+        kv_usage: Option<f64>,
+        running: Option<u64>,
+        waiting: Option<u64>,
+        preemptions_total: Option<u64>,
+        kv_blocks: Option<u64>,
+    ) -> PyResult<()> {
+        let id = self.inner.backend_id(backend)?;
+        if let Some(blocks) = kv_blocks {
+            self.inner.set_kv_capacity(id, blocks);
+        }
+        self.inner.observe_backend(id, now_us, kv_usage, running, waiting, preemptions_total)?;
+        Ok(())
+    }
+
+    #[allow(unused_variables)]
+    fn set_backend_health(&mut self, backend: &str, healthy: bool, now_us: u64) -> PyResult<()> {
+        let id = self.inner.backend_id(backend)?;
+        self.inner.set_backend_health(id, healthy);
+        Ok(())
+    }
+
+    fn start_draining(&mut self) {
+        self.inner.start_draining();
+    }
+
+    #[getter]
+    fn draining(&self) -> bool {
+        self.inner.draining
+    }
+
+    #[getter]
+    fn running(&self) -> u32 {
+        self.inner.running()
+    }
+
+    #[getter]
+    fn queued(&self) -> usize {
+        self.inner.queued()
+    }
+
+    #[getter]
+    fn live(&self) -> usize {
+        self.inner.live()
+    }
+
+    #[getter]
+    fn kv_blocks_in_use(&self) -> u64 {
+        self.inner.ledger.total_blocks()
+    }
+
+    #[getter]
+    fn shed_level(&self) -> u8 {
+        self.inner.shed_level
+    }
+
+    fn is_live(&self, request_id: u64) -> bool {
+        self.inner.is_live(request_id)
+    }
+
+    fn request_kv(&self, request_id: u64, now_us: u64) -> Option<(u64, f64)> {
+        self.inner.ledger.usage(request_id, now_us)
+    }
+
+    fn tenant_service(&self, tenant: &str) -> PyResult<f64> {
+        Ok(self.inner.tenant_service(self.inner.tenant_id(tenant)?))
+    }
+
+    fn snapshot<'py>(&self, py: Python<'py>, now_us: u64) -> PyResult<Bound<'py, PyAny>> {
+        let text = serde_json::to_string(&self.inner.snapshot(now_us))
+            .map_err(|e| PolicyError::new_err(e.to_string()))?;
+        let value = py.import("json")?.call_method1("loads", (text,))?;
+        // Pairs serialise as lists; turn the by-name ones into dicts for readers.
+        let dict = value.cast::<PyDict>()?;
+        pairs_to_dict(dict, "queued_by_tier")?;
+        let counters = dict.get_item("counters")?.expect("counters present");
+        let counters = counters.cast::<PyDict>()?;
+        for key in ["rejected", "finished", "expired"] {
+            pairs_to_dict(counters, key)?;
+        }
+        Ok(value)
+    }
+
+    fn __copy__(&self) -> Self {
+        Self { inner: self.inner.clone() }
+    }
+
+    fn copy(&self) -> Self {
+        self.__copy__()
+    }
+}
+
+fn pairs_to_dict(dict: &Bound<'_, PyDict>, key: &str) -> PyResult<()> {
+    let Some(pairs) = dict.get_item(key)? else { return Ok(()) };
+    let out = PyDict::new(dict.py());
+    for pair in pairs.cast::<PyList>()?.iter() {
+        let pair = pair.cast::<PyList>()?;
+        out.set_item(pair.get_item(0)?, pair.get_item(1)?)?;
+    }
+    dict.set_item(key, out)
+}
+
+#[pyfunction]
+pub fn kv_slots(
+    vram_bytes: f64,
+    weights_bytes: f64,
+    activations_bytes: f64,
+    avg_context_tokens: f64,
+    kv_bytes_per_token: f64,
+) -> PyResult<f64> {
+    Ok(capacity::kv_slots(
+        vram_bytes,
+        weights_bytes,
+        activations_bytes,
+        avg_context_tokens,
+        kv_bytes_per_token,
+    )?)
+}
+
+#[pyfunction]
+#[pyo3(signature = (layers, kv_heads, head_dim, dtype_bytes, tp=1))]
+pub fn kv_bytes_per_token(
+    layers: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    dtype_bytes: u64,
+    tp: u64,
+) -> PyResult<u64> {
+    Ok(capacity::kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes, tp)?)
+}
