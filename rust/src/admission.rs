@@ -565,3 +565,203 @@ impl Governor {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::sample_json;
+
+    const S: u64 = 1_000_000;
+
+    fn governor() -> Governor {
+        Governor::from_json(&sample_json()).unwrap()
+    }
+
+    fn tenant(g: &Governor, name: &str) -> u32 {
+        g.tenant_id(name).unwrap()
+    }
+
+    // Below the cap requests are admitted at once; beyond it they queue, in order.
+    #[test]
+    fn admits_then_queues() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        assert!(matches!(g.submit(1, a, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+        assert!(matches!(g.submit(2, a, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+        let third = g.submit(3, a, 10, 10, 0).unwrap();
+        assert!(matches!(third, Decision::Queued { position: 0, .. }), "{third:?}");
+        assert_eq!((g.running(), g.queued()), (2, 1));
+    }
+
+    // A finished request frees its slot; dispatch hands it to the queue head.
+    #[test]
+    fn dispatch_after_finish() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        for id in 1..=3 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        assert!(g.dispatch(0).is_empty());
+        assert!(g.finish(1, Outcome::Completed, S));
+        let admitted = g.dispatch(S);
+        assert_eq!(admitted.len(), 1);
+        assert_eq!((admitted[0].request_id, admitted[0].queue_wait_us), (3, S));
+    }
+
+    // Normal traffic is shed at its threshold (50% of 4 = 2 queued) while VIP may still queue,
+    // and every rejection carries a positive Retry-After.
+    #[test]
+    fn tier_shedding_spares_vip() {
+        let mut g = governor();
+        let (a, v) = (tenant(&g, "a"), tenant(&g, "v"));
+        for id in 1..=4 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        let shed = g.submit(5, a, 10, 10, 0).unwrap();
+        let Decision::Rejected { reason, retry_after_s } = shed else { panic!("{shed:?}") };
+        assert_eq!(reason, RejectReason::TierShed);
+        assert!(retry_after_s > 0.0);
+        assert!(matches!(g.submit(6, v, 10, 10, 0).unwrap(), Decision::Queued { .. }));
+    }
+
+    // A full queue refuses even VIP with queue_full.
+    #[test]
+    fn queue_full() {
+        let mut g = governor();
+        let v = tenant(&g, "v");
+        for id in 1..=6 {
+            g.submit(id, v, 10, 10, 0).unwrap();
+        }
+        let d = g.submit(7, v, 10, 10, 0).unwrap();
+        assert!(matches!(d, Decision::Rejected { reason: RejectReason::QueueFull, .. }), "{d:?}");
+    }
+
+    // VIP queued requests go before normal ones queued earlier (strict tier order).
+    #[test]
+    fn strict_tier_order() {
+        let mut g = governor();
+        let (a, v) = (tenant(&g, "a"), tenant(&g, "v"));
+        for id in 1..=3 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        g.submit(9, v, 10, 10, 1).unwrap();
+        g.finish(1, Outcome::Completed, 2);
+        assert_eq!(g.dispatch(2)[0].request_id, 9);
+    }
+
+    // max_share keeps a batch flood from taking every slot: batch holds at most 1 of 2 here.
+    #[test]
+    fn max_share_reserves_slots() {
+        let mut g = governor();
+        let (z, a) = (tenant(&g, "z"), tenant(&g, "a"));
+        assert!(matches!(g.submit(1, z, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+        assert!(matches!(g.submit(2, z, 10, 10, 0).unwrap(), Decision::Queued { .. }));
+        assert!(matches!(g.submit(3, a, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+    }
+
+    // KV usage above the threshold sheds non-protected tiers but still lets VIP in.
+    #[test]
+    fn kv_pressure() {
+        let mut g = governor();
+        g.observe_backend(0, 0, Some(0.9), None, None, None).unwrap();
+        let d = g.submit(1, tenant(&g, "a"), 10, 10, 0).unwrap();
+        assert!(matches!(d, Decision::Rejected { reason: RejectReason::KvPressure, .. }), "{d:?}");
+        assert!(matches!(g.submit(2, tenant(&g, "v"), 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+    }
+
+    // Prefill work beyond the SLA at the prior throughput (8000 tok/s, 1.5 s) is refused.
+    #[test]
+    fn ttft_sla() {
+        let mut g = governor();
+        let d = g.submit(1, tenant(&g, "a"), 13_000, 10, 0).unwrap();
+        let Decision::Rejected { reason, retry_after_s } = d else { panic!("{d:?}") };
+        assert_eq!(reason, RejectReason::TtftSla);
+        assert!((retry_after_s - 0.125).abs() < 1e-9);
+        assert!(matches!(g.submit(2, tenant(&g, "a"), 11_000, 10, 0).unwrap(), Decision::Admitted { .. }));
+    }
+
+    // A rising preemption counter raises the shed level; it decays one level per cool-down.
+    #[test]
+    fn preemption_breaker() {
+        let mut g = governor();
+        g.observe_backend(0, 0, None, None, None, Some(5)).unwrap();
+        assert_eq!(g.shed_level, 0);
+        g.observe_backend(0, 10, None, None, None, Some(7)).unwrap();
+        assert_eq!(g.shed_level, 1);
+        // Level 1 halves normal's slots (2 -> 1) and its queue room (2 -> 1).
+        let a = tenant(&g, "a");
+        assert!(matches!(g.submit(1, a, 10, 10, 20).unwrap(), Decision::Admitted { .. }));
+        assert!(matches!(g.submit(2, a, 10, 10, 20).unwrap(), Decision::Queued { .. }));
+        let d = g.submit(3, a, 10, 10, 20).unwrap();
+        assert!(matches!(d, Decision::Rejected { reason: RejectReason::PreemptionBreaker, .. }));
+        g.dispatch(10 + 1000 * 1000);
+        assert_eq!(g.shed_level, 0);
+    }
+
+    // Deadlines: queue wait, first token and total, each reported once with its reason.
+    #[test]
+    fn deadlines_expire() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        for id in 1..=3 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        g.on_first_token(1, S);
+        let expired = g.expire(4 * S);
+        assert_eq!(expired.len(), 1);
+        assert_eq!((expired[0].request_id, expired[0].reason), (2, ExpiryReason::FirstTokenTimeout));
+        let expired = g.expire(6 * S);
+        assert_eq!((expired[0].request_id, expired[0].reason), (3, ExpiryReason::QueueTimeout));
+        assert!(!expired[0].was_running);
+        let expired = g.expire(61 * S);
+        assert_eq!((expired[0].request_id, expired[0].reason), (1, ExpiryReason::Deadline));
+        assert_eq!((g.live(), g.next_deadline_us()), (0, None));
+    }
+
+    // KV grows with tokens and everything returns to zero when work ends; ending twice is a
+    // no-op.
+    #[test]
+    fn ledger_returns_to_zero() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        g.submit(1, a, 20, 100, 0).unwrap();
+        g.on_tokens(1, 30, 10);
+        assert_eq!(g.ledger.total_blocks(), 4);
+        assert!(g.finish(1, Outcome::Completed, 20));
+        assert!(!g.finish(1, Outcome::Completed, 20));
+        assert_eq!((g.ledger.total_blocks(), g.running(), g.live()), (0, 0, 0));
+        assert_eq!(g.counters.finished[Outcome::Completed as usize], 1);
+    }
+
+    // Draining refuses new work but lets live requests finish.
+    #[test]
+    fn draining() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        g.submit(1, a, 10, 10, 0).unwrap();
+        g.start_draining();
+        let d = g.submit(2, a, 10, 10, 0).unwrap();
+        assert!(matches!(d, Decision::Rejected { reason: RejectReason::Draining, .. }));
+        assert!(g.finish(1, Outcome::Completed, 1));
+    }
+
+    // Reusing a live id is an error; after it ends the id may be reused.
+    #[test]
+    fn duplicate_ids() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        g.submit(1, a, 10, 10, 0).unwrap();
+        assert_eq!(g.submit(1, a, 10, 10, 0), Err(PolicyError::DuplicateRequest(1)));
+        g.finish(1, Outcome::Cancelled, 0);
+        assert!(g.submit(1, a, 10, 10, 0).is_ok());
+    }
+
+    // Long requests get a larger (worse) vLLM priority than short ones of the same tier, and
+    // any VIP beats any normal.
+    #[test]
+    fn priority_orders_tier_then_length() {
+        let g = governor();
+        assert!(g.priority(1, 100) < g.priority(1, 8000));
+        assert!(g.priority(0, 100_000) < g.priority(1, 1));
+    }
+}
