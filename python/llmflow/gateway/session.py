@@ -24,6 +24,8 @@ from llmflow.gateway.streaming import Accumulator, ChunkParser, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from llmflow.gateway.metrics import GatewayMetrics
     from llmflow.gateway.policy import Policy, Ticket
     from llmflow.gateway.streaming import ClientOptions
@@ -68,6 +70,7 @@ class SessionContext:
     first_token_error: bool  # on first-token timeout answer 504 (else a degraded reply)
     client_window: int
     pause_when_full: bool
+    on_backend_down: Callable[[str, str], None]  # (backend, error): mark it unhealthy
     sessions: set[StreamSession] = field(default_factory=set)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -203,7 +206,7 @@ class StreamSession:
                 route.url, self.prepared.path, body, f"llmflow-{self.request_id}")
         except UpstreamError as exc:
             if exc.backend_down:
-                self.ctx.policy.set_backend_health(self.ticket.backend or "", False)
+                self.ctx.on_backend_down(self.ticket.backend or "", exc.message)
             raise
         async for data in self._stream.events():
             chunk, new_tokens = self.parser.feed(data)

@@ -1,0 +1,210 @@
+"""The completion service: validate, submit to the core, wait, and hand back a reply or a stream.
+
+No FastAPI here. Routes pass raw bytes and the ASGI `receive` channel; the service answers with
+a JSON body, a live `StreamSession` for SSE, or a `GatewayError`. Everything that can refuse a
+request without a backend (JSON, types, model, context length, the core's decision) runs before
+any backend is touched, and a client that disconnects at any stage cancels the wait and frees
+its ticket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from pydantic import ValidationError
+
+from llmflow.gateway.errors import GatewayError, retry_after_header
+from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from llmflow.gateway.session import Prepared, StreamSession
+from llmflow.gateway.streaming import ClientOptions
+from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompt_tokens
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from llmflow.gateway.auth import Identity
+    from llmflow.gateway.session import SessionContext
+    from llmflow.gateway.types import Endpoint, Json, Receive
+
+__all__ = ["ClientGone", "CompletionService", "run_unless"]
+
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_UNAVAILABLE = frozenset({"draining", "no_healthy_backend"})  # 503, not the client's doing
+_STRIPPED = ("priority",)  # fields a client may not set: the core computes them
+
+
+class ClientGone(GatewayError):
+    """The client disconnected before the reply was ready (nobody reads this answer)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client closed the request", "client_closed")
+
+
+class CompletionService:
+    """Serves `/v1/completions` and `/v1/chat/completions` under the core's governance.
+
+    Args:
+        ctx: the shared session runtime.
+        models: served model name -> context length (the smallest among its backends).
+        bytes_per_token: UTF-8 bytes per token for prompt estimates.
+    """
+
+    def __init__(self, ctx: SessionContext, models: dict[str, int], bytes_per_token: float):
+        self.ctx, self.models, self.bytes_per_token = ctx, models, bytes_per_token
+
+    def prepare(self, endpoint: Endpoint, identity: Identity, raw: bytes) -> Prepared:
+        """Check a request body completely, without touching a backend.
+
+        Raises:
+            GatewayError: 400 (bad JSON, wrong types, prompt too long), 404 (unknown model).
+        """
+        body = _parse_json(raw)
+        model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+        try:
+            request: Any = model_cls.model_validate(body)
+        except ValidationError as exc:
+            raise _invalid(exc) from None
+        context = self.models.get(request.model)
+        if context is None:
+            raise GatewayError(404, f"The model `{request.model}` does not exist.",
+                               "model_not_found", param="model")
+        if endpoint == "chat":
+            prompt = chat_prompt_tokens(request, self.bytes_per_token)
+            max_tokens = request.max_completion_tokens or request.max_tokens
+        else:
+            _require_single_prompt(request)
+            prompt = completion_prompt_tokens(request, self.bytes_per_token)
+            max_tokens = request.max_tokens
+        _check_context(prompt, max_tokens, context)
+        options = request.stream_options
+        client = ClientOptions(endpoint, request.model, request.stream, request.n,
+                               bool(options and options.include_usage),
+                               bool(options and options.continuous_usage_stats))
+        upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
+        upstream["stream"] = True
+        upstream["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        generated = max_tokens if max_tokens is not None else context - prompt
+        return Prepared(client, identity.tenant, identity.tier, _PATHS[endpoint], upstream,
+                        prompt, generated * request.n)
+
+    def admit(self, prepared: Prepared) -> StreamSession:
+        """Submit a prepared request to the core.
+
+        Returns:
+            Its session (admitted or queued); start it with `StreamSession.start`.
+
+        Raises:
+            GatewayError: 429 with `Retry-After` when the core rejects it (503 when the reason
+                is draining or no healthy backend).
+        """
+        ticket = self.ctx.policy.submit(prepared.tenant, prepared.prompt_tokens,
+                                        prepared.max_tokens)
+        decision = ticket.decision
+        if decision.rejected:
+            reason = decision.reason or "rejected"
+            self.ctx.metrics.rejected(prepared.tier, reason)
+            status = 503 if reason in _UNAVAILABLE else 429
+            raise GatewayError(status, f"request refused: {reason.replace('_', ' ')}", reason,
+                               headers=retry_after_header(decision.retry_after_s))
+        return StreamSession(self.ctx, prepared, ticket)
+
+    async def serve(self, prepared: Prepared, receive: Receive) -> Json | StreamSession:
+        """Run a prepared request under the core's decision.
+
+        Returns:
+            The complete reply (non-streaming), or the session, already past its first token,
+            whose window the caller streams (SSE).
+
+        Raises:
+            GatewayError: 429/503 from the core with `Retry-After`, 503 when the queue wait
+                expired, 502/504 from the backend, 504 on first-token timeout (when so
+                configured), `ClientGone` when the client disconnected first.
+        """
+        session = self.admit(prepared)
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+        handed_over = False
+        try:
+            await run_unless(session.start(), gone)
+            if session.error is not None:
+                raise session.error
+            if prepared.options.stream:
+                handed_over = True
+                return session
+            await run_unless(session.done.wait(), gone)
+            if session.error is not None:
+                raise session.error
+            return session.response()
+        finally:
+            watcher.cancel()
+            await asyncio.wait([watcher])
+            if not handed_over:
+                await session.close("cancelled")
+
+
+async def run_unless(awaitable: Awaitable[None], gone: asyncio.Event) -> None:
+    """Await `awaitable`, but cancel it and raise `ClientGone` if `gone` is set first.
+
+    Raises:
+        ClientGone: the client left before `awaitable` finished.
+    """
+    if gone.is_set():
+        if isinstance(awaitable, Coroutine):
+            awaitable.close()
+        raise ClientGone
+    with anyio.CancelScope() as scope:
+        stopper = asyncio.create_task(gone.wait())
+        stopper.add_done_callback(lambda t: t.cancelled() or scope.cancel())
+        try:
+            await awaitable
+        finally:
+            stopper.cancel()
+    if scope.cancelled_caught and gone.is_set():
+        raise ClientGone
+
+
+async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "request body must be a JSON object", "invalid_json")
+    return body
+
+
+def _invalid(exc: ValidationError) -> GatewayError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    got = "" if first["type"] == "missing" else f" (got {first.get('input')!r:.80})"
+    return GatewayError(400, f"{param}: {first['msg']}{got}", "invalid_request", param=param)
+
+
+def _require_single_prompt(request: CompletionRequest) -> None:
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise GatewayError(400, "batched prompts are not supported: send one prompt per "
+                               "request", "batch_not_supported", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise GatewayError(400, "prompt must not be empty", "invalid_request", param="prompt")
+
+
+def _check_context(prompt: int, max_tokens: int | None, context: int) -> None:
+    wanted = prompt + (max_tokens or 0)
+    if prompt >= context or wanted > context:
+        raise GatewayError(
+            400, f"This model's maximum context length is {context} tokens. However, you "
+            f"requested {wanted} tokens ({prompt} in the messages, {max_tokens or 0} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            "context_length_exceeded", param="messages")

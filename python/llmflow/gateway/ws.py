@@ -1,0 +1,182 @@
+"""The WebSocket acknowledgement protocol: a browser renders, acknowledges, and so paces us.
+
+The server never has more than `client_window` chunks unacknowledged. While the client lags,
+chunks pile up in the session's bounded window (so the reader stops reading upstream when it
+fills) and go out merged once the client catches up. A client that acknowledges nothing for the
+stall timeout while chunks are owed loses its request. The wire format is in
+`docs/protocol-websocket.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.websockets import WebSocketDisconnect
+
+from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.serving import ClientGone, run_unless
+from llmflow.gateway.streaming import merge_chunks
+
+if TYPE_CHECKING:
+    from starlette.websockets import WebSocket
+
+    from llmflow.gateway.auth import Identity, KeyRing
+    from llmflow.gateway.serving import CompletionService
+    from llmflow.gateway.session import StreamSession
+    from llmflow.gateway.types import Json
+
+__all__ = ["AckChannel", "serve_websocket"]
+
+_ENDPOINTS = ("chat", "completions")
+
+
+class AckChannel:
+    """Client-to-server messages of one socket: acks, cancels, requests, and the close.
+
+    Args:
+        websocket: an accepted socket.
+    """
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.websocket = websocket
+        self.acked = 0  # highest sequence number the client has acknowledged
+        self.current: Any = None  # id of the request being streamed
+        self.gone = asyncio.Event()  # the socket closed, or the client cancelled
+        self.closed = False
+        self.requests: asyncio.Queue[Json] = asyncio.Queue()
+        self._progress = asyncio.Event()
+
+    async def run(self) -> None:
+        """Read client messages until the socket closes."""
+        try:
+            while True:
+                message = await self.websocket.receive_json()
+                self._on(message if isinstance(message, dict) else {})
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        except ValueError:  # not JSON: a protocol violation ends the socket
+            await self.websocket.close(code=1003)
+        self.closed = True
+        self.gone.set()
+        self._progress.set()
+
+    def _on(self, message: Json) -> None:
+        kind = message.get("type")
+        if kind == "ack" and isinstance(message.get("seq"), int):
+            if message.get("id", self.current) != self.current:
+                return  # a late ack for an earlier request
+            self.acked = max(self.acked, message["seq"])
+            self._progress.set()
+        elif kind == "cancel":
+            self.gone.set()
+            self._progress.set()
+        elif kind == "request":
+            self.requests.put_nowait(message)
+
+    async def room(self, sent: int, window: int, stall_timeout_s: float) -> bool:
+        """Wait until fewer than `window` chunks are unacknowledged; False if stalled or gone."""
+        deadline = time.monotonic() + stall_timeout_s
+        while sent - self.acked >= window:
+            if self.gone.is_set():
+                return False
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                return False
+        return not self.gone.is_set()
+
+
+async def serve_websocket(websocket: WebSocket, service: CompletionService, keyring: KeyRing,
+                          window: int, stall_timeout_s: float) -> None:
+    """Serve one socket: requests one at a time, each streamed under the ack window.
+
+    Args:
+        websocket: the socket (not yet accepted).
+        service: the completion service.
+        keyring: resolves API keys (header, or `api_key` in the request message).
+        window: the most unacknowledged chunks (`backpressure.client_window`).
+        stall_timeout_s: how long the client may owe acks before its request is aborted.
+    """
+    await websocket.accept()
+    channel = AckChannel(websocket)
+    reader = asyncio.create_task(channel.run())
+    header = websocket.headers.get("authorization")
+    try:
+        while not channel.closed:
+            getter = asyncio.create_task(channel.requests.get())
+            await asyncio.wait([getter, reader], return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                break
+            await _one_request(websocket, channel, service, keyring, header, window,
+                               stall_timeout_s, getter.result())
+    finally:
+        reader.cancel()
+        await asyncio.wait([reader])
+
+
+async def _one_request(websocket: WebSocket, channel: AckChannel, service: CompletionService,
+                       keyring: KeyRing, header: str | None, window: int, stall_s: float,
+                       message: Json) -> None:
+    request_id = message.get("id")
+    channel.acked, sent, channel.current = 0, 0, request_id
+    if not channel.closed:
+        channel.gone.clear()
+    session: StreamSession | None = None
+    reason = "cancelled"
+    try:
+        identity = _identity(keyring, header, message)
+        endpoint = message.get("endpoint", "chat")
+        if endpoint not in _ENDPOINTS or not isinstance(message.get("body"), dict):
+            raise GatewayError(400, "a request needs 'endpoint' (chat or completions) and a "
+                               "'body' object", "invalid_request")
+        body = {**message["body"], "stream": True}
+        prepared = service.prepare(endpoint, identity, json.dumps(body).encode())
+        session = service.admit(prepared)
+        await run_unless(session.start(), channel.gone)
+        if session.error is not None:
+            raise session.error
+        await _send(websocket, {"type": "start", "id": request_id, "window": window})
+        carry: list[Json] = []  # taken from the session but not yet sent: at most 2 windows
+        while carry or (carry := await session.window.take()):
+            if not await channel.room(sent, window, stall_s):
+                reason = "cancelled" if channel.gone.is_set() else "client_stall"
+                return
+            carry = merge_chunks(carry + session.window.take_nowait())
+            allowed = window - (sent - channel.acked)
+            for chunk in carry[:allowed]:
+                sent += 1
+                await _send(websocket, {"type": "chunk", "id": request_id, "seq": sent,
+                                        "data": chunk})
+            carry = carry[allowed:]
+        await _send(websocket, {"type": "end", "id": request_id, "reason": session.end,
+                                "sent": sent})
+    except ClientGone:
+        return
+    except GatewayError as exc:
+        await _send(websocket, {"type": "error", "id": request_id, "status": exc.status,
+                                **exc.body, **_retry(exc)})
+    finally:
+        if session is not None:
+            await session.close(reason)
+
+
+def _identity(keyring: KeyRing, header: str | None, message: Json) -> Identity:
+    key = message.get("api_key")
+    return keyring.authenticate(header or (f"Bearer {key}" if isinstance(key, str) else None))
+
+
+def _retry(exc: GatewayError) -> dict[str, Any]:
+    value = exc.headers.get("Retry-After")
+    return {"retry_after": int(value)} if value else {}
+
+
+async def _send(websocket: WebSocket, message: Json) -> None:
+    try:
+        await websocket.send_text(json.dumps(message, separators=(",", ":")))
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        raise ClientGone from None
