@@ -1,0 +1,180 @@
+"""Random interleavings of the request lifecycle against the reference model.
+
+Covers: running <= cap per backend; queue <= max_waiting; every decision matches the reference;
+each request ends exactly once; the KV ledger equals the sum over live requests and is zero
+when idle; VIP is never shed while normal would be let in; every rejection has a positive
+Retry-After; the same event sequence always gives the same decisions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from llmflow import Governor
+from property_tests import strategies as s
+from property_tests.models import Req, ReferenceGovernor
+
+OUTCOMES = ("completed", "error", "cancelled")
+
+
+class GovernorMachine(RuleBasedStateMachine):
+    """Drives `llmflow._core.Governor` and `ReferenceGovernor` through the same events."""
+
+    ids = Bundle("ids")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0
+        self.next_id = 1
+        self.log: list[tuple[str, tuple[Any, ...], Any]] = []
+
+    @initialize(config=s.configs)
+    def build(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.core = Governor(config)
+        self.model = ReferenceGovernor(config)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.core, method)(*args, **kwargs)
+        self.log.append((method, (*args, tuple(sorted(kwargs.items()))), _plain(result)))
+        return result
+
+    @rule(target=ids, tenant=s.tenants, prompt=s.prompt_tokens, max_tokens=s.max_tokens,
+          dt=s.time_steps_us)
+    def submit(self, tenant: str, prompt: int, max_tokens: int, dt: int) -> int:
+        self.now += dt
+        self.expire_both()
+        expected = self.model.expected(tenant)
+        placeable = self.model.placeable(self.model.tenant_tier[tenant])
+        if tenant == "v1" and expected[0] == "rejected":
+            self.check_vip_not_shed_before_normal()
+        rid = self.next_id
+        self.next_id += 1
+        decision = self.call("submit", rid, tenant, prompt, max_tokens, self.now)
+        assert (decision.kind, decision.reason) == expected, (decision, expected)
+        if decision.rejected:
+            assert decision.retry_after_s is not None
+            assert decision.retry_after_s > 0
+        else:
+            tier = self.model.tenant_tier[tenant]
+            self.model.live[rid] = Req(tenant, tier, prompt, backend=decision.backend)
+            if decision.admitted:
+                assert decision.backend in placeable
+        return rid
+
+    def check_vip_not_shed_before_normal(self) -> None:
+        for normal in ("n1", "n2"):
+            probe = self.core.copy().submit(10**9, normal, 1, 1, self.now)
+            assert probe.rejected, f"VIP would be rejected while {normal} is let in: {probe}"
+
+    @rule()
+    def dispatch(self) -> None:
+        for admission in self.call("dispatch", self.now):
+            req = self.model.live[admission.request_id]
+            assert req.backend is None, "dispatched a request that was not queued"
+            assert admission.backend in self.model.placeable(req.tier)
+            higher = [t for t in range(req.tier) if self.model.queued_in(t)]
+            assert not any(self.model.placeable(t) for t in higher), "skipped a higher tier"
+            req.backend = admission.backend
+
+    @rule(rid=ids, n=st.integers(0, 40), dt=s.time_steps_us)
+    def tokens(self, rid: int, n: int, dt: int) -> None:
+        self.now += dt // 10
+        self.call("on_tokens", rid, n, self.now)
+        req = self.model.live.get(rid)
+        if req is not None and req.backend is not None:
+            req.generated += n
+
+    @rule(rid=ids)
+    def first_token(self, rid: int) -> None:
+        self.call("on_first_token", rid, self.now)
+
+    @rule(rid=consumes(ids), outcome=st.sampled_from(OUTCOMES))
+    def finish(self, rid: int, outcome: str) -> None:
+        was_live = rid in self.model.live
+        assert self.call("finish", rid, outcome, self.now) == was_live
+        self.model.live.pop(rid, None)
+        assert self.call("finish", rid, outcome, self.now) is False, "ended twice"
+
+    @rule(dt=s.time_steps_us)
+    def advance(self, dt: int) -> None:
+        self.now += dt * 4
+        self.expire_both()
+
+    def expire_both(self) -> None:
+        for expired in self.call("expire", self.now):
+            req = self.model.live.pop(expired.request_id)
+            assert expired.was_running == (req.backend is not None)
+
+    @rule(backend=st.integers(0, 1), usage=st.floats(0, 1), preemptions=st.integers(0, 3))
+    def observe(self, backend: int, usage: float, preemptions: int) -> None:
+        name = f"b{backend}"
+        if name in self.model.caps:
+            self.call("observe_backend", name, self.now, kv_usage=usage,
+                      preemptions_total=preemptions)
+            self.model.kv_usage[name] = usage
+
+    @rule(backend=st.integers(0, 1), healthy=st.booleans())
+    def health(self, backend: int, healthy: bool) -> None:
+        name = f"b{backend}"
+        if name in self.model.caps:
+            self.call("set_backend_health", name, healthy, self.now)
+            self.model.healthy[name] = healthy
+
+    @precondition(lambda self: self.now > 0)
+    @rule()
+    def drain(self) -> None:
+        self.call("start_draining")
+        self.model.draining = True
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        snap = self.core.snapshot(self.now)
+        for b in snap["backends"]:
+            assert b["running"] <= b["cap"]
+            assert b["running"] == self.model.running_on(b["name"])
+        assert snap["queued"] == self.model.queued <= self.config["max_waiting"]
+        assert self.core.live == len(self.model.live)
+        assert self.core.kv_blocks_in_use == self.model.ledger()
+        for r in snap["requests"]:
+            req = self.model.live[r["id"]]
+            assert r["kv_blocks"] == (self.model.blocks(req) if req.backend else 0)
+        if not self.model.live:
+            assert (self.core.kv_blocks_in_use, self.core.running, self.core.queued) == (0, 0, 0)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        replay = Governor(self.config)
+        for method, args, result in self.log:
+            *positional, kwargs = args
+            assert _plain(getattr(replay, method)(*positional, **dict(kwargs))) == result
+
+
+def _plain(value: Any) -> Any:
+    """A comparable form of a core result (decisions and lists of them)."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__repr__") and type(value).__module__ == "llmflow._core":
+        fields = ("kind", "reason", "backend", "position", "request_id", "priority")
+        return tuple(getattr(value, f, None) for f in fields) + (
+            getattr(value, "retry_after_s", None),
+            getattr(value, "estimated_wait_s", None),
+        )
+    return value
+
+
+TestGovernorMachine = GovernorMachine.TestCase
