@@ -140,7 +140,6 @@ class EngineCore:
         self._sumk = 0  # sum of k over decoders: their total context is sumk + n_dec * step
         self._heap: list[tuple[int, int, int, Seq]] = []  # (finish step, order, epoch, seq)
         self._chunks: list[tuple[Seq, int, int]] = []  # (seq, tokens, new blocks) of this step
-        self._aborts: list[Seq] = []
         self.in_step = False
         self._order = 0
         self.num_preemptions = 0
@@ -170,7 +169,10 @@ class EngineCore:
         self._push_waiting(seq, front=False)
 
     def abort(self, seq: Seq, now: float, reason: str = "abort") -> bool:
-        """Abort a live request (client disconnect). Mid-step aborts apply after the step.
+        """Abort a live request (client disconnect) and free its blocks at once.
+
+        An abort during a step drops that step's work for the sequence, as vLLM discards the
+        output of an aborted request. The owner is not notified: the caller is the one aborting.
 
         Returns:
             False when the sequence had already ended.
@@ -178,10 +180,7 @@ class EngineCore:
         if seq.state == DONE:
             return False
         seq.finish_reason = reason
-        if self.in_step:
-            self._aborts.append(seq)
-        else:
-            self._remove(seq, now)
+        self._remove(seq, now)
         return True
 
     def generated(self, seq: Seq) -> int:
@@ -212,8 +211,8 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> float | None:
-        """Plan the next step and allocate its KV blocks.
+    def schedule(self, now: float) -> float | None:
+        """Plan the step starting at `now` and allocate its KV blocks.
 
         Returns:
             The step's duration in seconds, or None when there is nothing to run.
@@ -238,9 +237,9 @@ class EngineCore:
             need, swap_bytes = self._preempt(need)
         else:
             if self.n_swapped:
-                need, budget, swap_bytes = self._swap_in(need, budget)
+                need, swap_bytes = self._swap_in(need)
             if self.n_waiting:
-                need = self._admit(need, budget)
+                need = self._admit(need, budget, now)
         if not chunks and not self.n_dec:
             return None
         self.used += need
@@ -297,12 +296,6 @@ class EngineCore:
             self._free_running(seq, now, -(-(seq.k + s) // self.block_size))
             ended.append(seq)
         self.in_step = False
-        if self._aborts:
-            for seq in self._aborts:
-                if seq.state != DONE:
-                    self._remove(seq, now)
-                    ended.append(seq)
-            self._aborts.clear()
         return first, ended
 
     # ---- internals -----------------------------------------------------------------------
@@ -335,7 +328,7 @@ class EngineCore:
         else:
             self.waiting_fifo.popleft()
 
-    def _admit(self, need: int, budget: int) -> int:
+    def _admit(self, need: int, budget: int, now: float) -> int:
         bs, cap, free = self.block_size, self.config.max_num_seqs, self.num_blocks - self.used
         while self.n_waiting and budget > 0 and len(self.running) < cap:
             seq = self._peek_waiting()
@@ -348,7 +341,7 @@ class EngineCore:
             self._pop_waiting()
             seq.state, seq.computed, seq.blocks = PREFILL, 0, 0
             if seq.t_sched < 0:
-                seq.t_sched = float(self.step)  # replaced by the wrapper with the time
+                seq.t_sched = now
             self.running[seq.rid] = seq
             self.prefilling[seq.rid] = seq
             self._chunks.append((seq, n, nb))
@@ -356,7 +349,7 @@ class EngineCore:
             budget -= n
         return need
 
-    def _swap_in(self, need: int, budget: int) -> tuple[int, int, float]:
+    def _swap_in(self, need: int) -> tuple[int, float]:
         bs, moved = self.block_size, 0
         while self.n_swapped and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -364,24 +357,19 @@ class EngineCore:
                 self.swapped.popleft()
                 continue
             held = seq.blocks
-            extra = 0
-            if seq.computed >= seq.num_tokens and seq.computed % bs == 0:
-                extra = 1  # the decode it joins in this step opens a new block
-            if need + held + extra > self.num_blocks - self.used or budget < 1:
+            if need + held > self.num_blocks - self.used:
                 break
+            # resumes as a prefill of what is left (one token for a swapped decoder); its
+            # chunk runs from the next step
             self.swapped.popleft()
             self.n_swapped -= 1
             self.cpu_used -= held
             moved += held
-            need += held + extra
+            need += held
+            seq.state = PREFILL
             self.running[seq.rid] = seq
-            if seq.computed >= seq.num_tokens:
-                budget -= 1
-                self._to_decode(seq, seq.computed, self.step)
-            else:
-                seq.state = PREFILL
-                self.prefilling[seq.rid] = seq
-        return need, budget, moved * bs * self.cost.kv_bytes_per_token
+            self.prefilling[seq.rid] = seq
+        return need, moved * bs * self.cost.kv_bytes_per_token
 
     def _preempt(self, need: int) -> tuple[int, float]:
         s, bs = self.step, self.block_size
@@ -453,14 +441,22 @@ class EngineCore:
             self.n_swapped -= 1
             self.cpu_used -= seq.blocks
         elif state == PREFILL:
+            held = seq.blocks
+            if self.in_step:  # its chunk of this step already holds blocks
+                for i, (q, _, nb) in enumerate(self._chunks):
+                    if q is seq:
+                        held += nb
+                        del self._chunks[i]
+                        break
             del self.prefilling[seq.rid]
             del self.running[seq.rid]
-            self.used -= seq.blocks
+            self.used -= held
         elif state == DECODE:
-            seq.gen = self.generated(seq)
+            c = seq.k + self.step  # computed tokens; this step's slot is allocated if in_step
+            seq.gen = c - seq.prompt + 1
             self._leave_decode(seq)
             del self.running[seq.rid]
-            self.used -= -(-(seq.k + self.step) // self.block_size)
+            self.used -= -(-(c + self.in_step) // self.block_size)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
 
     def check(self) -> dict[str, Any]:

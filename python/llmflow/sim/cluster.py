@@ -1,0 +1,170 @@
+"""Backends in simulated time: each vLLM instance is one SimPy process, one timeout per step.
+
+`Backend` wraps an `EngineCore`; `Cluster` builds the instances of a scenario and keeps the
+cluster-wide gauges (`Gauges`): running, waiting, KV blocks, their peaks and exact time integrals,
+updated on every change so peaks are never missed between samples.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmflow.sim.costmodel import cost_model
+from llmflow.sim.engine import EngineConfig, EngineCore, Seq
+
+if TYPE_CHECKING:
+    from collections.abc import Generator
+
+    import simpy
+
+    from llmflow.sim.scenario import BackendGroup
+
+__all__ = ["Backend", "Cluster", "Gauges"]
+
+
+class Gauges:
+    """Cluster-wide counts with their peaks and time integrals."""
+
+    __slots__ = (
+        "area_running", "area_waiting", "blocks", "env", "last_t", "peak_kv", "peak_running",
+        "peak_waiting", "running", "total_blocks", "used", "waiting",
+    )
+
+    def __init__(self, env: simpy.Environment, total_blocks: int):
+        self.env = env
+        self.running = self.waiting = self.used = 0
+        self.peak_running = self.peak_waiting = 0
+        self.peak_kv = 0.0
+        self.area_running = self.area_waiting = 0.0
+        self.last_t = 0.0
+        self.total_blocks = total_blocks
+
+    def shift(self, d_running: int, d_waiting: int, d_used: int, kv: float) -> None:
+        """Apply changes of one backend at the current time."""
+        now = self.env.now
+        dt = now - self.last_t
+        if dt:
+            self.area_running += dt * self.running
+            self.area_waiting += dt * self.waiting
+            self.last_t = now
+        self.running += d_running
+        self.waiting += d_waiting
+        self.used += d_used
+        if self.running > self.peak_running:
+            self.peak_running = self.running
+        if self.waiting > self.peak_waiting:
+            self.peak_waiting = self.waiting
+        if kv > self.peak_kv:
+            self.peak_kv = kv
+
+
+class Backend:
+    """One vLLM instance driven by SimPy.
+
+    Args:
+        env: the simulation environment.
+        name: backend name (as in the llmflow config).
+        core: the engine state.
+        gauges: cluster gauges to keep up to date.
+    """
+
+    def __init__(self, env: simpy.Environment, name: str, core: EngineCore, gauges: Gauges):
+        self.env, self.name, self.core, self.gauges = env, name, core, gauges
+        self.gpus = 1
+        self._wake: simpy.Event | None = None
+        self._seen = (0, 0, 0)
+        self.steps = 0
+        env.process(self._run())
+
+    def submit(self, seq: Seq) -> None:
+        """Hand a request to vLLM (it queues in vLLM's waiting list).
+
+        Raises:
+            EngineError: the request is too long for `max_model_len`.
+        """
+        self.core.add(seq, self.env.now)
+        self._sync()
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def abort(self, seq: Seq) -> bool:
+        """Abort a request (client disconnect): frees its KV blocks at once."""
+        done = self.core.abort(seq, self.env.now)
+        if done:
+            self._sync()
+        return done
+
+    def _sync(self) -> None:
+        core = self.core
+        r, w, u = len(core.running), core.n_waiting + core.n_swapped, core.used
+        r0, w0, u0 = self._seen
+        self._seen = (r, w, u)
+        self.gauges.shift(r - r0, w - w0, u - u0, u / core.num_blocks)
+
+    def _run(self) -> Generator[simpy.Event, None, None]:
+        env, core = self.env, self.core
+        while True:
+            dt = core.schedule(env.now)
+            if dt is None:
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            self._sync()
+            yield env.timeout(dt)
+            now = env.now
+            first, ended = core.complete(now)
+            self.steps += 1
+            self._sync()
+            for seq in first:
+                if seq.owner is not None:
+                    seq.owner.on_first_token(seq, now)
+            for seq in ended:
+                if seq.owner is not None:
+                    seq.owner.on_finished(seq, now)
+
+
+class Cluster:
+    """The scenario's vLLM instances.
+
+    Args:
+        env: the simulation environment.
+        groups: backend groups from the scenario.
+        scheduling_policy: overrides each group's vLLM scheduling policy when not None.
+    """
+
+    def __init__(
+        self, env: simpy.Environment, groups: list[BackendGroup], scheduling_policy: str | None
+    ):
+        cores: list[tuple[str, int, EngineCore]] = []
+        for g in groups:
+            flags = dict(g.engine)
+            if scheduling_policy is not None:
+                flags["scheduling_policy"] = scheduling_policy
+            config = EngineConfig(**flags)
+            cost = cost_model(g.gpu, g.model, g.tp, g.knobs)
+            for i in range(g.count):
+                name = g.name if g.count == 1 else f"{g.name}-{i}"
+                cores.append((name, g.tp, EngineCore(config, cost)))
+        self.gauges = Gauges(env, sum(c.num_blocks for _, _, c in cores))
+        self.backends: list[Backend] = []
+        for name, tp, core in cores:
+            b = Backend(env, name, core, self.gauges)
+            b.gpus = tp
+            self.backends.append(b)
+        self.by_name = {b.name: b for b in self.backends}
+
+    @property
+    def gpus(self) -> int:
+        """GPUs over all instances."""
+        return sum(b.gpus for b in self.backends)
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions over all instances."""
+        return sum(b.core.num_preemptions for b in self.backends)
+
+    @property
+    def steps(self) -> int:
+        """Engine steps over all instances."""
+        return sum(b.steps for b in self.backends)

@@ -1,0 +1,206 @@
+"""Running a scenario: one SimPy world per policy, the same requests for each, one report.
+
+`run_scenario` builds the requests once from the seed, then for each policy builds a fresh
+environment (backends, policy, arrival process, sampler), runs it until every request has ended
+(or the horizon), and summarises. Same scenario and seed, same report, on any machine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import simpy
+
+from llmflow.sim.clients import RequestSpec, client
+from llmflow.sim.cluster import Cluster
+from llmflow.sim.metrics import Recorder, class_summary
+from llmflow.sim.policies import PRESETS, DirectPolicy, GatedPolicy, policy_settings
+from llmflow.sim.workload import Requests, build_requests
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator
+
+    from llmflow.sim.scenario import PolicySpec, Scenario
+
+__all__ = ["PolicyRun", "run_policy", "run_scenario"]
+
+
+@dataclass
+class PolicyRun:
+    """What one policy's run produced: its report block and the raw series for plots."""
+
+    name: str
+    summary: dict[str, Any]
+    series: dict[str, np.ndarray]  # t, queue, running, kv_usage
+    ttft: dict[str, np.ndarray] = field(default_factory=dict)  # class -> TTFTs (s)
+
+
+def _arrivals(
+    env: simpy.Environment, reqs: Requests, sc: Scenario, gw: Any, rec: Recorder, seed: int,
+    live: dict[int, tuple[int, float]],
+) -> Generator[simpy.Event, None, None]:
+    classes = sc.workload
+    rngs = [random.Random(f"{seed}:{i}:client") for i in range(len(classes))]
+    t, cls, prompt = reqs.t.tolist(), reqs.cls.tolist(), reqs.prompt.tolist()
+    eos, max_tokens = reqs.eos.tolist(), reqs.max_tokens.tolist()
+    for i in range(len(t)):
+        delay = t[i] - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+        c = cls[i]
+        wc = classes[c]
+        spec = RequestSpec(c, wc.tenant, prompt[i], eos[i], max_tokens[i])
+        live[i] = (c, env.now)
+        proc = env.process(client(env, spec, gw, wc.client, rngs[c], rec))
+        proc.callbacks.append(lambda _e, i=i: live.pop(i, None))
+
+
+def _sampler(
+    env: simpy.Environment, cluster: Cluster, gw: Any, every: float, out: list[tuple[float, ...]]
+) -> Generator[simpy.Event, None, None]:
+    g = cluster.gauges
+    while True:
+        queued = gw.gov.queued if isinstance(gw, GatedPolicy) else 0
+        out.append((env.now, queued + g.waiting, g.running, g.used / g.total_blocks))
+        yield env.timeout(every)
+
+
+def run_policy(
+    sc: Scenario, name: str, spec: PolicySpec, reqs: Requests, seed: int,
+    progress: Callable[[int], None] | None = None,
+) -> PolicyRun:
+    """Simulate one policy on the given requests.
+
+    Args:
+        sc: the scenario.
+        name: policy name (also picks the built-in preset for gated policies).
+        spec: the policy's spec from the scenario.
+        reqs: the requests (`build_requests`).
+        seed: seeds the clients' jitter.
+        progress: called with the number of requests ended since the last call.
+    """
+    wall0 = time.perf_counter()
+    env = simpy.Environment()
+    sched = None if spec.kind == "direct" else (
+        spec.scheduling_policy or PRESETS.get(name, ({}, "fcfs", None))[1])
+    cluster = Cluster(env, sc.cluster, sched)
+    gw: DirectPolicy | GatedPolicy
+    if spec.kind == "direct":
+        gw = DirectPolicy(env, cluster)
+    else:
+        gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster))
+    rec = Recorder(env)
+    total = len(reqs)
+    done = env.event()
+    live: dict[int, tuple[int, float]] = {}
+    ended = [0, 0]  # ended so far, reported to progress so far
+
+    def _on_end() -> None:
+        ended[0] += 1
+        if progress is not None and ended[0] - ended[1] >= 256:
+            progress(ended[0] - ended[1])
+            ended[1] = ended[0]
+        if ended[0] == total and not done.triggered:
+            done.succeed()
+
+    rec.on_end.append(_on_end)
+    env.process(_arrivals(env, reqs, sc, gw, rec, seed, live))
+    samples: list[tuple[float, ...]] = []
+    env.process(_sampler(env, cluster, gw, sc.sample_interval_s, samples))
+    if total:
+        env.run(until=simpy.AnyOf(env, [done, env.timeout(sc.horizon_s)]))
+    rec.close(sorted(live.values(), key=lambda v: v[1]))
+    if progress is not None and ended[0] > ended[1]:
+        progress(ended[0] - ended[1])
+    return _summarise(sc, name, env, cluster, gw, rec, samples, time.perf_counter() - wall0)
+
+
+def _summarise(
+    sc: Scenario, name: str, env: simpy.Environment, cluster: Cluster,
+    gw: DirectPolicy | GatedPolicy, rec: Recorder, samples: list[tuple[float, ...]], wall: float,
+) -> PolicyRun:
+    cols = rec.columns()
+    horizon = env.now
+    classes = {
+        wc.name: class_summary(cols, i, wc.client.chars_per_token)
+        for i, wc in enumerate(sc.workload)
+    }
+    g = cluster.gauges
+    gated = isinstance(gw, GatedPolicy)
+    peak_gw = gw.peak_queue if gated else 0
+    good = 0
+    for i, wc in enumerate(sc.workload):
+        mine = (cols["cls"] == i) & (cols["state"] == "completed")
+        if wc.slo is not None and wc.slo.ttft_p99_s is not None:
+            mine &= cols["ttft"] <= wc.slo.ttft_p99_s
+        if wc.slo is not None and wc.slo.e2e_p99_s is not None:
+            mine &= cols["e2e"] <= wc.slo.e2e_p99_s
+        good += int(mine.sum())
+    gen_tokens = sum(b.core.generation_tokens_total for b in cluster.backends)
+    summary: dict[str, Any] = {
+        "classes": classes,
+        "peak_running": g.peak_running,
+        "peak_queue": max(peak_gw, max((int(s[1]) for s in samples), default=0), g.peak_waiting),
+        "peak_gateway_queue": peak_gw,
+        "peak_engine_waiting": g.peak_waiting,
+        "peak_kv_usage": round(g.peak_kv, 6),
+        "preemptions": cluster.preemptions,
+        "goodput_rps": round(good / horizon, 6) if horizon else 0.0,
+        "sim_s": round(horizon, 6),
+        "engine_steps": cluster.steps,
+        "generated_tokens": gen_tokens,
+        "rejections": dict(sorted(gw.rejections.items())) if gated else {},
+        "littles_law": rec.littles_law(horizon),
+        "gpus": cluster.gpus,
+        "wall_s": round(wall, 3),
+    }
+    arr = np.array(samples) if samples else np.zeros((0, 4))
+    series = {"t": arr[:, 0], "queue": arr[:, 1], "running": arr[:, 2], "kv_usage": arr[:, 3]}
+    ttft = {wc.name: cols["ttft"][cols["cls"] == i] for i, wc in enumerate(sc.workload)}
+    return PolicyRun(name, summary, series, ttft)
+
+
+def run_scenario(
+    sc: Scenario, policies: list[str] | None = None, seed: int | None = None,
+    progress: bool = False,
+) -> tuple[dict[str, Any], list[PolicyRun]]:
+    """Run the scenario's policies (all, or those named) on the same requests.
+
+    Returns:
+        The report (`report.json`'s content) and the per-policy runs (for plots).
+
+    Raises:
+        KeyError: a policy name the scenario does not define.
+    """
+    seed = sc.seed if seed is None else seed
+    names = policies or list(sc.policies)
+    unknown = [n for n in names if n not in sc.policies]
+    if unknown:
+        raise KeyError(f"unknown policy {unknown}; the scenario defines {list(sc.policies)}")
+    reqs = build_requests(sc, seed)
+    runs = []
+    for name in names:
+        bar = _bar(name, len(reqs)) if progress else None
+        try:
+            runs.append(run_policy(sc, name, sc.policies[name], reqs, seed,
+                                   bar.update if bar is not None else None))
+        finally:
+            if bar is not None:
+                bar.close()
+    report = {
+        "scenario": sc.title,
+        "seed": seed,
+        "requests": len(reqs),
+        "policies": {r.name: r.summary for r in runs},
+    }
+    return report, runs
+
+
+def _bar(name: str, total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{name:>10}", unit="req", leave=True, dynamic_ncols=True)

@@ -1,0 +1,220 @@
+"""Scenario files: the YAML schema of a simulated cluster, its workload and the policies compared.
+
+A scenario names the backends (GPU and model presets, vLLM flags), the workload classes (tenant,
+tier, arrival process, length distributions, client behaviour, SLO) and the policies to run. The
+gated policies carry an llmflow config (the same YAML sections the gateway reads); the simulator
+fills in `backends` and `tenants` from the cluster and the workload. See docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "Arrival", "BackendGroup", "ClientSpec", "Dist", "PolicySpec", "Retry", "Scenario",
+    "ScenarioError", "Slo", "WorkloadClass", "load_scenario",
+]
+
+
+class ScenarioError(ValueError):
+    """A scenario file is missing, is not YAML or does not validate."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Dist(_Model):
+    """A token-length distribution; values are rounded and clipped to `[min, max]`."""
+
+    kind: Literal["fixed", "uniform", "lognormal", "exponential", "empirical"]
+    value: int | None = None  # fixed
+    low: int | None = None  # uniform, inclusive
+    high: int | None = None
+    median: float | None = None  # lognormal
+    sigma: float | None = None
+    mean: float | None = None  # exponential (rounded up: a geometric number of tokens)
+    path: str | None = None  # empirical: CSV file, relative to the scenario file
+    column: str | None = None
+    min: int = 1
+    max: int = 1_000_000
+
+    @model_validator(mode="after")
+    def _check(self) -> Dist:
+        need = {
+            "fixed": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "sigma"),
+            "exponential": ("mean",), "empirical": ("path", "column"),
+        }[self.kind]
+        missing = [k for k in need if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"a {self.kind} distribution needs {missing}")
+        return self
+
+
+class Arrival(_Model):
+    """When requests of a class arrive.
+
+    `poisson`: rate_per_s between start_s and stop_s; `burst`: count requests at at_s, spread
+    evenly over over_s; `onoff`: Poisson at rate_per_s during on_s, silent during off_s;
+    `trace`: timestamps (and lengths) from a CSV such as the Azure traces.
+    """
+
+    kind: Literal["poisson", "burst", "onoff", "trace"]
+    rate_per_s: float | None = Field(None, gt=0)
+    start_s: float = Field(0.0, ge=0)
+    stop_s: float | None = None  # default: the scenario's duration_s
+    at_s: float = Field(0.0, ge=0)
+    count: int | None = Field(None, ge=1)
+    over_s: float = Field(0.0, ge=0)
+    on_s: float | None = Field(None, gt=0)
+    off_s: float | None = Field(None, ge=0)
+    path: str | None = None
+    time_scale: float = Field(1.0, gt=0)  # trace: divide gaps by this (2 = twice as fast)
+    max_requests: int | None = Field(None, ge=1)  # cap on arrivals of this class
+
+    @model_validator(mode="after")
+    def _check(self) -> Arrival:
+        need = {"poisson": ("rate_per_s",), "burst": ("count",), "onoff": ("rate_per_s", "on_s",
+                "off_s"), "trace": ("path",)}[self.kind]
+        missing = [k for k in need if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"a {self.kind} arrival needs {missing}")
+        return self
+
+
+class Retry(_Model):
+    """Retry on 429 (and a gateway's queue timeout) with exponential backoff and jitter."""
+
+    max_attempts: int | None = Field(None, ge=1)  # None: retry until served
+    base_s: float = Field(1.0, gt=0)
+    cap_s: float = Field(60.0, gt=0)
+    jitter: Literal["none", "equal", "full"] = "equal"
+    honour_retry_after: bool = True
+
+
+class ClientSpec(_Model):
+    """How the clients of a class behave."""
+
+    stream: bool = True
+    timeout_s: float | None = Field(None, gt=0)  # no first token (or, unstreamed, no answer) by then
+    retries_on_timeout: int = Field(0, ge=0)  # the avalanche: re-send after a timeout
+    retry_delay_s: float = Field(0.0, ge=0)
+    retry_429: Retry | None = Retry()
+    render_tps: float | None = Field(None, gt=0)  # tokens/s the client displays
+    disconnect_after_tokens: int | None = Field(None, ge=1)
+    disconnect_after_s: float | None = Field(None, gt=0)
+    chars_per_token: float = Field(4.0, gt=0)  # to report returned text length
+
+
+class Slo(_Model):
+    """Targets a class's verdict is judged against (user-perceived, from the first attempt)."""
+
+    ttft_p99_s: float | None = Field(None, gt=0)
+    e2e_p99_s: float | None = Field(None, gt=0)
+    min_completed_frac: float | None = Field(None, ge=0, le=1)
+
+
+class WorkloadClass(_Model):
+    """One class of traffic: who sends it, when, how long, and how the client behaves."""
+
+    name: str = Field(min_length=1)
+    tenant: str = Field(min_length=1)
+    tier: str = "normal"
+    arrival: Arrival
+    prompt_tokens: Dist | None = None  # None: from the trace
+    output_tokens: Dist | None = None  # where the model would stop (EOS); None: from the trace
+    max_tokens: int | None = Field(None, ge=1)  # None: ask exactly output_tokens (ignore_eos)
+    client: ClientSpec = ClientSpec()
+    slo: Slo | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkloadClass:
+        if self.arrival.kind != "trace" and (self.prompt_tokens is None
+                                             or self.output_tokens is None):
+            raise ValueError("prompt_tokens and output_tokens are required unless arrival is a trace")
+        return self
+
+
+class BackendGroup(_Model):
+    """`count` identical vLLM instances, each on `tp` GPUs."""
+
+    name: str = Field(min_length=1)
+    count: int = Field(1, ge=1)
+    gpu: str
+    model: str
+    tp: int = Field(1, ge=1)
+    engine: dict[str, Any] = {}  # EngineConfig fields (vLLM flags)
+    knobs: dict[str, float] = {}  # cost-model knob overrides
+
+
+class PolicySpec(_Model):
+    """A policy to compare: `direct` (no gateway) or `gated` (the core with `config`)."""
+
+    kind: Literal["direct", "gated"] = "gated"
+    config: dict[str, Any] = {}  # llmflow YAML sections, merged over the built-in preset
+    scheduling_policy: Literal["fcfs", "priority"] | None = None  # vLLM's; None: preset's
+    tenant_tier: str | None = None  # put every tenant in this tier
+
+
+class Scenario(_Model):
+    """A whole scenario file."""
+
+    title: str
+    seed: int = 0
+    duration_s: float = Field(gt=0)  # arrivals stop here; the run drains afterwards
+    max_sim_s: float | None = Field(None, gt=0)  # hard stop (default: 20 x duration + 1 h)
+    sample_interval_s: float = Field(1.0, gt=0)
+    cluster: list[BackendGroup] = Field(min_length=1)
+    workload: list[WorkloadClass] = Field(min_length=1)
+    policies: dict[str, PolicySpec] = Field(default_factory=lambda: {
+        "direct": PolicySpec(kind="direct"), "seed-gate": PolicySpec(), "llmflow": PolicySpec()})
+    base_dir: Path = Path(".")  # the scenario file's folder (set by load_scenario)
+
+    @model_validator(mode="after")
+    def _check(self) -> Scenario:
+        names = [c.name for c in self.workload]
+        if len(set(names)) != len(names):
+            raise ValueError(f"workload class names must be unique: {names}")
+        if len({g.name for g in self.cluster}) != len(self.cluster):
+            raise ValueError("cluster group names must be unique")
+        return self
+
+    @property
+    def horizon_s(self) -> float:
+        """Simulated time after which a run stops even if requests are still live."""
+        return self.max_sim_s or 20 * self.duration_s + 3600.0
+
+    def resolve(self, path: str) -> Path:
+        """A path from the file, relative to the scenario's folder."""
+        p = Path(path)
+        return p if p.is_absolute() else self.base_dir / p
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario YAML file.
+
+    Raises:
+        ScenarioError: naming the file and each bad key.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read scenario ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: the top level must be a mapping")
+    data["base_dir"] = path.resolve().parent
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{path}: invalid scenario ({exc.error_count()} problem(s)):"]
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {key}: {err['msg']}")
+        raise ScenarioError("\n".join(lines)) from None
