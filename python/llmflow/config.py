@@ -124,6 +124,8 @@ class Server(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    drain_timeout_ms: DurationMs = 30_000.0  # shutdown: how long live requests may finish
+    bytes_per_token: float = Field(4.0, gt=0)  # prompt-length estimate for text (no tokenizer)
 
 
 _DEFAULT_TIERS = (

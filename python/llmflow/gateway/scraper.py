@@ -153,7 +153,8 @@ class Scraper:
         kv = None if state.kv_usage is None else min(max(state.kv_usage, 0.0), 1.0)
         self.policy.observe_backend(state.name, kv_usage=kv, running=state.running,
                                     waiting=state.waiting,
-                                    preemptions_total=state.preemptions_total)
+                                    preemptions_total=state.preemptions_total,
+                                    kv_blocks=state.num_gpu_blocks)
         if not state.healthy:
             self._set_health(state, True)
 

@@ -1,0 +1,187 @@
+"""The gateway application: `create_app(settings)` and the runtime its lifespan builds.
+
+The lifespan starts the built-in simulated backends (for backends without a URL), builds the core
+from the config, scrapes every backend once so health is known before the first request, and
+starts the scrape loop. Shutdown stops admitting (the core refuses with `draining`), lets live
+requests finish for `server.drain_timeout_ms`, then cuts the rest with a visible notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+
+from llmflow._core import Governor
+from llmflow.config import load_settings
+from llmflow.gateway.auth import KeyRing
+from llmflow.gateway.embedded import EmbeddedBackend
+from llmflow.gateway.errors import install_handlers
+from llmflow.gateway.metrics import GatewayMetrics
+from llmflow.gateway.middleware import BodyLimit
+from llmflow.gateway.policy import Policy, now_us
+from llmflow.gateway.routes import dashboard, openai, ops, websocket
+from llmflow.gateway.scraper import Scraper
+from llmflow.gateway.serving import CompletionService
+from llmflow.gateway.session import BackendRoute, SessionContext
+from llmflow.gateway.upstream import Upstream
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from llmflow.config import Settings
+
+__all__ = ["Gateway", "create_app"]
+
+log = logging.getLogger("llmflow.gateway")
+_CUT_GRACE_S = 2.0  # after cutting, how long streams get to write their notice and close
+
+
+class Gateway:
+    """Everything one running gateway holds; built by `Gateway.start`.
+
+    Args:
+        settings: the validated config.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keyring = KeyRing(settings)
+        self.embedded: list[EmbeddedBackend] = []
+        self.started_at = time.monotonic()
+        self.draining = False
+        tiers = {t.name: t.tier for t in settings.tenants}
+        tiers.setdefault(settings.anonymous_tenant, settings.default_tier)
+        self.policy = Policy(Governor(settings.to_core()), tiers)
+        self.upstream = Upstream()
+        self.metrics = GatewayMetrics(self.policy)
+        self.metrics.draining = lambda: self.draining
+        self.tasks: set[asyncio.Task[Any]] = set()
+        models: dict[str, int] = {}
+        for backend in settings.backends:
+            for model in backend.models:
+                models[model] = min(models.get(model, backend.max_model_len),
+                                    backend.max_model_len)
+        self.models = models
+        self.scraper: Scraper | None = None
+        self.ctx: SessionContext | None = None
+        self.service: CompletionService | None = None
+
+    async def start(self) -> None:
+        """Start embedded backends, the scrape loop, and the service."""
+        urls: dict[str, str] = {}
+        for backend in self.settings.backends:
+            if backend.url is None:
+                embedded = EmbeddedBackend(backend)
+                self.embedded.append(embedded)
+                urls[backend.name] = await embedded.start()
+            else:
+                urls[backend.name] = backend.url.rstrip("/")
+        s = self.settings
+        self.scraper = Scraper(self.policy, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3)
+        self.metrics.scraper = self.scraper
+        self.ctx = SessionContext(
+            policy=self.policy, upstream=self.upstream, metrics=self.metrics,
+            routes={b.name: BackendRoute(urls[b.name], b.scheduling_policy == "priority")
+                    for b in s.backends},
+            first_token_error=s.streaming.on_first_token_timeout == "error",
+            client_window=s.backpressure.client_window,
+            pause_when_full=s.backpressure.pause_when_full,
+            on_backend_down=self.scraper.mark_down, tasks=self.tasks)
+        self.service = CompletionService(self.ctx, self.models, s.server.bytes_per_token)
+        await self.scraper.scrape_all()
+        self.scraper.start(self.tasks)
+        for name, state in self.scraper.states.items():
+            log.info("backend %s at %s: %s", name, state.url,
+                     "healthy" if state.healthy else f"UNHEALTHY ({state.last_error})")
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Stop admitting, wait for live requests up to `timeout_s`, then cut the rest."""
+        if self.ctx is None:
+            return
+        if not self.draining:
+            self.draining = True
+            self.policy.start_draining()
+            log.info("draining: %d live request(s)", len(self.ctx.sessions))
+        timeout = self.settings.server.drain_timeout_ms / 1e3 if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while self.ctx.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.ctx.sessions:
+            log.warning("drain timeout: cutting %d request(s)", len(self.ctx.sessions))
+            for session in list(self.ctx.sessions):
+                session.cut("shutdown")
+            deadline = time.monotonic() + _CUT_GRACE_S
+            while self.ctx.sessions and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Drain, then stop scraping, cancel background work and close every connection."""
+        await self.drain()
+        if self.scraper is not None:
+            await self.scraper.stop()
+        for task in list(self.tasks):
+            task.cancel("llmflow gateway shutting down")
+        if self.tasks:
+            await asyncio.wait(list(self.tasks))
+        self.policy.close()
+        await self.upstream.aclose()
+        for embedded in self.embedded:
+            await embedded.stop()
+
+    def state(self) -> dict[str, Any]:
+        """The JSON snapshot behind `/api/state` and the dashboard."""
+        sessions = list(self.ctx.sessions) if self.ctx else []
+        return {
+            "draining": self.draining,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+            "core": self.policy.governor.snapshot(now_us()),
+            "backends": {n: s.as_json() for n, s in self.scraper.states.items()}
+            if self.scraper else {},
+            "streams": [_stream_state(s) for s in sessions],
+            "outcomes": [{"outcome": o, "reason": r, "count": c}
+                         for (o, r), c in sorted(self.metrics.outcomes.items())],
+        }
+
+
+def _stream_state(session: Any) -> dict[str, Any]:
+    ticket = session.ticket
+    return {"id": ticket.request_id, "tenant": ticket.tenant, "tier": ticket.tier,
+            "backend": ticket.backend, "queued": not ticket.admitted.done(),
+            "streaming": session.streaming, "tokens": session.parser.completion_tokens,
+            "window": len(session.window), "age_s": round(time.monotonic()
+                                                          - session.prepared.arrived, 3)}
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    gateway = Gateway(app.state.settings)
+    app.state.gateway = gateway
+    try:
+        await gateway.start()
+        yield
+    finally:
+        await gateway.stop()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the gateway app; its lifespan starts the runtime.
+
+    Args:
+        settings: the validated config (default: every default, one built-in simulated backend).
+
+    Returns:
+        The FastAPI app, ready for any ASGI server.
+    """
+    settings = settings or load_settings()
+    app = FastAPI(title="llmflow gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+    for module in (openai, ops, dashboard, websocket):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,93 @@
+"""`llmflow serve`: run the gateway under uvicorn, with a graceful drain on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from llmflow.config import ConfigFileError, load_settings
+from llmflow.gateway.app import create_app
+
+if TYPE_CHECKING:
+    from llmflow.config import Settings
+    from llmflow.gateway.app import Gateway
+
+__all__ = ["GatewayServer", "add_commands", "serve"]
+
+_FORCE_AFTER_DRAIN_S = 5.0  # uvicorn's own backstop, past the gateway's drain timeout
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn, but shutdown drains the gateway before it stops taking connections."""
+
+    async def shutdown(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        """Drain live requests (stop admitting, wait, cut), then shut down as uvicorn does."""
+        app = self.config.loaded_app
+        gateway: Gateway | None = getattr(getattr(app, "state", None), "gateway", None)
+        if gateway is None:  # uvicorn wraps the app; find the FastAPI one underneath
+            gateway = _find_gateway(app)
+        if gateway is not None:
+            await gateway.drain()
+        await super().shutdown(sockets)  # type: ignore[arg-type]
+
+
+def _find_gateway(app: object) -> Gateway | None:
+    for _ in range(8):
+        state = getattr(app, "state", None)
+        if state is not None and hasattr(state, "gateway"):
+            return state.gateway  # type: ignore[no-any-return]
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `serve` on the `llmflow` parser.
+
+    Args:
+        subparsers: the `llmflow` command group.
+    """
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible gateway in front of vLLM",
+        description="Run the gateway. Backends come from the config; with no backend URL the "
+                    "built-in simulated vLLM starts in-process, so `llmflow serve` alone works.")
+    p.add_argument("--config", type=Path, help="YAML config file (default: built-in defaults)")
+    p.add_argument("--host", help="address to listen on (default: server.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default: server.port, 8080)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the gateway until SIGINT/SIGTERM; returns the exit status."""
+    try:
+        settings = load_settings(args.config)
+    except ConfigFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = _override(settings, args.host, args.port)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = uvicorn.Config(
+        create_app(settings), host=settings.server.host, port=settings.server.port,
+        log_level=args.log_level, lifespan="on", access_log=False,
+        timeout_graceful_shutdown=settings.server.drain_timeout_ms / 1e3 + _FORCE_AFTER_DRAIN_S)
+    logging.getLogger("llmflow.gateway").info(
+        "llmflow gateway listening on http://%s:%d (dashboard at /dashboard)",
+        settings.server.host, settings.server.port)
+    GatewayServer(config).run()
+    return 0
+
+
+def _override(settings: Settings, host: str | None, port: int | None) -> Settings:
+    update = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    if not update:
+        return settings
+    server = settings.server.model_copy(update=update)
+    return settings.model_copy(update={"server": server})

@@ -1,0 +1,1 @@
+"""HTTP and WebSocket routes: thin adapters from FastAPI to the gateway's services."""

@@ -1,0 +1,185 @@
+"""A fake vLLM OpenAI server for gateway tests: exact timing and injected faults.
+
+Each request may carry a `fake` object (the gateway passes unknown fields through, and the
+`openai` client sends it with `extra_body`) that scripts the reply:
+
+- `tokens` (int): how many tokens to generate (default: `max_tokens`, else 8);
+- `ttft` / `itl` (seconds): delay before the first token / between tokens;
+- `status` (int): answer this HTTP error status instead of streaming;
+- `crash_after` (int): drop the connection after that many tokens;
+- `hang` (bool): accept the request and never send a byte;
+- `step` (bool): emit each token only when the test calls `FakeVllm.release()`;
+- `chunk_bytes` (int): pad each token's text to this many bytes (to fill socket buffers).
+
+It speaks vLLM's streaming format: a role chunk first, one chunk per token with continuous usage
+when asked, a usage-only chunk when `include_usage` is set, then `data: [DONE]`. It counts what a
+test needs to check: requests seen, running now, aborted by the client, completed, peak running,
+and the bodies it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+__all__ = ["FakeVllm"]
+
+
+@dataclass
+class FakeVllm:
+    """The fake server's state and its ASGI app (`.app`)."""
+
+    model: str = "fake-model"
+    kv_usage: float = 0.0
+    preemptions: int = 0
+    metrics_status: int = 200
+    kv_name: str = "vllm:kv_cache_usage_perc"
+    num_gpu_blocks: int = 1000
+    default: dict[str, Any] = field(default_factory=dict)
+    seen: int = 0
+    running: int = 0
+    peak_running: int = 0
+    aborted: int = 0
+    completed: int = 0
+    tokens_sent: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    metrics_scrapes: int = 0
+
+    def __post_init__(self) -> None:
+        self._steps: asyncio.Queue[None] | None = None
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self._complete, methods=["POST"]),
+            Route("/v1/completions", self._complete, methods=["POST"]),
+            Route("/v1/models", self._models),
+            Route("/health", self._health),
+            Route("/metrics", self._metrics),
+        ])
+
+    @property
+    def steps(self) -> asyncio.Queue[None]:
+        """Permits for `step` replies (created on the running loop)."""
+        if self._steps is None:
+            self._steps = asyncio.Queue()
+        return self._steps
+
+    def release(self, n: int = 1) -> None:
+        """Let `step` replies emit `n` more tokens."""
+        for _ in range(n):
+            self.steps.put_nowait(None)
+
+    async def _health(self, _request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def _models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _metrics(self, _request: Request) -> Response:
+        self.metrics_scrapes += 1
+        if self.metrics_status != 200:
+            return PlainTextResponse("boom", status_code=self.metrics_status)
+        labels = f'engine="0",model_name="{self.model}"'
+        text = "\n".join([
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {float(self.running)}",
+            f"vllm:num_requests_waiting{{{labels}}} 0.0",
+            f"{self.kv_name}{{{labels}}} {self.kv_usage}",
+            f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}",
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.num_gpu_blocks}",'
+            f'engine="0"}} 1.0',
+            "",
+        ])
+        return PlainTextResponse(text)
+
+    async def _complete(self, request: Request) -> Response:
+        body = await request.json()
+        self.seen += 1
+        self.bodies.append(body)
+        plan = {**self.default, **(body.get("fake") or {})}
+        if plan.get("status"):
+            return JSONResponse({"error": {"message": "injected failure", "type": "server_error",
+                                           "code": plan["status"]}}, status_code=plan["status"])
+        if plan.get("hang"):
+            return StreamingResponse(self._hang(), media_type="text/event-stream")
+        chat = request.url.path.endswith("chat/completions")
+        return StreamingResponse(self._stream(body, plan, chat), media_type="text/event-stream")
+
+    async def _hang(self) -> Any:
+        self._enter()
+        finished = False
+        try:
+            await asyncio.Event().wait()
+            finished = True
+            yield b""
+        finally:
+            self._leave(finished)
+
+    def _enter(self) -> None:
+        self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
+
+    def _leave(self, finished: bool) -> None:
+        self.running -= 1
+        if finished:
+            self.completed += 1
+        else:
+            self.aborted += 1
+
+    async def _stream(self, body: dict[str, Any], plan: dict[str, Any], chat: bool) -> Any:
+        self._enter()
+        finished = False
+        try:
+            n = int(plan.get("tokens") or body.get("max_tokens") or 8)
+            options = body.get("stream_options") or {}
+            base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-fake{self.seen}",
+                    "created": int(time.time()), "model": body.get("model", self.model),
+                    "object": "chat.completion.chunk" if chat else "text_completion"}
+            continuous = bool(options.get("continuous_usage_stats"))
+            prompt = 10
+            await asyncio.sleep(float(plan.get("ttft", 0.0)))
+            if chat:
+                yield _frame(base, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}],
+                             _usage(prompt, 0) if continuous else None)
+            pad = int(plan.get("chunk_bytes", 0))
+            for i in range(n):
+                if plan.get("step"):
+                    await self.steps.get()
+                elif i and plan.get("itl"):
+                    await asyncio.sleep(float(plan["itl"]))
+                if plan.get("crash_after") is not None and i >= int(plan["crash_after"]):
+                    raise ConnectionAbortedError("injected crash mid-stream")
+                text = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
+                finish = "length" if i == n - 1 else None
+                choice: dict[str, Any] = ({"index": 0, "delta": {"content": text}}
+                                          if chat else {"index": 0, "text": text})
+                choice.update(logprobs=None, finish_reason=finish)
+                self.tokens_sent += 1
+                yield _frame(base, [choice], _usage(prompt, i + 1) if continuous else None)
+            if options.get("include_usage"):
+                yield _frame(base, [], _usage(prompt, n))
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            self._leave(finished)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _frame(base: dict[str, Any], choices: list[dict[str, Any]],
+           usage: dict[str, int] | None) -> bytes:
+    chunk = {**base, "choices": choices}
+    if usage is not None:
+        chunk["usage"] = usage
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"

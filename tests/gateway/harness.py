@@ -1,0 +1,126 @@
+"""Test harness: real uvicorn servers on loopback inside the test's event loop.
+
+Streaming, disconnects and backpressure need real sockets (httpx's in-process transport buffers
+whole responses and never disconnects), so the fake vLLM and the gateway both run as uvicorn
+servers on ephemeral ports, in the same loop as the test: what a test sees is deterministic up
+to the scheduling of that one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+
+from llmflow.config import Settings, load_settings
+from llmflow.gateway.app import Gateway, create_app
+from llmflow.gateway.embedded import QuietServer
+from .fake_vllm import FakeVllm
+
+__all__ = ["Harness", "assert_idle", "serve_asgi", "settings_for", "start_gateway"]
+
+
+@contextlib.asynccontextmanager
+async def serve_asgi(app: Any, **config: Any) -> AsyncIterator[tuple[str, QuietServer]]:
+    """Serve an ASGI app on `127.0.0.1:<ephemeral>`; yields (base URL, server)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    cfg = uvicorn.Config(app, log_level="critical", lifespan="on", access_log=False, **config)
+    server = QuietServer(cfg)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("server exited during startup")
+            await asyncio.sleep(0.005)
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        await asyncio.wait([task], timeout=15)
+        sock.close()
+
+
+def settings_for(urls: dict[str, str], **sections: Any) -> Settings:
+    """Settings whose backends are `urls` (name -> URL), with section overrides."""
+    data: dict[str, Any] = {
+        "backends": [{"name": name, "url": url, "models": ["fake-model"], "max_model_len": 4096}
+                     for name, url in urls.items()],
+        "metrics": {"scrape_interval_ms": 100, "stale_after_ms": 5000},
+        "streaming": {"sse_flush_interval": 0},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return load_settings(data=data)
+
+
+@dataclass
+class Harness:
+    """A running gateway in front of fakes, with an HTTP client."""
+
+    url: str
+    gateway: Gateway
+    client: httpx.AsyncClient
+    fakes: dict[str, FakeVllm]
+
+    @property
+    def fake(self) -> FakeVllm:
+        """The first (often only) fake backend."""
+        return next(iter(self.fakes.values()))
+
+    async def settle(self, timeout_s: float = 3.0) -> None:
+        """Wait until nothing is live in the gateway or the fakes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not _idle(self):
+            await asyncio.sleep(0.01)
+
+
+def _idle(h: Harness) -> bool:
+    g = h.gateway.policy.governor
+    sessions = h.gateway.ctx.sessions if h.gateway.ctx else set()
+    return (g.running == 0 and g.queued == 0 and g.kv_blocks_in_use == 0
+            and h.gateway.policy.live == 0 and not sessions
+            and all(f.running == 0 for f in h.fakes.values()))
+
+
+async def assert_idle(h: Harness) -> None:
+    """In flight, queue and KV ledger back to zero; no session or upstream request left."""
+    await h.settle()
+    g = h.gateway.policy.governor
+    assert (g.running, g.queued, g.kv_blocks_in_use) == (0, 0, 0)
+    assert h.gateway.policy.live == 0
+    assert not h.gateway.ctx or not h.gateway.ctx.sessions
+    assert [f.running for f in h.fakes.values()] == [0] * len(h.fakes)
+
+
+@contextlib.asynccontextmanager
+async def start_gateway(n_backends: int = 1, check_idle: bool = True,
+                        configure: Callable[[dict[str, FakeVllm]], None] | None = None,
+                        **sections: Any) -> AsyncIterator[Harness]:
+    """Fakes plus a gateway over them; on exit, asserts everything returned to zero."""
+    fakes = {f"b{i}": FakeVllm() for i in range(n_backends)}
+    if configure is not None:
+        configure(fakes)
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {}
+        for name, fake in fakes.items():
+            urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
+        app = create_app(settings_for(urls, **sections))
+        url, _ = await stack.enter_async_context(serve_asgi(app))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+        harness = Harness(url, app.state.gateway, client, fakes)
+        yield harness
+        if check_idle:
+            await assert_idle(harness)
