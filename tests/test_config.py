@@ -1,0 +1,92 @@
+"""The YAML config: defaults from the seed, and errors that name the key, value and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmflow import Governor
+from llmflow.config import ConfigFileError, load_settings, parse_duration_ms
+
+SEED_YAML = """
+streaming:
+  enabled: true
+  first_token_timeout_ms: 3000
+  sse_flush_interval: 20ms
+backpressure:
+  client_window: 8
+  pause_when_full: true
+gate:
+  max_concurrency_per_gpu: 16
+  queue:
+    max_waiting: 200
+    strategy: "fair"
+  on_queue_full: "reject_429"
+"""
+
+
+def test_seed_snippet_is_a_valid_config(tmp_path: Path) -> None:
+    path = tmp_path / "llmflow.yaml"
+    path.write_text(SEED_YAML)
+    s = load_settings(path)
+    assert s.streaming.sse_flush_interval == 20.0
+    assert s.backpressure.client_window == 8
+    assert s.gate.max_concurrency_per_gpu == 16
+    Governor(s.to_core())
+
+
+def test_defaults_are_the_seeds() -> None:
+    s = load_settings()
+    assert (s.gate.max_concurrency_per_gpu, s.gate.queue.max_waiting) == (16, 200)
+    assert (s.backpressure.client_window, s.streaming.first_token_timeout_ms) == (8, 3000.0)
+    assert (s.kv.pressure_threshold, s.sla.ttft_ms) == (0.85, 1500.0)
+    assert [t.shed_at for t in s.tiers] == [1.0, 0.8, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("20ms", 20.0), ("1.5s", 1500.0), ("2m", 120000.0), (250, 250.0), ("500us", 0.5)],
+)
+def test_durations(text: object, expected: float) -> None:
+    assert parse_duration_ms(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "fragments"),
+    [
+        ("gate:\n  max_concurrency_per_gpu: 0\n", ["gate.max_concurrency_per_gpu", "got 0"]),
+        ("gate:\n  queue:\n    strategy: random\n", ["gate.queue.strategy", "'fair'", "'random'"]),
+        ("streaming:\n  sse_flush_interval: soon\n", ["sse_flush_interval", "'20ms'", "'soon'"]),
+        ("backpresure:\n  client_window: 8\n", ["backpresure", "unknown key"]),
+        ("kv:\n  pressure_threshold: 1.5\n", ["kv.pressure_threshold", "1.5"]),
+        ("tenants:\n  - name: a\n    tier: gold\n", ["gold", "vip"]),
+        ("- just\n- a list\n", ["top level must be a mapping"]),
+        ("gate: [unclosed\n", ["not valid YAML"]),
+    ],
+)
+def test_bad_files_name_the_problem(tmp_path: Path, yaml_text: str, fragments: list[str]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigFileError) as info:
+        load_settings(path)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigFileError, match="cannot read"):
+        load_settings(tmp_path / "absent.yaml")
+
+
+def test_api_keys_are_unique() -> None:
+    data = {"tenants": [{"name": "a", "tier": "vip", "api_keys": ["k"]},
+                        {"name": "b", "tier": "normal", "api_keys": ["k"]}]}
+    with pytest.raises(ConfigFileError, match="api_keys must be unique"):
+        load_settings(data=data)
+
+
+def test_anonymous_tenant_gets_default_tier() -> None:
+    core = load_settings(data={"default_tier": "batch"}).to_core()
+    assert {"name": "anonymous", "tier": "batch", "weight": 1.0} in core["tenants"]

@@ -1,0 +1,158 @@
+"""The PyO3 bindings of the policy core: values, errors and the request lifecycle."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+import llmflow
+from llmflow import (
+    ConfigError,
+    DuplicateRequestError,
+    Governor,
+    InvalidArgumentError,
+    PolicyError,
+    UnknownBackendError,
+    UnknownTenantError,
+)
+
+
+def test_lifecycle_returns_everything(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    first = g.submit(1, "shop", 100, 50, 0)
+    assert (first.kind, first.admitted, first.backend) == ("admitted", True, "sim0")
+    g.on_first_token(1, 200_000)
+    g.on_tokens(1, 40, 300_000)
+    assert g.request_kv(1, 300_000)[0] == 9  # ceil(140 / 16)
+    assert g.kv_blocks_in_use == 9
+    assert g.finish(1, "completed", 1_000_000) is True
+    assert g.finish(1, "completed", 1_000_000) is False
+    assert (g.running, g.queued, g.live, g.kv_blocks_in_use) == (0, 0, 0, 0)
+    assert g.snapshot(1_000_000)["counters"]["finished"]["completed"] == 1
+
+
+def test_queue_dispatch_and_reject(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    decisions = [g.submit(i, "shop", 10, 10, 0) for i in range(1, 8)]
+    kinds = [d.kind for d in decisions]
+    # 2 slots, then normal may fill 80% of a 4-deep queue (3), then it is shed.
+    assert kinds == ["admitted"] * 2 + ["queued"] * 3 + ["rejected"] * 2
+    assert decisions[2].position == 0 and decisions[4].position == 2
+    assert decisions[-1].reason == "tier_shed"
+    assert decisions[-1].retry_after_s > 0
+    assert g.cancel(1, 10)
+    (admission,) = g.dispatch(10)
+    assert (admission.request_id, admission.backend) == (3, "sim0")
+    assert admission.queue_wait_s == pytest.approx(10e-6)
+
+
+def test_vip_uses_the_rest_of_the_queue(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    for i in range(5):
+        g.submit(i, "shop", 10, 10, 0)
+    assert g.submit(10, "shop", 10, 10, 0).reason == "tier_shed"
+    assert g.submit(11, "acme", 10, 10, 0).queued
+    assert g.submit(12, "acme", 10, 10, 0).reason == "queue_full"
+
+
+def test_expire_reports_reason(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    g.submit(1, "shop", 10, 10, 0)
+    assert g.next_deadline_us() == 3_000_000  # first-token timeout, the seed's 3000 ms
+    (expired,) = g.expire(3_000_000)
+    assert (expired.request_id, expired.reason, expired.was_running) == (
+        1, "first_token_timeout", True,
+    )
+    assert expired.backend == "sim0"
+    assert g.live == 0
+
+
+def test_observe_and_breaker(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    g.observe_backend("sim0", 0, kv_usage=0.2, running=0, waiting=0, preemptions_total=0)
+    g.observe_backend("sim0", 1, kv_usage=0.95, preemptions_total=3, kv_blocks=1000)
+    assert g.shed_level == 1
+    assert g.submit(1, "shop", 10, 10, 2).reason == "kv_pressure"
+    assert g.submit(2, "acme", 10, 10, 2).admitted
+    snap = g.snapshot(2)
+    assert snap["backends"][0]["kv_capacity_blocks"] == 1000
+    assert snap["backends"][0]["preemptions"] == 3
+
+
+def test_draining_and_health(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    g.set_backend_health("sim0", False, 0)
+    assert g.submit(1, "acme", 1, 1, 0).reason == "no_healthy_backend"
+    g.set_backend_health("sim0", True, 0)
+    g.start_draining()
+    assert g.draining
+    assert g.submit(2, "acme", 1, 1, 0).reason == "draining"
+
+
+def test_copy_is_independent(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    g.submit(1, "shop", 10, 10, 0)
+    probe = copy.copy(g)
+    probe.finish(1, "completed", 1)
+    assert (g.live, probe.live) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda g: g.submit(1, "nobody", 1, 1, 0), UnknownTenantError, "tenants"),
+        (lambda g: g.submit(1, "shop", -1, 1, 0), InvalidArgumentError, "prompt_tokens"),
+        (lambda g: g.on_tokens(1, -5, 0), InvalidArgumentError, "n must be >= 0"),
+        (lambda g: g.finish(1, "done", 0), InvalidArgumentError, "completed, error"),
+        (lambda g: g.observe_backend("gpu9", 0), UnknownBackendError, "backends"),
+        (lambda g: g.observe_backend("sim0", 0, kv_usage=1.5), InvalidArgumentError, "0..1"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(
+    core_config: dict[str, Any], call: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        call(Governor(core_config))
+
+
+def test_duplicate_live_id(core_config: dict[str, Any]) -> None:
+    g = Governor(core_config)
+    g.submit(7, "shop", 1, 1, 0)
+    with pytest.raises(DuplicateRequestError, match="7"):
+        g.submit(7, "shop", 1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda c: c.update(max_concurrency_per_gpu=0), "max_concurrency_per_gpu"),
+        (lambda c: c.update(kv_pressure_threshold=1.2), "kv_pressure_threshold"),
+        (lambda c: c.update(surprise=1), "unknown field `surprise`"),
+        (lambda c: c["tenants"][0].update(tier="gold"), "tenants[0].tier"),
+        (lambda c: c.update(backends=[]), "backends"),
+        (lambda c: c.update(strategy="lottery"), "lottery"),
+    ],
+)
+def test_bad_core_config(core_config: dict[str, Any], mutate: Any, message: str) -> None:
+    mutate(core_config)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Governor(core_config)
+
+
+def test_config_must_be_a_mapping() -> None:
+    with pytest.raises(ConfigError, match="mapping"):
+        Governor([1, 2])  # type: ignore[arg-type]
+
+
+def test_errors_share_a_base() -> None:
+    for error in (ConfigError, UnknownTenantError, DuplicateRequestError, InvalidArgumentError):
+        assert issubclass(error, PolicyError)
+
+
+def test_capacity_functions() -> None:
+    assert int(llmflow.kv_slots(80e9, 64e9, 6e9, 4096, 1e6)) == 2
+    assert llmflow.kv_bytes_per_token(80, 8, 128, 2, tp=4) == 80 * 1024
+    with pytest.raises(InvalidArgumentError):
+        llmflow.kv_bytes_per_token(0, 8, 128, 2)
