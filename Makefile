@@ -1,0 +1,50 @@
+.DEFAULT_GOAL := help
+PYTHON ?= python3
+HYPOTHESIS_PROFILE ?= ci
+export HYPOTHESIS_PROFILE
+
+.PHONY: help
+help: ## Show this help
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-12s %s\n", $$1, $$2}'
+
+.PHONY: install
+install: ## Install llmflow (builds the Rust core) with test and dev extras
+	$(PYTHON) -m pip install -e '.[test,dev]'
+
+.PHONY: build-dev
+build-dev: ## Rebuild the Rust extension in place after editing rust/src
+	maturin develop --release
+
+.PHONY: vllm
+vllm: ## Build (or reuse) the cached real-vLLM venv the integration tests use
+	scripts/vllm_env.sh
+
+.PHONY: test
+test: ## Run every test: cargo test, then pytest (unit, simulator, property, integration)
+	cargo test --quiet
+	$(PYTHON) -m pytest tests sim property_tests
+
+.PHONY: test-fast
+test-fast: ## Everything except the real-vLLM integration tests
+	cargo test --quiet
+	HYPOTHESIS_PROFILE=fast $(PYTHON) -m pytest tests sim property_tests -m "not integration"
+
+.PHONY: props
+props: ## Property tests only
+	$(PYTHON) -m pytest property_tests
+
+.PHONY: lint
+lint: ## ruff, mypy, stubtest, rustfmt and clippy
+	$(PYTHON) -m ruff check python tests property_tests benchmarks
+	$(PYTHON) -m mypy python/llmflow
+	$(PYTHON) -m mypy.stubtest llmflow._core --allowlist .stubtest-allowlist
+	cargo fmt --check
+	cargo clippy --tests -- -D warnings
+
+.PHONY: bench
+bench: ## Core benchmark (Rust, PyO3 and the reference model side by side)
+	$(PYTHON) benchmarks/core_bench.py
+
+.PHONY: goldens
+goldens: ## Rewrite the simulator's golden .out files (review the diff before committing)
+	LLMFLOW_UPDATE_GOLDENS=1 $(PYTHON) -m pytest sim
