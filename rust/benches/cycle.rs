@@ -59,15 +59,14 @@ fn decision_ns(depth: u64, reps: u64) -> (f64, f64) {
     let submit_ns = start.elapsed().as_nanos() as f64 / reps as f64;
     let running: Vec<u64> = (0..16).collect();
     let start = Instant::now();
-    let mut next = 2_000_000_000;
     let mut live = running;
     for i in 0..reps {
+        let next = 2_000_000_000 + i;
         let victim = live[(i % 16) as usize];
         g.finish(victim, Outcome::Completed, 2);
         let admitted = g.dispatch(2);
         live[(i % 16) as usize] = admitted[0].request_id;
         g.submit(next, (i % 3) as u32, 512, 256, 2).unwrap();
-        next += 1;
     }
     let dispatch_ns = start.elapsed().as_nanos() as f64 / reps as f64;
     (submit_ns, dispatch_ns)
@@ -76,7 +75,10 @@ fn decision_ns(depth: u64, reps: u64) -> (f64, f64) {
 fn main() {
     let n = 2_000_000;
     cycles(n / 10);
-    println!("{{\"measure\":\"rust_cycles_per_s\",\"value\":{:.0}}}", cycles(n));
+    println!(
+        "{{\"measure\":\"rust_cycles_per_s\",\"value\":{:.0}}}",
+        cycles(n)
+    );
     for depth in [10, 1_000, 100_000] {
         let (submit, dispatch) = decision_ns(depth, 200_000);
         println!(

@@ -88,22 +88,43 @@ impl Governor {
     pub fn new(config: PolicyConfig) -> PolicyResult<Self> {
         config.validate()?;
         let tier_of = |name: &str| config.tiers.iter().position(|t| t.name == name);
-        let tenant_tier: Vec<usize> =
-            config.tenants.iter().map(|t| tier_of(&t.tier).unwrap_or(0)).collect();
-        let weights: Vec<(usize, f64)> =
-            config.tenants.iter().zip(&tenant_tier).map(|(t, &tier)| (tier, t.weight)).collect();
+        let tenant_tier: Vec<usize> = config
+            .tenants
+            .iter()
+            .map(|t| tier_of(&t.tier).unwrap_or(0))
+            .collect();
+        let weights: Vec<(usize, f64)> = config
+            .tenants
+            .iter()
+            .zip(&tenant_tier)
+            .map(|(t, &tier)| (tier, t.weight))
+            .collect();
         let tiers = config.tiers.len();
         let backends = config
             .backends
             .iter()
             .map(|b| {
-                BackendState::new(b, config.max_concurrency_per_gpu, tiers, config.prefill_tokens_per_s)
+                BackendState::new(
+                    b,
+                    config.max_concurrency_per_gpu,
+                    tiers,
+                    config.prefill_tokens_per_s,
+                )
             })
             .collect();
         Ok(Self {
-            tenant_index: config.tenants.iter().enumerate().map(|(i, t)| (t.name.clone(), i as u32)).collect(),
+            tenant_index: config
+                .tenants
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.clone(), i as u32))
+                .collect(),
             queue: FairQueue::new(config.strategy, tiers, &weights),
-            ledger: KvLedger::new(config.block_size, config.tenants.len(), config.backends.len()),
+            ledger: KvLedger::new(
+                config.block_size,
+                config.tenants.len(),
+                config.backends.len(),
+            ),
             tenant_tier,
             requests: FxHashMap::default(),
             backends,
@@ -140,7 +161,10 @@ impl Governor {
     }
 
     pub fn tenant_id(&self, name: &str) -> PolicyResult<u32> {
-        self.tenant_index.get(name).copied().ok_or_else(|| PolicyError::UnknownTenant(name.into()))
+        self.tenant_index
+            .get(name)
+            .copied()
+            .ok_or_else(|| PolicyError::UnknownTenant(name.into()))
     }
 
     pub fn backend_id(&self, name: &str) -> PolicyResult<u32> {
@@ -171,7 +195,12 @@ impl Governor {
 
     /// Requests per second the backends drain when saturated: slots / mean service time.
     pub fn drain_rate(&self) -> f64 {
-        let slots: u32 = self.backends.iter().filter(|b| b.healthy).map(|b| b.cap).sum();
+        let slots: u32 = self
+            .backends
+            .iter()
+            .filter(|b| b.healthy)
+            .map(|b| b.cap)
+            .sum();
         f64::from(slots.max(1)) / self.service_s.unwrap_or(PRIOR_SERVICE_S)
     }
 
@@ -216,7 +245,13 @@ impl Governor {
             }
             Decision::Queued { priority, .. } => {
                 self.insert(id, tenant, tier_idx, prompt, priority, now_us);
-                self.queue.push(tenant, QueuedItem { id, prompt_tokens: prompt });
+                self.queue.push(
+                    tenant,
+                    QueuedItem {
+                        id,
+                        prompt_tokens: prompt,
+                    },
+                );
                 if let Some(ms) = us(self.config.queue_timeout_ms) {
                     self.set_deadline(id, ExpiryReason::QueueTimeout, now_us + ms);
                 }
@@ -234,10 +269,15 @@ impl Governor {
         };
         let drain = self.drain_rate();
         if self.draining {
-            return reject(RejectReason::Draining, f64::from(self.running() + 1) / drain);
+            return reject(
+                RejectReason::Draining,
+                f64::from(self.running() + 1) / drain,
+            );
         }
         if !self.backends.iter().any(|b| b.healthy) {
-            let wait = self.stale_after_us().map_or(PRIOR_SERVICE_S, |u| u as f64 / 1e6);
+            let wait = self
+                .stale_after_us()
+                .map_or(PRIOR_SERVICE_S, |u| u as f64 / 1e6);
             return reject(RejectReason::NoHealthyBackend, wait);
         }
         if !tier.protected {
@@ -247,7 +287,11 @@ impl Governor {
         }
         let priority = self.priority(tier_idx, prompt + max_tokens);
         let ahead: usize = (0..=tier_idx).map(|t| self.queue.tier_len(t)).sum();
-        let sla_excess = if tier.protected { None } else { self.sla_excess(tier_idx, prompt) };
+        let sla_excess = if tier.protected {
+            None
+        } else {
+            self.sla_excess(tier_idx, prompt)
+        };
         if ahead == 0 {
             if let Some(backend) = self.pick_backend(tier_idx, now_us) {
                 if let Some(excess) = sla_excess {
@@ -277,7 +321,11 @@ impl Governor {
         if let Some(excess) = sla_excess {
             return reject(RejectReason::TtftSla, excess);
         }
-        Decision::Queued { position: ahead as u32, estimated_wait_s: (ahead + 1) as f64 / drain, priority }
+        Decision::Queued {
+            position: ahead as u32,
+            estimated_wait_s: (ahead + 1) as f64 / drain,
+            priority,
+        }
     }
 
     /// The time for enough running work to finish that KV usage falls below the threshold, when
@@ -300,9 +348,13 @@ impl Governor {
     /// Seconds by which the prefill work ahead of a new request overshoots the TTFT SLA.
     fn sla_excess(&self, tier_idx: usize, prompt: u64) -> Option<f64> {
         let sla_s = self.config.ttft_sla_ms? / 1000.0;
-        let queued: u64 = (0..=tier_idx).map(|t| self.queue.tier_prompt_tokens(t)).sum();
+        let queued: u64 = (0..=tier_idx)
+            .map(|t| self.queue.tier_prompt_tokens(t))
+            .sum();
         let healthy = self.backends.iter().filter(|b| b.healthy);
-        let (pending, tps) = healthy.fold((0, 0.0), |(p, r), b| (p + b.prefill_pending, r + b.prefill_tps));
+        let (pending, tps) = healthy.fold((0, 0.0), |(p, r), b| {
+            (p + b.prefill_pending, r + b.prefill_tps)
+        });
         let estimate = (queued + pending + prompt) as f64 / tps;
         (estimate > sla_s).then_some(estimate - sla_s)
     }
@@ -344,7 +396,10 @@ impl Governor {
                 continue;
             }
             if !tier.protected
-                && self.config.kv_pressure_threshold.is_some_and(|t| self.backend_kv_usage(i, now_us) > t)
+                && self
+                    .config
+                    .kv_pressure_threshold
+                    .is_some_and(|t| self.backend_kv_usage(i, now_us) > t)
             {
                 continue;
             }
@@ -362,20 +417,37 @@ impl Governor {
         let mut admitted = Vec::new();
         for tier_idx in 0..self.config.tiers.len() {
             while self.queue.tier_len(tier_idx) > 0 {
-                let Some(backend) = self.pick_backend(tier_idx, now_us) else { break };
-                let Some((_, item)) = self.queue.pop(tier_idx) else { break };
+                let Some(backend) = self.pick_backend(tier_idx, now_us) else {
+                    break;
+                };
+                let Some((_, item)) = self.queue.pop(tier_idx) else {
+                    break;
+                };
                 let req = &self.requests[&item.id];
                 let (priority, waited) = (req.priority, now_us.saturating_sub(req.submitted_us));
                 self.clear_deadline(item.id, ExpiryReason::QueueTimeout);
                 self.start(item.id, backend, now_us);
                 self.counters.dispatched += 1;
-                admitted.push(Admission { request_id: item.id, backend, priority, queue_wait_us: waited });
+                admitted.push(Admission {
+                    request_id: item.id,
+                    backend,
+                    priority,
+                    queue_wait_us: waited,
+                });
             }
         }
         admitted
     }
 
-    fn insert(&mut self, id: u64, tenant: u32, tier: usize, prompt: u64, priority: i64, now_us: u64) {
+    fn insert(
+        &mut self,
+        id: u64,
+        tenant: u32,
+        tier: usize,
+        prompt: u64,
+        priority: i64,
+        now_us: u64,
+    ) {
         let request = Request {
             tenant,
             tier,
@@ -407,7 +479,8 @@ impl Governor {
         });
         let (tenant, prompt) = (req.tenant, req.prompt);
         self.ledger.open(id, tenant, backend, prompt, now_us);
-        self.queue.charge(tenant, self.config.input_token_weight * prompt as f64);
+        self.queue
+            .charge(tenant, self.config.input_token_weight * prompt as f64);
         if let Some(ms) = us(self.config.first_token_timeout_ms) {
             self.set_deadline(id, ExpiryReason::FirstTokenTimeout, now_us + ms);
         }
@@ -415,8 +488,12 @@ impl Governor {
 
     /// Record a running request's first token. Returns false if it is not running.
     pub fn on_first_token(&mut self, id: u64, now_us: u64) -> bool {
-        let Some(req) = self.requests.get_mut(&id) else { return false };
-        let Some(run) = req.running.as_mut() else { return false };
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        let Some(run) = req.running.as_mut() else {
+            return false;
+        };
         if run.first_token {
             return true;
         }
@@ -433,19 +510,25 @@ impl Governor {
         if n == 0 || !self.on_first_token(id, now_us) {
             return n == 0 && self.requests.get(&id).is_some_and(|r| r.running.is_some());
         }
-        let req = self.requests.get_mut(&id).expect("on_tokens: checked above");
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("on_tokens: checked above");
         req.generated += n;
         let context = (req.prompt + req.generated) as f64;
         let tenant = req.tenant;
         self.ledger.grow(id, n, now_us);
-        let per_token = self.config.output_token_weight + self.config.kv_weight * context / KV_COST_TOKENS;
+        let per_token =
+            self.config.output_token_weight + self.config.kv_weight * context / KV_COST_TOKENS;
         self.queue.charge(tenant, per_token * n as f64);
         true
     }
 
     /// End a live request and free everything it held. Returns false if it was not live.
     pub fn finish(&mut self, id: u64, outcome: Outcome, now_us: u64) -> bool {
-        let Some(req) = self.requests.remove(&id) else { return false };
+        let Some(req) = self.requests.remove(&id) else {
+            return false;
+        };
         for (slot, at) in req.deadlines.iter().enumerate() {
             if let Some(at) = at {
                 self.deadlines.remove(&(*at, id, ExpiryReason::ALL[slot]));
@@ -484,7 +567,12 @@ impl Governor {
             let backend = self.requests[&id].running.as_ref().map(|r| r.backend);
             self.finish(id, Outcome::Timeout, now_us);
             self.counters.expired[reason as usize] += 1;
-            expired.push(Expired { request_id: id, reason, was_running: backend.is_some(), backend });
+            expired.push(Expired {
+                request_id: id,
+                reason,
+                was_running: backend.is_some(),
+                backend,
+            });
         }
         expired
     }
@@ -518,14 +606,21 @@ impl Governor {
     ) -> PolicyResult<()> {
         if let Some(v) = kv_usage {
             if !(0.0..=1.0 + 1e-9).contains(&v) {
-                return Err(PolicyError::invalid(format!("kv_usage must be in 0..1, got {v}")));
+                return Err(PolicyError::invalid(format!(
+                    "kv_usage must be in 0..1, got {v}"
+                )));
             }
         }
         let b = self
             .backends
             .get_mut(backend as usize)
             .ok_or_else(|| PolicyError::UnknownBackend(backend.to_string()))?;
-        b.observed = Some(Observation { kv_usage, running, waiting, at_us: now_us });
+        b.observed = Some(Observation {
+            kv_usage,
+            running,
+            waiting,
+            at_us: now_us,
+        });
         let mut tripped = false;
         if let Some(total) = preemptions_total {
             tripped = b.preemptions_seen.is_some_and(|seen| total > seen);
@@ -558,7 +653,9 @@ impl Governor {
 
     /// Let the breaker cool down one level per elapsed cool-down period.
     fn tick(&mut self, now_us: u64) {
-        let Some(cooldown) = us(self.config.preemption_cooldown_ms) else { return };
+        let Some(cooldown) = us(self.config.preemption_cooldown_ms) else {
+            return;
+        };
         while self.shed_level > 0 && now_us >= self.breaker_until_us {
             self.shed_level -= 1;
             self.breaker_until_us += cooldown;
@@ -586,10 +683,19 @@ mod tests {
     fn admits_then_queues() {
         let mut g = governor();
         let a = tenant(&g, "a");
-        assert!(matches!(g.submit(1, a, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
-        assert!(matches!(g.submit(2, a, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+        assert!(matches!(
+            g.submit(1, a, 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        assert!(matches!(
+            g.submit(2, a, 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
         let third = g.submit(3, a, 10, 10, 0).unwrap();
-        assert!(matches!(third, Decision::Queued { position: 0, .. }), "{third:?}");
+        assert!(
+            matches!(third, Decision::Queued { position: 0, .. }),
+            "{third:?}"
+        );
         assert_eq!((g.running(), g.queued()), (2, 1));
     }
 
@@ -618,10 +724,19 @@ mod tests {
             g.submit(id, a, 10, 10, 0).unwrap();
         }
         let shed = g.submit(5, a, 10, 10, 0).unwrap();
-        let Decision::Rejected { reason, retry_after_s } = shed else { panic!("{shed:?}") };
+        let Decision::Rejected {
+            reason,
+            retry_after_s,
+        } = shed
+        else {
+            panic!("{shed:?}")
+        };
         assert_eq!(reason, RejectReason::TierShed);
         assert!(retry_after_s > 0.0);
-        assert!(matches!(g.submit(6, v, 10, 10, 0).unwrap(), Decision::Queued { .. }));
+        assert!(matches!(
+            g.submit(6, v, 10, 10, 0).unwrap(),
+            Decision::Queued { .. }
+        ));
     }
 
     // A full queue refuses even VIP with queue_full.
@@ -633,7 +748,16 @@ mod tests {
             g.submit(id, v, 10, 10, 0).unwrap();
         }
         let d = g.submit(7, v, 10, 10, 0).unwrap();
-        assert!(matches!(d, Decision::Rejected { reason: RejectReason::QueueFull, .. }), "{d:?}");
+        assert!(
+            matches!(
+                d,
+                Decision::Rejected {
+                    reason: RejectReason::QueueFull,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
     }
 
     // VIP queued requests go before normal ones queued earlier (strict tier order).
@@ -654,19 +778,41 @@ mod tests {
     fn max_share_reserves_slots() {
         let mut g = governor();
         let (z, a) = (tenant(&g, "z"), tenant(&g, "a"));
-        assert!(matches!(g.submit(1, z, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
-        assert!(matches!(g.submit(2, z, 10, 10, 0).unwrap(), Decision::Queued { .. }));
-        assert!(matches!(g.submit(3, a, 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+        assert!(matches!(
+            g.submit(1, z, 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        assert!(matches!(
+            g.submit(2, z, 10, 10, 0).unwrap(),
+            Decision::Queued { .. }
+        ));
+        assert!(matches!(
+            g.submit(3, a, 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
     }
 
     // KV usage above the threshold sheds non-protected tiers but still lets VIP in.
     #[test]
     fn kv_pressure() {
         let mut g = governor();
-        g.observe_backend(0, 0, Some(0.9), None, None, None).unwrap();
+        g.observe_backend(0, 0, Some(0.9), None, None, None)
+            .unwrap();
         let d = g.submit(1, tenant(&g, "a"), 10, 10, 0).unwrap();
-        assert!(matches!(d, Decision::Rejected { reason: RejectReason::KvPressure, .. }), "{d:?}");
-        assert!(matches!(g.submit(2, tenant(&g, "v"), 10, 10, 0).unwrap(), Decision::Admitted { .. }));
+        assert!(
+            matches!(
+                d,
+                Decision::Rejected {
+                    reason: RejectReason::KvPressure,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        assert!(matches!(
+            g.submit(2, tenant(&g, "v"), 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
     }
 
     // Prefill work beyond the SLA at the prior throughput (8000 tok/s, 1.5 s) is refused.
@@ -674,10 +820,19 @@ mod tests {
     fn ttft_sla() {
         let mut g = governor();
         let d = g.submit(1, tenant(&g, "a"), 13_000, 10, 0).unwrap();
-        let Decision::Rejected { reason, retry_after_s } = d else { panic!("{d:?}") };
+        let Decision::Rejected {
+            reason,
+            retry_after_s,
+        } = d
+        else {
+            panic!("{d:?}")
+        };
         assert_eq!(reason, RejectReason::TtftSla);
         assert!((retry_after_s - 0.125).abs() < 1e-9);
-        assert!(matches!(g.submit(2, tenant(&g, "a"), 11_000, 10, 0).unwrap(), Decision::Admitted { .. }));
+        assert!(matches!(
+            g.submit(2, tenant(&g, "a"), 11_000, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
     }
 
     // A rising preemption counter raises the shed level; it decays one level per cool-down.
@@ -690,10 +845,22 @@ mod tests {
         assert_eq!(g.shed_level, 1);
         // Level 1 halves normal's slots (2 -> 1) and its queue room (2 -> 1).
         let a = tenant(&g, "a");
-        assert!(matches!(g.submit(1, a, 10, 10, 20).unwrap(), Decision::Admitted { .. }));
-        assert!(matches!(g.submit(2, a, 10, 10, 20).unwrap(), Decision::Queued { .. }));
+        assert!(matches!(
+            g.submit(1, a, 10, 10, 20).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        assert!(matches!(
+            g.submit(2, a, 10, 10, 20).unwrap(),
+            Decision::Queued { .. }
+        ));
         let d = g.submit(3, a, 10, 10, 20).unwrap();
-        assert!(matches!(d, Decision::Rejected { reason: RejectReason::PreemptionBreaker, .. }));
+        assert!(matches!(
+            d,
+            Decision::Rejected {
+                reason: RejectReason::PreemptionBreaker,
+                ..
+            }
+        ));
         g.dispatch(10 + 1000 * 1000);
         assert_eq!(g.shed_level, 0);
     }
@@ -709,12 +876,21 @@ mod tests {
         g.on_first_token(1, S);
         let expired = g.expire(4 * S);
         assert_eq!(expired.len(), 1);
-        assert_eq!((expired[0].request_id, expired[0].reason), (2, ExpiryReason::FirstTokenTimeout));
+        assert_eq!(
+            (expired[0].request_id, expired[0].reason),
+            (2, ExpiryReason::FirstTokenTimeout)
+        );
         let expired = g.expire(6 * S);
-        assert_eq!((expired[0].request_id, expired[0].reason), (3, ExpiryReason::QueueTimeout));
+        assert_eq!(
+            (expired[0].request_id, expired[0].reason),
+            (3, ExpiryReason::QueueTimeout)
+        );
         assert!(!expired[0].was_running);
         let expired = g.expire(61 * S);
-        assert_eq!((expired[0].request_id, expired[0].reason), (1, ExpiryReason::Deadline));
+        assert_eq!(
+            (expired[0].request_id, expired[0].reason),
+            (1, ExpiryReason::Deadline)
+        );
         assert_eq!((g.live(), g.next_deadline_us()), (0, None));
     }
 
@@ -741,7 +917,13 @@ mod tests {
         g.submit(1, a, 10, 10, 0).unwrap();
         g.start_draining();
         let d = g.submit(2, a, 10, 10, 0).unwrap();
-        assert!(matches!(d, Decision::Rejected { reason: RejectReason::Draining, .. }));
+        assert!(matches!(
+            d,
+            Decision::Rejected {
+                reason: RejectReason::Draining,
+                ..
+            }
+        ));
         assert!(g.finish(1, Outcome::Completed, 1));
     }
 
@@ -751,7 +933,10 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         g.submit(1, a, 10, 10, 0).unwrap();
-        assert_eq!(g.submit(1, a, 10, 10, 0), Err(PolicyError::DuplicateRequest(1)));
+        assert_eq!(
+            g.submit(1, a, 10, 10, 0),
+            Err(PolicyError::DuplicateRequest(1))
+        );
         g.finish(1, Outcome::Cancelled, 0);
         assert!(g.submit(1, a, 10, 10, 0).is_ok());
     }

@@ -93,7 +93,11 @@ mod tests {
     use super::*;
 
     fn backend() -> BackendState {
-        let config = BackendConfig { name: "b".into(), gpus: 2, kv_blocks: 100 };
+        let config = BackendConfig {
+            name: "b".into(),
+            gpus: 2,
+            kv_blocks: 100,
+        };
         BackendState::new(&config, 16, 2, 1000.0)
     }
 
@@ -109,7 +113,10 @@ mod tests {
     fn kv_usage_sources() {
         let mut b = backend();
         assert!((b.kv_usage(50, false) - 0.5).abs() < 1e-9);
-        b.observed = Some(Observation { kv_usage: Some(0.2), ..Observation::default() });
+        b.observed = Some(Observation {
+            kv_usage: Some(0.2),
+            ..Observation::default()
+        });
         assert!((b.kv_usage(50, false) - 0.2).abs() < 1e-9);
         assert!((b.kv_usage(50, true) - 0.5).abs() < 1e-9);
     }
@@ -119,7 +126,10 @@ mod tests {
     fn staleness() {
         let mut b = backend();
         assert!(!b.is_stale(10_000_000, Some(1000)));
-        b.observed = Some(Observation { at_us: 0, ..Observation::default() });
+        b.observed = Some(Observation {
+            at_us: 0,
+            ..Observation::default()
+        });
         assert!(b.is_stale(10_000, Some(1000)));
         assert!(!b.is_stale(10_000, None));
     }

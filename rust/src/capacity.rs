@@ -11,12 +11,21 @@ pub fn kv_slots(
     avg_context_tokens: f64,
     kv_bytes_per_token: f64,
 ) -> PolicyResult<f64> {
-    for (name, v) in [("vram", vram), ("weights", weights), ("activations", activations)] {
+    for (name, v) in [
+        ("vram", vram),
+        ("weights", weights),
+        ("activations", activations),
+    ] {
         if !(v.is_finite() && v >= 0.0) {
-            return Err(PolicyError::invalid(format!("{name} must be >= 0, got {v}")));
+            return Err(PolicyError::invalid(format!(
+                "{name} must be >= 0, got {v}"
+            )));
         }
     }
-    for (name, v) in [("avg_context_tokens", avg_context_tokens), ("kv_bytes_per_token", kv_bytes_per_token)] {
+    for (name, v) in [
+        ("avg_context_tokens", avg_context_tokens),
+        ("kv_bytes_per_token", kv_bytes_per_token),
+    ] {
         if !(v.is_finite() && v > 0.0) {
             return Err(PolicyError::invalid(format!("{name} must be > 0, got {v}")));
         }

@@ -130,19 +130,28 @@ impl PolicyConfig {
     /// Check every value against what the policy can work with.
     pub fn validate(&self) -> PolicyResult<()> {
         if self.backends.is_empty() {
-            return Err(PolicyError::config("backends", "at least one backend is required"));
+            return Err(PolicyError::config(
+                "backends",
+                "at least one backend is required",
+            ));
         }
         unique("backends", self.backends.iter().map(|b| b.name.as_str()))?;
         for (i, b) in self.backends.iter().enumerate() {
             if b.gpus == 0 {
-                return Err(PolicyError::config(format!("backends[{i}].gpus"), "must be >= 1, got 0"));
+                return Err(PolicyError::config(
+                    format!("backends[{i}].gpus"),
+                    "must be >= 1, got 0",
+                ));
             }
         }
         positive_int("block_size", self.block_size)?;
         positive_int("max_concurrency_per_gpu", self.max_concurrency_per_gpu)?;
         self.validate_tiers()?;
         if self.tenants.is_empty() {
-            return Err(PolicyError::config("tenants", "at least one tenant is required"));
+            return Err(PolicyError::config(
+                "tenants",
+                "at least one tenant is required",
+            ));
         }
         unique("tenants", self.tenants.iter().map(|t| t.name.as_str()))?;
         for (i, t) in self.tenants.iter().enumerate() {
@@ -177,7 +186,10 @@ impl PolicyConfig {
             ("kv_weight", self.kv_weight),
         ] {
             if !(value.is_finite() && value >= 0.0) {
-                return Err(PolicyError::config(key, format!("must be >= 0, got {value}")));
+                return Err(PolicyError::config(
+                    key,
+                    format!("must be >= 0, got {value}"),
+                ));
             }
         }
         Ok(())
@@ -185,7 +197,10 @@ impl PolicyConfig {
 
     fn validate_tiers(&self) -> PolicyResult<()> {
         if self.tiers.is_empty() {
-            return Err(PolicyError::config("tiers", "at least one tier is required"));
+            return Err(PolicyError::config(
+                "tiers",
+                "at least one tier is required",
+            ));
         }
         if self.tiers.len() > 255 {
             return Err(PolicyError::config("tiers", "at most 255 tiers"));
@@ -220,7 +235,10 @@ fn unique<'a>(key: &str, names: impl Iterator<Item = &'a str>) -> PolicyResult<(
             return Err(PolicyError::config(key, "names must not be empty"));
         }
         if !seen.insert(name) {
-            return Err(PolicyError::config(key, format!("name {name:?} appears twice")));
+            return Err(PolicyError::config(
+                key,
+                format!("name {name:?} appears twice"),
+            ));
         }
     }
     Ok(())
@@ -235,14 +253,20 @@ fn positive_int(key: &str, value: u32) -> PolicyResult<()> {
 
 fn positive_f(key: &str, value: f64) -> PolicyResult<()> {
     if !(value.is_finite() && value > 0.0) {
-        return Err(PolicyError::config(key, format!("must be a number > 0, got {value}")));
+        return Err(PolicyError::config(
+            key,
+            format!("must be a number > 0, got {value}"),
+        ));
     }
     Ok(())
 }
 
 fn fraction(key: &str, value: f64) -> PolicyResult<()> {
     if !(value > 0.0 && value <= 1.0) {
-        return Err(PolicyError::config(key, format!("must be in (0, 1], got {value}")));
+        return Err(PolicyError::config(
+            key,
+            format!("must be in (0, 1], got {value}"),
+        ));
     }
     Ok(())
 }
@@ -284,14 +308,19 @@ pub(crate) mod tests {
     fn tenant_tier_must_exist() {
         let text = sample_json().replace(r#""tier":"batch""#, r#""tier":"gold""#);
         let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
-        assert!(err.contains("tenants[3].tier") && err.contains("vip"), "{err}");
+        assert!(
+            err.contains("tenants[3].tier") && err.contains("vip"),
+            "{err}"
+        );
     }
 
     // shed_at must not rise down the tier list, or VIP could be shed before normal.
     #[test]
     fn shed_at_must_not_increase() {
-        let text = sample_json().replace(r#"{"name":"vip","protected":true}"#,
-            r#"{"name":"vip","protected":true,"shed_at":0.4}"#);
+        let text = sample_json().replace(
+            r#"{"name":"vip","protected":true}"#,
+            r#"{"name":"vip","protected":true,"shed_at":0.4}"#,
+        );
         let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
         assert!(err.contains("tiers[1].shed_at"), "{err}");
     }
@@ -301,6 +330,9 @@ pub(crate) mod tests {
     fn fraction_range() {
         let text = sample_json().replace("0.85", "1.5");
         let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
-        assert!(err.contains("kv_pressure_threshold") && err.contains("1.5"), "{err}");
+        assert!(
+            err.contains("kv_pressure_threshold") && err.contains("1.5"),
+            "{err}"
+        );
     }
 }

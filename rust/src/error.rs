@@ -7,7 +7,10 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq)]
 pub enum PolicyError {
     /// A config key has a bad value: the key, the value and what is allowed.
-    Config { key: String, message: String },
+    Config {
+        key: String,
+        message: String,
+    },
     UnknownTenant(String),
     UnknownBackend(String),
     DuplicateRequest(u64),
@@ -17,7 +20,10 @@ pub enum PolicyError {
 impl PolicyError {
     #[cold]
     pub fn config(key: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Config { key: key.into(), message: message.into() }
+        Self::Config {
+            key: key.into(),
+            message: message.into(),
+        }
     }
 
     #[cold]
@@ -31,13 +37,22 @@ impl fmt::Display for PolicyError {
         match self {
             Self::Config { key, message } => write!(f, "config key `{key}`: {message}"),
             Self::UnknownTenant(name) => {
-                write!(f, "unknown tenant {name:?}: declare it under `tenants` in the config")
+                write!(
+                    f,
+                    "unknown tenant {name:?}: declare it under `tenants` in the config"
+                )
             }
             Self::UnknownBackend(name) => {
-                write!(f, "unknown backend {name:?}: declare it under `backends` in the config")
+                write!(
+                    f,
+                    "unknown backend {name:?}: declare it under `backends` in the config"
+                )
             }
             Self::DuplicateRequest(id) => {
-                write!(f, "request id {id} is still live; ids must be unique among live requests")
+                write!(
+                    f,
+                    "request id {id} is still live; ids must be unique among live requests"
+                )
             }
             Self::InvalidArgument(message) => f.write_str(message),
         }

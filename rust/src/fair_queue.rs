@@ -177,10 +177,13 @@ impl FairQueue {
     /// Put the tenant at the right place in its tier's backlog (or take it out when empty).
     fn rekey(&mut self, t: usize) {
         let tenant = &self.tenants[t];
-        let new_key = tenant.items.first_key_value().map(|(&seq, _)| match self.strategy {
-            Strategy::Fair => tenant.counter.to_bits(),
-            Strategy::Fifo => seq,
-        });
+        let new_key = tenant
+            .items
+            .first_key_value()
+            .map(|(&seq, _)| match self.strategy {
+                Strategy::Fair => tenant.counter.to_bits(),
+                Strategy::Fifo => seq,
+            });
         if new_key == tenant.key {
             return;
         }
@@ -200,7 +203,10 @@ mod tests {
     use super::*;
 
     fn item(id: u64) -> QueuedItem {
-        QueuedItem { id, prompt_tokens: 10 }
+        QueuedItem {
+            id,
+            prompt_tokens: 10,
+        }
     }
 
     // Two tenants of one tier alternate when each service costs the same.
@@ -270,7 +276,10 @@ mod tests {
         q.push(1, item(3));
         assert_eq!(q.remove(2).map(|(_, i)| i.id), Some(2));
         assert!(q.remove(2).is_none());
-        assert_eq!((q.len(), q.tier_len(0), q.tier_prompt_tokens(0)), (2, 1, 10));
+        assert_eq!(
+            (q.len(), q.tier_len(0), q.tier_prompt_tokens(0)),
+            (2, 1, 10)
+        );
         assert_eq!(q.pop(0).map(|(_, i)| i.id), Some(1));
         assert!(q.pop(0).is_none());
         assert_eq!(q.pop(1).map(|(_, i)| i.id), Some(3));

@@ -70,7 +70,14 @@ impl KvLedger {
     /// Start accounting a request that just got a slot, holding its prompt.
     pub fn open(&mut self, id: u64, tenant: u32, backend: u32, tokens: u64, now_us: u64) {
         let blocks = self.blocks_for(tokens);
-        let entry = KvEntry { tenant, backend, tokens, blocks, block_us: 0.0, since_us: now_us };
+        let entry = KvEntry {
+            tenant,
+            backend,
+            tokens,
+            blocks,
+            block_us: 0.0,
+            since_us: now_us,
+        };
         self.add(tenant, backend, blocks, now_us);
         if let Some(old) = self.entries.insert(id, entry) {
             // Callers never open twice; if they did, drop the old footprint rather than leak it.

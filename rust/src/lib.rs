@@ -26,9 +26,9 @@ pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReaso
 pub mod _core {
     #[pymodule_export]
     use crate::py::{
-        kv_bytes_per_token, kv_slots, PyAdmission, PyDecision, PyExpired, PyGovernor,
-        ConfigError, DuplicateRequestError, InvalidArgumentError, PolicyError,
-        UnknownBackendError, UnknownTenantError,
+        kv_bytes_per_token, kv_slots, ConfigError, DuplicateRequestError, InvalidArgumentError,
+        PolicyError, PyAdmission, PyDecision, PyExpired, PyGovernor, UnknownBackendError,
+        UnknownTenantError,
     };
 
     #[pymodule_init]

@@ -12,12 +12,42 @@ use crate::capacity;
 use crate::error::PolicyError as CoreError;
 use crate::types::{Admission, Decision, Expired, Outcome};
 
-create_exception!(llmflow._core, PolicyError, PyException, "Base class of every core error.");
-create_exception!(llmflow._core, ConfigError, PolicyError, "A policy config value is wrong.");
-create_exception!(llmflow._core, UnknownTenantError, PolicyError, "Unknown tenant.");
-create_exception!(llmflow._core, UnknownBackendError, PolicyError, "Unknown backend.");
-create_exception!(llmflow._core, DuplicateRequestError, PolicyError, "Request id still live.");
-create_exception!(llmflow._core, InvalidArgumentError, PolicyError, "Argument out of range.");
+create_exception!(
+    llmflow._core,
+    PolicyError,
+    PyException,
+    "Base class of every core error."
+);
+create_exception!(
+    llmflow._core,
+    ConfigError,
+    PolicyError,
+    "A policy config value is wrong."
+);
+create_exception!(
+    llmflow._core,
+    UnknownTenantError,
+    PolicyError,
+    "Unknown tenant."
+);
+create_exception!(
+    llmflow._core,
+    UnknownBackendError,
+    PolicyError,
+    "Unknown backend."
+);
+create_exception!(
+    llmflow._core,
+    DuplicateRequestError,
+    PolicyError,
+    "Request id still live."
+);
+create_exception!(
+    llmflow._core,
+    InvalidArgumentError,
+    PolicyError,
+    "Argument out of range."
+);
 
 impl From<CoreError> for PyErr {
     fn from(err: CoreError) -> PyErr {
@@ -70,12 +100,21 @@ impl PyDecision {
     }
     fn __repr__(&self) -> String {
         match self.kind {
-            "admitted" => format!("Decision(admitted, backend={:?}, priority={})",
-                self.backend.as_deref().unwrap_or(""), self.priority),
-            "queued" => format!("Decision(queued, position={}, estimated_wait_s={:.3})",
-                self.position.unwrap_or(0), self.estimated_wait_s),
-            _ => format!("Decision(rejected, reason={:?}, retry_after_s={:.3})",
-                self.reason.unwrap_or(""), self.retry_after_s.unwrap_or(0.0)),
+            "admitted" => format!(
+                "Decision(admitted, backend={:?}, priority={})",
+                self.backend.as_deref().unwrap_or(""),
+                self.priority
+            ),
+            "queued" => format!(
+                "Decision(queued, position={}, estimated_wait_s={:.3})",
+                self.position.unwrap_or(0),
+                self.estimated_wait_s
+            ),
+            _ => format!(
+                "Decision(rejected, reason={:?}, retry_after_s={:.3})",
+                self.reason.unwrap_or(""),
+                self.retry_after_s.unwrap_or(0.0)
+            ),
         }
     }
 }
@@ -91,7 +130,10 @@ pub struct PyAdmission {
 #[pymethods]
 impl PyAdmission {
     fn __repr__(&self) -> String {
-        format!("Admission(request_id={}, backend={:?})", self.request_id, self.backend)
+        format!(
+            "Admission(request_id={}, backend={:?})",
+            self.request_id, self.backend
+        )
     }
 }
 
@@ -106,7 +148,10 @@ pub struct PyExpired {
 #[pymethods]
 impl PyExpired {
     fn __repr__(&self) -> String {
-        format!("Expired(request_id={}, reason={:?})", self.request_id, self.reason)
+        format!(
+            "Expired(request_id={}, reason={:?})",
+            self.request_id, self.reason
+        )
     }
 }
 
@@ -133,7 +178,9 @@ impl PyGovernor {
             )));
         }
         let json = py.import("json")?.call_method1("dumps", (config,))?;
-        Ok(Self { inner: Governor::from_json(json.extract::<&str>()?)? })
+        Ok(Self {
+            inner: Governor::from_json(json.extract::<&str>()?)?,
+        })
     }
 
     fn submit(
@@ -147,7 +194,9 @@ impl PyGovernor {
         let tenant_id = self.inner.tenant_id(tenant)?;
         let prompt = non_negative("prompt_tokens", prompt_tokens)?;
         let max_tokens = non_negative("max_tokens", max_tokens)?;
-        let decision = self.inner.submit(request_id, tenant_id, prompt, max_tokens, now_us)?;
+        let decision = self
+            .inner
+            .submit(request_id, tenant_id, prompt, max_tokens, now_us)?;
         let mut out = PyDecision {
             kind: "admitted",
             request_id,
@@ -163,13 +212,20 @@ impl PyGovernor {
                 out.backend = Some(self.backend_name(backend));
                 out.priority = priority;
             }
-            Decision::Queued { position, estimated_wait_s, priority } => {
+            Decision::Queued {
+                position,
+                estimated_wait_s,
+                priority,
+            } => {
                 out.kind = "queued";
                 out.position = Some(position);
                 out.estimated_wait_s = estimated_wait_s;
                 out.priority = priority;
             }
-            Decision::Rejected { reason, retry_after_s } => {
+            Decision::Rejected {
+                reason,
+                retry_after_s,
+            } => {
                 out.kind = "rejected";
                 out.reason = Some(reason.as_str());
                 out.retry_after_s = Some(retry_after_s);
@@ -248,7 +304,8 @@ impl PyGovernor {
         if let Some(blocks) = kv_blocks {
             self.inner.set_kv_capacity(id, blocks);
         }
-        self.inner.observe_backend(id, now_us, kv_usage, running, waiting, preemptions_total)?;
+        self.inner
+            .observe_backend(id, now_us, kv_usage, running, waiting, preemptions_total)?;
         Ok(())
     }
 
@@ -321,7 +378,9 @@ impl PyGovernor {
     }
 
     fn __copy__(&self) -> Self {
-        Self { inner: self.inner.clone() }
+        Self {
+            inner: self.inner.clone(),
+        }
     }
 
     fn copy(&self) -> Self {
@@ -330,7 +389,9 @@ impl PyGovernor {
 }
 
 fn pairs_to_dict(dict: &Bound<'_, PyDict>, key: &str) -> PyResult<()> {
-    let Some(pairs) = dict.get_item(key)? else { return Ok(()) };
+    let Some(pairs) = dict.get_item(key)? else {
+        return Ok(());
+    };
     let out = PyDict::new(dict.py());
     for pair in pairs.cast::<PyList>()?.iter() {
         let pair = pair.cast::<PyList>()?;
@@ -365,5 +426,11 @@ pub fn kv_bytes_per_token(
     dtype_bytes: u64,
     tp: u64,
 ) -> PyResult<u64> {
-    Ok(capacity::kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes, tp)?)
+    Ok(capacity::kv_bytes_per_token(
+        layers,
+        kv_heads,
+        head_dim,
+        dtype_bytes,
+        tp,
+    )?)
 }

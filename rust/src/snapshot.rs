@@ -124,7 +124,10 @@ impl Governor {
                     tenant: self.config.tenants[r.tenant as usize].name.clone(),
                     tier: tiers[r.tier].name.clone(),
                     state,
-                    backend: r.running.as_ref().map(|run| self.backend_name(run.backend).to_owned()),
+                    backend: r
+                        .running
+                        .as_ref()
+                        .map(|run| self.backend_name(run.backend).to_owned()),
                     prompt_tokens: r.prompt,
                     generated_tokens: r.generated,
                     kv_blocks: blocks,
@@ -156,8 +159,14 @@ impl Governor {
                 admitted: c.admitted,
                 queued: c.queued,
                 dispatched: c.dispatched,
-                rejected: RejectReason::ALL.iter().map(|&r| (r, c.rejected[r as usize])).collect(),
-                finished: Outcome::ALL.iter().map(|&o| (o.as_str(), c.finished[o as usize])).collect(),
+                rejected: RejectReason::ALL
+                    .iter()
+                    .map(|&r| (r, c.rejected[r as usize]))
+                    .collect(),
+                finished: Outcome::ALL
+                    .iter()
+                    .map(|&o| (o.as_str(), c.finished[o as usize]))
+                    .collect(),
                 expired: ExpiryReason::ALL
                     .iter()
                     .map(|&e| (e.as_str(), c.expired[e as usize]))

@@ -42,9 +42,19 @@ impl RejectReason {
 /// What `Governor::submit` decided.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Decision {
-    Admitted { backend: u32, priority: i64 },
-    Queued { position: u32, estimated_wait_s: f64, priority: i64 },
-    Rejected { reason: RejectReason, retry_after_s: f64 },
+    Admitted {
+        backend: u32,
+        priority: i64,
+    },
+    Queued {
+        position: u32,
+        estimated_wait_s: f64,
+        priority: i64,
+    },
+    Rejected {
+        reason: RejectReason,
+        retry_after_s: f64,
+    },
 }
 
 /// A queued request moved onto a backend by `Governor::dispatch`.
