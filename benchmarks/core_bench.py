@@ -19,9 +19,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmflow import Governor  # noqa: E402
-from property_tests.models import Req, ReferenceGovernor  # noqa: E402
+from property_tests.models import ReferenceGovernor, Req  # noqa: E402
 from property_tests.strategies import policy_config  # noqa: E402
+
+from llmflow import Governor  # noqa: E402
 
 
 def config() -> dict[str, object]:

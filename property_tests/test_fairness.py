@@ -39,8 +39,12 @@ def test_backlogged_tenants_stay_within_vtc_bound(
         {"name": "a", "tier": "normal", "weight": 1.0},
         {"name": "b", "tier": "normal", "weight": 1.0},
     ]
-    config.update(kv_pressure_threshold=None, queue_timeout_ms=None,
-                  first_token_timeout_ms=None, request_timeout_ms=None)
+    config.update(
+        kv_pressure_threshold=None,
+        queue_timeout_ms=None,
+        first_token_timeout_ms=None,
+        request_timeout_ms=None,
+    )
     core = Governor(config)
     bound = per_gpu * max_request_cost()
     left: dict[int, int] = {}

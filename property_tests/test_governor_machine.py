@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 
 from llmflow import Governor
 from property_tests import strategies as s
-from property_tests.models import Req, ReferenceGovernor
+from property_tests.models import ReferenceGovernor, Req
 
 OUTCOMES = ("completed", "error", "cancelled")
 
@@ -50,8 +50,13 @@ class GovernorMachine(RuleBasedStateMachine):
         self.log.append((method, (*args, tuple(sorted(kwargs.items()))), _plain(result)))
         return result
 
-    @rule(target=ids, tenant=s.tenants, prompt=s.prompt_tokens, max_tokens=s.max_tokens,
-          dt=s.time_steps_us)
+    @rule(
+        target=ids,
+        tenant=s.tenants,
+        prompt=s.prompt_tokens,
+        max_tokens=s.max_tokens,
+        dt=s.time_steps_us,
+    )
     def submit(self, tenant: str, prompt: int, max_tokens: int, dt: int) -> int:
         self.now += dt
         self.expire_both()
@@ -121,8 +126,9 @@ class GovernorMachine(RuleBasedStateMachine):
     def observe(self, backend: int, usage: float, preemptions: int) -> None:
         name = f"b{backend}"
         if name in self.model.caps:
-            self.call("observe_backend", name, self.now, kv_usage=usage,
-                      preemptions_total=preemptions)
+            self.call(
+                "observe_backend", name, self.now, kv_usage=usage, preemptions_total=preemptions
+            )
             self.model.kv_usage[name] = usage
 
     @rule(backend=st.integers(0, 1), healthy=st.booleans())
@@ -170,7 +176,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if hasattr(value, "__repr__") and type(value).__module__ == "llmflow._core":
         fields = ("kind", "reason", "backend", "position", "request_id", "priority")
-        return tuple(getattr(value, f, None) for f in fields) + (
+        return (
+            *tuple(getattr(value, f, None) for f in fields),
             getattr(value, "retry_after_s", None),
             getattr(value, "estimated_wait_s", None),
         )

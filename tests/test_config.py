@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from llmflow import Governor
 from llmflow.config import ConfigFileError, load_settings, parse_duration_ms
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 SEED_YAML = """
 streaming:

@@ -39,7 +39,8 @@ def test_queue_dispatch_and_reject(core_config: dict[str, Any]) -> None:
     kinds = [d.kind for d in decisions]
     # 2 slots, then normal may fill 80% of a 4-deep queue (3), then it is shed.
     assert kinds == ["admitted"] * 2 + ["queued"] * 3 + ["rejected"] * 2
-    assert decisions[2].position == 0 and decisions[4].position == 2
+    assert decisions[2].position == 0
+    assert decisions[4].position == 2
     assert decisions[-1].reason == "tier_shed"
     assert decisions[-1].retry_after_s > 0
     assert g.cancel(1, 10)

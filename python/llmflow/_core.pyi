@@ -90,7 +90,7 @@ class Governor:
         ConfigError: naming the key, the bad value and what is allowed.
     """
 
-    def __init__(self, config: Mapping[str, Any]) -> None: ...
+    def __new__(cls, config: Mapping[str, Any]) -> Governor: ...
     def submit(
         self,
         request_id: int,

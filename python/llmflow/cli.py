@@ -10,10 +10,13 @@ import argparse
 import importlib
 import math
 import sys
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from llmflow import __version__, kv_slots
 from llmflow.config import ConfigFileError, load_settings
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
 
@@ -102,7 +105,8 @@ def _run_capacity(args: argparse.Namespace) -> int:
     print(f"activations         {args.activations_gb:10.1f} GB")
     print(f"left for KV cache   {free / _GB:10.1f} GB")
     print(f"KV per token        {per_token / 1024:10.1f} KiB per GPU")
-    print(f"KV per context      {args.avg_context * per_token / _GB:10.2f} GB ({args.avg_context} tok)")
+    context_gb = args.avg_context * per_token / _GB
+    print(f"KV per context      {context_gb:10.2f} GB ({args.avg_context} tokens)")
     print(f"slots               {math.floor(slots):10d}   ({slots:.2f} full contexts)")
     return 0
 
@@ -117,7 +121,12 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     check.add_argument("file", metavar="FILE", help="YAML config file")
     check.set_defaults(func=_run_config_check)
-    p.set_defaults(func=lambda _args: p.print_help() or 2)
+
+    def show_help(_args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=show_help)
 
 
 def _run_config_check(args: argparse.Namespace) -> int:

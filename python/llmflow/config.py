@@ -182,7 +182,8 @@ class Settings(_Section):
         """The mapping `llmflow._core.Governor` takes (its keys are the core's own names)."""
         tenants = [{"name": t.name, "tier": t.tier, "weight": t.weight} for t in self.tenants]
         if self.anonymous_tenant not in {t.name for t in self.tenants}:
-            tenants.append({"name": self.anonymous_tenant, "tier": self.default_tier, "weight": 1.0})
+            anonymous = {"name": self.anonymous_tenant, "tier": self.default_tier, "weight": 1.0}
+            tenants.append(anonymous)
         return {
             "backends": [
                 {"name": b.name, "gpus": b.gpus, "kv_blocks": b.kv_blocks} for b in self.backends
