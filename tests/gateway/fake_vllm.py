@@ -155,6 +155,8 @@ class FakeVllm:
                     await self.steps.get()
                 elif i and plan.get("itl"):
                     await asyncio.sleep(float(plan["itl"]))
+                else:  # a checkpoint, so a client's disconnect cancels us as it does vLLM
+                    await asyncio.sleep(0)
                 if plan.get("crash_after") is not None and i >= int(plan["crash_after"]):
                     raise ConnectionAbortedError("injected crash mid-stream")
                 text = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "

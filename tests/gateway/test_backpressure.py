@@ -1,0 +1,146 @@
+"""Bounded per-stream window, pausing upstream when full, and the stall timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from llmflow.gateway.backpressure import ChunkWindow, StallWatch
+
+from .harness import start_gateway
+
+pytestmark = pytest.mark.anyio
+
+
+def _chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+
+async def test_a_full_window_pauses_the_producer_until_the_consumer_takes() -> None:
+    window = ChunkWindow(capacity=3, pause_when_full=True)
+    produced = 0
+
+    async def producer() -> None:
+        nonlocal produced
+        for i in range(10):
+            await window.put(_chunk(f"{i}"))
+            produced += 1
+        window.close()
+
+    task = asyncio.create_task(producer())
+    await asyncio.sleep(0.01)
+    assert (produced, len(window)) == (3, 3)  # stopped reading at the bound
+    assert len(await window.take()) == 3
+    await asyncio.sleep(0.01)
+    assert produced == 6
+    taken = []
+    while batch := await window.take():
+        taken += batch
+    await task
+    assert window.high_water == 3 and window.pauses >= 3
+    assert len(taken) == 7
+
+
+async def test_without_pausing_overflow_merges_into_the_newest_chunk() -> None:
+    window = ChunkWindow(capacity=2, pause_when_full=False)
+    for i in range(50):
+        await window.put(_chunk(f"{i},"))
+    assert len(window) == 2  # bounded in chunks however fast the producer
+    first, last = window.take_nowait()
+    assert first["choices"][0]["delta"]["content"] == "0,"
+    assert last["choices"][0]["delta"]["content"] == "".join(f"{i}," for i in range(1, 50))
+
+
+async def test_without_pausing_an_unmergeable_chunk_still_waits() -> None:
+    window = ChunkWindow(capacity=1, pause_when_full=False)
+    await window.put(_chunk("a", finish="stop"))  # a finished choice takes no more text
+    blocked = asyncio.create_task(window.put(_chunk("b")))
+    await asyncio.sleep(0.01)
+    assert not blocked.done()
+    assert len(await window.take()) == 1
+    await blocked
+    assert len(window) == 1
+
+
+async def test_the_final_chunk_passes_the_bound_and_closes() -> None:
+    window = ChunkWindow(capacity=1, pause_when_full=True)
+    await window.put(_chunk("a"))
+    window.put_final(_chunk("notice", finish="length"))
+    assert [len(await window.take()), await window.take()] == [2, []]
+
+
+async def test_stall_watch_fires_only_for_a_write_blocked_past_the_timeout() -> None:
+    fired: list[float] = []
+    watch = StallWatch(0.05, lambda: fired.append(time.monotonic()))
+    for _ in range(5):  # quick writes never stall
+        watch.writing()
+        await asyncio.sleep(0.02)
+        watch.written()
+    assert fired == []
+    started = time.monotonic()
+    watch.writing()
+    await asyncio.sleep(0.15)
+    assert len(fired) == 1 and fired[0] - started >= 0.05
+    assert watch.stalled
+    watch.cancel()
+
+
+def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
+    """Send a request from a socket with a tiny receive buffer, and never read the reply."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                 b"application/json\r\ncontent-length: " + str(len(payload)).encode() +
+                 b"\r\n\r\n" + payload)
+    return sock
+
+
+BIG = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+       "max_tokens": 3000, "fake": {"chunk_bytes": 16384}}  # ~48 MB if nothing pushed back
+
+
+async def test_a_client_that_stops_reading_pauses_upstream_then_is_aborted() -> None:
+    async with start_gateway(backpressure={"client_window": 4, "stall_timeout_ms": 400}) as h:
+        sock = _raw_request(h.url, BIG)
+        try:
+            while h.fake.running == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.25)  # buffers fill; the window fills; the reader pauses
+            sent = h.fake.tokens_sent
+            assert sent < 1000  # upstream held back: kernel buffers, not 48 MB
+            (session,) = h.gateway.ctx.sessions  # type: ignore[union-attr]
+            assert len(session.window) <= 4 and session.window.pauses > 0
+            started = time.monotonic()
+            while h.fake.aborted == 0:
+                await asyncio.sleep(0.01)
+                assert time.monotonic() - started < 3
+            assert h.fake.tokens_sent < 1000
+            assert h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1
+        finally:
+            sock.close()
+
+
+async def test_without_pausing_upstream_runs_to_the_end_while_the_client_stalls() -> None:
+    small = {**BIG, "max_tokens": 400, "fake": {"chunk_bytes": 2048}}
+    async with start_gateway(backpressure={"client_window": 4, "stall_timeout_ms": 400,
+                                           "pause_when_full": False}) as h:
+        sock = _raw_request(h.url, small)
+        try:
+            started = time.monotonic()
+            while h.fake.completed == 0:  # the backend is drained: its slot frees early
+                await asyncio.sleep(0.01)
+                assert time.monotonic() - started < 3
+            assert h.fake.aborted == 0
+            await h.settle()
+            assert h.gateway.policy.governor.running == 0
+        finally:
+            sock.close()
