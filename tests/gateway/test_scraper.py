@@ -1,0 +1,97 @@
+"""Backend scrapes: vLLM's metric names old and new, health from failures, multi-backend routing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmflow.gateway.scraper import parse_vllm_metrics
+
+from .fake_vllm import FakeVllm
+from .harness import start_gateway
+
+pytestmark = pytest.mark.anyio
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+VLLM_TEXT = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 4.0
+vllm:num_requests_waiting{engine="0",model_name="a b}"} 2.0
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 7.0 1700000000
+vllm:num_preemptions_created{engine="0",model_name="tiny"} 1.7e9
+vllm:cache_config_info{block_size="16",num_gpu_blocks="4096",engine="0"} 1.0
+vllm:time_to_first_token_seconds_bucket{le="0.001"} 0.0
+"""
+
+
+def test_parse_takes_the_max_kv_and_sums_counts() -> None:
+    assert parse_vllm_metrics(VLLM_TEXT) == {
+        "kv_usage": 0.5, "running": 7.0, "waiting": 2.0, "preemptions_total": 7.0,
+        "num_gpu_blocks": 4096.0, "block_size": 16.0}
+
+
+def test_parse_accepts_the_older_gpu_cache_name_and_prefers_the_new_one() -> None:
+    old = "vllm:gpu_cache_usage_perc{engine=\"0\"} 0.75\n"
+    assert parse_vllm_metrics(old) == {"kv_usage": 0.75}
+    both = old + "vllm:kv_cache_usage_perc{engine=\"0\"} 0.1\n"
+    assert parse_vllm_metrics(both)["kv_usage"] == 0.1
+    assert parse_vllm_metrics("garbage\nvllm:num_requests_running{} nan?\n") == {}
+
+
+async def test_scrapes_feed_the_core_and_the_old_kv_name_works() -> None:
+    def configure(fakes: dict[str, FakeVllm]) -> None:
+        fakes["b0"].kv_name = "vllm:gpu_cache_usage_perc"
+        fakes["b0"].kv_usage = 0.42
+
+    async with start_gateway(configure=configure) as h:
+        backend = h.gateway.policy.governor.snapshot(0)["backends"][0]
+        assert backend["kv_usage"] == pytest.approx(0.42)
+        assert backend["kv_capacity_blocks"] == 1000  # learned from cache_config_info
+
+
+async def test_a_failing_backend_is_marked_down_and_traffic_goes_to_the_other() -> None:
+    async with start_gateway(n_backends=2) as h:
+        b0, b1 = h.fakes["b0"], h.fakes["b1"]
+        b0.metrics_status = 500
+        while h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
+            await asyncio.sleep(0.02)
+        results = await asyncio.gather(*(h.client.post(CHAT, json=BODY) for _ in range(6)))
+        assert [r.status_code for r in results] == [200] * 6
+        assert (b0.seen, b1.seen) == (0, 6)
+        state = (await h.client.get("/api/state")).json()["backends"]
+        assert state["b0"]["healthy"] is False and "500" in state["b0"]["last_error"]
+        b0.metrics_status = 200
+        while not h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
+            await asyncio.sleep(0.02)
+        assert (await h.client.get("/readyz")).json()["healthy_backends"] == ["b0", "b1"]
+
+
+async def test_load_spreads_to_the_backend_with_headroom() -> None:
+    async with start_gateway(n_backends=2, gate={"max_concurrency_per_gpu": 2}) as h:
+        for fake in h.fakes.values():
+            fake.default = {"step": True}
+        tasks = [asyncio.create_task(h.client.post(CHAT, json=BODY)) for _ in range(4)]
+        while sum(f.running for f in h.fakes.values()) < 4:
+            await asyncio.sleep(0.005)
+        assert [f.running for f in h.fakes.values()] == [2, 2]
+        for fake in h.fakes.values():
+            fake.release(2)
+        assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * 4
+
+
+async def test_all_backends_down_fails_fast_with_503() -> None:
+    async with start_gateway() as h:
+        h.fake.metrics_status = 503
+        while h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
+            await asyncio.sleep(0.02)
+        r = await h.client.post(CHAT, json=BODY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend"
+        assert (await h.client.get("/readyz")).status_code == 503
+        assert h.fake.seen == 0
