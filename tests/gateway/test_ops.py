@@ -22,7 +22,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 async def test_metrics_count_outcomes_tokens_ttft_and_backend_state(gw: Harness) -> None:
     await gw.client.post(CHAT, json=BODY)
-    await gw.client.post(CHAT, json={**BODY, "stream": True, "fake": {"itl": 0.01}})
+    await gw.client.post(CHAT, json={**BODY, "stream": True, "fake": {"itl": 0.05}})
     await gw.client.post(CHAT, json={**BODY, "model": "nope"})
     r = await gw.client.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain")
