@@ -31,11 +31,12 @@ __all__ = ["PRESETS", "DirectPolicy", "GatedPolicy", "policy_settings"]
 
 # Built-in policy configs: (llmflow config sections, vLLM scheduling policy, tier of every tenant).
 PRESETS: dict[str, tuple[dict[str, Any], str, str | None]] = {
-    # The seed's fix and nothing else: 16 per GPU, 200 waiting in FIFO order, 429 when full.
+    # The seed's gate section and nothing else: 16 per GPU, 200 waiting, 429 when full, in the
+    # seed's own `strategy: "fair"` order (a scenario may override it to "fifo").
     "seed-gate": (
         {
             "gate": {"max_concurrency_per_gpu": 16,
-                     "queue": {"max_waiting": 200, "strategy": "fifo", "max_wait_ms": None}},
+                     "queue": {"max_waiting": 200, "strategy": "fair", "max_wait_ms": None}},
             "tiers": [{"name": "all"}],
             "default_tier": "all",
             "kv": {"pressure_threshold": None},
@@ -66,7 +67,7 @@ def policy_settings(name: str, spec: PolicySpec, sc: Scenario, cluster: Cluster)
     Raises:
         ConfigFileError: the merged config does not validate.
     """
-    base, scheduling, tenant_tier = PRESETS.get(name, ({}, "fcfs", None))
+    base, scheduling, tenant_tier = PRESETS[spec.preset_for(name)]
     data = _merge(base, spec.config)
     tier = spec.tenant_tier or tenant_tier
     if "tenants" not in spec.config:
@@ -209,7 +210,6 @@ class GatedPolicy:
 
     def _run(self, att: Attempt, rid: int, backend: str | None, priority: int) -> None:
         b = self.cluster.by_name[backend or ""]
-        att.seq = None
         req = att.req
         seq = Seq(rid, req.prompt, req.max_tokens, req.eos, priority, _Handler(self, att),
                   att.stop_after)
@@ -266,13 +266,13 @@ class GatedPolicy:
         if nd is None or (self._armed is not None and self._armed <= nd):
             return
         self._armed = nd
-        ev = self.env.timeout(max(0.0, nd / 1e6 - self.env.now))
+        # one microsecond late, so the clock read back at the callback is past the deadline
+        ev = self.env.timeout(max(0.0, (nd + 1) / 1e6 - self.env.now))
         ev.callbacks.append(self._on_deadline)
 
     def _on_deadline(self, _ev: simpy.Event) -> None:
         self._armed = None
-        now_us = max(self._now_us(), self.gov.next_deadline_us() or 0)
-        for exp in self.gov.expire(now_us):
+        for exp in self.gov.expire(self._now_us()):
             self._expired(exp.request_id, exp.reason, exp.was_running)
         self._dispatch()
 

@@ -19,6 +19,7 @@ from llmflow.sim.clients import RequestSpec, client
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.metrics import Recorder, class_summary
 from llmflow.sim.policies import PRESETS, DirectPolicy, GatedPolicy, policy_settings
+from llmflow.sim.report import verdicts
 from llmflow.sim.workload import Requests, build_requests
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def run_policy(
     wall0 = time.perf_counter()
     env = simpy.Environment()
     sched = None if spec.kind == "direct" else (
-        spec.scheduling_policy or PRESETS.get(name, ({}, "fcfs", None))[1])
+        spec.scheduling_policy or PRESETS[spec.preset_for(name)][1])
     cluster = Cluster(env, sc.cluster, sched)
     gw: DirectPolicy | GatedPolicy
     if spec.kind == "direct":
@@ -144,7 +145,7 @@ def _summarise(
     summary: dict[str, Any] = {
         "classes": classes,
         "peak_running": g.peak_running,
-        "peak_queue": max(peak_gw, max((int(s[1]) for s in samples), default=0), g.peak_waiting),
+        "peak_queue": peak_gw if gated else g.peak_waiting,
         "peak_gateway_queue": peak_gw,
         "peak_engine_waiting": g.peak_waiting,
         "peak_kv_usage": round(g.peak_kv, 6),
@@ -197,6 +198,7 @@ def run_scenario(
         "requests": len(reqs),
         "policies": {r.name: r.summary for r in runs},
     }
+    verdicts(sc, report)
     return report, runs
 
 

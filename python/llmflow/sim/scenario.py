@@ -155,9 +155,16 @@ class PolicySpec(_Model):
     """A policy to compare: `direct` (no gateway) or `gated` (the core with `config`)."""
 
     kind: Literal["direct", "gated"] = "gated"
-    config: dict[str, Any] = {}  # llmflow YAML sections, merged over the built-in preset
+    preset: Literal["seed-gate", "llmflow"] | None = None  # None: the policy's name, or llmflow
+    config: dict[str, Any] = {}  # llmflow YAML sections, merged over the preset
     scheduling_policy: Literal["fcfs", "priority"] | None = None  # vLLM's; None: preset's
     tenant_tier: str | None = None  # put every tenant in this tier
+
+    def preset_for(self, name: str) -> str:
+        """The built-in config this policy starts from."""
+        if self.preset is not None:
+            return self.preset
+        return name if name in ("seed-gate", "llmflow") else "llmflow"
 
 
 class Scenario(_Model):

@@ -1,0 +1,163 @@
+"""The simulator's commands: `llmflow sim run|list` and `llmflow simserve`.
+
+`add_commands(subparsers)` registers them on the `llmflow` parser; each sets `func`, a callable
+taking the parsed arguments and returning the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_commands", "find_scenario"]
+
+_SEARCH = ("sim/scenarios", "sim/incidents")  # where a bare scenario name is looked up
+
+
+def _roots() -> list[Path]:
+    roots = [Path.cwd()]
+    checkout = Path(__file__).resolve().parents[3]  # python/llmflow/sim/cli.py -> repo root
+    if (checkout / "sim").is_dir():
+        roots.append(checkout)
+    return roots
+
+
+def find_scenario(name: str) -> Path:
+    """Resolve a scenario argument: a YAML path, or a name under `sim/scenarios` or
+    `sim/incidents` (from the current folder, then from the source checkout).
+
+    Raises:
+        FileNotFoundError: listing where it looked.
+    """
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    tried = []
+    for root in _roots():
+        for folder in _SEARCH:
+            cand = root / folder / f"{p.stem if p.suffix else name}.yaml"
+            tried.append(str(cand))
+            if cand.is_file():
+                return cand
+    raise FileNotFoundError(f"no scenario {name!r}; tried {name} and " + ", ".join(tried))
+
+
+def _all_scenarios() -> list[Path]:
+    seen: dict[str, Path] = {}
+    for root in _roots():
+        for folder in _SEARCH:
+            for f in sorted((root / folder).glob("*.yaml")):
+                seen.setdefault(f"{folder.split('/')[1]}/{f.stem}", f)
+    return list(seen.values())
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `sim` (with `run` and `list`) and `simserve` on the `llmflow` parser."""
+    sim = subparsers.add_parser(
+        "sim", help="replay scenarios and incidents in the simulator",
+        description="Simulate vLLM backends under a workload and compare policies: direct "
+        "(no gateway), seed-gate (16 per GPU, 200 waiting, FIFO) and llmflow (the full policy), "
+        "all driven by the same Rust core as the gateway.")
+    sim_sub = sim.add_subparsers(title="sim commands", metavar="SIMCOMMAND")
+    run = sim_sub.add_parser(
+        "run", help="run a scenario and compare its policies",
+        description="Run SCENARIO (a YAML path, or a name under sim/scenarios or sim/incidents) "
+        "for each policy on the same requests, print a comparison table, and write report.json, "
+        "report.md, timeseries.png and ttft_cdf.png to --out. Same seed, same numbers.")
+    run.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file or name")
+    run.add_argument("--policy", action="append", metavar="NAME",
+                     help="run only this policy (repeatable; default: all the scenario defines)")
+    run.add_argument("--seed", type=int, help="random seed (default: the scenario's)")
+    run.add_argument("--out", type=Path, metavar="DIR",
+                     help="output folder (default: sim-results/<scenario name>)")
+    run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    run.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    run.set_defaults(func=_run)
+    lst = sim_sub.add_parser("list", help="list the scenarios and incidents",
+                             description="List the scenario files found under sim/scenarios "
+                             "and sim/incidents, with their titles.")
+    lst.set_defaults(func=_list)
+    sim.set_defaults(func=lambda _a: (sim.print_help(), 2)[1])
+
+    serve = subparsers.add_parser(
+        "simserve", help="serve a simulated vLLM (OpenAI API) in real time",
+        description="Run the engine model in real time behind vLLM's HTTP surface: "
+        "/v1/completions, /v1/chat/completions (streaming or not, ignore_eos, priority), "
+        "/v1/models, /health and /metrics with vLLM's metric names. A client disconnect aborts "
+        "its request. No GPU needed.")
+    serve.add_argument("--preset", default="h100:llama-3-8b", metavar="GPU:MODEL[:TP]",
+                       help="hardware and model to imitate (default h100:llama-3-8b); GPUs: "
+                       "a100-80g, h100, h200, l40s; models: llama-3-8b, llama-3-70b, "
+                       "qwen2.5-32b, llama-2-7b")
+    serve.add_argument("--speed", type=float, default=1.0, metavar="X",
+                       help="simulated seconds per wall second (2 = twice as fast as the GPU)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    serve.add_argument("--port", type=int, required=True, metavar="P", help="port to listen on")
+    serve.add_argument("--model-name", help="served model name (default: the preset's model)")
+    serve.add_argument("--max-model-len", type=int, default=8192, help="context limit, tokens")
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="vLLM's max_num_seqs")
+    serve.add_argument("--num-gpu-blocks", type=int,
+                       help="KV capacity in blocks (default: derived from GPU memory)")
+    serve.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                       help="vLLM's scheduling policy")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the simulated EOS lengths")
+    serve.set_defaults(func=_serve)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from llmflow.config import ConfigFileError
+    from llmflow.sim.report import render_table, write_reports
+    from llmflow.sim.runner import run_scenario
+    from llmflow.sim.scenario import ScenarioError, load_scenario
+
+    try:
+        path = find_scenario(args.scenario)
+        sc = load_scenario(path)
+        t0 = time.perf_counter()
+        report, runs = run_scenario(sc, args.policy, args.seed, progress=not args.no_progress)
+    except (FileNotFoundError, ScenarioError, ConfigFileError, KeyError, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - t0
+    print(render_table(report), end="")
+    out = args.out or Path("sim-results") / path.stem
+    written = write_reports(sc, report, out)
+    if not args.no_plots:
+        from llmflow.sim.plots import write_plots
+
+        written += write_plots(runs, out, sc.title)
+    steps = sum(p["engine_steps"] for p in report["policies"].values())
+    print(f"\n{len(runs)} policies, {report['requests']} requests each, {steps} engine steps "
+          f"in {wall:.2f} s wall; wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return 0
+
+
+def _list(_args: argparse.Namespace) -> int:
+    from llmflow.sim.scenario import ScenarioError, load_scenario
+
+    for f in _all_scenarios():
+        try:
+            title = load_scenario(f).title
+        except ScenarioError as exc:
+            title = f"(invalid: {exc.args[0].splitlines()[0]})"
+        print(f"{f.parent.name}/{f.stem:<28} {title}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from llmflow.sim.server import create_app
+
+    try:
+        app = create_app(preset=args.preset, speed=args.speed, model=args.model_name,
+                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         num_gpu_blocks=args.num_gpu_blocks,
+                         scheduling_policy=args.scheduling_policy, seed=args.seed)
+    except (KeyError, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

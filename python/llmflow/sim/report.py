@@ -1,0 +1,122 @@
+"""Reports: the comparison table printed by `llmflow sim run`, `report.json` and `report.md`.
+
+The table holds only simulated quantities (no wall-clock time), so it is the golden output the
+`sim/` collector diffs. Verdicts judge each class against the SLO its scenario declares.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from llmflow.sim.scenario import Scenario
+
+__all__ = ["render_markdown", "render_table", "verdicts", "write_reports"]
+
+_COLUMNS = ("policy", "class", "arrived", "completed", "rejected", "timed_out", "truncated",
+            "cancelled", "ttft p50", "ttft p99", "e2e p99", "wait p99")
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _rows(report: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, pol in report["policies"].items():
+        for cls, c in pol["classes"].items():
+            rows.append([
+                name, cls, str(c["arrived"]), str(c["completed"]), str(c["rejected"]),
+                str(c["timed_out"]), str(c["truncated"]), str(c["cancelled"]),
+                _s(c["ttft_s"]["p50"]), _s(c["ttft_s"]["p99"]), _s(c["e2e_s"]["p99"]),
+                _s(c["queue_wait_s"]["p99"]),
+            ])
+    return rows
+
+
+def _grid(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
+    return [fmt.format(*header), *(fmt.format(*r) for r in rows)]
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The plain-text comparison (times in seconds, user-perceived, from the first attempt)."""
+    lines = [f"scenario: {report['scenario']}  seed: {report['seed']}  "
+             f"requests: {report['requests']}", ""]
+    lines += _grid(_COLUMNS, _rows(report))
+    lines.append("")
+    head = ("policy", "peak run", "peak queue", "peak kv", "preempt", "goodput/s", "sim s",
+            "verdict")
+    rows = []
+    for name, pol in report["policies"].items():
+        verdict = pol.get("verdict", {}).get("summary", "")
+        rows.append([name, str(pol["peak_running"]), str(pol["peak_queue"]),
+                     f"{pol['peak_kv_usage']:.3f}", str(pol["preemptions"]),
+                     f"{pol['goodput_rps']:.3f}", f"{pol['sim_s']:.1f}", verdict])
+    lines += _grid(head, rows)
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def verdicts(sc: Scenario, report: dict[str, Any]) -> None:
+    """Add a `verdict` block to each policy: per class, which declared SLOs held."""
+    for pol in report["policies"].values():
+        missed: list[str] = []
+        checked = 0
+        for wc in sc.workload:
+            c = pol["classes"][wc.name]
+            if wc.slo is None:
+                continue
+            for key, target, got in (
+                ("ttft p99", wc.slo.ttft_p99_s, c["ttft_s"]["p99"]),
+                ("e2e p99", wc.slo.e2e_p99_s, c["e2e_s"]["p99"]),
+            ):
+                if target is None:
+                    continue
+                checked += 1
+                if got is None or got > target:
+                    missed.append(f"{wc.name} {key} {_s(got)}s > {target}s")
+            if wc.slo.min_completed_frac is not None:
+                checked += 1
+                frac = c["completed"] / c["arrived"] if c["arrived"] else 1.0
+                if frac < wc.slo.min_completed_frac:
+                    missed.append(f"{wc.name} completed {frac:.1%} < {wc.slo.min_completed_frac:.0%}")
+        summary = "no SLO declared" if not checked else (
+            "held" if not missed else f"missed {len(missed)}/{checked}")
+        pol["verdict"] = {"summary": summary, "missed": missed}
+
+
+def render_markdown(sc: Scenario, report: dict[str, Any]) -> str:
+    """`report.md`: the tables plus a short verdict per policy."""
+    out = [f"# {report['scenario']}", "",
+           f"Seed {report['seed']}, {report['requests']} requests. Times are user-perceived "
+           "seconds from a request's first attempt.", ""]
+    rows = _rows(report)
+    out.append("| " + " | ".join(_COLUMNS) + " |")
+    out.append("|" + "---|" * len(_COLUMNS))
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    out += ["", "## Verdicts", ""]
+    for name, pol in report["policies"].items():
+        v = pol.get("verdict", {"summary": "", "missed": []})
+        line = (f"- **{name}**: {v['summary']}. Peak running {pol['peak_running']} "
+                f"on {pol['gpus']} GPUs, peak queue {pol['peak_queue']}, peak KV "
+                f"{pol['peak_kv_usage']:.0%}, {pol['preemptions']} preemptions, goodput "
+                f"{pol['goodput_rps']:.2f} req/s.")
+        if v["missed"]:
+            line += " Missed: " + "; ".join(v["missed"]) + "."
+        out.append(line)
+    out.append("")
+    return "\n".join(out)
+
+
+def write_reports(sc: Scenario, report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write `report.json` and `report.md` into `out_dir` (created if needed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "report.json", out_dir / "report.md"]
+    paths[0].write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    paths[1].write_text(render_markdown(sc, report), encoding="utf-8")
+    return paths
