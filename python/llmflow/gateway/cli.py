@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,16 +17,36 @@ from llmflow.config import ConfigFileError, load_settings
 from llmflow.gateway.app import create_app
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from llmflow.config import Settings
     from llmflow.gateway.app import Gateway
 
 __all__ = ["GatewayServer", "add_commands", "serve"]
 
 _FORCE_AFTER_DRAIN_S = 5.0  # uvicorn's own backstop, past the gateway's drain timeout
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what ends `llmflow serve` gracefully
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn, but shutdown drains the gateway before it stops taking connections."""
+    """uvicorn, but shutdown drains the gateway before it stops taking connections.
+
+    SIGINT/SIGTERM start the drain; once it is done the process exits with status 0 (uvicorn
+    itself re-raises the signal after shutting down, which would end the process by it).
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """Route SIGINT/SIGTERM to a graceful exit while serving, then restore the handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     async def shutdown(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         """Drain live requests (stop admitting, wait, cut), then shut down as uvicorn does."""
