@@ -7,7 +7,7 @@ updated on every change so peaks are never missed between samples.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmflow.sim.costmodel import cost_model
 from llmflow.sim.engine import EngineConfig, EngineCore, Seq
@@ -131,14 +131,16 @@ class Cluster:
         env: the simulation environment.
         groups: backend groups from the scenario.
         scheduling_policy: overrides each group's vLLM scheduling policy when not None.
+        engine: vLLM flags overriding every group's (a policy's own launch flags).
     """
 
     def __init__(
-        self, env: simpy.Environment, groups: list[BackendGroup], scheduling_policy: str | None
+        self, env: simpy.Environment, groups: list[BackendGroup], scheduling_policy: str | None,
+        engine: dict[str, Any] | None = None,
     ):
         cores: list[tuple[str, int, EngineCore]] = []
         for g in groups:
-            flags = dict(g.engine)
+            flags = {**g.engine, **(engine or {})}
             if scheduling_policy is not None:
                 flags["scheduling_policy"] = scheduling_policy
             config = EngineConfig(**flags)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["render_markdown", "render_table", "verdicts", "write_reports"]
 
 _COLUMNS = ("policy", "class", "arrived", "completed", "rejected", "timed_out", "truncated",
-            "cancelled", "ttft p50", "ttft p99", "e2e p99", "wait p99")
+            "cancelled", "unfinished", "ttft p50", "ttft p99", "e2e p99", "wait p99")
 
 
 def _s(x: float | None) -> str:
@@ -30,7 +30,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
         for cls, c in pol["classes"].items():
             rows.append([
                 name, cls, str(c["arrived"]), str(c["completed"]), str(c["rejected"]),
-                str(c["timed_out"]), str(c["truncated"]), str(c["cancelled"]),
+                str(c["timed_out"]), str(c["truncated"]), str(c["cancelled"]), str(c["unfinished"]),
                 _s(c["ttft_s"]["p50"]), _s(c["ttft_s"]["p99"]), _s(c["e2e_s"]["p99"]),
                 _s(c["queue_wait_s"]["p99"]),
             ])

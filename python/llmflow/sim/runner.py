@@ -88,7 +88,7 @@ def run_policy(
     env = simpy.Environment()
     sched = None if spec.kind == "direct" else (
         spec.scheduling_policy or PRESETS[spec.preset_for(name)][1])
-    cluster = Cluster(env, sc.cluster, sched)
+    cluster = Cluster(env, sc.cluster, sched, spec.engine)
     gw: DirectPolicy | GatedPolicy
     if spec.kind == "direct":
         gw = DirectPolicy(env, cluster)

@@ -158,6 +158,7 @@ class PolicySpec(_Model):
     preset: Literal["seed-gate", "llmflow"] | None = None  # None: the policy's name, or llmflow
     config: dict[str, Any] = {}  # llmflow YAML sections, merged over the preset
     scheduling_policy: Literal["fcfs", "priority"] | None = None  # vLLM's; None: preset's
+    engine: dict[str, Any] = {}  # vLLM flag overrides for this policy's run (preemption_mode...)
     tenant_tier: str | None = None  # put every tenant in this tier
 
     def preset_for(self, name: str) -> str:
