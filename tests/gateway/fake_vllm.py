@@ -23,12 +23,14 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 __all__ = ["FakeVllm"]
 
@@ -55,13 +57,15 @@ class FakeVllm:
 
     def __post_init__(self) -> None:
         self._steps: asyncio.Queue[None] | None = None
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self._complete, methods=["POST"]),
-            Route("/v1/completions", self._complete, methods=["POST"]),
-            Route("/v1/models", self._models),
-            Route("/health", self._health),
-            Route("/metrics", self._metrics),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._complete, methods=["POST"]),
+                Route("/v1/completions", self._complete, methods=["POST"]),
+                Route("/v1/models", self._models),
+                Route("/health", self._health),
+                Route("/metrics", self._metrics),
+            ]
+        )
 
     @property
     def steps(self) -> asyncio.Queue[None]:
@@ -86,17 +90,19 @@ class FakeVllm:
         if self.metrics_status != 200:
             return PlainTextResponse("boom", status_code=self.metrics_status)
         labels = f'engine="0",model_name="{self.model}"'
-        text = "\n".join([
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{labels}}} {float(self.running)}",
-            f"vllm:num_requests_waiting{{{labels}}} 0.0",
-            f"{self.kv_name}{{{labels}}} {self.kv_usage}",
-            f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}",
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.num_gpu_blocks}",'
-            f'engine="0"}} 1.0',
-            "",
-        ])
+        text = "\n".join(
+            [
+                "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                "# TYPE vllm:num_requests_running gauge",
+                f"vllm:num_requests_running{{{labels}}} {float(self.running)}",
+                f"vllm:num_requests_waiting{{{labels}}} 0.0",
+                f"{self.kv_name}{{{labels}}} {self.kv_usage}",
+                f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}",
+                f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.num_gpu_blocks}",'
+                f'engine="0"}} 1.0',
+                "",
+            ]
+        )
         return PlainTextResponse(text)
 
     async def _complete(self, request: Request) -> Response:
@@ -105,8 +111,16 @@ class FakeVllm:
         self.bodies.append(body)
         plan = {**self.default, **(body.get("fake") or {})}
         if plan.get("status"):
-            return JSONResponse({"error": {"message": "injected failure", "type": "server_error",
-                                           "code": plan["status"]}}, status_code=plan["status"])
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "injected failure",
+                        "type": "server_error",
+                        "code": plan["status"],
+                    }
+                },
+                status_code=plan["status"],
+            )
         if plan.get("hang"):
             return StreamingResponse(self._hang(), media_type="text/event-stream")
         chat = request.url.path.endswith("chat/completions")
@@ -139,16 +153,28 @@ class FakeVllm:
         try:
             n = int(plan.get("tokens") or body.get("max_tokens") or 8)
             options = body.get("stream_options") or {}
-            base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-fake{self.seen}",
-                    "created": int(time.time()), "model": body.get("model", self.model),
-                    "object": "chat.completion.chunk" if chat else "text_completion"}
+            base = {
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-fake{self.seen}",
+                "created": int(time.time()),
+                "model": body.get("model", self.model),
+                "object": "chat.completion.chunk" if chat else "text_completion",
+            }
             continuous = bool(options.get("continuous_usage_stats"))
             prompt = 10
             await asyncio.sleep(float(plan.get("ttft", 0.0)))
             if chat:
-                yield _frame(base, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}],
-                             _usage(prompt, 0) if continuous else None)
+                yield _frame(
+                    base,
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    _usage(prompt, 0) if continuous else None,
+                )
             pad = int(plan.get("chunk_bytes", 0))
             for i in range(n):
                 if plan.get("step"):
@@ -161,8 +187,9 @@ class FakeVllm:
                     raise ConnectionAbortedError("injected crash mid-stream")
                 text = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
                 finish = "length" if i == n - 1 else None
-                choice: dict[str, Any] = ({"index": 0, "delta": {"content": text}}
-                                          if chat else {"index": 0, "text": text})
+                choice: dict[str, Any] = (
+                    {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                )
                 choice.update(logprobs=None, finish_reason=finish)
                 self.tokens_sent += 1
                 yield _frame(base, [choice], _usage(prompt, i + 1) if continuous else None)
@@ -175,12 +202,16 @@ class FakeVllm:
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
-def _frame(base: dict[str, Any], choices: list[dict[str, Any]],
-           usage: dict[str, int] | None) -> bytes:
+def _frame(
+    base: dict[str, Any], choices: list[dict[str, Any]], usage: dict[str, int] | None
+) -> bytes:
     chunk = {**base, "choices": choices}
     if usage is not None:
         chunk["usage"] = usage

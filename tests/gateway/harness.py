@@ -12,9 +12,8 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import uvicorn
@@ -22,7 +21,11 @@ import uvicorn
 from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
+
 from .fake_vllm import FakeVllm
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
 
 __all__ = ["Harness", "assert_idle", "serve_asgi", "settings_for", "start_gateway"]
 
@@ -53,8 +56,10 @@ async def serve_asgi(app: Any, **config: Any) -> AsyncIterator[tuple[str, QuietS
 def settings_for(urls: dict[str, str], **sections: Any) -> Settings:
     """Settings whose backends are `urls` (name -> URL), with section overrides."""
     data: dict[str, Any] = {
-        "backends": [{"name": name, "url": url, "models": ["fake-model"], "max_model_len": 4096}
-                     for name, url in urls.items()],
+        "backends": [
+            {"name": name, "url": url, "models": ["fake-model"], "max_model_len": 4096}
+            for name, url in urls.items()
+        ],
         "metrics": {"scrape_interval_ms": 100, "stale_after_ms": 5000},
         "streaming": {"sse_flush_interval": 0},
     }
@@ -90,9 +95,14 @@ class Harness:
 def _idle(h: Harness) -> bool:
     g = h.gateway.policy.governor
     sessions = h.gateway.ctx.sessions if h.gateway.ctx else set()
-    return (g.running == 0 and g.queued == 0 and g.kv_blocks_in_use == 0
-            and h.gateway.policy.live == 0 and not sessions
-            and all(f.running == 0 for f in h.fakes.values()))
+    return (
+        g.running == 0
+        and g.queued == 0
+        and g.kv_blocks_in_use == 0
+        and h.gateway.policy.live == 0
+        and not sessions
+        and all(f.running == 0 for f in h.fakes.values())
+    )
 
 
 async def assert_idle(h: Harness) -> None:
@@ -106,9 +116,12 @@ async def assert_idle(h: Harness) -> None:
 
 
 @contextlib.asynccontextmanager
-async def start_gateway(n_backends: int = 1, check_idle: bool = True,
-                        configure: Callable[[dict[str, FakeVllm]], None] | None = None,
-                        **sections: Any) -> AsyncIterator[Harness]:
+async def start_gateway(
+    n_backends: int = 1,
+    check_idle: bool = True,
+    configure: Callable[[dict[str, FakeVllm]], None] | None = None,
+    **sections: Any,
+) -> AsyncIterator[Harness]:
     """Fakes plus a gateway over them; on exit, asserts everything returned to zero."""
     fakes = {f"b{i}": FakeVllm() for i in range(n_backends)}
     if configure is not None:

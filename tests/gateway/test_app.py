@@ -6,7 +6,7 @@ import asyncio
 import signal
 import socket
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -18,6 +18,9 @@ from .fake_vllm import FakeVllm
 from .harness import serve_asgi, start_gateway
 from .sse_client import frames, text_of
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
 pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
@@ -26,14 +29,16 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], 
 
 async def test_drain_refuses_new_requests_and_lets_live_ones_finish() -> None:
     async with start_gateway() as h:
-        live = asyncio.create_task(h.client.post(CHAT, json={**BODY, "max_tokens": 20,
-                                                             "fake": {"itl": 0.01}}))
+        live = asyncio.create_task(
+            h.client.post(CHAT, json={**BODY, "max_tokens": 20, "fake": {"itl": 0.01}})
+        )
         while h.fake.running == 0:
             await asyncio.sleep(0.005)
         drain = asyncio.create_task(h.gateway.drain(timeout_s=5))
         await asyncio.sleep(0.01)
         refused = await h.client.post(CHAT, json=BODY)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "draining"
         assert "retry-after" in refused.headers
         assert (await h.client.get("/readyz")).json()["draining"] is True
         chunks = [c async for c in frames(await live)]
@@ -45,8 +50,9 @@ async def test_drain_refuses_new_requests_and_lets_live_ones_finish() -> None:
 
 async def test_drain_timeout_cuts_what_is_left_with_a_notice() -> None:
     async with start_gateway() as h:
-        async with h.client.stream("POST", CHAT, json={**BODY, "max_tokens": 1000,
-                                                        "fake": {"itl": 0.01}}) as r:
+        async with h.client.stream(
+            "POST", CHAT, json={**BODY, "max_tokens": 1000, "fake": {"itl": 0.01}}
+        ) as r:
             it = frames(r)
             await anext(it)
             drain = asyncio.create_task(h.gateway.drain(timeout_s=0.1))
@@ -69,14 +75,28 @@ async def test_llmflow_serve_runs_and_drains_on_sigterm(tmp_path: Path) -> None:
     fake = FakeVllm()
     async with serve_asgi(fake.app) as (backend_url, _):
         config = tmp_path / "gateway.yaml"
-        config.write_text(yaml.safe_dump({
-            "backends": [{"name": "b0", "url": backend_url, "models": ["fake-model"]}],
-            "server": {"drain_timeout_ms": 5000},
-            "metrics": {"scrape_interval_ms": 100}}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "backends": [{"name": "b0", "url": backend_url, "models": ["fake-model"]}],
+                    "server": {"drain_timeout_ms": 5000},
+                    "metrics": {"scrape_interval_ms": 100},
+                }
+            )
+        )
         port = _free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "llmflow.cli", "serve", "--config", str(config), "--port",
-            str(port), stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL)
+            sys.executable,
+            "-m",
+            "llmflow.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            stderr=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
@@ -87,8 +107,9 @@ async def test_llmflow_serve_runs_and_drains_on_sigterm(tmp_path: Path) -> None:
                     except httpx.TransportError:
                         pass
                     await asyncio.sleep(0.02)
-                live = asyncio.create_task(client.post(CHAT, json={
-                    **BODY, "max_tokens": 30, "fake": {"itl": 0.01}}))
+                live = asyncio.create_task(
+                    client.post(CHAT, json={**BODY, "max_tokens": 30, "fake": {"itl": 0.01}})
+                )
                 while fake.running == 0:
                     await asyncio.sleep(0.005)
                 proc.send_signal(signal.SIGTERM)
@@ -114,8 +135,15 @@ async def test_a_backend_without_url_runs_the_built_in_simulator() -> None:
     app = create_app(load_settings(data={"streaming": {"sse_flush_interval": 0}}))
     async with serve_asgi(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=30) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
-        r = await c.post(CHAT, json={"model": model, "max_tokens": 4, "ignore_eos": True,
-                                     "messages": [{"role": "user", "content": "hi"}]})
+        r = await c.post(
+            CHAT,
+            json={
+                "model": model,
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
         assert (await c.get("/readyz")).status_code == 200

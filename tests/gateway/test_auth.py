@@ -47,23 +47,25 @@ async def test_without_keys_everyone_is_the_anonymous_default_tier(gw: Harness) 
 
 async def test_x_user_tier_cannot_raise_a_tier() -> None:
     """Queue of 5, normal shed above 80%: a normal key is shed even when it claims VIP."""
-    async with start_gateway(tenants=TENANTS, gate={"max_concurrency_per_gpu": 1,
-                                                    "queue": {"max_waiting": 5}}) as h:
+    async with start_gateway(
+        tenants=TENANTS, gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 5}}
+    ) as h:
         h.fake.default = {"step": True}
         tasks = [asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("vip-key")))]
         while h.fake.running == 0:
             await asyncio.sleep(0.005)
         for _ in range(4):  # queue 4 of 5: 80% full
-            tasks.append(asyncio.create_task(
-                h.client.post(CHAT, json=BODY, headers=_auth("normal-key"))))
+            tasks.append(
+                asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("normal-key")))
+            )
         while h.gateway.policy.governor.queued < 4:
             await asyncio.sleep(0.005)
-        claimed = await h.client.post(CHAT, json=BODY, headers={**_auth("normal-key-2"),
-                                                               "x-user-tier": "vip"})
+        claimed = await h.client.post(
+            CHAT, json=BODY, headers={**_auth("normal-key-2"), "x-user-tier": "vip"}
+        )
         assert claimed.status_code == 429
         assert claimed.json()["error"]["code"] == "tier_shed"
-        tasks.append(asyncio.create_task(
-            h.client.post(CHAT, json=BODY, headers=_auth("vip-key"))))
+        tasks.append(asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("vip-key"))))
         while h.gateway.policy.governor.queued < 5:
             await asyncio.sleep(0.005)
         tiers = sorted(s["tier"] for s in (await h.client.get("/api/state")).json()["streams"])

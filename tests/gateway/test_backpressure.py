@@ -18,8 +18,11 @@ pytestmark = pytest.mark.anyio
 
 
 def _chunk(text: str, finish: str | None = None) -> dict[str, Any]:
-    return {"id": "c", "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+    return {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
+    }
 
 
 async def test_a_full_window_pauses_the_producer_until_the_consumer_takes() -> None:
@@ -43,7 +46,8 @@ async def test_a_full_window_pauses_the_producer_until_the_consumer_takes() -> N
     while batch := await window.take():
         taken += batch
     await task
-    assert window.high_water == 3 and window.pauses >= 3
+    assert window.high_water == 3
+    assert window.pauses >= 3
     assert len(taken) == 7
 
 
@@ -86,7 +90,8 @@ async def test_stall_watch_fires_only_for_a_write_blocked_past_the_timeout() -> 
     started = time.monotonic()
     watch.writing()
     await asyncio.sleep(0.15)
-    assert len(fired) == 1 and fired[0] - started >= 0.05
+    assert len(fired) == 1
+    assert fired[0] - started >= 0.05
     assert watch.stalled
     watch.cancel()
 
@@ -98,14 +103,20 @@ def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((host, int(port)))
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                 b"application/json\r\ncontent-length: " + str(len(payload)).encode() +
-                 b"\r\n\r\n" + payload)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+        b"application/json\r\ncontent-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
     return sock
 
 
-BIG = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-       "max_tokens": 3000, "fake": {"chunk_bytes": 16384}}  # ~48 MB if nothing pushed back
+BIG = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 3000,
+    "fake": {"chunk_bytes": 16384},
+}  # ~48 MB if nothing pushed back
 
 
 async def test_a_client_that_stops_reading_pauses_upstream_then_is_aborted() -> None:
@@ -118,7 +129,8 @@ async def test_a_client_that_stops_reading_pauses_upstream_then_is_aborted() -> 
             sent = h.fake.tokens_sent
             assert sent < 1000  # upstream held back: kernel buffers, not 48 MB
             (session,) = h.gateway.ctx.sessions  # type: ignore[union-attr]
-            assert len(session.window) <= 4 and session.window.pauses > 0
+            assert len(session.window) <= 4
+            assert session.window.pauses > 0
             started = time.monotonic()
             while h.fake.aborted == 0:
                 await asyncio.sleep(0.01)
@@ -131,8 +143,9 @@ async def test_a_client_that_stops_reading_pauses_upstream_then_is_aborted() -> 
 
 async def test_without_pausing_upstream_runs_to_the_end_while_the_client_stalls() -> None:
     small = {**BIG, "max_tokens": 400, "fake": {"chunk_bytes": 2048}}
-    async with start_gateway(backpressure={"client_window": 4, "stall_timeout_ms": 400,
-                                           "pause_when_full": False}) as h:
+    async with start_gateway(
+        backpressure={"client_window": 4, "stall_timeout_ms": 400, "pause_when_full": False}
+    ) as h:
         sock = _raw_request(h.url, small)
         try:
             started = time.monotonic()

@@ -18,8 +18,12 @@ _ABORT_WITHIN_S = 0.5  # "immediately", with room for a loaded CI machine
 
 
 def _chat(stream: bool = True, **extra: Any) -> dict[str, Any]:
-    return {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
-            "stream": stream, **extra}
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+        **extra,
+    }
 
 
 async def _until(predicate: Any, timeout_s: float = 3.0) -> float:
@@ -59,8 +63,7 @@ async def test_disconnect_before_the_first_token_aborts_upstream(gw: Harness) ->
 
 async def test_disconnect_mid_stream_aborts_upstream(gw: Harness) -> None:
     gw.fake.release(3)
-    async with gw.client.stream("POST", CHAT, json=_chat(max_tokens=50,
-                                                         fake={"step": True})) as r:
+    async with gw.client.stream("POST", CHAT, json=_chat(max_tokens=50, fake={"step": True})) as r:
         it = frames(r)
         for _ in range(4):  # role chunk and three tokens
             await anext(it)
@@ -72,8 +75,9 @@ async def test_disconnect_mid_stream_aborts_upstream(gw: Harness) -> None:
 
 async def test_disconnect_on_a_non_streaming_request_aborts_upstream(gw: Harness) -> None:
     gw.fake.release(2)
-    task = asyncio.create_task(gw.client.post(CHAT, json=_chat(stream=False, max_tokens=50,
-                                                               fake={"step": True})))
+    task = asyncio.create_task(
+        gw.client.post(CHAT, json=_chat(stream=False, max_tokens=50, fake={"step": True}))
+    )
     await _until(lambda: gw.fake.tokens_sent == 2)
     await _cancel(task)
     assert await _until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
@@ -87,5 +91,7 @@ async def test_disconnect_frees_the_slot_for_the_next_in_queue() -> None:
         await _until(lambda: h.gateway.policy.governor.queued == 1)
         await _cancel(first)
         r = await second
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "t0 t1 "
-        assert h.fake.aborted == 1 and h.fake.completed == 1
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"] == "t0 t1 "
+        assert h.fake.aborted == 1
+        assert h.fake.completed == 1

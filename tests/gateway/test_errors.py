@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 
 from llmflow.gateway.policy import now_us
 
 from .harness import Harness, start_gateway
+
+if TYPE_CHECKING:
+    import httpx
 
 pytestmark = pytest.mark.anyio
 
@@ -31,18 +34,27 @@ def _error(response: httpx.Response, status: int, code: str) -> dict[str, object
 
 
 async def test_malformed_json_is_400_and_never_reaches_a_backend(gw: Harness) -> None:
-    r = await gw.client.post(CHAT, content=b'{"model": "fake-model", "messages": [',
-                             headers={"content-type": "application/json"})
+    r = await gw.client.post(
+        CHAT,
+        content=b'{"model": "fake-model", "messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert _error(r, 400, "invalid_json")["type"] == "invalid_request_error"
     assert gw.fake.seen == 0
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("max_tokens", "10"), ("stream", "yes"), ("messages", "hi"), ("temperature", "hot"),
-    ("n", 0), ("model", 7),
-])
-async def test_wrong_types_are_400_naming_the_field(gw: Harness, field: str,
-                                                    value: object) -> None:
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "10"),
+        ("stream", "yes"),
+        ("messages", "hi"),
+        ("temperature", "hot"),
+        ("n", 0),
+        ("model", 7),
+    ],
+)
+async def test_wrong_types_are_400_naming_the_field(gw: Harness, field: str, value: object) -> None:
     r = await gw.client.post(CHAT, json=_chat(**{field: value}))
     error = _error(r, 400, "invalid_request")
     assert str(error["param"]).startswith(field)
@@ -51,12 +63,14 @@ async def test_wrong_types_are_400_naming_the_field(gw: Harness, field: str,
 
 async def test_prompt_longer_than_the_context_is_400_before_the_backend(gw: Harness) -> None:
     r = await gw.client.post(CHAT, json=_chat("x" * 20_000))  # ~5,000 tokens > 4,096
-    assert "maximum context length is 4096" in str(_error(r, 400, "context_length_exceeded")[
-        "message"])
+    assert "maximum context length is 4096" in str(
+        _error(r, 400, "context_length_exceeded")["message"]
+    )
     r = await gw.client.post(CHAT, json=_chat("x" * 4000, max_tokens=3500))  # 1,000 + 3,500
     _error(r, 400, "context_length_exceeded")
-    r = await gw.client.post("/v1/completions", json={"model": "fake-model",
-                                                      "prompt": list(range(5000))})
+    r = await gw.client.post(
+        "/v1/completions", json={"model": "fake-model", "prompt": list(range(5000))}
+    )
     _error(r, 400, "context_length_exceeded")
     assert gw.fake.seen == 0
 
@@ -79,8 +93,9 @@ async def test_body_too_large_is_413_declared_or_streamed() -> None:
             for _ in range(4):
                 yield b" " * 512
 
-        r = await h.client.post(CHAT, content=chunked(),
-                                headers={"content-type": "application/json"})
+        r = await h.client.post(
+            CHAT, content=chunked(), headers={"content-type": "application/json"}
+        )
         _error(r, 413, "body_too_large")
         assert h.fake.seen == 0
 
@@ -95,7 +110,8 @@ async def test_core_rejection_is_429_with_the_cores_retry_after() -> None:
         r = await h.client.post(CHAT, json=_chat(max_tokens=2))
         _error(r, 429, "queue_full")
         assert r.json()["error"]["type"] == "rate_limit_error"
-        assert probe.retry_after_s is not None and probe.retry_after_s > 0
+        assert probe.retry_after_s is not None
+        assert probe.retry_after_s > 0
         assert abs(int(r.headers["retry-after"]) - math.ceil(probe.retry_after_s)) <= 1
         h.fake.release(2)
         assert (await first).status_code == 200
@@ -115,7 +131,8 @@ async def test_backend_4xx_passes_through(gw: Harness) -> None:
 async def test_unreachable_backend_is_502_then_503_once_marked_down() -> None:
     async with start_gateway(check_idle=False) as h:
         dead = "http://127.0.0.1:9"  # the discard port: connection refused
-        assert h.gateway.ctx is not None and h.gateway.scraper is not None
+        assert h.gateway.ctx is not None
+        assert h.gateway.scraper is not None
         h.gateway.ctx.routes["b0"] = type(h.gateway.ctx.routes["b0"])(dead, False)
         h.gateway.scraper.states["b0"].url = dead
         _error(await h.client.post(CHAT, json=_chat()), 502, "backend_unavailable")
@@ -126,8 +143,9 @@ async def test_unreachable_backend_is_502_then_503_once_marked_down() -> None:
 
 
 async def test_first_token_timeout_as_error_is_504_and_aborts_upstream() -> None:
-    async with start_gateway(streaming={"first_token_timeout_ms": 150,
-                                        "on_first_token_timeout": "error"}) as h:
+    async with start_gateway(
+        streaming={"first_token_timeout_ms": 150, "on_first_token_timeout": "error"}
+    ) as h:
         r = await h.client.post(CHAT, json=_chat(fake={"hang": True}))
         _error(r, 504, "first_token_timeout")
         await h.settle()
@@ -139,7 +157,8 @@ async def test_errors_are_json_the_openai_client_understands(gw: Harness) -> Non
 
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as c:
         with pytest.raises(openai.NotFoundError) as info:
-            await c.chat.completions.create(model="nope", messages=[{"role": "user",
-                                                                     "content": "x"}])
+            await c.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "x"}]
+            )
     assert info.value.code == "model_not_found"
     assert json.loads(info.value.response.text)["error"]["type"] == "not_found_error"

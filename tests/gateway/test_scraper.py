@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import pytest
 
 from llmflow.gateway.scraper import parse_vllm_metrics
 
-from .fake_vllm import FakeVllm
 from .harness import start_gateway
+
+if TYPE_CHECKING:
+    from .fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.anyio
 
@@ -33,14 +36,19 @@ vllm:time_to_first_token_seconds_bucket{le="0.001"} 0.0
 
 def test_parse_takes_the_max_kv_and_sums_counts() -> None:
     assert parse_vllm_metrics(VLLM_TEXT) == {
-        "kv_usage": 0.5, "running": 7.0, "waiting": 2.0, "preemptions_total": 7.0,
-        "num_gpu_blocks": 4096.0, "block_size": 16.0}
+        "kv_usage": 0.5,
+        "running": 7.0,
+        "waiting": 2.0,
+        "preemptions_total": 7.0,
+        "num_gpu_blocks": 4096.0,
+        "block_size": 16.0,
+    }
 
 
 def test_parse_accepts_the_older_gpu_cache_name_and_prefers_the_new_one() -> None:
-    old = "vllm:gpu_cache_usage_perc{engine=\"0\"} 0.75\n"
+    old = 'vllm:gpu_cache_usage_perc{engine="0"} 0.75\n'
     assert parse_vllm_metrics(old) == {"kv_usage": 0.75}
-    both = old + "vllm:kv_cache_usage_perc{engine=\"0\"} 0.1\n"
+    both = old + 'vllm:kv_cache_usage_perc{engine="0"} 0.1\n'
     assert parse_vllm_metrics(both)["kv_usage"] == 0.1
     assert parse_vllm_metrics("garbage\nvllm:num_requests_running{} nan?\n") == {}
 
@@ -66,7 +74,8 @@ async def test_a_failing_backend_is_marked_down_and_traffic_goes_to_the_other() 
         assert [r.status_code for r in results] == [200] * 6
         assert (b0.seen, b1.seen) == (0, 6)
         state = (await h.client.get("/api/state")).json()["backends"]
-        assert state["b0"]["healthy"] is False and "500" in state["b0"]["last_error"]
+        assert state["b0"]["healthy"] is False
+        assert "500" in state["b0"]["last_error"]
         b0.metrics_status = 200
         while not h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
             await asyncio.sleep(0.02)
@@ -92,6 +101,7 @@ async def test_all_backends_down_fails_fast_with_503() -> None:
         while h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
             await asyncio.sleep(0.02)
         r = await h.client.post(CHAT, json=BODY)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend"
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "no_healthy_backend"
         assert (await h.client.get("/readyz")).status_code == 503
         assert h.fake.seen == 0

@@ -15,8 +15,12 @@ pytestmark = pytest.mark.anyio
 
 
 def _request(rid: str = "r1", tokens: int = 30, **fake: Any) -> str:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": tokens, "fake": fake}
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": tokens,
+        "fake": fake,
+    }
     return json.dumps({"type": "request", "id": rid, "endpoint": "chat", "body": body})
 
 
@@ -38,28 +42,28 @@ async def _drain_window(ws: ClientConnection, timeout: float = 0.2) -> list[dict
 
 
 async def test_server_never_exceeds_the_window_and_resumes_on_ack() -> None:
-    async with start_gateway(backpressure={"client_window": 3}) as h:
-        async with connect(_ws_url(h)) as ws:
-            await ws.send(_request(tokens=30))
-            assert (await _recv(ws)) == {"type": "start", "id": "r1", "window": 3}
-            got = await _drain_window(ws)
-            assert [m["seq"] for m in got] == [1, 2, 3]  # then silence: no acks yet
-            text = ""
-            acked = 0
-            while True:
-                chunks = [m for m in got if m["type"] == "chunk"]
-                for m in chunks:
-                    assert m["seq"] - acked <= 3
-                    text += "".join((c.get("delta") or {}).get("content") or ""
-                                    for c in m["data"]["choices"])
-                if any(m["type"] == "end" for m in got):
-                    break
-                acked = chunks[-1]["seq"] if chunks else acked
-                await ws.send(json.dumps({"type": "ack", "id": "r1", "seq": acked}))
-                got = [await _recv(ws)]
-                got += await _drain_window(ws, 0.05)
-            assert text == "".join(f"t{i} " for i in range(30))
-            assert got[-1]["reason"] == "completed"
+    async with start_gateway(backpressure={"client_window": 3}) as h, connect(_ws_url(h)) as ws:
+        await ws.send(_request(tokens=30))
+        assert (await _recv(ws)) == {"type": "start", "id": "r1", "window": 3}
+        got = await _drain_window(ws)
+        assert [m["seq"] for m in got] == [1, 2, 3]  # then silence: no acks yet
+        text = ""
+        acked = 0
+        while True:
+            chunks = [m for m in got if m["type"] == "chunk"]
+            for m in chunks:
+                assert m["seq"] - acked <= 3
+                text += "".join(
+                    (c.get("delta") or {}).get("content") or "" for c in m["data"]["choices"]
+                )
+            if any(m["type"] == "end" for m in got):
+                break
+            acked = chunks[-1]["seq"] if chunks else acked
+            await ws.send(json.dumps({"type": "ack", "id": "r1", "seq": acked}))
+            got = [await _recv(ws)]
+            got += await _drain_window(ws, 0.05)
+        assert text == "".join(f"t{i} " for i in range(30))
+        assert got[-1]["reason"] == "completed"
 
 
 async def test_a_late_renderer_gets_merged_chunks_and_the_backend_is_paused() -> None:
@@ -88,7 +92,10 @@ async def test_errors_come_as_messages_with_status(gw: Harness) -> None:
         await ws.send(json.dumps(body))
         error = await _recv(ws)
         assert (error["type"], error["status"], error["error"]["code"]) == (
-            "error", 404, "model_not_found")
+            "error",
+            404,
+            "model_not_found",
+        )
         await ws.send(_request("r2", tokens=2))  # the socket serves the next request
         assert (await _recv(ws))["type"] == "start"
 
@@ -118,11 +125,11 @@ async def test_closing_the_socket_mid_stream_aborts_upstream(gw: Harness) -> Non
 
 
 async def test_a_silent_client_is_aborted_after_the_stall_timeout() -> None:
-    async with start_gateway(backpressure={"client_window": 2, "stall_timeout_ms": 200}) as h:
-        async with connect(_ws_url(h)) as ws:
-            await ws.send(_request(tokens=500, itl=0.005))
-            await _recv(ws)
-            await asyncio.sleep(0.6)
-            await h.settle()
-            assert h.fake.aborted == 1
-            assert h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1
+    config = {"client_window": 2, "stall_timeout_ms": 200}
+    async with start_gateway(backpressure=config) as h, connect(_ws_url(h)) as ws:
+        await ws.send(_request(tokens=500, itl=0.005))
+        await _recv(ws)
+        await asyncio.sleep(0.6)
+        await h.settle()
+        assert h.fake.aborted == 1
+        assert h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1

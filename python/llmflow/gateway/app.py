@@ -64,8 +64,7 @@ class Gateway:
         models: dict[str, int] = {}
         for backend in settings.backends:
             for model in backend.models:
-                models[model] = min(models.get(model, backend.max_model_len),
-                                    backend.max_model_len)
+                models[model] = min(models.get(model, backend.max_model_len), backend.max_model_len)
         self.models = models
         self.scraper: Scraper | None = None
         self.ctx: SessionContext | None = None
@@ -85,19 +84,29 @@ class Gateway:
         self.scraper = Scraper(self.policy, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3)
         self.metrics.scraper = self.scraper
         self.ctx = SessionContext(
-            policy=self.policy, upstream=self.upstream, metrics=self.metrics,
-            routes={b.name: BackendRoute(urls[b.name], b.scheduling_policy == "priority")
-                    for b in s.backends},
+            policy=self.policy,
+            upstream=self.upstream,
+            metrics=self.metrics,
+            routes={
+                b.name: BackendRoute(urls[b.name], b.scheduling_policy == "priority")
+                for b in s.backends
+            },
             first_token_error=s.streaming.on_first_token_timeout == "error",
             client_window=s.backpressure.client_window,
             pause_when_full=s.backpressure.pause_when_full,
-            on_backend_down=self.scraper.mark_down, tasks=self.tasks)
+            on_backend_down=self.scraper.mark_down,
+            tasks=self.tasks,
+        )
         self.service = CompletionService(self.ctx, self.models, s.server.bytes_per_token)
         await self.scraper.scrape_all()
         self.scraper.start(self.tasks)
         for name, state in self.scraper.states.items():
-            log.info("backend %s at %s: %s", name, state.url,
-                     "healthy" if state.healthy else f"UNHEALTHY ({state.last_error})")
+            log.info(
+                "backend %s at %s: %s",
+                name,
+                state.url,
+                "healthy" if state.healthy else f"UNHEALTHY ({state.last_error})",
+            )
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stop admitting, wait for live requests up to `timeout_s`, then cut the rest."""
@@ -141,20 +150,29 @@ class Gateway:
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "core": self.policy.governor.snapshot(now_us()),
             "backends": {n: s.as_json() for n, s in self.scraper.states.items()}
-            if self.scraper else {},
+            if self.scraper
+            else {},
             "streams": [_stream_state(s) for s in sessions],
-            "outcomes": [{"outcome": o, "reason": r, "count": c}
-                         for (o, r), c in sorted(self.metrics.outcomes.items())],
+            "outcomes": [
+                {"outcome": o, "reason": r, "count": c}
+                for (o, r), c in sorted(self.metrics.outcomes.items())
+            ],
         }
 
 
 def _stream_state(session: Any) -> dict[str, Any]:
     ticket = session.ticket
-    return {"id": ticket.request_id, "tenant": ticket.tenant, "tier": ticket.tier,
-            "backend": ticket.backend, "queued": not ticket.admitted.done(),
-            "streaming": session.streaming, "tokens": session.parser.completion_tokens,
-            "window": len(session.window), "age_s": round(time.monotonic()
-                                                          - session.prepared.arrived, 3)}
+    return {
+        "id": ticket.request_id,
+        "tenant": ticket.tenant,
+        "tier": ticket.tier,
+        "backend": ticket.backend,
+        "queued": not ticket.admitted.done(),
+        "streaming": session.streaming,
+        "tokens": session.parser.completion_tokens,
+        "window": len(session.window),
+        "age_s": round(time.monotonic() - session.prepared.arrived, 3),
+    }
 
 
 @contextlib.asynccontextmanager

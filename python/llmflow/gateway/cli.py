@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
+import math
 import signal
 import sys
 import threading
@@ -17,6 +17,7 @@ from llmflow.config import ConfigFileError, load_settings
 from llmflow.gateway.app import create_app
 
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Generator
 
     from llmflow.config import Settings
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GatewayServer", "add_commands", "serve"]
 
-_FORCE_AFTER_DRAIN_S = 5.0  # uvicorn's own backstop, past the gateway's drain timeout
+_FORCE_AFTER_DRAIN_S = 5  # uvicorn's own backstop, past the gateway's drain timeout
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what ends `llmflow serve` gracefully
 
 
@@ -77,14 +78,17 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         subparsers: the `llmflow` command group.
     """
     p = subparsers.add_parser(
-        "serve", help="run the OpenAI-compatible gateway in front of vLLM",
+        "serve",
+        help="run the OpenAI-compatible gateway in front of vLLM",
         description="Run the gateway. Backends come from the config; with no backend URL the "
-                    "built-in simulated vLLM starts in-process, so `llmflow serve` alone works.")
+        "built-in simulated vLLM starts in-process, so `llmflow serve` alone works.",
+    )
     p.add_argument("--config", type=Path, help="YAML config file (default: built-in defaults)")
     p.add_argument("--host", help="address to listen on (default: server.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: server.port, 8080)")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     p.set_defaults(func=serve)
 
 
@@ -98,12 +102,20 @@ def serve(args: argparse.Namespace) -> int:
     settings = _override(settings, args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
-        create_app(settings), host=settings.server.host, port=settings.server.port,
-        log_level=args.log_level, lifespan="on", access_log=False,
-        timeout_graceful_shutdown=settings.server.drain_timeout_ms / 1e3 + _FORCE_AFTER_DRAIN_S)
+        create_app(settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=args.log_level,
+        lifespan="on",
+        access_log=False,
+        timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_ms / 1e3)
+        + _FORCE_AFTER_DRAIN_S,
+    )
     logging.getLogger("llmflow.gateway").info(
         "llmflow gateway listening on http://%s:%d (dashboard at /dashboard)",
-        settings.server.host, settings.server.port)
+        settings.server.host,
+        settings.server.port,
+    )
     GatewayServer(config).run()
     return 0
 

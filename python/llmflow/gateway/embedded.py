@@ -56,10 +56,12 @@ class EmbeddedBackend:
             RuntimeError: the simulator package is missing or did not start.
         """
         try:
-            from llmflow.sim.server import create_app
+            from llmflow.sim.server import create_app  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
-            raise RuntimeError(f"backend {self.backend.name!r} has no url and the built-in "
-                               f"simulator is not available ({exc})") from exc
+            raise RuntimeError(
+                f"backend {self.backend.name!r} has no url and the built-in "
+                f"simulator is not available ({exc})"
+            ) from exc
         app = create_app(**_sim_arguments(create_app, self.backend))
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -86,8 +88,13 @@ class EmbeddedBackend:
 
 
 def _sim_arguments(factory: Any, backend: Backend) -> dict[str, Any]:
-    offered = {"models": list(backend.models), "model": backend.models[0],
-               "served_model_names": list(backend.models), "max_model_len": backend.max_model_len,
-               "gpus": backend.gpus, "backend": backend}
+    offered = {
+        "models": list(backend.models),
+        "model": backend.models[0],
+        "served_model_names": list(backend.models),
+        "max_model_len": backend.max_model_len,
+        "gpus": backend.gpus,
+        "backend": backend,
+    }
     accepted = inspect.signature(factory).parameters
     return {k: v for k, v in offered.items() if k in accepted}

@@ -102,15 +102,20 @@ async def _on_validation_error(_request: Request, exc: Exception) -> JSONRespons
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
     param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-    return GatewayError(400, f"{param or 'request'}: {first['msg']}", "invalid_request",
-                        param=param).response()
+    return GatewayError(
+        400, f"{param or 'request'}: {first['msg']}", "invalid_request", param=param
+    ).response()
 
 
 async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
-    error = GatewayError(exc.status_code, str(exc.detail), codes.get(exc.status_code, "error"),
-                         headers=dict(exc.headers or {}))
+    error = GatewayError(
+        exc.status_code,
+        str(exc.detail),
+        codes.get(exc.status_code, "error"),
+        headers=dict(exc.headers or {}),
+    )
     return error.response()
 
 

@@ -29,8 +29,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 _CHUNK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _OUTCOME = {  # how a session ended -> the core's outcome label
-    "completed": "completed", "error": "error", "deadline": "timeout",
-    "first_token_timeout": "timeout", "queue_timeout": "timeout", "timeout": "timeout",
+    "completed": "completed",
+    "error": "error",
+    "deadline": "timeout",
+    "first_token_timeout": "timeout",
+    "queue_timeout": "timeout",
+    "timeout": "timeout",
 }
 
 
@@ -46,22 +50,46 @@ class GatewayMetrics:
         self.policy = policy
         self.scraper: Scraper | None = None
         self.draining: Callable[[], bool] = lambda: False
-        self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> count, for /api/state
+        self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
         r = self.registry
-        self.requests = Counter("llmflow_requests", "Requests by tier, outcome and reason",
-                                ["tier", "outcome", "reason"], registry=r)
-        self.ttft = Histogram("llmflow_ttft_seconds", "Arrival to first token, as the gateway "
-                              "sees it", ["tier"], buckets=_TTFT_BUCKETS, registry=r)
-        self.queue_wait = Histogram("llmflow_queue_wait_seconds", "Time spent queued before "
-                                    "admission", ["tier"], buckets=_TTFT_BUCKETS, registry=r)
-        self.inter_chunk = Histogram("llmflow_inter_chunk_seconds", "Gap between writes to a "
-                                     "streaming client", buckets=_CHUNK_BUCKETS, registry=r)
-        self.tokens = Counter("llmflow_tokens_streamed", "Generated tokens relayed to clients",
-                              ["tier"], registry=r)
-        self.truncations = Counter("llmflow_truncations", "Replies cut with a notice",
-                                   ["reason"], registry=r)
-        self.aborts = Counter("llmflow_upstream_aborts", "Upstream requests aborted before they "
-                              "finished", ["reason"], registry=r)
+        self.requests = Counter(
+            "llmflow_requests",
+            "Requests by tier, outcome and reason",
+            ["tier", "outcome", "reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llmflow_ttft_seconds",
+            "Arrival to first token, as the gateway sees it",
+            ["tier"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "llmflow_queue_wait_seconds",
+            "Time spent queued before admission",
+            ["tier"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_chunk = Histogram(
+            "llmflow_inter_chunk_seconds",
+            "Gap between writes to a streaming client",
+            buckets=_CHUNK_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "llmflow_tokens_streamed", "Generated tokens relayed to clients", ["tier"], registry=r
+        )
+        self.truncations = Counter(
+            "llmflow_truncations", "Replies cut with a notice", ["reason"], registry=r
+        )
+        self.aborts = Counter(
+            "llmflow_upstream_aborts",
+            "Upstream requests aborted before they finished",
+            ["reason"],
+            registry=r,
+        )
         self.registry.register(_StateCollector(self))
 
     def rejected(self, tier: str, reason: str) -> None:
@@ -109,19 +137,21 @@ class _StateCollector:
     def collect(self) -> Iterator[Metric]:
         policy, governor = self.m.policy, self.m.policy.governor
         queued: Tally[str] = Tally(t.tier for t in policy.tickets() if not t.admitted.done())
-        by_tier = GaugeMetricFamily("llmflow_queue_length", "Requests waiting, by tier",
-                                    labels=["tier"])
+        by_tier = GaugeMetricFamily(
+            "llmflow_queue_length", "Requests waiting, by tier", labels=["tier"]
+        )
         for tier, count in sorted(queued.items()):
             by_tier.add_metric([tier], count)
         yield by_tier
-        yield _gauge("llmflow_queue_total", "Requests in the core's waiting queue",
-                     governor.queued)
+        yield _gauge("llmflow_queue_total", "Requests in the core's waiting queue", governor.queued)
         yield _gauge("llmflow_in_flight", "Requests holding a backend slot", governor.running)
-        yield _gauge("llmflow_kv_blocks_in_use", "KV blocks the ledger holds",
-                     governor.kv_blocks_in_use)
+        yield _gauge(
+            "llmflow_kv_blocks_in_use", "KV blocks the ledger holds", governor.kv_blocks_in_use
+        )
         yield _gauge("llmflow_shed_level", "Preemption-breaker shed level", governor.shed_level)
-        yield _gauge("llmflow_draining", "1 while the gateway drains for shutdown",
-                     int(self.m.draining()))
+        yield _gauge(
+            "llmflow_draining", "1 while the gateway drains for shutdown", int(self.m.draining())
+        )
         if self.m.scraper is not None:
             yield from _backend_gauges(self.m.scraper)
 
@@ -132,16 +162,25 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _backend_gauges(scraper: Scraper) -> Iterator[Metric]:
     families = {
-        "kv_usage": GaugeMetricFamily("llmflow_backend_kv_usage", "Backend KV cache usage "
-                                      "(0..1), last scrape", labels=["backend"]),
-        "healthy": GaugeMetricFamily("llmflow_backend_healthy", "1 when the backend is healthy",
-                                     labels=["backend"]),
-        "running": GaugeMetricFamily("llmflow_backend_running", "Requests vLLM reports running",
-                                     labels=["backend"]),
-        "waiting": GaugeMetricFamily("llmflow_backend_waiting", "Requests vLLM reports waiting",
-                                     labels=["backend"]),
-        "age": GaugeMetricFamily("llmflow_backend_scrape_age_seconds", "Seconds since the last "
-                                 "good scrape", labels=["backend"]),
+        "kv_usage": GaugeMetricFamily(
+            "llmflow_backend_kv_usage",
+            "Backend KV cache usage (0..1), last scrape",
+            labels=["backend"],
+        ),
+        "healthy": GaugeMetricFamily(
+            "llmflow_backend_healthy", "1 when the backend is healthy", labels=["backend"]
+        ),
+        "running": GaugeMetricFamily(
+            "llmflow_backend_running", "Requests vLLM reports running", labels=["backend"]
+        ),
+        "waiting": GaugeMetricFamily(
+            "llmflow_backend_waiting", "Requests vLLM reports waiting", labels=["backend"]
+        ),
+        "age": GaugeMetricFamily(
+            "llmflow_backend_scrape_age_seconds",
+            "Seconds since the last good scrape",
+            labels=["backend"],
+        ),
     }
     now = time.monotonic()
     for name, state in scraper.states.items():

@@ -30,7 +30,7 @@ def now_us() -> int:
     return time.monotonic_ns() // 1000
 
 
-class Expiry(Exception):  # noqa: N818 - it is an event, not a failure of the gateway
+class Expiry(Exception):
     """A request's deadline passed, as the core reported it (`queue_timeout`, ...)."""
 
     def __init__(self, reason: str) -> None:

@@ -59,11 +59,19 @@ class BackendState:
     def as_json(self) -> dict[str, object]:
         """The state for `/api/state`."""
         age = None if self.scraped_at is None else round(time.monotonic() - self.scraped_at, 3)
-        return {"url": self.url, "healthy": self.healthy, "kv_usage": self.kv_usage,
-                "running": self.running, "waiting": self.waiting,
-                "preemptions_total": self.preemptions_total,
-                "num_gpu_blocks": self.num_gpu_blocks, "block_size": self.block_size,
-                "scrape_age_s": age, "failures": self.failures, "last_error": self.last_error}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "kv_usage": self.kv_usage,
+            "running": self.running,
+            "waiting": self.waiting,
+            "preemptions_total": self.preemptions_total,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": self.block_size,
+            "scrape_age_s": age,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
@@ -112,8 +120,9 @@ class Scraper:
         interval_s: time between scrapes of one backend.
     """
 
-    def __init__(self, policy: Policy, upstream: Upstream, backends: dict[str, str],
-                 interval_s: float) -> None:
+    def __init__(
+        self, policy: Policy, upstream: Upstream, backends: dict[str, str], interval_s: float
+    ) -> None:
         self.policy, self.upstream, self.interval_s = policy, upstream, interval_s
         self.timeout_s = max(0.2, min(2.0, interval_s * 2))
         self.states = {name: BackendState(name, url) for name, url in backends.items()}
@@ -133,9 +142,8 @@ class Scraper:
         except httpx.HTTPError as exc:
             state.failures += 1
             state.last_error = repr(exc)
-            if state.healthy and state.failures >= FAILURES_BEFORE_UNHEALTHY:
-                self._set_health(state, False)
-            elif not state.ever_scraped and state.healthy:
+            enough = state.failures >= FAILURES_BEFORE_UNHEALTHY or not state.ever_scraped
+            if state.healthy and enough:
                 self._set_health(state, False)
             return False
         self._record(state, values)
@@ -151,10 +159,14 @@ class Scraper:
         state.num_gpu_blocks = _int(values.get("num_gpu_blocks"))
         state.block_size = _int(values.get("block_size"))
         kv = None if state.kv_usage is None else min(max(state.kv_usage, 0.0), 1.0)
-        self.policy.observe_backend(state.name, kv_usage=kv, running=state.running,
-                                    waiting=state.waiting,
-                                    preemptions_total=state.preemptions_total,
-                                    kv_blocks=state.num_gpu_blocks)
+        self.policy.observe_backend(
+            state.name,
+            kv_usage=kv,
+            running=state.running,
+            waiting=state.waiting,
+            preemptions_total=state.preemptions_total,
+            kv_blocks=state.num_gpu_blocks,
+        )
         if not state.healthy:
             self._set_health(state, True)
 
@@ -164,8 +176,9 @@ class Scraper:
         if healthy:
             log.info("backend %s at %s is healthy", state.name, state.url)
         else:
-            log.warning("backend %s at %s is unhealthy: %s", state.name, state.url,
-                        state.last_error)
+            log.warning(
+                "backend %s at %s is unhealthy: %s", state.name, state.url, state.last_error
+            )
 
     def mark_down(self, name: str, error: str) -> None:
         """A request could not reach the backend: unhealthy now, until a scrape succeeds."""

@@ -70,8 +70,12 @@ class CompletionService:
             raise _invalid(exc) from None
         context = self.models.get(request.model)
         if context is None:
-            raise GatewayError(404, f"The model `{request.model}` does not exist.",
-                               "model_not_found", param="model")
+            raise GatewayError(
+                404,
+                f"The model `{request.model}` does not exist.",
+                "model_not_found",
+                param="model",
+            )
         if endpoint == "chat":
             prompt = chat_prompt_tokens(request, self.bytes_per_token)
             max_tokens = request.max_completion_tokens or request.max_tokens
@@ -81,15 +85,27 @@ class CompletionService:
             max_tokens = request.max_tokens
         _check_context(prompt, max_tokens, context)
         options = request.stream_options
-        client = ClientOptions(endpoint, request.model, request.stream, request.n,
-                               bool(options and options.include_usage),
-                               bool(options and options.continuous_usage_stats))
+        client = ClientOptions(
+            endpoint,
+            request.model,
+            request.stream,
+            request.n,
+            bool(options and options.include_usage),
+            bool(options and options.continuous_usage_stats),
+        )
         upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
         upstream["stream"] = True
         upstream["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         generated = max_tokens if max_tokens is not None else context - prompt
-        return Prepared(client, identity.tenant, identity.tier, _PATHS[endpoint], upstream,
-                        prompt, generated * request.n)
+        return Prepared(
+            client,
+            identity.tenant,
+            identity.tier,
+            _PATHS[endpoint],
+            upstream,
+            prompt,
+            generated * request.n,
+        )
 
     def admit(self, prepared: Prepared) -> StreamSession:
         """Submit a prepared request to the core.
@@ -101,15 +117,20 @@ class CompletionService:
             GatewayError: 429 with `Retry-After` when the core rejects it (503 when the reason
                 is draining or no healthy backend).
         """
-        ticket = self.ctx.policy.submit(prepared.tenant, prepared.prompt_tokens,
-                                        prepared.max_tokens)
+        ticket = self.ctx.policy.submit(
+            prepared.tenant, prepared.prompt_tokens, prepared.max_tokens
+        )
         decision = ticket.decision
         if decision.rejected:
             reason = decision.reason or "rejected"
             self.ctx.metrics.rejected(prepared.tier, reason)
             status = 503 if reason in _UNAVAILABLE else 429
-            raise GatewayError(status, f"request refused: {reason.replace('_', ' ')}", reason,
-                               headers=retry_after_header(decision.retry_after_s))
+            raise GatewayError(
+                status,
+                f"request refused: {reason.replace('_', ' ')}",
+                reason,
+                headers=retry_after_header(decision.retry_after_s),
+            )
         return StreamSession(self.ctx, prepared, ticket)
 
     async def serve(self, prepared: Prepared, receive: Receive) -> Json | StreamSession:
@@ -146,7 +167,7 @@ class CompletionService:
                 await session.close("cancelled")
 
 
-async def run_unless(awaitable: Awaitable[None], gone: asyncio.Event) -> None:
+async def run_unless(awaitable: Awaitable[object], gone: asyncio.Event) -> None:
     """Await `awaitable`, but cancel it and raise `ClientGone` if `gone` is set first.
 
     Raises:
@@ -158,7 +179,7 @@ async def run_unless(awaitable: Awaitable[None], gone: asyncio.Event) -> None:
         raise ClientGone
     with anyio.CancelScope() as scope:
         stopper = asyncio.create_task(gone.wait())
-        stopper.add_done_callback(lambda t: t.cancelled() or scope.cancel())
+        stopper.add_done_callback(lambda t: None if t.cancelled() else scope.cancel())
         try:
             await awaitable
         finally:
@@ -192,10 +213,18 @@ def _invalid(exc: ValidationError) -> GatewayError:
 
 def _require_single_prompt(request: CompletionRequest) -> None:
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise GatewayError(400, "batched prompts are not supported: send one prompt per "
-                               "request", "batch_not_supported", param="prompt")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and isinstance(prompt[0], str | list)
+        and len(prompt) != 1
+    ):
+        raise GatewayError(
+            400,
+            "batched prompts are not supported: send one prompt per request",
+            "batch_not_supported",
+            param="prompt",
+        )
     if isinstance(prompt, list) and not prompt:
         raise GatewayError(400, "prompt must not be empty", "invalid_request", param="prompt")
 
@@ -204,7 +233,10 @@ def _check_context(prompt: int, max_tokens: int | None, context: int) -> None:
     wanted = prompt + (max_tokens or 0)
     if prompt >= context or wanted > context:
         raise GatewayError(
-            400, f"This model's maximum context length is {context} tokens. However, you "
+            400,
+            f"This model's maximum context length is {context} tokens. However, you "
             f"requested {wanted} tokens ({prompt} in the messages, {max_tokens or 0} in the "
             "completion). Please reduce the length of the messages or completion.",
-            "context_length_exceeded", param="messages")
+            "context_length_exceeded",
+            param="messages",
+        )

@@ -118,8 +118,11 @@ class StreamSession:
             await self.ticket.admitted
         except Expiry as exc:
             self._finish_without_reader("timeout")
-            raise GatewayError(_QUEUE_EXPIRY_STATUS, f"request waited too long in the queue "
-                               f"({exc.reason})", exc.reason) from None
+            raise GatewayError(
+                _QUEUE_EXPIRY_STATUS,
+                f"request waited too long in the queue ({exc.reason})",
+                exc.reason,
+            ) from None
         self._reader = asyncio.create_task(self._read(), name=f"llmflow-read-{self.request_id}")
         self.ctx.tasks.add(self._reader)
         self._reader.add_done_callback(self.ctx.tasks.discard)
@@ -203,7 +206,8 @@ class StreamSession:
             body = {**body, "priority": self.ticket.priority}
         try:
             self._stream = await self.ctx.upstream.open(
-                route.url, self.prepared.path, body, f"llmflow-{self.request_id}")
+                route.url, self.prepared.path, body, f"llmflow-{self.request_id}"
+            )
         except UpstreamError as exc:
             if exc.backend_down:
                 self.ctx.on_backend_down(self.ticket.backend or "", exc.message)
@@ -237,15 +241,17 @@ class StreamSession:
     async def _on_cut(self, reason: str) -> Outcome:
         await self._close_upstream()  # abort first: vLLM frees the KV while we answer
         self.end = reason
-        if reason == "first_token_timeout" and self.first_token_at is None:
-            if self.ctx.first_token_error:
-                self.error = GatewayError(504, "no first token within the first-token timeout",
-                                          "first_token_timeout")
-                return "timeout"
+        first_token_missing = reason == "first_token_timeout" and self.first_token_at is None
+        if first_token_missing and self.ctx.first_token_error:
+            self.error = GatewayError(
+                504, "no first token within the first-token timeout", "first_token_timeout"
+            )
+            return "timeout"
         open_choices = [i for i in range(self.prepared.options.n) if i not in self._finished]
         if open_choices:
-            tail = tail_chunk(self.prepared.options, self.parser.template, open_choices, reason,
-                              self.request_id)
+            tail = tail_chunk(
+                self.prepared.options, self.parser.template, open_choices, reason, self.request_id
+            )
             self.ctx.metrics.truncated(reason)
             if self.streaming:
                 self.window.put_final(tail)

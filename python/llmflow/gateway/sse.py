@@ -37,10 +37,12 @@ class SessionStream(EventSourceResponse):
         stall_timeout_s: how long one write may block before the client counts as stalled.
     """
 
-    def __init__(self, session: StreamSession, flush_interval_s: float,
-                 stall_timeout_s: float) -> None:
-        super().__init__(content=iter(()), headers={"Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no"})
+    def __init__(
+        self, session: StreamSession, flush_interval_s: float, stall_timeout_s: float
+    ) -> None:
+        super().__init__(
+            content=iter(()), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.session = session
         self.flush_interval_s = flush_interval_s
         self.stall_timeout_s = stall_timeout_s
@@ -65,8 +67,9 @@ class SessionStream(EventSourceResponse):
             await session.close(reason)
 
     async def _write(self, send: Send, watch: StallWatch) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         window, metrics = self.session.window, self.session.ctx.metrics
         last = 0.0
         while chunks := await window.take():

@@ -99,8 +99,9 @@ class ChunkParser:
 
     def _count(self, chunk: Json, usage: Any) -> int:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            new = usage["completion_tokens"] - self.completion_tokens
-            self.completion_tokens = usage["completion_tokens"]
+            total: int = usage["completion_tokens"]
+            new = total - self.completion_tokens
+            self.completion_tokens = total
             return max(new, 0)
         new = sum(1 for c in chunk.get("choices") or () if _text_of(c))
         self.completion_tokens += new
@@ -153,8 +154,10 @@ def _choice_mergeable(ca: Json, cb: Json) -> bool:
     for key, value in (cb.get("delta") or {}).items():
         if key not in _TEXT_DELTAS and key != "role" and value not in (None, "", []):
             return False
-    return all(k in _TEXT_DELTAS or k == "role" or v in (None, "", [])
-               for k, v in (ca.get("delta") or {}).items())
+    return all(
+        k in _TEXT_DELTAS or k == "role" or v in (None, "", [])
+        for k, v in (ca.get("delta") or {}).items()
+    )
 
 
 def _merge_choice(ca: Json, cb: Json) -> None:
@@ -172,8 +175,13 @@ def _merge_choice(ca: Json, cb: Json) -> None:
         ca["stop_reason"] = cb["stop_reason"]
 
 
-def tail_chunk(options: ClientOptions, template: Json | None, open_choices: list[int],
-               reason: str, request_id: int) -> Json:
+def tail_chunk(
+    options: ClientOptions,
+    template: Json | None,
+    open_choices: list[int],
+    reason: str,
+    request_id: int,
+) -> Json:
     """The chunk that ends a reply the gateway cut: the notice, a finish_reason, the marker.
 
     Args:
@@ -188,15 +196,23 @@ def tail_chunk(options: ClientOptions, template: Json | None, open_choices: list
     """
     notice = notice_for(reason)
     chat = options.endpoint == "chat"
-    base = template or {"id": f"{'chatcmpl' if chat else 'cmpl'}-llmflow-{request_id}",
-                        "created": int(time.time()), "model": options.model}
+    base = template or {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-llmflow-{request_id}",
+        "created": int(time.time()),
+        "model": options.model,
+    }
     choices = [
         {"index": i, "delta": {"content": notice}, "logprobs": None, "finish_reason": "length"}
-        if chat else {"index": i, "text": notice, "logprobs": None, "finish_reason": "length"}
+        if chat
+        else {"index": i, "text": notice, "logprobs": None, "finish_reason": "length"}
         for i in open_choices
     ]
-    return {**base, "object": "chat.completion.chunk" if chat else "text_completion",
-            "choices": choices, "llmflow": {"truncated": True, "reason": reason}}
+    return {
+        **base,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "choices": choices,
+        "llmflow": {"truncated": True, "reason": reason},
+    }
 
 
 class Accumulator:
@@ -231,12 +247,21 @@ class Accumulator:
     def response(self, usage: Json | None) -> Json:
         """The complete `chat.completion` or `text_completion` object."""
         chat = self.options.endpoint == "chat"
-        base = self.template or {"id": "llmflow", "created": int(time.time()),
-                                 "model": self.options.model}
-        choices = [_finish_choice(i, self._choices.get(i, {"text": []}), chat)
-                   for i in sorted(set(self._choices) | set(range(self.options.n)))]
-        body: Json = {**base, "object": "chat.completion" if chat else "text_completion",
-                      "choices": choices, "usage": usage}
+        base = self.template or {
+            "id": "llmflow",
+            "created": int(time.time()),
+            "model": self.options.model,
+        }
+        choices = [
+            _finish_choice(i, self._choices.get(i, {"text": []}), chat)
+            for i in sorted(set(self._choices) | set(range(self.options.n)))
+        ]
+        body: Json = {
+            **base,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": choices,
+            "usage": usage,
+        }
         if self.marker is not None:
             body["llmflow"] = self.marker
         return body
@@ -267,8 +292,11 @@ def _fold(acc: Json, choice: Json) -> None:
 
 def _finish_choice(index: int, acc: Json, chat: bool) -> Json:
     text = "".join(acc["text"])
-    out: Json = {"index": index, "logprobs": acc.get("logprobs"),
-                 "finish_reason": acc.get("finish_reason")}
+    out: Json = {
+        "index": index,
+        "logprobs": acc.get("logprobs"),
+        "finish_reason": acc.get("finish_reason"),
+    }
     if "stop_reason" in acc:
         out["stop_reason"] = acc["stop_reason"]
     if not chat:

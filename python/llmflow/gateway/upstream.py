@@ -38,7 +38,8 @@ class UpstreamError(Exception):
 
     def __init__(self, status: int, code: str, message: str, *, backend_down: bool = False):
         super().__init__(message)
-        self.status, self.code, self.message, self.backend_down = status, code, message, backend_down
+        self.status, self.code, self.message = status, code, message
+        self.backend_down = backend_down
 
 
 class UpstreamStream:
@@ -91,10 +92,12 @@ class Upstream:
     """
 
     def __init__(self, max_connections: int = 8192) -> None:
-        limits = httpx.Limits(max_connections=max_connections,
-                              max_keepalive_connections=max_connections)
-        timeout = httpx.Timeout(connect=_CONNECT_TIMEOUT_S, read=None, write=_WRITE_TIMEOUT_S,
-                                pool=_CONNECT_TIMEOUT_S)
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+        timeout = httpx.Timeout(
+            connect=_CONNECT_TIMEOUT_S, read=None, write=_WRITE_TIMEOUT_S, pool=_CONNECT_TIMEOUT_S
+        )
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
     async def open(self, base_url: str, path: str, body: Json, request_id: str) -> UpstreamStream:
@@ -114,15 +117,21 @@ class Upstream:
                 (4xx passed through with the backend's message, 5xx as 502).
         """
         request = self.client.build_request(
-            "POST", base_url + path, content=json.dumps(body).encode(),
-            headers={"content-type": "application/json", "x-request-id": request_id,
-                     "accept": "text/event-stream"},
+            "POST",
+            base_url + path,
+            content=json.dumps(body).encode(),
+            headers={
+                "content-type": "application/json",
+                "x-request-id": request_id,
+                "accept": "text/event-stream",
+            },
         )
         try:
             response = await self.client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise UpstreamError(502, "backend_unavailable", f"backend unreachable: {exc!r}",
-                                backend_down=True) from exc
+            raise UpstreamError(
+                502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
+            ) from exc
         except httpx.TimeoutException as exc:
             raise UpstreamError(504, "backend_timeout", f"backend timed out: {exc!r}") from exc
         except httpx.HTTPError as exc:

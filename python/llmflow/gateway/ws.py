@@ -90,8 +90,13 @@ class AckChannel:
         return not self.gone.is_set()
 
 
-async def serve_websocket(websocket: WebSocket, service: CompletionService, keyring: KeyRing,
-                          window: int, stall_timeout_s: float) -> None:
+async def serve_websocket(
+    websocket: WebSocket,
+    service: CompletionService,
+    keyring: KeyRing,
+    window: int,
+    stall_timeout_s: float,
+) -> None:
     """Serve one socket: requests one at a time, each streamed under the ack window.
 
     Args:
@@ -112,16 +117,31 @@ async def serve_websocket(websocket: WebSocket, service: CompletionService, keyr
             if not getter.done():
                 getter.cancel()
                 break
-            await _one_request(websocket, channel, service, keyring, header, window,
-                               stall_timeout_s, getter.result())
+            await _one_request(
+                websocket,
+                channel,
+                service,
+                keyring,
+                header,
+                window,
+                stall_timeout_s,
+                getter.result(),
+            )
     finally:
         reader.cancel()
         await asyncio.wait([reader])
 
 
-async def _one_request(websocket: WebSocket, channel: AckChannel, service: CompletionService,
-                       keyring: KeyRing, header: str | None, window: int, stall_s: float,
-                       message: Json) -> None:
+async def _one_request(
+    websocket: WebSocket,
+    channel: AckChannel,
+    service: CompletionService,
+    keyring: KeyRing,
+    header: str | None,
+    window: int,
+    stall_s: float,
+    message: Json,
+) -> None:
     request_id = message.get("id")
     channel.acked, sent, channel.current = 0, 0, request_id
     if not channel.closed:
@@ -132,8 +152,11 @@ async def _one_request(websocket: WebSocket, channel: AckChannel, service: Compl
         identity = _identity(keyring, header, message)
         endpoint = message.get("endpoint", "chat")
         if endpoint not in _ENDPOINTS or not isinstance(message.get("body"), dict):
-            raise GatewayError(400, "a request needs 'endpoint' (chat or completions) and a "
-                               "'body' object", "invalid_request")
+            raise GatewayError(
+                400,
+                "a request needs 'endpoint' (chat or completions) and a 'body' object",
+                "invalid_request",
+            )
         body = {**message["body"], "stream": True}
         prepared = service.prepare(endpoint, identity, json.dumps(body).encode())
         session = service.admit(prepared)
@@ -150,16 +173,20 @@ async def _one_request(websocket: WebSocket, channel: AckChannel, service: Compl
             allowed = window - (sent - channel.acked)
             for chunk in carry[:allowed]:
                 sent += 1
-                await _send(websocket, {"type": "chunk", "id": request_id, "seq": sent,
-                                        "data": chunk})
+                await _send(
+                    websocket, {"type": "chunk", "id": request_id, "seq": sent, "data": chunk}
+                )
             carry = carry[allowed:]
-        await _send(websocket, {"type": "end", "id": request_id, "reason": session.end,
-                                "sent": sent})
+        await _send(
+            websocket, {"type": "end", "id": request_id, "reason": session.end, "sent": sent}
+        )
     except ClientGone:
         return
     except GatewayError as exc:
-        await _send(websocket, {"type": "error", "id": request_id, "status": exc.status,
-                                **exc.body, **_retry(exc)})
+        await _send(
+            websocket,
+            {"type": "error", "id": request_id, "status": exc.status, **exc.body, **_retry(exc)},
+        )
     finally:
         if session is not None:
             await session.close(reason)

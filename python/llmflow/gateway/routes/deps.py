@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastapi import Request
-
 if TYPE_CHECKING:
+    from fastapi import Request
+
     from llmflow.gateway.app import Gateway
     from llmflow.gateway.auth import Identity
     from llmflow.gateway.serving import CompletionService

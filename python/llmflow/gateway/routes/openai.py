@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from llmflow.gateway.auth import Identity
 from llmflow.gateway.protocol import ModelCard, ModelList
 from llmflow.gateway.routes.deps import gateway, identity, service
-from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.sse import SessionStream
-from llmflow.gateway.types import Endpoint
+
+if TYPE_CHECKING:
+    from llmflow.gateway.auth import Identity
+    from llmflow.gateway.serving import CompletionService
+    from llmflow.gateway.types import Endpoint
 
 __all__ = ["router"]
 
@@ -46,16 +48,24 @@ async def models(request: Request, _who: Annotated[Identity, Depends(identity)])
     """The models the configured backends serve."""
     gw = gateway(request)
     created = int(time.time() - (time.monotonic() - gw.started_at))
-    return ModelList(data=[ModelCard(id=name, created=created, max_model_len=length)
-                           for name, length in sorted(gw.models.items())])
+    return ModelList(
+        data=[
+            ModelCard(id=name, created=created, max_model_len=length)
+            for name, length in sorted(gw.models.items())
+        ]
+    )
 
 
-async def _complete(endpoint: Endpoint, request: Request, who: Identity,
-                    svc: CompletionService) -> Response:
+async def _complete(
+    endpoint: Endpoint, request: Request, who: Identity, svc: CompletionService
+) -> Response:
     prepared = svc.prepare(endpoint, who, await request.body())
     result = await svc.serve(prepared, request.receive)
     if isinstance(result, dict):
         return JSONResponse(result)
     streaming = gateway(request).settings
-    return SessionStream(result, streaming.streaming.sse_flush_interval / 1e3,
-                         streaming.backpressure.stall_timeout_ms / 1e3)
+    return SessionStream(
+        result,
+        streaming.streaming.sse_flush_interval / 1e3,
+        streaming.backpressure.stall_timeout_ms / 1e3,
+    )

@@ -33,8 +33,11 @@ async def readyz(request: Request) -> JSONResponse:
     gw = gateway(request)
     healthy = [n for n, s in gw.scraper.states.items() if s.healthy] if gw.scraper else []
     ready = bool(healthy) and not gw.draining
-    body = {"status": "ready" if ready else "unavailable", "draining": gw.draining,
-            "healthy_backends": healthy}
+    body = {
+        "status": "ready" if ready else "unavailable",
+        "draining": gw.draining,
+        "healthy_backends": healthy,
+    }
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

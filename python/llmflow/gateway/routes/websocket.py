@@ -16,5 +16,10 @@ async def stream_ws(websocket: WebSocket) -> None:
     """Stream completions with explicit acknowledgements (at most `client_window` unacked)."""
     gw = websocket.app.state.gateway
     settings = gw.settings
-    await serve_websocket(websocket, gw.service, gw.keyring, settings.backpressure.client_window,
-                          settings.backpressure.stall_timeout_ms / 1e3)
+    await serve_websocket(
+        websocket,
+        gw.service,
+        gw.keyring,
+        settings.backpressure.client_window,
+        settings.backpressure.stall_timeout_ms / 1e3,
+    )

@@ -1,0 +1,153 @@
+"""Chunk logic: token counting, usage shaping, coalescing, assembling, the truncation tail."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from llmflow.gateway.streaming import (
+    Accumulator,
+    ChunkParser,
+    ClientOptions,
+    merge_chunks,
+    notice_for,
+    tail_chunk,
+)
+from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompt_tokens, text_tokens
+
+CHAT = ClientOptions("chat", "m", stream=True)
+
+
+def _chat(
+    text: str | None = None, finish: str | None = None, index: int = 0, **delta: Any
+) -> dict[str, Any]:
+    if text is not None:
+        delta["content"] = text
+    return {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def _usage(n: int) -> dict[str, int]:
+    return {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+
+
+def test_parser_counts_tokens_from_continuous_usage_and_hides_it() -> None:
+    parser = ChunkParser(CHAT)
+    role = {**_chat(role="assistant", content=""), "usage": _usage(0)}
+    assert parser.feed(json.dumps(role).encode()) == (_chat(role="assistant", content=""), 0)
+    chunk, n = parser.feed(json.dumps({**_chat("ab"), "usage": _usage(3)}).encode())
+    assert (n, "usage" in (chunk or {})) == (3, False)
+    final, n = parser.feed(json.dumps({**_chat(), "choices": [], "usage": _usage(3)}).encode())
+    assert (final, n, parser.usage) == (None, 0, _usage(3))
+
+
+def test_parser_without_usage_counts_one_token_per_text_delta() -> None:
+    parser = ChunkParser(ClientOptions("completions", "m", stream=True))
+    for text in ("a", "", "b"):
+        parser.feed(json.dumps({"choices": [{"index": 0, "text": text}]}).encode())
+    assert parser.completion_tokens == 2
+
+
+def test_parser_keeps_usage_shape_the_client_asked_for() -> None:
+    asked = ChunkParser(ClientOptions("chat", "m", stream=True, include_usage=True))
+    chunk, _ = asked.feed(json.dumps({**_chat("a"), "usage": _usage(1)}).encode())
+    assert chunk is not None
+    assert chunk["usage"] is None
+    final, _ = asked.feed(json.dumps({**_chat(), "choices": [], "usage": _usage(1)}).encode())
+    assert final is not None
+    assert final["usage"] == _usage(1)
+    continuous = ChunkParser(ClientOptions("chat", "m", True, 1, True, True))
+    chunk, _ = continuous.feed(json.dumps({**_chat("a"), "usage": _usage(1)}).encode())
+    assert chunk is not None
+    assert chunk["usage"] == _usage(1)
+
+
+def test_merge_concatenates_text_and_keeps_the_last_finish_reason() -> None:
+    merged = merge_chunks(
+        [_chat(role="assistant", content=""), _chat("a"), _chat("b"), _chat("c", finish="stop")]
+    )
+    assert merged == [_chat(role="assistant", content="abc", finish="stop")]
+
+
+def test_merge_never_crosses_a_finished_choice_tool_calls_or_errors() -> None:
+    tool = _chat(tool_calls=[{"index": 0, "function": {"name": "f"}}])
+    assert len(merge_chunks([_chat("a", finish="stop"), _chat("b")])) == 2
+    assert len(merge_chunks([_chat("a"), tool, _chat("b")])) == 3
+    assert len(merge_chunks([_chat("a"), {"error": {"message": "x"}}])) == 2
+
+
+def test_merge_combines_interleaved_choices_by_index() -> None:
+    merged = merge_chunks([_chat("a", index=0), _chat("x", index=1), _chat("b", index=0)])
+    (chunk,) = merged
+    assert [(c["index"], c["delta"]["content"]) for c in chunk["choices"]] == [(0, "ab"), (1, "x")]
+
+
+def test_accumulator_builds_a_chat_completion_with_tools_and_the_marker() -> None:
+    acc = Accumulator(ClientOptions("chat", "m", stream=False, n=2))
+    acc.add(_chat(role="assistant", content="Hel"))
+    acc.add(_chat("lo", finish="stop"))
+    acc.add(
+        _chat(
+            index=1,
+            tool_calls=[
+                {
+                    "index": 0,
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": '{"a"'},
+                }
+            ],
+        )
+    )
+    acc.add(_chat(index=1, tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]))
+    assert acc.open_choices() == [1]
+    acc.add(tail_chunk(acc.options, acc.template, acc.open_choices(), "deadline", 7))
+    body = acc.response({"completion_tokens": 3})
+    assert body["object"] == "chat.completion"
+    assert body["id"] == "x"
+    first, second = body["choices"]
+    assert first["message"] == {"role": "assistant", "content": "Hello"}
+    assert first["finish_reason"] == "stop"
+    assert second["message"]["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    ]
+    assert second["message"]["content"] == notice_for("deadline")
+    assert second["finish_reason"] == "length"
+    assert body["llmflow"] == {"truncated": True, "reason": "deadline"}
+
+
+def test_tail_for_completions_without_any_upstream_chunk() -> None:
+    options = ClientOptions("completions", "m", stream=True, n=1)
+    tail = tail_chunk(options, None, [0], "first_token_timeout", 9)
+    assert tail["id"] == "cmpl-llmflow-9"
+    assert tail["object"] == "text_completion"
+    assert tail["choices"][0]["text"] == notice_for("first_token_timeout")
+
+
+def test_prompt_estimates() -> None:
+    assert text_tokens("abcd" * 10, 4.0) == 10
+    assert text_tokens("漢字", 4.0) == 2  # 6 UTF-8 bytes
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "abcd"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "abcdabcd"},
+                        {"type": "image_url", "image_url": {"url": "x"}},
+                    ],
+                },
+            ],
+        }
+    )
+    assert chat_prompt_tokens(chat, 4.0) == 3 + (4 + 1) + (4 + 2 + 576)
+    ids = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2, 3]]})
+    assert completion_prompt_tokens(ids, 4.0) == 3
