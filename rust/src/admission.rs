@@ -332,11 +332,10 @@ impl Governor {
     /// every healthy backend is above it.
     fn kv_pressure_retry(&self, now_us: u64, drain: f64) -> Option<f64> {
         let threshold = self.config.kv_pressure_threshold?;
-        let mut lowest = f64::INFINITY;
-        for (i, b) in self.backends.iter().enumerate().filter(|(_, b)| b.healthy) {
-            lowest = lowest.min(self.backend_kv_usage(i, now_us));
-            let _ = b;
-        }
+        let lowest = (0..self.backends.len())
+            .filter(|&i| self.backends[i].healthy)
+            .map(|i| self.backend_kv_usage(i, now_us))
+            .fold(f64::INFINITY, f64::min);
         if lowest <= threshold {
             return None;
         }
