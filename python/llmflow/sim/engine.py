@@ -222,6 +222,7 @@ class EngineCore:
         chunks.clear()
         budget = self.config.max_num_batched_tokens - self.n_dec
         need = self._cnt[-s % bs] if self.n_dec else 0
+        swap_bytes = self._swap_in(need) if self.n_swapped else 0.0
         for seq in self.prefilling.values():
             if budget <= 0:
                 break
@@ -232,14 +233,13 @@ class EngineCore:
             chunks.append((seq, n, nb))
             need += nb
             budget -= n
-        swap_bytes = 0.0
         if need > self.num_blocks - self.used:
-            need, swap_bytes = self._preempt(need)
-        else:
-            if self.n_swapped:
-                need, swap_bytes = self._swap_in(need)
-            if self.n_waiting:
-                need = self._admit(need, budget, now)
+            need, swapped_out = self._preempt(need)
+            swap_bytes += swapped_out
+            if not chunks and not self.n_dec and self.n_waiting:  # all evicted: start afresh
+                need = self._admit(need, self.config.max_num_batched_tokens, now)
+        elif self.n_waiting and not self.n_swapped:  # swapped ones resume before new ones
+            need = self._admit(need, budget, now)
         if not chunks and not self.n_dec:
             return None
         self.used += need
@@ -349,7 +349,7 @@ class EngineCore:
             budget -= n
         return need
 
-    def _swap_in(self, need: int) -> tuple[int, float]:
+    def _swap_in(self, need: int) -> float:
         bs, moved = self.block_size, 0
         while self.n_swapped and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -359,17 +359,16 @@ class EngineCore:
             held = seq.blocks
             if need + held > self.num_blocks - self.used:
                 break
-            # resumes as a prefill of what is left (one token for a swapped decoder); its
-            # chunk runs from the next step
+            # resumes as a prefill of what is left (one token for a swapped decoder)
             self.swapped.popleft()
             self.n_swapped -= 1
             self.cpu_used -= held
+            self.used += held
             moved += held
-            need += held
             seq.state = PREFILL
             self.running[seq.rid] = seq
             self.prefilling[seq.rid] = seq
-        return need, moved * bs * self.cost.kv_bytes_per_token
+        return moved * bs * self.cost.kv_bytes_per_token
 
     def _preempt(self, need: int) -> tuple[int, float]:
         s, bs = self.step, self.block_size

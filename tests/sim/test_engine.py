@@ -1,0 +1,143 @@
+"""Engine model: vLLM V1 scheduling, KV accounting, preemption, aborts."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import simpy
+
+from llmflow.sim.cluster import Backend, Gauges
+from llmflow.sim.costmodel import FixedStepCost
+from llmflow.sim.engine import DONE, EngineConfig, EngineCore, EngineError, Seq
+
+
+def _core(**flags: Any) -> EngineCore:
+    base = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 4,
+            "max_model_len": 64, "num_gpu_blocks": 40}
+    return EngineCore(EngineConfig(**{**base, **flags}), FixedStepCost(1.0))
+
+
+def _run(core: EngineCore, seqs: list[Seq]) -> None:
+    now = 0.0
+    for s in seqs:
+        core.add(s, now)
+    while not core.idle:
+        now += core.schedule(now) or 0.0
+        core.complete(now)
+        core.check()
+
+
+def test_chunked_prefill_then_one_token_per_step(env: simpy.Environment, log: Any) -> None:
+    # a 100-token prompt with a 64-token budget: two prefill steps, the first token at the end
+    # of the second, then one token per step
+    core = _core(max_model_len=128)
+    b = Backend(env, "b", core, Gauges(env, core.num_blocks))
+    b.submit(Seq(1, 100, 3, owner=log))
+    env.run()
+    assert log == [("first 1", 2.0), ("end 1", 4.0)]
+
+
+def test_waiting_requests_join_at_step_boundaries(env: simpy.Environment, log: Any) -> None:
+    core = _core()
+    b = Backend(env, "b", core, Gauges(env, core.num_blocks))
+    b.submit(Seq(1, 8, 2, owner=log))
+
+    def late() -> Any:
+        yield env.timeout(0.5)
+        b.submit(Seq(2, 8, 1, owner=log))
+
+    env.process(late())
+    env.run()
+    assert log == [("first 1", 1.0), ("first 2", 2.0), ("end 2", 2.0), ("end 1", 2.0)]
+
+
+def test_fcfs_preempts_the_newest_and_recomputes_it() -> None:
+    # 40 blocks of 4 tokens; two 60-token sequences cannot both grow: the later one is preempted
+    core = _core(num_gpu_blocks=20, max_model_len=80)
+    a, b = Seq(1, 30, 40), Seq(2, 30, 40)
+    _run(core, [a, b])
+    assert (a.preemptions, b.preemptions) == (0, 1)
+    assert core.num_preemptions == 1
+    assert a.gen == b.gen == 40
+
+
+def test_priority_preempts_the_worst_priority() -> None:
+    core = _core(num_gpu_blocks=20, max_model_len=80, scheduling_policy="priority")
+    a, b = Seq(1, 30, 40, priority=5), Seq(2, 30, 40, priority=0)
+    _run(core, [a, b])
+    assert (a.preemptions, b.preemptions) == (1, 0)
+
+
+def test_swap_keeps_progress_and_pays_pcie() -> None:
+    core = _core(num_gpu_blocks=20, max_model_len=80, preemption_mode="swap",
+                 swap_space_blocks=100)
+    a, b = Seq(1, 30, 40), Seq(2, 30, 40)
+    _run(core, [a, b])
+    assert b.preemptions == 1 and b.gen == 40
+    assert core.cpu_used == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_kv_blocks_never_exceed_capacity(mode: str, policy: str) -> None:
+    # random arrivals, aborts (also mid-step) and client stops; every counter re-derived
+    rng = random.Random(f"{mode}{policy}")
+    core = EngineCore(EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, block_size=16,
+                                   max_model_len=1024, num_gpu_blocks=200,
+                                   scheduling_policy=policy, preemption_mode=mode,  # type: ignore[arg-type]
+                                   swap_space_blocks=100), FixedStepCost(0.01))
+    now, seqs, ended = 0.0, [], {}
+    for i in range(2500):
+        if rng.random() < 0.3:
+            s = Seq(i, rng.randint(1, 500), rng.randint(1, 500),
+                    rng.choice([None, rng.randint(1, 400)]), rng.randint(0, 3), None,
+                    rng.choice([None, None, rng.randint(1, 100)]))
+            core.add(s, now)
+            seqs.append(s)
+        if rng.random() < 0.02 and seqs:
+            core.abort(rng.choice(seqs), now)
+        dt = core.schedule(now)
+        if dt is None:
+            continue
+        assert core.used <= core.num_blocks
+        if rng.random() < 0.05 and seqs:
+            core.abort(rng.choice(seqs), now)
+        now += dt
+        for s in core.complete(now)[1]:
+            assert s.rid not in ended
+            ended[s.rid] = s.gen
+        core.check()
+    while not core.idle:
+        now += core.schedule(now) or 0.0
+        assert core.used <= core.num_blocks
+        core.complete(now)
+        core.check()
+    assert core.peak_used <= core.num_blocks
+    assert all(s.state == DONE for s in seqs)
+    assert core.used == 0 and core.cpu_used == 0
+    assert core.generation_tokens_total == sum(s.gen for s in seqs)
+    assert core.num_preemptions > 0  # the workload did overflow the cache
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    core = _core()
+    s = Seq(1, 20, 30)
+    core.add(s, 0.0)
+    core.complete(core.schedule(0.0) or 0.0)
+    assert core.used == 5  # 20 prompt tokens in 4-token blocks (the sampled one is not cached)
+    assert core.abort(s, 1.0)
+    assert core.used == 0 and s.state == DONE
+    assert not core.abort(s, 1.0)
+
+
+def test_too_long_is_refused_like_vllm() -> None:
+    core = _core()
+    with pytest.raises(EngineError, match="maximum context length is 64 tokens"):
+        core.add(Seq(1, 60, 10), 0.0)
+
+
+def test_max_model_len_must_fit_the_cache() -> None:
+    with pytest.raises(EngineError, match="lower max_model_len"):
+        _core(num_gpu_blocks=4)
