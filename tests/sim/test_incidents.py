@@ -1,0 +1,63 @@
+"""The seed's incidents replayed: what each policy would have done."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmflow.sim.runner import run_scenario
+from llmflow.sim.scenario import load_scenario
+
+INCIDENTS = Path(__file__).resolve().parents[2] / "sim" / "incidents"
+
+
+@pytest.fixture(scope="module")
+def flood() -> dict[str, Any]:
+    report, _ = run_scenario(load_scenario(INCIDENTS / "marketing-flood.yaml"))
+    return report["policies"]
+
+
+def test_direct_collapses(flood: dict[str, Any]) -> None:
+    # vLLM's unbounded queue reaches the thousands and business users wait minutes
+    d = flood["direct"]
+    assert d["peak_queue"] >= 1000
+    assert d["classes"]["business"]["ttft_s"]["p99"] >= 120
+    assert d["preemptions"] > 0 and d["peak_kv_usage"] == 1.0
+
+
+def test_seed_gate_holds_16_per_gpu_and_200_waiting(flood: dict[str, Any]) -> None:
+    for name in ("seed-gate", "seed-gate-fifo"):
+        p = flood[name]
+        assert p["peak_running"] == 16 * p["gpus"]
+        assert p["peak_queue"] <= 200
+        assert p["rejections"].get("queue_full", 0) > 0
+        assert p["classes"]["batch"]["completed"] == 1500
+
+
+def test_llmflow_keeps_business_fast_and_loses_no_batch_request(flood: dict[str, Any]) -> None:
+    p = flood["llmflow"]
+    assert p["classes"]["business"]["ttft_s"]["p99"] <= 1.5
+    batch = p["classes"]["batch"]
+    assert batch["completed"] == batch["arrived"] == 1500
+    assert batch["retries_429"] > 0  # it went through 429 + backoff
+    assert p["verdict"]["summary"] == "held"
+
+
+def test_long_report_is_cut_and_its_blocks_reused() -> None:
+    sc = load_scenario(INCIDENTS / "long-report-timeout.yaml")
+    report, _ = run_scenario(sc)
+    direct, llm = report["policies"]["direct"], report["policies"]["llmflow"]
+    # without a deadline the report runs to its end and the short ones wait for it
+    assert direct["classes"]["report"]["completed"] == 1
+    assert direct["classes"]["short"]["ttft_s"]["p50"] > 100
+    # with the 45 s deadline: truncated, ~1,200 characters returned
+    rep = llm["classes"]["report"]
+    assert rep["truncated"] == 1
+    assert 1000 <= rep["truncated_chars_mean"] <= 1400
+    # the three short ones start right after the cut at t = 50 s (first token after a ~3.5 s
+    # prefill of their three prompts), not after the whole report (~150 s)
+    short = llm["classes"]["short"]
+    assert short["completed"] == 3
+    assert 50 - 20 < short["ttft_s"]["p50"] < 50 - 20 + 5
