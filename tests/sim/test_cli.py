@@ -1,0 +1,49 @@
+"""`llmflow sim` and `llmflow simserve` commands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from llmflow.sim.cli import add_commands
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmflow")
+    add_commands(p.add_subparsers())
+    return p
+
+
+def test_sim_run_prints_table_and_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                 ) -> None:
+    args = _parser().parse_args(["sim", "run", "long-report-timeout", "--policy", "llmflow",
+                                 "--out", str(tmp_path), "--no-progress"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("scenario: Incident: long report")
+    assert {p.name for p in tmp_path.iterdir()} == {"report.json", "report.md",
+                                                   "timeseries.png", "ttft_cdf.png"}
+
+
+def test_unknown_scenario_and_policy_fail_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["sim", "run", "nope"], ["sim", "run", "steady", "--policy", "nope"]):
+        args = _parser().parse_args(argv)
+        assert args.func(args) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_sim_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parser().parse_args(["sim", "list"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "incidents/marketing-flood" in out and "scenarios/steady" in out
+
+
+def test_help_is_useful(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["sim", "run", "--help"], ["simserve", "--help"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(argv)
+    text = capsys.readouterr().out
+    assert "--policy" in text and "--speed" in text and "--port" in text
