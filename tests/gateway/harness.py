@@ -27,7 +27,7 @@ from .fake_vllm import FakeVllm
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-__all__ = ["Harness", "assert_idle", "serve_asgi", "settings_for", "start_gateway"]
+__all__ = ["Harness", "assert_idle", "serve_asgi", "settings_for", "start_gateway", "until"]
 
 
 @contextlib.asynccontextmanager
@@ -51,6 +51,15 @@ async def serve_asgi(app: Any, **config: Any) -> AsyncIterator[tuple[str, QuietS
         server.should_exit = True
         await asyncio.wait([task], timeout=15)
         sock.close()
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
+    """Wait for `predicate` (polling the loop); fail the test if it takes over `timeout_s`."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, "condition not reached in time"
+        await asyncio.sleep(0.002)
+    return time.monotonic() - start
 
 
 def settings_for(urls: dict[str, str], **sections: Any) -> Settings:

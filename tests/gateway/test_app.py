@@ -15,7 +15,7 @@ import yaml
 from llmflow.gateway.streaming import notice_for
 
 from .fake_vllm import FakeVllm
-from .harness import serve_asgi, start_gateway
+from .harness import serve_asgi, start_gateway, until
 from .sse_client import frames, text_of
 
 if TYPE_CHECKING:
@@ -32,8 +32,7 @@ async def test_drain_refuses_new_requests_and_lets_live_ones_finish() -> None:
         live = asyncio.create_task(
             h.client.post(CHAT, json={**BODY, "max_tokens": 20, "fake": {"itl": 0.01}})
         )
-        while h.fake.running == 0:
-            await asyncio.sleep(0.005)
+        await until(lambda: h.fake.running != 0)
         drain = asyncio.create_task(h.gateway.drain(timeout_s=5))
         await asyncio.sleep(0.01)
         refused = await h.client.post(CHAT, json=BODY)
@@ -110,8 +109,7 @@ async def test_llmflow_serve_runs_and_drains_on_sigterm(tmp_path: Path) -> None:
                 live = asyncio.create_task(
                     client.post(CHAT, json={**BODY, "max_tokens": 30, "fake": {"itl": 0.01}})
                 )
-                while fake.running == 0:
-                    await asyncio.sleep(0.005)
+                await until(lambda: fake.running != 0)
                 proc.send_signal(signal.SIGTERM)
                 chunks = [c async for c in frames(await live)]
             assert text_of(chunks) == "".join(f"t{i} " for i in range(30))

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from .harness import Harness, start_gateway
+from .harness import Harness, start_gateway, until
 
 pytestmark = pytest.mark.anyio
 
@@ -37,8 +37,7 @@ async def test_missing_or_unknown_key_is_401_when_keys_are_configured() -> None:
 async def test_without_keys_everyone_is_the_anonymous_default_tier(gw: Harness) -> None:
     gw.fake.default = {"step": True}
     task = asyncio.create_task(gw.client.post(CHAT, json=BODY, headers=_auth("anything")))
-    while gw.fake.running == 0:
-        await asyncio.sleep(0.005)
+    await until(lambda: gw.fake.running != 0)
     (stream,) = (await gw.client.get("/api/state")).json()["streams"]
     assert (stream["tenant"], stream["tier"]) == ("anonymous", "normal")
     gw.fake.release()
@@ -52,22 +51,19 @@ async def test_x_user_tier_cannot_raise_a_tier() -> None:
     ) as h:
         h.fake.default = {"step": True}
         tasks = [asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("vip-key")))]
-        while h.fake.running == 0:
-            await asyncio.sleep(0.005)
+        await until(lambda: h.fake.running != 0)
         for _ in range(4):  # queue 4 of 5: 80% full
             tasks.append(
                 asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("normal-key")))
             )
-        while h.gateway.policy.governor.queued < 4:
-            await asyncio.sleep(0.005)
+        await until(lambda: not (h.gateway.policy.governor.queued < 4))
         claimed = await h.client.post(
             CHAT, json=BODY, headers={**_auth("normal-key-2"), "x-user-tier": "vip"}
         )
         assert claimed.status_code == 429
         assert claimed.json()["error"]["code"] == "tier_shed"
         tasks.append(asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("vip-key"))))
-        while h.gateway.policy.governor.queued < 5:
-            await asyncio.sleep(0.005)
+        await until(lambda: not (h.gateway.policy.governor.queued < 5))
         tiers = sorted(s["tier"] for s in (await h.client.get("/api/state")).json()["streams"])
         assert tiers == ["normal"] * 4 + ["vip"] * 2
         h.fake.release(6)

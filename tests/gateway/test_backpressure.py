@@ -12,7 +12,7 @@ import pytest
 
 from llmflow.gateway.backpressure import ChunkWindow, StallWatch
 
-from .harness import start_gateway
+from .harness import start_gateway, until
 
 pytestmark = pytest.mark.anyio
 
@@ -123,18 +123,14 @@ async def test_a_client_that_stops_reading_pauses_upstream_then_is_aborted() -> 
     async with start_gateway(backpressure={"client_window": 4, "stall_timeout_ms": 400}) as h:
         sock = _raw_request(h.url, BIG)
         try:
-            while h.fake.running == 0:
-                await asyncio.sleep(0.005)
+            await until(lambda: h.fake.running != 0)
             await asyncio.sleep(0.25)  # buffers fill; the window fills; the reader pauses
             sent = h.fake.tokens_sent
             assert sent < 1000  # upstream held back: kernel buffers, not 48 MB
             (session,) = h.gateway.ctx.sessions  # type: ignore[union-attr]
             assert len(session.window) <= 4
             assert session.window.pauses > 0
-            started = time.monotonic()
-            while h.fake.aborted == 0:
-                await asyncio.sleep(0.01)
-                assert time.monotonic() - started < 3
+            await until(lambda: h.fake.aborted == 1, timeout_s=3)
             assert h.fake.tokens_sent < 1000
             assert h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1
         finally:
@@ -148,10 +144,7 @@ async def test_without_pausing_upstream_runs_to_the_end_while_the_client_stalls(
     ) as h:
         sock = _raw_request(h.url, small)
         try:
-            started = time.monotonic()
-            while h.fake.completed == 0:  # the backend is drained: its slot frees early
-                await asyncio.sleep(0.01)
-                assert time.monotonic() - started < 3
+            await until(lambda: h.fake.completed == 1)  # drained: its slot frees early
             assert h.fake.aborted == 0
             await h.settle()
             assert h.gateway.policy.governor.running == 0

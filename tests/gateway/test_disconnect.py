@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
 
-from .harness import Harness, start_gateway
+from .harness import Harness, start_gateway, until
 from .sse_client import frames
 
 pytestmark = pytest.mark.anyio
@@ -26,14 +25,6 @@ def _chat(stream: bool = True, **extra: Any) -> dict[str, Any]:
     }
 
 
-async def _until(predicate: Any, timeout_s: float = 3.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, "condition not reached"
-        await asyncio.sleep(0.002)
-    return time.monotonic() - start
-
-
 async def _cancel(task: asyncio.Task[Any]) -> None:
     task.cancel()
     await asyncio.wait([task])
@@ -43,11 +34,11 @@ async def test_disconnect_while_queued_leaves_the_queue_and_never_reaches_a_back
     async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
         h.fake.default = {"step": True}
         first = asyncio.create_task(h.client.post(CHAT, json=_chat(stream=False, max_tokens=1)))
-        await _until(lambda: h.fake.running == 1)
+        await until(lambda: h.fake.running == 1)
         queued = asyncio.create_task(h.client.post(CHAT, json=_chat(max_tokens=1)))
-        await _until(lambda: h.gateway.policy.governor.queued == 1)
+        await until(lambda: h.gateway.policy.governor.queued == 1)
         await _cancel(queued)
-        assert await _until(lambda: h.gateway.policy.governor.queued == 0) < _ABORT_WITHIN_S
+        assert await until(lambda: h.gateway.policy.governor.queued == 0) < _ABORT_WITHIN_S
         h.fake.release()
         assert (await first).status_code == 200
         assert h.fake.seen == 1
@@ -55,10 +46,10 @@ async def test_disconnect_while_queued_leaves_the_queue_and_never_reaches_a_back
 
 async def test_disconnect_before_the_first_token_aborts_upstream(gw: Harness) -> None:
     task = asyncio.create_task(gw.client.post(CHAT, json=_chat(fake={"hang": True})))
-    await _until(lambda: gw.fake.running == 1)
+    await until(lambda: gw.fake.running == 1)
     await _cancel(task)
-    assert await _until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
-    await _until(lambda: gw.gateway.policy.governor.running == 0)
+    assert await until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
+    await until(lambda: gw.gateway.policy.governor.running == 0)
 
 
 async def test_disconnect_mid_stream_aborts_upstream(gw: Harness) -> None:
@@ -67,9 +58,9 @@ async def test_disconnect_mid_stream_aborts_upstream(gw: Harness) -> None:
         it = frames(r)
         for _ in range(4):  # role chunk and three tokens
             await anext(it)
-        await _until(lambda: gw.fake.tokens_sent == 3)
+        await until(lambda: gw.fake.tokens_sent == 3)
     # leaving the block closes the connection mid-stream
-    assert await _until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
+    assert await until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
     assert gw.fake.tokens_sent == 3
 
 
@@ -78,17 +69,17 @@ async def test_disconnect_on_a_non_streaming_request_aborts_upstream(gw: Harness
     task = asyncio.create_task(
         gw.client.post(CHAT, json=_chat(stream=False, max_tokens=50, fake={"step": True}))
     )
-    await _until(lambda: gw.fake.tokens_sent == 2)
+    await until(lambda: gw.fake.tokens_sent == 2)
     await _cancel(task)
-    assert await _until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
+    assert await until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
 
 
 async def test_disconnect_frees_the_slot_for_the_next_in_queue() -> None:
     async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
         first = asyncio.create_task(h.client.post(CHAT, json=_chat(fake={"hang": True})))
-        await _until(lambda: h.fake.running == 1)
+        await until(lambda: h.fake.running == 1)
         second = asyncio.create_task(h.client.post(CHAT, json=_chat(stream=False, max_tokens=2)))
-        await _until(lambda: h.gateway.policy.governor.queued == 1)
+        await until(lambda: h.gateway.policy.governor.queued == 1)
         await _cancel(first)
         r = await second
         assert r.status_code == 200

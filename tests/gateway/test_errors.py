@@ -11,7 +11,7 @@ import pytest
 
 from llmflow.gateway.policy import now_us
 
-from .harness import Harness, start_gateway
+from .harness import Harness, start_gateway, until
 
 if TYPE_CHECKING:
     import httpx
@@ -104,8 +104,7 @@ async def test_core_rejection_is_429_with_the_cores_retry_after() -> None:
     async with start_gateway(gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}}) as h:
         h.fake.default = {"step": True}
         first = asyncio.create_task(h.client.post(CHAT, json=_chat(max_tokens=2)))
-        while h.fake.running == 0:
-            await asyncio.sleep(0.005)
+        await until(lambda: h.fake.running != 0)
         probe = h.gateway.policy.governor.copy().submit(10**9, "anonymous", 1, 1, now_us())
         r = await h.client.post(CHAT, json=_chat(max_tokens=2))
         _error(r, 429, "queue_full")

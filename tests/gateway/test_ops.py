@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .harness import Harness, start_gateway
+from .harness import Harness, start_gateway, until
 
 pytestmark = pytest.mark.anyio
 
@@ -57,8 +57,7 @@ async def test_rejections_truncations_and_aborts_are_counted() -> None:
         slow = asyncio.create_task(
             h.client.post(CHAT, json={**BODY, "max_tokens": 100, "fake": {"itl": 0.01}})
         )
-        while h.fake.running == 0:
-            await asyncio.sleep(0.005)
+        await until(lambda: h.fake.running != 0)
         assert (await h.client.post(CHAT, json=BODY)).status_code == 429
         assert (await slow).json()["llmflow"]["reason"] == "deadline"
         s = _samples((await h.client.get("/metrics")).text)
@@ -87,8 +86,7 @@ async def test_healthz_readyz_and_state(gw: Harness) -> None:
     assert ready.json()["healthy_backends"] == ["b0"]
     gw.fake.default = {"step": True}
     task = asyncio.create_task(gw.client.post(CHAT, json=BODY))
-    while gw.fake.running == 0:
-        await asyncio.sleep(0.005)
+    await until(lambda: gw.fake.running != 0)
     state = (await gw.client.get("/api/state")).json()
     assert state["core"]["running"] == 1
     assert set(state["core"]["queued_by_tier"]) == {"vip", "normal", "batch"}

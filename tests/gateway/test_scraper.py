@@ -9,7 +9,7 @@ import pytest
 
 from llmflow.gateway.scraper import parse_vllm_metrics
 
-from .harness import start_gateway
+from .harness import start_gateway, until
 
 if TYPE_CHECKING:
     from .fake_vllm import FakeVllm
@@ -68,8 +68,7 @@ async def test_a_failing_backend_is_marked_down_and_traffic_goes_to_the_other() 
     async with start_gateway(n_backends=2) as h:
         b0, b1 = h.fakes["b0"], h.fakes["b1"]
         b0.metrics_status = 500
-        while h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
-            await asyncio.sleep(0.02)
+        await until(lambda: not h.gateway.scraper.states["b0"].healthy)  # type: ignore[union-attr]
         results = await asyncio.gather(*(h.client.post(CHAT, json=BODY) for _ in range(6)))
         assert [r.status_code for r in results] == [200] * 6
         assert (b0.seen, b1.seen) == (0, 6)
@@ -77,8 +76,7 @@ async def test_a_failing_backend_is_marked_down_and_traffic_goes_to_the_other() 
         assert state["b0"]["healthy"] is False
         assert "500" in state["b0"]["last_error"]
         b0.metrics_status = 200
-        while not h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
-            await asyncio.sleep(0.02)
+        await until(lambda: h.gateway.scraper.states["b0"].healthy)  # type: ignore[union-attr]
         assert (await h.client.get("/readyz")).json()["healthy_backends"] == ["b0", "b1"]
 
 
@@ -87,8 +85,7 @@ async def test_load_spreads_to_the_backend_with_headroom() -> None:
         for fake in h.fakes.values():
             fake.default = {"step": True}
         tasks = [asyncio.create_task(h.client.post(CHAT, json=BODY)) for _ in range(4)]
-        while sum(f.running for f in h.fakes.values()) < 4:
-            await asyncio.sleep(0.005)
+        await until(lambda: not (sum(f.running for f in h.fakes.values()) < 4))
         assert [f.running for f in h.fakes.values()] == [2, 2]
         for fake in h.fakes.values():
             fake.release(2)
@@ -98,8 +95,7 @@ async def test_load_spreads_to_the_backend_with_headroom() -> None:
 async def test_all_backends_down_fails_fast_with_503() -> None:
     async with start_gateway() as h:
         h.fake.metrics_status = 503
-        while h.gateway.scraper.states["b0"].healthy:  # type: ignore[union-attr]
-            await asyncio.sleep(0.02)
+        await until(lambda: not h.gateway.scraper.states["b0"].healthy)  # type: ignore[union-attr]
         r = await h.client.post(CHAT, json=BODY)
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "no_healthy_backend"

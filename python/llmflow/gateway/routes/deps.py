@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fastapi import Request
+from fastapi import Request  # noqa: TC002 - FastAPI resolves dependency signatures at runtime
 
+if TYPE_CHECKING:
     from llmflow.gateway.app import Gateway
     from llmflow.gateway.auth import Identity
     from llmflow.gateway.serving import CompletionService

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
 from llmflow.gateway.protocol import ModelCard, ModelList
 from llmflow.gateway.routes.deps import gateway, identity, service
+from llmflow.gateway.serving import CompletionService  # noqa: TC001 - as above
 from llmflow.gateway.sse import SessionStream
 
 if TYPE_CHECKING:
-    from llmflow.gateway.auth import Identity
-    from llmflow.gateway.serving import CompletionService
     from llmflow.gateway.types import Endpoint
 
 __all__ = ["router"]
