@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import difflib
 import os
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from llmflow.sim.report import render_table
 from llmflow.sim.runner import run_scenario
 from llmflow.sim.scenario import load_scenario
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 _UPDATE = os.environ.get("LLMFLOW_UPDATE_GOLDENS") == "1"
 

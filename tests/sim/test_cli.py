@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from llmflow.sim.cli import add_commands
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +41,8 @@ def test_sim_list_names_every_scenario(capsys: pytest.CaptureFixture[str]) -> No
     args = _parser().parse_args(["sim", "list"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert "incidents/marketing-flood" in out and "scenarios/steady" in out
+    assert "incidents/marketing-flood" in out
+    assert "scenarios/steady" in out
 
 
 def test_help_is_useful(capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,4 +50,6 @@ def test_help_is_useful(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             _parser().parse_args(argv)
     text = capsys.readouterr().out
-    assert "--policy" in text and "--speed" in text and "--port" in text
+    assert "--policy" in text
+    assert "--speed" in text
+    assert "--port" in text

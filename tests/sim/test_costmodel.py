@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from llmflow.presets import gpu, model
 from llmflow.sim.costmodel import CostModel, Knobs, cost_model
 from llmflow.sim.engine import EngineConfig, EngineCore, Seq
-from llmflow.presets import gpu, model
 
 # (gpu, model, tp): TTFT 1k, TTFT 4k, TPOT b1, b16, b64 in milliseconds
 AICONFIGURATOR = {

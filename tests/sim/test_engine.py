@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import simpy
 
 from llmflow.sim.cluster import Backend, Gauges
 from llmflow.sim.costmodel import FixedStepCost
 from llmflow.sim.engine import DONE, EngineConfig, EngineCore, EngineError, Seq
+
+if TYPE_CHECKING:
+    import simpy
 
 
 def _core(**flags: Any) -> EngineCore:
@@ -75,7 +77,8 @@ def test_swap_keeps_progress_and_pays_pcie() -> None:
                  swap_space_blocks=100)
     a, b = Seq(1, 30, 40), Seq(2, 30, 40)
     _run(core, [a, b])
-    assert b.preemptions == 1 and b.gen == 40
+    assert b.preemptions == 1
+    assert b.gen == 40
     assert core.cpu_used == 0
 
 
@@ -116,7 +119,8 @@ def test_kv_blocks_never_exceed_capacity(mode: str, policy: str) -> None:
         core.check()
     assert core.peak_used <= core.num_blocks
     assert all(s.state == DONE for s in seqs)
-    assert core.used == 0 and core.cpu_used == 0
+    assert core.used == 0
+    assert core.cpu_used == 0
     assert core.generation_tokens_total == sum(s.gen for s in seqs)
     assert core.num_preemptions > 0  # the workload did overflow the cache
 
@@ -128,7 +132,8 @@ def test_abort_frees_blocks_at_once() -> None:
     core.complete(core.schedule(0.0) or 0.0)
     assert core.used == 5  # 20 prompt tokens in 4-token blocks (the sampled one is not cached)
     assert core.abort(s, 1.0)
-    assert core.used == 0 and s.state == DONE
+    assert core.used == 0
+    assert s.state == DONE
     assert not core.abort(s, 1.0)
 
 

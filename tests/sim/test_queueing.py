@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -14,6 +13,9 @@ import simpy
 from llmflow.sim.cluster import Backend, Gauges
 from llmflow.sim.costmodel import FixedStepCost
 from llmflow.sim.engine import EngineConfig, EngineCore, Seq
+
+if TYPE_CHECKING:
+    from collections.abc import Generator
 
 
 def erlang_c_wait(c: int, lam: float, mu: float) -> float:

@@ -40,7 +40,9 @@ def test_every_request_ends_in_exactly_one_state_and_little_holds() -> None:
 def test_policies_see_the_same_requests() -> None:
     sc = load_scenario(SCENARIOS / "steady.yaml")
     a, b = build_requests(sc, 1), build_requests(sc, 1)
-    assert (a.t == b.t).all() and (a.prompt == b.prompt).all() and len(a) > 1000
+    assert (a.t == b.t).all()
+    assert (a.prompt == b.prompt).all()
+    assert len(a) > 1000
 
 
 def test_reports_and_plots_are_written(tmp_path: Path) -> None:

@@ -6,10 +6,13 @@ taking the parsed arguments and returning the exit status.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["add_commands", "find_scenario"]
 
@@ -79,7 +82,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                              description="List the scenario files found under sim/scenarios "
                              "and sim/incidents, with their titles.")
     lst.set_defaults(func=_list)
-    sim.set_defaults(func=lambda _a: (sim.print_help(), 2)[1])
+
+    def _sim_help(_args: argparse.Namespace) -> int:
+        sim.print_help()
+        return 2
+
+    sim.set_defaults(func=_sim_help)
 
     serve = subparsers.add_parser(
         "simserve", help="serve a simulated vLLM (OpenAI API) in real time",

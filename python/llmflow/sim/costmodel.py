@@ -110,7 +110,8 @@ class CostModel(StepCost):
         n_allreduce = 2 * model.layers if tp > 1 else 0
         self._ar_fixed = n_allreduce * k.allreduce_latency_s
         ring = 2.0 * (tp - 1) / tp
-        self._ar_per_token = n_allreduce * model.hidden * model.dtype_bytes * ring / k.link_bandwidth
+        activation_bytes = model.hidden * model.dtype_bytes  # per token, per all-reduce
+        self._ar_per_token = n_allreduce * activation_bytes * ring / k.link_bandwidth
         self._pcie = gpu.pcie_bandwidth
 
     def step_time(
@@ -195,4 +196,5 @@ def cost_model(
         ValueError: an unknown knob.
     """
     g = gpu(gpu_name)
-    return CostModel(g, model(model_name), tp, CALIBRATION.get(g.name, Knobs()).with_overrides(overrides))
+    knobs = CALIBRATION.get(g.name, Knobs()).with_overrides(overrides)
+    return CostModel(g, model(model_name), tp, knobs)

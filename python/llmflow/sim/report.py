@@ -84,7 +84,8 @@ def verdicts(sc: Scenario, report: dict[str, Any]) -> None:
                 checked += 1
                 frac = c["completed"] / c["arrived"] if c["arrived"] else 1.0
                 if frac < wc.slo.min_completed_frac:
-                    missed.append(f"{wc.name} completed {frac:.1%} < {wc.slo.min_completed_frac:.0%}")
+                    want = wc.slo.min_completed_frac
+                    missed.append(f"{wc.name} completed {frac:.1%} < {want:.0%}")
         summary = "no SLO declared" if not checked else (
             "held" if not missed else f"missed {len(missed)}/{checked}")
         pol["verdict"] = {"summary": summary, "missed": missed}

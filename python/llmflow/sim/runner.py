@@ -57,7 +57,14 @@ def _arrivals(
         spec = RequestSpec(c, wc.tenant, prompt[i], eos[i], max_tokens[i])
         live[i] = (c, env.now)
         proc = env.process(client(env, spec, gw, wc.client, rngs[c], rec))
-        proc.callbacks.append(lambda _e, i=i: live.pop(i, None))
+        proc.callbacks.append(_forget(live, i))
+
+
+def _forget(live: dict[int, tuple[int, float]], i: int) -> Callable[[simpy.Event], None]:
+    def done(_ev: simpy.Event) -> None:
+        live.pop(i, None)
+
+    return done
 
 
 def _sampler(
@@ -132,7 +139,7 @@ def _summarise(
     }
     g = cluster.gauges
     gated = isinstance(gw, GatedPolicy)
-    peak_gw = gw.peak_queue if gated else 0
+    peak_gw = gw.peak_queue if isinstance(gw, GatedPolicy) else 0
     good = 0
     for i, wc in enumerate(sc.workload):
         mine = (cols["cls"] == i) & (cols["state"] == "completed")
@@ -154,7 +161,7 @@ def _summarise(
         "sim_s": round(horizon, 6),
         "engine_steps": cluster.steps,
         "generated_tokens": gen_tokens,
-        "rejections": dict(sorted(gw.rejections.items())) if gated else {},
+        "rejections": dict(sorted(gw.rejections.items())) if isinstance(gw, GatedPolicy) else {},
         "littles_law": rec.littles_law(horizon),
         "gpus": cluster.gpus,
         "wall_s": round(wall, 3),

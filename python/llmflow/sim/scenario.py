@@ -100,7 +100,7 @@ class ClientSpec(_Model):
     """How the clients of a class behave."""
 
     stream: bool = True
-    timeout_s: float | None = Field(None, gt=0)  # no first token (or, unstreamed, no answer) by then
+    timeout_s: float | None = Field(None, gt=0)  # s without a first token (unstreamed: answer)
     retries_on_timeout: int = Field(0, ge=0)  # the avalanche: re-send after a timeout
     retry_delay_s: float = Field(0.0, ge=0)
     retry_429: Retry | None = Retry()
@@ -135,7 +135,7 @@ class WorkloadClass(_Model):
     def _check(self) -> WorkloadClass:
         if self.arrival.kind != "trace" and (self.prompt_tokens is None
                                              or self.output_tokens is None):
-            raise ValueError("prompt_tokens and output_tokens are required unless arrival is a trace")
+            raise ValueError("prompt_tokens and output_tokens are required unless from a trace")
         return self
 
 

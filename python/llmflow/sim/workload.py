@@ -105,7 +105,8 @@ def sample_lengths(dist: Dist, n: int, rng: np.random.Generator, base: Path) -> 
         if column not in table:
             raise ValueError(f"{dist.path}: no column {dist.column!r}")
         x = rng.choice(table[column], size=n).astype(float)
-    return np.clip(np.rint(x), dist.min, dist.max).astype(np.int64)
+    out: np.ndarray = np.clip(np.rint(x), dist.min, dist.max).astype(np.int64)
+    return out
 
 
 def _times(arr: Arrival, duration: float, rng: np.random.Generator, base: Path) -> np.ndarray:
@@ -147,7 +148,7 @@ def _class_requests(
     if wc.arrival.max_requests is not None:
         t = t[: wc.arrival.max_requests]
     n = t.size
-    trace = read_trace(sc.resolve(wc.arrival.path)) if wc.arrival.kind == "trace" else None
+    trace = read_trace(sc.resolve(wc.arrival.path or "")) if wc.arrival.kind == "trace" else None
     if wc.prompt_tokens is not None:
         prompt = sample_lengths(wc.prompt_tokens, n, rng, sc.base_dir)
     else:
