@@ -101,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     settings = _override(settings, args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
     config = uvicorn.Config(
         create_app(settings),
         host=settings.server.host,

@@ -88,13 +88,12 @@ class EmbeddedBackend:
 
 
 def _sim_arguments(factory: Any, backend: Backend) -> dict[str, Any]:
-    offered = {
+    offered: dict[str, Any] = {
         "models": list(backend.models),
-        "model": backend.models[0],
-        "served_model_names": list(backend.models),
         "max_model_len": backend.max_model_len,
-        "gpus": backend.gpus,
-        "backend": backend,
+        "scheduling_policy": backend.scheduling_policy,
     }
+    if backend.kv_blocks:
+        offered["num_gpu_blocks"] = backend.kv_blocks
     accepted = inspect.signature(factory).parameters
     return {k: v for k, v in offered.items() if k in accepted}
