@@ -22,83 +22,25 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
+
+from llmflow.sim.sequence import (
+    DECODE,
+    DONE,
+    PREFILL,
+    SWAPPED,
+    WAITING,
+    EngineConfig,
+    EngineError,
+    Seq,
+    SeqOwner,
+    WaitingQueue,
+)
 
 if TYPE_CHECKING:
     from llmflow.sim.costmodel import StepCost
 
-__all__ = ["EngineConfig", "EngineCore", "EngineError", "Seq", "SeqOwner"]
-
-WAITING, PREFILL, DECODE, SWAPPED, DONE = range(5)
-STATE_NAMES = ("waiting", "prefill", "decode", "swapped", "done")
-
-
-class EngineError(ValueError):
-    """A request the engine refuses, as vLLM answers 400 (too long for `max_model_len`)."""
-
-
-class SeqOwner(Protocol):
-    """Who hears about a sequence's first token and end (a client attempt, a test log)."""
-
-    def on_first_token(self, seq: Seq, now: float) -> None:
-        """The first output token was sampled at `now`."""
-
-    def on_finished(self, seq: Seq, now: float) -> None:
-        """The sequence ended at `now`; `seq.finish_reason` says why."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """vLLM launch flags the model needs (names as vLLM's CLI)."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    max_model_len: int = 8192
-    num_gpu_blocks: int | None = None  # None: derived from GPU memory by the cost model
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
-    swap_space_blocks: int = 0  # host blocks for swap preemption (vLLM --swap-space)
-    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
-
-
-class Seq:
-    """One request inside the engine.
-
-    Args:
-        rid: request id (unique among live sequences of this engine).
-        prompt: prompt tokens.
-        max_tokens: the request's cap on output tokens.
-        eos_at: output tokens after which the model emits EOS (`None`: never, as `ignore_eos`).
-        priority: vLLM priority (lower runs first; used by priority scheduling only).
-        owner: notified of the first token and the end.
-        stop_after: the client disconnects after this many tokens (`None`: never).
-    """
-
-    __slots__ = (
-        "arrival", "blocks", "computed", "epoch", "finish_reason", "gen", "k", "max_tokens",
-        "num_tokens", "order", "owner", "preemptions", "priority", "prompt", "rid", "state",
-        "stop", "stop_reason", "t_end", "t_first", "t_sched",
-    )
-
-    def __init__(
-        self, rid: int, prompt: int, max_tokens: int, eos_at: int | None = None,
-        priority: int = 0, owner: SeqOwner | None = None, stop_after: int | None = None,
-    ):
-        self.rid, self.prompt, self.max_tokens, self.priority = rid, prompt, max_tokens, priority
-        self.owner = owner
-        self.stop, self.stop_reason = max_tokens, "length"
-        if eos_at is not None and eos_at < self.stop:
-            self.stop, self.stop_reason = max(1, eos_at), "stop"
-        if stop_after is not None and stop_after < self.stop:
-            self.stop, self.stop_reason = max(1, stop_after), "abort"
-        self.state, self.gen, self.computed, self.blocks, self.k = WAITING, 0, 0, 0, 0
-        self.num_tokens = prompt
-        self.arrival = self.t_sched = self.t_first = self.t_end = -1.0
-        self.order = self.epoch = self.preemptions = 0
-        self.finish_reason = ""
-
+__all__ = ["DONE", "EngineConfig", "EngineCore", "EngineError", "Seq", "SeqOwner"]
 
 class EngineCore:
     """Scheduler state of one vLLM instance; see the module docstring.
@@ -122,7 +64,7 @@ class EngineCore:
                 f"max_model_len {config.max_model_len} needs {-(-config.max_model_len // bs)} "
                 f"KV blocks but only {self.num_blocks} fit; lower max_model_len"
             )
-        self._priority = config.scheduling_policy == "priority"
+        self._priority = config.scheduling_policy == "priority"  # picks preemption victims
         self._swap = config.preemption_mode == "swap"
         self._thr = config.long_prefill_token_threshold
         self.step = 0  # engine steps completed
@@ -130,10 +72,8 @@ class EngineCore:
         self.cpu_used = 0  # host blocks held by swapped sequences
         self.running: dict[int, Seq] = {}  # admission order: the tail is preempted first
         self.prefilling: dict[int, Seq] = {}
-        self.waiting_fifo: deque[Seq] = deque()
-        self.waiting_heap: list[tuple[int, float, int, Seq]] = []
+        self.waiting = WaitingQueue(config.scheduling_policy == "priority")
         self.swapped: deque[Seq] = deque()
-        self.n_waiting = 0
         self.n_swapped = 0
         self.n_dec = 0
         self._cnt = [0] * bs  # decoders by k % block_size
@@ -166,7 +106,7 @@ class EngineCore:
             )
         self._order += 1
         seq.order, seq.arrival, seq.state = self._order, now, WAITING
-        self._push_waiting(seq, front=False)
+        self.waiting.push(seq)
 
     def abort(self, seq: Seq, now: float, reason: str = "abort") -> bool:
         """Abort a live request (client disconnect) and free its blocks at once.
@@ -188,6 +128,11 @@ class EngineCore:
         if seq.state == DECODE:
             return seq.k + self.step - seq.prompt + 1
         return seq.gen
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests in the waiting queue (swapped ones not included)."""
+        return self.waiting.n
 
     @property
     def num_running(self) -> int:
@@ -300,45 +245,17 @@ class EngineCore:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _push_waiting(self, seq: Seq, front: bool) -> None:
-        seq.state = WAITING
-        self.n_waiting += 1
-        if self._priority:
-            heapq.heappush(self.waiting_heap, (seq.priority, seq.arrival, seq.order, seq))
-        elif front:
-            self.waiting_fifo.appendleft(seq)
-        else:
-            self.waiting_fifo.append(seq)
-
-    def _peek_waiting(self) -> Seq:
-        if self._priority:
-            heap = self.waiting_heap
-            while heap[0][3].state != WAITING:
-                heapq.heappop(heap)
-            return heap[0][3]
-        fifo = self.waiting_fifo
-        while fifo[0].state != WAITING:
-            fifo.popleft()
-        return fifo[0]
-
-    def _pop_waiting(self) -> None:
-        self.n_waiting -= 1
-        if self._priority:
-            heapq.heappop(self.waiting_heap)
-        else:
-            self.waiting_fifo.popleft()
-
     def _admit(self, need: int, budget: int, now: float) -> int:
         bs, cap, free = self.block_size, self.config.max_num_seqs, self.num_blocks - self.used
         while self.n_waiting and budget > 0 and len(self.running) < cap:
-            seq = self._peek_waiting()
+            seq = self.waiting.peek()
             n = min(seq.num_tokens, budget)
             if self._thr:
                 n = min(n, self._thr)
             nb = -(-n // bs)
             if need + nb > free:
                 break
-            self._pop_waiting()
+            self.waiting.pop()
             seq.state, seq.computed, seq.blocks = PREFILL, 0, 0
             if seq.t_sched < 0:
                 seq.t_sched = now
@@ -404,7 +321,7 @@ class EngineCore:
             else:
                 victim.computed = victim.blocks = 0
                 victim.num_tokens = victim.prompt + victim.gen
-                self._push_waiting(victim, front=True)
+                self.waiting.push(victim, front=True)
         return need, swapped_out * bs * self.cost.kv_bytes_per_token
 
     def _victim(self) -> Seq:
@@ -435,7 +352,7 @@ class EngineCore:
     def _remove(self, seq: Seq, now: float) -> None:
         state = seq.state
         if state == WAITING:
-            self.n_waiting -= 1
+            self.waiting.discard()
         elif state == SWAPPED:
             self.n_swapped -= 1
             self.cpu_used -= seq.blocks
@@ -474,7 +391,6 @@ class EngineCore:
         assert len(decs) == self.n_dec
         assert sum(q.k for q in decs) == self._sumk
         assert len(self.running) <= self.config.max_num_seqs
-        live_wait = {id(q) for q in (*self.waiting_fifo, *(e[3] for e in self.waiting_heap))
-                     if q.state == WAITING}
+        live_wait = {id(q) for q in self.waiting.live()}
         assert len(live_wait) == self.n_waiting, (len(live_wait), self.n_waiting)
         return {"used": self.used, "running": len(self.running), "waiting": self.n_waiting}
