@@ -146,3 +146,17 @@ def test_too_long_is_refused_like_vllm() -> None:
 def test_max_model_len_must_fit_the_cache() -> None:
     with pytest.raises(EngineError, match="lower max_model_len"):
         _core(num_gpu_blocks=4)
+
+
+def test_owner_hears_when_a_token_count_is_reached(env: simpy.Environment, log: Any) -> None:
+    class Owner(type(log)):  # type: ignore[misc]
+        def on_tokens_reached(self, seq: Seq, now: float) -> None:
+            self.append((f"reached {seq.rid}", now))
+
+    owner = Owner()
+    core = _core()
+    b = Backend(env, "b", core, Gauges(env, core.num_blocks))
+    b.submit(Seq(1, 8, 6, owner=owner, notify_at=4))
+    env.run()
+    # token 1 at the end of step 1, token 4 at the end of step 4, the 6th ends it
+    assert owner == [("first 1", 1.0), ("reached 1", 4.0), ("end 1", 6.0)]

@@ -6,7 +6,9 @@ and jitter, never sooner than `Retry-After`; it gives up after `timeout_s` witho
 (without the whole answer when not streaming) and re-sends up to `retries_on_timeout` times (the
 avalanche); it may disconnect after some tokens or seconds. Latency is user-perceived: counted
 from the first attempt. Tokens are consumed in batches: the engine reports only first tokens and
-ends, never single tokens.
+ends, never single tokens. A client may stall (stop reading after some tokens): a gateway then
+ends it once its backpressure window has been full for `stall_timeout_ms`; without one, vLLM
+generates to the end for nobody.
 """
 
 from __future__ import annotations
@@ -58,15 +60,18 @@ class Attempt:
         env: the simulation environment.
         req: the user request it tries to serve.
         stop_after: tokens after which the client disconnects (`None`: never).
+        stall_after: tokens after which the client stops reading (`None`: never).
     """
 
     __slots__ = (
         "backend", "done", "ended", "env", "first", "handler", "key", "outcome", "reason", "req",
-        "retry_after", "seq", "stop_after", "t_first", "t_sched", "t_submit", "tokens",
+        "retry_after", "seq", "stall_after", "stop_after", "t_first", "t_sched", "t_submit",
+        "tokens",
     )
 
-    def __init__(self, env: simpy.Environment, req: RequestSpec, stop_after: int | None):
-        self.env, self.req, self.stop_after = env, req, stop_after
+    def __init__(self, env: simpy.Environment, req: RequestSpec, stop_after: int | None,
+                 stall_after: int | None = None):
+        self.env, self.req, self.stop_after, self.stall_after = env, req, stop_after, stall_after
         self.first = env.event()
         self.done = env.event()
         self.ended = False
@@ -126,7 +131,7 @@ def client(
     ttft = qwait = math.nan
     while True:
         attempts += 1
-        att = Attempt(env, req, spec.disconnect_after_tokens)
+        att = Attempt(env, req, spec.disconnect_after_tokens, spec.stall_after_tokens)
         gw.send(att)
         if not att.ended:
             yield from _wait(env, att, gw, spec)
@@ -152,6 +157,9 @@ def client(
             state = "failed"
         else:
             state = outcome  # completed, cancelled, truncated
+        stall = spec.stall_after_tokens
+        if stall is not None and state == COMPLETED and att.tokens > stall:
+            state, att.tokens = CANCELLED, stall  # the user left with what was shown
         end = env.now
         if spec.render_tps and att.tokens and state != "failed":
             end = max(end, att.t_first + att.tokens / spec.render_tps)

@@ -119,6 +119,9 @@ class Backend:
             for seq in first:
                 if seq.owner is not None:
                     seq.owner.on_first_token(seq, now)
+            for seq in core.reached:
+                if seq.owner is not None:
+                    seq.owner.on_tokens_reached(seq, now)
             for seq in ended:
                 if seq.owner is not None:
                     seq.owner.on_finished(seq, now)

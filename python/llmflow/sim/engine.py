@@ -79,6 +79,8 @@ class EngineCore:
         self._cnt = [0] * bs  # decoders by k % block_size
         self._sumk = 0  # sum of k over decoders: their total context is sumk + n_dec * step
         self._heap: list[tuple[int, int, int, Seq]] = []  # (finish step, order, epoch, seq)
+        self._notes: list[tuple[int, int, int, Seq]] = []  # (step reaching notify_at, ...)
+        self.reached: list[Seq] = []  # sequences that reached notify_at in the last step
         self._chunks: list[tuple[Seq, int, int]] = []  # (seq, tokens, new blocks) of this step
         self.in_step = False
         self._order = 0
@@ -210,6 +212,8 @@ class EngineCore:
         first: list[Seq] = []
         ended: list[Seq] = []
         self.generation_tokens_total += self.n_dec
+        reached = self.reached
+        reached.clear()
         for seq, n, nb in self._chunks:
             seq.computed += n
             seq.blocks += nb
@@ -222,6 +226,8 @@ class EngineCore:
                 seq.t_first = now
                 self.prompt_tokens_total += seq.prompt
                 first.append(seq)
+            if seq.gen == seq.notify_at:
+                reached.append(seq)
             if seq.gen >= seq.stop:
                 seq.finish_reason = seq.stop_reason
                 self._free_running(seq, now, seq.blocks)
@@ -230,6 +236,11 @@ class EngineCore:
                 self._to_decode(seq, seq.computed, s + 1)
         self._chunks.clear()
         self.step = s = s + 1
+        notes = self._notes
+        while notes and notes[0][0] < s:
+            _, _, epoch, seq = heapq.heappop(notes)
+            if seq.state == DECODE and seq.epoch == epoch:
+                reached.append(seq)
         heap = self._heap
         while heap and heap[0][0] < s:
             _, _, epoch, seq = heapq.heappop(heap)
@@ -337,6 +348,9 @@ class EngineCore:
         self.n_dec += 1
         # finishes at the end of the step in which its computed count is prompt + stop - 2
         heapq.heappush(self._heap, (seq.prompt + seq.stop - 2 - k, seq.order, seq.epoch, seq))
+        if seq.notify_at is not None and seq.gen < seq.notify_at < seq.stop:
+            heapq.heappush(self._notes,
+                           (seq.prompt + seq.notify_at - 2 - k, seq.order, seq.epoch, seq))
 
     def _leave_decode(self, seq: Seq) -> None:
         self._cnt[seq.k % self.block_size] -= 1

@@ -99,6 +99,9 @@ class _Handler:
     def on_finished(self, seq: Seq, now: float) -> None:
         self.policy.finished(self.att, seq, now)
 
+    def on_tokens_reached(self, seq: Seq, now: float) -> None:
+        self.policy.tokens_reached(self.att, now)
+
 
 def _start(policy: DirectPolicy | GatedPolicy, att: Attempt, backend: Backend, prio: int) -> bool:
     req = att.req
@@ -154,6 +157,9 @@ class DirectPolicy:
     def finished(self, att: Attempt, seq: Seq, now: float) -> None:
         """Engine callback."""
         att.end(_end_reason(seq), tokens=seq.gen)
+
+    def tokens_reached(self, att: Attempt, now: float) -> None:
+        """Engine callback (never asked for: vLLM ignores a stalled reader)."""
 
 
 class GatedPolicy:
@@ -211,8 +217,10 @@ class GatedPolicy:
     def _run(self, att: Attempt, rid: int, backend: str | None, priority: int) -> None:
         b = self.cluster.by_name[backend or ""]
         req = att.req
+        bp = self.settings.backpressure
+        window_full = None if att.stall_after is None else att.stall_after + bp.client_window
         seq = Seq(rid, req.prompt, req.max_tokens, req.eos, priority, _Handler(self, att),
-                  att.stop_after)
+                  att.stop_after, window_full)
         att.seq, att.backend = seq, b
         try:
             b.submit(seq)
@@ -253,6 +261,21 @@ class GatedPolicy:
         self.gov.finish(rid, "cancelled" if outcome == CANCELLED else "completed", now_us)
         att.end(outcome, tokens=seq.gen)
         self._dispatch()
+
+    def tokens_reached(self, att: Attempt, now: float) -> None:
+        """Engine callback: a stalled client's window is full; after the stall timeout the
+        gateway ends the request and frees its slot (`backpressure.stall_timeout_ms`).
+        """
+        rid = att.key
+
+        def _stalled(_ev: simpy.Event) -> None:
+            if rid not in self.live:
+                return
+            self.cancel(att)
+            att.end(CANCELLED, tokens=att.stall_after or 0, reason="stalled")
+
+        ev = self.env.timeout(self.settings.backpressure.stall_timeout_ms / 1000.0)
+        ev.callbacks.append(_stalled)
 
     def _dispatch(self) -> None:
         for adm in self.gov.dispatch(self._now_us()):

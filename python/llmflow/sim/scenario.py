@@ -107,6 +107,7 @@ class ClientSpec(_Model):
     render_tps: float | None = Field(None, gt=0)  # tokens/s the client displays
     disconnect_after_tokens: int | None = Field(None, ge=1)
     disconnect_after_s: float | None = Field(None, gt=0)
+    stall_after_tokens: int | None = Field(None, ge=1)  # stops reading (a frozen tab)
     chars_per_token: float = Field(4.0, gt=0)  # to report returned text length
 
 

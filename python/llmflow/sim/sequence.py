@@ -31,6 +31,9 @@ class SeqOwner(Protocol):
     def on_finished(self, seq: Seq, now: float) -> None:
         """The sequence ended at `now`; `seq.finish_reason` says why."""
 
+    def on_tokens_reached(self, seq: Seq, now: float) -> None:
+        """The sequence has generated `seq.notify_at` tokens (called only when it is set)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -58,20 +61,23 @@ class Seq:
         priority: vLLM priority (lower runs first; used by priority scheduling only).
         owner: notified of the first token and the end.
         stop_after: the client disconnects after this many tokens (`None`: never).
+        notify_at: tell the owner when this many tokens are out (`None`: never).
     """
 
     __slots__ = (
         "arrival", "blocks", "computed", "epoch", "finish_reason", "gen", "k", "max_tokens",
-        "num_tokens", "order", "owner", "preemptions", "priority", "prompt", "rid", "state",
+        "notify_at", "num_tokens", "order", "owner", "preemptions", "priority", "prompt", "rid",
+        "state",
         "stop", "stop_reason", "t_end", "t_first", "t_sched",
     )
 
     def __init__(
         self, rid: int, prompt: int, max_tokens: int, eos_at: int | None = None,
         priority: int = 0, owner: SeqOwner | None = None, stop_after: int | None = None,
+        notify_at: int | None = None,
     ):
         self.rid, self.prompt, self.max_tokens, self.priority = rid, prompt, max_tokens, priority
-        self.owner = owner
+        self.owner, self.notify_at = owner, notify_at
         self.stop, self.stop_reason = max_tokens, "length"
         if eos_at is not None and eos_at < self.stop:
             self.stop, self.stop_reason = max(1, eos_at), "stop"
