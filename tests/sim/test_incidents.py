@@ -57,8 +57,9 @@ def test_long_report_is_cut_and_its_blocks_reused() -> None:
     rep = llm["classes"]["report"]
     assert rep["truncated"] == 1
     assert 1000 <= rep["truncated_chars_mean"] <= 1400
-    # the three short ones start right after the cut at t = 50 s (first token after a ~3.5 s
-    # prefill of their three prompts), not after the whole report (~150 s)
+    # the three short ones (arrived at t = 20 s) start in the step right after the cut at
+    # t = 50 s, first tokens ~2.2-2.6 s later, not after the whole report (~150 s)
     short = llm["classes"]["short"]
     assert short["completed"] == 3
-    assert 50 - 20 < short["ttft_s"]["p50"] < 50 - 20 + 5
+    assert short["attempts_mean"] == 1.0
+    assert 50 - 20 < short["ttft_s"]["p50"] <= short["ttft_s"]["p99"] < 50 - 20 + 3

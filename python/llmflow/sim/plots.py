@@ -28,12 +28,13 @@ def write_plots(runs: list[PolicyRun], out_dir: Path, title: str) -> list[Path]:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "timeseries.png", out_dir / "ttft_cdf.png"]
 
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    panels = (("queue", "queued requests"), ("running", "running requests"),
+    panels = (("queue", "queued (gateway + vLLM)"), ("running", "running requests"),
               ("kv_usage", "KV cache usage"))
     for ax, (key, label) in zip(axes, panels, strict=True):
         for run in runs:
@@ -58,6 +59,7 @@ def write_plots(runs: list[PolicyRun], out_dir: Path, title: str) -> list[Path]:
                 ax.step(np.maximum(x, 1e-3), np.arange(1, x.size + 1) / x.size, where="post",
                         label=run.name)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("TTFT from first attempt (s)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(cls)
