@@ -74,7 +74,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                      help="run only this policy (repeatable; default: all the scenario defines)")
     run.add_argument("--seed", type=int, help="random seed (default: the scenario's)")
     run.add_argument("--out", type=Path, metavar="DIR",
-                     help="output folder (default: sim-results/<scenario name>)")
+                     help="output folder (default: sim-out/<scenario name>)")
     run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     run.set_defaults(func=_run)
@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     wall = time.perf_counter() - t0
     print(render_table(report), end="")
-    out = args.out or Path("sim-results") / path.stem
+    out = args.out or Path("sim-out") / path.stem
     written = write_reports(sc, report, out)
     if not args.no_plots:
         from llmflow.sim.plots import write_plots
