@@ -11,18 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from llmflow.gateway.streaming import notice_for
 from tests.gateway.harness import Harness, assert_idle, start_gateway
 from tests.gateway.sse_client import frames, text_of
+
+from llmflow.gateway.streaming import notice_for
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine, Iterator
+
+    import httpx
 
 T = TypeVar("T")
 CAP = 2  # one GPU x 2 slots: small enough that mixes queue and shed
