@@ -163,8 +163,8 @@ def client(
         end = env.now
         if spec.render_tps and att.tokens and state != "failed":
             end = max(end, att.t_first + att.tokens / spec.render_tps)
-        if not spec.stream and ttft == ttft:
-            ttft = end - t0  # an unstreamed answer shows up all at once
+        if not spec.stream:  # an unstreamed answer shows up all at once, or not at all
+            ttft = end - t0 if state in (COMPLETED, TRUNCATED) else math.nan
         rec.end(req.cls, t0, ttft, end - t0, state, attempts, busy, att.tokens, qwait)
         return
 

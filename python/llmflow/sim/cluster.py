@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from llmflow.sim.costmodel import cost_model
 from llmflow.sim.engine import EngineConfig, EngineCore, Seq
+from llmflow.sim.profile import load_profile
 
 if TYPE_CHECKING:
     from collections.abc import Generator
 
     import simpy
 
+    from llmflow.sim.costmodel import StepCost
     from llmflow.sim.scenario import BackendGroup
 
 __all__ = ["Backend", "Cluster", "Gauges"]
@@ -146,8 +148,13 @@ class Cluster:
             flags = {**g.engine, **(engine or {})}
             if scheduling_policy is not None:
                 flags["scheduling_policy"] = scheduling_policy
+            if g.profile is not None:  # measured step cost; its engine limits under the flags
+                profile = load_profile(g.profile)
+                cost: StepCost = profile.cost()
+                flags = {**profile.engine_flags(), **flags}
+            else:
+                cost = cost_model(g.gpu or "", g.model or "", g.tp, g.knobs)
             config = EngineConfig(**flags)
-            cost = cost_model(g.gpu, g.model, g.tp, g.knobs)
             for i in range(g.count):
                 name = g.name if g.count == 1 else f"{g.name}-{i}"
                 cores.append((name, g.tp, EngineCore(config, cost)))

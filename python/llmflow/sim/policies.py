@@ -126,10 +126,13 @@ class DirectPolicy:
     Args:
         env: the simulation environment.
         cluster: the backends.
+        propagate_disconnect: a client's disconnect aborts its request in vLLM (False models a
+            proxy or client library that leaves orphaned requests running).
     """
 
-    def __init__(self, env: simpy.Environment, cluster: Cluster):
+    def __init__(self, env: simpy.Environment, cluster: Cluster, propagate_disconnect: bool = True):
         self.env, self.backends = env, cluster.backends
+        self.propagate = propagate_disconnect
         self._rr = 0
         self._ids = 0
 
@@ -145,8 +148,8 @@ class DirectPolicy:
         _start(self, att, b, 0)
 
     def cancel(self, att: Attempt) -> None:
-        """Client disconnect: vLLM aborts the request."""
-        if att.seq is not None:
+        """Client disconnect: vLLM aborts the request (unless disconnects do not reach it)."""
+        if att.seq is not None and self.propagate:
             att.backend.abort(att.seq)  # type: ignore[attr-defined]
 
     def first_token(self, att: Attempt, now: float) -> None:

@@ -98,7 +98,7 @@ def run_policy(
     cluster = Cluster(env, sc.cluster, sched, spec.engine)
     gw: DirectPolicy | GatedPolicy
     if spec.kind == "direct":
-        gw = DirectPolicy(env, cluster)
+        gw = DirectPolicy(env, cluster, spec.propagate_disconnect)
     else:
         gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster))
     rec = Recorder(env)

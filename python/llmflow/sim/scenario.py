@@ -145,11 +145,18 @@ class BackendGroup(_Model):
 
     name: str = Field(min_length=1)
     count: int = Field(1, ge=1)
-    gpu: str
-    model: str
+    gpu: str | None = None  # preset; required unless a profile gives the step cost
+    model: str | None = None
     tp: int = Field(1, ge=1)
     engine: dict[str, Any] = {}  # EngineConfig fields (vLLM flags)
     knobs: dict[str, float] = {}  # cost-model knob overrides
+    profile: str | None = None  # measured step cost (`llmflow calibrate`) instead of gpu/model
+
+    @model_validator(mode="after")
+    def _check(self) -> BackendGroup:
+        if self.profile is None and (self.gpu is None or self.model is None):
+            raise ValueError("a backend group needs `gpu` and `model`, or a `profile`")
+        return self
 
 
 class PolicySpec(_Model):
@@ -161,6 +168,7 @@ class PolicySpec(_Model):
     scheduling_policy: Literal["fcfs", "priority"] | None = None  # vLLM's; None: preset's
     engine: dict[str, Any] = {}  # vLLM flag overrides for this policy's run (preemption_mode...)
     tenant_tier: str | None = None  # put every tenant in this tier
+    propagate_disconnect: bool = True  # direct: False when a proxy hides client disconnects
 
     def preset_for(self, name: str) -> str:
         """The built-in config this policy starts from."""
@@ -219,6 +227,9 @@ def load_scenario(path: str | Path) -> Scenario:
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: the top level must be a mapping")
     data["base_dir"] = path.resolve().parent
+    for group in data.get("cluster") or ():
+        if isinstance(group, dict) and isinstance(group.get("profile"), str):
+            group["profile"] = str(data["base_dir"] / group["profile"])  # relative to the file
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
