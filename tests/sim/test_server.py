@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from fastapi.testclient import TestClient
+from inline_snapshot import snapshot
 
 from llmflow.sim.server import create_app, estimate_tokens, parse_preset
 
@@ -22,7 +23,11 @@ def client() -> Iterator[TestClient]:
 
 def test_models_and_health(client: TestClient) -> None:
     assert client.get("/health").status_code == 200
-    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["sim"]
+    assert client.get("/v1/models").json() == snapshot({
+        "object": "list",
+        "data": [{"id": "sim", "object": "model", "created": 0, "owned_by": "vllm",
+                  "root": "sim", "parent": None, "max_model_len": 8192}],
+    })
 
 
 def test_completion_with_ignore_eos_returns_max_tokens(client: TestClient) -> None:
@@ -50,6 +55,9 @@ def test_chat_stream_is_sse_ending_with_done(client: TestClient) -> None:
 def test_errors_look_like_vllm(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404
+    assert r.json() == snapshot({"error": {"message": "The model `nope` does not exist.",
+                                           "type": "NotFoundError", "param": None,
+                                           "code": 404}})
     r = client.post("/v1/completions", json={"prompt": "x" * 40_000, "max_tokens": 10})
     assert r.status_code == 400
     assert "maximum context length is 8192 tokens" in r.json()["error"]["message"]
