@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import socket
 from typing import TYPE_CHECKING
 
+import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from inline_snapshot import snapshot
 
@@ -98,3 +103,46 @@ def test_token_estimate_and_preset() -> None:
     assert parse_preset("h100:llama-3-70b:4") == ("h100", "llama-3-70b", 4)
     with pytest.raises(ValueError, match="GPU:MODEL"):
         parse_preset("h100")
+
+
+class _Quiet(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # leave pytest's signal handlers alone
+        yield
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests run on asyncio (the server's loop)."""
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_closing_an_unstreamed_request_aborts_it_in_the_engine() -> None:
+    # a real socket: the client gives up after 0.3 s; the server notices within ~0.1 s and
+    # frees the request's slot and KV blocks, as vLLM does
+    app = create_app(speed=1.0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = _Quiet(uvicorn.Config(app, log_level="critical", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        async with httpx.AsyncClient(base_url=url, timeout=0.3) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5000,
+                                                     "ignore_eos": True})
+        engine = app.state.sim["engine"]
+        for _ in range(100):
+            if engine.core.num_running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.core.num_running == 0
+        assert engine.core.used == 0
+        assert engine.requests_success.get("length", 0) == 0  # it did not run to its end
+    finally:
+        server.should_exit = True
+        await asyncio.wait([task], timeout=10)
+        sock.close()
