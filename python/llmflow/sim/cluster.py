@@ -14,7 +14,7 @@ from llmflow.sim.engine import EngineConfig, EngineCore, Seq
 from llmflow.sim.profile import load_profile
 
 if TYPE_CHECKING:
-    from collections.abc import Generator
+    from collections.abc import Callable, Generator
 
     import simpy
 
@@ -73,6 +73,9 @@ class Backend:
     def __init__(self, env: simpy.Environment, name: str, core: EngineCore, gauges: Gauges):
         self.env, self.name, self.core, self.gauges = env, name, core, gauges
         self.gpus = 1
+        # Client-visible delay of every output (HTTP, IPC, detokenising): a measured profile's
+        # `frontend_s`; 0 for the roofline presets, whose step times are the whole story.
+        self.frontend_s = float(getattr(core.cost, "frontend_s", 0.0))
         self._wake: simpy.Event | None = None
         self._seen = (0, 0, 0)
         self.steps = 0
@@ -118,15 +121,29 @@ class Backend:
             first, ended = core.complete(now)
             self.steps += 1
             self._sync()
-            for seq in first:
-                if seq.owner is not None:
-                    seq.owner.on_first_token(seq, now)
-            for seq in core.reached:
-                if seq.owner is not None:
-                    seq.owner.on_tokens_reached(seq, now)
-            for seq in ended:
-                if seq.owner is not None:
-                    seq.owner.on_finished(seq, now)
+            if self.frontend_s:
+                late = env.timeout(self.frontend_s)
+                late.callbacks.append(_later(self._notify, first, list(core.reached), ended))
+            else:
+                self._notify(first, core.reached, ended)
+
+    def _notify(self, first: list[Seq], reached: list[Seq], ended: list[Seq]) -> None:
+        now = self.env.now
+        for seq in first:
+            if seq.owner is not None:
+                seq.owner.on_first_token(seq, now)
+        for seq in reached:
+            if seq.owner is not None:
+                seq.owner.on_tokens_reached(seq, now)
+        for seq in ended:
+            if seq.owner is not None:
+                seq.owner.on_finished(seq, now)
+
+
+def _later(
+    fn: Callable[[list[Seq], list[Seq], list[Seq]], None], *lists: list[Seq]
+) -> Callable[[simpy.Event], None]:
+    return lambda _ev: fn(*lists)
 
 
 class Cluster:

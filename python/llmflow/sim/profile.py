@@ -86,9 +86,9 @@ class Profile(BaseModel):
     measurements: dict[str, Any] = {}  # raw samples: prefill and decode
 
     def cost(self) -> FittedStepCost:
-        """The step-cost model for the simulator's engine."""
+        """The step-cost model for the simulator's engine (with the frontend latency)."""
         return FittedStepCost(self.step_s, self.engine.get("num_gpu_blocks"),
-                              self.engine.get("block_size"))
+                              self.engine.get("block_size"), self.frontend_s)
 
     def engine_flags(self) -> dict[str, int]:
         """The engine limits to run the simulated vLLM with (`EngineConfig` keyword arguments)."""
@@ -103,16 +103,21 @@ class Profile(BaseModel):
 class FittedStepCost(StepCost):
     """A `StepCost` from a fitted `StepModel`.
 
+    The simulated backend (`llmflow.sim.cluster.Backend`) delays every output its clients see
+    by `frontend_s`; no engine step contains that time.
+
     Args:
         model: the fitted coefficients.
         num_gpu_blocks: KV blocks the backend reported (None: effectively unbounded).
         block_size: tokens per block of that report (None: whatever the engine asks with).
+        frontend_s: seconds between the engine and the client, per output.
     """
 
     def __init__(self, model: StepModel, num_gpu_blocks: int | None = None,
-                 block_size: int | None = None):
+                 block_size: int | None = None, frontend_s: float = 0.0):
         self.model = model
         self.num_gpu_blocks, self.block_size = num_gpu_blocks, block_size
+        self.frontend_s = frontend_s
         self.kv_bytes_per_token = 1.0  # only swap preemption reads it; CPU vLLM recomputes
         m = model
         self._c = (m.overhead, m.prefill_token, m.prefill_attn, m.decode_seq, m.decode_ctx)

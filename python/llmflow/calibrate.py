@@ -1,0 +1,324 @@
+"""`llmflow calibrate`: measure a live vLLM backend and fit the simulator's step-cost profile.
+
+Two sweeps over the OpenAI API, streaming, with random token-id prompts (so vLLM's prefix cache
+never hits) and `ignore_eos` (so every request runs to `max_tokens`):
+
+* prefill: single requests on an idle engine at several prompt lengths; the time to the first
+  token is one prefill step plus the frontend path (HTTP, IPC, detokenising);
+* decode: batches of `B` requests with `C`-token prompts started together; while every one of
+  them is decoding, the time per generated token is the engine's step time for `B` decodes over
+  about `B * (C + tokens so far)` context tokens.
+
+`llmflow.sim.profile.fit_step_model` fits the step model to both, and the profile (coefficients,
+engine limits, residuals, raw samples) is written as YAML for `profile:` in a scenario backend.
+Engine limits come from `/v1/models` (`max_model_len`) and vLLM's `vllm:cache_config_info`
+(`block_size`, `num_gpu_blocks`); `--max-num-seqs` and `--max-num-batched-tokens` add the two
+limits vLLM does not publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from llmflow.sim.profile import DecodeSample, PrefillSample, Profile, fit_step_model
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+
+__all__ = ["Calibration", "Trace", "add_commands", "calibrate", "decode_sample"]
+
+_TOKEN_IDS = (100, 4000)  # random prompt ids drawn from this range (valid in any >=4k vocab)
+_WINDOW_EDGE = 2  # tokens ignored at each end of the all-decoding window
+_MIN_WINDOW = 8  # fewest tokens a request must make in the window to count
+_SETTLE_S = 0.05  # pause between probes so the engine is idle when the next starts
+_KV_HEADROOM = 0.9  # decode probes must fit in this share of the KV cache (no preemption)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass
+class Trace:
+    """One streamed request as the client saw it: when it was sent, when each chunk came."""
+
+    prompt_tokens: int
+    sent: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens so far)
+
+    @property
+    def ttft_s(self) -> float:
+        """Seconds from sending to the first token."""
+        return self.chunks[0][0] - self.sent
+
+
+@dataclass
+class Calibration:
+    """What to measure.
+
+    Args:
+        url: the backend's base URL (without `/v1`).
+        model: the served model name (None: the first one `/v1/models` lists).
+        prompt_lengths: prompt sizes of the prefill sweep.
+        repeats: requests per prompt size.
+        concurrency: batch sizes of the decode sweep.
+        contexts: prompt sizes of the decode sweep.
+        decode_tokens: tokens each decode-sweep request generates.
+        decode_repeats: runs of each decode batch.
+        engine: limits to record that vLLM does not publish (`max_num_seqs`, ...).
+        seed: seeds the random prompts.
+    """
+
+    url: str
+    model: str | None = None
+    prompt_lengths: tuple[int, ...] = (16, 128, 384, 768, 1152, 1536)
+    repeats: int = 3
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    contexts: tuple[int, ...] = (32, 640, 1280)
+    decode_tokens: int = 64
+    decode_repeats: int = 2
+    engine: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+
+    def probes(self) -> int:
+        """Requests in both sweeps (for a progress bar)."""
+        decode = len(self.contexts) * sum(self.concurrency) * self.decode_repeats
+        return len(self.prompt_lengths) * self.repeats + decode
+
+
+async def stream_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> Trace:
+    """Send one streamed completion and time every chunk.
+
+    Raises:
+        httpx.HTTPStatusError: the backend refused it.
+    """
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+        "ignore_eos": True, "temperature": 0.0,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    trace = Trace(len(prompt), time.perf_counter())
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or {}
+            if chunk.get("choices") and isinstance(usage.get("completion_tokens"), int):
+                trace.chunks.append((time.perf_counter(), usage["completion_tokens"]))
+            if isinstance(usage.get("prompt_tokens"), int):
+                trace.prompt_tokens = usage["prompt_tokens"]
+    if not trace.chunks:
+        raise RuntimeError("the backend streamed no tokens (is continuous usage supported?)")
+    return trace
+
+
+def decode_sample(traces: list[Trace], concurrency: int) -> DecodeSample | None:
+    """The step time while every trace was decoding, or None if that window was too short.
+
+    The window runs from the last first token to the first last token, less `_WINDOW_EDGE`
+    tokens at each end; each trace's step time is its time per token inside the window.
+    """
+    start = max(t.chunks[0][0] for t in traces)
+    stop = min(t.chunks[-1][0] for t in traces)
+    per_token, ctx = [], 0.0
+    for t in traces:
+        inside = [c for c in t.chunks if start <= c[0] <= stop]
+        inside = inside[_WINDOW_EDGE:len(inside) - _WINDOW_EDGE]
+        if len(inside) < 2 or inside[-1][1] - inside[0][1] < _MIN_WINDOW:
+            return None
+        per_token.append((inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1]))
+        ctx += t.prompt_tokens + (inside[0][1] + inside[-1][1]) / 2
+    return DecodeSample(concurrency, round(statistics.mean(t.prompt_tokens for t in traces)),
+                        statistics.mean(per_token), ctx)
+
+
+async def _server_facts(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    models = (await client.get(f"{url}/v1/models")).raise_for_status().json()["data"]
+    facts: dict[str, Any] = {"models": [m["id"] for m in models]}
+    if models and isinstance(models[0].get("max_model_len"), int):
+        facts["max_model_len"] = models[0]["max_model_len"]
+    response = await client.get(f"{url}/metrics")
+    for line in response.text.splitlines() if response.status_code == 200 else ():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(_LABEL.findall(line))
+            for key in ("block_size", "num_gpu_blocks"):
+                if labels.get(key, "").isdigit():
+                    facts[key] = int(labels[key])
+    return facts
+
+
+def _fit_to_limits(cal: Calibration, facts: dict[str, Any]) -> None:
+    """Drop probes the backend cannot run without refusing or preempting them."""
+    longest = facts.get("max_model_len", 1 << 30) - cal.decode_tokens
+    cal.prompt_lengths = tuple(n for n in cal.prompt_lengths if n < longest)
+    kv_tokens = facts.get("num_gpu_blocks", 1 << 30) * facts.get("block_size", 1)
+    cal.contexts = tuple(c for c in cal.contexts if c <= longest)
+    cal.concurrency = tuple(
+        b for b in cal.concurrency if b * (max(cal.contexts, default=0) + cal.decode_tokens)
+        <= kv_tokens * _KV_HEADROOM)
+
+
+class _Runner:
+    def __init__(self, cal: Calibration, client: httpx.AsyncClient, model: str,
+                 tick: Callable[[int], None]):
+        self.cal, self.client, self.model, self.tick = cal, client, model, tick
+        self.rng = random.Random(cal.seed)
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(*_TOKEN_IDS) for _ in range(n)]
+
+    async def one(self, prompt_tokens: int, max_tokens: int) -> Trace:
+        trace = await stream_request(self.client, self.cal.url, self.model,
+                                     self.prompt(prompt_tokens), max_tokens)
+        self.tick(1)
+        return trace
+
+    async def prefill(self) -> list[PrefillSample]:
+        out = []
+        for _ in range(self.cal.repeats):  # interleaved, so drifting load hits every length
+            for n in self.cal.prompt_lengths:
+                out.append(PrefillSample(n, (await self.one(n, 1)).ttft_s))
+                await asyncio.sleep(_SETTLE_S)
+        return out
+
+    async def decode(self) -> list[DecodeSample]:
+        out = []
+        for _ in range(self.cal.decode_repeats):
+            for ctx in self.cal.contexts:
+                for b in self.cal.concurrency:
+                    traces = await asyncio.gather(
+                        *(self.one(ctx, self.cal.decode_tokens) for _ in range(b)))
+                    sample = decode_sample(list(traces), b)
+                    if sample is not None:
+                        out.append(sample)
+                    await asyncio.sleep(_SETTLE_S)
+        return out
+
+
+async def calibrate(cal: Calibration, tick: Callable[[int], None] = lambda n: None) -> Profile:
+    """Measure the backend and fit a profile.
+
+    Args:
+        cal: what to measure.
+        tick: called with the number of requests finished (progress).
+
+    Returns:
+        The fitted profile with its raw measurements.
+
+    Raises:
+        httpx.HTTPError: the backend could not be reached or refused a probe.
+        ValueError: the measurements could not be fitted.
+    """
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits, trust_env=False) as client:
+        facts = await _server_facts(client, cal.url)
+        model = cal.model or facts["models"][0]
+        _fit_to_limits(cal, facts)
+        runner = _Runner(cal, client, model, tick)
+        await runner.one(8, 4)  # warm-up: first-request costs are not the engine's
+        prefill = await runner.prefill()
+        decode = await runner.decode()
+    step, frontend, stats = fit_step_model(prefill, decode)
+    engine: dict[str, int] = {
+        k: facts[k] for k in ("block_size", "num_gpu_blocks", "max_model_len") if k in facts}
+    engine.update(cal.engine)
+    return Profile(
+        backend=cal.url, model=model,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        step_s=step, frontend_s=frontend, engine=engine, fit=stats,
+        measurements={
+            "prefill": [{"prompt_tokens": p.prompt_tokens, "ttft_s": round(p.ttft_s, 6)}
+                        for p in prefill],
+            "decode": [{"concurrency": d.concurrency, "prompt_tokens": d.prompt_tokens,
+                        "itl_s": round(d.itl_s, 6), "decode_ctx": round(d.decode_ctx, 1)}
+                       for d in decode],
+        },
+    )
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `calibrate` on the `llmflow` parser.
+
+    Args:
+        subparsers: the `llmflow` command group.
+    """
+    p = subparsers.add_parser(
+        "calibrate", help="measure a live vLLM backend and fit a simulator profile",
+        description="Time a live backend (first-token latency vs prompt length, inter-token "
+        "latency vs batch size and context), fit the simulator's step-cost model with least "
+        "squares and write it, with the raw measurements, to a YAML profile that a scenario "
+        "backend can use as `profile: PATH`.")
+    p.add_argument("--backend", required=True, metavar="URL", help="vLLM base URL (no /v1)")
+    p.add_argument("--out", required=True, type=Path, metavar="PROFILE.yaml", help="output file")
+    p.add_argument("--model", help="served model name (default: the first one listed)")
+    p.add_argument("--prompt-lengths", type=_ints, metavar="N,N,...",
+                   help="prefill sweep prompt sizes (default 16,128,384,768,1152,1536)")
+    p.add_argument("--repeats", type=int, default=3, help="requests per prompt size (default 3)")
+    p.add_argument("--concurrency", type=_ints, metavar="B,B,...",
+                   help="decode sweep batch sizes (default 1,2,4,8,16)")
+    p.add_argument("--contexts", type=_ints, metavar="C,C,...",
+                   help="decode sweep prompt sizes (default 32,640,1280)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request")
+    p.add_argument("--decode-repeats", type=int, default=2, help="runs of each decode batch")
+    p.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs, to record")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="vLLM's --max-num-batched-tokens, to record")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _calibration(args: argparse.Namespace) -> Calibration:
+    cal = Calibration(args.backend.rstrip("/"), args.model, repeats=args.repeats,
+                      decode_tokens=args.decode_tokens, decode_repeats=args.decode_repeats,
+                      seed=args.seed)
+    for name in ("prompt_lengths", "concurrency", "contexts"):
+        if getattr(args, name):
+            setattr(cal, name, getattr(args, name))
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            cal.engine[name] = getattr(args, name)
+    return cal
+
+
+def run(args: argparse.Namespace) -> int:
+    """`llmflow calibrate`: measure, fit, write the profile, print a summary."""
+    from tqdm import tqdm
+
+    cal = _calibration(args)
+    with tqdm(total=cal.probes() + 1, desc="calibrate", unit="req", disable=args.no_progress,
+              dynamic_ncols=True) as bar:
+        try:
+            profile = asyncio.run(calibrate(cal, bar.update))
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+            print(f"error: calibrating {cal.url} failed: {exc!r}", file=sys.stderr)
+            return 1
+    profile.dump(args.out)
+    s = profile.step_s
+    print(f"{args.out}: {profile.model} at {profile.backend}")
+    print(f"  step = {s.overhead * 1e3:.3f} ms + {s.prefill_token * 1e6:.3f} us/prefill token"
+          f" + {s.prefill_attn * 1e9:.4f} ns/attn unit + {s.decode_seq * 1e6:.1f} us/decode"
+          f" + {s.decode_ctx * 1e9:.2f} ns/context token")
+    print(f"  frontend {profile.frontend_s * 1e3:.2f} ms per request; fit median error "
+          f"{profile.fit['median_abs_rel_error']:.1%}, max {profile.fit['max_abs_rel_error']:.1%}")
+    return 0
