@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["FakeVllm"]
 
 
-@dataclass
+@dataclass(repr=False)
 class FakeVllm:
     """The fake server's state and its ASGI app (`.app`)."""
 
@@ -54,6 +54,9 @@ class FakeVllm:
     tokens_sent: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     metrics_scrapes: int = 0
+
+    def __repr__(self) -> str:
+        return f"FakeVllm(seen={self.seen}, running={self.running}, aborted={self.aborted})"
 
     def __post_init__(self) -> None:
         self._steps: asyncio.Queue[None] | None = None

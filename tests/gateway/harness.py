@@ -80,7 +80,7 @@ def settings_for(urls: dict[str, str], **sections: Any) -> Settings:
     return load_settings(data=data)
 
 
-@dataclass
+@dataclass(repr=False)
 class Harness:
     """A running gateway in front of fakes, with an HTTP client."""
 
@@ -88,6 +88,9 @@ class Harness:
     gateway: Gateway
     client: httpx.AsyncClient
     fakes: dict[str, FakeVllm]
+
+    def __repr__(self) -> str:
+        return f"Harness({self.url})"
 
     @property
     def fake(self) -> FakeVllm:
@@ -118,10 +121,11 @@ async def assert_idle(h: Harness) -> None:
     """In flight, queue and KV ledger back to zero; no session or upstream request left."""
     await h.settle()
     g = h.gateway.policy.governor
-    assert (g.running, g.queued, g.kv_blocks_in_use) == (0, 0, 0)
-    assert h.gateway.policy.live == 0
-    assert not h.gateway.ctx or not h.gateway.ctx.sessions
-    assert [f.running for f in h.fakes.values()] == [0] * len(h.fakes)
+    state = h.gateway.state()
+    assert (g.running, g.queued, g.kv_blocks_in_use) == (0, 0, 0), state
+    assert h.gateway.policy.live == 0, state
+    assert not h.gateway.ctx or not h.gateway.ctx.sessions, state
+    assert [f.running for f in h.fakes.values()] == [0] * len(h.fakes), h.fakes
 
 
 @contextlib.asynccontextmanager
