@@ -147,3 +147,20 @@ async def test_a_backend_without_url_runs_the_built_in_simulator() -> None:
         assert (await c.get("/readyz")).status_code == 200
         state = app.state.gateway.policy.governor
         assert (state.running, state.queued, state.kv_blocks_in_use) == (0, 0, 0)
+
+
+async def test_drain_timeout_answers_queued_requests_with_503() -> None:
+    async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
+        running = asyncio.create_task(
+            h.client.post(CHAT, json={**BODY, "max_tokens": 1000, "fake": {"itl": 0.01}})
+        )
+        await until(lambda: h.fake.running == 1)
+        queued = asyncio.create_task(h.client.post(CHAT, json={**BODY, "max_tokens": 2}))
+        await until(lambda: h.gateway.policy.governor.queued == 1)
+        await h.gateway.drain(timeout_s=0.1)
+        refused = await queued
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutdown"
+        chunks = [c async for c in frames(await running)]
+        assert chunks[-2]["llmflow"]["reason"] == "shutdown"
+        assert h.fake.seen == 1

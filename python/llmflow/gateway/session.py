@@ -117,11 +117,11 @@ class StreamSession:
         try:
             await self.ticket.admitted
         except Expiry as exc:
-            self._finish_without_reader("timeout")
+            shutdown = exc.reason == "shutdown"
+            self._finish_without_reader("cancelled" if shutdown else "timeout")
+            message = "the gateway is shutting down" if shutdown else "queue wait expired"
             raise GatewayError(
-                _QUEUE_EXPIRY_STATUS,
-                f"request waited too long in the queue ({exc.reason})",
-                exc.reason,
+                _QUEUE_EXPIRY_STATUS, f"{message} ({exc.reason})", exc.reason
             ) from None
         self._reader = asyncio.create_task(self._read(), name=f"llmflow-read-{self.request_id}")
         self.ctx.tasks.add(self._reader)
