@@ -128,7 +128,7 @@ def client(
     t0 = env.now
     rec.arrive()
     attempts = timeouts = busy = 0
-    ttft = qwait = math.nan
+    ttft = qwait = served = math.nan
     while True:
         attempts += 1
         att = Attempt(env, req, spec.disconnect_after_tokens, spec.stall_after_tokens)
@@ -137,6 +137,7 @@ def client(
             yield from _wait(env, att, gw, spec)
         if att.t_first == att.t_first and ttft != ttft:  # first token of the request (not NaN)
             ttft = att.t_first - t0
+            served = att.t_first - att.t_submit
             qwait = att.t_sched - att.t_submit
         outcome = att.outcome
         if outcome in (REJECTED, BUSY):
@@ -164,8 +165,10 @@ def client(
         if spec.render_tps and att.tokens and state != "failed":
             end = max(end, att.t_first + att.tokens / spec.render_tps)
         if not spec.stream:  # an unstreamed answer shows up all at once, or not at all
-            ttft = end - t0 if state in (COMPLETED, TRUNCATED) else math.nan
-        rec.end(req.cls, t0, ttft, end - t0, state, attempts, busy, att.tokens, qwait)
+            shown = state in (COMPLETED, TRUNCATED)
+            ttft = end - t0 if shown else math.nan
+            served = end - att.t_submit if shown else math.nan
+        rec.end(req.cls, t0, ttft, end - t0, state, attempts, busy, att.tokens, qwait, served)
         return
 
 

@@ -58,13 +58,13 @@ class Recorder:
 
     def end(
         self, cls: int, t0: float, ttft: float, e2e: float, state: str, attempts: int,
-        busy: int, tokens: int, qwait: float,
+        busy: int, tokens: int, qwait: float, served: float = math.nan,
     ) -> None:
         """A user request reached its final state."""
         self._advance()
         self.live -= 1
         self.rows.append(
-            (cls, t0, ttft, e2e, state, attempts, busy, tokens, qwait, self.env.now - t0))
+            (cls, t0, ttft, e2e, state, attempts, busy, tokens, qwait, self.env.now - t0, served))
         for fn in self.on_end:
             fn()
 
@@ -73,13 +73,14 @@ class Recorder:
         self._advance()
         for cls, t0 in live:
             stay = self.env.now - t0
-            self.rows.append((cls, t0, math.nan, stay, "unfinished", 0, 0, 0, math.nan, stay))
+            self.rows.append(
+                (cls, t0, math.nan, stay, "unfinished", 0, 0, 0, math.nan, stay, math.nan))
 
     def columns(self) -> dict[str, np.ndarray]:
         """The rows as column arrays, in arrival order."""
         rows = sorted(self.rows, key=lambda r: r[1])
         names = ("cls", "t0", "ttft", "e2e", "state", "attempts", "busy", "tokens", "qwait",
-                 "sojourn")
+                 "sojourn", "served")
         if not rows:
             return {n: np.zeros(0) for n in names}
         cols = list(zip(*rows, strict=True))
@@ -116,6 +117,9 @@ def class_summary(cols: dict[str, np.ndarray], idx: int, chars_per_token: float)
     out["ttft_s"] = percentiles(cols["ttft"][mine], (50, 90, 99))
     out["e2e_s"] = percentiles(np.where(ok, cols["e2e"][mine], np.nan), (50, 90, 99))
     out["queue_wait_s"] = percentiles(cols["qwait"][mine], (50, 99))
+    # TTFT of the attempt that was served, from its own submission: what a server-side
+    # histogram shows (no 429 backoff, no earlier timed-out attempts)
+    out["ttft_served_attempt_s"] = percentiles(cols["served"][mine], (50, 99))
     out["attempts_mean"] = round(float(cols["attempts"][mine].mean()), 4) if out["arrived"] else 0
     out["retries_429"] = int(cols["busy"][mine].sum())
     trunc = state == "truncated"

@@ -210,12 +210,23 @@ class GatedPolicy:
             q = self.gov.queued
             if q > self.peak_queue:
                 self.peak_queue = q
+            # a tenant over its share of the waiting places loses its newest queued request
+            # (cores without fair-share admission have no such field)
+            displaced = getattr(d, "displaced", None)
+            if displaced is not None:
+                self._refuse_displaced(displaced, getattr(d, "displaced_retry_after_s", None))
         else:
             reason = d.reason or "rejected"
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
             att.end(REJECTED, reason=reason, retry_after=d.retry_after_s or 0.0)
             return
         self._arm()
+
+    def _refuse_displaced(self, rid: int, retry_after: float | None) -> None:
+        victim = self.queued.pop(rid, None)
+        if victim is not None:
+            self.rejections["displaced"] = self.rejections.get("displaced", 0) + 1
+            victim.end(REJECTED, reason="displaced", retry_after=retry_after or 0.0)
 
     def _run(self, att: Attempt, rid: int, backend: str | None, priority: int) -> None:
         b = self.cluster.by_name[backend or ""]
