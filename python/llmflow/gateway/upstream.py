@@ -1,9 +1,10 @@
 """The HTTP client to vLLM backends: open a streamed completion, read its SSE events, abort it.
 
-Every request goes upstream as a stream, whatever the client asked for: the gateway needs each
-token as it is made to time the first token, grow the KV ledger, and keep the partial text when a
-deadline cuts a reply. Aborting is closing the response: vLLM aborts a request whose connection
-closes, which frees its KV blocks at once.
+Completions go through `http1.ConnectionPool` (the per-chunk hot path; see there why not
+httpx), scrapes through httpx. Every request goes upstream as a stream, whatever the client
+asked for: the gateway needs each token as it is made to time the first token, grow the KV
+ledger, and keep the partial text when a deadline cuts a reply. Aborting is closing the
+response: vLLM aborts a request whose connection closes, which frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from llmflow.gateway.http1 import ConnectionPool, HttpResponse, ProtocolError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -45,7 +48,7 @@ class UpstreamError(Exception):
 class UpstreamStream:
     """One streamed completion from a backend; iterate `events()`, always `aclose()`."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: HttpResponse) -> None:
         self.response = response
         self.closed = False
 
@@ -57,7 +60,7 @@ class UpstreamStream:
         """
         buffer = b""
         try:
-            async for piece in self.response.aiter_bytes():
+            async for piece in self.response.iter_body():
                 buffer += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
                 while (end := buffer.find(b"\n\n")) >= 0:
                     block, buffer = buffer[:end], buffer[end + 2 :]
@@ -67,14 +70,15 @@ class UpstreamStream:
                     if data == _DONE:
                         return
                     yield data
-        except httpx.HTTPError as exc:
+        except (ProtocolError, OSError) as exc:
             raise UpstreamError(502, "backend_error", f"backend stream broke: {exc!r}") from exc
+        raise UpstreamError(502, "backend_error", "backend stream ended without [DONE]")
 
     async def aclose(self) -> None:
         """Close the connection (aborting the request upstream if it is still running)."""
         if not self.closed:
             self.closed = True
-            await self.response.aclose()
+            self.response.release()
 
 
 def _data_of(block: bytes) -> bytes | None:
@@ -85,13 +89,14 @@ def _data_of(block: bytes) -> bytes | None:
 
 
 class Upstream:
-    """A pooled HTTP/1.1 client for all backends.
+    """The backends' HTTP clients: a keep-alive pool for completions, httpx for the rest.
 
     Args:
-        max_connections: connection pool size (at least the number of concurrent streams).
+        max_connections: httpx pool size, for scrapes.
     """
 
-    def __init__(self, max_connections: int = 8192) -> None:
+    def __init__(self, max_connections: int = 64) -> None:
+        self.pool = ConnectionPool(_CONNECT_TIMEOUT_S)
         limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
         )
@@ -113,30 +118,22 @@ class Upstream:
             The open stream (status 200).
 
         Raises:
-            UpstreamError: unreachable (502, `backend_down`), timed out (504), or an error status
-                (4xx passed through with the backend's message, 5xx as 502).
+            UpstreamError: unreachable (502, `backend_down`), or an error status (4xx passed
+                through with the backend's message, 5xx as 502).
         """
-        request = self.client.build_request(
-            "POST",
-            base_url + path,
-            content=json.dumps(body).encode(),
-            headers={
-                "content-type": "application/json",
-                "x-request-id": request_id,
-                "accept": "text/event-stream",
-            },
+        head = (
+            b"content-type: application/json\r\naccept: text/event-stream\r\n"
+            b"x-request-id: " + request_id.encode() + b"\r\n"
         )
         try:
-            response = await self.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            response = await self.pool.request(base_url + path, head, json.dumps(body).encode())
+        except (OSError, TimeoutError) as exc:
             raise UpstreamError(
                 502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
             ) from exc
-        except httpx.TimeoutException as exc:
-            raise UpstreamError(504, "backend_timeout", f"backend timed out: {exc!r}") from exc
-        except httpx.HTTPError as exc:
-            raise UpstreamError(502, "backend_error", f"backend failed: {exc!r}") from exc
-        if response.status_code != 200:
+        except ProtocolError as exc:
+            raise UpstreamError(502, "backend_error", f"backend failed: {exc}") from exc
+        if response.status != 200:
             raise await _status_error(response)
         return UpstreamStream(response)
 
@@ -146,24 +143,17 @@ class Upstream:
 
     async def aclose(self) -> None:
         """Close every pooled connection."""
+        self.pool.close()
         await self.client.aclose()
 
 
-async def _status_error(response: httpx.Response) -> UpstreamError:
-    try:
-        raw = b""
-        async for piece in response.aiter_bytes():
-            raw += piece
-            if len(raw) > _ERROR_BODY_LIMIT:
-                break
-    except httpx.HTTPError:
-        raw = b""
-    finally:
-        await response.aclose()
-    message = _error_message(raw) or f"backend answered {response.status_code}"
-    if 400 <= response.status_code < 500:
-        return UpstreamError(response.status_code, "backend_rejected", message)
-    return UpstreamError(502, "backend_error", f"backend error {response.status_code}: {message}")
+async def _status_error(response: HttpResponse) -> UpstreamError:
+    raw = await response.read_all(_ERROR_BODY_LIMIT)
+    response.release()
+    message = _error_message(raw) or f"backend answered {response.status}"
+    if 400 <= response.status < 500:
+        return UpstreamError(response.status, "backend_rejected", message)
+    return UpstreamError(502, "backend_error", f"backend error {response.status}: {message}")
 
 
 def _error_message(raw: bytes) -> str:

@@ -1,0 +1,246 @@
+"""A minimal HTTP/1.1 client for the per-chunk hot path: streamed POSTs to vLLM over keep-alive.
+
+httpx parses every HTTP chunk through h11 (about 40 us per SSE event on this machine), which alone
+would spend most of the gateway's per-chunk budget. This client reads whatever bytes the socket
+has (many events per read under load) and decodes chunked transfer encoding in bulk. It speaks
+only what vLLM's server (uvicorn) sends: a status line, headers, and a body that is chunked,
+sized by `Content-Length`, or delimited by the connection closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+__all__ = ["Connection", "ConnectionPool", "HttpResponse", "ProtocolError"]
+
+_READ_SIZE = 65536  # bytes per socket read
+_HEAD_LIMIT = 64 * 1024  # the most bytes of status line and headers accepted
+
+
+class ProtocolError(Exception):
+    """The backend broke the HTTP exchange (bad framing, or closed mid-response)."""
+
+
+class Connection:
+    """One TCP (or TLS) connection to a backend."""
+
+    def __init__(
+        self, key: tuple[str, str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.key, self.reader, self.writer = key, reader, writer
+
+    def usable(self) -> bool:
+        """True while the peer has not closed it."""
+        return not self.reader.at_eof() and not self.writer.is_closing()
+
+    def close(self) -> None:
+        """Close now; an unfinished response is abandoned (the server sees a disconnect)."""
+        self.writer.close()
+
+
+class HttpResponse:
+    """Status, headers, and a body read incrementally from a `Connection`."""
+
+    def __init__(
+        self, pool: ConnectionPool, conn: Connection, status: int, headers: dict[str, str]
+    ) -> None:
+        self.pool, self.conn, self.status, self.headers = pool, conn, status, headers
+        self.complete = False
+        self._released = False
+
+    async def iter_body(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, de-chunked; many upstream writes per piece under load.
+
+        Raises:
+            ProtocolError: the connection closed early or the framing is invalid.
+        """
+        reader = self.conn.reader
+        if "chunked" in self.headers.get("transfer-encoding", ""):
+            async for piece in _dechunk(reader):
+                yield piece
+        elif "content-length" in self.headers:
+            left = int(self.headers["content-length"])
+            while left > 0:
+                piece = await reader.read(min(left, _READ_SIZE))
+                if not piece:
+                    raise ProtocolError("connection closed before the body ended")
+                left -= len(piece)
+                yield piece
+        else:
+            while piece := await reader.read(_READ_SIZE):
+                yield piece
+            self.headers["connection"] = "close"
+        self.complete = True
+
+    async def read_all(self, limit: int) -> bytes:
+        """Up to `limit` bytes of the body (the rest is dropped with the connection)."""
+        out = b""
+        with contextlib.suppress(ProtocolError, ConnectionError):
+            async for piece in self.iter_body():
+                out += piece
+                if len(out) >= limit:
+                    break
+        return out
+
+    def release(self) -> None:
+        """Give the connection back: pooled if the body was read to its end, else closed."""
+        if self._released:
+            return
+        self._released = True
+        reusable = self.complete and self.headers.get("connection", "").lower() != "close"
+        if reusable and self.conn.usable():
+            self.pool.put(self.conn)
+        else:
+            self.conn.close()
+
+
+async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    buffer, left, state = b"", 0, "size"  # state: size line, chunk data, or its trailing CRLF
+    while True:
+        out: list[bytes] = []
+        while True:
+            if state == "size":
+                end = buffer.find(b"\r\n")
+                if end < 0:
+                    break
+                left = _chunk_size(buffer[:end])
+                buffer, state = buffer[end + 2 :], "data"
+                if left == 0:
+                    if out:
+                        yield b"".join(out)
+                    await _skip_trailers(reader, buffer)
+                    return
+            elif state == "data":
+                piece = buffer[:left]
+                if piece:
+                    out.append(piece)
+                    left -= len(piece)
+                    buffer = buffer[len(piece) :]
+                if left:
+                    break
+                state = "crlf"
+            else:
+                if len(buffer) < 2:
+                    break
+                if buffer[:2] != b"\r\n":
+                    raise ProtocolError("chunk data not followed by CRLF")
+                buffer, state = buffer[2:], "size"
+        if out:
+            yield b"".join(out)
+        more = await reader.read(_READ_SIZE)
+        if not more:
+            raise ProtocolError("connection closed inside the chunked body")
+        buffer += more
+
+
+def _chunk_size(line: bytes) -> int:
+    try:
+        return int(line.split(b";", 1)[0], 16)
+    except ValueError:
+        raise ProtocolError(f"bad chunk size line {line[:40]!r}") from None
+
+
+async def _skip_trailers(reader: asyncio.StreamReader, buffer: bytes) -> None:
+    while not (buffer.startswith(b"\r\n") or b"\r\n\r\n" in buffer):
+        more = await reader.read(_READ_SIZE)
+        if not more:
+            return
+        buffer += more
+
+
+class ConnectionPool:
+    """Keep-alive connections per backend origin.
+
+    Args:
+        connect_timeout_s: how long opening a connection may take.
+    """
+
+    def __init__(self, connect_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
+
+    def put(self, conn: Connection) -> None:
+        """Keep an idle connection for reuse."""
+        self._idle.setdefault(conn.key, []).append(conn)
+
+    async def request(self, url: str, head: bytes, body: bytes) -> HttpResponse:
+        """Send one request and read its status line and headers.
+
+        Args:
+            url: the full URL (`http://host:port/path` or `https://...`).
+            head: the header lines after the request line, each ending in CRLF, no Host.
+            body: the request body (its Content-Length is added).
+
+        Raises:
+            OSError, TimeoutError: the connection could not be opened.
+            ProtocolError: the backend closed or sent garbage before the headers ended.
+        """
+        parts = urlsplit(url)
+        key = (
+            parts.scheme,
+            parts.hostname or "127.0.0.1",
+            parts.port or (443 if parts.scheme == "https" else 80),
+        )
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        message = (
+            (
+                f"POST {target} HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-length: {len(body)}\r\n"
+            ).encode("latin-1")
+            + head
+            + b"\r\n"
+            + body
+        )
+        while idle := self._idle.get(key):
+            conn = idle.pop()
+            if not conn.usable():
+                conn.close()
+                continue
+            with contextlib.suppress(ProtocolError, ConnectionError):
+                return await self._exchange(conn, message)  # a stale keep-alive: try afresh
+            conn.close()
+        return await self._exchange(await self._open(key), message)
+
+    async def _open(self, key: tuple[str, str, int]) -> Connection:
+        context = ssl.create_default_context() if key[0] == "https" else None
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(key[1], key[2], ssl=context, limit=_HEAD_LIMIT),
+            self.connect_timeout_s,
+        )
+        return Connection(key, reader, writer)
+
+    async def _exchange(self, conn: Connection, message: bytes) -> HttpResponse:
+        conn.writer.write(message)
+        try:
+            head = await conn.reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            conn.close()
+            raise ProtocolError(f"no response head: {exc!r}") from None
+        except BaseException:
+            conn.close()
+            raise
+        lines = head.decode("latin-1").split("\r\n")
+        try:
+            status = int(lines[0].split(" ", 2)[1])
+        except (IndexError, ValueError):
+            conn.close()
+            raise ProtocolError(f"bad status line {lines[0][:80]!r}") from None
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        return HttpResponse(self, conn, status, headers)
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
