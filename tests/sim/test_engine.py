@@ -11,6 +11,8 @@ from llmflow.sim.cluster import Backend, Gauges
 from llmflow.sim.costmodel import FixedStepCost
 from llmflow.sim.engine import DONE, EngineConfig, EngineCore, EngineError, Seq
 
+from .invariants import check_engine
+
 if TYPE_CHECKING:
     import simpy
 
@@ -28,7 +30,7 @@ def _run(core: EngineCore, seqs: list[Seq]) -> None:
     while not core.idle:
         now += core.schedule(now) or 0.0
         core.complete(now)
-        core.check()
+        check_engine(core)
 
 
 def test_chunked_prefill_then_one_token_per_step(env: simpy.Environment, log: Any) -> None:
@@ -111,12 +113,12 @@ def test_kv_blocks_never_exceed_capacity(mode: str, policy: str) -> None:
         for s in core.complete(now)[1]:
             assert s.rid not in ended
             ended[s.rid] = s.gen
-        core.check()
+        check_engine(core)
     while not core.idle:
         now += core.schedule(now) or 0.0
         assert core.used <= core.num_blocks
         core.complete(now)
-        core.check()
+        check_engine(core)
     assert core.peak_used <= core.num_blocks
     assert all(s.state == DONE for s in seqs)
     assert core.used == 0

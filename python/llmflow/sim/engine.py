@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llmflow.sim.sequence import (
     DECODE,
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from llmflow.sim.costmodel import StepCost
 
 __all__ = ["DONE", "EngineConfig", "EngineCore", "EngineError", "Seq", "SeqOwner"]
+
 
 class EngineCore:
     """Scheduler state of one vLLM instance; see the module docstring.
@@ -388,23 +389,3 @@ class EngineCore:
             del self.running[seq.rid]
             self.used -= -(-(c + self.in_step) // self.block_size)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
-
-    def check(self) -> dict[str, Any]:
-        """Recount every invariant from scratch (slow; tests only).
-
-        Raises:
-            AssertionError: a counter disagrees with the sequences it summarises.
-        """
-        bs, s = self.block_size, self.step
-        held = sum(
-            -(-(q.k + s) // bs) if q.state == DECODE else q.blocks for q in self.running.values()
-        )
-        assert held == self.used, (held, self.used)
-        assert 0 <= self.used <= self.num_blocks, (self.used, self.num_blocks)
-        decs = [q for q in self.running.values() if q.state == DECODE]
-        assert len(decs) == self.n_dec
-        assert sum(q.k for q in decs) == self._sumk
-        assert len(self.running) <= self.config.max_num_seqs
-        live_wait = {id(q) for q in self.waiting.live()}
-        assert len(live_wait) == self.n_waiting, (len(live_wait), self.n_waiting)
-        return {"used": self.used, "running": len(self.running), "waiting": self.n_waiting}
