@@ -81,7 +81,9 @@ class Gateway:
             else:
                 urls[backend.name] = backend.url.rstrip("/")
         s = self.settings
-        self.scraper = Scraper(self.policy, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3)
+        self.scraper = Scraper(
+            self.policy, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3, s.kv.block_size
+        )
         self.metrics.scraper = self.scraper
         self.ctx = SessionContext(
             policy=self.policy,

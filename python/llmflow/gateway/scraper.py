@@ -121,9 +121,15 @@ class Scraper:
     """
 
     def __init__(
-        self, policy: Policy, upstream: Upstream, backends: dict[str, str], interval_s: float
+        self,
+        policy: Policy,
+        upstream: Upstream,
+        backends: dict[str, str],
+        interval_s: float,
+        block_size: int = 16,
     ) -> None:
         self.policy, self.upstream, self.interval_s = policy, upstream, interval_s
+        self.block_size = block_size  # the core's KV block (`kv.block_size`); vLLM's may differ
         self.timeout_s = max(0.2, min(2.0, interval_s * 2))
         self.states = {name: BackendState(name, url) for name, url in backends.items()}
         self._task: asyncio.Task[None] | None = None
@@ -165,7 +171,7 @@ class Scraper:
             running=state.running,
             waiting=state.waiting,
             preemptions_total=state.preemptions_total,
-            kv_blocks=state.num_gpu_blocks,
+            kv_blocks=_in_core_blocks(state.num_gpu_blocks, state.block_size, self.block_size),
         )
         if not state.healthy:
             self._set_health(state, True)
@@ -204,6 +210,13 @@ class Scraper:
             started = time.monotonic()
             await self.scrape_all()
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+
+def _in_core_blocks(blocks: int | None, size: int | None, core_size: int) -> int | None:
+    """vLLM's KV capacity counted in the core's blocks (CPU vLLM has 128-token blocks)."""
+    if blocks is None or size is None:
+        return blocks
+    return blocks * size // core_size
 
 
 def _int(value: float | None) -> int | None:
