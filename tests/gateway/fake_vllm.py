@@ -218,4 +218,4 @@ def _frame(
     chunk = {**base, "choices": choices}
     if usage is not None:
         chunk["usage"] = usage
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"  # as vLLM

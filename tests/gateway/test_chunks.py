@@ -151,3 +151,31 @@ def test_prompt_estimates() -> None:
     assert chat_prompt_tokens(chat, 4.0) == 3 + (4 + 1) + (4 + 2 + 576)
     ids = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2, 3]]})
     assert completion_prompt_tokens(ids, 4.0) == 3
+
+
+def test_passthrough_cuts_usage_from_vllm_frames_without_reparsing() -> None:
+    parser = ChunkParser(CHAT)
+    first = {**_chat(role="assistant", content=""), "usage": _usage(0)}
+    assert isinstance(parser.feed(json.dumps(first).encode())[0], dict)  # learns the template
+    raw = json.dumps({**_chat("ab"), "usage": _usage(2)}, separators=(",", ":")).encode()
+    frame, n = parser.feed(raw)
+    assert isinstance(frame, bytes)
+    assert n == 2
+    assert json.loads(frame.removeprefix(b"data: ")) == _chat("ab")
+    last = json.dumps({**_chat("c", finish="stop"), "usage": _usage(3)}, separators=(",", ":"))
+    frame, n = parser.feed(last.encode())
+    assert n == 1
+    assert parser.finished == {0}
+    spaced = json.dumps({**_chat("d"), "usage": _usage(4)}).encode()  # not vLLM's layout
+    chunk, n = parser.feed(spaced)
+    assert chunk == _chat("d")
+    assert n == 1
+
+
+def test_passthrough_keeps_a_null_usage_when_the_client_asked_for_usage() -> None:
+    parser = ChunkParser(ClientOptions("chat", "m", stream=True, include_usage=True))
+    parser.feed(json.dumps(_chat(role="assistant")).encode())
+    raw = json.dumps({**_chat("a"), "usage": _usage(1)}, separators=(",", ":")).encode()
+    frame, _ = parser.feed(raw)
+    assert isinstance(frame, bytes)
+    assert json.loads(frame.removeprefix(b"data: "))["usage"] is None

@@ -22,7 +22,7 @@ from llmflow.gateway.streaming import merge_chunks
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from llmflow.gateway.types import Json
+    from llmflow.gateway.streaming import Item
 
 __all__ = ["ChunkWindow", "StallWatch"]
 
@@ -38,7 +38,7 @@ class ChunkWindow:
     def __init__(self, capacity: int, pause_when_full: bool) -> None:
         self.capacity = capacity
         self.pause_when_full = pause_when_full
-        self._items: deque[Json] = deque()
+        self._items: deque[Item] = deque()
         self._closed = False
         self._getter: asyncio.Future[None] | None = None
         self._putter: asyncio.Future[None] | None = None
@@ -53,11 +53,14 @@ class ChunkWindow:
         """True once the producer has finished."""
         return self._closed
 
-    async def put(self, chunk: Json) -> None:
+    async def put(self, chunk: Item) -> None:
         """Add a chunk; waits for room when full and pausing (the producer's backpressure)."""
         while len(self._items) >= self.capacity and not self._closed:
-            if not self.pause_when_full and len(merge_chunks([self._items[-1], chunk])) == 1:
-                return  # merged into the newest waiting chunk (merge_chunks mutates in place)
+            if not self.pause_when_full:
+                merged = merge_chunks([self._items[-1], chunk])
+                if len(merged) == 1:  # merged into the newest waiting chunk
+                    self._items[-1] = merged[0]
+                    return
             self.pauses += 1
             self._putter = asyncio.get_running_loop().create_future()
             try:
@@ -68,7 +71,7 @@ class ChunkWindow:
         self.high_water = max(self.high_water, len(self._items))
         _wake(self._getter)
 
-    def put_final(self, chunk: Json) -> None:
+    def put_final(self, chunk: Item) -> None:
         """Add the closing chunk (a truncation tail or an error) past the bound, then close."""
         self._items.append(chunk)
         self.close()
@@ -79,7 +82,7 @@ class ChunkWindow:
         _wake(self._getter)
         _wake(self._putter)
 
-    async def take(self) -> list[Json]:
+    async def take(self) -> list[Item]:
         """Every waiting chunk, oldest first; waits while empty. `[]` means the stream ended."""
         while not self._items:
             if self._closed:
@@ -91,7 +94,7 @@ class ChunkWindow:
                 self._getter = None
         return self.take_nowait()
 
-    def take_nowait(self) -> list[Json]:
+    def take_nowait(self) -> list[Item]:
         """Every waiting chunk without waiting (possibly none)."""
         items = list(self._items)
         self._items.clear()

@@ -20,7 +20,7 @@ import anyio
 from llmflow.gateway.backpressure import ChunkWindow
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.policy import Expiry
-from llmflow.gateway.streaming import Accumulator, ChunkParser, tail_chunk
+from llmflow.gateway.streaming import Accumulator, ChunkParser, parse_item, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from llmflow.gateway.metrics import GatewayMetrics
     from llmflow.gateway.policy import Policy, Ticket
-    from llmflow.gateway.streaming import ClientOptions
+    from llmflow.gateway.streaming import ClientOptions, Item
     from llmflow.gateway.types import Json, Outcome
     from llmflow.gateway.upstream import Upstream, UpstreamStream
 
@@ -95,7 +95,6 @@ class StreamSession:
         self.error: GatewayError | None = None  # failure before any token: answer with a status
         self.end = "running"  # completed, error, deadline, first_token_timeout, cancelled, ...
         self.first_token_at: float | None = None
-        self._finished: set[int] = set()
         self._stream: UpstreamStream | None = None
         self._scope: anyio.CancelScope | None = None
         self._cut: str | None = None
@@ -216,12 +215,8 @@ class StreamSession:
             chunk, new_tokens = self.parser.feed(data)
             if new_tokens:
                 self._on_tokens(new_tokens)
-            if chunk is None:
-                continue
-            for choice in chunk.get("choices") or ():
-                if choice.get("finish_reason") is not None:
-                    self._finished.add(choice.get("index", 0))
-            await self._emit(chunk)
+            if chunk is not None:
+                await self._emit(chunk)
         self._upstream_complete = True
 
     def _on_tokens(self, n: int) -> None:
@@ -232,11 +227,11 @@ class StreamSession:
             self.ready.set()
         self.ctx.policy.tokens(self.ticket, n)
 
-    async def _emit(self, chunk: Json) -> None:
+    async def _emit(self, chunk: Item) -> None:
         if self.streaming:
             await self.window.put(chunk)
         else:
-            self.accumulator.add(chunk)
+            self.accumulator.add(parse_item(chunk))
 
     async def _on_cut(self, reason: str) -> Outcome:
         await self._close_upstream()  # abort first: vLLM frees the KV while we answer
@@ -247,7 +242,7 @@ class StreamSession:
                 504, "no first token within the first-token timeout", "first_token_timeout"
             )
             return "timeout"
-        open_choices = [i for i in range(self.prepared.options.n) if i not in self._finished]
+        open_choices = [i for i in range(self.prepared.options.n) if i not in self.parser.finished]
         if open_choices:
             tail = tail_chunk(
                 self.prepared.options, self.parser.template, open_choices, reason, self.request_id

@@ -17,11 +17,12 @@ import anyio
 from fastapi.sse import EventSourceResponse
 
 from llmflow.gateway.backpressure import StallWatch
-from llmflow.gateway.streaming import encode_event, merge_chunks
+from llmflow.gateway.streaming import encode_item, merge_chunks
 
 if TYPE_CHECKING:
     from llmflow.gateway.session import StreamSession
-    from llmflow.gateway.types import Json, Receive, Scope, Send
+    from llmflow.gateway.streaming import Item
+    from llmflow.gateway.types import Receive, Scope, Send
 
 __all__ = ["SessionStream"]
 
@@ -91,10 +92,10 @@ class SessionStream(EventSourceResponse):
         watch.written()
 
 
-def _frames(chunks: list[Json]) -> bytes:
+def _frames(chunks: list[Item]) -> bytes:
     if len(chunks) == 1:
-        return encode_event(chunks[0])
-    return b"".join(encode_event(c) for c in chunks)
+        return encode_item(chunks[0])
+    return b"".join(encode_item(c) for c in chunks)
 
 
 async def _until_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
     from llmflow.gateway.types import Endpoint, Json
@@ -19,12 +19,19 @@ __all__ = [
     "Accumulator",
     "ChunkParser",
     "ClientOptions",
+    "Item",
     "encode_event",
+    "encode_item",
     "merge_chunks",
     "notice_for",
+    "parse_item",
     "tail_chunk",
 ]
 
+Item = Union["Json", bytes]
+"""A chunk on its way to a client: a dict, or an SSE frame kept as upstream wrote it."""
+
+_DIGITS = frozenset(b"0123456789 ")
 _TEXT_DELTAS = frozenset({"content", "reasoning_content", "reasoning"})
 NOTICES = {  # visible text appended when the gateway cuts a reply
     "deadline": "\n\n[llmflow: reply truncated: the request reached its total deadline]",
@@ -55,6 +62,19 @@ def encode_event(chunk: Json) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
+def encode_item(item: Item) -> bytes:
+    """The SSE frame of an item (frames pass through untouched)."""
+    return item if isinstance(item, bytes) else encode_event(item)
+
+
+def parse_item(item: Item) -> Json:
+    """The chunk dict of an item (frames are parsed)."""
+    if isinstance(item, bytes):
+        parsed: Json = json.loads(item[6:-2])
+        return parsed
+    return item
+
+
 class ChunkParser:
     """Reads upstream payloads: counts new tokens and shapes chunks for the client.
 
@@ -70,13 +90,22 @@ class ChunkParser:
         self.completion_tokens = 0
         self.usage: Json | None = None
         self.template: Json | None = None  # id/created/model of the upstream reply
+        self.finished: set[int] = set()  # indexes of choices that sent a finish_reason
+        # Byte-level passthrough: one-choice streams whose usage need not reach the client.
+        self._fast = options.stream and options.n == 1 and not options.continuous_usage
+        self._usage_tail = b',"usage":null}' if options.include_usage else b"}"
 
-    def feed(self, data: bytes) -> tuple[Json | None, int]:
-        """Parse one `data:` payload.
+    def feed(self, data: bytes) -> tuple[Item | None, int]:
+        """Read one `data:` payload.
 
         Returns:
-            (chunk to forward, or None; tokens generated since the previous payload).
+            (what to forward, or None; tokens generated since the previous payload). On the
+            passthrough path the item is the upstream frame with only its usage cut off.
         """
+        if self._fast and self.template is not None:
+            fast = self._passthrough(data)
+            if fast is not None:
+                return fast
         chunk: Any = json.loads(data)
         if not isinstance(chunk, dict):
             return None, 0
@@ -85,6 +114,9 @@ class ChunkParser:
         usage = chunk.get("usage")
         new = self._count(chunk, usage)
         choices = chunk.get("choices")
+        for choice in choices or ():
+            if choice.get("finish_reason") is not None:
+                self.finished.add(choice.get("index", 0))
         if isinstance(usage, dict):
             self.usage = usage
         if not choices:  # the usage-only chunk that ends an include_usage stream
@@ -96,6 +128,29 @@ class ChunkParser:
             else:
                 del chunk["usage"]
         return chunk, new
+
+    def _passthrough(self, data: bytes) -> tuple[bytes, int] | None:
+        """vLLM puts continuous usage last: cut it off without parsing the chunk."""
+        cut = data.rfind(b',"usage":{')
+        if cut < 0 or not data.endswith(b"}}") or data.find(b"}", cut) != len(data) - 2:
+            return None
+        head = data[:cut]
+        if b'"choices":[]' in head or b'"error"' in head:
+            return None
+        at = data.find(b'"completion_tokens":', cut)
+        if at < 0:
+            return None
+        start = end = at + 20  # len('"completion_tokens":')
+        while end < len(data) and data[end] in _DIGITS:
+            end += 1
+        digits = data[start:end].strip()
+        if not digits.isdigit():
+            return None
+        total = int(digits)
+        new, self.completion_tokens = max(total - self.completion_tokens, 0), total
+        if b'"finish_reason":"' in head:
+            self.finished.add(0)
+        return b"data: " + head + self._usage_tail + b"\n\n", new
 
     def _count(self, chunk: Json, usage: Any) -> int:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
@@ -116,11 +171,14 @@ def _text_of(choice: Json) -> str:
     return text if isinstance(text, str) else ""
 
 
-def merge_chunks(chunks: list[Json]) -> list[Json]:
+def merge_chunks(items: list[Item]) -> list[Item]:
     """Coalesce consecutive chunks into as few valid chunks as possible (order kept)."""
-    out: list[Json] = []
-    for chunk in chunks:
-        if not out or not _merge_into(out[-1], chunk):
+    if len(items) < 2:
+        return items
+    out: list[Item] = []
+    for item in items:
+        chunk = parse_item(item)
+        if not out or not _merge_into(out[-1], chunk):  # type: ignore[arg-type]
             out.append(chunk)
     return out
 

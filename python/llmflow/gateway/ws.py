@@ -18,7 +18,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.serving import ClientGone, run_unless
-from llmflow.gateway.streaming import merge_chunks
+from llmflow.gateway.streaming import merge_chunks, parse_item
 
 if TYPE_CHECKING:
     from starlette.websockets import WebSocket
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.auth import Identity, KeyRing
     from llmflow.gateway.serving import CompletionService
     from llmflow.gateway.session import StreamSession
+    from llmflow.gateway.streaming import Item
     from llmflow.gateway.types import Json
 
 __all__ = ["AckChannel", "serve_websocket"]
@@ -164,7 +165,7 @@ async def _one_request(
         if session.error is not None:
             raise session.error
         await _send(websocket, {"type": "start", "id": request_id, "window": window})
-        carry: list[Json] = []  # taken from the session but not yet sent: at most 2 windows
+        carry: list[Item] = []  # taken from the session but not yet sent: at most 2 windows
         while carry or (carry := await session.window.take()):
             if not await channel.room(sent, window, stall_s):
                 reason = "cancelled" if channel.gone.is_set() else "client_stall"
@@ -174,7 +175,8 @@ async def _one_request(
             for chunk in carry[:allowed]:
                 sent += 1
                 await _send(
-                    websocket, {"type": "chunk", "id": request_id, "seq": sent, "data": chunk}
+                    websocket,
+                    {"type": "chunk", "id": request_id, "seq": sent, "data": parse_item(chunk)},
                 )
             carry = carry[allowed:]
         await _send(
