@@ -1,0 +1,310 @@
+"""The gateway in front of real vLLM (CPU, tiny model): streaming, disconnects, deadlines, floods.
+
+Every test starts its own gateway (`llmflow serve --config FILE`, a child process on loopback)
+over the session's default vLLM server, and checks both sides: what the client gets, and what
+vLLM itself reports on `/metrics`. vLLM's counters are the ground truth for "aborted" and "never
+more than the cap". Tests wait for vLLM to be idle first, so earlier tests cannot interfere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import openai
+import pytest
+from gateway_server import gateway_config
+from gwtools import (
+    GatewayPool,
+    RawReply,
+    StreamLog,
+    body,
+    cancel,
+    flood,
+    gateway_idle,
+    poll,
+    prompt_ids,
+    stream_into,
+    wait_vllm_idle,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
+
+    from gateway_server import GatewayProcess
+    from vllm_server import VllmServer
+
+pytestmark = pytest.mark.integration
+
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+GENERATED, KV = "vllm:generation_tokens_total", "vllm:kv_cache_usage_perc"
+ABORT_WITHIN_S = 1.0  # the issue's bound: vLLM's counts drop within a second of a disconnect
+NOTICE = "[llmflow: reply truncated: the request reached its total deadline]"
+
+@pytest.fixture
+def start_gateway(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], GatewayProcess]]:
+    """Start gateways for this test (stopped at its end)."""
+    with GatewayPool.running(tmp_path) as pool:
+        yield pool.start
+
+
+@pytest.fixture
+def vllm(vllm_server: VllmServer) -> VllmServer:
+    """The session's default vLLM server, idle."""
+    wait_vllm_idle(vllm_server)
+    return vllm_server
+
+
+def test_streaming_arrives_token_by_token(vllm: VllmServer, start_gateway: Any) -> None:
+    """The real `openai` client streams through the gateway: many chunks, spread over time."""
+    gw = start_gateway(gateway_config(vllm.url))
+    with openai.OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0) as client:
+        sent = time.monotonic()
+        stream = client.completions.create(
+            model="tiny", prompt="The gateway streams", max_tokens=200, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        times, usage = [], None
+        for chunk in stream:
+            if chunk.choices:
+                times.append(time.monotonic())
+            if chunk.usage is not None:
+                usage = chunk.usage
+    assert usage is not None
+    assert usage.completion_tokens == 200
+    assert len(times) >= 100, f"only {len(times)} chunks for 200 tokens"
+    total = times[-1] - sent
+    # Incremental: the first token arrives early, and the rest keep coming over the decode.
+    assert times[0] - sent < 0.5 * total, (times[0] - sent, total)
+    assert len({round(t, 3) for t in times}) >= 50
+
+
+def test_streaming_chat_and_non_streaming(vllm: VllmServer, start_gateway: Any) -> None:
+    """Chat streaming and plain (non-streaming) replies come back whole through the gateway."""
+    gw = start_gateway(gateway_config(vllm.url))
+    with openai.OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0) as client:
+        deltas = [
+            c.choices[0].delta.content
+            for c in client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Tell me about queues"}],
+                max_tokens=32, stream=True, extra_body={"ignore_eos": True})
+            if c.choices
+        ]
+        whole = client.completions.create(model="tiny", prompt=prompt_ids(40), max_tokens=48,
+                                          extra_body={"ignore_eos": True})
+    assert sum(1 for d in deltas if d) > 1
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 48
+    assert whole.usage.prompt_tokens == 40
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].text
+
+
+def test_disconnect_mid_stream_aborts_in_vllm(vllm: VllmServer, start_gateway: Any) -> None:
+    """A client that hangs up mid-stream: vLLM stops running it and stops generating."""
+    gw = start_gateway(gateway_config(vllm.url))
+    with httpx.Client(timeout=10) as m:
+        generated_before = vllm.metrics(m)[GENERATED]
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", f"{gw.openai_base_url}/completions",
+                          json=body(16, 1900)) as response,
+        ):
+            assert response.status_code == 200
+            for line in response.iter_lines():  # read until 20 tokens are in: mid-stream
+                if line.startswith("data: {") and _tokens(line) >= 20:
+                    break
+            assert vllm.metrics(m)[RUNNING] == 1
+        closed = time.monotonic()
+        took = poll(lambda: vllm.metrics(m)[RUNNING] == 0, ABORT_WITHIN_S)
+        after = vllm.metrics(m)[GENERATED]
+        time.sleep(0.5)
+        assert vllm.metrics(m)[GENERATED] == after, "vLLM kept generating after the abort"
+        assert after - generated_before < 1000, "the request ran to its end"
+        poll(lambda: gateway_idle(gw.state(m)), 2.0)
+    print(f"vLLM stopped the request {took:.3f} s ({time.monotonic() - closed:.2f}) after close")
+
+
+def test_disconnect_while_queued_in_vllm(vllm: VllmServer, start_gateway: Any) -> None:
+    """With the gateway's cap above vLLM's 16 seqs the 17th request waits in vLLM; hanging up
+    removes it from vLLM's queue, and hanging up the 16 running ones empties vLLM."""
+    gw = start_gateway(gateway_config(vllm.url, gate={"max_concurrency_per_gpu": 32},
+                                      streaming={"sse_flush_interval": 0,
+                                                 "first_token_timeout_ms": None}))
+    url = f"{gw.openai_base_url}/completions"
+
+    async def scenario() -> tuple[float, float, float]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            m = httpx.AsyncClient(timeout=5)
+            metrics = lambda: _ametrics(m, vllm)  # noqa: E731
+            fillers = [asyncio.create_task(stream_into(client, url, body(16, 1900), StreamLog()))
+                       for _ in range(16)]
+            await _until(lambda mm: mm[RUNNING] == 16, metrics, 20)
+            queued = asyncio.create_task(stream_into(client, url, body(16, 64), StreamLog()))
+            await _until(lambda mm: mm[WAITING] == 1, metrics, 5)
+            await cancel(queued)
+            t_waiting = await _until(lambda mm: mm[WAITING] == 0, metrics, ABORT_WITHIN_S)
+            before = (await metrics())[GENERATED]
+            for task in fillers:
+                task.cancel()
+            await asyncio.gather(*fillers, return_exceptions=True)
+            t_running = await _until(lambda mm: mm[RUNNING] == 0, metrics, ABORT_WITHIN_S)
+            stopped = (await metrics())[GENERATED]
+            await asyncio.sleep(0.5)
+            assert (await metrics())[GENERATED] == stopped, "vLLM kept generating"
+            await m.aclose()
+            return t_waiting, t_running, stopped - before
+
+    t_waiting, t_running, extra = asyncio.run(scenario())
+    poll(lambda: gateway_idle(gw.state()), 2.0)
+    print(f"waiting dropped {t_waiting:.3f} s, running {t_running:.3f} s after the hang-ups "
+          f"({extra:.0f} tokens made meanwhile)")
+
+
+def test_disconnect_while_queued_in_gateway(vllm: VllmServer, start_gateway: Any) -> None:
+    """Behind a cap of 1 the second request waits in the gateway: hanging up frees its place,
+    and vLLM never sees it."""
+    gw = start_gateway(gateway_config(vllm.url, gate={"max_concurrency_per_gpu": 1}))
+    url = f"{gw.openai_base_url}/completions"
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            m = httpx.AsyncClient(timeout=5)
+            first = asyncio.create_task(stream_into(client, url, body(16, 1900), StreamLog()))
+            await _until(lambda mm: mm[RUNNING] == 1, lambda: _ametrics(m, vllm), 10)
+            prompts_before = (await _ametrics(m, vllm))["vllm:prompt_tokens_total"]
+            second = asyncio.create_task(stream_into(client, url, body(16, 64), StreamLog()))
+            await _until(lambda s: s["core"]["queued"] == 1, lambda: _astate(m, gw), 5)
+            await cancel(second)
+            await _until(lambda s: s["core"]["queued"] == 0, lambda: _astate(m, gw),
+                         ABORT_WITHIN_S)
+            seen = await _ametrics(m, vllm)
+            assert seen[WAITING] == 0
+            assert seen["vllm:prompt_tokens_total"] == prompts_before
+            await cancel(first)
+            await _until(lambda mm: mm[RUNNING] == 0, lambda: _ametrics(m, vllm),
+                         ABORT_WITHIN_S)
+            await m.aclose()
+
+    asyncio.run(scenario())
+    poll(lambda: gateway_idle(gw.state()), 2.0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_total_deadline_returns_partial_text(
+    vllm: VllmServer, start_gateway: Any, stream: bool
+) -> None:
+    """At the total deadline the client gets the partial text and the notice, and vLLM's KV
+    usage falls right after (the request was aborted, not left running)."""
+    gw = start_gateway(gateway_config(vllm.url, timeouts={"total_ms": 1500}))
+    kv_seen: list[float] = []
+    with openai.OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0) as client:
+        sent = time.monotonic()
+        if stream:
+            text, finish = "", None
+            for chunk in client.completions.create(
+                    model="tiny", prompt=prompt_ids(600), max_tokens=1400, stream=True,
+                    extra_body={"ignore_eos": True}):
+                if not kv_seen:
+                    kv_seen.append(vllm.metrics()[KV])
+                text += chunk.choices[0].text if chunk.choices else ""
+                finish = chunk.choices[0].finish_reason if chunk.choices else finish
+        else:
+            reply = client.completions.create(model="tiny", prompt=prompt_ids(600),
+                                              max_tokens=1400, extra_body={"ignore_eos": True})
+            text, finish = reply.choices[0].text, reply.choices[0].finish_reason
+        cut = time.monotonic()
+    assert 1.4 < cut - sent < 3.0, cut - sent
+    assert text.endswith(NOTICE), text[-200:]
+    assert len(text) > len(NOTICE) + 20, "no partial text before the notice"
+    assert finish == "length"
+    if stream:
+        assert kv_seen[0] > 0, "vLLM held no KV for the running request"
+    fell = poll(lambda: vllm.metrics()[KV] == 0.0 and vllm.metrics()[RUNNING] == 0,
+                ABORT_WITHIN_S)
+    print(f"KV usage fell to 0 {fell:.3f} s after the cut (was {kv_seen or 'n/a'})")
+
+
+def test_flood_of_200_respects_the_cap(vllm: VllmServer, start_gateway: Any) -> None:
+    """200 requests at once: vLLM never runs more than the cap, nothing waits in vLLM, the
+    excess gets fast 429s with Retry-After, everything ends, and the gateway is empty after."""
+    cap, waiting = 6, 20
+    gw = start_gateway(gateway_config(
+        vllm.url, gate={"max_concurrency_per_gpu": cap, "queue": {"max_waiting": waiting}},
+        streaming={"sse_flush_interval": 0, "first_token_timeout_ms": None}))
+    peaks = {"running": 0.0, "waiting": 0.0, "polls": 0}
+
+    async def watch(stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=5) as m:
+            while not stop.is_set():
+                seen = await _ametrics(m, vllm)
+                peaks["running"] = max(peaks["running"], seen[RUNNING])
+                peaks["waiting"] = max(peaks["waiting"], seen[WAITING])
+                peaks["polls"] += 1
+                await asyncio.sleep(0.02)
+
+    async def run() -> list[RawReply]:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        try:
+            payloads = [body(32, 48, stream=False) for _ in range(200)]
+            return await flood("127.0.0.1", gw.port, "/v1/completions", payloads, 90)
+        finally:
+            stop.set()
+            await watcher
+
+    replies = asyncio.run(run())
+    refused = sorted((r for r in replies if r.status == 429), key=lambda r: r.seconds)
+    served = [r for r in replies if r.status == 200]
+    assert {r.status for r in replies} <= {200, 429}, sorted({r.status for r in replies})
+    assert len(served) >= cap
+    assert len(refused) >= 100
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert all(json.loads(r.body)["choices"][0]["text"] for r in served)
+    median, slowest = refused[len(refused) // 2].seconds, refused[-1].seconds
+    assert median < 1.0, f"median 429 took {median:.3f} s"
+    assert slowest < 3.0, f"slowest 429 took {slowest:.3f} s"
+    assert peaks["polls"] >= 10, peaks
+    assert peaks["running"] <= cap, peaks
+    assert peaks["waiting"] == 0, peaks
+    poll(lambda: gateway_idle(gw.state()), 3.0)
+    wait_vllm_idle(vllm, 5.0)
+    print(f"served {len(served)}, refused {len(refused)} (median {median:.3f} s, slowest "
+          f"{slowest:.3f} s); vLLM peak running {peaks['running']:.0f}/{cap} over "
+          f"{peaks['polls']} polls")
+
+
+def _tokens(line: str) -> int:
+    usage = json.loads(line[6:]).get("usage") or {}
+    return int(usage.get("completion_tokens", 0))
+
+
+async def _ametrics(client: httpx.AsyncClient, server: VllmServer) -> dict[str, float]:
+    from vllm_server import parse_metrics
+
+    response = await client.get(f"{server.url}/metrics")
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+async def _astate(client: httpx.AsyncClient, gw: GatewayProcess) -> dict[str, Any]:
+    response = await client.get(f"{gw.url}/api/state")
+    response.raise_for_status()
+    state: dict[str, Any] = response.json()
+    return state
+
+
+async def _until(check: Callable[[Any], bool], read: Callable[[], Any], timeout_s: float) -> float:
+    """Await `read()` until `check` holds; the seconds it took (AssertionError past timeout)."""
+    start = time.monotonic()
+    while True:
+        value = await read()
+        if check(value):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not reached within {timeout_s} s; last: {value!r:.300}")
+        await asyncio.sleep(0.02)

@@ -1,0 +1,178 @@
+"""The gateway's tiers against real vLLM under pressure: vLLM priorities, preemption shedding.
+
+One vLLM server for this module, started with `--scheduling-policy priority`, 8 seats
+(`--max-num-seqs`) and a 4 MiB KV cache (32 blocks of 128 tokens on CPU, 31 usable), so both a
+full batch and KV exhaustion are a few requests away. Two tenants: `gold` (tier `vip`,
+protected) and `shop` (tier `normal`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from gateway_server import gateway_config
+from gwtools import GatewayPool, StreamLog, body, cancel, gateway_idle, poll, stream_into
+from gwtools import wait_vllm_idle as wait_idle
+from vllm_server import parse_metrics
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
+
+    from gateway_server import GatewayProcess
+    from vllm_server import VllmServer
+
+pytestmark = pytest.mark.integration
+
+TIGHT_ARGS = ("--scheduling-policy", "priority", "--kv-cache-memory-bytes", str(4 << 20),
+              "--max-num-seqs", "8")
+SEATS = 8  # vLLM's --max-num-seqs here
+FILLER = (16, 368)  # prompt, output: 384 tokens = 3 of the 31 usable blocks, 8 fit together
+VIP, NORMAL = {"Authorization": "Bearer k-gold"}, {"Authorization": "Bearer k-shop"}
+TENANTS = [
+    {"name": "gold", "tier": "vip", "api_keys": ["k-gold"]},
+    {"name": "shop", "tier": "normal", "api_keys": ["k-shop"]},
+]
+QUIET = {  # no shedding but what a test turns on: the order comes from vLLM alone
+    "kv": {"pressure_threshold": None},
+    "sla": {"ttft_ms": None},
+    "preemption": {"cooldown_ms": None},
+    "streaming": {"sse_flush_interval": 0, "first_token_timeout_ms": None},
+}
+
+
+@pytest.fixture(scope="module")
+def tight(vllm_server_factory: Callable[[Any], VllmServer]) -> VllmServer:
+    """vLLM with priority scheduling and 32 KV blocks (shared by this module)."""
+    return vllm_server_factory(TIGHT_ARGS)
+
+
+@pytest.fixture
+def start_gateway(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], GatewayProcess]]:
+    """Start gateways for this test (stopped at its end)."""
+    with GatewayPool.running(tmp_path) as pool:
+        yield pool.start
+
+
+async def _metrics(client: httpx.AsyncClient, server: VllmServer) -> dict[str, float]:
+    response = await client.get(f"{server.url}/metrics")
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+async def _until(client: httpx.AsyncClient, server: VllmServer, name: str, value: float,
+                 timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (await _metrics(client, server))[name] != value:
+        assert loop.time() < deadline, f"{name} never reached {value}"
+        await asyncio.sleep(0.01)
+
+
+async def _admission_order(server: VllmServer, gw: GatewayProcess) -> list[str]:
+    """Eight normal fillers take every vLLM seat, then three normal requests and one VIP queue
+    in vLLM, in that order. One filler is then cut: the four short requests go through that
+    one seat, one after the other, in the order vLLM picks them. Returns who got a first token,
+    in order."""
+    url = f"{gw.openai_base_url}/completions"
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+        m = httpx.AsyncClient(timeout=5)
+        fillers = [asyncio.create_task(stream_into(client, url, body(*FILLER), StreamLog(), NORMAL))
+                   for _ in range(SEATS)]
+        await _until(m, server, "vllm:num_requests_running", SEATS, 20)
+        logs = {name: StreamLog() for name in ("normal-1", "normal-2", "normal-3", "vip")}
+        waiters = []
+        for n, (name, log) in enumerate(logs.items()):
+            headers = VIP if name == "vip" else NORMAL
+            waiters.append(asyncio.create_task(stream_into(client, url, body(16, 8), log, headers)))
+            await _until(m, server, "vllm:num_requests_waiting", n + 1, 5)
+        await cancel(fillers[0])  # one seat frees: the four pass through it one after another
+        await asyncio.wait_for(asyncio.gather(*waiters), 20)
+        for filler in fillers[1:]:
+            await cancel(filler)
+        await m.aclose()
+    assert all(log.tokens == 8 for log in logs.values()), {k: v.tokens for k, v in logs.items()}
+    return sorted(logs, key=lambda name: logs[name].first_token)
+
+
+def test_vip_queued_in_vllm_starts_first(tight: VllmServer, start_gateway: Any) -> None:
+    """With `scheduling_policy: priority` the gateway sends the core's priority and vLLM gives
+    the first free seat to the VIP, although three normal requests were waiting before it."""
+    wait_idle(tight)
+    gw = start_gateway(gateway_config(tight.url, priority=True, tenants=TENANTS,
+                                      gate={"max_concurrency_per_gpu": 32}, **QUIET))
+    order = asyncio.run(_admission_order(tight, gw))
+    assert order[0] == "vip", order
+    assert order[1:] == ["normal-1", "normal-2", "normal-3"], order
+    poll(lambda: gateway_idle(gw.state()), 3.0)
+
+
+def test_without_priorities_vllm_serves_in_arrival_order(
+    tight: VllmServer, start_gateway: Any
+) -> None:
+    """The control: the same run with `scheduling_policy: fcfs` (no priority sent) leaves the
+    VIP behind the three normal requests that arrived first."""
+    wait_idle(tight)
+    gw = start_gateway(gateway_config(tight.url, priority=False, tenants=TENANTS,
+                                      gate={"max_concurrency_per_gpu": 32}, **QUIET))
+    order = asyncio.run(_admission_order(tight, gw))
+    assert order == ["normal-1", "normal-2", "normal-3", "vip"], order
+
+
+def test_preemptions_shed_normal_while_vip_completes(
+    tight: VllmServer, start_gateway: Any
+) -> None:
+    """A flood of long normal requests overflows vLLM's 32 KV blocks and it preempts. The
+    gateway sees `num_preemptions_total` rise and refuses new normal requests with 429, while
+    a VIP request still runs to completion."""
+    wait_idle(tight)
+    gw = start_gateway(gateway_config(
+        tight.url, priority=True, tenants=TENANTS,
+        gate={"max_concurrency_per_gpu": 32, "queue": {"max_waiting": 2}},
+        kv={"pressure_threshold": 0.85}, preemption={"cooldown_ms": 10_000},
+        streaming={"sse_flush_interval": 0, "first_token_timeout_ms": None},
+        sla={"ttft_ms": None}))
+    url = f"{gw.openai_base_url}/completions"
+
+    async def scenario() -> tuple[float, list[StreamLog], StreamLog]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+            m = httpx.AsyncClient(timeout=5)
+            before = (await _metrics(m, tight))["vllm:num_preemptions_total"]
+            flood = [asyncio.create_task(stream_into(c, url, body(500, 500), StreamLog(), NORMAL))
+                     for _ in range(24)]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while (await _gateway_preemptions(m, gw)) <= 0:
+                assert loop.time() < deadline, "the gateway never saw a preemption"
+                await asyncio.sleep(0.05)
+            after = (await _metrics(m, tight))["vllm:num_preemptions_total"]
+            shed = [await stream_into(c, url, body(32, 16), StreamLog(), NORMAL)
+                    for _ in range(3)]
+            vip = await asyncio.wait_for(
+                stream_into(c, url, body(32, 64), StreamLog(), VIP), 60)
+            for task in flood:
+                await cancel(task)
+            await m.aclose()
+            return after - before, shed, vip
+
+    preempted, shed, vip = asyncio.run(scenario())
+    assert preempted > 0
+    assert [log.status for log in shed] == [429, 429, 429], [log.error for log in shed]
+    reasons = {log.error["code"] for log in shed if log.error}
+    assert reasons <= {"kv_pressure", "preemption_breaker"}, reasons
+    assert all(int(log.headers["retry-after"]) >= 1 for log in shed)
+    assert vip.status == 200, vip.error
+    assert vip.tokens == 64
+    poll(lambda: gateway_idle(gw.state()), 5.0)
+    wait_idle(tight)
+    print(f"vLLM preempted {preempted:.0f} times; normal refused with {sorted(reasons)}; VIP "
+          f"completed 64 tokens in {vip.done - vip.sent:.2f} s")
+
+
+async def _gateway_preemptions(client: httpx.AsyncClient, gw: GatewayProcess) -> int:
+    """Preemptions the gateway's core has counted from its scrapes of vLLM."""
+    state = (await client.get(f"{gw.url}/api/state")).json()
+    return int(sum(b["preemptions"] for b in state["core"]["backends"]))
