@@ -13,7 +13,7 @@ install: ## Install llmflow (builds the Rust core) with test and dev extras
 
 .PHONY: build-dev
 build-dev: ## Rebuild the Rust extension in place after editing rust/src
-	maturin develop --release
+	$(PYTHON) -m pip install --no-deps --no-build-isolation -e .
 
 .PHONY: vllm
 vllm: ## Build (or reuse) the cached real-vLLM venv the integration tests use

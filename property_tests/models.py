@@ -73,6 +73,24 @@ class ReferenceGovernor:
             and (t["protected"] or not self.pressured(b))
         ]
 
+    def victim(self, tenant: str) -> int | None:
+        """The queued request `tenant` may push out when its tier's places are full."""
+        weight = {t["name"]: t["weight"] for t in self.config["tenants"]}
+        mine_tier = self.tenant_tier[tenant]
+        lower = [r.tier for r in self.live.values() if r.backend is None and r.tier > mine_tier]
+        tier = max(lower, default=mine_tier)
+        queued: dict[str, list[int]] = {}
+        for rid, r in self.live.items():
+            if r.backend is None and r.tier == tier:
+                queued.setdefault(r.tenant, []).append(rid)
+        load = {t: len(ids) / weight[t] for t, ids in queued.items() if t != tenant}
+        mine = (len(queued.get(tenant, [])) + 1) / weight[tenant] if tier == mine_tier else -1
+        names = [t["name"] for t in self.config["tenants"]]
+        heaviest = max(load, key=lambda t: (load[t], -names.index(t)), default=None)
+        if heaviest is None or load[heaviest] <= mine:
+            return None
+        return max(queued[heaviest])
+
     def expected(self, tenant: str) -> tuple[str, str | None]:
         """(kind, reason) the core must decide for a new request of `tenant` now."""
         tier = self.tenant_tier[tenant]
@@ -88,6 +106,9 @@ class ReferenceGovernor:
         if ahead == 0 and self.placeable(tier):
             return "admitted", None
         max_waiting = self.config["max_waiting"]
+        if self.victim(tenant) is not None:
+            full = self.queued >= min(max_waiting, math.floor(t["shed_at"] * max_waiting))
+            return "queued", "displaces" if full else None
         if self.queued >= max_waiting:
             return "rejected", "queue_full"
         if self.queued >= math.floor(t["shed_at"] * max_waiting):

@@ -48,14 +48,21 @@ def test_backlogged_tenants_stay_within_vtc_bound(
     core = Governor(config)
     bound = per_gpu * max_request_cost()
     left: dict[int, int] = {}
+    owner: dict[int, str] = {}
+    queued = {"a": 0, "b": 0}
+    running: list[int] = []
     next_id, now = 0, 0
 
     def backlog(tenant: str) -> None:
         nonlocal next_id
         prompt, output = sizes[next_id % len(sizes)]
         next_id += 1
-        core.submit(next_id, tenant, prompt, output, now)
-        left[next_id] = output
+        decision = core.submit(next_id, tenant, prompt, output, now)
+        left[next_id], owner[next_id] = output, tenant
+        if decision.admitted:
+            running.append(next_id)
+        else:
+            queued[tenant] += 1
 
     # Both tenants arrive together and are never allowed to run dry: each keeps more queued
     # requests than one dispatch can take (the cap).
@@ -64,15 +71,16 @@ def test_backlogged_tenants_stay_within_vtc_bound(
         backlog("b")
     for pick, n in picks:
         now += 1000
-        core.dispatch(now)
-        running = sorted(r["id"] for r in core.snapshot(now)["requests"] if r["state"] != "queued")
+        for admission in core.dispatch(now):
+            running.append(admission.request_id)
+            queued[owner[admission.request_id]] -= 1
         rid = running[pick % len(running)]
         n = min(n, left[rid])
         core.on_tokens(rid, n, now)
         left[rid] -= n
         if left[rid] == 0:
             core.finish(rid, "completed", now)
-        queued = {t["name"]: t["queued"] for t in core.snapshot(now)["tenants"]}
+            running.remove(rid)
         for tenant in ("a", "b"):
             for _ in range(per_gpu + 1 - queued[tenant]):
                 backlog(tenant)

@@ -17,6 +17,7 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
+    multiple,
     precondition,
     rule,
 )
@@ -66,7 +67,13 @@ class GovernorMachine(RuleBasedStateMachine):
             self.check_vip_not_shed_before_normal()
         rid = self.next_id
         self.next_id += 1
+        victim = self.model.victim(tenant) if expected[1] == "displaces" else None
         decision = self.call("submit", rid, tenant, prompt, max_tokens, self.now)
+        assert decision.displaced == victim, (decision, victim)
+        if victim is not None:
+            assert decision.displaced_retry_after_s > 0
+            del self.model.live[victim]
+            expected = ("queued", None)
         assert (decision.kind, decision.reason) == expected, (decision, expected)
         if decision.rejected:
             assert decision.retry_after_s is not None
@@ -77,6 +84,11 @@ class GovernorMachine(RuleBasedStateMachine):
             if decision.admitted:
                 assert decision.backend in placeable
         return rid
+
+    @rule(target=ids, tenant=s.tenants, count=st.integers(2, 8), prompt=s.prompt_tokens)
+    def burst(self, tenant: str, count: int, prompt: int) -> Any:
+        """Many requests of one tenant at once: fills queues and provokes displacement."""
+        return multiple(*(self.submit(tenant, prompt, 64, 0) for _ in range(count)))
 
     def check_vip_not_shed_before_normal(self) -> None:
         for normal in ("n1", "n2"):

@@ -55,7 +55,16 @@ def test_vip_uses_the_rest_of_the_queue(core_config: dict[str, Any]) -> None:
         g.submit(i, "shop", 10, 10, 0)
     assert g.submit(10, "shop", 10, 10, 0).reason == "tier_shed"
     assert g.submit(11, "acme", 10, 10, 0).queued
-    assert g.submit(12, "acme", 10, 10, 0).reason == "queue_full"
+    # The queue is full now; VIP pushes out the newest normal request instead of waiting
+    # behind it, and that request's client gets a 429 with its own Retry-After.
+    pushed = g.submit(12, "acme", 10, 10, 0)
+    assert (pushed.kind, pushed.displaced) == ("queued", 4)
+    assert pushed.displaced_retry_after_s > 0
+    assert not g.is_live(4)
+    assert g.snapshot(0)["counters"]["rejected"]["displaced"] == 1
+    g.submit(13, "acme", 10, 10, 0)
+    g.submit(14, "acme", 10, 10, 0)
+    assert g.submit(15, "acme", 10, 10, 0).reason == "queue_full"
 
 
 def test_expire_reports_reason(core_config: dict[str, Any]) -> None:

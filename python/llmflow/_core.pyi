@@ -13,7 +13,7 @@ __version__: str
 DecisionKind = Literal["admitted", "queued", "rejected"]
 RejectReason = Literal[
     "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
-    "no_healthy_backend",
+    "no_healthy_backend", "displaced",
 ]
 Outcome = Literal["completed", "error", "timeout", "cancelled"]
 ExpiryReason = Literal["queue_timeout", "first_token_timeout", "deadline"]
@@ -53,6 +53,11 @@ class Decision:
     reason: RejectReason | None
     retry_after_s: float | None
     """Positive when rejected: the estimated time for the queue to drain enough."""
+    displaced: int | None
+    """When queued: a queued request of the same tier this one pushed out, because its tenant
+    held more than its weighted share of the waiting places. The caller must end that request
+    with a 429 (reason `displaced`); the core has already forgotten it."""
+    displaced_retry_after_s: float | None
     @property
     def admitted(self) -> bool: ...
     @property

@@ -26,6 +26,10 @@ const PRIOR_SERVICE_S: f64 = 10.0;
 const MAX_SHED_LEVEL: u8 = 3;
 /// Retry-After bounds: never zero (clients would hammer), never beyond an hour.
 const RETRY_AFTER_RANGE: (f64, f64) = (0.05, 3600.0);
+/// How long a refusal keeps counting toward later Retry-Afters (seconds, exponential decay).
+/// A burst of N refusals at once gets Retry-Afters spread over N / drain rate, so clients that
+/// honour them come back at the pace the backends free slots instead of all together.
+const REFUSAL_MEMORY_S: f64 = 5.0;
 /// Context tokens per extra unit of output cost: with `kv_weight` 1 a token generated on a
 /// 4k context costs 4 more than one on an empty context, since it holds 4x the KV.
 const KV_COST_TOKENS: f64 = 1024.0;
@@ -58,7 +62,7 @@ pub struct Counters {
     pub admitted: u64,
     pub queued: u64,
     pub dispatched: u64,
-    pub rejected: [u64; 7],
+    pub rejected: [u64; 8],
     pub finished: [u64; 4],
     pub expired: [u64; 3],
 }
@@ -68,6 +72,11 @@ pub struct Governor {
     pub(crate) config: PolicyConfig,
     tenant_index: FxHashMap<String, u32>,
     pub(crate) tenant_tier: Vec<usize>,
+    /// Tenants of each tier, for fair-share checks on the waiting places.
+    tier_tenants: Vec<Vec<u32>>,
+    /// Recent refusals, decaying with `REFUSAL_MEMORY_S`, and when it was last updated.
+    refusals: f64,
+    refusals_at_us: u64,
     pub(crate) requests: FxHashMap<u64, Request>,
     pub(crate) queue: FairQueue,
     pub(crate) ledger: KvLedger,
@@ -112,7 +121,17 @@ impl Governor {
                 )
             })
             .collect();
+        let tier_tenants = (0..tiers)
+            .map(|t| {
+                (0..tenant_tier.len() as u32)
+                    .filter(|&i| tenant_tier[i as usize] == t)
+                    .collect()
+            })
+            .collect();
         Ok(Self {
+            tier_tenants,
+            refusals: 0.0,
+            refusals_at_us: 0,
             tenant_index: config
                 .tenants
                 .iter()
@@ -233,17 +252,27 @@ impl Governor {
             .get(tenant as usize)
             .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
         self.tick(now_us);
-        let decision = self.decide(tier_idx, prompt, max_tokens, now_us);
+        let decision = self.decide(tenant, tier_idx, prompt, max_tokens, now_us);
         match decision {
             Decision::Rejected { reason, .. } => {
                 self.counters.rejected[reason as usize] += 1;
+                self.note_refusal(reason, now_us);
             }
             Decision::Admitted { backend, priority } => {
                 self.insert(id, tenant, tier_idx, prompt, priority, now_us);
                 self.start(id, backend, now_us);
                 self.counters.admitted += 1;
             }
-            Decision::Queued { priority, .. } => {
+            Decision::Queued {
+                priority,
+                displaced,
+                ..
+            } => {
+                if let Some((victim, _)) = displaced {
+                    self.finish_as(victim, None, now_us);
+                    self.counters.rejected[RejectReason::Displaced as usize] += 1;
+                    self.note_refusal(RejectReason::Displaced, now_us);
+                }
                 self.insert(id, tenant, tier_idx, prompt, priority, now_us);
                 self.queue.push(
                     tenant,
@@ -261,18 +290,31 @@ impl Governor {
         Ok(decision)
     }
 
-    fn decide(&self, tier_idx: usize, prompt: u64, max_tokens: u64, now_us: u64) -> Decision {
+    fn decide(
+        &self,
+        tenant: u32,
+        tier_idx: usize,
+        prompt: u64,
+        max_tokens: u64,
+        now_us: u64,
+    ) -> Decision {
         let tier = &self.config.tiers[tier_idx];
-        let reject = |reason, retry: f64| Decision::Rejected {
-            reason,
-            retry_after_s: retry.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
-        };
         let drain = self.drain_rate();
+        // Refusals for load add the recent refusal backlog, so a crowd refused together is
+        // told to come back spread out at the drain rate rather than all at once.
+        let backlog = self.recent_refusals(now_us) / drain;
+        let retry =
+            |seconds: f64| (seconds + backlog).clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1);
+        let reject = |reason, seconds: f64| Decision::Rejected {
+            reason,
+            retry_after_s: retry(seconds),
+        };
         if self.draining {
-            return reject(
-                RejectReason::Draining,
-                f64::from(self.running() + 1) / drain,
-            );
+            let wait = f64::from(self.running() + 1) / drain;
+            return Decision::Rejected {
+                reason: RejectReason::Draining,
+                retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
+            };
         }
         if !self.backends.iter().any(|b| b.healthy) {
             let wait = self
@@ -281,8 +323,8 @@ impl Governor {
             return reject(RejectReason::NoHealthyBackend, wait);
         }
         if !tier.protected {
-            if let Some(retry) = self.kv_pressure_retry(now_us, drain) {
-                return reject(RejectReason::KvPressure, retry);
+            if let Some(seconds) = self.kv_pressure_retry(now_us, drain) {
+                return reject(RejectReason::KvPressure, seconds);
             }
         }
         let priority = self.priority(tier_idx, prompt + max_tokens);
@@ -290,10 +332,10 @@ impl Governor {
         let sla_excess = if tier.protected {
             None
         } else {
-            self.sla_excess(tier_idx, prompt)
+            self.sla_excess(tier_idx)
         };
         if ahead == 0 {
-            if let Some(backend) = self.pick_backend(tier_idx, now_us) {
+            if let Some(backend) = self.pick_backend(tier_idx, prompt, now_us) {
                 if let Some(excess) = sla_excess {
                     return reject(RejectReason::TtftSla, excess);
                 }
@@ -303,12 +345,18 @@ impl Governor {
         let queued = self.queue.len();
         let max_waiting = self.config.max_waiting as usize;
         let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / drain;
-        if queued >= max_waiting {
-            return reject(RejectReason::QueueFull, over(max_waiting));
-        }
         let tier_limit = (tier.shed_at * max_waiting as f64).floor() as usize;
-        if queued >= tier_limit {
-            return reject(RejectReason::TierShed, over(tier_limit));
+        let mut displaced = None;
+        if queued >= tier_limit.min(max_waiting) {
+            let (reason, limit) = if queued >= max_waiting {
+                (RejectReason::QueueFull, max_waiting)
+            } else {
+                (RejectReason::TierShed, tier_limit)
+            };
+            match self.displacement_victim(tenant, tier_idx) {
+                Some(victim) => displaced = Some((victim, retry(over(limit)))),
+                None => return reject(reason, over(limit)),
+            }
         }
         if !tier.protected && self.shed_level > 0 {
             let scale = 0.5_f64.powi(i32::from(self.shed_level));
@@ -321,11 +369,54 @@ impl Governor {
         if let Some(excess) = sla_excess {
             return reject(RejectReason::TtftSla, excess);
         }
+        let position = ahead - usize::from(displaced.is_some());
         Decision::Queued {
-            position: ahead as u32,
-            estimated_wait_s: (ahead + 1) as f64 / drain,
+            position: position as u32,
+            estimated_wait_s: (position + 1) as f64 / drain,
             priority,
+            displaced,
         }
+    }
+
+    /// When the waiting places a tier may use are all taken, a newcomer may push out a queued
+    /// request instead of being refused: first from the least important tier below its own
+    /// (so VIP is never refused while normal waits), else — inside its tier — the newest request
+    /// of the tenant furthest over its weighted share, if that tenant holds more than the
+    /// newcomer's would (so a heavy tenant filling the queue cannot lock a light one out).
+    fn displacement_victim(&self, tenant: u32, tier_idx: usize) -> Option<u64> {
+        let load =
+            |t: u32, extra: usize| (self.queue.tenant_len(t) + extra) as f64 / self.queue.weight(t);
+        let heaviest = |tier: usize, except: Option<u32>| {
+            self.tier_tenants[tier]
+                .iter()
+                .copied()
+                .filter(|&t| Some(t) != except && self.queue.tenant_len(t) > 0)
+                .max_by(|&a, &b| load(a, 0).total_cmp(&load(b, 0)).then(b.cmp(&a)))
+        };
+        let lower = (tier_idx + 1..self.config.tiers.len())
+            .rev()
+            .find(|&t| self.queue.tier_len(t) > 0);
+        let victim = match lower {
+            Some(tier) => heaviest(tier, None)?,
+            None => {
+                let candidate = heaviest(tier_idx, Some(tenant))?;
+                (load(candidate, 0) > load(tenant, 1)).then_some(candidate)?
+            }
+        };
+        self.queue.newest(victim).map(|item| item.id)
+    }
+
+    fn recent_refusals(&self, now_us: u64) -> f64 {
+        let elapsed = now_us.saturating_sub(self.refusals_at_us) as f64 / 1e6;
+        self.refusals * (-elapsed / REFUSAL_MEMORY_S).exp()
+    }
+
+    fn note_refusal(&mut self, reason: RejectReason, now_us: u64) {
+        if matches!(reason, RejectReason::Draining) {
+            return;
+        }
+        self.refusals = self.recent_refusals(now_us) + 1.0;
+        self.refusals_at_us = self.refusals_at_us.max(now_us);
     }
 
     /// The time for enough running work to finish that KV usage falls below the threshold, when
@@ -345,7 +436,9 @@ impl Governor {
     }
 
     /// Seconds by which the prefill work ahead of a new request overshoots the TTFT SLA.
-    fn sla_excess(&self, tier_idx: usize, prompt: u64) -> Option<f64> {
+    /// Only the work ahead counts: a request whose own prompt takes longer than the SLA is not
+    /// refused for it (no amount of waiting would help), it is just not put behind others.
+    fn sla_excess(&self, tier_idx: usize) -> Option<f64> {
         let sla_s = self.config.ttft_sla_ms? / 1000.0;
         let queued: u64 = (0..=tier_idx)
             .map(|t| self.queue.tier_prompt_tokens(t))
@@ -354,7 +447,7 @@ impl Governor {
         let (pending, tps) = healthy.fold((0, 0.0), |(p, r), b| {
             (p + b.prefill_pending, r + b.prefill_tps)
         });
-        let estimate = (queued + pending + prompt) as f64 / tps;
+        let estimate = (queued + pending) as f64 / tps;
         (estimate > sla_s).then_some(estimate - sla_s)
     }
 
@@ -382,8 +475,10 @@ impl Governor {
         (total, share.min(total))
     }
 
-    /// The healthy backend with the most free slots for this tier, or none.
-    fn pick_backend(&self, tier_idx: usize, now_us: u64) -> Option<u32> {
+    /// The healthy backend with the most free slots for this tier whose free KV blocks can hold
+    /// the prompt, or none. (A prompt that does not fit would only wait in vLLM's own FCFS
+    /// queue; waiting here keeps the fair queue in charge of who gets the freed blocks.)
+    fn pick_backend(&self, tier_idx: usize, prompt: u64, now_us: u64) -> Option<u32> {
         let tier = &self.config.tiers[tier_idx];
         let mut best: Option<(u32, u32)> = None;
         for (i, b) in self.backends.iter().enumerate() {
@@ -402,6 +497,9 @@ impl Governor {
             {
                 continue;
             }
+            if !self.prompt_fits(i, prompt, now_us) {
+                continue;
+            }
             let headroom = total - b.running;
             if best.is_none_or(|(h, _)| headroom > h) {
                 best = Some((headroom, i as u32));
@@ -410,13 +508,30 @@ impl Governor {
         best.map(|(_, i)| i)
     }
 
+    /// Whether a backend's free KV blocks hold a prompt plus one block of output. Unknown
+    /// capacity, or an idle backend, always fits (vLLM is then the judge).
+    fn prompt_fits(&self, b: usize, prompt: u64, now_us: u64) -> bool {
+        let backend = &self.backends[b];
+        let capacity = backend.kv_capacity_blocks;
+        if capacity == 0 || backend.running == 0 {
+            return true;
+        }
+        let reported = (self.backend_kv_usage(b, now_us) * capacity as f64).ceil() as u64;
+        let used = reported.max(self.ledger.backend_blocks(b as u32));
+        self.ledger.blocks_for(prompt) < capacity.saturating_sub(used)
+    }
+
     /// Move queued requests onto free slots: tiers in strict order, tenants fairly within.
     pub fn dispatch(&mut self, now_us: u64) -> Vec<Admission> {
         self.tick(now_us);
         let mut admitted = Vec::new();
         for tier_idx in 0..self.config.tiers.len() {
             while self.queue.tier_len(tier_idx) > 0 {
-                let Some(backend) = self.pick_backend(tier_idx, now_us) else {
+                let head = self
+                    .queue
+                    .peek(tier_idx)
+                    .map_or(0, |item| item.prompt_tokens);
+                let Some(backend) = self.pick_backend(tier_idx, head, now_us) else {
                     break;
                 };
                 let Some((_, item)) = self.queue.pop(tier_idx) else {
@@ -525,6 +640,11 @@ impl Governor {
 
     /// End a live request and free everything it held. Returns false if it was not live.
     pub fn finish(&mut self, id: u64, outcome: Outcome, now_us: u64) -> bool {
+        self.finish_as(id, Some(outcome), now_us)
+    }
+
+    /// End a request; `None` is a displaced one, counted as a refusal rather than an outcome.
+    fn finish_as(&mut self, id: u64, outcome: Option<Outcome>, now_us: u64) -> bool {
         let Some(req) = self.requests.remove(&id) else {
             return false;
         };
@@ -545,14 +665,16 @@ impl Governor {
                     b.prefill_pending -= req.prompt;
                 }
                 self.ledger.close(id, now_us);
-                if outcome == Outcome::Completed {
+                if outcome == Some(Outcome::Completed) {
                     let took = now_us.saturating_sub(run.admitted_us) as f64 / 1e6;
                     let smoothed = self.service_s.map_or(took, |s| s + EWMA_ALPHA * (took - s));
                     self.service_s = Some(smoothed.max(1e-3));
                 }
             }
         }
-        self.counters.finished[outcome as usize] += 1;
+        if let Some(outcome) = outcome {
+            self.counters.finished[outcome as usize] += 1;
+        }
         true
     }
 
@@ -814,11 +936,17 @@ mod tests {
         ));
     }
 
-    // Prefill work beyond the SLA at the prior throughput (8000 tok/s, 1.5 s) is refused.
+    // Prefill work ahead beyond the SLA at the prior throughput (8000 tok/s, 1.5 s) is refused;
+    // a request's own long prompt is not held against it.
     #[test]
     fn ttft_sla() {
         let mut g = governor();
-        let d = g.submit(1, tenant(&g, "a"), 13_000, 10, 0).unwrap();
+        let a = tenant(&g, "a");
+        assert!(matches!(
+            g.submit(1, a, 13_000, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        let d = g.submit(2, a, 10, 10, 0).unwrap();
         let Decision::Rejected {
             reason,
             retry_after_s,
@@ -827,11 +955,84 @@ mod tests {
             panic!("{d:?}")
         };
         assert_eq!(reason, RejectReason::TtftSla);
-        assert!((retry_after_s - 0.125).abs() < 1e-9);
+        assert!((retry_after_s - 0.125).abs() < 1e-9, "{retry_after_s}");
+        g.on_first_token(1, 1_000);
         assert!(matches!(
-            g.submit(2, tenant(&g, "a"), 11_000, 10, 0).unwrap(),
+            g.submit(3, a, 10, 10, 2_000).unwrap(),
             Decision::Admitted { .. }
         ));
+    }
+
+    // A crowd refused together is told to come back spread out: each refusal adds 1 / drain.
+    #[test]
+    fn retry_after_spreads_a_crowd() {
+        let mut g = governor();
+        let v = tenant(&g, "v");
+        for id in 1..=6 {
+            g.submit(id, v, 10, 10, 0).unwrap();
+        }
+        let retries: Vec<f64> = (10..14)
+            .map(|id| match g.submit(id, v, 10, 10, 0).unwrap() {
+                Decision::Rejected { retry_after_s, .. } => retry_after_s,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let step = 1.0 / g.drain_rate();
+        for pair in retries.windows(2) {
+            assert!((pair[1] - pair[0] - step).abs() < 1e-9, "{retries:?}");
+        }
+    }
+
+    // When normal's waiting places are full of tenant a's requests, tenant b (holding none)
+    // pushes out a's newest instead of being refused; a cannot do the same back to b.
+    #[test]
+    fn light_tenant_displaces_heavy() {
+        let mut g = governor();
+        let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
+        for id in 1..=4 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        let d = g.submit(5, b, 10, 10, 0).unwrap();
+        let Decision::Queued {
+            displaced: Some((victim, retry)),
+            position,
+            ..
+        } = d
+        else {
+            panic!("{d:?}")
+        };
+        assert_eq!((victim, position), (4, 1));
+        assert!(retry > 0.0);
+        assert!(!g.is_live(4));
+        assert_eq!(g.queued(), 2);
+        assert_eq!(g.counters.rejected[RejectReason::Displaced as usize], 1);
+        let again = g.submit(6, a, 10, 10, 0).unwrap();
+        assert!(matches!(
+            again,
+            Decision::Rejected {
+                reason: RejectReason::TierShed,
+                ..
+            }
+        ));
+    }
+
+    // A prompt that does not fit in the free KV blocks waits in the gateway's queue.
+    #[test]
+    fn prompt_must_fit_free_blocks() {
+        let mut g = governor();
+        let v = tenant(&g, "v");
+        // 1000 blocks of 16 tokens: 15,000 tokens hold 938 blocks, leaving 62.
+        assert!(matches!(
+            g.submit(1, v, 15_000, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        assert!(matches!(
+            g.submit(2, v, 2_000, 10, 0).unwrap(),
+            Decision::Queued { .. }
+        ));
+        assert!(g.dispatch(1).is_empty());
+        g.finish(1, Outcome::Completed, 2);
+        assert_eq!(g.dispatch(2)[0].request_id, 2);
     }
 
     // A rising preemption counter raises the shed level; it decays one level per cool-down.

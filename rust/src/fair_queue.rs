@@ -137,6 +137,27 @@ impl FairQueue {
         Some((tenant, item))
     }
 
+    /// The request `pop` would take next, without taking it.
+    pub fn peek(&self, tier: usize) -> Option<QueuedItem> {
+        let &(_, tenant) = self.tiers[tier].backlog.first()?;
+        self.tenants[tenant as usize]
+            .items
+            .first_key_value()
+            .map(|(_, &item)| item)
+    }
+
+    /// The most recently queued request of a tenant (the one to push out first).
+    pub fn newest(&self, tenant: u32) -> Option<QueuedItem> {
+        self.tenants[tenant as usize]
+            .items
+            .last_key_value()
+            .map(|(_, &item)| item)
+    }
+
+    pub fn weight(&self, tenant: u32) -> f64 {
+        self.tenants[tenant as usize].weight
+    }
+
     /// Take a request out wherever it is (cancelled or expired while waiting).
     pub fn remove(&mut self, id: u64) -> Option<(u32, QueuedItem)> {
         let (tenant, seq) = self.index.remove(&id)?;

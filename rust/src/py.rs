@@ -82,6 +82,8 @@ pub struct PyDecision {
     estimated_wait_s: f64,
     reason: Option<&'static str>,
     retry_after_s: Option<f64>,
+    displaced: Option<u64>,
+    displaced_retry_after_s: Option<f64>,
 }
 
 #[pymethods]
@@ -206,6 +208,8 @@ impl PyGovernor {
             estimated_wait_s: 0.0,
             reason: None,
             retry_after_s: None,
+            displaced: None,
+            displaced_retry_after_s: None,
         };
         match decision {
             Decision::Admitted { backend, priority } => {
@@ -216,7 +220,10 @@ impl PyGovernor {
                 position,
                 estimated_wait_s,
                 priority,
+                displaced,
             } => {
+                out.displaced = displaced.map(|(id, _)| id);
+                out.displaced_retry_after_s = displaced.map(|(_, retry)| retry);
                 out.kind = "queued";
                 out.position = Some(position);
                 out.estimated_wait_s = estimated_wait_s;

@@ -13,10 +13,13 @@ pub enum RejectReason {
     PreemptionBreaker,
     Draining,
     NoHealthyBackend,
+    /// A queued request pushed out by a tenant of the same tier holding less than its fair
+    /// share of the waiting places.
+    Displaced,
 }
 
 impl RejectReason {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::QueueFull,
         Self::TierShed,
         Self::KvPressure,
@@ -24,6 +27,7 @@ impl RejectReason {
         Self::PreemptionBreaker,
         Self::Draining,
         Self::NoHealthyBackend,
+        Self::Displaced,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -35,6 +39,7 @@ impl RejectReason {
             Self::PreemptionBreaker => "preemption_breaker",
             Self::Draining => "draining",
             Self::NoHealthyBackend => "no_healthy_backend",
+            Self::Displaced => "displaced",
         }
     }
 }
@@ -50,6 +55,9 @@ pub enum Decision {
         position: u32,
         estimated_wait_s: f64,
         priority: i64,
+        /// A queued request this one pushed out (same tier, tenant over its fair share of the
+        /// waiting places), with its Retry-After: the caller must answer it with a 429.
+        displaced: Option<(u64, f64)>,
     },
     Rejected {
         reason: RejectReason,
