@@ -161,3 +161,33 @@ async def test_errors_are_json_the_openai_client_understands(gw: Harness) -> Non
             )
     assert info.value.code == "model_not_found"
     assert json.loads(info.value.response.text)["error"]["type"] == "not_found_error"
+
+
+async def test_a_queued_request_displaced_by_a_lighter_tenant_gets_429() -> None:
+    tenants = [
+        {"name": "heavy", "tier": "vip", "api_keys": ["kh"]},
+        {"name": "light", "tier": "vip", "api_keys": ["kl"]},
+    ]
+    gate = {"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 2}}
+    async with start_gateway(tenants=tenants, gate=gate) as h:
+        h.fake.default = {"step": True}
+        heavy = {"authorization": "Bearer kh"}
+
+        def post(headers: dict[str, str]) -> asyncio.Task[httpx.Response]:
+            return asyncio.create_task(
+                h.client.post(CHAT, json=_chat(max_tokens=1), headers=headers)
+            )
+
+        running = post(heavy)
+        await until(lambda: h.fake.running == 1)
+        first = post(heavy)
+        await until(lambda: h.gateway.policy.governor.queued == 1)
+        newest = post(heavy)
+        await until(lambda: h.gateway.policy.governor.queued == 2)
+        light = post({"authorization": "Bearer kl"})
+        r = await newest
+        _error(r, 429, "displaced")
+        assert int(r.headers["retry-after"]) >= 1
+        h.fake.release(3)
+        assert [(await t).status_code for t in (running, first, light)] == [200] * 3
+        assert h.gateway.metrics.outcomes["rejected", "displaced"] == 1

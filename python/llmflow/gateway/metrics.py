@@ -35,6 +35,7 @@ _OUTCOME = {  # how a session ended -> the core's outcome label
     "first_token_timeout": "timeout",
     "queue_timeout": "timeout",
     "timeout": "timeout",
+    "displaced": "rejected",
 }
 
 

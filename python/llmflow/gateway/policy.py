@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from llmflow._core import Decision, Governor
     from llmflow.gateway.types import Outcome
 
-__all__ = ["Expiry", "Policy", "Ticket", "now_us"]
+__all__ = ["Displaced", "Expiry", "Policy", "Ticket", "now_us"]
 
 _MIN_TIMER_S = 0.001  # re-arm floor when the core reports a deadline already due
 
@@ -36,6 +36,14 @@ class Expiry(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class Displaced(Expiry):
+    """A queued request was pushed out by a newer one of a tenant under its fair share."""
+
+    def __init__(self, retry_after_s: float | None) -> None:
+        super().__init__("displaced")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False, slots=True)
@@ -59,10 +67,10 @@ class Ticket:
         if not self.admitted.done():
             self.admitted.set_result(None)
 
-    def _expire(self, reason: str) -> None:
+    def _expire(self, reason: str, error: Expiry | None = None) -> None:
         self.expired = reason
         if not self.admitted.done():
-            self.admitted.set_exception(Expiry(reason))
+            self.admitted.set_exception(error or Expiry(reason))
             self.admitted.exception()  # retrieved: an abandoned ticket must not log a warning
         elif self.on_expire is not None:
             self.on_expire(reason)
@@ -116,11 +124,19 @@ class Policy:
             ticket.released = True
             return ticket
         self._tickets[request_id] = ticket
+        if decision.displaced is not None:
+            self._displace(decision.displaced, decision.displaced_retry_after_s)
         if decision.admitted:
             assert decision.backend is not None
             ticket._admit(decision.backend, decision.priority, 0.0)
         self._arm()
         return ticket
+
+    def _displace(self, request_id: int, retry_after_s: float | None) -> None:
+        victim = self._tickets.pop(request_id, None)
+        if victim is not None:
+            victim.released = True  # the core has already forgotten it
+            victim._expire("displaced", Displaced(retry_after_s))
 
     def first_token(self, ticket: Ticket) -> None:
         """Tell the core a running request produced its first token."""

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from llmflow.gateway.backpressure import ChunkWindow
-from llmflow.gateway.errors import GatewayError
-from llmflow.gateway.policy import Expiry
+from llmflow.gateway.errors import GatewayError, retry_after_header
+from llmflow.gateway.policy import Displaced, Expiry
 from llmflow.gateway.streaming import Accumulator, ChunkParser, parse_item, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
 
@@ -115,6 +115,15 @@ class StreamSession:
         """
         try:
             await self.ticket.admitted
+        except Displaced as exc:
+            self._finish_without_reader("cancelled")
+            raise GatewayError(
+                429,
+                "request displaced from the queue: its tenant held more than "
+                "its share of the waiting places",
+                "displaced",
+                headers=retry_after_header(exc.retry_after_s),
+            ) from None
         except Expiry as exc:
             shutdown = exc.reason == "shutdown"
             self._finish_without_reader("cancelled" if shutdown else "timeout")
