@@ -396,12 +396,11 @@ impl Governor {
         let lower = (tier_idx + 1..self.config.tiers.len())
             .rev()
             .find(|&t| self.queue.tier_len(t) > 0);
-        let victim = match lower {
-            Some(tier) => heaviest(tier, None)?,
-            None => {
-                let candidate = heaviest(tier_idx, Some(tenant))?;
-                (load(candidate, 0) > load(tenant, 1)).then_some(candidate)?
-            }
+        let victim = if let Some(tier) = lower {
+            heaviest(tier, None)?
+        } else {
+            let candidate = heaviest(tier_idx, Some(tenant))?;
+            (load(candidate, 0) > load(tenant, 1)).then_some(candidate)?
         };
         self.queue.newest(victim).map(|item| item.id)
     }
