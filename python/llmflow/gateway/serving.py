@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.session import SessionContext
     from llmflow.gateway.types import Endpoint, Json, Receive
 
-__all__ = ["ClientGone", "CompletionService", "run_unless"]
+__all__ = ["ClientGone", "CompletionService", "Departure"]
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _UNAVAILABLE = frozenset({"draining", "no_healthy_backend"})  # 503, not the client's doing
@@ -146,17 +146,17 @@ class CompletionService:
                 configured), `ClientGone` when the client disconnected first.
         """
         session = self.admit(prepared)
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+        departure = Departure()
+        watcher = asyncio.create_task(_watch_disconnect(receive, departure))
         handed_over = False
         try:
-            await run_unless(session.start(), gone)
+            await departure.run(session.start())
             if session.error is not None:
                 raise session.error
             if prepared.options.stream:
                 handed_over = True
                 return session
-            await run_unless(session.done.wait(), gone)
+            await departure.run(session.done.wait())
             if session.error is not None:
                 raise session.error
             return session.response()
@@ -167,31 +167,47 @@ class CompletionService:
                 await session.close("cancelled")
 
 
-async def run_unless(awaitable: Awaitable[object], gone: asyncio.Event) -> None:
-    """Await `awaitable`, but cancel it and raise `ClientGone` if `gone` is set first.
+class Departure:
+    """Whether the client has left, and the waits to cancel when it does.
 
-    Raises:
-        ClientGone: the client left before `awaitable` finished.
+    A client leaving cancels whatever its handler is waiting on (admission, the first token,
+    the whole reply), so the `finally` that releases its ticket runs at once.
     """
-    if gone.is_set():
-        if isinstance(awaitable, Coroutine):
-            awaitable.close()
-        raise ClientGone
-    with anyio.CancelScope() as scope:
-        stopper = asyncio.create_task(gone.wait())
-        stopper.add_done_callback(lambda t: None if t.cancelled() else scope.cancel())
-        try:
-            await awaitable
-        finally:
-            stopper.cancel()
-    if scope.cancelled_caught and gone.is_set():
-        raise ClientGone
+
+    def __init__(self) -> None:
+        self.left = False
+        self._scopes: set[anyio.CancelScope] = set()
+
+    def leave(self) -> None:
+        """The client is gone: cancel every wait of its handler."""
+        self.left = True
+        for scope in self._scopes:
+            scope.cancel()
+
+    async def run(self, awaitable: Awaitable[object]) -> None:
+        """Await `awaitable` unless the client leaves first.
+
+        Raises:
+            ClientGone: the client left before `awaitable` finished (it is cancelled).
+        """
+        if self.left:
+            if isinstance(awaitable, Coroutine):
+                awaitable.close()
+            raise ClientGone
+        with anyio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                await awaitable
+            finally:
+                self._scopes.discard(scope)
+        if scope.cancelled_caught and self.left:
+            raise ClientGone
 
 
-async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+async def _watch_disconnect(receive: Receive, departure: Departure) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    gone.set()
+    departure.leave()
 
 
 def _parse_json(raw: bytes) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.websockets import WebSocketDisconnect
 
 from llmflow.gateway.errors import GatewayError
-from llmflow.gateway.serving import ClientGone, run_unless
+from llmflow.gateway.serving import ClientGone, Departure
 from llmflow.gateway.streaming import merge_chunks, parse_item
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class AckChannel:
         self.websocket = websocket
         self.acked = 0  # highest sequence number the client has acknowledged
         self.current: Any = None  # id of the request being streamed
-        self.gone = asyncio.Event()  # the socket closed, or the client cancelled
+        self.departure = Departure()  # the socket closed, or the client cancelled
         self.closed = False
         self.requests: asyncio.Queue[Json] = asyncio.Queue()
         self._progress = asyncio.Event()
@@ -61,7 +61,7 @@ class AckChannel:
         except ValueError:  # not JSON: a protocol violation ends the socket
             await self.websocket.close(code=1003)
         self.closed = True
-        self.gone.set()
+        self.departure.leave()
         self._progress.set()
 
     def _on(self, message: Json) -> None:
@@ -72,7 +72,7 @@ class AckChannel:
             self.acked = max(self.acked, message["seq"])
             self._progress.set()
         elif kind == "cancel":
-            self.gone.set()
+            self.departure.leave()
             self._progress.set()
         elif kind == "request":
             self.requests.put_nowait(message)
@@ -81,14 +81,14 @@ class AckChannel:
         """Wait until fewer than `window` chunks are unacknowledged; False if stalled or gone."""
         deadline = time.monotonic() + stall_timeout_s
         while sent - self.acked >= window:
-            if self.gone.is_set():
+            if self.departure.left:
                 return False
             self._progress.clear()
             try:
                 await asyncio.wait_for(self._progress.wait(), deadline - time.monotonic())
             except TimeoutError:
                 return False
-        return not self.gone.is_set()
+        return not self.departure.left
 
 
 async def serve_websocket(
@@ -146,7 +146,7 @@ async def _one_request(
     request_id = message.get("id")
     channel.acked, sent, channel.current = 0, 0, request_id
     if not channel.closed:
-        channel.gone.clear()
+        channel.departure = Departure()
     session: StreamSession | None = None
     reason = "cancelled"
     try:
@@ -161,14 +161,14 @@ async def _one_request(
         body = {**message["body"], "stream": True}
         prepared = service.prepare(endpoint, identity, json.dumps(body).encode())
         session = service.admit(prepared)
-        await run_unless(session.start(), channel.gone)
+        await channel.departure.run(session.start())
         if session.error is not None:
             raise session.error
         await _send(websocket, {"type": "start", "id": request_id, "window": window})
         carry: list[Item] = []  # taken from the session but not yet sent: at most 2 windows
         while carry or (carry := await session.window.take()):
             if not await channel.room(sent, window, stall_s):
-                reason = "cancelled" if channel.gone.is_set() else "client_stall"
+                reason = "cancelled" if channel.departure.left else "client_stall"
                 return
             carry = merge_chunks(carry + session.window.take_nowait())
             allowed = window - (sent - channel.acked)

@@ -11,7 +11,6 @@ from fastapi.responses import JSONResponse, Response
 from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
 from llmflow.gateway.protocol import ModelCard, ModelList
 from llmflow.gateway.routes.deps import gateway, identity, service
-from llmflow.gateway.serving import CompletionService  # noqa: TC001 - as above
 from llmflow.gateway.sse import SessionStream
 
 if TYPE_CHECKING:
@@ -24,23 +23,15 @@ _BODY = {"requestBody": {"required": True, "content": {"application/json": {}}}}
 
 
 @router.post("/chat/completions", openapi_extra=_BODY)
-async def chat_completions(
-    request: Request,
-    who: Annotated[Identity, Depends(identity)],
-    svc: Annotated[CompletionService, Depends(service)],
-) -> Response:
+async def chat_completions(request: Request) -> Response:
     """Create a chat completion (streamed as SSE when `stream` is true)."""
-    return await _complete("chat", request, who, svc)
+    return await _complete("chat", request)
 
 
 @router.post("/completions", openapi_extra=_BODY)
-async def completions(
-    request: Request,
-    who: Annotated[Identity, Depends(identity)],
-    svc: Annotated[CompletionService, Depends(service)],
-) -> Response:
+async def completions(request: Request) -> Response:
     """Create a text completion (streamed as SSE when `stream` is true)."""
-    return await _complete("completions", request, who, svc)
+    return await _complete("completions", request)
 
 
 @router.get("/models")
@@ -56,16 +47,14 @@ async def models(request: Request, _who: Annotated[Identity, Depends(identity)])
     )
 
 
-async def _complete(
-    endpoint: Endpoint, request: Request, who: Identity, svc: CompletionService
-) -> Response:
-    prepared = svc.prepare(endpoint, who, await request.body())
+async def _complete(endpoint: Endpoint, request: Request) -> Response:
+    svc, settings = service(request), gateway(request).settings
+    prepared = svc.prepare(endpoint, identity(request), await request.body())
     result = await svc.serve(prepared, request.receive)
     if isinstance(result, dict):
         return JSONResponse(result)
-    streaming = gateway(request).settings
     return SessionStream(
         result,
-        streaming.streaming.sse_flush_interval / 1e3,
-        streaming.backpressure.stall_timeout_ms / 1e3,
+        settings.streaming.sse_flush_interval / 1e3,
+        settings.backpressure.stall_timeout_ms / 1e3,
     )
