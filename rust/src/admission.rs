@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use crate::backend::{BackendState, Observation, EWMA_ALPHA};
-use crate::config::{PolicyConfig, TierConfig};
+use crate::config::{PolicyConfig, Strategy, TierConfig};
 use crate::error::{PolicyError, PolicyResult};
 use crate::fair_queue::{FairQueue, QueuedItem};
 use crate::kv::KvLedger;
@@ -332,7 +332,7 @@ impl Governor {
         let sla_excess = if tier.protected {
             None
         } else {
-            self.sla_excess(tier_idx)
+            self.sla_excess(tenant, tier_idx, prompt)
         };
         if ahead == 0 {
             if let Some(backend) = self.pick_backend(tier_idx, prompt, now_us) {
@@ -435,18 +435,35 @@ impl Governor {
     }
 
     /// Seconds by which the prefill work ahead of a new request overshoots the TTFT SLA.
+    /// Seconds by which the prefill work ahead of a new request overshoots the TTFT SLA.
+    ///
     /// Only the work ahead counts: a request whose own prompt takes longer than the SLA is not
-    /// refused for it (no amount of waiting would help), it is just not put behind others.
-    fn sla_excess(&self, tier_idx: usize) -> Option<f64> {
+    /// refused for it (no amount of waiting would help). Ahead are the prompts running without
+    /// a first token, every queued prompt of more important tiers, and — inside its own tier,
+    /// under fair order — its tenant's own queued prompts plus, from each other tenant, at most
+    /// the weighted share that tenant gets served meanwhile. So a heavy tenant's backlog does
+    /// not make a light tenant's requests look late.
+    fn sla_excess(&self, tenant: u32, tier_idx: usize, prompt: u64) -> Option<f64> {
         let sla_s = self.config.ttft_sla_ms? / 1000.0;
-        let queued: u64 = (0..=tier_idx)
-            .map(|t| self.queue.tier_prompt_tokens(t))
-            .sum();
+        let q = &self.queue;
+        let higher: u64 = (0..tier_idx).map(|t| q.tier_prompt_tokens(t)).sum();
+        let same = if q.strategy() == Strategy::Fair {
+            let own = q.tenant_prompt_tokens(tenant);
+            let served = (own + prompt) as f64 / q.weight(tenant);
+            let others: u64 = self.tier_tenants[tier_idx]
+                .iter()
+                .filter(|&&t| t != tenant)
+                .map(|&t| q.tenant_prompt_tokens(t).min((served * q.weight(t)) as u64))
+                .sum();
+            own + others
+        } else {
+            q.tier_prompt_tokens(tier_idx)
+        };
         let healthy = self.backends.iter().filter(|b| b.healthy);
         let (pending, tps) = healthy.fold((0, 0.0), |(p, r), b| {
             (p + b.prefill_pending, r + b.prefill_tps)
         });
-        let estimate = (queued + pending) as f64 / tps;
+        let estimate = (higher + same + pending) as f64 / tps;
         (estimate > sla_s).then_some(estimate - sla_s)
     }
 
@@ -960,6 +977,35 @@ mod tests {
             g.submit(3, a, 10, 10, 2_000).unwrap(),
             Decision::Admitted { .. }
         ));
+    }
+
+    // Under fair order a light tenant's SLA estimate does not count a heavy tenant's whole
+    // backlog: only what the heavy tenant gets served before it (its equal share here).
+    #[test]
+    fn sla_estimate_follows_fair_order() {
+        let mut g = governor();
+        let (heavy, light, vip) = (tenant(&g, "a"), tenant(&g, "b"), tenant(&g, "v"));
+        // Fill both slots with VIP work (20 prompt tokens still in prefill).
+        for id in 1..=2 {
+            g.submit(id, vip, 10, 10, 0).unwrap();
+        }
+        // The heavy tenant queues 13,000 prompt tokens (1.625 s at 8000 tok/s).
+        g.submit(3, heavy, 13_000, 10, 2).unwrap();
+        // Its next request would wait behind all of them: refused.
+        let d = g.submit(4, heavy, 100, 10, 3).unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Rejected {
+                    reason: RejectReason::TtftSla,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        // The light tenant waits only for the heavy one's equal share (100 tokens): queued.
+        let d = g.submit(5, light, 100, 10, 3).unwrap();
+        assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
     }
 
     // A crowd refused together is told to come back spread out: each refusal adds 1 / drain.

@@ -41,6 +41,7 @@ struct TenantQueue {
     counter: f64,
     service: f64,
     items: BTreeMap<u64, QueuedItem>,
+    prompt_tokens: u64,
     key: Option<u64>,
 }
 
@@ -67,6 +68,7 @@ impl FairQueue {
                     counter: 0.0,
                     service: 0.0,
                     items: BTreeMap::new(),
+                    prompt_tokens: 0,
                     key: None,
                 })
                 .collect(),
@@ -118,6 +120,7 @@ impl FairQueue {
             self.lift(t);
         }
         self.tenants[t].items.insert(seq, item);
+        self.tenants[t].prompt_tokens += item.prompt_tokens;
         self.index.insert(item.id, (tenant, seq));
         let tier = &mut self.tiers[self.tenants[t].tier];
         tier.len += 1;
@@ -131,7 +134,7 @@ impl FairQueue {
         let t = tenant as usize;
         let (_, item) = self.tenants[t].items.pop_first()?;
         self.index.remove(&item.id);
-        self.forget(tier, item);
+        self.forget(t, item);
         self.tiers[tier].last_served = self.tenants[t].counter;
         self.rekey(t);
         Some((tenant, item))
@@ -154,6 +157,15 @@ impl FairQueue {
             .map(|(_, &item)| item)
     }
 
+    /// Prompt tokens a tenant has waiting.
+    pub fn tenant_prompt_tokens(&self, tenant: u32) -> u64 {
+        self.tenants[tenant as usize].prompt_tokens
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
     pub fn weight(&self, tenant: u32) -> f64 {
         self.tenants[tenant as usize].weight
     }
@@ -163,7 +175,7 @@ impl FairQueue {
         let (tenant, seq) = self.index.remove(&id)?;
         let t = tenant as usize;
         let item = self.tenants[t].items.remove(&seq)?;
-        self.forget(self.tenants[t].tier, item);
+        self.forget(t, item);
         self.rekey(t);
         Some((tenant, item))
     }
@@ -178,8 +190,9 @@ impl FairQueue {
         }
     }
 
-    fn forget(&mut self, tier: usize, item: QueuedItem) {
-        let tier = &mut self.tiers[tier];
+    fn forget(&mut self, t: usize, item: QueuedItem) {
+        self.tenants[t].prompt_tokens -= item.prompt_tokens;
+        let tier = &mut self.tiers[self.tenants[t].tier];
         tier.len -= 1;
         tier.prompt_tokens -= item.prompt_tokens;
     }
