@@ -51,8 +51,18 @@ class LoopThread:
         self.loop.close()
 
 
+class Served:
+    """The loop and the gateway on it (a plain class: Hypothesis prints it in one line)."""
+
+    def __init__(self, loop: LoopThread, harness: Harness) -> None:
+        self.loop, self.harness = loop, harness
+
+    def __repr__(self) -> str:
+        return f"Served({self.harness.url})"
+
+
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[LoopThread, Harness]]:
+def served() -> Iterator[Served]:
     """One gateway (cap 2, queue 4, 1 s deadline) over one fake, for the whole module."""
     loop = LoopThread()
     stack = contextlib.AsyncExitStack()
@@ -69,7 +79,7 @@ def served() -> Iterator[tuple[LoopThread, Harness]]:
         )
     )
     try:
-        yield loop, harness
+        yield Served(loop, harness)
     finally:
         loop.run(stack.aclose())
         loop.close()
@@ -191,8 +201,5 @@ async def _mix(h: Harness, crowd: list[Client]) -> None:
 
 @settings(max_examples=EXAMPLES)
 @given(crowd=st.lists(clients, min_size=1, max_size=10))
-def test_random_client_mixes_leave_the_gateway_idle(
-    served: tuple[LoopThread, Harness], crowd: list[Client]
-) -> None:
-    loop, harness = served
-    loop.run(_mix(harness, crowd))
+def test_random_client_mixes_leave_the_gateway_idle(served: Served, crowd: list[Client]) -> None:
+    served.loop.run(_mix(served.harness, crowd))
