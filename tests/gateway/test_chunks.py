@@ -179,3 +179,12 @@ def test_passthrough_keeps_a_null_usage_when_the_client_asked_for_usage() -> Non
     frame, _ = parser.feed(raw)
     assert isinstance(frame, bytes)
     assert json.loads(frame.removeprefix(b"data: "))["usage"] is None
+
+
+def test_merging_the_tail_keeps_the_truncation_marker() -> None:
+    tail = tail_chunk(CHAT, {"id": "x", "created": 1, "model": "m"}, [0], "deadline", 1)
+    (merged,) = merge_chunks([_chat("a"), tail])
+    assert isinstance(merged, dict)
+    assert merged["llmflow"] == {"truncated": True, "reason": "deadline"}
+    assert merged["choices"][0]["delta"]["content"] == "a" + notice_for("deadline")
+    assert merged["choices"][0]["finish_reason"] == "length"

@@ -199,8 +199,9 @@ def _merge_into(a: Json, b: Json) -> bool:
             by_index[cb.get("index", 0)] = cb
         else:
             _merge_choice(ca, cb)
-    if "usage" in b:
-        a["usage"] = b["usage"]
+    for key in ("usage", "llmflow"):  # the later chunk's usage, and the truncation marker
+        if key in b:
+            a[key] = b[key]
     return True
 
 
