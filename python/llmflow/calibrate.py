@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from llmflow.gateway.http1 import ConnectionPool
 from llmflow.sim.profile import DecodeSample, PrefillSample, Profile, fit_step_model
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ _WINDOW_EDGE = 2  # tokens ignored at each end of the all-decoding window
 _MIN_WINDOW = 8  # fewest tokens a request must make in the window to count
 _SETTLE_S = 0.05  # pause between probes so the engine is idle when the next starts
 _KV_HEADROOM = 0.9  # decode probes must fit in this share of the KV cache (no preemption)
+_HEAD = b"content-type: application/json\r\naccept: text/event-stream\r\n"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -97,12 +99,15 @@ class Calibration:
 
 
 async def stream_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+    pool: ConnectionPool, url: str, model: str, prompt: list[int], max_tokens: int
 ) -> Trace:
     """Send one streamed completion and time every chunk.
 
+    It goes over the gateway's own upstream client (`llmflow.gateway.http1`), so the backend is
+    timed as the gateway sees it, and the client spends little CPU per chunk.
+
     Raises:
-        httpx.HTTPStatusError: the backend refused it.
+        RuntimeError: the backend refused it or streamed no tokens.
     """
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
@@ -110,22 +115,36 @@ async def stream_request(
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     trace = Trace(len(prompt), time.perf_counter())
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or {}
-            if chunk.get("choices") and isinstance(usage.get("completion_tokens"), int):
-                trace.chunks.append((time.perf_counter(), usage["completion_tokens"]))
-            if isinstance(usage.get("prompt_tokens"), int):
-                trace.prompt_tokens = usage["prompt_tokens"]
+    response = await pool.request(f"{url}/v1/completions", _HEAD, json.dumps(body).encode())
+    try:
+        if response.status != 200:
+            detail = (await response.read_all(4096)).decode("utf-8", "replace")
+            raise RuntimeError(f"{url} answered {response.status}: {detail[:300]}")
+        buffer = b""
+        async for piece in response.iter_body():
+            now = time.perf_counter()
+            buffer += piece
+            while (end := buffer.find(b"\n\n")) >= 0:
+                event, buffer = buffer[:end], buffer[end + 2:]
+                if event.startswith(b"data: {"):
+                    _record(trace, json.loads(event[6:]), now)
+    finally:
+        response.release()
     if not trace.chunks:
-        raise RuntimeError("the backend streamed no tokens (is continuous usage supported?)")
+        raise RuntimeError("the backend streamed no tokens")
     return trace
+
+
+def _record(trace: Trace, chunk: dict[str, Any], now: float) -> None:
+    usage = chunk.get("usage") or {}
+    choices = chunk.get("choices")
+    if choices and isinstance(usage.get("completion_tokens"), int):
+        trace.chunks.append((now, usage["completion_tokens"]))
+    elif choices and any(c.get("text") or (c.get("delta") or {}).get("content") for c in choices):
+        # no continuous usage: count a token per chunk that carries text
+        trace.chunks.append((now, (trace.chunks[-1][1] if trace.chunks else 0) + 1))
+    if isinstance(usage.get("prompt_tokens"), int):
+        trace.prompt_tokens = usage["prompt_tokens"]
 
 
 def decode_sample(traces: list[Trace], concurrency: int) -> DecodeSample | None:
@@ -175,16 +194,16 @@ def _fit_to_limits(cal: Calibration, facts: dict[str, Any]) -> None:
 
 
 class _Runner:
-    def __init__(self, cal: Calibration, client: httpx.AsyncClient, model: str,
+    def __init__(self, cal: Calibration, pool: ConnectionPool, model: str,
                  tick: Callable[[int], None]):
-        self.cal, self.client, self.model, self.tick = cal, client, model, tick
+        self.cal, self.pool, self.model, self.tick = cal, pool, model, tick
         self.rng = random.Random(cal.seed)
 
     def prompt(self, n: int) -> list[int]:
         return [self.rng.randrange(*_TOKEN_IDS) for _ in range(n)]
 
     async def one(self, prompt_tokens: int, max_tokens: int) -> Trace:
-        trace = await stream_request(self.client, self.cal.url, self.model,
+        trace = await stream_request(self.pool, self.cal.url, self.model,
                                      self.prompt(prompt_tokens), max_tokens)
         self.tick(1)
         return trace
@@ -222,18 +241,22 @@ async def calibrate(cal: Calibration, tick: Callable[[int], None] = lambda n: No
         The fitted profile with its raw measurements.
 
     Raises:
-        httpx.HTTPError: the backend could not be reached or refused a probe.
+        httpx.HTTPError, OSError: the backend could not be reached.
+        RuntimeError: the backend refused a probe.
         ValueError: the measurements could not be fitted.
     """
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=120.0, limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
         facts = await _server_facts(client, cal.url)
-        model = cal.model or facts["models"][0]
-        _fit_to_limits(cal, facts)
-        runner = _Runner(cal, client, model, tick)
+    model = cal.model or facts["models"][0]
+    _fit_to_limits(cal, facts)
+    pool = ConnectionPool(connect_timeout_s=10.0)
+    try:
+        runner = _Runner(cal, pool, model, tick)
         await runner.one(8, 4)  # warm-up: first-request costs are not the engine's
         prefill = await runner.prefill()
         decode = await runner.decode()
+    finally:
+        pool.close()
     step, frontend, stats = fit_step_model(prefill, decode)
     engine: dict[str, int] = {
         k: facts[k] for k in ("block_size", "num_gpu_blocks", "max_model_len") if k in facts}
@@ -310,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
               dynamic_ncols=True) as bar:
         try:
             profile = asyncio.run(calibrate(cal, bar.update))
-        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        except (httpx.HTTPError, OSError, RuntimeError, ValueError) as exc:
             print(f"error: calibrating {cal.url} failed: {exc!r}", file=sys.stderr)
             return 1
     profile.dump(args.out)

@@ -41,6 +41,7 @@ __all__ = [
     "StepModel",
     "fit_step_model",
     "load_profile",
+    "pooled",
 ]
 
 PROFILE_FORMAT = "llmflow-step-profile/1"  # the `format:` line of a profile file
@@ -242,6 +243,22 @@ def fit_step_model(
     }
     frontend = values.pop("frontend")
     return StepModel(**values), frontend, stats
+
+
+def pooled(profiles: list[Profile]) -> Profile:
+    """One profile fitted to the measurements of several, e.g. taken before and after a run
+    whose conditions they should bracket. Engine limits and metadata come from the first.
+
+    Raises:
+        ValueError: the pooled measurements cannot be fitted.
+    """
+    prefill = [PrefillSample(**m) for p in profiles for m in p.measurements.get("prefill", ())]
+    decode = [DecodeSample(**m) for p in profiles for m in p.measurements.get("decode", ())]
+    step, frontend, stats = fit_step_model(prefill, decode)
+    measurements = {k: [m for p in profiles for m in p.measurements.get(k, ())]
+                    for k in ("prefill", "decode")}
+    return profiles[0].model_copy(update={"step_s": step, "frontend_s": frontend, "fit": stats,
+                                          "measurements": measurements})
 
 
 def load_profile(path: str | Path) -> Profile:

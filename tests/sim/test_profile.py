@@ -1,0 +1,182 @@
+"""Measured profiles: the step-model fit, the profile file, and a scenario backend using one."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import pytest
+import simpy
+import yaml
+
+from llmflow.sim.cluster import Cluster
+from llmflow.sim.engine import Seq
+from llmflow.sim.profile import (
+    DecodeSample,
+    FittedStepCost,
+    PrefillSample,
+    Profile,
+    ProfileError,
+    StepModel,
+    fit_step_model,
+    load_profile,
+    pooled,
+)
+from llmflow.sim.scenario import BackendGroup, ScenarioError, load_scenario
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+TRUE = StepModel(overhead=3e-3, prefill_token=20e-6, prefill_attn=4e-9, decode_seq=150e-6,
+                 decode_ctx=200e-9)
+FRONTEND = 0.010  # s
+
+
+def _samples(model: StepModel = TRUE) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    prefill = [PrefillSample(n, FRONTEND + model.step_time(n, n * n, 0, 0))
+               for n in (16, 128, 512, 1024, 1536)]
+    decode = [DecodeSample(b, c, model.step_time(0, 0, b, b * (c + 32)), b * (c + 32))
+              for b in (1, 4, 16) for c in (32, 1024)]
+    return prefill, decode
+
+
+def _profile(tmp_path: Path, **engine: int) -> Path:
+    step, frontend, fit = fit_step_model(*_samples())
+    path = tmp_path / "p.yaml"
+    Profile(step_s=step, frontend_s=frontend, fit=fit,
+            engine={"block_size": 128, "num_gpu_blocks": 64, **engine}).dump(path)
+    return path
+
+
+def test_fit_recovers_the_model_that_made_the_data() -> None:
+    step, frontend, stats = fit_step_model(*_samples())
+    for name, value in TRUE.model_dump().items():
+        assert getattr(step, name) == pytest.approx(value, rel=1e-6), name
+    assert frontend == pytest.approx(FRONTEND, rel=1e-6)
+    assert stats["max_abs_rel_error"] < 1e-6
+    assert stats["zeroed_terms"] == []
+
+
+def test_repeats_are_combined_by_their_median() -> None:
+    prefill, decode = _samples()
+    burst = [PrefillSample(p.prompt_tokens, p.ttft_s * 5) for p in prefill]  # one slow repeat
+    step, frontend, _ = fit_step_model(prefill + prefill + burst, decode)
+    assert frontend == pytest.approx(FRONTEND, rel=1e-6)
+    assert step.prefill_token == pytest.approx(TRUE.prefill_token, rel=1e-6)
+
+
+def test_a_term_the_data_contradicts_is_zero_not_negative() -> None:
+    flat = StepModel(overhead=5e-3, decode_seq=100e-6, prefill_token=10e-6)  # no ctx cost
+    prefill, decode = _samples(flat)
+    shrinking = [DecodeSample(d.concurrency, d.prompt_tokens,
+                              d.itl_s - 1e-8 * d.decode_ctx, d.decode_ctx) for d in decode]
+    step, _, stats = fit_step_model(prefill, shrinking)
+    assert step.decode_ctx == 0.0
+    assert "decode_ctx" in stats["zeroed_terms"]
+    assert min(step.model_dump().values()) >= 0.0
+
+
+def test_fit_needs_both_sweeps() -> None:
+    prefill, decode = _samples()
+    with pytest.raises(ValueError, match="both prefill and decode"):
+        fit_step_model(prefill, [])
+    with pytest.raises(ValueError, match="cannot fit"):
+        fit_step_model(prefill[:1], decode[:1])
+
+
+def test_fitted_cost_is_the_linear_model_and_reports_kv_capacity() -> None:
+    cost = FittedStepCost(TRUE, num_gpu_blocks=32, block_size=128, frontend_s=0.01)
+    assert cost.step_time(4, 400, 100, 10_000, 100, 0.0) == pytest.approx(
+        TRUE.step_time(100, 10_000, 4, 400))
+    assert cost.kv_blocks(16) == 256  # 32 blocks of 128 tokens in blocks of 16
+    assert cost.kv_blocks(128) == 32
+    assert FittedStepCost(TRUE).kv_blocks(16) == 1_000_000
+
+
+def test_profile_file_round_trip_and_errors(tmp_path: Path) -> None:
+    path = _profile(tmp_path, max_num_seqs=16)
+    profile = load_profile(path)
+    assert profile.engine_flags() == {"block_size": 128, "num_gpu_blocks": 64, "max_num_seqs": 16}
+    assert profile.cost().frontend_s == pytest.approx(FRONTEND)
+    data = yaml.safe_load(path.read_text())
+    for change, message in (
+        ({"format": "other/9"}, "format"),
+        ({"engine": {"gpu_memory": 1}}, "unknown engine key"),
+        ({"step_s": {"overhead": -1.0}}, "invalid profile"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump({**data, **change}))
+        with pytest.raises(ProfileError, match=message):
+            load_profile(bad)
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ProfileError, match="mapping"):
+        load_profile(tmp_path / "list.yaml")
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(tmp_path / "missing.yaml")
+
+
+def test_pooled_fits_the_measurements_of_both(tmp_path: Path) -> None:
+    prefill, decode = _samples()
+    raw = {"prefill": [{"prompt_tokens": p.prompt_tokens, "ttft_s": p.ttft_s} for p in prefill],
+           "decode": [{"concurrency": d.concurrency, "prompt_tokens": d.prompt_tokens,
+                       "itl_s": d.itl_s, "decode_ctx": d.decode_ctx} for d in decode]}
+    one = Profile(step_s=StepModel(overhead=1.0), measurements=raw, engine={"block_size": 128})
+    both = pooled([one, one])
+    assert both.step_s.overhead == pytest.approx(TRUE.overhead, rel=1e-6)
+    assert len(both.measurements["prefill"]) == 2 * len(prefill)
+    assert both.engine == {"block_size": 128}
+
+
+def test_backend_group_needs_presets_or_a_profile() -> None:
+    with pytest.raises(ValueError, match="or a `profile`"):
+        BackendGroup(name="b", gpu="h100")
+    assert BackendGroup(name="b", profile="p.yaml").gpu is None
+
+
+def test_scenario_profile_path_is_relative_to_the_scenario(tmp_path: Path) -> None:
+    _profile(tmp_path)
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "title": "t", "duration_s": 1, "cluster": [{"name": "b", "profile": "p.yaml"}],
+        "workload": [{"name": "w", "tenant": "t", "arrival": {"kind": "burst", "count": 1},
+                      "prompt_tokens": {"kind": "fixed", "value": 10},
+                      "output_tokens": {"kind": "fixed", "value": 5}}],
+    }))
+    assert load_scenario(scenario).cluster[0].profile == str(tmp_path / "p.yaml")
+    scenario.write_text(scenario.read_text().replace("profile: p.yaml", "gpu: h100"))
+    with pytest.raises(ScenarioError, match="profile"):
+        load_scenario(scenario)
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.first: list[float] = []
+        self.end: list[float] = []
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        self.first.append(now)
+
+    def on_finished(self, seq: Seq, now: float) -> None:
+        self.end.append(now)
+
+    def on_tokens_reached(self, seq: Seq, now: float) -> None:
+        pass
+
+
+def test_a_profiled_backend_steps_at_the_fitted_cost_and_adds_the_frontend(
+    tmp_path: Path,
+) -> None:
+    path = _profile(tmp_path, max_num_seqs=4)
+    env = simpy.Environment()
+    cluster = Cluster(env, [BackendGroup(name="b", profile=str(path))], None)
+    backend = cluster.backends[0]
+    assert (backend.core.block_size, backend.core.num_blocks) == (128, 64)  # vLLM's, measured
+    assert backend.core.config.max_num_seqs == 4
+    log = _Log()
+    backend.submit(Seq(1, 100, 3, owner=log))
+    env.run()
+    prefill = TRUE.step_time(100, 100 * 100, 0, 0)
+    decodes = TRUE.step_time(0, 0, 1, 100) + TRUE.step_time(0, 0, 1, 101)  # engine contexts
+    assert log.first == [pytest.approx(prefill + FRONTEND)]
+    assert log.end == [pytest.approx(prefill + decodes + FRONTEND)]
+    assert not math.isnan(log.end[0])

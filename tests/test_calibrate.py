@@ -1,0 +1,99 @@
+"""`llmflow calibrate` against a backend whose true step cost is known: the simulated vLLM.
+
+`llmflow simserve` runs the roofline engine model in real time behind vLLM's HTTP API, so the
+profile `calibrate` fits from it can be checked against the cost model that produced the
+timings. The server runs at half speed (each step lasts twice as long in wall time), so this
+machine's scheduling jitter is small next to the steps being measured.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from llmflow.cli import main
+from llmflow.sim.costmodel import cost_model
+from llmflow.sim.profile import load_profile
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+SPEED = 0.5  # simulated seconds per wall second
+TOLERANCE = 0.25  # relative: the roofline's kinks are not linear, timing on shared cores is noisy
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def simserve() -> Iterator[str]:
+    """`llmflow simserve` (H100, Llama-3-8B, half speed) in a child process; its base URL."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmflow.cli", "simserve", "--preset", "h100:llama-3-8b",
+         "--speed", str(SPEED), "--port", str(port), "--max-num-seqs", "16",
+         "--max-model-len", "4096"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **_own_group())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, "simserve exited"
+            assert time.monotonic() < deadline, "simserve did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _own_group() -> dict[str, object]:
+    return {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+
+
+def test_calibrate_recovers_the_simulated_engines_costs(simserve: str, tmp_path: Path) -> None:
+    out = tmp_path / "profile.yaml"
+    status = main(["calibrate", "--backend", simserve, "--out", str(out), "--no-progress",
+                   "--prompt-lengths", "64,512,1024,2048", "--repeats", "2",
+                   "--concurrency", "1,4,16", "--contexts", "64,1024", "--decode-tokens", "32",
+                   "--decode-repeats", "1", "--max-num-seqs", "16"])
+    assert status == 0
+    profile = load_profile(out)
+    assert profile.model == "llama-3-8b"
+    assert profile.engine == {"block_size": 16, "num_gpu_blocks": profile.engine["num_gpu_blocks"],
+                              "max_model_len": 4096, "max_num_seqs": 16}
+    assert len(profile.measurements["prefill"]) == 8
+    assert len(profile.measurements["decode"]) == 6
+    true, fit = cost_model("h100", "llama-3-8b"), profile.step_s
+    for prompt in (1024, 2048):  # an idle first token: one prefill step (compute-bound here)
+        truth = true.step_time(0, 0, prompt, prompt * prompt, prompt, 0.0) / SPEED
+        fitted = profile.frontend_s + fit.step_time(prompt, prompt * prompt, 0, 0)
+        assert fitted == pytest.approx(truth, rel=TOLERANCE), prompt
+    for batch in (1, 16):  # a decode step of the whole batch at about 1,080 tokens of context
+        ctx = batch * 1080
+        truth = true.step_time(batch, ctx, 0, 0, 0, 0.0) / SPEED
+        assert fit.step_time(0, 0, batch, ctx) == pytest.approx(truth, rel=TOLERANCE), batch
+    assert profile.frontend_s < 0.02  # HTTP on loopback, nothing like a 10 ms+ step
+
+
+def test_calibrate_reports_an_unreachable_backend(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    assert main(["calibrate", "--backend", url, "--out", str(tmp_path / "p.yaml"),
+                 "--no-progress"]) == 1
+    assert not (tmp_path / "p.yaml").exists()
