@@ -41,13 +41,23 @@ async def _backend_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
             line, *headers = head.decode("latin-1").split("\r\n")
-            length = next((int(h.split(":", 1)[1]) for h in headers
-                           if h.lower().startswith("content-length:")), 0)
+            length = next(
+                (
+                    int(h.split(":", 1)[1])
+                    for h in headers
+                    if h.lower().startswith("content-length:")
+                ),
+                0,
+            )
             body = await reader.readexactly(length) if length else b""
             if line.startswith("GET /metrics"):
                 text = b"vllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
-                             + str(len(text)).encode() + b"\r\n\r\n" + text)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
+                    + str(len(text)).encode()
+                    + b"\r\n\r\n"
+                    + text
+                )
             else:
                 await _stream(writer, json.loads(body))
             await writer.drain()
@@ -58,16 +68,22 @@ async def _stream(writer: asyncio.StreamWriter, body: dict[str, Any]) -> None:
     plan = body.get("bench", {})
     tokens, ttft, itl = int(body.get("max_tokens", 16)), plan.get("ttft", 0.0), plan.get("itl", 0)
     usage = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                 b"transfer-encoding: chunked\r\n\r\n")
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
     await asyncio.sleep(ttft)
     for i in range(tokens):
         finish = '"length"' if i == tokens - 1 else "null"
-        extra = (f',"usage":{{"prompt_tokens":8,"completion_tokens":{i + 1},'
-                 f'"total_tokens":{i + 9}}}') if usage else ""
-        event = (f'data: {{"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,'
-                 f'"model":"{_MODEL}","choices":[{{"index":0,"delta":{{"content":"t{i} "}},'
-                 f'"logprobs":null,"finish_reason":{finish}}}]{extra}}}\n\n').encode()
+        extra = (
+            (f',"usage":{{"prompt_tokens":8,"completion_tokens":{i + 1},"total_tokens":{i + 9}}}')
+            if usage
+            else ""
+        )
+        event = (
+            f'data: {{"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,'
+            f'"model":"{_MODEL}","choices":[{{"index":0,"delta":{{"content":"t{i} "}},'
+            f'"logprobs":null,"finish_reason":{finish}}}]{extra}}}\n\n'
+        ).encode()
         writer.write(b"%x\r\n%s\r\n" % (len(event), event))
         if itl:
             await asyncio.sleep(itl)
@@ -86,35 +102,52 @@ async def _serve_backend(port: int) -> None:
 # ---- client: raw sockets, counting events ------------------------------------------------
 
 
-async def _one(port: int, payload: bytes) -> tuple[float, int]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
+class _Conn:
+    """One keep-alive client connection (as the `openai` client keeps its own)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def stream(self, payload: bytes) -> tuple[float, int]:
+        """Send one streamed request; (seconds to the first token, SSE events received)."""
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        assert self.reader is not None
         start = time.perf_counter()
-        writer.write(payload)
-        ttft, events, tail = -1.0, 0, b""
+        self.writer.write(payload)
+        ttft, events, tail, done = -1.0, 0, b"", False
         while True:
-            data = await reader.read(65536)
+            data = await self.reader.read(65536)
             if not data:
+                self.writer = None
                 break
             window = tail + data
             if ttft < 0 and _FIRST_TEXT in window:
                 ttft = time.perf_counter() - start
             events += window.count(b"data: ") - tail.count(b"data: ")
-            if b"data: [DONE]" in window:
+            done = done or b"data: [DONE]" in window
+            if done and window.endswith(b"0\r\n\r\n"):  # the chunked body's end
                 break
             tail = window[-16:]
         return ttft, events
-    finally:
-        writer.close()
 
 
 def _request(port: int, tokens: int, ttft_s: float, itl_s: float) -> bytes:
-    body = json.dumps({"model": _MODEL, "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": tokens, "stream": True,
-                       "bench": {"ttft": ttft_s, "itl": itl_s}}).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
-            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % (port, len(body))) + body
+    body = json.dumps(
+        {
+            "model": _MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": tokens,
+            "stream": True,
+            "bench": {"ttft": ttft_s, "itl": itl_s},
+        }
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % (port, len(body))
+    ) + body
 
 
 async def _load(port: int, streams: int, duration: float, payload: bytes) -> dict[str, Any]:
@@ -124,8 +157,9 @@ async def _load(port: int, streams: int, duration: float, payload: bytes) -> dic
 
     async def worker() -> None:
         nonlocal chunks
+        conn = _Conn(port)
         while time.perf_counter() < stop:
-            ttft, events = await _one(port, payload)
+            ttft, events = await conn.stream(payload)
             if ttft >= 0:
                 ttfts.append(ttft)
             chunks += events
@@ -134,8 +168,13 @@ async def _load(port: int, streams: int, duration: float, payload: bytes) -> dic
     await asyncio.gather(*(worker() for _ in range(streams)))
     wall = time.perf_counter() - started
     ttfts.sort()
-    return {"requests": len(ttfts), "chunks": chunks, "wall_s": round(wall, 3),
-            "chunks_per_s": round(chunks / wall), "ttft_ms": _percentiles(ttfts)}
+    return {
+        "requests": len(ttfts),
+        "chunks": chunks,
+        "wall_s": round(wall, 3),
+        "chunks_per_s": round(chunks / wall),
+        "ttft_ms": _percentiles(ttfts),
+    }
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -166,13 +205,25 @@ def _wait_port(port: int, path: bytes, timeout: float = 30.0) -> None:
 
 
 def _gateway_config(backend_port: int, streams: int, flush_ms: float, path: Path) -> None:
-    path.write_text(json.dumps({  # JSON is YAML
-        "backends": [{"name": "b0", "url": f"http://127.0.0.1:{backend_port}",
-                      "models": [_MODEL], "gpus": 1}],
-        "gate": {"max_concurrency_per_gpu": streams * 2, "queue": {"max_waiting": streams}},
-        "sla": {"ttft_ms": None}, "kv": {"pressure_threshold": None},
-        "streaming": {"sse_flush_interval": flush_ms, "first_token_timeout_ms": 30000},
-        "metrics": {"scrape_interval_ms": 500}}))
+    path.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "backends": [
+                    {
+                        "name": "b0",
+                        "url": f"http://127.0.0.1:{backend_port}",
+                        "models": [_MODEL],
+                        "gpus": 1,
+                    }
+                ],
+                "gate": {"max_concurrency_per_gpu": streams * 2, "queue": {"max_waiting": streams}},
+                "sla": {"ttft_ms": None},
+                "kv": {"pressure_threshold": None},
+                "streaming": {"sse_flush_interval": flush_ms, "first_token_timeout_ms": 30000},
+                "metrics": {"scrape_interval_ms": 500},
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--itl-ms", type=float, default=20.0, help="backend inter-token latency")
     p.add_argument("--burst-tokens", type=int, default=256, help="tokens per throughput request")
     p.add_argument("--flush-ms", type=float, default=0.0, help="gateway sse_flush_interval")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the gateway to one CPU, backend and clients to the others",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -207,11 +263,31 @@ def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         config = Path(tmp) / "gateway.yaml"
         _gateway_config(backend_port, args.streams, args.flush_ms, config)
-        for cmd in ([sys.executable, __file__, "--backend", str(backend_port)],
-                    [sys.executable, "-m", "llmflow.cli", "serve", "--config", str(config),
-                     "--port", str(gateway_port), "--log-level", "warning"]):
+        pins = _pins(args.pin)
+        for cmd, cpus in (
+            ([sys.executable, __file__, "--backend", str(backend_port)], pins[0]),
+            (
+                [
+                    sys.executable,
+                    "-m",
+                    "llmflow.cli",
+                    "serve",
+                    "--config",
+                    str(config),
+                    "--port",
+                    str(gateway_port),
+                    "--log-level",
+                    "warning",
+                ],
+                pins[1],
+            ),
+        ):
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             stack.callback(_stop, proc)
+            if cpus:
+                os.sched_setaffinity(proc.pid, cpus)
+        if pins[0]:
+            os.sched_setaffinity(0, pins[0])
         _wait_port(backend_port, b"/metrics")
         _wait_port(gateway_port, b"/readyz")
         results = asyncio.run(_phases(args, backend_port, gateway_port))
@@ -219,6 +295,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _pins(pin: bool) -> tuple[set[int], set[int]]:
+    """With `--pin`: the gateway gets the last CPU to itself; backend and clients share the rest."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or len(cpus) < 2:
+        return set(), set()
+    return set(cpus[:-1]), {cpus[-1]}
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -230,30 +314,58 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def _phases(args: argparse.Namespace, backend: int, gateway: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"streams": args.streams, "duration_s": args.duration,
-                           "flush_ms": args.flush_ms, "cpus": os.cpu_count()}
-    for phase, tokens, ttft, itl in (("ttft", args.tokens, args.ttft_ms, args.itl_ms),
-                                     ("throughput", args.burst_tokens, 0.0, 0.0)):
+    out: dict[str, Any] = {
+        "streams": args.streams,
+        "duration_s": args.duration,
+        "flush_ms": args.flush_ms,
+        "cpus": os.cpu_count(),
+        "pinned": args.pin,
+    }
+    for phase, tokens, ttft, itl in (
+        ("ttft", args.tokens, args.ttft_ms, args.itl_ms),
+        ("throughput", args.burst_tokens, 0.0, 0.0),
+    ):
         for arm, port in (("direct", backend), ("gateway", gateway)):
             await _load(port, args.streams, 1.0, _request(port, tokens, ttft / 1e3, itl / 1e3))
             out[f"{phase}_{arm}"] = await _load(
-                port, args.streams, args.duration, _request(port, tokens, ttft / 1e3, itl / 1e3))
+                port, args.streams, args.duration, _request(port, tokens, ttft / 1e3, itl / 1e3)
+            )
     d, g = out["ttft_direct"]["ttft_ms"], out["ttft_gateway"]["ttft_ms"]
     out["added_ttft_ms"] = {k: round(g[k] - d[k], 3) for k in ("p50", "p99")}
     return out
 
 
 def _report(args: argparse.Namespace, r: dict[str, Any]) -> None:
-    rows = [("TTFT p50 (ms)", r["ttft_direct"]["ttft_ms"]["p50"],
-             r["ttft_gateway"]["ttft_ms"]["p50"], r["added_ttft_ms"]["p50"]),
-            ("TTFT p99 (ms)", r["ttft_direct"]["ttft_ms"]["p99"],
-             r["ttft_gateway"]["ttft_ms"]["p99"], r["added_ttft_ms"]["p99"]),
-            ("chunks/s, paced phase", r["ttft_direct"]["chunks_per_s"],
-             r["ttft_gateway"]["chunks_per_s"], ""),
-            ("chunks/s, back-to-back", r["throughput_direct"]["chunks_per_s"],
-             r["throughput_gateway"]["chunks_per_s"], "")]
-    print(f"{args.streams} concurrent streams, {args.duration:g} s per arm, flush "
-          f"{args.flush_ms:g} ms, {os.cpu_count()} CPUs")
+    rows = [
+        (
+            "TTFT p50 (ms)",
+            r["ttft_direct"]["ttft_ms"]["p50"],
+            r["ttft_gateway"]["ttft_ms"]["p50"],
+            r["added_ttft_ms"]["p50"],
+        ),
+        (
+            "TTFT p99 (ms)",
+            r["ttft_direct"]["ttft_ms"]["p99"],
+            r["ttft_gateway"]["ttft_ms"]["p99"],
+            r["added_ttft_ms"]["p99"],
+        ),
+        (
+            "chunks/s, paced phase",
+            r["ttft_direct"]["chunks_per_s"],
+            r["ttft_gateway"]["chunks_per_s"],
+            "",
+        ),
+        (
+            "chunks/s, back-to-back",
+            r["throughput_direct"]["chunks_per_s"],
+            r["throughput_gateway"]["chunks_per_s"],
+            "",
+        ),
+    ]
+    print(
+        f"{args.streams} concurrent streams, {args.duration:g} s per arm, flush "
+        f"{args.flush_ms:g} ms, {os.cpu_count()} CPUs{', pinned' if args.pin else ''}"
+    )
     print("| metric | direct | gateway | added |\n|---|---:|---:|---:|")
     for name, direct, gateway, added in rows:
         print(f"| {name} | {direct} | {gateway} | {added} |")

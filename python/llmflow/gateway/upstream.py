@@ -9,9 +9,11 @@ response: vLLM aborts a request whose connection closes, which frees its KV bloc
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx
 
 from llmflow.gateway.http1 import ConnectionPool, HttpResponse, ProtocolError
@@ -27,6 +29,7 @@ _CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treate
 _WRITE_TIMEOUT_S = 30.0  # sending one request body
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body worth reading
 _DONE = b"[DONE]"
+_TAIL_WAIT_S = 0.05  # after [DONE], how long the body's end may take before we drop the link
 
 
 class UpstreamError(Exception):
@@ -59,8 +62,9 @@ class UpstreamStream:
             UpstreamError: the connection broke mid-stream (502).
         """
         buffer = b""
+        body = self.response.iter_body()
         try:
-            async for piece in self.response.iter_body():
+            async for piece in body:
                 buffer += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
                 while (end := buffer.find(b"\n\n")) >= 0:
                     block, buffer = buffer[:end], buffer[end + 2 :]
@@ -68,6 +72,7 @@ class UpstreamStream:
                     if data is None:
                         continue
                     if data == _DONE:
+                        await _finish(body)
                         return
                     yield data
         except (ProtocolError, OSError) as exc:
@@ -79,6 +84,13 @@ class UpstreamStream:
         if not self.closed:
             self.closed = True
             self.response.release()
+
+
+async def _finish(body: AsyncIterator[bytes]) -> None:
+    """Read the body's end (it follows `[DONE]` at once), so the connection can be reused."""
+    with anyio.move_on_after(_TAIL_WAIT_S), contextlib.suppress(ProtocolError, OSError):
+        async for _ in body:
+            pass
 
 
 def _data_of(block: bytes) -> bytes | None:
