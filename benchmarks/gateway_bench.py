@@ -178,8 +178,9 @@ async def _load(port: int, streams: int, duration: float, payload: bytes) -> dic
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p99": float("nan")}
+    if len(values) < 2:
+        only = round(values[0] * 1e3, 3) if values else float("nan")
+        return {"p50": only, "p99": only}
     q = statistics.quantiles(values, n=100, method="inclusive")
     return {"p50": round(q[49] * 1e3, 3), "p99": round(q[98] * 1e3, 3)}
 
@@ -231,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=256, help="concurrent streams")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per phase and arm")
-    p.add_argument("--tokens", type=int, default=32, help="tokens per TTFT-phase request")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per TTFT-phase request")
     p.add_argument("--ttft-ms", type=float, default=20.0, help="backend time to first token")
-    p.add_argument("--itl-ms", type=float, default=20.0, help="backend inter-token latency")
+    p.add_argument("--itl-ms", type=float, default=32.0, help="backend inter-token latency")
     p.add_argument("--burst-tokens", type=int, default=256, help="tokens per throughput request")
     p.add_argument("--flush-ms", type=float, default=0.0, help="gateway sse_flush_interval")
     p.add_argument(
