@@ -62,11 +62,19 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
     return time.monotonic() - start
 
 
-def settings_for(urls: dict[str, str], **sections: Any) -> Settings:
-    """Settings whose backends are `urls` (name -> URL), with section overrides."""
+def settings_for(
+    urls: dict[str, str], backend: dict[str, Any] | None = None, **sections: Any
+) -> Settings:
+    """Settings whose backends are `urls` (name -> URL, plus `backend` keys), and overrides."""
     data: dict[str, Any] = {
         "backends": [
-            {"name": name, "url": url, "models": ["fake-model"], "max_model_len": 4096}
+            {
+                "name": name,
+                "url": url,
+                "models": ["fake-model"],
+                "max_model_len": 4096,
+                **(backend or {}),
+            }
             for name, url in urls.items()
         ],
         "metrics": {"scrape_interval_ms": 100, "stale_after_ms": 5000},
@@ -133,6 +141,7 @@ async def start_gateway(
     n_backends: int = 1,
     check_idle: bool = True,
     configure: Callable[[dict[str, FakeVllm]], None] | None = None,
+    backend: dict[str, Any] | None = None,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
     """Fakes plus a gateway over them; on exit, asserts everything returned to zero."""
@@ -143,7 +152,7 @@ async def start_gateway(
         urls = {}
         for name, fake in fakes.items():
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
-        app = create_app(settings_for(urls, **sections))
+        app = create_app(settings_for(urls, backend, **sections))
         url, _ = await stack.enter_async_context(serve_asgi(app))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         harness = Harness(url, app.state.gateway, client, fakes)

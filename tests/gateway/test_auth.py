@@ -68,3 +68,18 @@ async def test_x_user_tier_cannot_raise_a_tier() -> None:
         assert tiers == ["normal"] * 4 + ["vip"] * 2
         h.fake.release(6)
         assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * 6
+
+
+async def test_the_cores_priority_goes_to_a_priority_scheduling_backend() -> None:
+    async with start_gateway(tenants=TENANTS, backend={"scheduling_policy": "priority"}) as h:
+        for key in ("normal-key", "vip-key"):
+            body = {**BODY, "priority": -1000}  # a client's own priority is never forwarded
+            assert (await h.client.post(CHAT, json=body, headers=_auth(key))).status_code == 200
+        normal, vip = (b["priority"] for b in h.fake.bodies)
+        assert vip < normal  # lower runs first in vLLM
+        assert -1000 not in (normal, vip)
+
+
+async def test_no_priority_is_sent_to_a_fcfs_backend(gw: Harness) -> None:
+    await gw.client.post(CHAT, json={**BODY, "priority": 5})
+    assert "priority" not in gw.fake.bodies[-1]
