@@ -7,7 +7,9 @@ never hits) and `ignore_eos` (so every request runs to `max_tokens`):
   token is one prefill step plus the frontend path (HTTP, IPC, detokenising);
 * decode: batches of `B` requests with `C`-token prompts started together; while every one of
   them is decoding, the time per generated token is the engine's step time for `B` decodes over
-  about `B * (C + tokens so far)` context tokens.
+  about `B * (C + tokens so far)` context tokens;
+* mixed: a prompt sent while a batch decodes; the batch's gap that ends with the prompt's first
+  token is the one step that computed the prompt among the decodes.
 
 `llmflow.sim.profile.fit_step_model` fits the step model to both, and the profile (coefficients,
 engine limits, residuals, raw samples) is written as YAML for `profile:` in a scenario backend.
@@ -33,7 +35,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from llmflow.gateway.http1 import ConnectionPool
-from llmflow.sim.profile import DecodeSample, PrefillSample, Profile, fit_step_model
+from llmflow.sim.profile import (
+    DecodeSample,
+    MixedSample,
+    PrefillSample,
+    Profile,
+    fit_step_model,
+)
 
 if TYPE_CHECKING:
     import argparse
@@ -45,6 +53,9 @@ _TOKEN_IDS = (100, 4000)  # random prompt ids drawn from this range (valid in an
 _WINDOW_EDGE = 2  # tokens ignored at each end of the all-decoding window
 _MIN_WINDOW = 8  # fewest tokens a request must make in the window to count
 _SETTLE_S = 0.05  # pause between probes so the engine is idle when the next starts
+_MIXED_CONTEXT, _MIXED_TOKENS = 32, 96  # the decoding batch a prompt joins: prompt, output
+_JOIN_AFTER_S = 0.2  # the batch is decoding by then (and still far from its end)
+_JOIN_SPAN = 6  # decoder tokens timed across a prompt's arrival: one of their steps holds it
 _KV_HEADROOM = 0.9  # decode probes must fit in this share of the KV cache (no preemption)
 _HEAD = b"content-type: application/json\r\naccept: text/event-stream\r\n"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -77,8 +88,11 @@ class Calibration:
         contexts: prompt sizes of the decode sweep.
         decode_tokens: tokens each decode-sweep request generates.
         decode_repeats: runs of each decode batch.
+        mixed_prompts: prompt sizes that join a decoding batch (`repeats` times each).
+        mixed_decodes: size of that batch.
         engine: limits to record that vLLM does not publish (`max_num_seqs`, ...).
-        seed: seeds the random prompts.
+        seed: seeds the random prompts (None: fresh ones; a repeated seed would hit vLLM's
+            prefix cache and time cached prompts).
     """
 
     url: str
@@ -89,13 +103,16 @@ class Calibration:
     contexts: tuple[int, ...] = (32, 640, 1280)
     decode_tokens: int = 64
     decode_repeats: int = 2
+    mixed_prompts: tuple[int, ...] = (256, 1024)
+    mixed_decodes: int = 8
     engine: dict[str, int] = field(default_factory=dict)
-    seed: int = 0
+    seed: int | None = None
 
     def probes(self) -> int:
         """Requests in both sweeps (for a progress bar)."""
         decode = len(self.contexts) * sum(self.concurrency) * self.decode_repeats
-        return len(self.prompt_lengths) * self.repeats + decode
+        mixed = len(self.mixed_prompts) * self.repeats * (self.mixed_decodes + 1)
+        return len(self.prompt_lengths) * self.repeats + decode + mixed
 
 
 async def stream_request(
@@ -188,6 +205,7 @@ def _fit_to_limits(cal: Calibration, facts: dict[str, Any]) -> None:
     cal.prompt_lengths = tuple(n for n in cal.prompt_lengths if n < longest)
     kv_tokens = facts.get("num_gpu_blocks", 1 << 30) * facts.get("block_size", 1)
     cal.contexts = tuple(c for c in cal.contexts if c <= longest)
+    cal.mixed_prompts = tuple(n for n in cal.mixed_prompts if n < longest)
     cal.concurrency = tuple(
         b for b in cal.concurrency if b * (max(cal.contexts, default=0) + cal.decode_tokens)
         <= kv_tokens * _KV_HEADROOM)
@@ -229,6 +247,49 @@ class _Runner:
                     await asyncio.sleep(_SETTLE_S)
         return out
 
+    async def mixed(self) -> list[MixedSample]:
+        out = []
+        for _ in range(self.cal.repeats):
+            for n in self.cal.mixed_prompts:
+                batch = [asyncio.create_task(self.one(_MIXED_CONTEXT, _MIXED_TOKENS))
+                         for _ in range(self.cal.mixed_decodes)]
+                await asyncio.sleep(_JOIN_AFTER_S)
+                joined = await self.one(n, 1)
+                sample = mixed_sample(list(await asyncio.gather(*batch)), joined)
+                if sample is not None:
+                    out.append(sample)
+                await asyncio.sleep(_SETTLE_S)
+        return out
+
+
+def mixed_sample(batch: list[Trace], joined: Trace) -> MixedSample | None:
+    """The step in which `joined`'s prompt was computed among `batch`'s decodes, or None.
+
+    For each decoder: the time it took for `_JOIN_SPAN` tokens from the last one before the
+    prompt was sent (a span that holds the prompt's step), less as many of its own steps
+    before that (the median gap of up to 16); what is left is the prompt's share of its step.
+    Spans make single late chunks harmless. The median over the batch is kept.
+    """
+    steps, ctx = [], 0.0
+    for t in batch:
+        times, tokens = [c[0] for c in t.chunks], [c[1] for c in t.chunks]
+        i0 = max((i for i, c in enumerate(times) if c < joined.sent), default=-1)
+        i1 = next((i for i in range(i0 + 1, len(tokens))
+                   if tokens[i] - tokens[max(i0, 0)] >= _JOIN_SPAN), None)
+        if i0 < 4 or i1 is None or i1 == len(tokens) - 1:
+            continue
+        lo = max(1, i0 - 16)
+        before = [(times[i] - times[i - 1]) / (tokens[i] - tokens[i - 1])
+                  for i in range(lo, i0 + 1)]
+        base = statistics.median(before)
+        span = tokens[i1] - tokens[i0]
+        steps.append(base + (times[i1] - times[i0]) - span * base)
+        ctx += t.prompt_tokens + tokens[i0]
+    if len(steps) * 2 < len(batch):  # most decoders had not started or had already finished
+        return None
+    return MixedSample(len(batch), ctx * len(batch) / len(steps), joined.prompt_tokens,
+                       statistics.median(steps))
+
 
 async def calibrate(cal: Calibration, tick: Callable[[int], None] = lambda n: None) -> Profile:
     """Measure the backend and fit a profile.
@@ -255,9 +316,10 @@ async def calibrate(cal: Calibration, tick: Callable[[int], None] = lambda n: No
         await runner.one(8, 4)  # warm-up: first-request costs are not the engine's
         prefill = await runner.prefill()
         decode = await runner.decode()
+        mixed = await runner.mixed()
     finally:
         pool.close()
-    step, frontend, stats = fit_step_model(prefill, decode)
+    step, frontend, stats = fit_step_model(prefill, decode, mixed)
     engine: dict[str, int] = {
         k: facts[k] for k in ("block_size", "num_gpu_blocks", "max_model_len") if k in facts}
     engine.update(cal.engine)
@@ -271,6 +333,9 @@ async def calibrate(cal: Calibration, tick: Callable[[int], None] = lambda n: No
             "decode": [{"concurrency": d.concurrency, "prompt_tokens": d.prompt_tokens,
                         "itl_s": round(d.itl_s, 6), "decode_ctx": round(d.decode_ctx, 1)}
                        for d in decode],
+            "mixed": [{"decodes": m.decodes, "decode_ctx": round(m.decode_ctx, 1),
+                       "prompt_tokens": m.prompt_tokens, "step_s": round(m.step_s, 6)}
+                      for m in mixed],
         },
     )
 
@@ -299,10 +364,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="decode sweep prompt sizes (default 32,640,1280)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request")
     p.add_argument("--decode-repeats", type=int, default=2, help="runs of each decode batch")
+    p.add_argument("--mixed-prompts", type=_ints, metavar="N,N,...",
+                   help="prompt sizes that join a decoding batch (default 256,1024)")
     p.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs, to record")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="vLLM's --max-num-batched-tokens, to record")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--seed", type=int,
+                   help="seed of the random prompts (default: fresh; a seed repeated against "
+                   "the same server hits its prefix cache)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
 
@@ -315,7 +384,7 @@ def _calibration(args: argparse.Namespace) -> Calibration:
     cal = Calibration(args.backend.rstrip("/"), args.model, repeats=args.repeats,
                       decode_tokens=args.decode_tokens, decode_repeats=args.decode_repeats,
                       seed=args.seed)
-    for name in ("prompt_lengths", "concurrency", "contexts"):
+    for name in ("prompt_lengths", "concurrency", "contexts", "mixed_prompts"):
         if getattr(args, name):
             setattr(cal, name, getattr(args, name))
     for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -340,8 +409,8 @@ def run(args: argparse.Namespace) -> int:
     s = profile.step_s
     print(f"{args.out}: {profile.model} at {profile.backend}")
     print(f"  step = {s.overhead * 1e3:.3f} ms + {s.prefill_token * 1e6:.3f} us/prefill token"
-          f" + {s.prefill_attn * 1e9:.4f} ns/attn unit + {s.decode_seq * 1e6:.1f} us/decode"
-          f" + {s.decode_ctx * 1e9:.2f} ns/context token")
+          f" (+ {s.mixed_prefill * 1e6:.3f} among decodes) + {s.prefill_attn * 1e12:.3f} ps/attn"
+          f" unit + {s.decode_seq * 1e6:.1f} us/decode + {s.decode_ctx * 1e9:.2f} ns/context token")
     print(f"  frontend {profile.frontend_s * 1e3:.2f} ms per request; fit median error "
           f"{profile.fit['median_abs_rel_error']:.1%}, max {profile.fit['max_abs_rel_error']:.1%}")
     return 0

@@ -1,14 +1,18 @@
 """Measured step-cost profiles: a linear engine-step model fitted to a live vLLM backend.
 
 `llmflow calibrate` times a real backend (first-token latency of single requests at several
-prompt lengths, inter-token latency at several batch sizes and context lengths) and fits
+prompt lengths, inter-token latency at several batch sizes and context lengths, and the step a
+prompt adds to a decoding batch) and fits
 
     step = overhead + prefill_token * P + prefill_attn * A + decode_seq * D + decode_ctx * C
+           + mixed_prefill * P * [D > 0]
 
 where, for one engine step, `P` is the prompt tokens computed, `A = sum(n * (2 * offset + n))`
 over the prefill chunks (causal attention), `D` the sequences decoding and `C` their contexts
-summed. A request's first token also pays `frontend_s` once: the HTTP, tokenizer and IPC path
-between the client and the engine, which no engine step contains. The fit is a non-negative,
+summed. `mixed_prefill` is what a prompt token costs beyond `prefill_token` when it shares the
+step with decodes (on vLLM's CPU build about as much again, see docs/fidelity.md). A request's
+first token also pays `frontend_s` once: the HTTP, tokenizer and IPC path between the client
+and the engine, which no engine step contains. The fit is a non-negative,
 relative-error least squares (`fit_step_model`), so a coefficient the data cannot support comes
 out as zero rather than negative.
 
@@ -35,6 +39,7 @@ __all__ = [
     "STEP_TERMS",
     "DecodeSample",
     "FittedStepCost",
+    "MixedSample",
     "PrefillSample",
     "Profile",
     "ProfileError",
@@ -45,7 +50,8 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = "llmflow-step-profile/1"  # the `format:` line of a profile file
-STEP_TERMS = ("overhead", "prefill_token", "prefill_attn", "decode_seq", "decode_ctx")
+STEP_TERMS = ("overhead", "prefill_token", "prefill_attn", "decode_seq", "decode_ctx",
+              "mixed_prefill")
 ENGINE_KEYS = ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs",
                "max_num_batched_tokens")  # EngineConfig fields a profile may pin
 
@@ -64,11 +70,13 @@ class StepModel(BaseModel):
     prefill_attn: float = Field(0.0, ge=0)  # s per unit of n * (2 * offset + n)
     decode_seq: float = Field(0.0, ge=0)  # s per decoding sequence
     decode_ctx: float = Field(0.0, ge=0)  # s per context token of the decoding sequences
+    mixed_prefill: float = Field(0.0, ge=0)  # s per prompt token extra in a step with decodes
 
     def step_time(self, prefill: int, attn: int, decodes: int, ctx: int) -> float:
         """Seconds of one step with these terms."""
+        mixed = self.mixed_prefill * prefill if decodes else 0.0
         return (self.overhead + self.prefill_token * prefill + self.prefill_attn * attn
-                + self.decode_seq * decodes + self.decode_ctx * ctx)
+                + self.decode_seq * decodes + self.decode_ctx * ctx + mixed)
 
 
 class Profile(BaseModel):
@@ -121,14 +129,17 @@ class FittedStepCost(StepCost):
         self.frontend_s = frontend_s
         self.kv_bytes_per_token = 1.0  # only swap preemption reads it; CPU vLLM recomputes
         m = model
-        self._c = (m.overhead, m.prefill_token, m.prefill_attn, m.decode_seq, m.decode_ctx)
+        self._c = (m.overhead, m.prefill_token, m.prefill_attn, m.decode_seq, m.decode_ctx,
+                   m.mixed_prefill)
 
     def step_time(
         self, decodes: int, decode_ctx: int, prefill_tokens: int, prefill_attn: int,
         prefill_ctx: int, swap_bytes: float,
     ) -> float:
         """Seconds one step takes (`prefill_ctx` and `swap_bytes` are not in the model)."""
-        c0, c1, c2, c3, c4 = self._c
+        c0, c1, c2, c3, c4, c5 = self._c
+        if decodes:
+            c1 += c5
         return c0 + c1 * prefill_tokens + c2 * prefill_attn + c3 * decodes + c4 * decode_ctx
 
     def kv_blocks(self, block_size: int) -> int:
@@ -157,10 +168,21 @@ class DecodeSample:
     decode_ctx: float  # mean over the window of the batch's summed context
 
 
+@dataclass(frozen=True)
+class MixedSample:
+    """A prompt joining a decoding batch: the seconds of the one step that computed it."""
+
+    decodes: int
+    decode_ctx: float  # the batch's summed context at that step
+    prompt_tokens: int
+    step_s: float
+
+
 def _medians(
-    prefill: list[PrefillSample], decode: list[DecodeSample]
-) -> tuple[list[PrefillSample], list[DecodeSample]]:
-    """One row per prompt length and per (batch, context): the median of its repeats.
+    prefill: list[PrefillSample], decode: list[DecodeSample], mixed: list[MixedSample]
+) -> tuple[list[PrefillSample], list[DecodeSample], list[MixedSample]]:
+    """One row per prompt length, per (batch, context) and per (batch, prompt): the median of
+    its repeats.
 
     Interference on a shared machine only ever adds time, in bursts; the median of a few
     repeats ignores a burst that a mean would spread over the fit.
@@ -177,15 +199,27 @@ def _medians(
                      float(np.mean([d.decode_ctx for d in v])))
         for (b, c), v in sorted(by_batch.items())
     ]
-    return pre, dec
+    by_join: dict[tuple[int, int], list[MixedSample]] = {}
+    for m in mixed:
+        by_join.setdefault((m.decodes, m.prompt_tokens), []).append(m)
+    mix = [
+        MixedSample(d, float(np.mean([m.decode_ctx for m in v])), n,
+                    float(np.median([m.step_s for m in v])))
+        for (d, n), v in sorted(by_join.items())
+    ]
+    return pre, dec, mix
 
 
-def _rows(prefill: list[PrefillSample], decode: list[DecodeSample]) -> tuple[Any, Any, list[str]]:
+def _rows(
+    prefill: list[PrefillSample], decode: list[DecodeSample], mixed: list[MixedSample]
+) -> tuple[Any, Any, list[str]]:
     # columns: frontend, then STEP_TERMS; a first token pays frontend + one prefill step
     names = ["frontend", *STEP_TERMS]
-    x = [[1.0, 1.0, p.prompt_tokens, p.prompt_tokens**2, 0.0, 0.0] for p in prefill]
-    x += [[0.0, 1.0, 0.0, 0.0, d.concurrency, d.decode_ctx] for d in decode]
-    y = [p.ttft_s for p in prefill] + [d.itl_s for d in decode]
+    x = [[1.0, 1.0, p.prompt_tokens, p.prompt_tokens**2, 0.0, 0.0, 0.0] for p in prefill]
+    x += [[0.0, 1.0, 0.0, 0.0, d.concurrency, d.decode_ctx, 0.0] for d in decode]
+    x += [[0.0, 1.0, m.prompt_tokens, m.prompt_tokens**2, m.decodes, m.decode_ctx,
+           m.prompt_tokens] for m in mixed]
+    y = [p.ttft_s for p in prefill] + [d.itl_s for d in decode] + [m.step_s for m in mixed]
     return np.array(x, dtype=float), np.array(y, dtype=float), names
 
 
@@ -203,7 +237,7 @@ def _nnls(x: Any, y: Any) -> Any:
 
 
 def fit_step_model(
-    prefill: list[PrefillSample], decode: list[DecodeSample]
+    prefill: list[PrefillSample], decode: list[DecodeSample], mixed: list[MixedSample] | None = None
 ) -> tuple[StepModel, float, dict[str, Any]]:
     """Fit the step model and the frontend latency to measurements.
 
@@ -214,6 +248,8 @@ def fit_step_model(
     Args:
         prefill: first-token times of single requests on an idle engine.
         decode: mean step times of batches decoding together.
+        mixed: steps in which a prompt joined a decoding batch (without them `mixed_prefill`
+            is zero: prompts cost the same alone or among decodes).
 
     Returns:
         (step model, frontend seconds, fit statistics with per-row relative errors).
@@ -224,21 +260,24 @@ def fit_step_model(
     """
     if not decode or not prefill:
         raise ValueError("the fit needs both prefill and decode measurements")
-    prefill, decode = _medians(prefill, decode)
-    x, y, names = _rows(prefill, decode)
+    prefill, decode, mixed = _medians(prefill, decode, mixed or [])
+    x, y, names = _rows(prefill, decode, mixed)
+    if not mixed:
+        x = x[:, :-1]
     if len(y) < x.shape[1]:
         raise ValueError(f"{len(y)} measurements cannot fit {x.shape[1]} terms")
     w = 1.0 / y
     coef = _nnls(x * w[:, None], y * w)
     pred = x @ coef
     rel = (pred - y) / y
-    values = dict(zip(names, (float(c) for c in coef), strict=True))
+    values = dict(zip(names, (float(c) for c in coef), strict=False))
     stats = {
         "rows": len(y),
         "median_abs_rel_error": round(float(np.median(np.abs(rel))), 4),
         "max_abs_rel_error": round(float(np.max(np.abs(rel))), 4),
         "prefill_rel_error": [round(float(r), 4) for r in rel[: len(prefill)]],
-        "decode_rel_error": [round(float(r), 4) for r in rel[len(prefill):]],
+        "decode_rel_error": [round(float(r), 4) for r in rel[len(prefill):len(y) - len(mixed)]],
+        "mixed_rel_error": [round(float(r), 4) for r in rel[len(y) - len(mixed):]],
         "zeroed_terms": [n for n, c in values.items() if c == 0.0],
     }
     frontend = values.pop("frontend")
@@ -254,9 +293,10 @@ def pooled(profiles: list[Profile]) -> Profile:
     """
     prefill = [PrefillSample(**m) for p in profiles for m in p.measurements.get("prefill", ())]
     decode = [DecodeSample(**m) for p in profiles for m in p.measurements.get("decode", ())]
-    step, frontend, stats = fit_step_model(prefill, decode)
+    mixed = [MixedSample(**m) for p in profiles for m in p.measurements.get("mixed", ())]
+    step, frontend, stats = fit_step_model(prefill, decode, mixed)
     measurements = {k: [m for p in profiles for m in p.measurements.get(k, ())]
-                    for k in ("prefill", "decode")}
+                    for k in ("prefill", "decode", "mixed")}
     return profiles[0].model_copy(update={"step_s": step, "frontend_s": frontend, "fit": stats,
                                           "measurements": measurements})
 
