@@ -191,3 +191,9 @@ async def test_a_queued_request_displaced_by_a_lighter_tenant_gets_429() -> None
         h.fake.release(3)
         assert [(await t).status_code for t in (running, first, light)] == [200] * 3
         assert h.gateway.metrics.outcomes["rejected", "displaced"] == 1
+
+
+async def test_stream_requests_are_400_when_streaming_is_disabled() -> None:
+    async with start_gateway(streaming={"enabled": False}) as h:
+        _error(await h.client.post(CHAT, json=_chat(stream=True)), 400, "streaming_disabled")
+        assert (await h.client.post(CHAT, json=_chat(max_tokens=1))).status_code == 200

@@ -99,7 +99,9 @@ class Gateway:
             on_backend_down=self.scraper.mark_down,
             tasks=self.tasks,
         )
-        self.service = CompletionService(self.ctx, self.models, s.server.bytes_per_token)
+        self.service = CompletionService(
+            self.ctx, self.models, s.server.bytes_per_token, s.streaming.enabled
+        )
         await self.scraper.scrape_all()
         self.scraper.start(self.tasks)
         for name, state in self.scraper.states.items():

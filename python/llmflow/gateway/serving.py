@@ -51,10 +51,18 @@ class CompletionService:
         ctx: the shared session runtime.
         models: served model name -> context length (the smallest among its backends).
         bytes_per_token: UTF-8 bytes per token for prompt estimates.
+        streaming: whether clients may ask for `stream` (`streaming.enabled`).
     """
 
-    def __init__(self, ctx: SessionContext, models: dict[str, int], bytes_per_token: float):
+    def __init__(
+        self,
+        ctx: SessionContext,
+        models: dict[str, int],
+        bytes_per_token: float,
+        streaming: bool = True,
+    ) -> None:
         self.ctx, self.models, self.bytes_per_token = ctx, models, bytes_per_token
+        self.streaming = streaming
 
     def prepare(self, endpoint: Endpoint, identity: Identity, raw: bytes) -> Prepared:
         """Check a request body completely, without touching a backend.
@@ -68,6 +76,13 @@ class CompletionService:
             request: Any = model_cls.model_validate(body)
         except ValidationError as exc:
             raise _invalid(exc) from None
+        if request.stream and not self.streaming:
+            raise GatewayError(
+                400,
+                "streaming is disabled on this gateway (streaming.enabled)",
+                "streaming_disabled",
+                param="stream",
+            )
         context = self.models.get(request.model)
         if context is None:
             raise GatewayError(
