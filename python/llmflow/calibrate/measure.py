@@ -1,21 +1,19 @@
-"""`llmflow calibrate`: measure a live vLLM backend and fit the simulator's step-cost profile.
+"""The measurements behind `llmflow calibrate`: the sweeps, the traces, the fitted profile.
 
-Two sweeps over the OpenAI API, streaming, with random token-id prompts (so vLLM's prefix cache
-never hits) and `ignore_eos` (so every request runs to `max_tokens`):
+Two sweeps and a join over the OpenAI API, streaming, with random token-id prompts (so vLLM's
+prefix cache never hits) and `ignore_eos` (so every request runs to `max_tokens`):
 
 * prefill: single requests on an idle engine at several prompt lengths; the time to the first
   token is one prefill step plus the frontend path (HTTP, IPC, detokenising);
 * decode: batches of `B` requests with `C`-token prompts started together; while every one of
   them is decoding, the time per generated token is the engine's step time for `B` decodes over
   about `B * (C + tokens so far)` context tokens;
-* mixed: a prompt sent while a batch decodes; the batch's gap that ends with the prompt's first
-  token is the one step that computed the prompt among the decodes.
+* mixed: a prompt sent while a batch decodes; the batch's extra time across its arrival is the
+  one step that computed the prompt among the decodes.
 
-`llmflow.sim.profile.fit_step_model` fits the step model to both, and the profile (coefficients,
-engine limits, residuals, raw samples) is written as YAML for `profile:` in a scenario backend.
-Engine limits come from `/v1/models` (`max_model_len`) and vLLM's `vllm:cache_config_info`
-(`block_size`, `num_gpu_blocks`); `--max-num-seqs` and `--max-num-batched-tokens` add the two
-limits vLLM does not publish.
+`llmflow.sim.profile.fit_step_model` fits the step model to all three. Engine limits come from
+`/v1/models` (`max_model_len`) and vLLM's `vllm:cache_config_info` (`block_size`,
+`num_gpu_blocks`); `Calibration.engine` adds the limits vLLM does not publish.
 """
 
 from __future__ import annotations
@@ -25,11 +23,9 @@ import json
 import random
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -44,10 +40,9 @@ from llmflow.sim.profile import (
 )
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable
 
-__all__ = ["Calibration", "Trace", "add_commands", "calibrate", "decode_sample"]
+__all__ = ["Calibration", "Trace", "calibrate", "decode_sample", "mixed_sample", "stream_request"]
 
 _TOKEN_IDS = (100, 4000)  # random prompt ids drawn from this range (valid in any >=4k vocab)
 _WINDOW_EDGE = 2  # tokens ignored at each end of the all-decoding window
@@ -338,79 +333,3 @@ async def calibrate(cal: Calibration, tick: Callable[[int], None] = lambda n: No
                       for m in mixed],
         },
     )
-
-
-def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `calibrate` on the `llmflow` parser.
-
-    Args:
-        subparsers: the `llmflow` command group.
-    """
-    p = subparsers.add_parser(
-        "calibrate", help="measure a live vLLM backend and fit a simulator profile",
-        description="Time a live backend (first-token latency vs prompt length, inter-token "
-        "latency vs batch size and context), fit the simulator's step-cost model with least "
-        "squares and write it, with the raw measurements, to a YAML profile that a scenario "
-        "backend can use as `profile: PATH`.")
-    p.add_argument("--backend", required=True, metavar="URL", help="vLLM base URL (no /v1)")
-    p.add_argument("--out", required=True, type=Path, metavar="PROFILE.yaml", help="output file")
-    p.add_argument("--model", help="served model name (default: the first one listed)")
-    p.add_argument("--prompt-lengths", type=_ints, metavar="N,N,...",
-                   help="prefill sweep prompt sizes (default 16,128,384,768,1152,1536)")
-    p.add_argument("--repeats", type=int, default=3, help="requests per prompt size (default 3)")
-    p.add_argument("--concurrency", type=_ints, metavar="B,B,...",
-                   help="decode sweep batch sizes (default 1,2,4,8,16)")
-    p.add_argument("--contexts", type=_ints, metavar="C,C,...",
-                   help="decode sweep prompt sizes (default 32,640,1280)")
-    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode request")
-    p.add_argument("--decode-repeats", type=int, default=2, help="runs of each decode batch")
-    p.add_argument("--mixed-prompts", type=_ints, metavar="N,N,...",
-                   help="prompt sizes that join a decoding batch (default 256,1024)")
-    p.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs, to record")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   help="vLLM's --max-num-batched-tokens, to record")
-    p.add_argument("--seed", type=int,
-                   help="seed of the random prompts (default: fresh; a seed repeated against "
-                   "the same server hits its prefix cache)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(func=run)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v.strip())
-
-
-def _calibration(args: argparse.Namespace) -> Calibration:
-    cal = Calibration(args.backend.rstrip("/"), args.model, repeats=args.repeats,
-                      decode_tokens=args.decode_tokens, decode_repeats=args.decode_repeats,
-                      seed=args.seed)
-    for name in ("prompt_lengths", "concurrency", "contexts", "mixed_prompts"):
-        if getattr(args, name):
-            setattr(cal, name, getattr(args, name))
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) is not None:
-            cal.engine[name] = getattr(args, name)
-    return cal
-
-
-def run(args: argparse.Namespace) -> int:
-    """`llmflow calibrate`: measure, fit, write the profile, print a summary."""
-    from tqdm import tqdm
-
-    cal = _calibration(args)
-    with tqdm(total=cal.probes() + 1, desc="calibrate", unit="req", disable=args.no_progress,
-              dynamic_ncols=True) as bar:
-        try:
-            profile = asyncio.run(calibrate(cal, bar.update))
-        except (httpx.HTTPError, OSError, RuntimeError, ValueError) as exc:
-            print(f"error: calibrating {cal.url} failed: {exc!r}", file=sys.stderr)
-            return 1
-    profile.dump(args.out)
-    s = profile.step_s
-    print(f"{args.out}: {profile.model} at {profile.backend}")
-    print(f"  step = {s.overhead * 1e3:.3f} ms + {s.prefill_token * 1e6:.3f} us/prefill token"
-          f" (+ {s.mixed_prefill * 1e6:.3f} among decodes) + {s.prefill_attn * 1e12:.3f} ps/attn"
-          f" unit + {s.decode_seq * 1e6:.1f} us/decode + {s.decode_ctx * 1e9:.2f} ns/context token")
-    print(f"  frontend {profile.frontend_s * 1e3:.2f} ms per request; fit median error "
-          f"{profile.fit['median_abs_rel_error']:.1%}, max {profile.fit['max_abs_rel_error']:.1%}")
-    return 0
