@@ -13,7 +13,7 @@ from .sse_client import frames
 pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
-_ABORT_WITHIN_S = 0.5  # "immediately", with room for a loaded CI machine
+_ABORT_WITHIN_S = 1.0  # "immediately" (~ms), with room for a heavily loaded CI machine
 
 
 def _chat(stream: bool = True, **extra: Any) -> dict[str, Any]:

@@ -45,7 +45,7 @@ async def test_server_never_exceeds_the_window_and_resumes_on_ack() -> None:
     async with start_gateway(backpressure={"client_window": 3}) as h, connect(_ws_url(h)) as ws:
         await ws.send(_request(tokens=30))
         assert (await _recv(ws)) == {"type": "start", "id": "r1", "window": 3}
-        got = await _drain_window(ws)
+        got = await _drain_window(ws, 0.6)
         assert [m["seq"] for m in got] == [1, 2, 3]  # then silence: no acks yet
         text = ""
         acked = 0
@@ -71,7 +71,7 @@ async def test_a_late_renderer_gets_merged_chunks_and_the_backend_is_paused() ->
         async with connect(_ws_url(h)) as ws:
             await ws.send(_request(tokens=200, itl=0.005))
             await _recv(ws)
-            first = await _drain_window(ws)
+            first = await _drain_window(ws, 0.6)
             assert len(first) == 2
             (session,) = h.gateway.ctx.sessions  # type: ignore[union-attr]
             assert session.window.pauses > 0  # the window filled and the reader paused
