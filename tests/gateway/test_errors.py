@@ -135,6 +135,9 @@ async def test_unreachable_backend_is_502_then_503_once_marked_down() -> None:
         h.gateway.ctx.routes["b0"] = type(h.gateway.ctx.routes["b0"])(dead, False)
         h.gateway.scraper.states["b0"].url = dead
         _error(await h.client.post(CHAT, json=_chat()), 502, "backend_unavailable")
+        state = h.gateway.scraper.states["b0"]
+        assert not state.healthy  # marked down by the request itself, before any scrape
+        await until(lambda: state.failures >= 1)  # a scrape begun earlier cannot revive it now
         r = await h.client.post(CHAT, json=_chat())
         _error(r, 503, "no_healthy_backend")
         assert int(r.headers["retry-after"]) >= 1
