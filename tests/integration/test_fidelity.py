@@ -87,6 +87,7 @@ def _drift(a: Profile, b: Profile) -> float:
     return max(abs(x - y) / min(x, y) for x, y in zip(points(a), points(b), strict=True))
 
 
+@pytest.mark.timeout(900)  # about 75 s here; twice that on a busy machine, plus a vLLM start
 def test_simulator_predicts_real_vllm_through_the_gateway(
     vllm_server: VllmServer, tmp_path: Path
 ) -> None:
