@@ -54,6 +54,7 @@ class BackendState:
     scraped_at: float | None = None
     last_error: str | None = None
     scrapes: int = 0
+    down_at: float | None = None  # when a request last found it unreachable
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
@@ -141,6 +142,7 @@ class Scraper:
     async def scrape(self, name: str) -> bool:
         """Scrape one backend, feed the core, update its health; True when the scrape worked."""
         state = self.states[name]
+        started = time.monotonic()
         try:
             response = await self.upstream.get(state.url + "/metrics", self.timeout_s)
             response.raise_for_status()
@@ -152,10 +154,10 @@ class Scraper:
             if state.healthy and enough:
                 self._set_health(state, False)
             return False
-        self._record(state, values)
+        self._record(state, values, started)
         return True
 
-    def _record(self, state: BackendState, values: dict[str, float]) -> None:
+    def _record(self, state: BackendState, values: dict[str, float], started: float) -> None:
         state.failures, state.last_error, state.scrapes = 0, None, state.scrapes + 1
         state.scraped_at, state.ever_scraped = time.monotonic(), True
         state.kv_usage = values.get("kv_usage")
@@ -173,8 +175,8 @@ class Scraper:
             preemptions_total=state.preemptions_total,
             kv_blocks=_in_core_blocks(state.num_gpu_blocks, state.block_size, self.block_size),
         )
-        if not state.healthy:
-            self._set_health(state, True)
+        if not state.healthy and (state.down_at is None or started > state.down_at):
+            self._set_health(state, True)  # a scrape begun before a request failed proves nothing
 
     def _set_health(self, state: BackendState, healthy: bool) -> None:
         state.healthy = healthy
@@ -189,7 +191,7 @@ class Scraper:
     def mark_down(self, name: str, error: str) -> None:
         """A request could not reach the backend: unhealthy now, until a scrape succeeds."""
         state = self.states[name]
-        state.last_error = error
+        state.last_error, state.down_at = error, time.monotonic()
         if state.healthy:
             self._set_health(state, False)
 
