@@ -157,7 +157,9 @@ class Scraper:
         self._record(state, values, started)
         return True
 
-    def _record(self, state: BackendState, values: dict[str, float], started: float) -> None:
+    def _record(
+        self, state: BackendState, values: dict[str, float], started: float | None = None
+    ) -> None:
         state.failures, state.last_error, state.scrapes = 0, None, state.scrapes + 1
         state.scraped_at, state.ever_scraped = time.monotonic(), True
         state.kv_usage = values.get("kv_usage")
@@ -175,7 +177,8 @@ class Scraper:
             preemptions_total=state.preemptions_total,
             kv_blocks=_in_core_blocks(state.num_gpu_blocks, state.block_size, self.block_size),
         )
-        if not state.healthy and (state.down_at is None or started > state.down_at):
+        began = time.monotonic() if started is None else started
+        if not state.healthy and (state.down_at is None or began > state.down_at):
             self._set_health(state, True)  # a scrape begun before a request failed proves nothing
 
     def _set_health(self, state: BackendState, healthy: bool) -> None:
