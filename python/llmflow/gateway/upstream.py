@@ -9,6 +9,7 @@ response: vLLM aborts a request whose connection closes, which frees its KV bloc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from typing import TYPE_CHECKING, Any
@@ -139,7 +140,7 @@ class Upstream:
         )
         try:
             response = await self.pool.request(base_url + path, head, json.dumps(body).encode())
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, asyncio.TimeoutError) as exc:  # distinct before 3.11
             raise UpstreamError(
                 502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
             ) from exc

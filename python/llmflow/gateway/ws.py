@@ -86,7 +86,7 @@ class AckChannel:
             self._progress.clear()
             try:
                 await asyncio.wait_for(self._progress.wait(), deadline - time.monotonic())
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):  # distinct before 3.11
                 return False
         return not self.departure.left
 
