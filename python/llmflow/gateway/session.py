@@ -190,6 +190,8 @@ class StreamSession:
                 self.ticket.on_expire = self._on_expire
                 if self.ticket.expired is not None:
                     self._on_expire(self.ticket.expired)
+                elif self._cut is not None:  # cut between admission and this task's start
+                    scope.cancel()
                 await self._pump()
                 outcome = "completed"
             if self._cut is not None:
