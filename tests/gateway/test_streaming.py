@@ -42,9 +42,7 @@ async def test_each_chunk_is_forwarded_before_the_next_is_generated(gw: Harness)
 
 async def test_coalescing_merges_a_burst_into_fewer_valid_chunks() -> None:
     async with start_gateway(streaming={"sse_flush_interval": "200ms"}) as h:
-        async with h.client.stream(
-            "POST", CHAT, json=_chat(max_tokens=40, fake={"itl": 0})
-        ) as r:
+        async with h.client.stream("POST", CHAT, json=_chat(max_tokens=40, fake={"itl": 0})) as r:
             chunks = [c async for c in frames(r)]
         assert chunks[-1] == "[DONE]"
         body = chunks[:-1]
