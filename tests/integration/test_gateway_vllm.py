@@ -118,14 +118,13 @@ def test_disconnect_mid_stream_aborts_in_vllm(vllm: VllmServer, start_gateway: A
                 if line.startswith("data: {") and _tokens(line) >= 20:
                     break
             assert vllm.metrics(m)[RUNNING] == 1
-        closed = time.monotonic()
         took = poll(lambda: vllm.metrics(m)[RUNNING] == 0, ABORT_WITHIN_S)
         after = vllm.metrics(m)[GENERATED]
         time.sleep(0.5)
         assert vllm.metrics(m)[GENERATED] == after, "vLLM kept generating after the abort"
         assert after - generated_before < 1000, "the request ran to its end"
         poll(lambda: gateway_idle(gw.state(m)), 2.0)
-    print(f"vLLM stopped the request {took:.3f} s ({time.monotonic() - closed:.2f}) after close")
+    print(f"vLLM stopped running the request {took:.3f} s after the client closed")
 
 
 def test_disconnect_while_queued_in_vllm(vllm: VllmServer, start_gateway: Any) -> None:
@@ -138,8 +137,8 @@ def test_disconnect_while_queued_in_vllm(vllm: VllmServer, start_gateway: Any) -
 
     async def scenario() -> tuple[float, float, float]:
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            m = httpx.AsyncClient(timeout=5)
+        async with (httpx.AsyncClient(timeout=60, limits=limits) as client,
+                    httpx.AsyncClient(timeout=5) as m):
             metrics = lambda: _ametrics(m, vllm)  # noqa: E731
             fillers = [asyncio.create_task(stream_into(client, url, body(16, 1900), StreamLog()))
                        for _ in range(16)]
@@ -156,7 +155,6 @@ def test_disconnect_while_queued_in_vllm(vllm: VllmServer, start_gateway: Any) -
             stopped = (await metrics())[GENERATED]
             await asyncio.sleep(0.5)
             assert (await metrics())[GENERATED] == stopped, "vLLM kept generating"
-            await m.aclose()
             return t_waiting, t_running, stopped - before
 
     t_waiting, t_running, extra = asyncio.run(scenario())
@@ -172,8 +170,7 @@ def test_disconnect_while_queued_in_gateway(vllm: VllmServer, start_gateway: Any
     url = f"{gw.openai_base_url}/completions"
 
     async def scenario() -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
-            m = httpx.AsyncClient(timeout=5)
+        async with httpx.AsyncClient(timeout=60) as client, httpx.AsyncClient(timeout=5) as m:
             first = asyncio.create_task(stream_into(client, url, body(16, 1900), StreamLog()))
             await _until(lambda mm: mm[RUNNING] == 1, lambda: _ametrics(m, vllm), 10)
             prompts_before = (await _ametrics(m, vllm))["vllm:prompt_tokens_total"]
@@ -188,7 +185,6 @@ def test_disconnect_while_queued_in_gateway(vllm: VllmServer, start_gateway: Any
             await cancel(first)
             await _until(lambda mm: mm[RUNNING] == 0, lambda: _ametrics(m, vllm),
                          ABORT_WITHIN_S)
-            await m.aclose()
 
     asyncio.run(scenario())
     poll(lambda: gateway_idle(gw.state()), 2.0)

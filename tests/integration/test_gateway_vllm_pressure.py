@@ -30,6 +30,7 @@ pytestmark = pytest.mark.integration
 TIGHT_ARGS = ("--scheduling-policy", "priority", "--kv-cache-memory-bytes", str(4 << 20),
               "--max-num-seqs", "8")
 SEATS = 8  # vLLM's --max-num-seqs here
+VIP_TOKENS = 1500  # long enough to be running when vLLM starts preempting the flood
 FILLER = (16, 368)  # prompt, output: 384 tokens = 3 of the 31 usable blocks, 8 fit together
 VIP, NORMAL = {"Authorization": "Bearer k-gold"}, {"Authorization": "Bearer k-shop"}
 TENANTS = [
@@ -78,8 +79,8 @@ async def _admission_order(server: VllmServer, gw: GatewayProcess) -> list[str]:
     one seat, one after the other, in the order vLLM picks them. Returns who got a first token,
     in order."""
     url = f"{gw.openai_base_url}/completions"
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
-        m = httpx.AsyncClient(timeout=5)
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client, httpx.AsyncClient() as m:
         fillers = [asyncio.create_task(stream_into(client, url, body(*FILLER), StreamLog(), NORMAL))
                    for _ in range(SEATS)]
         await _until(m, server, "vllm:num_requests_running", SEATS, 20)
@@ -93,7 +94,6 @@ async def _admission_order(server: VllmServer, gw: GatewayProcess) -> list[str]:
         await asyncio.wait_for(asyncio.gather(*waiters), 20)
         for filler in fillers[1:]:
             await cancel(filler)
-        await m.aclose()
     assert all(log.tokens == 8 for log in logs.values()), {k: v.tokens for k, v in logs.items()}
     return sorted(logs, key=lambda name: logs[name].first_token)
 
@@ -125,38 +125,40 @@ def test_without_priorities_vllm_serves_in_arrival_order(
 def test_preemptions_shed_normal_while_vip_completes(
     tight: VllmServer, start_gateway: Any
 ) -> None:
-    """A flood of long normal requests overflows vLLM's 32 KV blocks and it preempts. The
-    gateway sees `num_preemptions_total` rise and refuses new normal requests with 429, while
-    a VIP request still runs to completion."""
+    """Seven long normal requests and one VIP request run together; the normal ones outgrow
+    vLLM's 31 usable KV blocks and it preempts them (never the VIP: its priority is better).
+    The gateway sees `num_preemptions_total` rise and refuses new normal requests with 429
+    (its preemption breaker halves the normal tier's 12 slots, which the 8 running exceed),
+    while the VIP request runs to completion."""
     wait_idle(tight)
     gw = start_gateway(gateway_config(
         tight.url, priority=True, tenants=TENANTS,
-        gate={"max_concurrency_per_gpu": 32, "queue": {"max_waiting": 2}},
+        gate={"max_concurrency_per_gpu": 12, "queue": {"max_waiting": 2}},
         kv={"pressure_threshold": 0.85}, preemption={"cooldown_ms": 10_000},
         streaming={"sse_flush_interval": 0, "first_token_timeout_ms": None},
         sla={"ttft_ms": None}))
     url = f"{gw.openai_base_url}/completions"
 
     async def scenario() -> tuple[float, list[StreamLog], StreamLog]:
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
-            m = httpx.AsyncClient(timeout=5)
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c, httpx.AsyncClient() as m:
             before = (await _metrics(m, tight))["vllm:num_preemptions_total"]
-            flood = [asyncio.create_task(stream_into(c, url, body(500, 500), StreamLog(), NORMAL))
-                     for _ in range(24)]
+            flood = [asyncio.create_task(stream_into(c, url, body(500, 1000), StreamLog(), NORMAL))
+                     for _ in range(SEATS - 1)]  # 7 x 1,500 tokens: 2.6 times the cache
+            vip = asyncio.create_task(stream_into(c, url, body(32, VIP_TOKENS), StreamLog(), VIP))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 30
             while (await _gateway_preemptions(m, gw)) <= 0:
                 assert loop.time() < deadline, "the gateway never saw a preemption"
+                assert not vip.done(), "the VIP request ended before any preemption"
                 await asyncio.sleep(0.05)
             after = (await _metrics(m, tight))["vllm:num_preemptions_total"]
             shed = [await stream_into(c, url, body(32, 16), StreamLog(), NORMAL)
                     for _ in range(3)]
-            vip = await asyncio.wait_for(
-                stream_into(c, url, body(32, 64), StreamLog(), VIP), 60)
+            await asyncio.wait_for(vip, 60)
             for task in flood:
                 await cancel(task)
-            await m.aclose()
-            return after - before, shed, vip
+            return after - before, shed, vip.result()
 
     preempted, shed, vip = asyncio.run(scenario())
     assert preempted > 0
@@ -165,11 +167,11 @@ def test_preemptions_shed_normal_while_vip_completes(
     assert reasons <= {"kv_pressure", "preemption_breaker"}, reasons
     assert all(int(log.headers["retry-after"]) >= 1 for log in shed)
     assert vip.status == 200, vip.error
-    assert vip.tokens == 64
+    assert vip.tokens == VIP_TOKENS
     poll(lambda: gateway_idle(gw.state()), 5.0)
     wait_idle(tight)
     print(f"vLLM preempted {preempted:.0f} times; normal refused with {sorted(reasons)}; VIP "
-          f"completed 64 tokens in {vip.done - vip.sent:.2f} s")
+          f"completed {VIP_TOKENS} tokens in {vip.done - vip.sent:.2f} s")
 
 
 async def _gateway_preemptions(client: httpx.AsyncClient, gw: GatewayProcess) -> int:
