@@ -83,6 +83,8 @@ class Expired:
     was_running: bool
     """True when it held a slot (the caller must abort it upstream)."""
     backend: str | None
+    retry_after_s: float
+    """Positive: when a retry could expect to get through (for the 503/504's Retry-After)."""
 
 @final
 class Governor:

@@ -704,11 +704,14 @@ impl Governor {
             let backend = self.requests[&id].running.as_ref().map(|r| r.backend);
             self.finish(id, Outcome::Timeout, now_us);
             self.counters.expired[reason as usize] += 1;
+            let wait = (self.queue.len() + 1) as f64 / self.drain_rate();
+            let backlog = self.recent_refusals(now_us) / self.drain_rate();
             expired.push(Expired {
                 request_id: id,
                 reason,
                 was_running: backend.is_some(),
                 backend,
+                retry_after_s: (wait + backlog).clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
             });
         }
         expired
@@ -1131,6 +1134,7 @@ mod tests {
             (3, ExpiryReason::QueueTimeout)
         );
         assert!(!expired[0].was_running);
+        assert!(expired[0].retry_after_s > 0.0);
         let expired = g.expire(61 * S);
         assert_eq!(
             (expired[0].request_id, expired[0].reason),

@@ -145,6 +145,7 @@ pub struct PyExpired {
     reason: &'static str,
     was_running: bool,
     backend: Option<String>,
+    retry_after_s: f64,
 }
 
 #[pymethods]
@@ -286,6 +287,7 @@ impl PyGovernor {
                 reason: e.reason.as_str(),
                 was_running: e.was_running,
                 backend: e.backend.map(|b| self.backend_name(b)),
+                retry_after_s: e.retry_after_s,
             })
             .collect()
     }

@@ -126,4 +126,7 @@ pub struct Expired {
     pub reason: ExpiryReason,
     pub was_running: bool,
     pub backend: Option<u32>,
+    /// For the caller's 503/504: when a retry could expect to get through (the queue ahead
+    /// drained at the current rate, plus the recent refusal backlog).
+    pub retry_after_s: f64,
 }

@@ -200,3 +200,18 @@ async def test_stream_requests_are_400_when_streaming_is_disabled() -> None:
     async with start_gateway(streaming={"enabled": False}) as h:
         _error(await h.client.post(CHAT, json=_chat(stream=True)), 400, "streaming_disabled")
         assert (await h.client.post(CHAT, json=_chat(max_tokens=1))).status_code == 200
+
+
+async def test_queue_wait_timeout_is_503_with_the_cores_retry_after() -> None:
+    async with start_gateway(
+        gate={"max_concurrency_per_gpu": 1, "queue": {"max_wait_ms": 200}},
+        streaming={"first_token_timeout_ms": None},
+    ) as h:
+        h.fake.default = {"step": True}
+        first = asyncio.create_task(h.client.post(CHAT, json=_chat(max_tokens=2)))
+        await until(lambda: h.fake.running == 1)
+        r = await h.client.post(CHAT, json=_chat(max_tokens=2))
+        _error(r, 503, "queue_timeout")
+        assert int(r.headers["retry-after"]) >= 1
+        h.fake.release(2)
+        assert (await first).status_code == 200

@@ -33,17 +33,18 @@ def now_us() -> int:
 class Expiry(Exception):
     """A request's deadline passed, as the core reported it (`queue_timeout`, ...)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, retry_after_s: float | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.retry_after_s = retry_after_s  # the core's estimate, for the answer's Retry-After
 
 
 class Displaced(Expiry):
-    """A queued request was pushed out by a newer one of a tenant under its fair share."""
+    """A queued request was pushed out by a newer one (a more important tier, or a tenant
+    under its fair share of the waiting places)."""
 
     def __init__(self, retry_after_s: float | None) -> None:
-        super().__init__("displaced")
-        self.retry_after_s = retry_after_s
+        super().__init__("displaced", retry_after_s)
 
 
 @dataclass(eq=False, slots=True)
@@ -208,7 +209,7 @@ class Policy:
             self.expired_total[expired.reason] = self.expired_total.get(expired.reason, 0) + 1
             ticket = self._tickets.get(expired.request_id)
             if ticket is not None:
-                ticket._expire(expired.reason)
+                ticket._expire(expired.reason, Expiry(expired.reason, expired.retry_after_s))
         self.pump()
         due = self.governor.next_deadline_us()
         if due is not None and due <= now_us() and self._timer is not None:

@@ -119,8 +119,8 @@ class StreamSession:
             self._finish_without_reader("cancelled")
             raise GatewayError(
                 429,
-                "request displaced from the queue: its tenant held more than "
-                "its share of the waiting places",
+                "request displaced from the queue by a more important request or by a tenant "
+                "holding less than its fair share of the waiting places; retry later",
                 "displaced",
                 headers=retry_after_header(exc.retry_after_s),
             ) from None
@@ -128,8 +128,9 @@ class StreamSession:
             shutdown = exc.reason == "shutdown"
             self._finish_without_reader("cancelled" if shutdown else "timeout")
             message = "the gateway is shutting down" if shutdown else "queue wait expired"
+            headers = None if shutdown else retry_after_header(exc.retry_after_s)
             raise GatewayError(
-                _QUEUE_EXPIRY_STATUS, f"{message} ({exc.reason})", exc.reason
+                _QUEUE_EXPIRY_STATUS, f"{message} ({exc.reason})", exc.reason, headers=headers
             ) from None
         self._reader = asyncio.create_task(self._read(), name=f"llmflow-read-{self.request_id}")
         self.ctx.tasks.add(self._reader)
