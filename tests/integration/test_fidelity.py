@@ -42,8 +42,12 @@ pytestmark = pytest.mark.integration
 # build's default --max-num-batched-tokens for the API server (vllm/engine/arg_utils.py).
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 2048}
 SWEEP = {"concurrency": (1, 4, 8, 16), "contexts": (32, 1024)}  # lean: two calibrations per run
-MEDIAN_LIMIT = 0.40  # median |error| over the seven figures (target 0.15; see docs/fidelity.md)
-EACH_LIMIT = 0.60  # every figure but the p99s within this (p99s: reported, not bounded)
+# Gross bounds only: on 2 shared cores the same real workload varies 20-49% run to run (see
+# docs/fidelity.md), so the 15% target is reported, not asserted. What is asserted robustly is
+# discrimination: the calibrated profile must beat deliberately wrong ones by a wide margin.
+MEDIAN_LIMIT = 0.60  # median |error| over the seven figures (target 0.15; see docs/fidelity.md)
+EACH_LIMIT = 1.00  # every figure but the p99s within this (p99s: reported, not bounded)
+MARGIN = 2.0  # a wrong profile's median error must be at least this many times the calibrated
 WRONG = (3.0, 1 / 3)  # profiles with every cost scaled so must fail the same check
 HOP_PAIRS = 12  # idle requests timed direct and through the gateway, alternately
 
@@ -138,6 +142,7 @@ def test_simulator_predicts_real_vllm_through_the_gateway(
         wrong = fidelity.load(_dump(_scaled(profile, factor), tmp_path / f"x{factor:.2f}.yaml"))
         wrong_median, wrong_worst = _score(fidelity.summarise(fidelity.simulate(wrong)), real)
         assert wrong_median > MEDIAN_LIMIT or wrong_worst > EACH_LIMIT, (factor, wrong_median)
+        assert wrong_median >= MARGIN * median, (factor, wrong_median, median, report)
 
 
 def _dump(profile: Profile, path: Path) -> Path:
