@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from llmflow.cli import build_parser, main
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def _commands(

@@ -118,7 +118,7 @@ class Governor:
     def on_first_token(self, request_id: int, now_us: int) -> None:
         """Record the first token of a running request (feeds the prefill-throughput estimate)."""
     def on_tokens(self, request_id: int, n: int, now_us: int) -> None:
-        """Record `n` more generated tokens: grows the request's KV footprint and fair-share cost."""
+        """Record `n` more generated tokens: grows the request's KV footprint and its cost."""
     def finish(self, request_id: int, outcome: Outcome, now_us: int) -> bool:
         """End a live request (queued or running) and free what it held.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -76,6 +76,10 @@ def _calibration(args: argparse.Namespace) -> Calibration:
     return cal
 
 
+def _advance(bar: Any, n: int) -> None:
+    bar.update(n)
+
+
 def run(args: argparse.Namespace) -> int:
     """`llmflow calibrate`: measure, fit, write the profile, print a summary."""
     from tqdm import tqdm
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=cal.probes() + 1, desc="calibrate", unit="req", disable=args.no_progress,
               dynamic_ncols=True) as bar:
         try:
-            profile = asyncio.run(calibrate(cal, bar.update))
+            profile = asyncio.run(calibrate(cal, lambda n: _advance(bar, n)))
         except (httpx.HTTPError, OSError, RuntimeError, ValueError) as exc:
             print(f"error: calibrating {cal.url} failed: {exc!r}", file=sys.stderr)
             return 1
