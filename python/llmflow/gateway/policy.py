@@ -130,7 +130,11 @@ class Policy:
         if decision.admitted:
             assert decision.backend is not None
             ticket._admit(decision.backend, decision.priority, 0.0)
-        self._arm()
+            self._arm()
+        else:
+            # The core's contract: dispatch after a submit that queued. A queued request can
+            # still start at once when the ones ahead of it are held back (e.g. by KV fit).
+            self.pump()
         return ticket
 
     def _displace(self, request_id: int, retry_after_s: float | None) -> None:

@@ -210,11 +210,13 @@ class GatedPolicy:
             q = self.gov.queued
             if q > self.peak_queue:
                 self.peak_queue = q
-            # a tenant over its share of the waiting places loses its newest queued request
-            # (cores without fair-share admission have no such field)
-            displaced = getattr(d, "displaced", None)
-            if displaced is not None:
-                self._refuse_displaced(displaced, getattr(d, "displaced_retry_after_s", None))
+            # a lower tier, or a tenant over its share of the waiting places, loses its newest
+            # queued request to this one
+            if d.displaced is not None:
+                self._refuse_displaced(d.displaced, d.displaced_retry_after_s)
+            # the core's contract: dispatch after a submit that queued (the requests ahead may
+            # be held back while this one fits)
+            self._dispatch()
         else:
             reason = d.reason or "rejected"
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
