@@ -211,3 +211,166 @@ def kv_bytes_per_token(
     Raises:
         InvalidArgumentError: a zero argument.
     """
+
+# ---- the runtime: the request lifecycle, sans-IO -------------------------------------------
+
+Reason = Literal[
+    "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
+    "no_healthy_backend", "displaced", "queue_timeout", "first_token_timeout", "deadline",
+    "client_stall", "shutdown", "upstream_error",
+]
+
+class TraceMismatchError(PolicyError):
+    """A replayed trace's actions differ from the recorded ones (the message names the line)."""
+
+@final
+class Start:
+    """Send the request to `backend`, with vLLM priority `priority` (lower runs first)."""
+
+    request_id: int
+    backend: str
+    priority: int
+    queue_wait_s: float
+
+@final
+class Wait:
+    """The request waits in the gateway's queue: keep the client waiting."""
+
+    request_id: int
+    position: int
+    estimated_wait_s: float
+
+@final
+class Abort:
+    """Close the request's upstream stream now: vLLM aborts it and frees its KV blocks."""
+
+    request_id: int
+
+@final
+class Reply:
+    """Terminal: answer with `status`; `retry_after_s` is the `Retry-After` header as sent
+    (whole seconds), or `None` for no header."""
+
+    request_id: int
+    status: int
+    reason: Reason
+    retry_after_s: int | None
+
+@final
+class Cut:
+    """Terminal: end the reply now with its partial text and the visible notice for `reason`."""
+
+    request_id: int
+    reason: Reason
+
+@final
+class End:
+    """Terminal: the request is over (upstream done, failed after the reply was committed, or
+    the client left)."""
+
+    request_id: int
+    outcome: Outcome
+
+@final
+class Arm:
+    """(Re)set the host's one timer to fire at `at_us`; then call `Runtime.timer`."""
+
+    at_us: int
+
+@final
+class SetHealth:
+    """A backend went down or came back."""
+
+    backend: str
+    healthy: bool
+
+Action = Start | Wait | Abort | Reply | Cut | End | Arm | SetHealth
+
+class Runtime:
+    """The request lifecycle around a `Governor`, sans-IO: feed events, carry out the actions.
+
+    Every method is one event that happened at `now_us` and returns the actions to carry out,
+    in order. Every request announced with `arrive` ends with exactly one terminal action
+    (`Reply`, `Cut` or `End`); late events for an ended request are ignored. The host keeps one
+    timer, set by `Arm`, and calls `timer` when it fires.
+
+    Args:
+        config: `{"policy": <Governor config>, "lifecycle": {...}}`, as
+            `llmflow.config.Settings.to_runtime()` builds it.
+        trace: record every event and its actions (see `take_trace`).
+    """
+
+    def __init__(self, config: Mapping[str, Any], *, trace: bool = False) -> None: ...
+    def arrive(
+        self, request_id: int, tenant: str, prompt_tokens: int, max_tokens: int, stream: bool,
+        now_us: int,
+    ) -> list[Action]:
+        """A request arrived: it starts, waits, or gets its `Reply` at once."""
+    def started(self, request_id: int, now_us: int) -> list[Action]:
+        """The backend accepted the request (its response headers came back)."""
+    def tokens(self, request_id: int, n: int, now_us: int) -> list[Action]:
+        """`n` more tokens were generated; the first ones are the first token."""
+    def done(self, request_id: int, now_us: int) -> list[Action]:
+        """Upstream finished the request."""
+    def failed(
+        self, request_id: int, status: int, now_us: int, *, backend_down: bool = False
+    ) -> list[Action]:
+        """Upstream failed with `status` (0: unreachable; `backend_down`: marks it down)."""
+    def client_gone(self, request_id: int, now_us: int) -> list[Action]:
+        """The client went away: abort upstream, free everything."""
+    def window_full(self, request_id: int, now_us: int) -> list[Action]:
+        """The client's window filled up: the stall timer starts."""
+    def window_drained(self, request_id: int, now_us: int) -> list[Action]:
+        """The client took chunks: the stall timer stops."""
+    def timer(self, now_us: int) -> list[Action]:
+        """The host's timer fired."""
+    def scrape_ok(
+        self, backend: str, began_us: int, now_us: int, *, kv_usage: float | None = None,
+        running: int | None = None, waiting: int | None = None,
+        preemptions_total: int | None = None, kv_blocks: int | None = None,
+    ) -> list[Action]:
+        """A scrape of `backend` begun at `began_us` answered (KV usage is clamped to 0..1)."""
+    def scrape_failed(self, backend: str, now_us: int) -> list[Action]:
+        """A scrape of `backend` failed."""
+    def drain(self, now_us: int) -> list[Action]:
+        """Stop admitting; cut whatever is live when the drain timeout passes."""
+    def take_trace(self) -> str:
+        """The JSONL trace recorded since the last call (header first); "" when not tracing."""
+    @property
+    def tracing(self) -> bool: ...
+    def next_timer_us(self) -> int | None:
+        """When the timer should fire next, if anything is pending."""
+    @property
+    def live(self) -> int:
+        """Requests announced and not yet ended."""
+    def is_live(self, request_id: int) -> bool: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def queued(self) -> int: ...
+    @property
+    def kv_blocks_in_use(self) -> int: ...
+    @property
+    def shed_level(self) -> int: ...
+    @property
+    def draining(self) -> bool: ...
+    def backend_healthy(self, backend: str) -> bool: ...
+    def scrape_failures(self, backend: str) -> int:
+        """Scrapes of `backend` failed in a row."""
+    def request_kv(self, request_id: int, now_us: int) -> tuple[int, float] | None: ...
+    def tenant_service(self, tenant: str) -> float: ...
+    def snapshot(self, now_us: int) -> dict[str, Any]:
+        """The governor's state, as `Governor.snapshot`."""
+    def __copy__(self) -> Runtime:
+        """An independent copy (not tracing)."""
+
+def replay_trace(text: str) -> tuple[int, int]:
+    """Feed a trace's events to a fresh runtime and check every action, bit for bit.
+
+    Returns:
+        (events, actions) replayed.
+
+    Raises:
+        TraceMismatchError: the runtime answered differently (the message names the line).
+        InvalidArgumentError: the text is not a trace.
+    """

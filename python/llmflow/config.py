@@ -207,6 +207,17 @@ class Settings(_Section):
             "kv_weight": self.kv.kv_weight,
         }
 
+    def to_runtime(self) -> dict[str, Any]:
+        """The mapping `llmflow._core.Runtime` takes: the policy and the lifecycle around it."""
+        return {
+            "policy": self.to_core(),
+            "lifecycle": {
+                "stall_timeout_ms": self.backpressure.stall_timeout_ms,
+                "first_token_error": self.streaming.on_first_token_timeout == "error",
+                "drain_timeout_ms": self.server.drain_timeout_ms,
+            },
+        }
+
 
 def _require_unique(what: str, names: list[str]) -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})

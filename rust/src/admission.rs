@@ -207,6 +207,19 @@ impl Governor {
         self.deadlines.first().map(|&(at, _, _)| at)
     }
 
+    /// When the governor next needs the time to move on: the earliest deadline, or the moment
+    /// the preemption breaker cools down a level (which frees room for queued requests).
+    pub fn next_wakeup_us(&self) -> Option<u64> {
+        let breaker = (self.shed_level > 0 && self.config.preemption_cooldown_ms.is_some())
+            .then_some(self.breaker_until_us);
+        [self.next_deadline_us(), breaker].into_iter().flatten().min()
+    }
+
+    /// The backend a running request holds, if it is running.
+    pub fn request_backend(&self, id: u64) -> Option<u32> {
+        self.requests.get(&id)?.running.as_ref().map(|r| r.backend)
+    }
+
     /// Weighted tokens charged to a tenant so far.
     pub fn tenant_service(&self, tenant: u32) -> f64 {
         self.queue.service(tenant)

@@ -10,13 +10,18 @@ pub mod config;
 pub mod error;
 pub mod fair_queue;
 pub mod kv;
+pub mod runtime;
 pub mod snapshot;
+pub mod trace;
 pub mod types;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_runtime;
 
 pub use admission::Governor;
+pub use runtime::{Action, Event, Runtime};
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};
 pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};
@@ -27,8 +32,13 @@ pub mod _core {
     #[pymodule_export]
     use crate::py::{
         kv_bytes_per_token, kv_slots, ConfigError, DuplicateRequestError, InvalidArgumentError,
-        PolicyError, PyAdmission, PyDecision, PyExpired, PyGovernor, UnknownBackendError,
-        UnknownTenantError,
+        PolicyError, PyAdmission, PyDecision, PyExpired, PyGovernor, TraceMismatchError,
+        UnknownBackendError, UnknownTenantError,
+    };
+    #[pymodule_export]
+    use crate::py_runtime::{
+        replay_trace, PyAbort, PyArm, PyCut, PyEnd, PyReply, PyRuntime, PySetHealth, PyStart,
+        PyWait,
     };
 
     #[pymodule_init]

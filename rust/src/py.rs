@@ -44,6 +44,12 @@ create_exception!(
 );
 create_exception!(
     llmflow._core,
+    TraceMismatchError,
+    PolicyError,
+    "A replayed trace's actions differ from the recorded ones."
+);
+create_exception!(
+    llmflow._core,
     InvalidArgumentError,
     PolicyError,
     "Argument out of range."
@@ -67,7 +73,7 @@ fn negative(name: &str, value: i64) -> PyErr {
     InvalidArgumentError::new_err(format!("{name} must be >= 0, got {value}"))
 }
 
-fn non_negative(name: &str, value: i64) -> PyResult<u64> {
+pub(crate) fn non_negative(name: &str, value: i64) -> PyResult<u64> {
     u64::try_from(value).map_err(|_| negative(name, value))
 }
 
@@ -372,7 +378,26 @@ impl PyGovernor {
     }
 
     fn snapshot<'py>(&self, py: Python<'py>, now_us: u64) -> PyResult<Bound<'py, PyAny>> {
-        let text = serde_json::to_string(&self.inner.snapshot(now_us))
+        snapshot_to_py(py, &self.inner.snapshot(now_us))
+    }
+
+    fn __copy__(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+
+    fn copy(&self) -> Self {
+        self.__copy__()
+    }
+}
+
+pub(crate) fn snapshot_to_py<'py>(
+    py: Python<'py>,
+    snapshot: &crate::snapshot::Snapshot,
+) -> PyResult<Bound<'py, PyAny>> {
+    {
+        let text = serde_json::to_string(snapshot)
             .map_err(|e| PolicyError::new_err(e.to_string()))?;
         let value = py.import("json")?.call_method1("loads", (text,))?;
         // Pairs serialise as lists; turn the by-name ones into dicts for readers.
@@ -384,16 +409,6 @@ impl PyGovernor {
             pairs_to_dict(counters, key)?;
         }
         Ok(value)
-    }
-
-    fn __copy__(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-        }
-    }
-
-    fn copy(&self) -> Self {
-        self.__copy__()
     }
 }
 

@@ -75,7 +75,8 @@ pub struct Admission {
 }
 
 /// How a request ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Outcome {
     Completed,
     Error,

@@ -1,0 +1,419 @@
+//! The PyO3 seam of the runtime: one method per event, actions as small frozen classes.
+//!
+//! Hosts dispatch on `type(action)`; every class is immutable and carries names (backends,
+//! tenants) rather than the core's indexes.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::py::{non_negative, InvalidArgumentError, TraceMismatchError};
+use crate::runtime::{Action, Event, Runtime};
+use crate::trace;
+
+/// Send the request upstream.
+#[pyclass(name = "Start", module = "llmflow._core", frozen, get_all)]
+pub struct PyStart {
+    request_id: u64,
+    backend: String,
+    priority: i64,
+    queue_wait_s: f64,
+}
+
+/// The request waits in the gateway's queue.
+#[pyclass(name = "Wait", module = "llmflow._core", frozen, get_all)]
+pub struct PyWait {
+    request_id: u64,
+    position: u32,
+    estimated_wait_s: f64,
+}
+
+/// Close the upstream request now (vLLM aborts it and frees its KV).
+#[pyclass(name = "Abort", module = "llmflow._core", frozen, get_all)]
+pub struct PyAbort {
+    request_id: u64,
+}
+
+/// Terminal: answer with this status and Retry-After.
+#[pyclass(name = "Reply", module = "llmflow._core", frozen, get_all)]
+pub struct PyReply {
+    request_id: u64,
+    status: u16,
+    reason: &'static str,
+    retry_after_s: Option<u32>,
+}
+
+/// Terminal: end the reply now with its partial text and a visible notice.
+#[pyclass(name = "Cut", module = "llmflow._core", frozen, get_all)]
+pub struct PyCut {
+    request_id: u64,
+    reason: &'static str,
+}
+
+/// Terminal: the request is over.
+#[pyclass(name = "End", module = "llmflow._core", frozen, get_all)]
+pub struct PyEnd {
+    request_id: u64,
+    outcome: &'static str,
+}
+
+/// (Re)set the host's one timer.
+#[pyclass(name = "Arm", module = "llmflow._core", frozen, get_all)]
+pub struct PyArm {
+    at_us: u64,
+}
+
+/// A backend went down or came back.
+#[pyclass(name = "SetHealth", module = "llmflow._core", frozen, get_all)]
+pub struct PySetHealth {
+    backend: String,
+    healthy: bool,
+}
+
+macro_rules! reprs {
+    ($($ty:ident => $fmt:literal, $($field:ident),*;)*) => {$(
+        #[pymethods]
+        impl $ty {
+            fn __repr__(&self) -> String {
+                format!($fmt, $(self.$field),*)
+            }
+        }
+    )*};
+}
+
+reprs! {
+    PyStart => "Start(request_id={}, backend={:?}, priority={}, queue_wait_s={})",
+        request_id, backend, priority, queue_wait_s;
+    PyWait => "Wait(request_id={}, position={}, estimated_wait_s={})",
+        request_id, position, estimated_wait_s;
+    PyAbort => "Abort(request_id={})", request_id;
+    PyReply => "Reply(request_id={}, status={}, reason={:?}, retry_after_s={:?})",
+        request_id, status, reason, retry_after_s;
+    PyCut => "Cut(request_id={}, reason={:?})", request_id, reason;
+    PyEnd => "End(request_id={}, outcome={:?})", request_id, outcome;
+    PyArm => "Arm(at_us={})", at_us;
+    PySetHealth => "SetHealth(backend={:?}, healthy={})", backend, healthy;
+}
+
+/// The request lifecycle around the governor; see `llmflow._core.pyi`.
+#[pyclass(name = "Runtime", module = "llmflow._core")]
+pub struct PyRuntime {
+    inner: Runtime,
+    trace: Option<String>,
+}
+
+impl PyRuntime {
+    fn feed(&mut self, py: Python<'_>, now_us: u64, event: &Event) -> PyResult<Py<PyAny>> {
+        let result = self.inner.handle(now_us, event);
+        if let Some(buf) = self.trace.as_mut() {
+            trace::record(buf, now_us, event, &result);
+        }
+        let actions = result?;
+        let gov = self.inner.governor();
+        let list = pyo3::types::PyList::empty(py);
+        for action in actions {
+            let obj: Py<PyAny> = match action {
+                Action::Start {
+                    id,
+                    backend,
+                    priority,
+                    queue_wait_us,
+                } => Py::new(
+                    py,
+                    PyStart {
+                        request_id: id,
+                        backend: gov.backend_name(backend).to_owned(),
+                        priority,
+                        queue_wait_s: queue_wait_us as f64 / 1e6,
+                    },
+                )?
+                .into_any(),
+                Action::Queued {
+                    id,
+                    position,
+                    estimated_wait_s,
+                } => Py::new(
+                    py,
+                    PyWait {
+                        request_id: id,
+                        position,
+                        estimated_wait_s,
+                    },
+                )?
+                .into_any(),
+                Action::Abort { id } => Py::new(py, PyAbort { request_id: id })?.into_any(),
+                Action::Reply {
+                    id,
+                    status,
+                    reason,
+                    retry_after_s,
+                } => Py::new(
+                    py,
+                    PyReply {
+                        request_id: id,
+                        status,
+                        reason: reason.as_str(),
+                        retry_after_s,
+                    },
+                )?
+                .into_any(),
+                Action::Cut { id, reason } => Py::new(
+                    py,
+                    PyCut {
+                        request_id: id,
+                        reason: reason.as_str(),
+                    },
+                )?
+                .into_any(),
+                Action::End { id, outcome } => Py::new(
+                    py,
+                    PyEnd {
+                        request_id: id,
+                        outcome: outcome.as_str(),
+                    },
+                )?
+                .into_any(),
+                Action::Arm { at_us } => Py::new(py, PyArm { at_us })?.into_any(),
+                Action::Backend { backend, healthy } => Py::new(
+                    py,
+                    PySetHealth {
+                        backend: gov.backend_name(backend).to_owned(),
+                        healthy,
+                    },
+                )?
+                .into_any(),
+            };
+            list.append(obj)?;
+        }
+        Ok(list.into_any().unbind())
+    }
+
+    fn backend(&self, name: &str) -> PyResult<u32> {
+        Ok(self.inner.governor().backend_id(name)?)
+    }
+}
+
+#[pymethods]
+impl PyRuntime {
+    #[new]
+    #[pyo3(signature = (config, *, trace=false))]
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>, trace: bool) -> PyResult<Self> {
+        if !config.is_instance_of::<PyDict>() {
+            return Err(crate::py::ConfigError::new_err(format!(
+                "config must be a mapping (dict), got {}",
+                config.get_type().name()?
+            )));
+        }
+        let json = py.import("json")?.call_method1("dumps", (config,))?;
+        let text: &str = json.extract()?;
+        let inner = Runtime::from_json(text)?;
+        let trace = if trace {
+            Some(trace::header(text)?)
+        } else {
+            None
+        };
+        Ok(Self { inner, trace })
+    }
+
+    fn arrive(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        tenant: &str,
+        prompt_tokens: i64,
+        max_tokens: i64,
+        stream: bool,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        let event = Event::Arrive {
+            id: request_id,
+            tenant: self.inner.governor().tenant_id(tenant)?,
+            prompt: non_negative("prompt_tokens", prompt_tokens)?,
+            max_tokens: non_negative("max_tokens", max_tokens)?,
+            stream,
+        };
+        self.feed(py, now_us, &event)
+    }
+
+    fn started(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::Started { id: request_id })
+    }
+
+    fn tokens(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        n: i64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        let n = non_negative("n", n)?;
+        self.feed(py, now_us, &Event::Tokens { id: request_id, n })
+    }
+
+    fn done(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::Done { id: request_id })
+    }
+
+    #[pyo3(signature = (request_id, status, now_us, *, backend_down=false))]
+    fn failed(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        status: u16,
+        now_us: u64,
+        backend_down: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let event = Event::Failed {
+            id: request_id,
+            status,
+            backend_down,
+        };
+        self.feed(py, now_us, &event)
+    }
+
+    fn client_gone(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::ClientGone { id: request_id })
+    }
+
+    fn window_full(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::WindowFull { id: request_id })
+    }
+
+    fn window_drained(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::WindowDrained { id: request_id })
+    }
+
+    fn timer(&mut self, py: Python<'_>, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::Timer)
+    }
+
+    #[pyo3(signature = (backend, began_us, now_us, *, kv_usage=None, running=None, waiting=None,
+                        preemptions_total=None, kv_blocks=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn scrape_ok(
+        &mut self,
+        py: Python<'_>,
+        backend: &str,
+        began_us: u64,
+        now_us: u64,
+        kv_usage: Option<f64>,
+        running: Option<u64>,
+        waiting: Option<u64>,
+        preemptions_total: Option<u64>,
+        kv_blocks: Option<u64>,
+    ) -> PyResult<Py<PyAny>> {
+        let event = Event::ScrapeOk {
+            backend: self.backend(backend)?,
+            began_us,
+            kv_usage,
+            running,
+            waiting,
+            preemptions_total,
+            kv_blocks,
+        };
+        self.feed(py, now_us, &event)
+    }
+
+    fn scrape_failed(&mut self, py: Python<'_>, backend: &str, now_us: u64) -> PyResult<Py<PyAny>> {
+        let event = Event::ScrapeFailed {
+            backend: self.backend(backend)?,
+        };
+        self.feed(py, now_us, &event)
+    }
+
+    fn drain(&mut self, py: Python<'_>, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::Drain)
+    }
+
+    /// The trace lines recorded since the last call (the header first), or "" when not tracing.
+    fn take_trace(&mut self) -> String {
+        self.trace.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    #[getter]
+    fn tracing(&self) -> bool {
+        self.trace.is_some()
+    }
+
+    fn next_timer_us(&self) -> Option<u64> {
+        self.inner.next_timer_us()
+    }
+
+    #[getter]
+    fn live(&self) -> usize {
+        self.inner.live()
+    }
+
+    fn is_live(&self, request_id: u64) -> bool {
+        self.inner.is_live(request_id)
+    }
+
+    #[getter]
+    fn running(&self) -> u32 {
+        self.inner.governor().running()
+    }
+
+    #[getter]
+    fn queued(&self) -> usize {
+        self.inner.governor().queued()
+    }
+
+    #[getter]
+    fn kv_blocks_in_use(&self) -> u64 {
+        self.inner.governor().ledger.total_blocks()
+    }
+
+    #[getter]
+    fn shed_level(&self) -> u8 {
+        self.inner.governor().shed_level
+    }
+
+    #[getter]
+    fn draining(&self) -> bool {
+        self.inner.governor().draining
+    }
+
+    fn backend_healthy(&self, backend: &str) -> PyResult<bool> {
+        Ok(self.inner.backend_healthy(self.backend(backend)?))
+    }
+
+    fn scrape_failures(&self, backend: &str) -> PyResult<u32> {
+        Ok(self.inner.scrape_failures(self.backend(backend)?))
+    }
+
+    fn request_kv(&self, request_id: u64, now_us: u64) -> Option<(u64, f64)> {
+        self.inner.governor().ledger.usage(request_id, now_us)
+    }
+
+    fn tenant_service(&self, tenant: &str) -> PyResult<f64> {
+        let gov = self.inner.governor();
+        Ok(gov.tenant_service(gov.tenant_id(tenant)?))
+    }
+
+    fn snapshot<'py>(&self, py: Python<'py>, now_us: u64) -> PyResult<Bound<'py, PyAny>> {
+        crate::py::snapshot_to_py(py, &self.inner.governor().snapshot(now_us))
+    }
+
+    fn __copy__(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            trace: None,
+        }
+    }
+}
+
+/// Replay a trace's events and check every action; returns (events, actions) replayed.
+#[pyfunction]
+pub fn replay_trace(text: &str) -> PyResult<(u64, u64)> {
+    match trace::replay(text) {
+        Ok(done) => Ok((done.events, done.actions)),
+        Err(trace::ReplayError::Mismatch(m)) => Err(TraceMismatchError::new_err(m.to_string())),
+        Err(err @ trace::ReplayError::Format { .. }) => {
+            Err(InvalidArgumentError::new_err(err.to_string()))
+        }
+    }
+}
