@@ -212,7 +212,10 @@ impl Governor {
     pub fn next_wakeup_us(&self) -> Option<u64> {
         let breaker = (self.shed_level > 0 && self.config.preemption_cooldown_ms.is_some())
             .then_some(self.breaker_until_us);
-        [self.next_deadline_us(), breaker].into_iter().flatten().min()
+        [self.next_deadline_us(), breaker]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// The backend a running request holds, if it is running.

@@ -21,9 +21,9 @@ mod py;
 mod py_runtime;
 
 pub use admission::Governor;
-pub use runtime::{Action, Event, Runtime};
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};
+pub use runtime::{Action, Event, Runtime};
 pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};
 
 #[cfg(feature = "python")]

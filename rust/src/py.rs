@@ -397,8 +397,8 @@ pub(crate) fn snapshot_to_py<'py>(
     snapshot: &crate::snapshot::Snapshot,
 ) -> PyResult<Bound<'py, PyAny>> {
     {
-        let text = serde_json::to_string(snapshot)
-            .map_err(|e| PolicyError::new_err(e.to_string()))?;
+        let text =
+            serde_json::to_string(snapshot).map_err(|e| PolicyError::new_err(e.to_string()))?;
         let value = py.import("json")?.call_method1("loads", (text,))?;
         // Pairs serialise as lists; turn the by-name ones into dicts for readers.
         let dict = value.cast::<PyDict>()?;

@@ -261,6 +261,9 @@ struct Session {
     first_token: bool,
     /// When the stall timer fires, while the client's window is full.
     stall_at: Option<u64>,
+    /// Upstream finished while the client's window was full: the slot is free, and the reply
+    /// ends when the client takes what it is owed (`End`) or stalls for good (`Cut`).
+    upstream_done: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -293,7 +296,11 @@ fn us(ms: f64) -> u64 {
 impl Runtime {
     pub fn new(config: RuntimeConfig) -> PolicyResult<Self> {
         let backends = config.policy.backends.len();
-        if config.lifecycle.stall_timeout_ms.is_some_and(|v| v.is_nan() || v < 0.0) {
+        if config
+            .lifecycle
+            .stall_timeout_ms
+            .is_some_and(|v| v.is_nan() || v < 0.0)
+        {
             return Err(PolicyError::config(
                 "lifecycle.stall_timeout_ms",
                 "must be >= 0 or null",
@@ -386,7 +393,7 @@ impl Runtime {
             Event::Started { .. } => false,
             Event::Tokens { id, n } => {
                 if let Some(s) = self.sessions.get_mut(&id) {
-                    if n > 0 && s.started {
+                    if n > 0 && s.started && !s.upstream_done {
                         s.first_token = true;
                         self.gov.on_tokens(id, n, now);
                     }
@@ -394,7 +401,14 @@ impl Runtime {
                 false
             }
             Event::Done { id } => {
-                self.end(id, Outcome::Completed, now);
+                match self.sessions.get_mut(&id) {
+                    Some(s) if s.stall_at.is_some() && !s.upstream_done => {
+                        s.upstream_done = true;
+                        self.gov.finish(id, Outcome::Completed, now);
+                    }
+                    Some(s) if !s.upstream_done => self.end(id, Outcome::Completed, now),
+                    _ => {}
+                }
                 true
             }
             Event::Failed {
@@ -404,7 +418,7 @@ impl Runtime {
             } => self.failed(id, status, backend_down, now),
             Event::ClientGone { id } => {
                 if let Some(s) = self.sessions.get(&id) {
-                    if s.started {
+                    if s.started && !s.upstream_done {
                         self.out.push(Action::Abort { id });
                     }
                     self.end(id, Outcome::Cancelled, now);
@@ -425,6 +439,9 @@ impl Runtime {
                 if let Some(s) = self.sessions.get_mut(&id) {
                     if let Some(at) = s.stall_at.take() {
                         self.stalls.remove(&(at, id));
+                    }
+                    if s.upstream_done {
+                        self.end(id, Outcome::Completed, now);
                     }
                 }
                 false
@@ -504,6 +521,7 @@ impl Runtime {
             started: false,
             first_token: false,
             stall_at: None,
+            upstream_done: false,
         };
         match decision {
             Decision::Admitted { backend, priority } => {
@@ -580,16 +598,19 @@ impl Runtime {
 
     /// End a request with `End`: upstream done, failed after commit, or the client left.
     fn end(&mut self, id: u64, outcome: Outcome, now: u64) {
-        if self.forget(id).is_some() {
-            self.gov.finish(id, outcome, now);
+        if let Some(s) = self.forget(id) {
+            if !s.upstream_done {
+                self.gov.finish(id, outcome, now);
+            }
             self.out.push(Action::End { id, outcome });
         }
     }
 
     fn failed(&mut self, id: u64, status: u16, backend_down: bool, now: u64) -> bool {
-        let Some(session) = self.forget(id) else {
+        if self.sessions.get(&id).is_none_or(|s| s.upstream_done) {
             return false;
-        };
+        }
+        let session = self.forget(id).expect("checked above");
         if backend_down {
             if let Some(backend) = self.gov.request_backend(id) {
                 self.health[backend as usize].down_at = Some(now);
@@ -664,9 +685,11 @@ impl Runtime {
     }
 
     fn cut(&mut self, id: u64, reason: Reason, outcome: Outcome, now: u64) {
-        if self.forget(id).is_some() {
-            self.gov.finish(id, outcome, now);
-            self.out.push(Action::Abort { id });
+        if let Some(s) = self.forget(id) {
+            if !s.upstream_done {
+                self.gov.finish(id, outcome, now);
+                self.out.push(Action::Abort { id });
+            }
             self.out.push(Action::Cut { id, reason });
         }
     }
@@ -778,8 +801,9 @@ mod tests {
         }
         let acts = rt.handle(S, &Event::Done { id: 1 }).unwrap();
         assert!(
-            acts.iter()
-                .any(|x| matches!(x, Action::Start { id: 3, queue_wait_us, .. } if *queue_wait_us == S)),
+            acts.iter().any(
+                |x| matches!(x, Action::Start { id: 3, queue_wait_us, .. } if *queue_wait_us == S)
+            ),
             "{acts:?}"
         );
     }
@@ -810,6 +834,40 @@ mod tests {
             ]
         );
         assert!(rt.is_live(2));
+    }
+
+    // Upstream done while the client's window is full frees the slot at once; the reply ends
+    // when the client takes what it is owed, or is cut (without an abort) when it never does.
+    #[test]
+    fn done_with_a_full_window_lingers() {
+        let mut rt = runtime(r#"{"stall_timeout_ms": 500}"#);
+        let a = rt.governor().tenant_id("a").unwrap();
+        for id in 1..=2 {
+            rt.handle(0, &arrive(id, a)).unwrap();
+            rt.handle(10, &Event::Tokens { id, n: 5 }).unwrap();
+            rt.handle(20, &Event::WindowFull { id }).unwrap();
+            let acts = rt.handle(30, &Event::Done { id }).unwrap();
+            assert!(terminal(&acts).is_empty(), "{acts:?}");
+        }
+        assert_eq!((rt.governor().running(), rt.live()), (0, 2));
+        let acts = rt.handle(40, &Event::WindowDrained { id: 1 }).unwrap();
+        assert_eq!(
+            acts,
+            [Action::End {
+                id: 1,
+                outcome: Outcome::Completed
+            }]
+        );
+        let acts = rt.handle(500_020, &Event::Timer).unwrap();
+        assert_eq!(
+            terminal(&acts),
+            [&Action::Cut {
+                id: 2,
+                reason: Reason::ClientStall
+            }]
+        );
+        assert!(!acts.contains(&Action::Abort { id: 2 }));
+        assert_eq!(rt.live(), 0);
     }
 
     // Rejections carry their status and the wire Retry-After (whole seconds, at least 1).
@@ -854,10 +912,13 @@ mod tests {
         let acts = rt.handle(1, &Event::ScrapeFailed { backend: 0 }).unwrap();
         assert!(acts.is_empty(), "{acts:?}");
         let acts = rt.handle(2, &Event::ScrapeFailed { backend: 0 }).unwrap();
-        assert_eq!(acts, [Action::Backend {
-            backend: 0,
-            healthy: false
-        }]);
+        assert_eq!(
+            acts,
+            [Action::Backend {
+                backend: 0,
+                healthy: false
+            }]
+        );
         let acts = rt.handle(3, &ok(3)).unwrap();
         assert!(acts.contains(&Action::Backend {
             backend: 0,
@@ -886,7 +947,9 @@ mod tests {
         let acts = rt.handle(30, &ok(15)).unwrap();
         assert!(!acts.iter().any(|a| matches!(a, Action::Backend { .. })));
         let acts = rt.handle(40, &ok(25)).unwrap();
-        assert!(acts.iter().any(|a| matches!(a, Action::Backend { healthy: true, .. })));
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::Backend { healthy: true, .. })));
     }
 
     // The drain refuses newcomers at once and cuts whatever is live when its timeout passes.
@@ -925,7 +988,11 @@ mod tests {
         }
         rt.handle(S, &Event::Tokens { id: 1, n: 1 }).unwrap();
         let acts = rt.handle(4 * S, &Event::Timer).unwrap();
-        assert!(acts.iter().any(|a| matches!(a, Action::Start { id: 3, .. })), "{acts:?}");
+        assert!(
+            acts.iter()
+                .any(|a| matches!(a, Action::Start { id: 3, .. })),
+            "{acts:?}"
+        );
         assert!(
             acts.contains(&Action::Reply {
                 id: 2,
@@ -940,7 +1007,15 @@ mod tests {
         );
         let acts = rt.handle(6 * S, &Event::Timer).unwrap();
         assert!(
-            acts.iter().any(|a| matches!(a, Action::Reply { id: 4, status: 503, reason: Reason::QueueTimeout, retry_after_s: Some(_) })),
+            acts.iter().any(|a| matches!(
+                a,
+                Action::Reply {
+                    id: 4,
+                    status: 503,
+                    reason: Reason::QueueTimeout,
+                    retry_after_s: Some(_)
+                }
+            )),
             "{acts:?}"
         );
         let acts = rt.handle(61 * S, &Event::Timer).unwrap();

@@ -117,7 +117,10 @@ fn format_err(line: usize, message: impl Into<String>) -> ReplayError {
 
 /// Feed a trace's events to a fresh runtime and check every action it returns.
 pub fn replay(text: &str) -> Result<Replayed, ReplayError> {
-    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    let mut lines = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty());
     let (_, first) = lines.next().ok_or_else(|| format_err(1, "empty trace"))?;
     let header: Header =
         serde_json::from_str(first).map_err(|e| format_err(1, format!("header: {e}")))?;
@@ -139,7 +142,8 @@ pub fn replay(text: &str) -> Result<Replayed, ReplayError> {
     };
     for (i, text) in lines {
         let line_no = i + 1;
-        let line: Line = serde_json::from_str(text).map_err(|e| format_err(line_no, e.to_string()))?;
+        let line: Line =
+            serde_json::from_str(text).map_err(|e| format_err(line_no, e.to_string()))?;
         let result = runtime.handle(line.t, &line.ev);
         let (expected, got) = match (&line.act, &line.error, result) {
             (Some(act), None, Ok(actions)) => {
@@ -254,7 +258,10 @@ mod tests {
     // A trace from another version or of another shape is refused with a clear message.
     #[test]
     fn refuses_non_traces() {
-        assert!(matches!(replay(""), Err(ReplayError::Format { line: 1, .. })));
+        assert!(matches!(
+            replay(""),
+            Err(ReplayError::Format { line: 1, .. })
+        ));
         let text = traced(&events()).replacen("\"llmflow_trace\":1", "\"llmflow_trace\":7", 1);
         let err = replay(&text).unwrap_err().to_string();
         assert!(err.contains("version 7"), "{err}");

@@ -113,13 +113,13 @@ class Harness:
 
 
 def _idle(h: Harness) -> bool:
-    g = h.gateway.policy.governor
+    g = h.gateway.runtime
     sessions = h.gateway.ctx.sessions if h.gateway.ctx else set()
     return (
         g.running == 0
         and g.queued == 0
         and g.kv_blocks_in_use == 0
-        and h.gateway.policy.live == 0
+        and h.gateway.runtime.live == 0
         and not sessions
         and all(f.running == 0 for f in h.fakes.values())
     )
@@ -128,10 +128,10 @@ def _idle(h: Harness) -> bool:
 async def assert_idle(h: Harness) -> None:
     """In flight, queue and KV ledger back to zero; no session or upstream request left."""
     await h.settle()
-    g = h.gateway.policy.governor
+    g = h.gateway.runtime
     state = h.gateway.state()
     assert (g.running, g.queued, g.kv_blocks_in_use) == (0, 0, 0), state
-    assert h.gateway.policy.live == 0, state
+    assert h.gateway.runtime.live == 0, state
     assert not h.gateway.ctx or not h.gateway.ctx.sessions, state
     assert [f.running for f in h.fakes.values()] == [0] * len(h.fakes), h.fakes
 

@@ -28,12 +28,12 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], 
 
 
 async def test_drain_refuses_new_requests_and_lets_live_ones_finish() -> None:
-    async with start_gateway() as h:
+    async with start_gateway(server={"drain_timeout_ms": 5000}) as h:
         live = asyncio.create_task(
             h.client.post(CHAT, json={**BODY, "max_tokens": 20, "fake": {"itl": 0.01}})
         )
         await until(lambda: h.fake.running != 0)
-        drain = asyncio.create_task(h.gateway.drain(timeout_s=5))
+        drain = asyncio.create_task(h.gateway.drain())
         await asyncio.sleep(0.01)
         refused = await h.client.post(CHAT, json=BODY)
         assert refused.status_code == 503
@@ -48,13 +48,13 @@ async def test_drain_refuses_new_requests_and_lets_live_ones_finish() -> None:
 
 
 async def test_drain_timeout_cuts_what_is_left_with_a_notice() -> None:
-    async with start_gateway() as h:
+    async with start_gateway(server={"drain_timeout_ms": 100}) as h:
         async with h.client.stream(
             "POST", CHAT, json={**BODY, "max_tokens": 1000, "fake": {"itl": 0.01}}
         ) as r:
             it = frames(r)
             await anext(it)
-            drain = asyncio.create_task(h.gateway.drain(timeout_s=0.1))
+            drain = asyncio.create_task(h.gateway.drain())
             rest = [c async for c in it]
         await drain
         assert rest[-1] == "[DONE]"
@@ -145,19 +145,21 @@ async def test_a_backend_without_url_runs_the_built_in_simulator() -> None:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
         assert (await c.get("/readyz")).status_code == 200
-        state = app.state.gateway.policy.governor
+        state = app.state.gateway.runtime
         assert (state.running, state.queued, state.kv_blocks_in_use) == (0, 0, 0)
 
 
 async def test_drain_timeout_answers_queued_requests_with_503() -> None:
-    async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
+    async with start_gateway(
+        gate={"max_concurrency_per_gpu": 1}, server={"drain_timeout_ms": 100}
+    ) as h:
         running = asyncio.create_task(
             h.client.post(CHAT, json={**BODY, "max_tokens": 1000, "fake": {"itl": 0.01}})
         )
         await until(lambda: h.fake.running == 1)
         queued = asyncio.create_task(h.client.post(CHAT, json={**BODY, "max_tokens": 2}))
-        await until(lambda: h.gateway.policy.governor.queued == 1)
-        await h.gateway.drain(timeout_s=0.1)
+        await until(lambda: h.gateway.runtime.queued == 1)
+        await h.gateway.drain()
         refused = await queued
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutdown"

@@ -56,14 +56,14 @@ async def test_x_user_tier_cannot_raise_a_tier() -> None:
             tasks.append(
                 asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("normal-key")))
             )
-        await until(lambda: not (h.gateway.policy.governor.queued < 4))
+        await until(lambda: not (h.gateway.runtime.queued < 4))
         claimed = await h.client.post(
             CHAT, json=BODY, headers={**_auth("normal-key-2"), "x-user-tier": "vip"}
         )
         assert claimed.status_code == 429
         assert claimed.json()["error"]["code"] == "tier_shed"
         tasks.append(asyncio.create_task(h.client.post(CHAT, json=BODY, headers=_auth("vip-key"))))
-        await until(lambda: not (h.gateway.policy.governor.queued < 5))
+        await until(lambda: not (h.gateway.runtime.queued < 5))
         tiers = sorted(s["tier"] for s in (await h.client.get("/api/state")).json()["streams"])
         assert tiers == ["normal"] * 4 + ["vip"] * 2
         h.fake.release(6)

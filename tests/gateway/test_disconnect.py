@@ -36,9 +36,9 @@ async def test_disconnect_while_queued_leaves_the_queue_and_never_reaches_a_back
         first = asyncio.create_task(h.client.post(CHAT, json=_chat(stream=False, max_tokens=1)))
         await until(lambda: h.fake.running == 1)
         queued = asyncio.create_task(h.client.post(CHAT, json=_chat(max_tokens=1)))
-        await until(lambda: h.gateway.policy.governor.queued == 1)
+        await until(lambda: h.gateway.runtime.queued == 1)
         await _cancel(queued)
-        assert await until(lambda: h.gateway.policy.governor.queued == 0) < _ABORT_WITHIN_S
+        assert await until(lambda: h.gateway.runtime.queued == 0) < _ABORT_WITHIN_S
         h.fake.release()
         assert (await first).status_code == 200
         assert h.fake.seen == 1
@@ -49,7 +49,7 @@ async def test_disconnect_before_the_first_token_aborts_upstream(gw: Harness) ->
     await until(lambda: gw.fake.running == 1)
     await _cancel(task)
     assert await until(lambda: gw.fake.aborted == 1) < _ABORT_WITHIN_S
-    await until(lambda: gw.gateway.policy.governor.running == 0)
+    await until(lambda: gw.gateway.runtime.running == 0)
 
 
 async def test_disconnect_mid_stream_aborts_upstream(gw: Harness) -> None:
@@ -79,7 +79,7 @@ async def test_disconnect_frees_the_slot_for_the_next_in_queue() -> None:
         first = asyncio.create_task(h.client.post(CHAT, json=_chat(fake={"hang": True})))
         await until(lambda: h.fake.running == 1)
         second = asyncio.create_task(h.client.post(CHAT, json=_chat(stream=False, max_tokens=2)))
-        await until(lambda: h.gateway.policy.governor.queued == 1)
+        await until(lambda: h.gateway.runtime.queued == 1)
         await _cancel(first)
         r = await second
         assert r.status_code == 200

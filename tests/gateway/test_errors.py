@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
-import math
 from typing import TYPE_CHECKING
 
 import pytest
 
-from llmflow.gateway.policy import now_us
+from llmflow._core import Reply
+from llmflow.gateway.host import now_us
 
 from .harness import Harness, start_gateway, until
 
@@ -105,13 +106,15 @@ async def test_core_rejection_is_429_with_the_cores_retry_after() -> None:
         h.fake.default = {"step": True}
         first = asyncio.create_task(h.client.post(CHAT, json=_chat(max_tokens=2)))
         await until(lambda: h.fake.running != 0)
-        probe = h.gateway.policy.governor.copy().submit(10**9, "anonymous", 1, 1, now_us())
+        (probe,) = copy.copy(h.gateway.runtime).arrive(10**9, "anonymous", 1, 1, True, now_us())
         r = await h.client.post(CHAT, json=_chat(max_tokens=2))
         _error(r, 429, "queue_full")
         assert r.json()["error"]["type"] == "rate_limit_error"
-        assert probe.retry_after_s is not None
-        assert probe.retry_after_s > 0
-        assert abs(int(r.headers["retry-after"]) - math.ceil(probe.retry_after_s)) <= 1
+        assert isinstance(probe, Reply)
+        assert (probe.status, probe.reason) == (429, "queue_full")
+        # the runtime's value goes on the wire as it is: one slot, no service measured yet (the
+        # core's 10 s prior), one request ahead
+        assert r.headers["retry-after"] == str(probe.retry_after_s) == "10"
         h.fake.release(2)
         assert (await first).status_code == 200
         assert h.fake.seen == 1
@@ -141,7 +144,7 @@ async def test_unreachable_backend_is_502_then_503_once_marked_down() -> None:
         r = await h.client.post(CHAT, json=_chat())
         _error(r, 503, "no_healthy_backend")
         assert int(r.headers["retry-after"]) >= 1
-        assert h.gateway.policy.governor.running == 0
+        assert h.gateway.runtime.running == 0
 
 
 async def test_first_token_timeout_as_error_is_504_and_aborts_upstream() -> None:
@@ -184,9 +187,9 @@ async def test_a_queued_request_displaced_by_a_lighter_tenant_gets_429() -> None
         running = post(heavy)
         await until(lambda: h.fake.running == 1)
         first = post(heavy)
-        await until(lambda: h.gateway.policy.governor.queued == 1)
+        await until(lambda: h.gateway.runtime.queued == 1)
         newest = post(heavy)
-        await until(lambda: h.gateway.policy.governor.queued == 2)
+        await until(lambda: h.gateway.runtime.queued == 2)
         light = post({"authorization": "Bearer kl"})
         r = await newest
         _error(r, 429, "displaced")

@@ -59,7 +59,7 @@ async def test_scrapes_feed_the_core_and_the_old_kv_name_works() -> None:
         fakes["b0"].kv_usage = 0.42
 
     async with start_gateway(configure=configure) as h:
-        backend = h.gateway.policy.governor.snapshot(0)["backends"][0]
+        backend = h.gateway.runtime.snapshot(0)["backends"][0]
         assert backend["kv_usage"] == pytest.approx(0.42)
         assert backend["kv_capacity_blocks"] == 1000  # learned from cache_config_info
 

@@ -10,16 +10,14 @@ from llmflow.gateway.scraper import Scraper
 
 
 class _Recorder:
-    """Stands in for the policy: keeps what the scraper reports."""
+    """Stands in for the runtime host: keeps what the scraper reports."""
 
     def __init__(self) -> None:
         self.seen: dict[str, Any] = {}
+        self.on_health: Any = None
 
-    def observe_backend(self, backend: str, **values: Any) -> None:
+    def scrape_ok(self, backend: str, began_us: int, **values: Any) -> None:
         self.seen = values
-
-    def set_backend_health(self, backend: str, healthy: bool) -> None:
-        pass
 
 
 @pytest.mark.parametrize(
@@ -31,12 +29,14 @@ def test_capacity_is_counted_in_the_cores_blocks(
 ) -> None:
     policy = _Recorder()
     scraper = Scraper(policy, None, {"b": "http://x"}, 0.1, block_size=core_block)  # type: ignore[arg-type]
-    scraper._record(scraper.states["b"], {"num_gpu_blocks": 32.0, "block_size": float(vllm_block)})
+    scraper._record(
+        scraper.states["b"], {"num_gpu_blocks": 32.0, "block_size": float(vllm_block)}, 0
+    )
     assert policy.seen["kv_blocks"] == expected
 
 
 def test_capacity_without_a_block_size_is_passed_as_is() -> None:
     policy = _Recorder()
     scraper = Scraper(policy, None, {"b": "http://x"}, 0.1)  # type: ignore[arg-type]
-    scraper._record(scraper.states["b"], {"num_gpu_blocks": 32.0})
+    scraper._record(scraper.states["b"], {"num_gpu_blocks": 32.0}, 0)
     assert policy.seen["kv_blocks"] == 32

@@ -78,7 +78,7 @@ async def test_a_disconnect_aborts_the_request_in_the_simulator() -> None:
             line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
             return float(line.rsplit(" ", 1)[1])
 
-        await until(lambda: h.gateway.policy.governor.running == 0)
+        await until(lambda: h.gateway.runtime.running == 0)
         for _ in range(100):
             if await sim_running() == 0:
                 break

@@ -1,9 +1,10 @@
 """The gateway application: `create_app(settings)` and the runtime its lifespan builds.
 
 The lifespan starts the built-in simulated backends (for backends without a URL), builds the core
-from the config, scrapes every backend once so health is known before the first request, and
-starts the scrape loop. Shutdown stops admitting (the core refuses with `draining`), lets live
-requests finish for `server.drain_timeout_ms`, then cuts the rest with a visible notice.
+runtime from the config, scrapes every backend once so health is known before the first request,
+and starts the scrape loop. Shutdown feeds the runtime its drain: it refuses newcomers with
+`draining`, lets live requests finish for `server.drain_timeout_ms`, then cuts the rest with a
+visible notice; the gateway waits until every session has written its end.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from llmflow._core import Governor
+from llmflow._core import Runtime
 from llmflow.config import load_settings
 from llmflow.gateway.auth import KeyRing
 from llmflow.gateway.embedded import EmbeddedBackend
 from llmflow.gateway.errors import install_handlers
 from llmflow.gateway.metrics import GatewayMetrics
 from llmflow.gateway.middleware import BodyLimit
-from llmflow.gateway.policy import Policy, now_us
+from llmflow.gateway.host import Host, now_us
 from llmflow.gateway.routes import dashboard, openai, ops, websocket
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
@@ -32,13 +33,14 @@ from llmflow.gateway.upstream import Upstream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from typing import TextIO
 
     from llmflow.config import Settings
 
 __all__ = ["Gateway", "create_app"]
 
 log = logging.getLogger("llmflow.gateway")
-_CUT_GRACE_S = 2.0  # after cutting, how long streams get to write their notice and close
+_CUT_GRACE_S = 2.0  # past the drain timeout, how long cut streams get to write their end
 
 
 class Gateway:
@@ -46,19 +48,19 @@ class Gateway:
 
     Args:
         settings: the validated config.
+        trace: where to write the runtime's JSONL trace (`llmflow serve --trace`), if anywhere.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, trace: TextIO | None = None) -> None:
         self.settings = settings
         self.keyring = KeyRing(settings)
         self.embedded: list[EmbeddedBackend] = []
         self.started_at = time.monotonic()
         self.draining = False
-        tiers = {t.name: t.tier for t in settings.tenants}
-        tiers.setdefault(settings.anonymous_tenant, settings.default_tier)
-        self.policy = Policy(Governor(settings.to_core()), tiers)
+        self.runtime = Runtime(settings.to_runtime(), trace=trace is not None)
+        self.host = Host(self.runtime, trace)
         self.upstream = Upstream()
-        self.metrics = GatewayMetrics(self.policy)
+        self.metrics = GatewayMetrics(self.host)
         self.metrics.draining = lambda: self.draining
         self.tasks: set[asyncio.Task[Any]] = set()
         models: dict[str, int] = {}
@@ -82,21 +84,19 @@ class Gateway:
                 urls[backend.name] = backend.url.rstrip("/")
         s = self.settings
         self.scraper = Scraper(
-            self.policy, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3, s.kv.block_size
+            self.host, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3, s.kv.block_size
         )
         self.metrics.scraper = self.scraper
         self.ctx = SessionContext(
-            policy=self.policy,
+            host=self.host,
             upstream=self.upstream,
             metrics=self.metrics,
             routes={
                 b.name: BackendRoute(urls[b.name], b.scheduling_policy == "priority")
                 for b in s.backends
             },
-            first_token_error=s.streaming.on_first_token_timeout == "error",
             client_window=s.backpressure.client_window,
             pause_when_full=s.backpressure.pause_when_full,
-            on_backend_down=self.scraper.mark_down,
             tasks=self.tasks,
         )
         self.service = CompletionService(
@@ -112,25 +112,22 @@ class Gateway:
                 "healthy" if state.healthy else f"UNHEALTHY ({state.last_error})",
             )
 
-    async def drain(self, timeout_s: float | None = None) -> None:
-        """Stop admitting, wait for live requests up to `timeout_s`, then cut the rest."""
+    async def drain(self) -> None:
+        """Feed the runtime its drain, then wait until every session has ended.
+
+        The runtime refuses newcomers at once and cuts what is still live when
+        `server.drain_timeout_ms` has passed; this only waits for the sessions to finish
+        writing (bounded, in case a client never takes its last bytes).
+        """
         if self.ctx is None:
             return
         if not self.draining:
             self.draining = True
-            self.policy.start_draining()
             log.info("draining: %d live request(s)", len(self.ctx.sessions))
-        timeout = self.settings.server.drain_timeout_ms / 1e3 if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        while self.ctx.sessions and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if self.ctx.sessions:
-            log.warning("drain timeout: cutting %d request(s)", len(self.ctx.sessions))
-            for session in list(self.ctx.sessions):
-                session.cut("shutdown")
-            deadline = time.monotonic() + _CUT_GRACE_S
-            while self.ctx.sessions and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            self.host.drain()
+        bound = time.monotonic() + self.settings.server.drain_timeout_ms / 1e3 + _CUT_GRACE_S
+        while self.ctx.sessions and time.monotonic() < bound:
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         """Drain, then stop scraping, cancel background work and close every connection."""
@@ -141,7 +138,7 @@ class Gateway:
             task.cancel("llmflow gateway shutting down")
         if self.tasks:
             await asyncio.wait(list(self.tasks))
-        self.policy.close()
+        self.host.close()
         await self.upstream.aclose()
         for embedded in self.embedded:
             await embedded.stop()
@@ -152,7 +149,7 @@ class Gateway:
         return {
             "draining": self.draining,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
-            "core": self.policy.governor.snapshot(now_us()),
+            "core": self.runtime.snapshot(now_us()),
             "backends": {n: s.as_json() for n, s in self.scraper.states.items()}
             if self.scraper
             else {},
@@ -165,13 +162,12 @@ class Gateway:
 
 
 def _stream_state(session: Any) -> dict[str, Any]:
-    ticket = session.ticket
     return {
-        "id": ticket.request_id,
-        "tenant": ticket.tenant,
-        "tier": ticket.tier,
-        "backend": ticket.backend,
-        "queued": not ticket.admitted.done(),
+        "id": session.request_id,
+        "tenant": session.prepared.tenant,
+        "tier": session.prepared.tier,
+        "backend": session.backend,
+        "queued": session.queued,
         "streaming": session.streaming,
         "tokens": session.parser.completion_tokens,
         "window": len(session.window),
@@ -181,7 +177,7 @@ def _stream_state(session: Any) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    gateway = Gateway(app.state.settings)
+    gateway = Gateway(app.state.settings, app.state.trace)
     app.state.gateway = gateway
     try:
         await gateway.start()
@@ -190,11 +186,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.stop()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, trace: TextIO | None = None) -> FastAPI:
     """Build the gateway app; its lifespan starts the runtime.
 
     Args:
         settings: the validated config (default: every default, one built-in simulated backend).
+        trace: an open text file for the runtime's JSONL trace (`llmflow trace replay` reads it).
 
     Returns:
         The FastAPI app, ready for any ASGI server.
@@ -202,6 +199,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     app = FastAPI(title="llmflow gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
+    app.state.trace = trace
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
     for module in (openai, ops, dashboard, websocket):

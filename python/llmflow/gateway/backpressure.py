@@ -6,14 +6,13 @@ then pushes back on the backend). Without it, the reader keeps draining the back
 and KV are freed sooner) and merges overflow into the newest waiting chunk, so the number of
 chunks stays bounded and the text held is bounded by the request's `max_tokens`.
 
-`StallWatch` notices a client that has not taken a write for `stall_timeout`: one loop timer per
-stream, re-armed lazily, so the per-chunk path only stores a timestamp.
+The window reports when it fills up and when it has room again (`on_full`, `on_drained`): the
+session passes both to the runtime, whose stall timer ends a client that stays full too long.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,11 @@ if TYPE_CHECKING:
 
     from llmflow.gateway.streaming import Item
 
-__all__ = ["ChunkWindow", "StallWatch"]
+
+def _nothing() -> None:
+    pass
+
+__all__ = ["ChunkWindow"]
 
 
 class ChunkWindow:
@@ -44,6 +47,9 @@ class ChunkWindow:
         self._putter: asyncio.Future[None] | None = None
         self.pauses = 0  # times the producer had to wait for room
         self.high_water = 0  # most chunks ever waiting
+        self.on_full: Callable[[], None] = _nothing  # the window just filled up
+        self.on_drained: Callable[[], None] = _nothing  # a full window just got room again
+        self._full = False
 
     def __len__(self) -> int:
         return len(self._items)
@@ -54,7 +60,10 @@ class ChunkWindow:
         return self._closed
 
     async def put(self, chunk: Item) -> None:
-        """Add a chunk; waits for room when full and pausing (the producer's backpressure)."""
+        """Add a chunk; waits for room when full and pausing (the producer's backpressure).
+
+        A chunk put after the window closed (a cut's tail is already the last) is dropped.
+        """
         while len(self._items) >= self.capacity and not self._closed:
             if not self.pause_when_full:
                 merged = merge_chunks([self._items[-1], chunk])
@@ -67,8 +76,15 @@ class ChunkWindow:
                 await self._putter
             finally:
                 self._putter = None
+        if self._closed:
+            return
         self._items.append(chunk)
-        self.high_water = max(self.high_water, len(self._items))
+        size = len(self._items)
+        if size > self.high_water:
+            self.high_water = size
+        if size >= self.capacity and not self._full:
+            self._full = True
+            self.on_full()
         _wake(self._getter)
 
     def put_final(self, chunk: Item) -> None:
@@ -98,6 +114,9 @@ class ChunkWindow:
         """Every waiting chunk without waiting (possibly none)."""
         items = list(self._items)
         self._items.clear()
+        if self._full and items:
+            self._full = False
+            self.on_drained()
         _wake(self._putter)
         return items
 
@@ -105,47 +124,3 @@ class ChunkWindow:
 def _wake(waiter: asyncio.Future[None] | None) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
-
-
-class StallWatch:
-    """Calls `on_stall` when one write to the client has been pending for `timeout_s`.
-
-    Args:
-        timeout_s: how long a single write may block.
-        on_stall: called once, from the event loop, when it does.
-    """
-
-    def __init__(self, timeout_s: float, on_stall: Callable[[], None]) -> None:
-        self.timeout_s = timeout_s
-        self._on_stall = on_stall
-        self._busy_since: float | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self.stalled = False
-
-    def writing(self) -> None:
-        """A write to the client starts."""
-        self._busy_since = time.monotonic()
-        if self._timer is None and not self.stalled:
-            self._timer = asyncio.get_running_loop().call_later(self.timeout_s, self._check)
-
-    def written(self) -> None:
-        """The write finished (the client took it)."""
-        self._busy_since = None
-
-    def cancel(self) -> None:
-        """Stop watching (the stream ended)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _check(self) -> None:
-        self._timer = None
-        if self._busy_since is None:
-            return
-        waited = time.monotonic() - self._busy_since
-        if waited >= self.timeout_s:
-            self.stalled = True
-            self._on_stall()
-        else:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self.timeout_s - waited, self._check)

@@ -89,6 +89,13 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="record the runtime's events and actions as JSONL (replay with `llmflow trace "
+        "replay FILE`)",
+    )
     p.set_defaults(func=serve)
 
 
@@ -102,8 +109,9 @@ def serve(args: argparse.Namespace) -> int:
     settings = _override(settings, args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
+    trace = args.trace.open("w", encoding="utf-8") if args.trace else None
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, trace),
         host=settings.server.host,
         port=settings.server.port,
         log_level=args.log_level,
@@ -117,7 +125,11 @@ def serve(args: argparse.Namespace) -> int:
         settings.server.host,
         settings.server.port,
     )
-    GatewayServer(config).run()
+    try:
+        GatewayServer(config).run()
+    finally:
+        if trace is not None:
+            trace.close()
     return 0
 
 

@@ -6,7 +6,6 @@ field is to blame), the shape the `openai` client turns into its typed exception
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.requests import Request
 
-__all__ = ["GatewayError", "error_body", "install_handlers", "retry_after_header"]
+__all__ = ["GatewayError", "error_body", "install_handlers"]
 
 _TYPES = {  # status -> OpenAI error type
     400: "invalid_request_error",
@@ -84,13 +83,6 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
     """
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
-
-
-def retry_after_header(seconds: float | None) -> dict[str, str]:
-    """`Retry-After` as whole seconds, rounded up and never below 1 (HTTP has no fractions)."""
-    if seconds is None:
-        return {}
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 async def _on_gateway_error(_request: Request, exc: Exception) -> JSONResponse:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from llmflow.gateway.policy import Policy
+    from llmflow.gateway.host import Host
     from llmflow.gateway.scraper import Scraper
     from llmflow.gateway.session import StreamSession
 
@@ -36,6 +36,7 @@ _OUTCOME = {  # how a session ended -> the core's outcome label
     "queue_timeout": "timeout",
     "timeout": "timeout",
     "displaced": "rejected",
+    "upstream_error": "error",
 }
 
 
@@ -43,12 +44,12 @@ class GatewayMetrics:
     """Every metric the gateway exports.
 
     Args:
-        policy: the core runtime (read at scrape time).
+        host: the runtime host (read at scrape time).
     """
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, host: Host) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.policy = policy
+        self.host = host
         self.scraper: Scraper | None = None
         self.draining: Callable[[], bool] = lambda: False
         self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
@@ -112,8 +113,8 @@ class GatewayMetrics:
         self.outcomes[outcome, session.end] += 1
         if session.parser.completion_tokens:
             self.tokens.labels(tier).inc(session.parser.completion_tokens)
-        if session.ticket.backend is not None:
-            self.queue_wait.labels(tier).observe(session.ticket.queue_wait_s)
+        if session.backend is not None:
+            self.queue_wait.labels(tier).observe(session.queue_wait_s)
 
     def truncated(self, reason: str) -> None:
         """Count a reply cut with a visible notice."""
@@ -136,8 +137,10 @@ class _StateCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        policy, governor = self.m.policy, self.m.policy.governor
-        queued: Tally[str] = Tally(t.tier for t in policy.tickets() if not t.admitted.done())
+        host, governor = self.m.host, self.m.host.runtime
+        queued: Tally[str] = Tally(
+            s.prepared.tier for s in host.parties.values() if getattr(s, "queued", False)
+        )
         by_tier = GaugeMetricFamily(
             "llmflow_queue_length", "Requests waiting, by tier", labels=["tier"]
         )

@@ -1,10 +1,10 @@
 """Backend observation: scrape each vLLM's `/metrics` every few hundred ms and feed the core.
 
 Reads KV usage (`vllm:kv_cache_usage_perc`, or `vllm:gpu_cache_usage_perc` from older vLLM),
-running and waiting counts, and the preemption counter. A scrape that fails marks the backend
-unhealthy once it has failed `FAILURES_BEFORE_UNHEALTHY` times in a row (at once if it never
-answered); the next good scrape marks it healthy again. Staleness itself is the core's call: it
-knows when each backend was last observed.
+running and waiting counts, and the preemption counter, and reports each scrape (or its failure)
+to the runtime. Health and staleness are the runtime's call: it marks a backend down after
+failed scrapes or a request that could not reach it, and up again after a good scrape begun
+later; this module only shows what it said.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from llmflow.gateway.host import now_us
+
 if TYPE_CHECKING:
-    from llmflow.gateway.policy import Policy
+    from llmflow.gateway.host import Host
     from llmflow.gateway.upstream import Upstream
 
-__all__ = ["FAILURES_BEFORE_UNHEALTHY", "BackendState", "Scraper", "parse_vllm_metrics"]
+__all__ = ["BackendState", "Scraper", "parse_vllm_metrics"]
 
 log = logging.getLogger("llmflow.gateway")
 
-FAILURES_BEFORE_UNHEALTHY = 2  # one lost scrape is noise; two in a row is a sick backend
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
 _SUMMED = {
     "vllm:num_requests_running": "running",
@@ -42,9 +43,8 @@ class BackendState:
 
     name: str
     url: str
-    healthy: bool = True  # the core starts with every backend healthy
-    ever_scraped: bool = False
-    failures: int = 0
+    healthy: bool = True  # as the runtime last said (it starts with every backend healthy)
+    failures: int = 0  # failed scrapes in a row
     kv_usage: float | None = None
     running: int | None = None
     waiting: int | None = None
@@ -54,7 +54,6 @@ class BackendState:
     scraped_at: float | None = None
     last_error: str | None = None
     scrapes: int = 0
-    down_at: float | None = None  # when a request last found it unreachable
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
@@ -112,91 +111,79 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
 
 
 class Scraper:
-    """Scrapes every backend on a fixed period and reports to the core.
+    """Scrapes every backend on a fixed period and reports to the runtime.
 
     Args:
-        policy: the core runtime to feed.
+        host: the runtime host to feed.
         upstream: the shared HTTP client.
         backends: backend name -> base URL.
         interval_s: time between scrapes of one backend.
+        block_size: the core's KV block (`kv.block_size`); vLLM's may differ.
     """
 
     def __init__(
         self,
-        policy: Policy,
+        host: Host,
         upstream: Upstream,
         backends: dict[str, str],
         interval_s: float,
         block_size: int = 16,
     ) -> None:
-        self.policy, self.upstream, self.interval_s = policy, upstream, interval_s
-        self.block_size = block_size  # the core's KV block (`kv.block_size`); vLLM's may differ
+        self.host, self.upstream, self.interval_s = host, upstream, interval_s
+        self.block_size = block_size
         self.timeout_s = max(0.2, min(2.0, interval_s * 2))
         self.states = {name: BackendState(name, url) for name, url in backends.items()}
         self._task: asyncio.Task[None] | None = None
+        host.on_health = self._on_health
 
     async def scrape_all(self) -> None:
         """Scrape every backend once, concurrently."""
         await asyncio.gather(*(self.scrape(name) for name in self.states))
 
     async def scrape(self, name: str) -> bool:
-        """Scrape one backend, feed the core, update its health; True when the scrape worked."""
+        """Scrape one backend and report it to the runtime; True when the scrape worked."""
         state = self.states[name]
-        started = time.monotonic()
+        began = now_us()
         try:
             response = await self.upstream.get(state.url + "/metrics", self.timeout_s)
             response.raise_for_status()
             values = parse_vllm_metrics(response.text)
         except httpx.HTTPError as exc:
-            state.failures += 1
             state.last_error = repr(exc)
-            enough = state.failures >= FAILURES_BEFORE_UNHEALTHY or not state.ever_scraped
-            if state.healthy and enough:
-                self._set_health(state, False)
+            self.host.scrape_failed(name)
+            state.failures = self.host.runtime.scrape_failures(name)
             return False
-        self._record(state, values, started)
+        self._record(state, values, began)
         return True
 
-    def _record(
-        self, state: BackendState, values: dict[str, float], started: float | None = None
-    ) -> None:
+    def _record(self, state: BackendState, values: dict[str, float], began: int) -> None:
         state.failures, state.last_error, state.scrapes = 0, None, state.scrapes + 1
-        state.scraped_at, state.ever_scraped = time.monotonic(), True
+        state.scraped_at = time.monotonic()
         state.kv_usage = values.get("kv_usage")
         state.running = _int(values.get("running"))
         state.waiting = _int(values.get("waiting"))
         state.preemptions_total = _int(values.get("preemptions_total"))
         state.num_gpu_blocks = _int(values.get("num_gpu_blocks"))
         state.block_size = _int(values.get("block_size"))
-        kv = None if state.kv_usage is None else min(max(state.kv_usage, 0.0), 1.0)
-        self.policy.observe_backend(
+        self.host.scrape_ok(
             state.name,
-            kv_usage=kv,
+            began,
+            kv_usage=state.kv_usage,
             running=state.running,
             waiting=state.waiting,
             preemptions_total=state.preemptions_total,
             kv_blocks=_in_core_blocks(state.num_gpu_blocks, state.block_size, self.block_size),
         )
-        began = time.monotonic() if started is None else started
-        if not state.healthy and (state.down_at is None or began > state.down_at):
-            self._set_health(state, True)  # a scrape begun before a request failed proves nothing
 
-    def _set_health(self, state: BackendState, healthy: bool) -> None:
+    def _on_health(self, backend: str, healthy: bool) -> None:
+        state = self.states[backend]
         state.healthy = healthy
-        self.policy.set_backend_health(state.name, healthy)
         if healthy:
             log.info("backend %s at %s is healthy", state.name, state.url)
         else:
             log.warning(
                 "backend %s at %s is unhealthy: %s", state.name, state.url, state.last_error
             )
-
-    def mark_down(self, name: str, error: str) -> None:
-        """A request could not reach the backend: unhealthy now, until a scrape succeeds."""
-        state = self.states[name]
-        state.last_error, state.down_at = error, time.monotonic()
-        if state.healthy:
-            self._set_health(state, False)
 
     def start(self, tasks: set[asyncio.Task[None]]) -> None:
         """Start the periodic scrape loop as a background task."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic import ValidationError
 
-from llmflow.gateway.errors import GatewayError, retry_after_header
+from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from llmflow.gateway.session import Prepared, StreamSession
 from llmflow.gateway.streaming import ClientOptions
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["ClientGone", "CompletionService", "Departure"]
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-_UNAVAILABLE = frozenset({"draining", "no_healthy_backend"})  # 503, not the client's doing
 _STRIPPED = ("priority",)  # fields a client may not set: the core computes them
 
 
@@ -123,30 +122,22 @@ class CompletionService:
         )
 
     def admit(self, prepared: Prepared) -> StreamSession:
-        """Submit a prepared request to the core.
+        """Announce a prepared request to the runtime.
 
         Returns:
-            Its session (admitted or queued); start it with `StreamSession.start`.
+            Its session (started or waiting); go on with `StreamSession.start`.
 
         Raises:
-            GatewayError: 429 with `Retry-After` when the core rejects it (503 when the reason
-                is draining or no healthy backend).
+            GatewayError: the runtime refused it at once: 429 with `Retry-After` (503 when the
+                reason is draining or no healthy backend).
         """
-        ticket = self.ctx.policy.submit(
-            prepared.tenant, prepared.prompt_tokens, prepared.max_tokens
-        )
-        decision = ticket.decision
-        if decision.rejected:
-            reason = decision.reason or "rejected"
-            self.ctx.metrics.rejected(prepared.tier, reason)
-            status = 503 if reason in _UNAVAILABLE else 429
-            raise GatewayError(
-                status,
-                f"request refused: {reason.replace('_', ' ')}",
-                reason,
-                headers=retry_after_header(decision.retry_after_s),
-            )
-        return StreamSession(self.ctx, prepared, ticket)
+        session = StreamSession(self.ctx, prepared)
+        try:
+            session.arrive()
+        except GatewayError as exc:
+            self.ctx.metrics.rejected(prepared.tier, exc.code)
+            raise
+        return session
 
     async def serve(self, prepared: Prepared, receive: Receive) -> Json | StreamSession:
         """Run a prepared request under the core's decision.
@@ -179,7 +170,7 @@ class CompletionService:
             watcher.cancel()
             await asyncio.wait([watcher])
             if not handed_over:
-                await session.close("cancelled")
+                await session.close()
 
 
 class Departure:

@@ -1,10 +1,12 @@
-"""One governed request, from admission to release: the upstream reader and its cut-offs.
+"""One governed request: the upstream reader, and the runtime's actions carried out on it.
 
-A session waits for the core to admit its ticket, opens the upstream stream, and reads it in a
-task of its own into a sink: the bounded `ChunkWindow` for streaming clients, an `Accumulator`
-for the rest. The core's expiries (first-token timeout, total deadline) and gateway shutdown
-cancel the read; the session then closes upstream (vLLM aborts and frees the KV at once) and
-ends the reply with a visible notice. Whatever happens, the ticket is released in `finally`.
+A session announces itself to the runtime (`Host.arrive`) and then does what the runtime says:
+`on_start` opens the upstream stream and reads it in a task of its own into a sink (the bounded
+`ChunkWindow` for streaming clients, an `Accumulator` for the rest); `on_reply` answers with a
+status; `on_cut` stops the read and ends the reply with the visible notice; `on_abort` closes
+upstream (vLLM aborts and frees the KV at once); `on_end` marks it over. What happens on the
+wire goes back as events: started, tokens, done, failed, window full or drained, client gone.
+The session decides nothing itself: every status, Retry-After and cut is the runtime's.
 """
 
 from __future__ import annotations
@@ -18,23 +20,29 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from llmflow.gateway.backpressure import ChunkWindow
-from llmflow.gateway.errors import GatewayError, retry_after_header
-from llmflow.gateway.policy import Displaced, Expiry
+from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.streaming import Accumulator, ChunkParser, parse_item, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
+    from llmflow._core import Reply, Start
+    from llmflow.gateway.host import Host
     from llmflow.gateway.metrics import GatewayMetrics
-    from llmflow.gateway.policy import Policy, Ticket
     from llmflow.gateway.streaming import ClientOptions, Item
-    from llmflow.gateway.types import Json, Outcome
+    from llmflow.gateway.types import Json
     from llmflow.gateway.upstream import Upstream, UpstreamStream
 
 __all__ = ["BackendRoute", "Prepared", "SessionContext", "StreamSession"]
 
-_QUEUE_EXPIRY_STATUS = 503  # the queue could not place the request in time: try again later
+# What each refusal says to the client; the status and Retry-After are the runtime's.
+_MESSAGES = {
+    "displaced": "request displaced from the queue by a more important request or by a tenant "
+    "holding less than its fair share of the waiting places; retry later",
+    "queue_timeout": "queue wait expired (queue_timeout)",
+    "deadline": "queue wait expired (deadline)",
+    "first_token_timeout": "no first token within the first-token timeout",
+    "shutdown": "the gateway is shutting down",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +69,25 @@ class Prepared:
 
 @dataclass(slots=True)
 class SessionContext:
-    """What every session shares: the core runtime, the client, routes, settings, registries."""
+    """What every session shares: the runtime host, the client, routes, settings, registries."""
 
-    policy: Policy
+    host: Host
     upstream: Upstream
     routes: dict[str, BackendRoute]
     metrics: GatewayMetrics
-    first_token_error: bool  # on first-token timeout answer 504 (else a degraded reply)
     client_window: int
     pause_when_full: bool
-    on_backend_down: Callable[[str, str], None]  # (backend, error): mark it unhealthy
     sessions: set[StreamSession] = field(default_factory=set)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+def reply_error(reply: Reply, upstream: UpstreamError | None = None) -> GatewayError:
+    """The client's error for a runtime `Reply`: its status and Retry-After, our message."""
+    headers = {} if reply.retry_after_s is None else {"Retry-After": str(reply.retry_after_s)}
+    if reply.reason == "upstream_error" and upstream is not None:
+        return GatewayError(reply.status, upstream.message, upstream.code, headers=headers)
+    message = _MESSAGES.get(reply.reason) or f"request refused: {reply.reason.replace('_', ' ')}"
+    return GatewayError(reply.status, message, reply.reason, headers=headers)
 
 
 class StreamSession:
@@ -81,98 +96,146 @@ class StreamSession:
     Args:
         ctx: shared runtime.
         prepared: the validated request.
-        ticket: its ticket from `Policy.submit` (admitted or queued).
     """
 
-    def __init__(self, ctx: SessionContext, prepared: Prepared, ticket: Ticket) -> None:
-        self.ctx, self.prepared, self.ticket = ctx, prepared, ticket
+    def __init__(self, ctx: SessionContext, prepared: Prepared) -> None:
+        self.ctx, self.prepared = ctx, prepared
+        self.request_id = ctx.host.new_id()
         options = prepared.options
         self.parser = ChunkParser(options)
         self.window = ChunkWindow(ctx.client_window, ctx.pause_when_full)
         self.accumulator = Accumulator(options)
+        self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ready = asyncio.Event()  # first token arrived, or the read ended
-        self.done = asyncio.Event()  # the read ended and the ticket is released
-        self.error: GatewayError | None = None  # failure before any token: answer with a status
+        self.done = asyncio.Event()  # the read ended and the request is over
+        self.error: GatewayError | None = None  # answer with a status instead of a body
         self.end = "running"  # completed, error, deadline, first_token_timeout, cancelled, ...
+        self.backend: str | None = None
+        self.priority = 0
+        self.queue_wait_s = 0.0
         self.first_token_at: float | None = None
+        self.cancel_writer: Any = None  # set by the writer: called when the client stalls
+        self._ended = False  # the runtime sent this request's terminal action
+        self._arriving = False  # inside `arrive`: a refusal now is counted as a rejection
         self._stream: UpstreamStream | None = None
         self._scope: anyio.CancelScope | None = None
-        self._cut: str | None = None
+        self._stop = False  # the read must stop (cut, abort, reply, client gone)
         self._reader: asyncio.Task[None] | None = None
         self._upstream_complete = False
+        self._upstream_error: UpstreamError | None = None
         ctx.sessions.add(self)
+        self.window.on_full = self.window_full
+        self.window.on_drained = self.window_drained
 
     @property
     def streaming(self) -> bool:
         """True when the client asked for SSE."""
         return self.prepared.options.stream
 
-    async def start(self) -> None:
-        """Wait for admission, start reading upstream, return at the first token or the end.
+    @property
+    def queued(self) -> bool:
+        """True while the request waits for a slot."""
+        return not self.admitted.done()
+
+    def arrive(self) -> None:
+        """Announce the request to the runtime.
 
         Raises:
-            GatewayError: the queue wait expired (503) or the gateway is shutting down.
+            GatewayError: the runtime refused it at once (429/503 with Retry-After).
         """
+        p = self.prepared
+        self._arriving = True
         try:
-            await self.ticket.admitted
-        except Displaced as exc:
-            self._finish_without_reader("cancelled")
-            raise GatewayError(
-                429,
-                "request displaced from the queue by a more important request or by a tenant "
-                "holding less than its fair share of the waiting places; retry later",
-                "displaced",
-                headers=retry_after_header(exc.retry_after_s),
-            ) from None
-        except Expiry as exc:
-            shutdown = exc.reason == "shutdown"
-            self._finish_without_reader("cancelled" if shutdown else "timeout")
-            message = "the gateway is shutting down" if shutdown else "queue wait expired"
-            headers = None if shutdown else retry_after_header(exc.retry_after_s)
-            raise GatewayError(
-                _QUEUE_EXPIRY_STATUS, f"{message} ({exc.reason})", exc.reason, headers=headers
-            ) from None
+            self.ctx.host.arrive(
+                self, self.request_id, p.tenant, p.prompt_tokens, p.max_tokens, p.options.stream
+            )
+        finally:
+            self._arriving = False
+        error = self.admitted.exception() if self.admitted.done() else None
+        if error is not None:
+            raise error
+
+    async def start(self) -> None:
+        """Wait for the runtime to start the request; return at the first token or the end.
+
+        Raises:
+            GatewayError: the runtime answered with a status (refused, queue wait expired,
+                displaced, shutting down).
+        """
+        await self.admitted
         self._reader = asyncio.create_task(self._read(), name=f"llmflow-read-{self.request_id}")
         self.ctx.tasks.add(self._reader)
         self._reader.add_done_callback(self.ctx.tasks.discard)
         await self.ready.wait()
 
-    @property
-    def request_id(self) -> int:
-        """The core's id for this request."""
-        return self.ticket.request_id
-
-    def cut(self, reason: str) -> None:
-        """End the reply now with a visible notice (`shutdown`); the read stops, upstream aborts."""
-        if not self.ticket.admitted.done():
-            self.ticket.admitted.set_exception(Expiry(reason))
-            self.ticket.admitted.exception()
-        elif self._cut is None:
-            self._cut = reason
-            if self._scope is not None:
-                self._scope.cancel()
-
-    async def close(self, reason: str = "cancelled") -> None:
-        """Abandon the request (client gone or stalled): abort upstream, release the ticket."""
-        if self._reader is None:
-            self._finish_without_reader("cancelled")
-            return
-        if not self._reader.done():
-            self._cut = self._cut or reason
-            self._reader.cancel()
+    async def close(self) -> None:
+        """The client is gone (or its writer finished): tell the runtime, wait for the read."""
+        if not self._ended:
+            self.ctx.host.client_gone(self.request_id)
+        if self._reader is not None and not self._reader.done():
             await asyncio.wait([self._reader])
 
-    def _on_expire(self, reason: str) -> None:
-        if self._cut is None:
-            self._cut = reason
+    # ---- the runtime's actions ---------------------------------------------------------------
+
+    def on_start(self, action: Start) -> None:
+        self.backend, self.priority = action.backend, action.priority
+        self.queue_wait_s = action.queue_wait_s
+        if not self.admitted.done():
+            self.admitted.set_result(None)
+
+    def on_abort(self) -> None:
+        self._stop_reading()
+
+    def on_reply(self, action: Reply) -> None:
+        self._ended = True
+        error = reply_error(action, self._upstream_error)
+        self.end = action.reason
+        if not self.admitted.done():
+            self.admitted.set_exception(error)
+            self.admitted.exception()  # retrieved: an abandoned session must not log a warning
+            self._done()
+            return
+        self.error = error
+        self._stop_reading()
+        self.ready.set()
+
+    def on_cut(self, reason: str) -> None:
+        self._ended = True
+        self.end = reason
+        self._stop_reading()
+        if reason == "client_stall":
+            if self.cancel_writer is not None:
+                self.cancel_writer()
+            return
+        if reason == "upstream_error":
+            assert self._upstream_error is not None
+            self.window.put_final({"error": in_band_error(self._upstream_error)})
+            return
+        options = self.prepared.options
+        open_choices = [i for i in range(options.n) if i not in self.parser.finished]
+        if open_choices:
+            tail = tail_chunk(options, self.parser.template, open_choices, reason, self.request_id)
+            self.ctx.metrics.truncated(reason)
+            if self.streaming:
+                self.window.put_final(tail)
+            else:
+                self.accumulator.add(tail)
+        self.ready.set()
+
+    def on_end(self, outcome: str) -> None:
+        self._ended = True
+        self.end = outcome
+        if outcome != "completed":
+            self._stop_reading()
+        if self._reader is None:
+            self._done()
+
+    # ---- the read ----------------------------------------------------------------------------
+
+    def _stop_reading(self) -> None:
+        self._stop = True
         if self._scope is not None:
             self._scope.cancel()
-
-    def _finish_without_reader(self, outcome: Outcome) -> None:
-        self.ctx.policy.release(self.ticket, outcome)
-        if self.end == "running":
-            self.end = self.ticket.expired or outcome
-        self._done()
 
     def _done(self) -> None:
         if self.done.is_set():
@@ -181,63 +244,55 @@ class StreamSession:
         self.window.close()
         self.ready.set()
         self.done.set()
-        self.ctx.metrics.request_ended(self)
+        if not self._arriving:
+            self.ctx.metrics.request_ended(self)
 
     async def _read(self) -> None:
-        outcome: Outcome = "cancelled"
+        host = self.ctx.host
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
-                self.ticket.on_expire = self._on_expire
-                if self.ticket.expired is not None:
-                    self._on_expire(self.ticket.expired)
-                elif self._cut is not None:  # cut between admission and this task's start
+                if self._stop:  # cut between admission and this task's start
                     scope.cancel()
                 await self._pump()
-                outcome = "completed"
-            if self._cut is not None:
-                outcome = await self._on_cut(self._cut)
+            if not self._ended and self._upstream_complete:
+                self.end = "completed"
+                host.done(self.request_id)  # may linger in the runtime while the client owes
         except UpstreamError as exc:
-            outcome = "error"
-            self._fail(exc)
+            self._upstream_error = exc
+            host.failed(self.request_id, exc.status, exc.backend_down)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            outcome = "error"
-            self._fail(UpstreamError(502, "backend_error", f"backend sent bad data: {exc}"))
+            self._upstream_error = UpstreamError(
+                502, "backend_error", f"backend sent bad data: {exc}"
+            )
+            host.failed(self.request_id, 502, False)
         finally:
             await self._close_upstream()
-            self.ctx.policy.release(self.ticket, outcome)
-            if self.end == "running":
-                self.end = self._cut or outcome
+            if not self._ended and not self._upstream_complete:  # the task was cancelled
+                host.client_gone(self.request_id)
             self._done()
 
     async def _pump(self) -> None:
-        route = self.ctx.routes[self.ticket.backend or ""]
+        route = self.ctx.routes[self.backend or ""]
         body = self.prepared.body
         if route.priority_scheduling:
-            body = {**body, "priority": self.ticket.priority}
-        try:
-            self._stream = await self.ctx.upstream.open(
-                route.url, self.prepared.path, body, f"llmflow-{self.request_id}"
-            )
-        except UpstreamError as exc:
-            if exc.backend_down:
-                self.ctx.on_backend_down(self.ticket.backend or "", exc.message)
-            raise
+            body = {**body, "priority": self.priority}
+        host, rid = self.ctx.host, self.request_id
+        self._stream = await self.ctx.upstream.open(
+            route.url, self.prepared.path, body, f"llmflow-{rid}"
+        )
+        host.started(rid)
         async for data in self._stream.events():
             chunk, new_tokens = self.parser.feed(data)
             if new_tokens:
-                self._on_tokens(new_tokens)
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                    self.ctx.metrics.first_token(self)
+                    self.ready.set()
+                host.tokens(rid, new_tokens)
             if chunk is not None:
                 await self._emit(chunk)
         self._upstream_complete = True
-
-    def _on_tokens(self, n: int) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-            self.ctx.policy.first_token(self.ticket)
-            self.ctx.metrics.first_token(self)
-            self.ready.set()
-        self.ctx.policy.tokens(self.ticket, n)
 
     async def _emit(self, chunk: Item) -> None:
         if self.streaming:
@@ -245,38 +300,20 @@ class StreamSession:
         else:
             self.accumulator.add(parse_item(chunk))
 
-    async def _on_cut(self, reason: str) -> Outcome:
-        await self._close_upstream()  # abort first: vLLM frees the KV while we answer
-        self.end = reason
-        first_token_missing = reason == "first_token_timeout" and self.first_token_at is None
-        if first_token_missing and self.ctx.first_token_error:
-            self.error = GatewayError(
-                504, "no first token within the first-token timeout", "first_token_timeout"
-            )
-            return "timeout"
-        open_choices = [i for i in range(self.prepared.options.n) if i not in self.parser.finished]
-        if open_choices:
-            tail = tail_chunk(
-                self.prepared.options, self.parser.template, open_choices, reason, self.request_id
-            )
-            self.ctx.metrics.truncated(reason)
-            if self.streaming:
-                self.window.put_final(tail)
-            else:
-                self.accumulator.add(tail)
-        return "cancelled" if reason == "shutdown" else "timeout"
+    def window_full(self) -> None:
+        """The client's window of unacknowledged chunks is full (the stall timer runs)."""
+        if not self._ended:
+            self.ctx.host.window_full(self.request_id)
 
-    def _fail(self, exc: UpstreamError) -> None:
-        self.end = "error"
-        if self.first_token_at is None or not self.streaming:
-            self.error = GatewayError(exc.status, exc.message, exc.code)
-        else:  # the status is already sent: report in-band, as vLLM does
-            self.window.put_final({"error": in_band_error(exc)})
+    def window_drained(self) -> None:
+        """The client took chunks: its window has room again."""
+        if not self._ended:
+            self.ctx.host.window_drained(self.request_id)
 
     async def _close_upstream(self) -> None:
         if self._stream is not None and not self._stream.closed:
             if not self._upstream_complete:
-                self.ctx.metrics.upstream_aborted(self._cut or self.end)
+                self.ctx.metrics.upstream_aborted(self.end)
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
 

@@ -2,9 +2,11 @@
 
 A plain ASGI response (an `EventSourceResponse`, so it documents itself as `text/event-stream`)
 that owns its session from the first byte on. It always listens for the client's disconnect,
-whatever ASGI spec version the server speaks, and releases the session in `finally`, so a client
-that goes away mid-stream aborts the upstream request and frees its slot at once. With
-`sse_flush_interval` set, chunks that arrive within one interval go out merged, as valid chunks.
+whatever ASGI spec version the server speaks, and closes the session in `finally`, so a client
+that goes away mid-stream aborts the upstream request and frees its slot at once. A client that
+stops reading fills the session's window; the runtime's stall timer then cuts it, and the cut
+cancels this writer. With `sse_flush_interval` set, chunks that arrive within one interval go
+out merged, as valid chunks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import TYPE_CHECKING
 import anyio
 from fastapi.sse import EventSourceResponse
 
-from llmflow.gateway.backpressure import StallWatch
 from llmflow.gateway.streaming import encode_item, merge_chunks
 
 if TYPE_CHECKING:
@@ -35,39 +36,32 @@ class SessionStream(EventSourceResponse):
     Args:
         session: a session past its first token (or already ended with a tail).
         flush_interval_s: coalescing interval; 0 forwards each chunk as it arrives.
-        stall_timeout_s: how long one write may block before the client counts as stalled.
     """
 
-    def __init__(
-        self, session: StreamSession, flush_interval_s: float, stall_timeout_s: float
-    ) -> None:
+    def __init__(self, session: StreamSession, flush_interval_s: float) -> None:
         super().__init__(
             content=iter(()), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self.session = session
         self.flush_interval_s = flush_interval_s
-        self.stall_timeout_s = stall_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Run the stream until it ends, the client leaves, or the client stalls."""
-        session, reason = self.session, "cancelled"
+        """Run the stream until it ends, the client leaves, or the runtime cuts a stalled one."""
+        session = self.session
         try:
             async with anyio.create_task_group() as group:
-                watch = StallWatch(self.stall_timeout_s, group.cancel_scope.cancel)
+                session.cancel_writer = group.cancel_scope.cancel
                 group.start_soon(_until_disconnect, receive, group.cancel_scope)
                 try:
-                    await self._write(send, watch)
+                    await self._write(send)
                 except OSError:  # the client went away while we wrote
                     pass
-                finally:
-                    watch.cancel()
                 group.cancel_scope.cancel()
-            if watch.stalled:
-                reason = "client_stall"
         finally:
-            await session.close(reason)
+            session.cancel_writer = None
+            await session.close()
 
-    async def _write(self, send: Send, watch: StallWatch) -> None:
+    async def _write(self, send: Send) -> None:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
@@ -84,12 +78,8 @@ class SessionStream(EventSourceResponse):
             if last:
                 metrics.inter_chunk.observe(now - last)
             last = now
-            watch.writing()
             await send({"type": "http.response.body", "body": _frames(chunks), "more_body": True})
-            watch.written()
-        watch.writing()
         await send({"type": "http.response.body", "body": _DONE, "more_body": False})
-        watch.written()
 
 
 def _frames(chunks: list[Item]) -> bytes:

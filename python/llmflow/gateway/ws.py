@@ -2,8 +2,9 @@
 
 The server never has more than `client_window` chunks unacknowledged. While the client lags,
 chunks pile up in the session's bounded window (so the reader stops reading upstream when it
-fills) and go out merged once the client catches up. A client that acknowledges nothing for the
-stall timeout while chunks are owed loses its request. The wire format is in
+fills) and go out merged once the client catches up. Owing the client a full window is the
+session's "window full" for the runtime, an ack that makes room its "drained"; a client that
+stays full for the stall timeout is cut by the runtime's stall timer. The wire format is in
 `docs/protocol-websocket.md`.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocketDisconnect
@@ -48,6 +48,7 @@ class AckChannel:
         self.departure = Departure()  # the socket closed, or the client cancelled
         self.closed = False
         self.requests: asyncio.Queue[Json] = asyncio.Queue()
+        self.stalled = False  # the runtime cut the current request: the client owes too much
         self._progress = asyncio.Event()
 
     async def run(self) -> None:
@@ -77,17 +78,27 @@ class AckChannel:
         elif kind == "request":
             self.requests.put_nowait(message)
 
-    async def room(self, sent: int, window: int, stall_timeout_s: float) -> bool:
-        """Wait until fewer than `window` chunks are unacknowledged; False if stalled or gone."""
-        deadline = time.monotonic() + stall_timeout_s
+    def stall(self) -> None:
+        """The runtime cut the current request for a stalled client: stop waiting for acks."""
+        self.stalled = True
+        self._progress.set()
+
+    async def room(self, sent: int, window: int, session: StreamSession) -> bool:
+        """Wait until fewer than `window` chunks are unacknowledged; False if stalled or gone.
+
+        While the client owes a full window the session's window counts as full, so the
+        runtime's stall timer runs.
+        """
+        owing = sent - self.acked >= window
+        if owing:
+            session.window_full()
         while sent - self.acked >= window:
-            if self.departure.left:
+            if self.departure.left or self.stalled:
                 return False
             self._progress.clear()
-            try:
-                await asyncio.wait_for(self._progress.wait(), deadline - time.monotonic())
-            except (TimeoutError, asyncio.TimeoutError):  # distinct before 3.11
-                return False
+            await self._progress.wait()
+        if owing:
+            session.window_drained()
         return not self.departure.left
 
 
@@ -96,7 +107,6 @@ async def serve_websocket(
     service: CompletionService,
     keyring: KeyRing,
     window: int,
-    stall_timeout_s: float,
 ) -> None:
     """Serve one socket: requests one at a time, each streamed under the ack window.
 
@@ -105,7 +115,6 @@ async def serve_websocket(
         service: the completion service.
         keyring: resolves API keys (header, or `api_key` in the request message).
         window: the most unacknowledged chunks (`backpressure.client_window`).
-        stall_timeout_s: how long the client may owe acks before its request is aborted.
     """
     await websocket.accept()
     channel = AckChannel(websocket)
@@ -125,7 +134,6 @@ async def serve_websocket(
                 keyring,
                 header,
                 window,
-                stall_timeout_s,
                 getter.result(),
             )
     finally:
@@ -140,15 +148,13 @@ async def _one_request(
     keyring: KeyRing,
     header: str | None,
     window: int,
-    stall_s: float,
     message: Json,
 ) -> None:
     request_id = message.get("id")
-    channel.acked, sent, channel.current = 0, 0, request_id
+    channel.acked, sent, channel.current, channel.stalled = 0, 0, request_id, False
     if not channel.closed:
         channel.departure = Departure()
     session: StreamSession | None = None
-    reason = "cancelled"
     try:
         identity = _identity(keyring, header, message)
         endpoint = message.get("endpoint", "chat")
@@ -161,14 +167,14 @@ async def _one_request(
         body = {**message["body"], "stream": True}
         prepared = service.prepare(endpoint, identity, json.dumps(body).encode())
         session = service.admit(prepared)
+        session.cancel_writer = channel.stall
         await channel.departure.run(session.start())
         if session.error is not None:
             raise session.error
         await _send(websocket, {"type": "start", "id": request_id, "window": window})
         carry: list[Item] = []  # taken from the session but not yet sent: at most 2 windows
         while carry or (carry := await session.window.take()):
-            if not await channel.room(sent, window, stall_s):
-                reason = "cancelled" if channel.departure.left else "client_stall"
+            if not await channel.room(sent, window, session):
                 return
             carry = merge_chunks(carry + session.window.take_nowait())
             allowed = window - (sent - channel.acked)
@@ -191,7 +197,8 @@ async def _one_request(
         )
     finally:
         if session is not None:
-            await session.close(reason)
+            session.cancel_writer = None
+            await session.close()
 
 
 def _identity(keyring: KeyRing, header: str | None, message: Json) -> Identity:

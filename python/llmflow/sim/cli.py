@@ -77,6 +77,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                      help="output folder (default: sim-out/<scenario name>)")
     run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    run.add_argument("--trace", type=Path, metavar="FILE",
+                     help="record each gated policy's runtime (every event and the actions it "
+                     "gave) as JSON lines to FILE, or to FILE with -<policy> before its suffix "
+                     "when several gated policies run; check it with `llmflow trace replay`")
     run.set_defaults(func=_run)
     lst = sim_sub.add_parser("list", help="list the scenarios and incidents",
                              description="List the scenario files found under sim/scenarios "
@@ -123,8 +127,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         path = find_scenario(args.scenario)
         sc = load_scenario(path)
+        if args.trace is not None:
+            args.trace.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        report, runs = run_scenario(sc, args.policy, args.seed, progress=not args.no_progress)
+        report, runs = run_scenario(sc, args.policy, args.seed, progress=not args.no_progress,
+                                    trace=args.trace)
     except (FileNotFoundError, ScenarioError, ConfigFileError, KeyError, ValueError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
@@ -136,6 +143,9 @@ def _run(args: argparse.Namespace) -> int:
         from llmflow.sim.plots import write_plots
 
         written += write_plots(runs, out, sc.title)
+    written += [r.trace for r in runs if r.trace is not None]
+    if args.trace is not None and not any(r.trace for r in runs):
+        print("note: no gated policy ran, so no trace was written", file=sys.stderr)
     steps = sum(p["engine_steps"] for p in report["policies"].values())
     print(f"\n{len(runs)} policies, {report['requests']} requests each, {steps} engine steps "
           f"in {wall:.2f} s wall; wrote {', '.join(str(p) for p in written)}", file=sys.stderr)

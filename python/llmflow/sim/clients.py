@@ -1,8 +1,9 @@
 """Clients: one SimPy process per user request, from its first attempt to its final state.
 
 A client sends an `Attempt` through a policy (`direct` or a gated one), then waits for its first
-token and its end. It retries on 429 (and on a gateway's queue timeout) with exponential backoff
-and jitter, never sooner than `Retry-After`; it gives up after `timeout_s` without a first token
+token and its end. It retries on 429 (and on a gateway's 503, e.g. its queue timeout) with
+exponential backoff and jitter, never sooner than the `Retry-After` header (whole seconds, as on
+the wire); it gives up after `timeout_s` without a first token
 (without the whole answer when not streaming) and re-sends up to `retries_on_timeout` times (the
 avalanche); it may disconnect after some tokens or seconds. Latency is user-perceived: counted
 from the first attempt. Tokens are consumed in batches: the engine reports only first tokens and
@@ -61,17 +62,19 @@ class Attempt:
         req: the user request it tries to serve.
         stop_after: tokens after which the client disconnects (`None`: never).
         stall_after: tokens after which the client stops reading (`None`: never).
+        stream: the client asked for a streamed answer.
     """
 
     __slots__ = (
         "backend", "done", "ended", "env", "first", "handler", "key", "outcome", "reason", "req",
-        "retry_after", "seq", "stall_after", "stop_after", "t_first", "t_sched", "t_submit",
-        "tokens",
+        "retry_after", "seq", "stall_after", "stop_after", "stream", "t_first", "t_sched",
+        "t_submit", "tokens",
     )
 
     def __init__(self, env: simpy.Environment, req: RequestSpec, stop_after: int | None,
-                 stall_after: int | None = None):
+                 stall_after: int | None = None, stream: bool = True):
         self.env, self.req, self.stop_after, self.stall_after = env, req, stop_after, stall_after
+        self.stream = stream
         self.first = env.event()
         self.done = env.event()
         self.ended = False
@@ -131,7 +134,8 @@ def client(
     ttft = qwait = served = math.nan
     while True:
         attempts += 1
-        att = Attempt(env, req, spec.disconnect_after_tokens, spec.stall_after_tokens)
+        att = Attempt(env, req, spec.disconnect_after_tokens, spec.stall_after_tokens,
+                      spec.stream)
         gw.send(att)
         if not att.ended:
             yield from _wait(env, att, gw, spec)

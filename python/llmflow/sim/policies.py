@@ -1,12 +1,12 @@
 """Policies compared by the simulator: `direct` (no gateway) and gated ones (the Rust core).
 
 `DirectPolicy` sends every request straight to a backend, round robin, where it waits in vLLM's
-unbounded queue. `GatedPolicy` does what the gateway does around `llmflow._core.Governor`:
-`submit` on arrival, start admitted requests with the core's priority, `dispatch` after anything
-frees a slot, `expire` at the core's next deadline, feed `observe_backend` every scrape interval,
-and report tokens. Every decision (admit, queue, reject, order, priority, deadlines, shedding)
-comes from the core; this module only carries them out. `seed-gate` and `llmflow` are two
-configs of the same core (`PRESETS`).
+unbounded queue. `GatedPolicy` is a host of `llmflow._core.Runtime`, as the gateway is: arrivals,
+engine callbacks (first token, end, a stalled client's full window), client disconnects, scrapes
+and the one timer go in as events; the actions that come out (start, abort, reply, cut, end,
+re-arm) are carried out. Every rule (admission, order, priority, deadlines, stall, Retry-After,
+dispatch) lives in the runtime; this module holds none. `seed-gate` and `llmflow` are two configs
+of the same core (`PRESETS`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,18 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+from llmflow._core import Abort, Arm, Cut, End, Reply, Runtime, SetHealth, Start, Wait
 from llmflow.config import Settings, load_settings
 from llmflow.sim.clients import BUSY, CANCELLED, COMPLETED, ERROR, EXPIRED, REJECTED, TRUNCATED
 from llmflow.sim.engine import EngineError, Seq
 
 if TYPE_CHECKING:
-    from collections.abc import Generator
+    from collections.abc import Callable, Generator
+    from typing import TextIO
 
     import simpy
 
+    from llmflow._core import Action
     from llmflow.sim.clients import Attempt
     from llmflow.sim.cluster import Backend, Cluster
     from llmflow.sim.scenario import PolicySpec, Scenario
@@ -165,28 +168,45 @@ class DirectPolicy:
         """Engine callback (never asked for: vLLM ignores a stalled reader)."""
 
 
+class _Upstream:
+    """A request running on a backend, and the tokens reported to the runtime so far."""
+
+    __slots__ = ("att", "backend", "sent", "seq")
+
+    def __init__(self, att: Attempt, backend: Backend, seq: Seq):
+        self.att, self.backend, self.seq, self.sent = att, backend, seq, 0
+
+
 class GatedPolicy:
-    """The gateway's use of the core, in simulated time.
+    """The gateway's lifecycle (`llmflow._core.Runtime`) in simulated time.
+
+    A thin host: engine callbacks, client disconnects, scrapes and the one timer become runtime
+    events; the actions that come back are carried out by `_carry`.
 
     Args:
         env: the simulation environment.
         cluster: the backends.
         settings: the llmflow config (see `policy_settings`).
+        trace: where to write the runtime's JSONL trace (`flush_trace`); `None`: no trace.
     """
 
-    def __init__(self, env: simpy.Environment, cluster: Cluster, settings: Settings):
-        from llmflow._core import Governor
-
+    def __init__(self, env: simpy.Environment, cluster: Cluster, settings: Settings,
+                 trace: TextIO | None = None):
         self.env, self.cluster = env, cluster
-        self.gov = Governor(settings.to_core())
-        self.settings = settings
+        self.runtime = Runtime(settings.to_runtime(), trace=trace is not None)
+        self._trace = trace
+        self._window = settings.backpressure.client_window
         self._ids = 0
-        self.queued: dict[int, Attempt] = {}
-        self.live: dict[int, Attempt] = {}  # running on a backend, by request id
-        self._reported: dict[int, int] = {}
-        self._armed: int | None = None
+        self._atts: dict[int, Attempt] = {}  # awaiting their terminal action, by request id
+        self._up: dict[int, _Upstream] = {}  # started on a backend, by request id
+        self._refused: list[int] = []  # the engine refused them at start (400)
+        self._armed: int | None = None  # the timer the runtime holds us to, in µs
         self.peak_queue = 0
         self.rejections: dict[str, int] = {}
+        self._do: dict[type, Callable[[Any], None]] = {
+            Start: self._start, Wait: _ignore, Abort: self._abort, Reply: self._reply,
+            Cut: self._cut, End: self._end, Arm: self._arm, SetHealth: _ignore,
+        }
         env.process(self._scrape(settings.metrics.scrape_interval_ms / 1000.0))
 
     def next_id(self) -> int:
@@ -197,160 +217,147 @@ class GatedPolicy:
     def _now_us(self) -> int:
         return round(self.env.now * 1e6)
 
+    def _carry(self, actions: list[Action]) -> None:
+        while True:
+            for action in actions:
+                self._do[type(action)](action)
+            if not self._refused:
+                return
+            # after the whole list, so an older `Arm` never overrides a newer one
+            actions = self.runtime.failed(self._refused.pop(0), 400, self._now_us())
+
     def send(self, att: Attempt) -> None:
-        """`submit` to the core and act on its decision."""
-        rid = self.next_id()
-        att.key = rid
+        """The request arrives at the gateway."""
+        rid = att.key = self.next_id()
+        self._atts[rid] = att
         req = att.req
-        d = self.gov.submit(rid, req.tenant, req.prompt, req.max_tokens, self._now_us())
-        if d.kind == "admitted":
-            self._run(att, rid, d.backend, d.priority)
-        elif d.kind == "queued":
-            self.queued[rid] = att
-            q = self.gov.queued
-            if q > self.peak_queue:
-                self.peak_queue = q
-            # a lower tier, or a tenant over its share of the waiting places, loses its newest
-            # queued request to this one
-            if d.displaced is not None:
-                self._refuse_displaced(d.displaced, d.displaced_retry_after_s)
-            # the core's contract: dispatch after a submit that queued (the requests ahead may
-            # be held back while this one fits)
-            self._dispatch()
-        else:
-            reason = d.reason or "rejected"
-            self.rejections[reason] = self.rejections.get(reason, 0) + 1
-            att.end(REJECTED, reason=reason, retry_after=d.retry_after_s or 0.0)
-            return
-        self._arm()
-
-    def _refuse_displaced(self, rid: int, retry_after: float | None) -> None:
-        victim = self.queued.pop(rid, None)
-        if victim is not None:
-            self.rejections["displaced"] = self.rejections.get("displaced", 0) + 1
-            victim.end(REJECTED, reason="displaced", retry_after=retry_after or 0.0)
-
-    def _run(self, att: Attempt, rid: int, backend: str | None, priority: int) -> None:
-        b = self.cluster.by_name[backend or ""]
-        req = att.req
-        bp = self.settings.backpressure
-        window_full = None if att.stall_after is None else att.stall_after + bp.client_window
-        seq = Seq(rid, req.prompt, req.max_tokens, req.eos, priority, _Handler(self, att),
-                  att.stop_after, window_full)
-        att.seq, att.backend = seq, b
-        try:
-            b.submit(seq)
-        except EngineError as exc:
-            self.gov.finish(rid, "error", self._now_us())
-            att.end(ERROR, reason=str(exc))
-            return
-        self.live[rid] = att
-        self._reported[rid] = 0
+        self._carry(self.runtime.arrive(rid, req.tenant, req.prompt, req.max_tokens, att.stream,
+                                        self._now_us()))
+        self.peak_queue = max(self.peak_queue, self.runtime.queued)
 
     def cancel(self, att: Attempt) -> None:
-        """Client disconnect: free the slot (or queue place) and abort upstream."""
-        rid = att.key
-        self.queued.pop(rid, None)
-        if self.live.pop(rid, None) is not None and att.seq is not None:
-            att.backend.abort(att.seq)  # type: ignore[attr-defined]
-            self._reported.pop(rid, None)
-        if self.gov.cancel(rid, self._now_us()):
-            self._dispatch()
+        """Client disconnect: the runtime frees the slot and aborts upstream; the client ends
+        the attempt itself."""
+        self._atts.pop(att.key, None)
+        self._carry(self.runtime.client_gone(att.key, self._now_us()))
+
+    def _report(self, up: _Upstream, generated: int) -> None:
+        if generated > up.sent:
+            n, up.sent = generated - up.sent, generated
+            self._carry(self.runtime.tokens(up.att.key, n, self._now_us()))
 
     def first_token(self, att: Attempt, now: float) -> None:
         """Engine callback."""
-        if att.seq is not None:
-            att.t_sched = att.seq.t_sched
-        self.gov.on_first_token(att.key, self._now_us())
-        att.got_first(now)
+        up = self._up.get(att.key)
+        if up is not None:
+            att.t_sched = up.seq.t_sched
+            self._report(up, up.backend.core.generated(up.seq))
+            att.got_first(now)
 
     def finished(self, att: Attempt, seq: Seq, now: float) -> None:
-        """Engine callback: the backend ended the request."""
-        rid = att.key
-        if self.live.pop(rid, None) is None:
-            return
-        now_us = self._now_us()
-        delta = seq.gen - self._reported.pop(rid, 0)
-        if delta > 0:
-            self.gov.on_tokens(rid, delta, now_us)
-        outcome = _end_reason(seq)
-        self.gov.finish(rid, "cancelled" if outcome == CANCELLED else "completed", now_us)
-        att.end(outcome, tokens=seq.gen)
-        self._dispatch()
+        """Engine callback: the backend ended the request (aborted: the client's own stop)."""
+        up = self._up.get(att.key)
+        if up is not None:
+            self._report(up, seq.gen)
+            event = self.runtime.client_gone if seq.finish_reason == "abort" else self.runtime.done
+            self._carry(event(att.key, self._now_us()))
 
     def tokens_reached(self, att: Attempt, now: float) -> None:
-        """Engine callback: a stalled client's window is full; after the stall timeout the
-        gateway ends the request and frees its slot (`backpressure.stall_timeout_ms`).
-        """
-        rid = att.key
+        """Engine callback: a stalled client's window is full."""
+        if att.key in self._up:
+            self._carry(self.runtime.window_full(att.key, self._now_us()))
 
-        def _stalled(_ev: simpy.Event) -> None:
-            if rid not in self.live:
-                return
-            self.cancel(att)
+    # ---- actions ----------------------------------------------------------------------------
+
+    def _start(self, a: Start) -> None:
+        att = self._atts[a.request_id]
+        b, req = self.cluster.by_name[a.backend], att.req
+        window = None if att.stall_after is None else att.stall_after + self._window
+        seq = Seq(a.request_id, req.prompt, req.max_tokens, req.eos, a.priority,
+                  _Handler(self, att), att.stop_after, window)
+        att.seq, att.backend = seq, b
+        try:
+            b.submit(seq)
+        except EngineError:
+            self._refused.append(a.request_id)
+            return
+        self._up[a.request_id] = _Upstream(att, b, seq)
+
+    def _abort(self, a: Abort) -> None:
+        up = self._up.pop(a.request_id, None)
+        if up is not None:
+            up.backend.abort(up.seq)
+
+    def _close(self, rid: int) -> Attempt | None:
+        self._up.pop(rid, None)
+        return self._atts.pop(rid, None)
+
+    def _reply(self, a: Reply) -> None:
+        att = self._close(a.request_id)
+        if att is None:
+            return
+        retry = float(a.retry_after_s or 0)
+        if a.status == 429 or a.reason in ("draining", "no_healthy_backend"):
+            self.rejections[a.reason] = self.rejections.get(a.reason, 0) + 1
+            att.end(REJECTED, reason=a.reason, retry_after=retry)
+        elif a.status == 503:  # queue timeout, deadline while queued, shutdown: come back later
+            att.end(BUSY, reason=a.reason, retry_after=retry)
+        else:  # 504 first-token timeout; 400 (too long for the model) or 502
+            att.end(EXPIRED if a.status == 504 else ERROR, reason=a.reason)
+
+    def _cut(self, a: Cut) -> None:
+        att = self._close(a.request_id)
+        if att is None:
+            return
+        tokens = att.seq.gen if att.seq is not None else 0
+        if a.reason == "client_stall":
             att.end(CANCELLED, tokens=att.stall_after or 0, reason="stalled")
-
-        ev = self.env.timeout(self.settings.backpressure.stall_timeout_ms / 1000.0)
-        ev.callbacks.append(_stalled)
-
-    def _dispatch(self) -> None:
-        for adm in self.gov.dispatch(self._now_us()):
-            att = self.queued.pop(adm.request_id, None)
-            if att is not None:
-                self._run(att, adm.request_id, adm.backend, adm.priority)
-        self._arm()
-
-    def _arm(self) -> None:
-        nd = self.gov.next_deadline_us()
-        if nd is None or (self._armed is not None and self._armed <= nd):
-            return
-        self._armed = nd
-        # one microsecond late, so the clock read back at the callback is past the deadline
-        ev = self.env.timeout(max(0.0, (nd + 1) / 1e6 - self.env.now))
-        ev.callbacks.append(self._on_deadline)
-
-    def _on_deadline(self, _ev: simpy.Event) -> None:
-        self._armed = None
-        for exp in self.gov.expire(self._now_us()):
-            self._expired(exp.request_id, exp.reason, exp.was_running)
-        self._dispatch()
-
-    def _expired(self, rid: int, reason: str, was_running: bool) -> None:
-        att = self.queued.pop(rid, None)
-        if att is None:
-            att = self.live.pop(rid, None)
-        if att is None:
-            return
-        tokens = 0
-        if was_running and att.seq is not None:
-            att.backend.abort(att.seq)  # type: ignore[attr-defined]
-            tokens = att.seq.gen
-            self._reported.pop(rid, None)
-        if reason == "deadline" and tokens > 0:
-            att.end(TRUNCATED, tokens=tokens, reason=reason)  # partial text + notice
-        elif reason == "queue_timeout":
-            att.end(BUSY, reason=reason)
+        elif a.reason == "upstream_error":
+            att.end(ERROR, tokens=tokens, reason=a.reason)
+        elif tokens and a.reason in ("deadline", "shutdown"):
+            att.end(TRUNCATED, tokens=tokens, reason=a.reason)  # partial text + notice
         else:
-            att.end(EXPIRED, tokens=tokens, reason=reason)
+            att.end(CANCELLED if a.reason == "shutdown" else EXPIRED, tokens=tokens,
+                    reason=a.reason)
+
+    def _end(self, a: End) -> None:
+        att = self._close(a.request_id)
+        if att is not None:
+            tokens = att.seq.gen if att.seq is not None else 0
+            att.end(COMPLETED if a.outcome == "completed" else CANCELLED, tokens=tokens)
+
+    def _arm(self, a: Arm) -> None:
+        # SimPy cannot cancel a timeout: each carries its time, and only the latest one counts
+        self._armed = a.at_us
+        ev = self.env.timeout(max(0.0, a.at_us / 1e6 - self.env.now), value=a.at_us)
+        ev.callbacks.append(self._fire)
+
+    def _fire(self, ev: simpy.Event) -> None:
+        if ev.value == self._armed:
+            self._armed = None
+            self._carry(self.runtime.timer(self._now_us()))
+
+    # ---- scrapes and the trace --------------------------------------------------------------
 
     def _scrape(self, interval: float) -> Generator[simpy.Event, None, None]:
-        gov, env = self.gov, self.env
+        runtime, env = self.runtime, self.env
         while True:
             yield env.timeout(interval)
+            for up in list(self._up.values()):
+                self._report(up, up.backend.core.generated(up.seq))
             now_us = self._now_us()
             for b in self.cluster.backends:
                 c = b.core
-                gov.observe_backend(b.name, now_us, kv_usage=c.kv_usage, running=c.num_running,
-                                    waiting=c.num_waiting, preemptions_total=c.num_preemptions)
-            for rid, att in self.live.items():
-                seq = att.seq
-                if seq is None:
-                    continue
-                n = att.backend.core.generated(seq)  # type: ignore[attr-defined]
-                delta = n - self._reported[rid]
-                if delta > 0:
-                    gov.on_tokens(rid, delta, now_us)
-                    self._reported[rid] = n
-            for exp in gov.expire(now_us):
-                self._expired(exp.request_id, exp.reason, exp.was_running)
-            self._dispatch()
+                self._carry(runtime.scrape_ok(
+                    b.name, now_us, now_us, kv_usage=c.kv_usage, running=c.num_running,
+                    waiting=c.num_waiting, preemptions_total=c.num_preemptions))
+            self.flush_trace()
+
+    def flush_trace(self) -> None:
+        """Write the trace recorded since the last flush (a no-op without a trace)."""
+        if self._trace is not None:
+            self._trace.write(self.runtime.take_trace())
+
+
+def _ignore(_action: object) -> None:
+    """Informational actions: a queued request's place, a backend's health."""

@@ -2,7 +2,9 @@
 
 `run_scenario` builds the requests once from the seed, then for each policy builds a fresh
 environment (backends, policy, arrival process, sampler), runs it until every request has ended
-(or the horizon), and summarises. Same scenario and seed, same report, on any machine.
+(or the horizon), and summarises. Same scenario and seed, same report, on any machine. With a
+trace path, each gated policy's runtime records its events and actions (`trace_paths`), which
+`llmflow trace replay` checks offline.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from llmflow.sim.workload import Requests, build_requests
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
+    from pathlib import Path
+    from typing import TextIO
 
     from llmflow.sim.scenario import PolicySpec, Scenario
 
-__all__ = ["PolicyRun", "run_policy", "run_scenario"]
+__all__ = ["PolicyRun", "run_policy", "run_scenario", "trace_paths"]
 
 
 @dataclass
@@ -38,6 +42,7 @@ class PolicyRun:
     summary: dict[str, Any]
     series: dict[str, np.ndarray]  # t, queue, running, kv_usage
     ttft: dict[str, np.ndarray] = field(default_factory=dict)  # class -> TTFTs (s)
+    trace: Path | None = None  # the runtime's JSONL trace, when recorded
 
 
 def _arrivals(
@@ -72,14 +77,14 @@ def _sampler(
 ) -> Generator[simpy.Event, None, None]:
     g = cluster.gauges
     while True:
-        queued = gw.gov.queued if isinstance(gw, GatedPolicy) else 0
+        queued = gw.runtime.queued if isinstance(gw, GatedPolicy) else 0
         out.append((env.now, queued + g.waiting, g.running, g.used / g.total_blocks))
         yield env.timeout(every)
 
 
 def run_policy(
     sc: Scenario, name: str, spec: PolicySpec, reqs: Requests, seed: int,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, trace: TextIO | None = None,
 ) -> PolicyRun:
     """Simulate one policy on the given requests.
 
@@ -90,6 +95,7 @@ def run_policy(
         reqs: the requests (`build_requests`).
         seed: seeds the clients' jitter.
         progress: called with the number of requests ended since the last call.
+        trace: where a gated policy writes its runtime's JSONL trace (ignored for `direct`).
     """
     wall0 = time.perf_counter()
     env = simpy.Environment()
@@ -100,7 +106,7 @@ def run_policy(
     if spec.kind == "direct":
         gw = DirectPolicy(env, cluster, spec.propagate_disconnect)
     else:
-        gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster))
+        gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster), trace)
     rec = Recorder(env)
     total = len(reqs)
     done = env.event()
@@ -121,6 +127,8 @@ def run_policy(
     env.process(_sampler(env, cluster, gw, sc.sample_interval_s, samples))
     if total:
         env.run(until=simpy.AnyOf(env, [done, env.timeout(sc.horizon_s)]))
+    if isinstance(gw, GatedPolicy):
+        gw.flush_trace()
     rec.close(sorted(live.values(), key=lambda v: v[1]))
     if progress is not None and ended[0] > ended[1]:
         progress(ended[0] - ended[1])
@@ -172,11 +180,26 @@ def _summarise(
     return PolicyRun(name, summary, series, ttft)
 
 
+def trace_paths(path: Path, gated: list[str]) -> dict[str, Path]:
+    """Where each gated policy's trace goes: `path` itself for one, else `-<policy>` inserted
+    before the suffix (`run.jsonl` -> `run-llmflow.jsonl`)."""
+    if len(gated) == 1:
+        return {gated[0]: path}
+    return {name: path.with_name(f"{path.stem}-{name}{path.suffix}") for name in gated}
+
+
 def run_scenario(
     sc: Scenario, policies: list[str] | None = None, seed: int | None = None,
-    progress: bool = False,
+    progress: bool = False, trace: Path | None = None,
 ) -> tuple[dict[str, Any], list[PolicyRun]]:
     """Run the scenario's policies (all, or those named) on the same requests.
+
+    Args:
+        sc: the scenario.
+        policies: the policies to run (default: all the scenario defines).
+        seed: overrides the scenario's seed.
+        progress: show a progress bar per policy.
+        trace: record each gated policy's runtime trace here (see `trace_paths`).
 
     Returns:
         The report (`report.json`'s content) and the per-policy runs (for plots).
@@ -190,13 +213,21 @@ def run_scenario(
     if unknown:
         raise KeyError(f"unknown policy {unknown}; the scenario defines {list(sc.policies)}")
     reqs = build_requests(sc, seed)
+    gated = [n for n in names if sc.policies[n].kind == "gated"]
+    paths = trace_paths(trace, gated) if trace is not None and gated else {}
     runs = []
     for name in names:
         bar = _bar(name, len(reqs)) if progress else None
+        path = paths.get(name)
+        out = path.open("w", encoding="utf-8") if path is not None else None
         try:
-            runs.append(run_policy(sc, name, sc.policies[name], reqs, seed,
-                                   bar.update if bar is not None else None))
+            run = run_policy(sc, name, sc.policies[name], reqs, seed,
+                             bar.update if bar is not None else None, out)
+            run.trace = path
+            runs.append(run)
         finally:
+            if out is not None:
+                out.close()
             if bar is not None:
                 bar.close()
     report = {

@@ -53,8 +53,4 @@ async def _complete(endpoint: Endpoint, request: Request) -> Response:
     result = await svc.serve(prepared, request.receive)
     if isinstance(result, dict):
         return JSONResponse(result)
-    return SessionStream(
-        result,
-        settings.streaming.sse_flush_interval / 1e3,
-        settings.backpressure.stall_timeout_ms / 1e3,
-    )
+    return SessionStream(result, settings.streaming.sse_flush_interval / 1e3)

@@ -17,9 +17,5 @@ async def stream_ws(websocket: WebSocket) -> None:
     gw = websocket.app.state.gateway
     settings = gw.settings
     await serve_websocket(
-        websocket,
-        gw.service,
-        gw.keyring,
-        settings.backpressure.client_window,
-        settings.backpressure.stall_timeout_ms / 1e3,
+        websocket, gw.service, gw.keyring, settings.backpressure.client_window
     )

@@ -1,0 +1,143 @@
+"""The gateway as a host of the core's runtime: feed it events, carry out its actions.
+
+`llmflow._core.Runtime` owns the whole request lifecycle (admission, dispatch, deadlines, the
+stall timer, backend health, Retry-After, the drain) and reads no clock. This module gives it
+the time (`time.monotonic_ns() // 1000`), keeps the one loop timer it asks for with `Arm`, and
+hands every other action to the session it names. It holds no policy of its own; the bytes and
+HTTP live in `session.py`, `sse.py` and `upstream.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from llmflow._core import Abort, Arm, Cut, End, Reply, SetHealth, Start, Wait
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TextIO
+
+    from llmflow._core import Action, Runtime
+
+__all__ = ["Host", "Party", "now_us"]
+
+log = logging.getLogger("llmflow.gateway")
+
+
+def now_us() -> int:
+    """The gateway's clock for the core: monotonic microseconds."""
+    return time.monotonic_ns() // 1000
+
+
+class Party(Protocol):
+    """What the runtime's per-request actions are carried out on (a `StreamSession`)."""
+
+    def on_start(self, action: Start) -> None: ...
+    def on_abort(self) -> None: ...
+    def on_reply(self, action: Reply) -> None: ...
+    def on_cut(self, reason: str) -> None: ...
+    def on_end(self, outcome: str) -> None: ...
+
+
+class Host:
+    """Carries out the runtime's actions on one event loop.
+
+    Args:
+        runtime: the core runtime, built from `Settings.to_runtime()`.
+        trace: where to write the runtime's JSONL trace (the runtime must be tracing).
+    """
+
+    def __init__(self, runtime: Runtime, trace: TextIO | None = None) -> None:
+        self.runtime = runtime
+        self.parties: dict[int, Party] = {}
+        self.on_health: Callable[[str, bool], None] = lambda _backend, _healthy: None
+        self._ids = itertools.count(1)
+        self._trace = trace
+        self._timer: asyncio.TimerHandle | None = None
+        self._carry_by_type: dict[type, Callable[[Any], None]] = {
+            Start: lambda a: self.parties[a.request_id].on_start(a),
+            Wait: lambda a: None,
+            Abort: lambda a: self.parties[a.request_id].on_abort(),
+            Reply: lambda a: self.parties.pop(a.request_id).on_reply(a),
+            Cut: lambda a: self.parties.pop(a.request_id).on_cut(a.reason),
+            End: lambda a: self.parties.pop(a.request_id).on_end(a.outcome),
+            Arm: self._arm,
+            SetHealth: lambda a: self.on_health(a.backend, a.healthy),
+        }
+
+    def new_id(self) -> int:
+        """A fresh request id."""
+        return next(self._ids)
+
+    def carry(self, actions: list[Action]) -> None:
+        """Carry out actions in order (and write the trace, when recording)."""
+        if self._trace is not None:
+            self._trace.write(self.runtime.take_trace())
+        for action in actions:
+            self._carry_by_type[type(action)](action)
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def arrive(
+        self, party: Party, request_id: int, tenant: str, prompt: int, max_tokens: int, stream: bool
+    ) -> None:
+        """A request arrived; its party hears `on_start` or `on_reply` (maybe at once)."""
+        self.parties[request_id] = party
+        self.carry(
+            self.runtime.arrive(request_id, tenant, prompt, max_tokens, stream, now_us())
+        )
+
+    def started(self, request_id: int) -> None:
+        self.carry(self.runtime.started(request_id, now_us()))
+
+    def tokens(self, request_id: int, n: int) -> None:
+        self.carry(self.runtime.tokens(request_id, n, now_us()))
+
+    def done(self, request_id: int) -> None:
+        self.carry(self.runtime.done(request_id, now_us()))
+
+    def failed(self, request_id: int, status: int, backend_down: bool) -> None:
+        self.carry(self.runtime.failed(request_id, status, now_us(), backend_down=backend_down))
+
+    def client_gone(self, request_id: int) -> None:
+        self.carry(self.runtime.client_gone(request_id, now_us()))
+
+    def window_full(self, request_id: int) -> None:
+        self.carry(self.runtime.window_full(request_id, now_us()))
+
+    def window_drained(self, request_id: int) -> None:
+        self.carry(self.runtime.window_drained(request_id, now_us()))
+
+    def scrape_ok(self, backend: str, began_us: int, **values: Any) -> None:
+        self.carry(self.runtime.scrape_ok(backend, began_us, now_us(), **values))
+
+    def scrape_failed(self, backend: str) -> None:
+        self.carry(self.runtime.scrape_failed(backend, now_us()))
+
+    def drain(self) -> None:
+        self.carry(self.runtime.drain(now_us()))
+
+    # ---- the one timer -----------------------------------------------------------------------
+
+    def _arm(self, action: Arm) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(action.at_us - now_us(), 0) / 1e6
+        self._timer = asyncio.get_running_loop().call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self.carry(self.runtime.timer(now_us()))
+
+    def close(self) -> None:
+        """Stop the timer and flush the trace (the loop is going away)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._trace is not None:
+            self._trace.write(self.runtime.take_trace())
+            self._trace.flush()
