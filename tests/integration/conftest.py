@@ -28,8 +28,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: processes.py
 
-from vllm_server import VllmServer, find_vllm_python, free_port
+from vllm_server import VllmServer, find_vllm_python
+
+from processes import free_port
 
 TINY_MODEL_SCRIPT = Path(__file__).resolve().parent / "tiny_model.py"
 

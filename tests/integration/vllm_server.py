@@ -17,14 +17,14 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
+
+from processes import own_process_group, tail
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -84,13 +84,6 @@ def find_vllm_python(build_timeout_s: float = 3600.0) -> Path:
     return path
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def parse_metrics(text: str) -> dict[str, float]:
     """Parse Prometheus text into ``{name: value}``, summing samples over all label sets."""
     values: dict[str, float] = {}
@@ -106,20 +99,6 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         values[match.group(1)] = values.get(match.group(1), 0.0) + value
     return values
-
-
-def _own_process_group() -> dict[str, Any]:
-    """Popen keyword arguments that put the child in a new process group, same session."""
-    if sys.version_info >= (3, 11):
-        return {"process_group": 0}
-    return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
-
-
-def _tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"<could not read {path}: {exc}>"
 
 
 class VllmServer:
@@ -216,7 +195,7 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                **_own_process_group(),
+                **own_process_group(),
             )
         try:
             self._wait_healthy(started)
@@ -235,7 +214,7 @@ class VllmServer:
                 if code is not None:
                     raise RuntimeError(
                         f"vLLM exited with code {code} during startup; log {self.log_path}:\n"
-                        + _tail(self.log_path)
+                        + tail(self.log_path)
                     )
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
@@ -245,7 +224,7 @@ class VllmServer:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"vLLM not healthy after {self.startup_timeout_s:.0f} s; "
-                        f"log {self.log_path}:\n" + _tail(self.log_path)
+                        f"log {self.log_path}:\n" + tail(self.log_path)
                     )
                 time.sleep(0.5)
 
@@ -270,9 +249,9 @@ class VllmServer:
         self.process = None
         return code
 
-    def log_tail(self, lines: int = 60) -> str:
+    def logtail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the server log."""
-        return _tail(self.log_path, lines)
+        return tail(self.log_path, lines)
 
     def metrics(self, client: httpx.Client | None = None) -> dict[str, float]:
         """Fetch ``/metrics`` and return it parsed by :func:`parse_metrics`."""

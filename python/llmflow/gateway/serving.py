@@ -139,17 +139,17 @@ class CompletionService:
             raise
         return session
 
-    async def serve(self, prepared: Prepared, receive: Receive) -> Json | StreamSession:
-        """Run a prepared request under the core's decision.
+    async def serve(self, prepared: Prepared, receive: Receive) -> StreamSession:
+        """Run a prepared request as the runtime directs.
 
         Returns:
-            The complete reply (non-streaming), or the session, already past its first token,
-            whose window the caller streams (SSE).
+            The session: done, with its `response()` (non-streaming), or past its first token,
+            its window for the caller to stream (SSE).
 
         Raises:
-            GatewayError: 429/503 from the core with `Retry-After`, 503 when the queue wait
-                expired, 502/504 from the backend, 504 on first-token timeout (when so
-                configured), `ClientGone` when the client disconnected first.
+            GatewayError: the runtime's `Reply`: 429/503 with `Retry-After`, 503 when the queue
+                wait expired, 502/504 from the backend, 504 on first-token timeout (when so
+                configured); `ClientGone` when the client disconnected first.
         """
         session = self.admit(prepared)
         departure = Departure()
@@ -165,7 +165,7 @@ class CompletionService:
             await departure.run(session.done.wait())
             if session.error is not None:
                 raise session.error
-            return session.response()
+            return session
         finally:
             watcher.cancel()
             await asyncio.wait([watcher])

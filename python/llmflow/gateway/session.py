@@ -81,9 +81,16 @@ class SessionContext:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
+def request_id_header(request_id: int) -> dict[str, str]:
+    """`X-Request-Id`, as sent upstream and named in the runtime's trace (`llmflow-<id>`)."""
+    return {"X-Request-Id": f"llmflow-{request_id}"}
+
+
 def reply_error(reply: Reply, upstream: UpstreamError | None = None) -> GatewayError:
     """The client's error for a runtime `Reply`: its status and Retry-After, our message."""
-    headers = {} if reply.retry_after_s is None else {"Retry-After": str(reply.retry_after_s)}
+    headers = request_id_header(reply.request_id)
+    if reply.retry_after_s is not None:
+        headers["Retry-After"] = str(reply.retry_after_s)
     if reply.reason == "upstream_error" and upstream is not None:
         return GatewayError(reply.status, upstream.message, upstream.code, headers=headers)
     message = _MESSAGES.get(reply.reason) or f"request refused: {reply.reason.replace('_', ' ')}"
@@ -126,6 +133,11 @@ class StreamSession:
         ctx.sessions.add(self)
         self.window.on_full = self.window_full
         self.window.on_drained = self.window_drained
+
+    @property
+    def id_header(self) -> dict[str, str]:
+        """`X-Request-Id` for the reply: the id upstream and the trace know it by."""
+        return request_id_header(self.request_id)
 
     @property
     def streaming(self) -> bool:
@@ -279,7 +291,7 @@ class StreamSession:
             body = {**body, "priority": self.priority}
         host, rid = self.ctx.host, self.request_id
         self._stream = await self.ctx.upstream.open(
-            route.url, self.prepared.path, body, f"llmflow-{rid}"
+            route.url, self.prepared.path, body, self.id_header["X-Request-Id"]
         )
         host.started(rid)
         async for data in self._stream.events():

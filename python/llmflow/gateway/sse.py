@@ -40,7 +40,8 @@ class SessionStream(EventSourceResponse):
 
     def __init__(self, session: StreamSession, flush_interval_s: float) -> None:
         super().__init__(
-            content=iter(()), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            content=iter(()),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **session.id_header},
         )
         self.session = session
         self.flush_interval_s = flush_interval_s

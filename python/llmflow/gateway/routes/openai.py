@@ -50,7 +50,7 @@ async def models(request: Request, _who: Annotated[Identity, Depends(identity)])
 async def _complete(endpoint: Endpoint, request: Request) -> Response:
     svc, settings = service(request), gateway(request).settings
     prepared = svc.prepare(endpoint, identity(request), await request.body())
-    result = await svc.serve(prepared, request.receive)
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return SessionStream(result, settings.streaming.sse_flush_interval / 1e3)
+    session = await svc.serve(prepared, request.receive)
+    if not prepared.options.stream:
+        return JSONResponse(session.response(), headers=session.id_header)
+    return SessionStream(session, settings.streaming.sse_flush_interval / 1e3)

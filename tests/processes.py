@@ -1,0 +1,243 @@
+"""Child processes the tests run as in production: `llmflow serve`, `llmflow simserve`.
+
+Each gets its own process group but stays in the test's session (see
+`integration/vllm_server.py` on autogroup starvation), writes its log to a file the error
+messages quote, and is stopped with SIGTERM first (a graceful drain), then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import yaml
+
+if TYPE_CHECKING:
+    from pathlib import Path
+    from types import TracebackType
+
+__all__ = ["GatewayProcess", "SimServeProcess", "free_port", "own_process_group", "tail"]
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def own_process_group() -> dict[str, Any]:
+    """Popen keyword arguments that put the child in a new process group, same session."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"<could not read {path}: {exc}>"
+
+
+class GatewayProcess:
+    """`python -m llmflow.cli serve --config FILE --port PORT` on 127.0.0.1.
+
+    Args:
+        config: the gateway's YAML config as a mapping.
+        workdir: where the config file and the log go.
+        startup_timeout_s: how long to wait for `/readyz`.
+        extra_args: more `llmflow serve` arguments (`--trace FILE`).
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        workdir: Path,
+        startup_timeout_s: float = 60.0,
+        extra_args: tuple[str, ...] = (),
+    ):
+        self.config = config
+        self.extra_args = extra_args
+        self.port = free_port()
+        self.workdir = workdir
+        self.config_path = workdir / f"gateway-{self.port}.yaml"
+        self.log_path = workdir / f"gateway-{self.port}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL without `/v1`."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        """Base URL for OpenAI clients."""
+        return f"{self.url}/v1"
+
+    def start(self) -> GatewayProcess:
+        """Start the gateway and wait until it is ready; raise with the log tail otherwise."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.config), encoding="utf-8")
+        command = [
+            sys.executable,
+            "-m",
+            "llmflow.cli",
+            "serve",
+            "--config",
+            str(self.config_path),
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *self.extra_args,
+        ]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                **own_process_group(),
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"gateway exited with {self.process.returncode}:\n{tail(self.log_path)}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/readyz").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway not ready:\n{tail(self.log_path)}")
+                time.sleep(0.1)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (graceful drain), then SIGKILL the group after `timeout_s`; the exit code."""
+        proc = self.process
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait()
+        self.process = None
+        return code
+
+    def state(self, client: httpx.Client | None = None) -> dict[str, Any]:
+        """The gateway's `/api/state`."""
+        get = client.get if client is not None else httpx.get
+        response = get(f"{self.url}/api/state", timeout=5.0)
+        response.raise_for_status()
+        body: dict[str, Any] = response.json()
+        return body
+
+    def logtail(self, lines: int = 60) -> str:
+        """The last lines of the gateway's log."""
+        return tail(self.log_path, lines)
+
+    def __enter__(self) -> GatewayProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class SimServeProcess:
+    """`python -m llmflow.cli simserve --port PORT ...`: the simulated vLLM server, alone.
+
+    Args:
+        workdir: where the log goes.
+        args: more `llmflow simserve` arguments (`--speed`, `--max-num-seqs`, ...).
+    """
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.args = args
+        self.log_path = workdir / f"simserve-{self.port}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL without `/v1`."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> SimServeProcess:
+        """Start it and wait until `/health` answers."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable,
+            "-m",
+            "llmflow.cli",
+            "simserve",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                **own_process_group(),
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"simserve exited:\n{tail(self.log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"simserve not ready:\n{tail(self.log_path)}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """Stop it at once (SIGKILL): the backend dies mid-stream."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+    def __enter__(self) -> SimServeProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()
