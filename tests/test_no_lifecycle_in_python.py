@@ -1,0 +1,83 @@
+"""The lifecycle lives once, in the core's runtime: the hosts' Python must not grow it back.
+
+The gateway and the simulator feed events to `llmflow._core.Runtime` and carry out its actions.
+Timers, deadlines, the stall rule, backend health, Retry-After and dispatch are the runtime's.
+This test reads the hosts' sources and fails on the usual suspects; each exception is listed
+with the reason it is not lifecycle.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "python" / "llmflow"
+HOSTS = sorted((PACKAGE / "gateway").rglob("*.py")) + [PACKAGE / "sim" / "policies.py"]
+
+SUSPECTS = {
+    "a timer of its own": r"\bcall_later\b|\bcall_at\b|\bwait_for\(|\bmove_on_after\(|\bfail_after\(",
+    "a simulated timer": r"\benv\.timeout\(",
+    "a deadline or stall setting": (
+        r"\.stall_timeout_ms|\.first_token_timeout_ms|\.total_ms|\.max_wait_ms|stall_timeout_s"
+    ),
+    "Retry-After arithmetic": r"(?i)retry.*\bceil\(|retry_after_s\s*[-+*/]|retry-after.*\bmax\(",
+    "health bookkeeping": r"FAILURES_BEFORE|ever_scraped|down_at|mark_down|\.healthy\s*=\s*False",
+    "the governor's lifecycle calls": (
+        r"\.expire\(|next_deadline_us|\.dispatch\(|set_backend_health|observe_backend"
+        r"|\bGovernor\("
+    ),
+    "a stall watcher": r"StallWatch|stalled_for|busy_since",
+}
+
+# (file, suspect) pairs that are not lifecycle, each with why.
+ALLOWED = {
+    # The host's ONE timer is the runtime's `Arm` action carried out.
+    ("gateway/host.py", "a timer of its own"),
+    # The simulator's `Arm` is a SimPy timeout, as is its scrape period (vLLM's metrics
+    # interval, an input to the runtime, not a lifecycle rule).
+    ("sim/policies.py", "a simulated timer"),
+    # Upstream I/O: how long a connect or the body's last bytes may take, not a request rule.
+    ("gateway/upstream.py", "a timer of its own"),
+    ("gateway/http1.py", "a timer of its own"),
+    # The embedded simulated backend is a backend, not the gateway's lifecycle.
+    ("gateway/embedded.py", "a timer of its own"),
+}
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """Source lines without comments and docstrings (the rules may be named in prose)."""
+    text = path.read_text(encoding="utf-8")
+    text = re.sub(r'"""(?:.|\n)*?"""', lambda m: "\n" * m.group(0).count("\n"), text)
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        code = line.split("#", 1)[0]
+        if code.strip():
+            lines.append((number, code))
+    return lines
+
+
+@pytest.mark.parametrize("path", HOSTS, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_hosts_hold_no_lifecycle(path: Path) -> None:
+    name = str(path.relative_to(PACKAGE))
+    found = [
+        f"{name}:{number}: {what}: {code.strip()}"
+        for number, code in _code_lines(path)
+        for what, pattern in SUSPECTS.items()
+        if (name, what) not in ALLOWED and re.search(pattern, code)
+    ]
+    assert not found, "lifecycle logic belongs in rust/src/runtime.rs:\n" + "\n".join(found)
+
+
+def test_the_check_can_fail(tmp_path: Path) -> None:
+    """The patterns catch the code that used to live here."""
+    old = [
+        "self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)",
+        'return {"Retry-After": str(max(1, math.ceil(seconds)))}',
+        "enough = state.failures >= FAILURES_BEFORE_UNHEALTHY or not state.ever_scraped",
+        "for expired in self.governor.expire(now_us()):",
+        "ev = self.env.timeout(self.settings.backpressure.stall_timeout_ms / 1000.0)",
+    ]
+    for line in old:
+        assert any(re.search(p, line) for p in SUSPECTS.values()), line
