@@ -31,7 +31,8 @@ COMMANDS = _commands(build_parser())
 
 def test_every_expected_command_exists() -> None:
     names = {" ".join(c) for c in COMMANDS}
-    assert {"capacity", "config check", "sim run", "simserve", "serve"} <= names
+    assert {"capacity", "config check", "sim run", "simserve", "serve",
+            "trace replay"} <= names
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "llmflow")

@@ -53,3 +53,19 @@ def test_help_is_useful(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--policy" in text
     assert "--speed" in text
     assert "--port" in text
+
+
+def test_sim_run_records_a_trace_per_gated_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmflow.cli import main
+
+    base = ["sim", "run", "long-report-timeout", "--out", str(tmp_path), "--no-progress",
+            "--no-plots"]
+    assert main([*base, "--trace", str(tmp_path / "t" / "run.jsonl")]) == 0
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
+        "run-llmflow.jsonl", "run-seed-gate.jsonl"]
+    assert main([*base, "--policy", "llmflow", "--trace", str(tmp_path / "one.jsonl")]) == 0
+    assert "one.jsonl" in capsys.readouterr().err
+    assert main(["trace", "replay", str(tmp_path / "one.jsonl")]) == 0
+    assert capsys.readouterr().out.endswith(" actions: every action matches\n")

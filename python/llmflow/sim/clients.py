@@ -7,8 +7,8 @@ the wire); it gives up after `timeout_s` without a first token
 (without the whole answer when not streaming) and re-sends up to `retries_on_timeout` times (the
 avalanche); it may disconnect after some tokens or seconds. Latency is user-perceived: counted
 from the first attempt. Tokens are consumed in batches: the engine reports only first tokens and
-ends, never single tokens. A client may stall (stop reading after some tokens): a gateway then
-ends it once its backpressure window has been full for `stall_timeout_ms`; without one, vLLM
+ends, never single tokens. A client may stall (stop reading after some tokens): a gateway's
+runtime then cuts it once its backpressure window has stayed full too long; without one, vLLM
 generates to the end for nobody.
 """
 
