@@ -19,8 +19,15 @@ build-dev: ## Rebuild the Rust extension in place after editing rust/src
 vllm: ## Build (or reuse) the cached real-vLLM venv the integration tests use
 	scripts/vllm_env.sh
 
+.PHONY: deps
+deps: ## Install what the tests need beyond Python packages: Debian's chromium (dashboard test)
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the dashboard's browser test"; \
+	  $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -q chromium; }
+
 .PHONY: test
-test: ## Run every test: cargo test, then pytest (unit, simulator, property, integration)
+test: deps ## Run every test: cargo test, then pytest (unit, simulator, property, integration)
 	cargo test --quiet
 	$(PYTHON) -m pytest tests sim property_tests
 

@@ -7,7 +7,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use _core::{Governor, Outcome};
+use _core::{Event, Governor, Outcome, Runtime};
 
 fn config(max_waiting: u32, sla: &str) -> String {
     format!(
@@ -34,6 +34,35 @@ fn cycles(n: u64) -> f64 {
             g.on_tokens(id, 1, now + 2);
         }
         g.finish(id, Outcome::Completed, now + 3);
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The same cycle through the whole runtime: arrive, started, 10 token batches, done, with
+/// every action it returns built (start, timer arming, end) and the stall timer on.
+fn runtime_cycles(n: u64) -> f64 {
+    let text = format!(
+        r#"{{"policy":{},"lifecycle":{{"stall_timeout_ms":30000}}}}"#,
+        config(200, "1500")
+    );
+    let mut rt = Runtime::from_json(&text).unwrap();
+    let start = Instant::now();
+    let mut now = 0;
+    for id in 0..n {
+        now += 10;
+        let arrive = Event::Arrive {
+            id,
+            tenant: (id % 3) as u32,
+            prompt: 512,
+            max_tokens: 256,
+            stream: true,
+        };
+        black_box(rt.handle(now, &arrive).unwrap());
+        black_box(rt.handle(now + 1, &Event::Started { id }).unwrap());
+        for _ in 0..10 {
+            black_box(rt.handle(now + 2, &Event::Tokens { id, n: 1 }).unwrap());
+        }
+        black_box(rt.handle(now + 3, &Event::Done { id }).unwrap());
     }
     n as f64 / start.elapsed().as_secs_f64()
 }
@@ -78,6 +107,11 @@ fn main() {
     println!(
         "{{\"measure\":\"rust_cycles_per_s\",\"value\":{:.0}}}",
         cycles(n)
+    );
+    runtime_cycles(n / 10);
+    println!(
+        "{{\"measure\":\"rust_runtime_cycles_per_s\",\"value\":{:.0}}}",
+        runtime_cycles(n)
     );
     for depth in [10, 1_000, 100_000] {
         let (submit, dispatch) = decision_ns(depth, 200_000);
