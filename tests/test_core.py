@@ -91,6 +91,30 @@ def test_observe_and_breaker(core_config: dict[str, Any]) -> None:
     assert snap["backends"][0]["preemptions"] == 3
 
 
+def test_stale_metrics_halve_the_slots(core_config: dict[str, Any]) -> None:
+    # 4 slots; the last scrape at t=0 goes stale after the default 3 s: the backend gets half
+    # its slots until a fresh scrape, which lets the queued requests in.
+    g = Governor({**core_config, "max_concurrency_per_gpu": 4})
+    assert core_config["stale_after_ms"] == 3000
+    g.observe_backend("sim0", 0, kv_usage=0.0, running=0, waiting=0)
+    late = 3_000_001
+    assert g.snapshot(late)["backends"][0]["stale"] is True
+    kinds = [g.submit(i, "acme", 10, 10, late).kind for i in range(1, 5)]
+    assert kinds == ["admitted", "admitted", "queued", "queued"]
+    assert g.dispatch(late) == []
+    g.observe_backend("sim0", late, kv_usage=0.0, running=2, waiting=0)
+    assert sorted(a.request_id for a in g.dispatch(late)) == [3, 4]
+    assert (g.running, g.queued) == (4, 0)
+
+
+def test_fresh_metrics_give_the_full_cap(core_config: dict[str, Any]) -> None:
+    # The control: the same crowd just inside the staleness window gets all 4 slots.
+    g = Governor({**core_config, "max_concurrency_per_gpu": 4})
+    g.observe_backend("sim0", 0, kv_usage=0.0, running=0, waiting=0)
+    kinds = [g.submit(i, "acme", 10, 10, 3_000_000).kind for i in range(1, 5)]
+    assert kinds == ["admitted"] * 4
+
+
 def test_draining_and_health(core_config: dict[str, Any]) -> None:
     g = Governor(core_config)
     g.set_backend_health("sim0", False, 0)

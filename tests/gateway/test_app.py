@@ -12,6 +12,8 @@ import httpx
 import pytest
 import yaml
 
+from llmflow.config import load_settings
+from llmflow.gateway.app import create_app
 from llmflow.gateway.streaming import notice_for
 
 from .fake_vllm import FakeVllm
@@ -126,10 +128,6 @@ async def test_llmflow_serve_runs_and_drains_on_sigterm(tmp_path: Path) -> None:
 
 
 async def test_a_backend_without_url_runs_the_built_in_simulator() -> None:
-    pytest.importorskip("llmflow.sim.server", reason="the simulator's vLLM server has not landed")
-    from llmflow.config import load_settings
-    from llmflow.gateway.app import create_app
-
     app = create_app(load_settings(data={"streaming": {"sse_flush_interval": 0}}))
     async with serve_asgi(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=30) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]

@@ -1,4 +1,5 @@
-"""Backend scrapes: vLLM's metric names old and new, health from failures, multi-backend routing."""
+"""Backend scrapes: vLLM's metric names old and new, health from failures, stale metrics,
+multi-backend routing."""
 
 from __future__ import annotations
 
@@ -78,6 +79,51 @@ async def test_a_failing_backend_is_marked_down_and_traffic_goes_to_the_other() 
         b0.metrics_status = 200
         await until(lambda: h.gateway.scraper.states["b0"].healthy)  # type: ignore[union-attr]
         assert (await h.client.get("/readyz")).json()["healthy_backends"] == ["b0", "b1"]
+
+
+async def test_stale_metrics_halve_the_slots_until_a_fresh_scrape() -> None:
+    """Scrapes a minute apart but stale after 300 ms: once the last scrape is stale the backend
+    gets half its slots, so the fake never runs more than 2 of 4 held requests; a fresh scrape
+    lets the other 2 in. Counted by the fake, not the gateway."""
+    cap = 4
+    async with start_gateway(
+        gate={"max_concurrency_per_gpu": cap, "queue": {"max_waiting": 8}},
+        metrics={"scrape_interval_ms": 60_000, "stale_after_ms": 300},
+        sla={"ttft_ms": None},
+        streaming={"first_token_timeout_ms": None},
+    ) as h:
+        fake = h.fake
+        await until(lambda: fake.metrics_scrapes == 2)  # the start's scrape and the loop's first
+        await asyncio.sleep(0.5)  # no scrape for longer than stale_after_ms
+        fake.default = {"step": True}
+        body = {**BODY, "max_tokens": 2}
+        tasks = [asyncio.create_task(h.client.post(CHAT, json=body)) for _ in range(cap)]
+        await until(lambda: fake.running >= cap // 2)
+        await asyncio.sleep(0.3)  # time for a third or fourth to (wrongly) start
+        assert (fake.seen, fake.peak_running) == (cap // 2, cap // 2)
+        assert fake.metrics_scrapes == 2
+        await h.gateway.scraper.scrape_all()  # type: ignore[union-attr]
+        await until(lambda: fake.running == cap)
+        assert (fake.seen, fake.peak_running) == (cap, cap)
+        fake.release(2 * cap)
+        assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * cap
+
+
+async def test_fresh_metrics_give_the_full_cap() -> None:
+    """The control: with scrapes fresh, the same 4 held requests all run at once."""
+    cap = 4
+    async with start_gateway(
+        gate={"max_concurrency_per_gpu": cap},
+        sla={"ttft_ms": None},
+        streaming={"first_token_timeout_ms": None},
+    ) as h:
+        h.fake.default = {"step": True}
+        body = {**BODY, "max_tokens": 2}
+        tasks = [asyncio.create_task(h.client.post(CHAT, json=body)) for _ in range(cap)]
+        await until(lambda: h.fake.running == cap)
+        assert h.fake.peak_running == cap
+        h.fake.release(2 * cap)
+        assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * cap
 
 
 async def test_load_spreads_to_the_backend_with_headroom() -> None:

@@ -11,14 +11,13 @@ import openai
 import pytest
 
 from llmflow.gateway.app import create_app
+from llmflow.sim import server as sim_server
 
 from .harness import Harness, assert_idle, serve_asgi, settings_for, until
 from .sse_client import frames
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
-
-sim_server = pytest.importorskip("llmflow.sim.server")
 
 pytestmark = pytest.mark.anyio
 

@@ -86,9 +86,9 @@ class GatewayPool:
         self.workdir = workdir
         self.started: list[GatewayProcess] = []
 
-    def start(self, config: dict[str, Any]) -> GatewayProcess:
-        """Start a gateway with `config` and wait until it is ready."""
-        gw = GatewayProcess(config, self.workdir).start()
+    def start(self, config: dict[str, Any], *extra_args: str) -> GatewayProcess:
+        """Start a gateway with `config` (and more `llmflow serve` arguments) until ready."""
+        gw = GatewayProcess(config, self.workdir, extra_args=extra_args).start()
         self.started.append(gw)
         return gw
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -225,13 +226,21 @@ def test_total_deadline_returns_partial_text(
     print(f"KV usage fell to 0 {fell:.3f} s after the cut (was {kv_seen or 'n/a'})")
 
 
-def test_flood_of_200_respects_the_cap(vllm: VllmServer, start_gateway: Any) -> None:
+def test_flood_of_200_respects_the_cap(
+    vllm: VllmServer, start_gateway: Any, tmp_path: Path
+) -> None:
     """200 requests at once: vLLM never runs more than the cap, nothing waits in vLLM, the
-    excess gets fast 429s with Retry-After, everything ends, and the gateway is empty after."""
+    excess gets fast 429s, everything ends, and the gateway is empty after. The refused crowd
+    is told to come back spread out (many distinct Retry-Afters, not one), and each refused
+    client's header is exactly the Retry-After the runtime decided for that request (the
+    `reply` in its `--trace`, found by `X-Request-Id`)."""
     cap, waiting = 6, 20
+    trace = tmp_path / "flood-trace.jsonl"
     gw = start_gateway(gateway_config(
         vllm.url, gate={"max_concurrency_per_gpu": cap, "queue": {"max_waiting": waiting}},
-        streaming={"sse_flush_interval": 0, "first_token_timeout_ms": None}))
+        streaming={"sse_flush_interval": 0, "first_token_timeout_ms": None}),
+        "--trace", str(trace))
+    drain_per_s = gw.state()["core"]["drain_rate_per_s"]  # slots freed per second, expected
     peaks = {"running": 0.0, "waiting": 0.0, "polls": 0}
 
     async def watch(stop: asyncio.Event) -> None:
@@ -259,7 +268,6 @@ def test_flood_of_200_respects_the_cap(vllm: VllmServer, start_gateway: Any) -> 
     assert {r.status for r in replies} <= {200, 429}, sorted({r.status for r in replies})
     assert len(served) >= cap
     assert len(refused) >= 100
-    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert all(json.loads(r.body)["choices"][0]["text"] for r in served)
     median, slowest = refused[len(refused) // 2].seconds, refused[-1].seconds
     assert median < 1.0, f"median 429 took {median:.3f} s"
@@ -269,9 +277,29 @@ def test_flood_of_200_respects_the_cap(vllm: VllmServer, start_gateway: Any) -> 
     assert peaks["waiting"] == 0, peaks
     poll(lambda: gateway_idle(gw.state()), 3.0)
     wait_vllm_idle(vllm, 5.0)
+    wire = [r.headers["retry-after"] for r in refused]
+    assert all(re.fullmatch(r"[1-9][0-9]*", value) for value in wire), sorted(set(wire))
+    spread = sorted(int(value) for value in wire)
+    # Told to come back spread out, not all at once: over (at least half) the time the
+    # backend needs to free a slot for each of them.
+    assert len(set(spread)) >= 10, spread
+    assert spread[-1] - spread[0] >= 0.5 * len(refused) / drain_per_s, (spread, drain_per_s)
+    assert gw.stop() == 0  # the trace is complete once the gateway has exited
+    decided = {r["id"]: r["retry_after_s"] for r in _trace_replies(trace) if r["status"] == 429}
+    on_wire = {int(r.headers["x-request-id"].removeprefix("llmflow-")): int(value)
+               for r, value in zip(refused, wire, strict=True)}
+    assert on_wire == decided  # each refused client got exactly its reply's Retry-After
     print(f"served {len(served)}, refused {len(refused)} (median {median:.3f} s, slowest "
           f"{slowest:.3f} s); vLLM peak running {peaks['running']:.0f}/{cap} over "
-          f"{peaks['polls']} polls")
+          f"{peaks['polls']} polls; Retry-After {spread[0]}..{spread[-1]} s, "
+          f"{len(set(spread))} distinct")
+
+
+def _trace_replies(path: Path) -> list[dict[str, Any]]:
+    """Every `reply` action in a gateway's JSONL trace (the first line is its header)."""
+    lines = path.read_text(encoding="utf-8").splitlines()[1:]
+    acts = (act for line in lines for act in json.loads(line).get("act", []))
+    return [act["reply"] for act in acts if "reply" in act]
 
 
 def _tokens(line: str) -> int:
