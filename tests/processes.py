@@ -192,7 +192,7 @@ class SimServeProcess:
         """Base URL without `/v1`."""
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> SimServeProcess:
+    def start(self, timeout_s: float = 60.0) -> SimServeProcess:
         """Start it and wait until `/health` answers."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [

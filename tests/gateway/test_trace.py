@@ -115,7 +115,7 @@ async def _stalled_websocket(url: str) -> None:
             "type": "request", "id": "stall", "endpoint": "chat",
             "body": {**BODY, "max_tokens": 3000, "ignore_eos": True},
         }))
-        await asyncio.sleep(1.5)  # owes the window the whole time: the stall timer cuts it
+        await asyncio.sleep(3.0)  # owes the window the whole time: the stall timer cuts it
 
 
 async def test_a_gateway_trace_replays_and_matches_what_clients_saw(tmp_path: Path) -> None:
@@ -155,8 +155,14 @@ async def test_a_gateway_trace_replays_and_matches_what_clients_saw(tmp_path: Pa
                 await asyncio.sleep(0.5)
                 doomed.kill()  # a backend dies with streams in flight
                 await asyncio.gather(*long, *leavers, *flood, stall)
-                # After the failure, traffic goes to the live backend.
-                await asyncio.gather(*(_plain(client, seen, max_tokens=8) for _ in range(3)))
+                # After the failure, traffic goes to the live backend; two more clients leave.
+                await asyncio.gather(
+                    *(_plain(client, seen, max_tokens=8) for _ in range(3)),
+                    *(
+                        _streamed(client, seen, leave_after=2, max_tokens=500, ignore_eos=True)
+                        for _ in range(2)
+                    ),
+                )
             assert gateway.stop() == 0  # SIGTERM: drained, exit 0
         trace = trace_path.read_text(encoding="utf-8")
 
@@ -182,7 +188,7 @@ async def test_a_gateway_trace_replays_and_matches_what_clients_saw(tmp_path: Pa
     assert '"backend":{"backend":1,"healthy":false}' in trace
 
     # Each client saw exactly what the runtime said, and nothing it did not say.
-    assert len(seen.by_id) == 4 + 2 + 40 + 3
+    assert len(seen.by_id) == 4 + 2 + 40 + 3 + 2
     for rid, got in seen.by_id.items():
         action = terminals[rid]
         history = [line for line in trace.splitlines() if f'"id":{rid},' in line]

@@ -295,6 +295,8 @@ class StreamSession:
         )
         host.started(rid)
         async for data in self._stream.events():
+            if self._stop:  # cut or aborted: events already read must not follow the tail
+                return
             chunk, new_tokens = self.parser.feed(data)
             if new_tokens:
                 if self.first_token_at is None:
