@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "llmflow"
-HOSTS = sorted((PACKAGE / "gateway").rglob("*.py")) + [PACKAGE / "sim" / "policies.py"]
+HOSTS = [*sorted((PACKAGE / "gateway").rglob("*.py")), PACKAGE / "sim" / "policies.py"]
 
 SUSPECTS = {
-    "a timer of its own": r"\bcall_later\b|\bcall_at\b|\bwait_for\(|\bmove_on_after\(|\bfail_after\(",
+    "a timer of its own": (
+        r"\bcall_later\b|\bcall_at\b|\bwait_for\(|\bmove_on_after\(|\bfail_after\("
+    ),
     "a simulated timer": r"\benv\.timeout\(",
     "a deadline or stall setting": (
         r"\.stall_timeout_ms|\.first_token_timeout_ms|\.total_ms|\.max_wait_ms|stall_timeout_s"

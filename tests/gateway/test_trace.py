@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 import websockets
+
 from processes import GatewayProcess, SimServeProcess
 
 from .sse_client import frames
@@ -66,7 +67,8 @@ class Seen:
 
     def record(self, response: httpx.Response, **extra: Any) -> None:
         rid = response.headers.get("x-request-id")
-        assert rid is not None and rid.startswith("llmflow-"), response.headers
+        assert rid is not None, response.headers
+        assert rid.startswith("llmflow-"), rid
         self.by_id[int(rid.removeprefix("llmflow-"))] = {
             "status": response.status_code,
             "retry_after": response.headers.get("retry-after"),
@@ -192,7 +194,7 @@ async def test_a_gateway_trace_replays_and_matches_what_clients_saw(tmp_path: Pa
     for rid, got in seen.by_id.items():
         action = terminals[rid]
         history = [line for line in trace.splitlines() if f'"id":{rid},' in line]
-        got["history"] = history[:3] + ["..."] + history[-3:]
+        got["history"] = [*history[:3], "...", *history[-3:]]
         if got.get("left"):
             assert (action["kind"], action.get("outcome")) == ("end", "cancelled"), (rid, action)
         elif got["status"] != 200:

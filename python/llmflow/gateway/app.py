@@ -22,9 +22,9 @@ from llmflow.config import load_settings
 from llmflow.gateway.auth import KeyRing
 from llmflow.gateway.embedded import EmbeddedBackend
 from llmflow.gateway.errors import install_handlers
+from llmflow.gateway.host import Host, now_us
 from llmflow.gateway.metrics import GatewayMetrics
 from llmflow.gateway.middleware import BodyLimit
-from llmflow.gateway.host import Host, now_us
 from llmflow.gateway.routes import dashboard, openai, ops, websocket
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService

@@ -138,9 +138,7 @@ class _StateCollector:
 
     def collect(self) -> Iterator[Metric]:
         host, governor = self.m.host, self.m.host.runtime
-        queued: Tally[str] = Tally(
-            s.prepared.tier for s in host.parties.values() if getattr(s, "queued", False)
-        )
+        queued: Tally[str] = Tally(p.tier for p in host.parties.values() if p.queued)
         by_tier = GaugeMetricFamily(
             "llmflow_queue_length", "Requests waiting, by tier", labels=["tier"]
         )

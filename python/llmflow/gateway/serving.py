@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from llmflow.gateway.auth import Identity
     from llmflow.gateway.session import SessionContext
-    from llmflow.gateway.types import Endpoint, Json, Receive
+    from llmflow.gateway.types import Endpoint, Receive
 
 __all__ = ["ClientGone", "CompletionService", "Departure"]
 

@@ -145,6 +145,11 @@ class StreamSession:
         return self.prepared.options.stream
 
     @property
+    def tier(self) -> str:
+        """The tier its tenant belongs to."""
+        return self.prepared.tier
+
+    @property
     def queued(self) -> bool:
         """True while the request waits for a slot."""
         return not self.admitted.done()

@@ -12,6 +12,7 @@ out merged, as valid chunks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -53,10 +54,8 @@ class SessionStream(EventSourceResponse):
             async with anyio.create_task_group() as group:
                 session.cancel_writer = group.cancel_scope.cancel
                 group.start_soon(_until_disconnect, receive, group.cancel_scope)
-                try:
+                with contextlib.suppress(OSError):  # the client went away while we wrote
                     await self._write(send)
-                except OSError:  # the client went away while we wrote
-                    pass
                 group.cancel_scope.cancel()
         finally:
             session.cancel_writer = None
