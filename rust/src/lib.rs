@@ -1,14 +1,14 @@
 //! llmflow's policy core: admission, fair queueing and KV-cache accounting for LLM serving.
 //!
-//! The domain modules (`admission`, `fair_queue`, `kv`, `backend`, `capacity`) know nothing of
+//! The domain modules (`governor`, `fair_queue`, `kv`, `backend`, `capacity`) know nothing of
 //! Python and read no clock; `py` is the only PyO3 seam.
 
-pub mod admission;
 pub mod backend;
 pub mod capacity;
 pub mod config;
 pub mod error;
 pub mod fair_queue;
+pub mod governor;
 pub mod kv;
 pub mod snapshot;
 pub mod types;
@@ -16,9 +16,9 @@ pub mod types;
 #[cfg(feature = "python")]
 mod py;
 
-pub use admission::Governor;
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};
+pub use governor::Governor;
 pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};
 
 #[cfg(feature = "python")]

@@ -7,9 +7,9 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::admission::Governor;
 use crate::capacity;
 use crate::error::PolicyError as CoreError;
+use crate::governor::Governor;
 use crate::types::{Admission, Decision, Expired, Outcome};
 
 create_exception!(
