@@ -68,6 +68,11 @@ impl Governor {
     /// The dispatch loop itself, without counting: `submit` counts its own request apart.
     pub(super) fn place_queued(&mut self, now_us: u64) -> Vec<Admission> {
         let mut admitted = Vec::new();
+        // Saturated backends (the common case when anything queues) take nobody: skip the
+        // per-tier search, which `submit` would otherwise pay on every request it queues.
+        if !self.backends.iter().any(|b| b.healthy && b.running < b.cap) {
+            return admitted;
+        }
         for tier_idx in 0..self.config.tiers.len() {
             while self.queue.tier_len(tier_idx) > 0 {
                 let head = self
