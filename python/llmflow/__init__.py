@@ -4,15 +4,19 @@ The policy (admission, fair queueing, KV-cache accounting) lives in the Rust cor
 `llmflow._core`; the simulator (`llmflow.sim`) and the gateway (`llmflow.gateway`) both drive it.
 """
 
+from typing import TypeAlias
+
 from llmflow._core import (
     Admission,
+    Admitted,
     ConfigError,
-    Decision,
     DuplicateRequestError,
     Expired,
     Governor,
     InvalidArgumentError,
     PolicyError,
+    Queued,
+    Rejected,
     UnknownBackendError,
     UnknownTenantError,
     __version__,
@@ -20,8 +24,12 @@ from llmflow._core import (
     kv_slots,
 )
 
+Decision: TypeAlias = Admitted | Queued | Rejected
+"""What `Governor.submit` decided; `match` on the class (`case Admitted(): ...`)."""
+
 __all__ = [
     "Admission",
+    "Admitted",
     "ConfigError",
     "Decision",
     "DuplicateRequestError",
@@ -29,6 +37,8 @@ __all__ = [
     "Governor",
     "InvalidArgumentError",
     "PolicyError",
+    "Queued",
+    "Rejected",
     "UnknownBackendError",
     "UnknownTenantError",
     "__version__",

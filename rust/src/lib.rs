@@ -27,8 +27,8 @@ pub mod _core {
     #[pymodule_export]
     use crate::py::{
         kv_bytes_per_token, kv_slots, ConfigError, DuplicateRequestError, InvalidArgumentError,
-        PolicyError, PyAdmission, PyDecision, PyExpired, PyGovernor, UnknownBackendError,
-        UnknownTenantError,
+        PolicyError, PyAdmission, PyAdmitted, PyExpired, PyGovernor, PyQueued, PyRejected,
+        UnknownBackendError, UnknownTenantError,
     };
 
     #[pymodule_init]
