@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 from typing import TYPE_CHECKING
 
 import pytest
 
+from llmflow import Rejected
 from llmflow.gateway.policy import now_us
 
 from .harness import Harness, start_gateway, until
@@ -105,11 +107,11 @@ async def test_core_rejection_is_429_with_the_cores_retry_after() -> None:
         h.fake.default = {"step": True}
         first = asyncio.create_task(h.client.post(CHAT, json=_chat(max_tokens=2)))
         await until(lambda: h.fake.running != 0)
-        probe = h.gateway.policy.governor.copy().submit(10**9, "anonymous", 1, 1, now_us())
+        probe = copy.copy(h.gateway.policy.governor).submit(10**9, "anonymous", 1, 1, now_us())
         r = await h.client.post(CHAT, json=_chat(max_tokens=2))
         _error(r, 429, "queue_full")
         assert r.json()["error"]["type"] == "rate_limit_error"
-        assert probe.retry_after_s is not None
+        assert isinstance(probe, Rejected)
         assert probe.retry_after_s > 0
         assert abs(int(r.headers["retry-after"]) - math.ceil(probe.retry_after_s)) <= 1
         h.fake.release(2)

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmflow._core import Admitted, Queued, Rejected
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -121,20 +123,17 @@ class Policy:
         request_id = next(self._ids)
         decision = self.governor.submit(request_id, tenant, prompt_tokens, max_tokens, now_us())
         ticket = Ticket(request_id, tenant, self._tiers[tenant], decision)
-        if decision.rejected:
+        if isinstance(decision, Rejected):
             ticket.released = True
             return ticket
         self._tickets[request_id] = ticket
-        if decision.displaced is not None:
+        if isinstance(decision, Queued) and decision.displaced is not None:
             self._displace(decision.displaced, decision.displaced_retry_after_s)
-        if decision.admitted:
-            assert decision.backend is not None
+        if isinstance(decision, Admitted):
             ticket._admit(decision.backend, decision.priority, 0.0)
-            self._arm()
-        else:
-            # The core's contract: dispatch after a submit that queued. A queued request can
-            # still start at once when the ones ahead of it are held back (e.g. by KV fit).
-            self.pump()
+        # The core's submit dispatches by itself; admissions it made for other requests come
+        # out of the next dispatch.
+        self.pump()
         return ticket
 
     def _displace(self, request_id: int, retry_after_s: float | None) -> None:
@@ -174,7 +173,7 @@ class Policy:
 
     def set_backend_health(self, backend: str, healthy: bool) -> None:
         """Mark a backend healthy or not in the core, then admit whatever it now allows."""
-        self.governor.set_backend_health(backend, healthy, now_us())
+        self.governor.set_backend_health(backend, healthy)
         self.pump()
 
     def start_draining(self) -> None:
@@ -186,7 +185,7 @@ class Policy:
         for admission in self.governor.dispatch(now_us()):
             ticket = self._tickets.get(admission.request_id)
             if ticket is None:  # its handler already left: give the slot straight back
-                self.governor.cancel(admission.request_id, now_us())
+                self.governor.finish(admission.request_id, "cancelled", now_us())
                 continue
             ticket._admit(admission.backend, admission.priority, admission.queue_wait_s)
         self._arm()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic import ValidationError
 
+from llmflow._core import Rejected
 from llmflow.gateway.errors import GatewayError, retry_after_header
 from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from llmflow.gateway.session import Prepared, StreamSession
@@ -136,8 +137,8 @@ class CompletionService:
             prepared.tenant, prepared.prompt_tokens, prepared.max_tokens
         )
         decision = ticket.decision
-        if decision.rejected:
-            reason = decision.reason or "rejected"
+        if isinstance(decision, Rejected):
+            reason = decision.reason
             self.ctx.metrics.rejected(prepared.tier, reason)
             status = 503 if reason in _UNAVAILABLE else 429
             raise GatewayError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+from llmflow._core import Admitted, Rejected
 from llmflow.config import Settings, load_settings
 from llmflow.sim.clients import BUSY, CANCELLED, COMPLETED, ERROR, EXPIRED, REJECTED, TRUNCATED
 from llmflow.sim.engine import EngineError, Seq
@@ -203,9 +204,13 @@ class GatedPolicy:
         att.key = rid
         req = att.req
         d = self.gov.submit(rid, req.tenant, req.prompt, req.max_tokens, self._now_us())
-        if d.kind == "admitted":
+        if isinstance(d, Rejected):
+            self.rejections[d.reason] = self.rejections.get(d.reason, 0) + 1
+            att.end(REJECTED, reason=d.reason, retry_after=d.retry_after_s)
+            return
+        if isinstance(d, Admitted):
             self._run(att, rid, d.backend, d.priority)
-        elif d.kind == "queued":
+        else:
             self.queued[rid] = att
             q = self.gov.queued
             if q > self.peak_queue:
@@ -214,15 +219,8 @@ class GatedPolicy:
             # queued request to this one
             if d.displaced is not None:
                 self._refuse_displaced(d.displaced, d.displaced_retry_after_s)
-            # the core's contract: dispatch after a submit that queued (the requests ahead may
-            # be held back while this one fits)
-            self._dispatch()
-        else:
-            reason = d.reason or "rejected"
-            self.rejections[reason] = self.rejections.get(reason, 0) + 1
-            att.end(REJECTED, reason=reason, retry_after=d.retry_after_s or 0.0)
-            return
-        self._arm()
+        # submit dispatches by itself; admissions it made for other requests come out here
+        self._dispatch()
 
     def _refuse_displaced(self, rid: int, retry_after: float | None) -> None:
         victim = self.queued.pop(rid, None)
@@ -254,7 +252,7 @@ class GatedPolicy:
         if self.live.pop(rid, None) is not None and att.seq is not None:
             att.backend.abort(att.seq)  # type: ignore[attr-defined]
             self._reported.pop(rid, None)
-        if self.gov.cancel(rid, self._now_us()):
+        if self.gov.finish(rid, "cancelled", self._now_us()):
             self._dispatch()
 
     def first_token(self, att: Attempt, now: float) -> None:
