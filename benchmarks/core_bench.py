@@ -1,6 +1,8 @@
 """Core throughput benchmark: Rust, PyO3 and the pure-Python reference model in one run.
 
-One request cycle = submit, admit, first token, 10 token-chunk observations, finish.
+One request cycle = submit, admit, first token, 10 token-chunk observations, finish; the runtime
+rows run the same cycle through the whole lifecycle (arrive, started, 10 token events, done,
+with every action it answers built).
 Run: `python benchmarks/core_bench.py` (it builds and runs `cargo bench --bench cycle` too).
 Prints a Markdown table for docs/benchmarks.md; ratios are to the reference model measured in
 the same run, since these machines are noisy.
@@ -23,6 +25,7 @@ from property_tests.models import ReferenceGovernor, Req  # noqa: E402
 from property_tests.strategies import policy_config  # noqa: E402
 
 from llmflow import Governor  # noqa: E402
+from llmflow._core import Runtime  # noqa: E402
 
 
 def config() -> dict[str, object]:
@@ -42,6 +45,20 @@ def pyo3_cycles(n: int) -> float:
         for _ in range(10):
             tokens(rid, 1, now + 2)
         finish(rid, "completed", now + 3)
+    return n / (time.perf_counter() - start)
+
+
+def pyo3_runtime_cycles(n: int) -> float:
+    rt = Runtime({"policy": config(), "lifecycle": {"stall_timeout_ms": 30000.0}})
+    arrive, started, tokens, done = rt.arrive, rt.started, rt.tokens, rt.done
+    start = time.perf_counter()
+    for rid in range(n):
+        now = rid * 10
+        arrive(rid, "n1", 512, 256, True, now)
+        started(rid, now + 1)
+        for _ in range(10):
+            tokens(rid, 1, now + 2)
+        done(rid, now + 3)
     return n / (time.perf_counter() - start)
 
 
@@ -68,19 +85,23 @@ def rust_results() -> list[dict[str, float]]:
 
 
 def main() -> int:
-    steps = tqdm(total=3, desc="core bench", unit="stage")
+    steps = tqdm(total=4, desc="core bench", unit="stage")
     ref = reference_cycles(20_000)
     steps.update()
     py = pyo3_cycles(200_000)
+    steps.update()
+    py_runtime = pyo3_runtime_cycles(200_000)
     steps.update()
     rust = rust_results()
     steps.update()
     steps.close()
     rust_cycles = next(r["value"] for r in rust if r["measure"] == "rust_cycles_per_s")
+    rust_runtime = next(r["value"] for r in rust if r["measure"] == "rust_runtime_cycles_per_s")
     print("| path | cycles/s | ratio to Python reference |")
     print("|---|---:|---:|")
     for name, value in [("Python reference model", ref), ("PyO3 from Python", py),
-                        ("pure Rust", rust_cycles)]:
+                        ("pure Rust", rust_cycles), ("runtime, PyO3 from Python", py_runtime),
+                        ("runtime, pure Rust", rust_runtime)]:
         print(f"| {name} | {value:,.0f} | {value / ref:.1f}x |")
     print()
     print("| queued | submit + cancel (ns) | finish + dispatch + submit (ns) |")

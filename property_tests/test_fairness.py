@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmflow import Governor
+from llmflow import Admitted, Governor
 from property_tests.strategies import policy_config
 
 W_IN, W_OUT, KV_WEIGHT, KV_COST_TOKENS = 1.0, 2.0, 1.0, 1024.0
@@ -59,7 +59,7 @@ def test_backlogged_tenants_stay_within_vtc_bound(
         next_id += 1
         decision = core.submit(next_id, tenant, prompt, output, now)
         left[next_id], owner[next_id] = output, tenant
-        if decision.admitted:
+        if isinstance(decision, Admitted):
             running.append(next_id)
         else:
             queued[tenant] += 1

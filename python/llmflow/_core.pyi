@@ -6,11 +6,10 @@ microseconds on any monotonic timeline the caller chooses (the simulator passes
 """
 
 from collections.abc import Mapping
-from typing import Any, Literal, final
+from typing import Any, Literal, TypeAlias, final
 
 __version__: str
 
-DecisionKind = Literal["admitted", "queued", "rejected"]
 RejectReason = Literal[
     "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
     "no_healthy_backend", "displaced",
@@ -37,33 +36,74 @@ class InvalidArgumentError(PolicyError):
     """An argument is out of range (negative tokens, a KV usage outside 0..1, ...)."""
 
 @final
-class Decision:
-    """What `Governor.submit` decided. Never an exception: rejecting is a normal outcome."""
+class Admitted:
+    """`Governor.submit` admitted the request: it holds a slot on `backend` now.
 
-    kind: DecisionKind
+    A request that had to queue is dispatched within `submit` itself, so it comes back as
+    `Admitted` whenever it can start at once (for instance when the requests ahead of it wait
+    for KV room that it does not need).
+    """
+
+    __match_args__ = ("request_id", "backend", "priority")
     request_id: int
-    backend: str | None
-    """Backend the request runs on when admitted; `None` otherwise."""
+    backend: str
+    """Backend the request runs on."""
     priority: int
     """Integer for vLLM's `--scheduling-policy priority` (lower runs first)."""
-    position: int | None
-    """0-based place in the waiting queue when queued."""
+    def __new__(cls, request_id: int, backend: str, priority: int) -> Admitted: ...
+
+@final
+class Queued:
+    """`Governor.submit` queued the request; a later `Governor.dispatch` admits it."""
+
+    __match_args__ = (
+        "request_id", "position", "estimated_wait_s", "priority", "displaced",
+        "displaced_retry_after_s",
+    )
+    request_id: int
+    position: int
+    """0-based place in the waiting queue: queued requests of its tier and the more important
+    ones."""
     estimated_wait_s: float
-    """Estimated time until the request starts (0 when admitted)."""
-    reason: RejectReason | None
-    retry_after_s: float | None
-    """Positive when rejected: the estimated time for the queue to drain enough."""
+    """Estimated time until the request starts, at the current drain rate."""
+    priority: int
+    """Integer for vLLM's `--scheduling-policy priority` (lower runs first)."""
     displaced: int | None
-    """When queued: a queued request of the same tier this one pushed out, because its tenant
-    held more than its weighted share of the waiting places. The caller must end that request
-    with a 429 (reason `displaced`); the core has already forgotten it."""
+    """A queued request this one pushed out because the waiting places its tier may use were
+    taken: the newest request of a lower tier, or, inside its own tier, the newest request of
+    the tenant furthest over its weighted share (when that tenant holds more than this one's
+    would). The caller must end that request with a 429 (reason `displaced`); the core has
+    already forgotten it."""
     displaced_retry_after_s: float | None
-    @property
-    def admitted(self) -> bool: ...
-    @property
-    def queued(self) -> bool: ...
-    @property
-    def rejected(self) -> bool: ...
+    """The Retry-After for the displaced request's 429."""
+    def __new__(
+        cls,
+        request_id: int,
+        position: int,
+        estimated_wait_s: float,
+        priority: int,
+        displaced: int | None = None,
+        displaced_retry_after_s: float | None = None,
+    ) -> Queued: ...
+
+@final
+class Rejected:
+    """`Governor.submit` refused the request. Never an exception: rejecting is normal."""
+
+    __match_args__ = ("request_id", "reason", "retry_after_s")
+    request_id: int
+    reason: RejectReason
+    retry_after_s: float
+    """Positive: the estimated time for the queue to drain enough (for the Retry-After)."""
+    def __new__(cls, request_id: int, reason: RejectReason, retry_after_s: float) -> Rejected:
+        """Build a rejection by hand (for tests and fakes).
+
+        Raises:
+            InvalidArgumentError: `reason` is not a known reject reason.
+        """
+
+Decision: TypeAlias = Admitted | Queued | Rejected
+"""What `Governor.submit` decided; `match` on the class (`case Admitted(): ...`)."""
 
 @final
 class Admission:
@@ -91,7 +131,7 @@ class Governor:
     """Admission controller, fair queue and KV ledger for a set of vLLM backends.
 
     Args:
-        config: the policy config as a mapping (see `llmflow.config.PolicyConfig.to_core`).
+        config: the policy config as a mapping (see `llmflow.config.Settings.to_core()`).
 
     Raises:
         ConfigError: naming the key, the bad value and what is allowed.
@@ -108,13 +148,22 @@ class Governor:
     ) -> Decision:
         """Decide on a new request: admit it now, queue it, or reject it.
 
+        A request that queues is dispatched at once (it comes back `Admitted` when it can
+        start); other requests that this dispatch starts are returned by the next `dispatch`
+        call, so call `dispatch` after `submit` as after any other event.
+
         Raises:
             DuplicateRequestError: `request_id` is still live.
             UnknownTenantError: the tenant is not in the config.
             InvalidArgumentError: negative token counts.
         """
     def dispatch(self, now_us: int) -> list[Admission]:
-        """Move queued requests onto free slots, in fair order. Call after anything frees one."""
+        """Move queued requests onto free slots, in fair order. Call after anything frees one.
+
+        Returns:
+            First the admissions an earlier `submit` made for other requests, then new ones;
+            each admission is returned exactly once.
+        """
     def on_first_token(self, request_id: int, now_us: int) -> None:
         """Record the first token of a running request (feeds the prefill-throughput estimate)."""
     def on_tokens(self, request_id: int, n: int, now_us: int) -> None:
@@ -125,8 +174,6 @@ class Governor:
         Returns:
             False when the request was not live (already ended): ending twice is a no-op.
         """
-    def cancel(self, request_id: int, now_us: int) -> bool:
-        """Same as `finish(request_id, "cancelled", now_us)`."""
     def expire(self, now_us: int) -> list[Expired]:
         """End every request whose queue-wait, first-token or total deadline has passed."""
     def next_deadline_us(self) -> int | None:
@@ -157,7 +204,7 @@ class Governor:
             UnknownBackendError: the backend is not in the config.
             InvalidArgumentError: `kv_usage` outside 0..1.
         """
-    def set_backend_health(self, backend: str, healthy: bool, now_us: int) -> None:
+    def set_backend_health(self, backend: str, healthy: bool) -> None:
         """Mark a backend healthy or not; unhealthy backends receive no admissions."""
     def start_draining(self) -> None:
         """Refuse new requests (reason `draining`); live ones continue."""
@@ -186,9 +233,8 @@ class Governor:
         """JSON-ready state for metrics and the dashboard (queues, slots, KV, counters)."""
     def tenant_service(self, tenant: str) -> float:
         """Cost charged to a tenant so far, in weighted tokens (for fairness checks)."""
-    def copy(self) -> Governor:
-        """An independent copy of the whole state (for what-if checks and tests)."""
-    def __copy__(self) -> Governor: ...
+    def __copy__(self) -> Governor:
+        """An independent copy of the whole state, via `copy.copy` (for what-if checks)."""
 
 def kv_slots(
     vram_bytes: float,
@@ -286,6 +332,7 @@ class SetHealth:
 
 Action = Start | Wait | Abort | Reply | Cut | End | Arm | SetHealth
 
+@final
 class Runtime:
     """The request lifecycle around a `Governor`, sans-IO: feed events, carry out the actions.
 
@@ -300,7 +347,7 @@ class Runtime:
         trace: record every event and its actions (see `take_trace`).
     """
 
-    def __init__(self, config: Mapping[str, Any], *, trace: bool = False) -> None: ...
+    def __new__(cls, config: Mapping[str, Any], *, trace: bool = False) -> Runtime: ...
     def arrive(
         self, request_id: int, tenant: str, prompt_tokens: int, max_tokens: int, stream: bool,
         now_us: int,

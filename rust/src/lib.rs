@@ -1,14 +1,14 @@
 //! llmflow's policy core: admission, fair queueing and KV-cache accounting for LLM serving.
 //!
-//! The domain modules (`admission`, `fair_queue`, `kv`, `backend`, `capacity`) know nothing of
+//! The domain modules (`governor`, `fair_queue`, `kv`, `backend`, `capacity`) know nothing of
 //! Python and read no clock; `py` is the only PyO3 seam.
 
-pub mod admission;
 pub mod backend;
 pub mod capacity;
 pub mod config;
 pub mod error;
 pub mod fair_queue;
+pub mod governor;
 pub mod kv;
 pub mod runtime;
 pub mod snapshot;
@@ -20,9 +20,9 @@ mod py;
 #[cfg(feature = "python")]
 mod py_runtime;
 
-pub use admission::Governor;
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};
+pub use governor::Governor;
 pub use runtime::{Action, Event, Runtime};
 pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};
 
@@ -32,8 +32,8 @@ pub mod _core {
     #[pymodule_export]
     use crate::py::{
         kv_bytes_per_token, kv_slots, ConfigError, DuplicateRequestError, InvalidArgumentError,
-        PolicyError, PyAdmission, PyDecision, PyExpired, PyGovernor, TraceMismatchError,
-        UnknownBackendError, UnknownTenantError,
+        PolicyError, PyAdmission, PyAdmitted, PyExpired, PyGovernor, PyQueued, PyRejected,
+        TraceMismatchError, UnknownBackendError, UnknownTenantError,
     };
     #[pymodule_export]
     use crate::py_runtime::{

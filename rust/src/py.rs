@@ -5,12 +5,13 @@
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBool, PyDict, PyList, PyString};
+use serde_json::Value;
 
-use crate::admission::Governor;
 use crate::capacity;
 use crate::error::PolicyError as CoreError;
-use crate::types::{Admission, Decision, Expired, Outcome};
+use crate::governor::Governor;
+use crate::types::{Admission, Decision, Expired, Outcome, RejectReason};
 
 create_exception!(
     llmflow._core,
@@ -77,54 +78,150 @@ pub(crate) fn non_negative(name: &str, value: i64) -> PyResult<u64> {
     u64::try_from(value).map_err(|_| negative(name, value))
 }
 
-/// Decision returned by `Governor.submit`.
-#[pyclass(name = "Decision", module = "llmflow._core", frozen, get_all)]
-pub struct PyDecision {
-    kind: &'static str,
+/// `Governor.submit` admitted the request: it holds a slot on `backend`.
+#[pyclass(name = "Admitted", module = "llmflow._core", frozen, get_all, eq)]
+#[derive(PartialEq)]
+pub struct PyAdmitted {
     request_id: u64,
-    backend: Option<String>,
+    backend: String,
     priority: i64,
-    position: Option<u32>,
+}
+
+#[pymethods]
+impl PyAdmitted {
+    #[new]
+    fn new(request_id: u64, backend: String, priority: i64) -> Self {
+        Self {
+            request_id,
+            backend,
+            priority,
+        }
+    }
+
+    #[classattr]
+    fn __match_args__() -> (&'static str, &'static str, &'static str) {
+        ("request_id", "backend", "priority")
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Admitted(request_id={}, backend='{}', priority={})",
+            self.request_id, self.backend, self.priority
+        )
+    }
+}
+
+/// `Governor.submit` queued the request (and may have pushed out another one).
+#[pyclass(name = "Queued", module = "llmflow._core", frozen, get_all, eq)]
+#[derive(PartialEq)]
+pub struct PyQueued {
+    request_id: u64,
+    position: u32,
     estimated_wait_s: f64,
-    reason: Option<&'static str>,
-    retry_after_s: Option<f64>,
+    priority: i64,
     displaced: Option<u64>,
     displaced_retry_after_s: Option<f64>,
 }
 
 #[pymethods]
-impl PyDecision {
-    #[getter]
-    fn admitted(&self) -> bool {
-        self.kind == "admitted"
-    }
-    #[getter]
-    fn queued(&self) -> bool {
-        self.kind == "queued"
-    }
-    #[getter]
-    fn rejected(&self) -> bool {
-        self.kind == "rejected"
-    }
-    fn __repr__(&self) -> String {
-        match self.kind {
-            "admitted" => format!(
-                "Decision(admitted, backend={:?}, priority={})",
-                self.backend.as_deref().unwrap_or(""),
-                self.priority
-            ),
-            "queued" => format!(
-                "Decision(queued, position={}, estimated_wait_s={:.3})",
-                self.position.unwrap_or(0),
-                self.estimated_wait_s
-            ),
-            _ => format!(
-                "Decision(rejected, reason={:?}, retry_after_s={:.3})",
-                self.reason.unwrap_or(""),
-                self.retry_after_s.unwrap_or(0.0)
-            ),
+impl PyQueued {
+    #[new]
+    #[pyo3(signature = (request_id, position, estimated_wait_s, priority, displaced=None,
+                        displaced_retry_after_s=None))]
+    fn new(
+        request_id: u64,
+        position: u32,
+        estimated_wait_s: f64,
+        priority: i64,
+        displaced: Option<u64>,
+        displaced_retry_after_s: Option<f64>,
+    ) -> Self {
+        Self {
+            request_id,
+            position,
+            estimated_wait_s,
+            priority,
+            displaced,
+            displaced_retry_after_s,
         }
     }
+
+    #[classattr]
+    fn __match_args__() -> (
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+    ) {
+        (
+            "request_id",
+            "position",
+            "estimated_wait_s",
+            "priority",
+            "displaced",
+            "displaced_retry_after_s",
+        )
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Queued(request_id={}, position={}, estimated_wait_s={:?}, priority={}, \
+             displaced={}, displaced_retry_after_s={})",
+            self.request_id,
+            self.position,
+            self.estimated_wait_s,
+            self.priority,
+            py_repr(self.displaced),
+            py_repr(self.displaced_retry_after_s),
+        )
+    }
+}
+
+/// `Governor.submit` refused the request: a 429 (503 while draining) with a Retry-After.
+#[pyclass(name = "Rejected", module = "llmflow._core", frozen, get_all, eq)]
+#[derive(PartialEq)]
+pub struct PyRejected {
+    request_id: u64,
+    reason: &'static str,
+    retry_after_s: f64,
+}
+
+#[pymethods]
+impl PyRejected {
+    #[new]
+    fn new(request_id: u64, reason: &str, retry_after_s: f64) -> PyResult<Self> {
+        let reason = RejectReason::ALL
+            .into_iter()
+            .map(RejectReason::as_str)
+            .find(|&r| r == reason)
+            .ok_or_else(|| {
+                InvalidArgumentError::new_err(format!("unknown reject reason {reason:?}"))
+            })?;
+        Ok(Self {
+            request_id,
+            reason,
+            retry_after_s,
+        })
+    }
+
+    #[classattr]
+    fn __match_args__() -> (&'static str, &'static str, &'static str) {
+        ("request_id", "reason", "retry_after_s")
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Rejected(request_id={}, reason='{}', retry_after_s={:?})",
+            self.request_id, self.reason, self.retry_after_s
+        )
+    }
+}
+
+/// Python's repr of an optional number: `None` or the number.
+fn py_repr<T: std::fmt::Debug>(value: Option<T>) -> String {
+    value.map_or_else(|| "None".to_owned(), |v| format!("{v:?}"))
 }
 
 #[pyclass(name = "Admission", module = "llmflow._core", frozen, get_all)]
@@ -192,59 +289,55 @@ impl PyGovernor {
         })
     }
 
-    fn submit(
+    fn submit<'py>(
         &mut self,
+        py: Python<'py>,
         request_id: u64,
         tenant: &str,
         prompt_tokens: i64,
         max_tokens: i64,
         now_us: u64,
-    ) -> PyResult<PyDecision> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let tenant_id = self.inner.tenant_id(tenant)?;
         let prompt = non_negative("prompt_tokens", prompt_tokens)?;
         let max_tokens = non_negative("max_tokens", max_tokens)?;
         let decision = self
             .inner
             .submit(request_id, tenant_id, prompt, max_tokens, now_us)?;
-        let mut out = PyDecision {
-            kind: "admitted",
-            request_id,
-            backend: None,
-            priority: 0,
-            position: None,
-            estimated_wait_s: 0.0,
-            reason: None,
-            retry_after_s: None,
-            displaced: None,
-            displaced_retry_after_s: None,
-        };
-        match decision {
-            Decision::Admitted { backend, priority } => {
-                out.backend = Some(self.backend_name(backend));
-                out.priority = priority;
+        let out = match decision {
+            Decision::Admitted { backend, priority } => PyAdmitted {
+                request_id,
+                backend: self.backend_name(backend),
+                priority,
             }
+            .into_pyobject(py)?
+            .into_any(),
             Decision::Queued {
                 position,
                 estimated_wait_s,
                 priority,
                 displaced,
-            } => {
-                out.displaced = displaced.map(|(id, _)| id);
-                out.displaced_retry_after_s = displaced.map(|(_, retry)| retry);
-                out.kind = "queued";
-                out.position = Some(position);
-                out.estimated_wait_s = estimated_wait_s;
-                out.priority = priority;
+            } => PyQueued {
+                request_id,
+                position,
+                estimated_wait_s,
+                priority,
+                displaced: displaced.map(|(id, _)| id),
+                displaced_retry_after_s: displaced.map(|(_, retry)| retry),
             }
+            .into_pyobject(py)?
+            .into_any(),
             Decision::Rejected {
                 reason,
                 retry_after_s,
-            } => {
-                out.kind = "rejected";
-                out.reason = Some(reason.as_str());
-                out.retry_after_s = Some(retry_after_s);
+            } => PyRejected {
+                request_id,
+                reason: reason.as_str(),
+                retry_after_s,
             }
-        }
+            .into_pyobject(py)?
+            .into_any(),
+        };
         Ok(out)
     }
 
@@ -278,10 +371,6 @@ impl PyGovernor {
             ))
         })?;
         Ok(self.inner.finish(request_id, outcome, now_us))
-    }
-
-    fn cancel(&mut self, request_id: u64, now_us: u64) -> bool {
-        self.inner.finish(request_id, Outcome::Cancelled, now_us)
     }
 
     fn expire(&mut self, now_us: u64) -> Vec<PyExpired> {
@@ -324,8 +413,7 @@ impl PyGovernor {
         Ok(())
     }
 
-    #[allow(unused_variables)]
-    fn set_backend_health(&mut self, backend: &str, healthy: bool, now_us: u64) -> PyResult<()> {
+    fn set_backend_health(&mut self, backend: &str, healthy: bool) -> PyResult<()> {
         let id = self.inner.backend_id(backend)?;
         self.inner.set_backend_health(id, healthy);
         Ok(())
@@ -386,30 +474,52 @@ impl PyGovernor {
             inner: self.inner.clone(),
         }
     }
-
-    fn copy(&self) -> Self {
-        self.__copy__()
-    }
 }
 
+/// A JSON value as plain Python objects (dict, list, str, int, float, bool, None).
+fn to_python<'py>(py: Python<'py>, value: &Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match value {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => u.into_pyobject(py)?.into_any(),
+            (None, Some(i)) => i.into_pyobject(py)?.into_any(),
+            (None, None) => n.as_f64().into_pyobject(py)?.into_any(),
+        },
+        Value::String(text) => PyString::new(py, text).into_any(),
+        Value::Array(items) => {
+            let items = items
+                .iter()
+                .map(|v| to_python(py, v))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, items)?.into_any()
+        }
+        Value::Object(map) => {
+            let dict = PyDict::new(py);
+            for (key, v) in map {
+                dict.set_item(key, to_python(py, v)?)?;
+            }
+            dict.into_any()
+        }
+    })
+}
+
+/// A governor snapshot as plain Python objects, without a JSON round trip.
 pub(crate) fn snapshot_to_py<'py>(
     py: Python<'py>,
     snapshot: &crate::snapshot::Snapshot,
 ) -> PyResult<Bound<'py, PyAny>> {
-    {
-        let text =
-            serde_json::to_string(snapshot).map_err(|e| PolicyError::new_err(e.to_string()))?;
-        let value = py.import("json")?.call_method1("loads", (text,))?;
-        // Pairs serialise as lists; turn the by-name ones into dicts for readers.
-        let dict = value.cast::<PyDict>()?;
-        pairs_to_dict(dict, "queued_by_tier")?;
-        let counters = dict.get_item("counters")?.expect("counters present");
-        let counters = counters.cast::<PyDict>()?;
-        for key in ["rejected", "finished", "expired"] {
-            pairs_to_dict(counters, key)?;
-        }
-        Ok(value)
+    let value = serde_json::to_value(snapshot).map_err(|e| PolicyError::new_err(e.to_string()))?;
+    let snapshot = to_python(py, &value)?;
+    // Pairs serialise as lists; turn the by-name ones into dicts (in declared order).
+    let dict = snapshot.cast::<PyDict>()?;
+    pairs_to_dict(dict, "queued_by_tier")?;
+    let counters = dict.get_item("counters")?.expect("counters present");
+    let counters = counters.cast::<PyDict>()?;
+    for key in ["rejected", "finished", "expired"] {
+        pairs_to_dict(counters, key)?;
     }
+    Ok(snapshot)
 }
 
 fn pairs_to_dict(dict: &Bound<'_, PyDict>, key: &str) -> PyResult<()> {

@@ -214,6 +214,7 @@ impl PyRuntime {
         Ok(Self { inner, trace })
     }
 
+    #[allow(clippy::too_many_arguments)] // one Python method per event, with its fields
     fn arrive(
         &mut self,
         py: Python<'_>,

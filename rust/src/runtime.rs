@@ -18,10 +18,10 @@ use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
-use crate::admission::Governor;
 use crate::config::PolicyConfig;
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::{Decision, Expired, ExpiryReason, Outcome, RejectReason};
+use crate::Governor;
 
 /// Two failed scrapes in a row mark a backend down (one lost scrape is noise); a backend that
 /// never answered is down at its first failure.
@@ -254,6 +254,7 @@ pub fn wire_retry_after(seconds: f64) -> u32 {
 }
 
 #[derive(Debug, Clone)]
+#[allow(clippy::struct_excessive_bools)] // independent facts about one request, not a mode
 struct Session {
     stream: bool,
     /// `Start` was emitted: ending the request early must abort it upstream.
@@ -264,6 +265,15 @@ struct Session {
     /// Upstream finished while the client's window was full: the slot is free, and the reply
     /// ends when the client takes what it is owed (`End`) or stalls for good (`Cut`).
     upstream_done: bool,
+}
+
+/// What a scrape read (`Event::ScrapeOk` without its backend and time).
+struct Scrape {
+    kv_usage: Option<f64>,
+    running: Option<u64>,
+    waiting: Option<u64>,
+    preemptions_total: Option<u64>,
+    kv_blocks: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -401,14 +411,7 @@ impl Runtime {
                 false
             }
             Event::Done { id } => {
-                match self.sessions.get_mut(&id) {
-                    Some(s) if s.stall_at.is_some() && !s.upstream_done => {
-                        s.upstream_done = true;
-                        self.gov.finish(id, Outcome::Completed, now);
-                    }
-                    Some(s) if !s.upstream_done => self.end(id, Outcome::Completed, now),
-                    _ => {}
-                }
+                self.done(id, now);
                 true
             }
             Event::Failed {
@@ -460,29 +463,18 @@ impl Runtime {
                 preemptions_total,
                 kv_blocks,
             } => {
-                self.check_backend(backend)?;
-                if let Some(blocks) = kv_blocks {
-                    self.gov.set_kv_capacity(backend, blocks);
-                }
-                let kv = kv_usage.filter(|v| !v.is_nan()).map(|v| v.clamp(0.0, 1.0));
-                self.gov
-                    .observe_backend(backend, now, kv, running, waiting, preemptions_total)?;
-                let h = &mut self.health[backend as usize];
-                h.failures = 0;
-                h.ever_scraped = true;
-                if !h.healthy && h.down_at.is_none_or(|down| began_us > down) {
-                    self.set_health(backend, true);
-                }
+                let scrape = Scrape {
+                    kv_usage,
+                    running,
+                    waiting,
+                    preemptions_total,
+                    kv_blocks,
+                };
+                self.scraped(backend, began_us, &scrape, now)?;
                 true
             }
             Event::ScrapeFailed { backend } => {
-                self.check_backend(backend)?;
-                let h = &mut self.health[backend as usize];
-                h.failures += 1;
-                let enough = h.failures >= self.life.scrape_failures_before_down || !h.ever_scraped;
-                if h.healthy && enough {
-                    self.set_health(backend, false);
-                }
+                self.scrape_failed(backend)?;
                 false
             }
             Event::Drain => {
@@ -501,6 +493,50 @@ impl Runtime {
         } else {
             Err(PolicyError::UnknownBackend(backend.to_string()))
         }
+    }
+
+    /// Upstream finished: the request ends, or, when its client still owes a full window,
+    /// frees its slot now and ends when the client takes what it is owed.
+    fn done(&mut self, id: u64, now: u64) {
+        match self.sessions.get_mut(&id) {
+            Some(s) if s.stall_at.is_some() && !s.upstream_done => {
+                s.upstream_done = true;
+                self.gov.finish(id, Outcome::Completed, now);
+            }
+            Some(s) if !s.upstream_done => self.end(id, Outcome::Completed, now),
+            _ => {}
+        }
+    }
+
+    fn scraped(&mut self, backend: u32, began_us: u64, m: &Scrape, now: u64) -> PolicyResult<()> {
+        self.check_backend(backend)?;
+        if let Some(blocks) = m.kv_blocks {
+            self.gov.set_kv_capacity(backend, blocks);
+        }
+        let kv = m
+            .kv_usage
+            .filter(|v| !v.is_nan())
+            .map(|v| v.clamp(0.0, 1.0));
+        self.gov
+            .observe_backend(backend, now, kv, m.running, m.waiting, m.preemptions_total)?;
+        let h = &mut self.health[backend as usize];
+        h.failures = 0;
+        h.ever_scraped = true;
+        if !h.healthy && h.down_at.is_none_or(|down| began_us > down) {
+            self.set_health(backend, true);
+        }
+        Ok(())
+    }
+
+    fn scrape_failed(&mut self, backend: u32) -> PolicyResult<()> {
+        self.check_backend(backend)?;
+        let h = &mut self.health[backend as usize];
+        h.failures += 1;
+        let enough = h.failures >= self.life.scrape_failures_before_down || !h.ever_scraped;
+        if h.healthy && enough {
+            self.set_health(backend, false);
+        }
+        Ok(())
     }
 
     fn arrive(
@@ -724,11 +760,9 @@ impl Runtime {
 
     fn rearm(&mut self) {
         let next = self.next_timer_us();
-        if next.is_some() && next != self.armed {
+        if let Some(at_us) = next.filter(|_| next != self.armed) {
             self.armed = next;
-            self.out.push(Action::Arm {
-                at_us: next.expect("checked"),
-            });
+            self.out.push(Action::Arm { at_us });
         }
     }
 }

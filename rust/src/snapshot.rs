@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use crate::admission::Governor;
+use crate::governor::Governor;
 use crate::types::{ExpiryReason, Outcome, RejectReason};
 
 #[derive(Debug, Serialize)]

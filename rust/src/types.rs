@@ -13,8 +13,8 @@ pub enum RejectReason {
     PreemptionBreaker,
     Draining,
     NoHealthyBackend,
-    /// A queued request pushed out by a tenant of the same tier holding less than its fair
-    /// share of the waiting places.
+    /// A queued request pushed out by a newcomer of a more important tier, or by one of its
+    /// own tier whose tenant holds less than its fair share of the waiting places.
     Displaced,
 }
 
@@ -44,8 +44,10 @@ impl RejectReason {
     }
 }
 
-/// What `Governor::submit` decided.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// What `Governor::submit` decided. Serialises flat, tagged by `kind`:
+/// `{"kind": "queued", "position": 0, ...}`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Decision {
     Admitted {
         backend: u32,
@@ -55,8 +57,9 @@ pub enum Decision {
         position: u32,
         estimated_wait_s: f64,
         priority: i64,
-        /// A queued request this one pushed out (same tier, tenant over its fair share of the
-        /// waiting places), with its Retry-After: the caller must answer it with a 429.
+        /// A queued request this one pushed out (of a lower tier, or of its own tier's tenant
+        /// furthest over its weighted share of the waiting places), with its Retry-After: the
+        /// caller must answer it with a 429 (reason `displaced`).
         displaced: Option<(u64, f64)>,
     },
     Rejected {
@@ -66,7 +69,7 @@ pub enum Decision {
 }
 
 /// A queued request moved onto a backend by `Governor::dispatch`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Admission {
     pub request_id: u64,
     pub backend: u32,
@@ -102,7 +105,8 @@ impl Outcome {
 }
 
 /// Which deadline a request missed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ExpiryReason {
     QueueTimeout = 0,
     FirstTokenTimeout = 1,
@@ -121,7 +125,8 @@ impl ExpiryReason {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// A request `Governor::expire` ended because one of its deadlines passed.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Expired {
     pub request_id: u64,
     pub reason: ExpiryReason,
@@ -130,4 +135,42 @@ pub struct Expired {
     /// For the caller's 503/504: when a retry could expect to get through (the queue ahead
     /// drained at the current rate, plus the recent refusal backlog).
     pub retry_after_s: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(value: &impl Serialize) -> String {
+        serde_json::to_string(value).unwrap()
+    }
+
+    // Each name serialises as its `as_str`, so traces, snapshots and Python agree.
+    #[test]
+    fn names_match_as_str() {
+        for r in RejectReason::ALL {
+            assert_eq!(json(&r), format!("\"{}\"", r.as_str()));
+        }
+        for o in Outcome::ALL {
+            assert_eq!(json(&o), format!("\"{}\"", o.as_str()));
+        }
+        for e in ExpiryReason::ALL {
+            assert_eq!(json(&e), format!("\"{}\"", e.as_str()));
+        }
+    }
+
+    // Decisions serialise flat, tagged by kind.
+    #[test]
+    fn decision_is_tagged() {
+        let d = Decision::Queued {
+            position: 1,
+            estimated_wait_s: 0.5,
+            priority: 1000,
+            displaced: Some((7, 0.25)),
+        };
+        assert_eq!(
+            serde_json::to_string(&d).unwrap(),
+            r#"{"kind":"queued","position":1,"estimated_wait_s":0.5,"priority":1000,"displaced":[7,0.25]}"#
+        );
+    }
 }

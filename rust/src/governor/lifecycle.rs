@@ -1,0 +1,125 @@
+//! A running request's progress (first token, generated tokens) and the end of every request.
+
+use super::Governor;
+use crate::backend::EWMA_ALPHA;
+use crate::types::Outcome;
+
+/// Context tokens per extra unit of output cost: with `kv_weight` 1 a token generated on a
+/// 4k context costs 4 more than one on an empty context, since it holds 4x the KV.
+const KV_COST_TOKENS: f64 = 1024.0;
+
+impl Governor {
+    /// Record a running request's first token. Returns false if it is not running.
+    pub fn on_first_token(&mut self, id: u64, now_us: u64) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        let Some(run) = req.running.as_mut() else {
+            return false;
+        };
+        if run.first_token {
+            return true;
+        }
+        run.first_token = true;
+        let b = &mut self.backends[run.backend as usize];
+        b.prefill_pending -= req.prompt;
+        b.record_prefill(run.prefill_ahead, now_us.saturating_sub(run.admitted_us));
+        self.clear_deadline(id, crate::types::ExpiryReason::FirstTokenTimeout);
+        true
+    }
+
+    /// Record `n` more generated tokens (the first ones also count as the first token).
+    /// Returns false if the request is not running.
+    pub fn on_tokens(&mut self, id: u64, n: u64, now_us: u64) -> bool {
+        if n == 0 || !self.on_first_token(id, now_us) {
+            return n == 0 && self.requests.get(&id).is_some_and(|r| r.running.is_some());
+        }
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("on_tokens: checked above");
+        req.generated += n;
+        let context = (req.prompt + req.generated) as f64;
+        let tenant = req.tenant;
+        self.ledger.grow(id, n, now_us);
+        let per_token =
+            self.config.output_token_weight + self.config.kv_weight * context / KV_COST_TOKENS;
+        self.queue.charge(tenant, per_token * n as f64);
+        true
+    }
+
+    /// End a live request and free everything it held. Returns false if it was not live.
+    pub fn finish(&mut self, id: u64, outcome: Outcome, now_us: u64) -> bool {
+        self.finish_as(id, Some(outcome), now_us)
+    }
+
+    /// End a request; `None` is a displaced one, counted as a refusal rather than an outcome.
+    pub(super) fn finish_as(&mut self, id: u64, outcome: Option<Outcome>, now_us: u64) -> bool {
+        let Some(req) = self.requests.remove(&id) else {
+            return false;
+        };
+        self.clear_deadlines(id, &req.deadlines);
+        if !self.pending.is_empty() {
+            // Ended before the host collected its admission: it must not be handed out.
+            self.pending.retain(|a| a.request_id != id);
+        }
+        match req.running {
+            None => {
+                self.queue.remove(id);
+            }
+            Some(run) => {
+                let b = &mut self.backends[run.backend as usize];
+                b.running -= 1;
+                b.running_by_tier[req.tier] -= 1;
+                if !run.first_token {
+                    b.prefill_pending -= req.prompt;
+                }
+                self.ledger.close(id, now_us);
+                if outcome == Some(Outcome::Completed) {
+                    let took = now_us.saturating_sub(run.admitted_us) as f64 / 1e6;
+                    let smoothed = self.service_s.map_or(took, |s| s + EWMA_ALPHA * (took - s));
+                    self.service_s = Some(smoothed.max(1e-3));
+                }
+            }
+        }
+        if let Some(outcome) = outcome {
+            self.counters.finished[outcome as usize] += 1;
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{governor, tenant};
+    use crate::types::Outcome;
+
+    // KV grows with tokens and everything returns to zero when work ends; ending twice is a
+    // no-op.
+    #[test]
+    fn ledger_returns_to_zero() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        g.submit(1, a, 20, 100, 0).unwrap();
+        g.on_tokens(1, 30, 10);
+        assert_eq!(g.ledger.total_blocks(), 4);
+        assert!(g.finish(1, Outcome::Completed, 20));
+        assert!(!g.finish(1, Outcome::Completed, 20));
+        assert_eq!((g.ledger.total_blocks(), g.running(), g.live()), (0, 0, 0));
+        assert_eq!(g.counters.finished[Outcome::Completed as usize], 1);
+    }
+
+    // Tokens for a queued or unknown request are refused; zero tokens on a running one is fine.
+    #[test]
+    fn tokens_need_a_running_request() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        for id in 1..=3 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        assert!(g.on_tokens(1, 0, 1));
+        assert!(!g.on_tokens(3, 5, 1));
+        assert!(!g.on_first_token(3, 1));
+        assert!(!g.on_tokens(99, 5, 1));
+    }
+}

@@ -1,0 +1,620 @@
+//! The governor: admission control, queueing, shedding and deadlines for a set of backends.
+//!
+//! Every call takes `now_us`; nothing here reads a clock, so the simulator and the gateway
+//! drive the very same decisions, and a replay of the same events gives the same answers.
+//!
+//! Life of a request: `submit` admits it onto a backend, queues it, or rejects it with a reason
+//! and a Retry-After; a request it queues is dispatched at once when a slot can take it (and
+//! then comes back admitted). `dispatch` moves queued requests onto freed slots in fair order.
+//! Token observations grow its KV footprint and its tenant's fair-share counter. `finish` (or
+//! `expire`) ends it exactly once and frees its slot, queue entry and KV blocks.
+//!
+//! The methods fall into four kinds (as in quinn-proto's `Connection`):
+//! - queries: `running`, `queued`, `live`, `is_live`, `tenant_id`, `backend_id`,
+//!   `backend_name`, `drain_rate`, `next_deadline_us`, `snapshot`;
+//! - events in: `submit`, `on_first_token`, `on_tokens`, `finish`, `observe_backend`,
+//!   `set_kv_capacity`, `set_backend_health`;
+//! - commands: `start_draining`;
+//! - actions out: `dispatch` (admissions) and `expire` (missed deadlines).
+//!
+//! The code is split by concern: this file holds the state, the queries and `submit`;
+//! `dispatch`, `deadlines`, `shedding`, `lifecycle` (tokens and `finish`) and `observe`
+//! (backend scrapes and health) hold the rest.
+
+mod deadlines;
+mod dispatch;
+mod lifecycle;
+mod observe;
+mod shedding;
+
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashMap;
+
+use crate::backend::BackendState;
+use crate::config::PolicyConfig;
+use crate::error::{PolicyError, PolicyResult};
+use crate::fair_queue::{FairQueue, QueuedItem};
+use crate::kv::KvLedger;
+use crate::types::{Admission, Decision, ExpiryReason, Outcome, RejectReason};
+
+/// Mean service time assumed until the first completion is measured; it only shapes the
+/// first Retry-After and queue-wait estimates.
+const PRIOR_SERVICE_S: f64 = 10.0;
+/// Retry-After bounds: never zero (clients would hammer), never beyond an hour.
+const RETRY_AFTER_RANGE: (f64, f64) = (0.05, 3600.0);
+
+#[derive(Debug, Clone)]
+pub(crate) struct Running {
+    pub backend: u32,
+    admitted_us: u64,
+    pub first_token: bool,
+    /// Prefill work on the backend when admitted (its own prompt included): divided by the
+    /// time to first token it measures the backend's prefill throughput.
+    prefill_ahead: u64,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    pub tenant: u32,
+    pub tier: usize,
+    pub prompt: u64,
+    pub generated: u64,
+    pub priority: i64,
+    pub submitted_us: u64,
+    pub running: Option<Running>,
+    deadlines: [Option<u64>; 3],
+}
+
+/// Counts by decision, reason and outcome, for metrics.
+///
+/// A request `submit` queued and its own dispatch then started at once counts as `admitted`
+/// (its decision says so), not as `queued` plus `dispatched`; other requests that dispatch
+/// started count as `dispatched`, like those a host's `dispatch` call starts.
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    pub admitted: u64,
+    pub queued: u64,
+    pub dispatched: u64,
+    pub rejected: [u64; RejectReason::ALL.len()],
+    pub finished: [u64; Outcome::ALL.len()],
+    pub expired: [u64; ExpiryReason::ALL.len()],
+}
+
+#[derive(Debug, Clone)]
+pub struct Governor {
+    pub(crate) config: PolicyConfig,
+    tenant_index: FxHashMap<String, u32>,
+    pub(crate) tenant_tier: Vec<usize>,
+    /// Tenants of each tier, for fair-share checks on the waiting places.
+    tier_tenants: Vec<Vec<u32>>,
+    /// Recent refusals, decaying with `REFUSAL_MEMORY_S`, and when it was last updated.
+    refusals: f64,
+    refusals_at_us: u64,
+    pub(crate) requests: FxHashMap<u64, Request>,
+    pub(crate) queue: FairQueue,
+    pub(crate) ledger: KvLedger,
+    pub(crate) backends: Vec<BackendState>,
+    deadlines: BTreeSet<(u64, u64, ExpiryReason)>,
+    pub(crate) shed_level: u8,
+    breaker_until_us: u64,
+    service_s: Option<f64>,
+    pub(crate) draining: bool,
+    pub(crate) counters: Counters,
+    /// Admissions `submit`'s own dispatch made for other requests, handed out first by the
+    /// next `dispatch` call.
+    pending: Vec<Admission>,
+}
+
+fn us(ms: Option<f64>) -> Option<u64> {
+    ms.map(|v| (v * 1000.0).round() as u64)
+}
+
+impl Governor {
+    pub fn new(config: PolicyConfig) -> PolicyResult<Self> {
+        config.validate()?;
+        let tier_of = |name: &str| config.tiers.iter().position(|t| t.name == name);
+        let tenant_tier: Vec<usize> = config
+            .tenants
+            .iter()
+            .map(|t| tier_of(&t.tier).unwrap_or(0))
+            .collect();
+        let weights: Vec<(usize, f64)> = config
+            .tenants
+            .iter()
+            .zip(&tenant_tier)
+            .map(|(t, &tier)| (tier, t.weight))
+            .collect();
+        let tiers = config.tiers.len();
+        let backends = config
+            .backends
+            .iter()
+            .map(|b| {
+                BackendState::new(
+                    b,
+                    config.max_concurrency_per_gpu,
+                    tiers,
+                    config.prefill_tokens_per_s,
+                )
+            })
+            .collect();
+        let tier_tenants = (0..tiers)
+            .map(|t| {
+                (0..tenant_tier.len() as u32)
+                    .filter(|&i| tenant_tier[i as usize] == t)
+                    .collect()
+            })
+            .collect();
+        Ok(Self {
+            tier_tenants,
+            refusals: 0.0,
+            refusals_at_us: 0,
+            tenant_index: config
+                .tenants
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.name.clone(), i as u32))
+                .collect(),
+            queue: FairQueue::new(config.strategy, tiers, &weights),
+            ledger: KvLedger::new(
+                config.block_size,
+                config.tenants.len(),
+                config.backends.len(),
+            ),
+            tenant_tier,
+            requests: FxHashMap::default(),
+            backends,
+            deadlines: BTreeSet::new(),
+            shed_level: 0,
+            breaker_until_us: 0,
+            service_s: None,
+            draining: false,
+            counters: Counters::default(),
+            pending: Vec::new(),
+            config,
+        })
+    }
+
+    pub fn from_json(text: &str) -> PolicyResult<Self> {
+        Self::new(PolicyConfig::from_json(text)?)
+    }
+
+    // ---- queries -------------------------------------------------------------------------
+
+    pub fn running(&self) -> u32 {
+        self.backends.iter().map(|b| b.running).sum()
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn live(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_live(&self, id: u64) -> bool {
+        self.requests.contains_key(&id)
+    }
+
+    pub fn tenant_id(&self, name: &str) -> PolicyResult<u32> {
+        self.tenant_index
+            .get(name)
+            .copied()
+            .ok_or_else(|| PolicyError::UnknownTenant(name.into()))
+    }
+
+    pub fn backend_id(&self, name: &str) -> PolicyResult<u32> {
+        self.backends
+            .iter()
+            .position(|b| b.name == name)
+            .map(|i| i as u32)
+            .ok_or_else(|| PolicyError::UnknownBackend(name.into()))
+    }
+
+    pub fn backend_name(&self, backend: u32) -> &str {
+        &self.backends[backend as usize].name
+    }
+
+    pub fn tier_name(&self, tier: usize) -> &str {
+        &self.config.tiers[tier].name
+    }
+
+    /// Weighted tokens charged to a tenant so far.
+    pub fn tenant_service(&self, tenant: u32) -> f64 {
+        self.queue.service(tenant)
+    }
+
+    /// Requests per second the backends drain when saturated: slots / mean service time.
+    pub fn drain_rate(&self) -> f64 {
+        let slots: u32 = self
+            .backends
+            .iter()
+            .filter(|b| b.healthy)
+            .map(|b| b.cap)
+            .sum();
+        f64::from(slots.max(1)) / self.service_s.unwrap_or(PRIOR_SERVICE_S)
+    }
+
+    pub(crate) fn stale_after_us(&self) -> Option<u64> {
+        us(self.config.stale_after_ms)
+    }
+
+    pub(crate) fn backend_kv_usage(&self, b: usize, now_us: u64) -> f64 {
+        let backend = &self.backends[b];
+        let stale = backend.is_stale(now_us, self.stale_after_us());
+        backend.kv_usage(self.ledger.backend_blocks(b as u32), stale)
+    }
+
+    /// Queued requests of this tier and the more important ones: those a newcomer of the tier
+    /// waits behind.
+    fn waiting_ahead(&self, tier_idx: usize) -> usize {
+        (0..=tier_idx).map(|t| self.queue.tier_len(t)).sum()
+    }
+
+    // ---- the request lifecycle ---------------------------------------------------------------
+
+    /// Decide on a new request: admit it now, queue it, or reject it.
+    ///
+    /// A request that queues is dispatched at once: when it can start (the requests ahead of it
+    /// are held back, e.g. by KV fit) the decision is `Admitted`. Other requests that this
+    /// dispatch starts are handed out by the next `dispatch` call, so a host that calls
+    /// `dispatch` after every event misses none.
+    pub fn submit(
+        &mut self,
+        id: u64,
+        tenant: u32,
+        prompt: u64,
+        max_tokens: u64,
+        now_us: u64,
+    ) -> PolicyResult<Decision> {
+        if self.requests.contains_key(&id) {
+            return Err(PolicyError::DuplicateRequest(id));
+        }
+        let tier_idx = *self
+            .tenant_tier
+            .get(tenant as usize)
+            .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
+        self.tick(now_us);
+        let decision = self.decide(tenant, tier_idx, prompt, max_tokens, now_us);
+        Ok(match decision {
+            Decision::Rejected { reason, .. } => {
+                self.counters.rejected[reason as usize] += 1;
+                self.note_refusal(reason, now_us);
+                decision
+            }
+            Decision::Admitted { backend, priority } => {
+                self.insert(id, tenant, tier_idx, prompt, priority, now_us);
+                self.start(id, backend, now_us);
+                self.counters.admitted += 1;
+                decision
+            }
+            Decision::Queued { .. } => self.enqueue(id, tenant, tier_idx, prompt, decision, now_us),
+        })
+    }
+
+    /// Queue a request `decide` queued, then dispatch. The displacement `decide` chose is
+    /// carried out only if dispatch made no room: when anything started, the queue is no longer
+    /// than before this request came, and nobody needs to be pushed out.
+    fn enqueue(
+        &mut self,
+        id: u64,
+        tenant: u32,
+        tier_idx: usize,
+        prompt: u64,
+        queued: Decision,
+        now_us: u64,
+    ) -> Decision {
+        let Decision::Queued {
+            priority,
+            displaced,
+            ..
+        } = queued
+        else {
+            unreachable!("enqueue takes a queued decision")
+        };
+        self.insert(id, tenant, tier_idx, prompt, priority, now_us);
+        self.queue.push(
+            tenant,
+            QueuedItem {
+                id,
+                prompt_tokens: prompt,
+            },
+        );
+        if let Some(ms) = us(self.config.queue_timeout_ms) {
+            self.set_deadline(id, ExpiryReason::QueueTimeout, now_us + ms);
+        }
+        let mut placed = self.place_queued(now_us);
+        let own = placed
+            .iter()
+            .position(|a| a.request_id == id)
+            .map(|i| placed.remove(i));
+        let made_room = own.is_some() || !placed.is_empty();
+        self.counters.dispatched += placed.len() as u64;
+        self.pending.extend(placed);
+        if let Some(own) = own {
+            self.counters.admitted += 1;
+            return Decision::Admitted {
+                backend: own.backend,
+                priority,
+            };
+        }
+        self.counters.queued += 1;
+        if made_room {
+            let position = self.waiting_ahead(tier_idx) - 1;
+            return Decision::Queued {
+                position: position as u32,
+                estimated_wait_s: (position + 1) as f64 / self.drain_rate(),
+                priority,
+                displaced: None,
+            };
+        }
+        if let Some((victim, _)) = displaced {
+            self.finish_as(victim, None, now_us);
+            self.counters.rejected[RejectReason::Displaced as usize] += 1;
+            self.note_refusal(RejectReason::Displaced, now_us);
+        }
+        queued
+    }
+
+    fn decide(
+        &self,
+        tenant: u32,
+        tier_idx: usize,
+        prompt: u64,
+        max_tokens: u64,
+        now_us: u64,
+    ) -> Decision {
+        let tier = &self.config.tiers[tier_idx];
+        let drain = self.drain_rate();
+        // Refusals for load add the recent refusal backlog, so a crowd refused together is
+        // told to come back spread out at the drain rate rather than all at once.
+        let backlog = self.recent_refusals(now_us) / drain;
+        let retry =
+            |seconds: f64| (seconds + backlog).clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1);
+        let reject = |reason, seconds: f64| Decision::Rejected {
+            reason,
+            retry_after_s: retry(seconds),
+        };
+        if self.draining {
+            let wait = f64::from(self.running() + 1) / drain;
+            return Decision::Rejected {
+                reason: RejectReason::Draining,
+                retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
+            };
+        }
+        if !self.backends.iter().any(|b| b.healthy) {
+            let wait = self
+                .stale_after_us()
+                .map_or(PRIOR_SERVICE_S, |u| u as f64 / 1e6);
+            return reject(RejectReason::NoHealthyBackend, wait);
+        }
+        if !tier.protected {
+            if let Some(seconds) = self.kv_pressure_retry(now_us, drain) {
+                return reject(RejectReason::KvPressure, seconds);
+            }
+        }
+        let priority = self.priority(tier_idx, prompt + max_tokens);
+        let ahead = self.waiting_ahead(tier_idx);
+        let sla_excess = if tier.protected {
+            None
+        } else {
+            self.sla_excess(tenant, tier_idx, prompt)
+        };
+        if ahead == 0 {
+            if let Some(backend) = self.pick_backend(tier_idx, prompt, now_us) {
+                if let Some(excess) = sla_excess {
+                    return reject(RejectReason::TtftSla, excess);
+                }
+                return Decision::Admitted { backend, priority };
+            }
+        }
+        let queued = self.queue.len();
+        let max_waiting = self.config.max_waiting as usize;
+        let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / drain;
+        let tier_limit = (tier.shed_at * max_waiting as f64).floor() as usize;
+        let mut displaced = None;
+        // A victim of the newcomer's own tier was counted in `ahead`; one of a lower tier not.
+        let mut counted_victim = false;
+        if queued >= tier_limit.min(max_waiting) {
+            let (reason, limit) = if queued >= max_waiting {
+                (RejectReason::QueueFull, max_waiting)
+            } else {
+                (RejectReason::TierShed, tier_limit)
+            };
+            match self.displacement_victim(tenant, tier_idx) {
+                Some((victim, victim_tier)) => {
+                    displaced = Some((victim, retry(over(limit))));
+                    counted_victim = victim_tier == tier_idx;
+                }
+                None => return reject(reason, over(limit)),
+            }
+        }
+        if !tier.protected && self.shed_level > 0 {
+            let scale = 0.5_f64.powi(i32::from(self.shed_level));
+            let limit = (tier.shed_at * scale * max_waiting as f64).floor() as usize;
+            if queued >= limit {
+                let cooldown = self.breaker_until_us.saturating_sub(now_us) as f64 / 1e6;
+                return reject(RejectReason::PreemptionBreaker, cooldown.max(over(limit)));
+            }
+        }
+        if let Some(excess) = sla_excess {
+            return reject(RejectReason::TtftSla, excess);
+        }
+        let position = ahead - usize::from(counted_victim);
+        Decision::Queued {
+            position: position as u32,
+            estimated_wait_s: (position + 1) as f64 / drain,
+            priority,
+            displaced,
+        }
+    }
+
+    fn insert(
+        &mut self,
+        id: u64,
+        tenant: u32,
+        tier: usize,
+        prompt: u64,
+        priority: i64,
+        now_us: u64,
+    ) {
+        let request = Request {
+            tenant,
+            tier,
+            prompt,
+            generated: 0,
+            priority,
+            submitted_us: now_us,
+            running: None,
+            deadlines: [None; 3],
+        };
+        self.requests.insert(id, request);
+        if let Some(ms) = us(self.config.request_timeout_ms) {
+            self.set_deadline(id, ExpiryReason::Deadline, now_us + ms);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::config::tests::sample_json;
+
+    pub(crate) const S: u64 = 1_000_000;
+
+    /// The crate's sample config: one backend of 2 slots and 1000 KV blocks, a 4-deep queue,
+    /// tiers vip (protected), normal (shed at 50%) and batch (shed at 50%, half the slots).
+    pub(crate) fn governor() -> Governor {
+        Governor::from_json(&sample_json()).unwrap()
+    }
+
+    pub(crate) fn tenant(g: &Governor, name: &str) -> u32 {
+        g.tenant_id(name).unwrap()
+    }
+
+    // Below the cap requests are admitted at once; beyond it they queue, in order.
+    #[test]
+    fn admits_then_queues() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        assert!(matches!(
+            g.submit(1, a, 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        assert!(matches!(
+            g.submit(2, a, 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        let third = g.submit(3, a, 10, 10, 0).unwrap();
+        assert!(
+            matches!(third, Decision::Queued { position: 0, .. }),
+            "{third:?}"
+        );
+        assert_eq!((g.running(), g.queued()), (2, 1));
+        assert_eq!((g.counters.admitted, g.counters.queued), (2, 1));
+    }
+
+    // Reusing a live id is an error; after it ends the id may be reused.
+    #[test]
+    fn duplicate_ids() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        g.submit(1, a, 10, 10, 0).unwrap();
+        assert_eq!(
+            g.submit(1, a, 10, 10, 0),
+            Err(PolicyError::DuplicateRequest(1))
+        );
+        g.finish(1, Outcome::Cancelled, 0);
+        assert!(g.submit(1, a, 10, 10, 0).is_ok());
+    }
+
+    // A request that queues behind one held back by KV fit starts at once when it fits: the
+    // decision says admitted, and it counts as admitted, not as queued and dispatched.
+    #[test]
+    fn submit_dispatches_its_own_request() {
+        let mut g = governor();
+        g.config.kv_pressure_threshold = None;
+        g.config.ttft_sla_ms = None;
+        let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
+        g.submit(1, a, 15_000, 10, 0).unwrap();
+        // 2,000 tokens do not fit in the 62 free blocks: normal's head waits.
+        assert!(matches!(
+            g.submit(2, a, 2_000, 10, 0).unwrap(),
+            Decision::Queued { .. }
+        ));
+        // A small batch request has normal's request ahead of it, yet fits the free slot.
+        let decision = g.submit(3, z, 10, 10, 1).unwrap();
+        assert!(
+            matches!(decision, Decision::Admitted { backend: 0, .. }),
+            "{decision:?}"
+        );
+        assert_eq!((g.running(), g.queued()), (2, 1));
+        let counters = &g.counters;
+        assert_eq!(
+            (counters.admitted, counters.queued, counters.dispatched),
+            (2, 1, 0)
+        );
+        assert!(g.dispatch(1).is_empty());
+    }
+
+    // Other requests that submit's dispatch starts (here: a breaker level cooled down) are not
+    // lost: the next dispatch call returns them first, once, and the newcomer's position no
+    // longer counts them.
+    #[test]
+    fn submit_buffers_other_admissions() {
+        let mut g = governor();
+        let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
+        g.observe_backend(0, 0, None, None, None, Some(1)).unwrap();
+        g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
+        assert_eq!(g.shed_level, 1);
+        // Level 1 leaves normal one slot: the second request waits.
+        g.submit(1, a, 10, 10, 20).unwrap();
+        assert!(matches!(
+            g.submit(2, a, 10, 10, 20).unwrap(),
+            Decision::Queued { .. }
+        ));
+        // After the cool-down a batch request queues behind it; its dispatch starts request 2
+        // on the freed level and leaves the batch request first in line.
+        let decision = g.submit(3, z, 10, 10, 2 * S).unwrap();
+        assert!(
+            matches!(
+                decision,
+                Decision::Queued {
+                    position: 0,
+                    displaced: None,
+                    ..
+                }
+            ),
+            "{decision:?}"
+        );
+        assert_eq!(g.shed_level, 0);
+        let handed = g.dispatch(2 * S);
+        assert_eq!(handed.len(), 1);
+        assert_eq!(
+            (handed[0].request_id, handed[0].queue_wait_us),
+            (2, 2 * S - 20)
+        );
+        assert!(g.dispatch(2 * S).is_empty());
+        let counters = &g.counters;
+        assert_eq!(
+            (counters.admitted, counters.queued, counters.dispatched),
+            (1, 2, 1)
+        );
+    }
+
+    // A request ended before its buffered admission is collected is not handed out.
+    #[test]
+    fn ended_requests_leave_the_buffer() {
+        let mut g = governor();
+        let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
+        g.observe_backend(0, 0, None, None, None, Some(1)).unwrap();
+        g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
+        g.submit(1, a, 10, 10, 20).unwrap();
+        g.submit(2, a, 10, 10, 20).unwrap();
+        g.submit(3, z, 10, 10, 2 * S).unwrap();
+        assert!(g.finish(2, Outcome::Cancelled, 2 * S));
+        let handed: Vec<u64> = g.dispatch(2 * S).iter().map(|a| a.request_id).collect();
+        assert_eq!(handed, vec![3]);
+    }
+}

@@ -1,0 +1,417 @@
+//! Shedding: who may not wait, how long to tell refused clients to stay away, and how much of
+//! a backend a tier may use.
+//!
+//! Every rule here is a pure reading of the governor's state except the refusal memory and the
+//! breaker's cool-down, which only ever move forward with `now_us`.
+
+use super::{us, Governor};
+use crate::config::{Strategy, TierConfig};
+use crate::types::RejectReason;
+
+/// How long a refusal keeps counting toward later Retry-Afters (seconds, exponential decay).
+/// A burst of N refusals at once gets Retry-Afters spread over N / drain rate, so clients that
+/// honour them come back at the pace the backends free slots instead of all together.
+const REFUSAL_MEMORY_S: f64 = 5.0;
+
+impl Governor {
+    /// When the waiting places a tier may use are all taken, a newcomer may push out a queued
+    /// request instead of being refused: first from the least important tier below its own
+    /// (so VIP is never refused while normal waits), else — inside its tier — the newest request
+    /// of the tenant furthest over its weighted share, if that tenant holds more than the
+    /// newcomer's would (so a heavy tenant filling the queue cannot lock a light one out).
+    ///
+    /// Returns the victim's id and tier.
+    pub(super) fn displacement_victim(&self, tenant: u32, tier_idx: usize) -> Option<(u64, usize)> {
+        let load =
+            |t: u32, extra: usize| (self.queue.tenant_len(t) + extra) as f64 / self.queue.weight(t);
+        let heaviest = |tier: usize, except: Option<u32>| {
+            self.tier_tenants[tier]
+                .iter()
+                .copied()
+                .filter(|&t| Some(t) != except && self.queue.tenant_len(t) > 0)
+                .max_by(|&a, &b| load(a, 0).total_cmp(&load(b, 0)).then(b.cmp(&a)))
+        };
+        let lower = (tier_idx + 1..self.config.tiers.len())
+            .rev()
+            .find(|&t| self.queue.tier_len(t) > 0);
+        let (victim, tier) = if let Some(tier) = lower {
+            (heaviest(tier, None)?, tier)
+        } else {
+            let candidate = heaviest(tier_idx, Some(tenant))?;
+            (
+                (load(candidate, 0) > load(tenant, 1)).then_some(candidate)?,
+                tier_idx,
+            )
+        };
+        self.queue.newest(victim).map(|item| (item.id, tier))
+    }
+
+    pub(super) fn recent_refusals(&self, now_us: u64) -> f64 {
+        let elapsed = now_us.saturating_sub(self.refusals_at_us) as f64 / 1e6;
+        self.refusals * (-elapsed / REFUSAL_MEMORY_S).exp()
+    }
+
+    pub(super) fn note_refusal(&mut self, reason: RejectReason, now_us: u64) {
+        if matches!(reason, RejectReason::Draining) {
+            return;
+        }
+        self.refusals = self.recent_refusals(now_us) + 1.0;
+        self.refusals_at_us = self.refusals_at_us.max(now_us);
+    }
+
+    /// The time for enough running work to finish that KV usage falls below the threshold, when
+    /// every healthy backend is above it.
+    pub(super) fn kv_pressure_retry(&self, now_us: u64, drain: f64) -> Option<f64> {
+        let threshold = self.config.kv_pressure_threshold?;
+        let lowest = (0..self.backends.len())
+            .filter(|&i| self.backends[i].healthy)
+            .map(|i| self.backend_kv_usage(i, now_us))
+            .fold(f64::INFINITY, f64::min);
+        if lowest <= threshold {
+            return None;
+        }
+        let running = f64::from(self.running().max(1));
+        let must_finish = (running * (lowest - threshold) / lowest).ceil().max(1.0);
+        Some(must_finish / drain)
+    }
+
+    /// Seconds by which the prefill work ahead of a new request overshoots the TTFT SLA.
+    ///
+    /// Only the work ahead counts: a request whose own prompt takes longer than the SLA is not
+    /// refused for it (no amount of waiting would help). Ahead are the prompts running without
+    /// a first token, every queued prompt of more important tiers, and — inside its own tier,
+    /// under fair order — its tenant's own queued prompts plus, from each other tenant, at most
+    /// the weighted share that tenant gets served meanwhile. So a heavy tenant's backlog does
+    /// not make a light tenant's requests look late.
+    pub(super) fn sla_excess(&self, tenant: u32, tier_idx: usize, prompt: u64) -> Option<f64> {
+        let sla_s = self.config.ttft_sla_ms? / 1000.0;
+        let q = &self.queue;
+        let higher: u64 = (0..tier_idx).map(|t| q.tier_prompt_tokens(t)).sum();
+        let same = if q.strategy() == Strategy::Fair {
+            let own = q.tenant_prompt_tokens(tenant);
+            let served = (own + prompt) as f64 / q.weight(tenant);
+            let others: u64 = self.tier_tenants[tier_idx]
+                .iter()
+                .filter(|&&t| t != tenant)
+                .map(|&t| q.tenant_prompt_tokens(t).min((served * q.weight(t)) as u64))
+                .sum();
+            own + others
+        } else {
+            q.tier_prompt_tokens(tier_idx)
+        };
+        let healthy = self.backends.iter().filter(|b| b.healthy);
+        let (pending, tps) = healthy.fold((0, 0.0), |(p, r), b| {
+            (p + b.prefill_pending, r + b.prefill_tps)
+        });
+        let estimate = (higher + same + pending) as f64 / tps;
+        (estimate > sla_s).then_some(estimate - sla_s)
+    }
+
+    /// vLLM priority (lower runs first): the tier in the thousands, then the request's KV
+    /// footprint, so long requests lose priority to short ones of the same tier.
+    pub(super) fn priority(&self, tier_idx: usize, tokens: u64) -> i64 {
+        let blocks = self.ledger.blocks_for(tokens) as f64;
+        let kv_rank = (blocks * self.config.kv_weight / 8.0).min(999.0) as i64;
+        tier_idx as i64 * 1000 + kv_rank
+    }
+
+    /// Slots a tier may hold on a backend now. Stale metrics halve everything (we are flying
+    /// blind); the preemption breaker halves non-protected tiers per level; `max_share` caps
+    /// a tier's own use.
+    pub(super) fn limits(&self, b: usize, tier: &TierConfig, now_us: u64) -> (u32, u32) {
+        let backend = &self.backends[b];
+        let mut total = backend.cap;
+        if backend.is_stale(now_us, self.stale_after_us()) {
+            total = (total / 2).max(1);
+        }
+        if !tier.protected {
+            total = (total >> self.shed_level).max(1);
+        }
+        let share = ((f64::from(backend.cap) * tier.max_share).floor() as u32).max(1);
+        (total, share.min(total))
+    }
+
+    /// Let the breaker cool down one level per elapsed cool-down period.
+    pub(super) fn tick(&mut self, now_us: u64) {
+        let Some(cooldown) = us(self.config.preemption_cooldown_ms) else {
+            return;
+        };
+        while self.shed_level > 0 && now_us >= self.breaker_until_us {
+            self.shed_level -= 1;
+            self.breaker_until_us += cooldown;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{governor, tenant};
+    use crate::types::{Decision, RejectReason};
+
+    // Normal traffic is shed at its threshold (50% of 4 = 2 queued) while VIP may still queue,
+    // and every rejection carries a positive Retry-After.
+    #[test]
+    fn tier_shedding_spares_vip() {
+        let mut g = governor();
+        let (a, v) = (tenant(&g, "a"), tenant(&g, "v"));
+        for id in 1..=4 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        let shed = g.submit(5, a, 10, 10, 0).unwrap();
+        let Decision::Rejected {
+            reason,
+            retry_after_s,
+        } = shed
+        else {
+            panic!("{shed:?}")
+        };
+        assert_eq!(reason, RejectReason::TierShed);
+        assert!(retry_after_s > 0.0);
+        assert!(matches!(
+            g.submit(6, v, 10, 10, 0).unwrap(),
+            Decision::Queued { .. }
+        ));
+    }
+
+    // A full queue refuses even VIP with queue_full.
+    #[test]
+    fn queue_full() {
+        let mut g = governor();
+        let v = tenant(&g, "v");
+        for id in 1..=6 {
+            g.submit(id, v, 10, 10, 0).unwrap();
+        }
+        let d = g.submit(7, v, 10, 10, 0).unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Rejected {
+                    reason: RejectReason::QueueFull,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+    }
+
+    // KV usage above the threshold sheds non-protected tiers but still lets VIP in.
+    #[test]
+    fn kv_pressure() {
+        let mut g = governor();
+        g.observe_backend(0, 0, Some(0.9), None, None, None)
+            .unwrap();
+        let d = g.submit(1, tenant(&g, "a"), 10, 10, 0).unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Rejected {
+                    reason: RejectReason::KvPressure,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        assert!(matches!(
+            g.submit(2, tenant(&g, "v"), 10, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+    }
+
+    // Prefill work ahead beyond the SLA at the prior throughput (8000 tok/s, 1.5 s) is refused;
+    // a request's own long prompt is not held against it.
+    #[test]
+    fn ttft_sla() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        assert!(matches!(
+            g.submit(1, a, 13_000, 10, 0).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        let d = g.submit(2, a, 10, 10, 0).unwrap();
+        let Decision::Rejected {
+            reason,
+            retry_after_s,
+        } = d
+        else {
+            panic!("{d:?}")
+        };
+        assert_eq!(reason, RejectReason::TtftSla);
+        assert!((retry_after_s - 0.125).abs() < 1e-9, "{retry_after_s}");
+        g.on_first_token(1, 1_000);
+        assert!(matches!(
+            g.submit(3, a, 10, 10, 2_000).unwrap(),
+            Decision::Admitted { .. }
+        ));
+    }
+
+    // Under fair order a light tenant's SLA estimate does not count a heavy tenant's whole
+    // backlog: only what the heavy tenant gets served before it (its equal share here).
+    #[test]
+    fn sla_estimate_follows_fair_order() {
+        let mut g = governor();
+        let (heavy, light, vip) = (tenant(&g, "a"), tenant(&g, "b"), tenant(&g, "v"));
+        // Fill both slots with VIP work (20 prompt tokens still in prefill).
+        for id in 1..=2 {
+            g.submit(id, vip, 10, 10, 0).unwrap();
+        }
+        // The heavy tenant queues 13,000 prompt tokens (1.625 s at 8000 tok/s).
+        g.submit(3, heavy, 13_000, 10, 2).unwrap();
+        // Its next request would wait behind all of them: refused.
+        let d = g.submit(4, heavy, 100, 10, 3).unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Rejected {
+                    reason: RejectReason::TtftSla,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        // The light tenant waits only for the heavy one's equal share (100 tokens): queued.
+        let d = g.submit(5, light, 100, 10, 3).unwrap();
+        assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
+    }
+
+    // A crowd refused together is told to come back spread out: each refusal adds 1 / drain.
+    #[test]
+    fn retry_after_spreads_a_crowd() {
+        let mut g = governor();
+        let v = tenant(&g, "v");
+        for id in 1..=6 {
+            g.submit(id, v, 10, 10, 0).unwrap();
+        }
+        let retries: Vec<f64> = (10..14)
+            .map(|id| match g.submit(id, v, 10, 10, 0).unwrap() {
+                Decision::Rejected { retry_after_s, .. } => retry_after_s,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let step = 1.0 / g.drain_rate();
+        for pair in retries.windows(2) {
+            assert!((pair[1] - pair[0] - step).abs() < 1e-9, "{retries:?}");
+        }
+    }
+
+    // When normal's waiting places are full of tenant a's requests, tenant b (holding none)
+    // pushes out a's newest instead of being refused; a cannot do the same back to b.
+    #[test]
+    fn light_tenant_displaces_heavy() {
+        let mut g = governor();
+        let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
+        for id in 1..=4 {
+            g.submit(id, a, 10, 10, 0).unwrap();
+        }
+        let d = g.submit(5, b, 10, 10, 0).unwrap();
+        let Decision::Queued {
+            displaced: Some((victim, retry)),
+            position,
+            ..
+        } = d
+        else {
+            panic!("{d:?}")
+        };
+        assert_eq!((victim, position), (4, 1));
+        assert!(retry > 0.0);
+        assert!(!g.is_live(4));
+        assert_eq!(g.queued(), 2);
+        assert_eq!(g.counters.rejected[RejectReason::Displaced as usize], 1);
+        let again = g.submit(6, a, 10, 10, 0).unwrap();
+        assert!(matches!(
+            again,
+            Decision::Rejected {
+                reason: RejectReason::TierShed,
+                ..
+            }
+        ));
+    }
+
+    // A victim from a lower tier was never counted ahead of the newcomer, so pushing it out
+    // leaves the newcomer's position at the count of its own tier and above.
+    #[test]
+    fn lower_tier_victim_keeps_position() {
+        let mut g = governor();
+        let (a, b, z) = (tenant(&g, "a"), tenant(&g, "b"), tenant(&g, "z"));
+        g.submit(1, a, 10, 10, 0).unwrap();
+        g.submit(2, z, 10, 10, 0).unwrap();
+        // Slots full; one normal and one batch request wait: normal's 2 places are taken.
+        g.submit(3, a, 10, 10, 0).unwrap();
+        g.submit(4, z, 10, 10, 0).unwrap();
+        let decision = g.submit(5, b, 10, 10, 0).unwrap();
+        let Decision::Queued {
+            position,
+            estimated_wait_s,
+            displaced: Some((4, _)),
+            ..
+        } = decision
+        else {
+            panic!("{decision:?}")
+        };
+        assert_eq!(position, 1);
+        assert!((estimated_wait_s - 2.0 / g.drain_rate()).abs() < 1e-9);
+    }
+
+    // Tiers sharing a shed_at: a newcomer with nobody of its tier or above waiting pushes out a
+    // lower tier's request and is told position 0 (the old count underflowed here).
+    #[test]
+    fn displacing_into_an_empty_tier_is_position_zero() {
+        let mut g = governor();
+        let (a, b, z) = (tenant(&g, "a"), tenant(&g, "b"), tenant(&g, "z"));
+        g.submit(1, a, 10, 10, 0).unwrap();
+        g.submit(2, z, 10, 10, 0).unwrap();
+        g.submit(3, z, 10, 10, 0).unwrap();
+        g.submit(4, z, 10, 10, 0).unwrap();
+        let decision = g.submit(5, b, 10, 10, 0).unwrap();
+        assert!(
+            matches!(
+                decision,
+                Decision::Queued {
+                    position: 0,
+                    displaced: Some((4, _)),
+                    ..
+                }
+            ),
+            "{decision:?}"
+        );
+        assert_eq!(g.queued(), 2);
+    }
+
+    // A rising preemption counter raises the shed level; it decays one level per cool-down.
+    #[test]
+    fn preemption_breaker() {
+        let mut g = governor();
+        g.observe_backend(0, 0, None, None, None, Some(5)).unwrap();
+        assert_eq!(g.shed_level, 0);
+        g.observe_backend(0, 10, None, None, None, Some(7)).unwrap();
+        assert_eq!(g.shed_level, 1);
+        // Level 1 halves normal's slots (2 -> 1) and its queue room (2 -> 1).
+        let a = tenant(&g, "a");
+        assert!(matches!(
+            g.submit(1, a, 10, 10, 20).unwrap(),
+            Decision::Admitted { .. }
+        ));
+        assert!(matches!(
+            g.submit(2, a, 10, 10, 20).unwrap(),
+            Decision::Queued { .. }
+        ));
+        let d = g.submit(3, a, 10, 10, 20).unwrap();
+        assert!(matches!(
+            d,
+            Decision::Rejected {
+                reason: RejectReason::PreemptionBreaker,
+                ..
+            }
+        ));
+        g.dispatch(10 + 1000 * 1000);
+        assert_eq!(g.shed_level, 0);
+    }
+
+    // Long requests get a larger (worse) vLLM priority than short ones of the same tier, and
+    // any VIP beats any normal.
+    #[test]
+    fn priority_orders_tier_then_length() {
+        let g = governor();
+        assert!(g.priority(1, 100) < g.priority(1, 8000));
+        assert!(g.priority(0, 100_000) < g.priority(1, 1));
+    }
+}
