@@ -1,0 +1,282 @@
+"""An independent reference of the runtime's rules, for `test_runtime_machine.py` only.
+
+It is written from the config and the documented rules, never from the core's state: the host
+machine feeds it what it sent (arrivals, tokens, scrapes, window events, the drain) and what it
+carried out (`Start`, `Wait`, terminal actions). From that it knows which backends are healthy,
+the preemption breaker's level, each backend's last scrape and KV estimate, which requests run
+where with how many tokens, and every pending deadline. It answers three questions: may a
+request of this tier start on this backend now (`allows`), could any waiting request have been
+started (`stranded`), and what ends a request at a given time (`due`). It keeps no fair order,
+no estimates and no Retry-After arithmetic. It is never used by the product.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+EXPIRIES = ("queue_timeout", "first_token_timeout", "deadline")  # the core's tie-break order
+MAX_SHED_LEVEL = 3  # each breaker level halves what non-protected tiers may hold
+
+
+def us(ms: float) -> int:
+    return round(ms * 1000)
+
+
+@dataclass
+class Req:
+    tenant: str
+    tier: int
+    prompt: int
+    stream: bool
+    arrived: int
+    waited: bool = False  # got `Wait`: its queue deadline runs until `Start`
+    backend: str | None = None  # set by `Start`
+    started_at: int = 0
+    generated: int = 0
+    first_token: bool = False
+    stall_at: int | None = None
+    lingering: bool = False  # upstream done while the window was full: slot freed, reply open
+
+
+@dataclass
+class Backend:
+    cap: int
+    kv_capacity: int
+    healthy: bool = True
+    ever_scraped: bool = False
+    failures: int = 0
+    down_at: int | None = None  # a request found it unreachable then
+    scraped_at: int | None = None
+    kv_usage: float | None = None
+    preemptions: int | None = None
+
+
+class RuntimeModel:
+    """What the runtime must respect, derived from the config and the host's own records."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.policy = p = config["policy"]
+        self.life = config["lifecycle"]
+        self.tiers = p["tiers"]
+        tier_index = {t["name"]: i for i, t in enumerate(self.tiers)}
+        self.tenant_tier = {t["name"]: tier_index[t["tier"]] for t in p["tenants"]}
+        per_gpu = p["max_concurrency_per_gpu"]
+        self.backends = {
+            b["name"]: Backend(b["gpus"] * per_gpu, b["kv_blocks"]) for b in p["backends"]
+        }
+        self.live: dict[int, Req] = {}
+        self.level, self.level_until = 0, 0
+        self.drain_at: int | None = None
+        self.draining = False
+
+    # ---- what the host sent and carried out --------------------------------------------------
+
+    def arrive(self, rid: int, tenant: str, prompt: int, stream: bool, now: int) -> Req:
+        self.live[rid] = Req(tenant, self.tenant_tier[tenant], prompt, stream, now)
+        return self.live[rid]
+
+    def start(self, rid: int, backend: str, now: int) -> None:
+        req = self.live[rid]
+        req.backend, req.started_at = backend, now
+
+    def tokens(self, rid: int, n: int) -> None:
+        req = self.live[rid]
+        if not req.lingering:
+            req.generated += n
+            req.first_token = True
+
+    def done(self, rid: int) -> bool:
+        """Upstream finished: True when the reply ends now, False when it lingers (the client's
+        window is full: the slot is free, the reply ends on drained or on the stall timer)."""
+        req = self.live[rid]
+        if req.stall_at is None:
+            return True
+        req.lingering = True
+        return False
+
+    def window_full(self, rid: int, now: int) -> None:
+        req, stall = self.live.get(rid), self.life["stall_timeout_ms"]
+        if req is None or req.backend is None or stall is None:
+            return
+        if req.stall_at is None:
+            req.stall_at = now + us(stall)
+
+    def window_drained(self, rid: int) -> None:
+        if rid in self.live:
+            self.live[rid].stall_at = None
+
+    def drain(self, now: int) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_at = now + us(self.life["drain_timeout_ms"])
+
+    def scrape_ok(self, name: str, began: int, now: int, **scrape: Any) -> list[tuple[str, bool]]:
+        """Record a scrape; returns the health change it must cause."""
+        b = self.backends[name]
+        if scrape["kv_blocks"] is not None:
+            b.kv_capacity = scrape["kv_blocks"]
+        b.scraped_at, b.kv_usage = now, scrape["kv_usage"]
+        total, seen = scrape["preemptions_total"], b.preemptions
+        if total is not None:
+            b.preemptions = total
+        self.breaker(now)
+        cooldown = self.policy["preemption_cooldown_ms"]
+        if total is not None and seen is not None and total > seen and cooldown:
+            self.level = min(self.level + 1, MAX_SHED_LEVEL)
+            self.level_until = now + us(cooldown)
+        b.failures, b.ever_scraped = 0, True
+        if not b.healthy and (b.down_at is None or began > b.down_at):
+            b.healthy = True
+            return [(name, True)]
+        return []
+
+    def scrape_failed(self, name: str) -> list[tuple[str, bool]]:
+        b = self.backends[name]
+        b.failures += 1
+        enough = b.failures >= self.life["scrape_failures_before_down"] or not b.ever_scraped
+        if b.healthy and enough:
+            b.healthy = False
+            return [(name, False)]
+        return []
+
+    def unreachable(self, rid: int, now: int) -> list[tuple[str, bool]]:
+        """A running request found its backend unreachable."""
+        name = self.live[rid].backend
+        if name is None:
+            return []
+        b = self.backends[name]
+        b.down_at = now
+        if b.healthy:
+            b.healthy = False
+            return [(name, False)]
+        return []
+
+    # ---- derived state -----------------------------------------------------------------------
+
+    def breaker(self, now: int) -> int:
+        """The breaker level at `now`: one level off per elapsed cool-down."""
+        cooldown = self.policy["preemption_cooldown_ms"]
+        while cooldown and self.level > 0 and now >= self.level_until:
+            self.level -= 1
+            self.level_until += us(cooldown)
+        return self.level
+
+    def running(self, name: str | None = None, tier: int | None = None) -> list[Req]:
+        return [
+            r
+            for r in self.live.values()
+            if r.backend is not None
+            and not r.lingering
+            and name in (None, r.backend)
+            and tier in (None, r.tier)
+        ]
+
+    def waiting(self, tier: int | None = None) -> list[Req]:
+        return [r for r in self.live.values() if r.backend is None and tier in (None, r.tier)]
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.policy["block_size"])
+
+    def ledger(self, name: str | None = None) -> int:
+        return sum(self.blocks(r.prompt + r.generated) for r in self.running(name))
+
+    def stale(self, b: Backend, now: int) -> bool:
+        limit = self.policy["stale_after_ms"]
+        return limit is not None and b.scraped_at is not None and now - b.scraped_at > us(limit)
+
+    def kv_usage(self, name: str, now: int) -> float:
+        """The reported usage while fresh; never below the ledger's estimate once stale."""
+        b = self.backends[name]
+        estimated = min(self.ledger(name) / b.kv_capacity, 1.0) if b.kv_capacity else 0.0
+        if b.kv_usage is None:
+            return estimated
+        return max(b.kv_usage, estimated) if self.stale(b, now) else b.kv_usage
+
+    def fits(self, name: str, prompt: int, now: int) -> bool:
+        b = self.backends[name]
+        if b.kv_capacity == 0 or not self.running(name):
+            return True
+        used = max(math.ceil(self.kv_usage(name, now) * b.kv_capacity), self.ledger(name))
+        return self.blocks(prompt) < max(b.kv_capacity - used, 0)
+
+    def allows(self, tier: int, prompt: int, name: str, now: int) -> bool:
+        """Whether every rule lets a request of `tier` with `prompt` start on `name` now."""
+        b, t = self.backends[name], self.tiers[tier]
+        if not b.healthy:
+            return False
+        total = max(b.cap // 2, 1) if self.stale(b, now) else b.cap
+        if not t["protected"]:
+            total = max(total >> self.breaker(now), 1)
+        share = min(max(math.floor(b.cap * t["max_share"]), 1), total)
+        if len(self.running(name)) >= total or len(self.running(name, tier)) >= share:
+            return False
+        if t["protected"]:
+            return True
+        threshold = self.policy["kv_pressure_threshold"]
+        if threshold is not None and self.kv_usage(name, now) > threshold:
+            return False
+        return self.fits(name, prompt, now)
+
+    def stranded(self, now: int) -> tuple[int, str] | None:
+        """A (tier, backend) where the head of the tier's queue, whichever it is, could start."""
+        for tier in range(len(self.tiers)):
+            queued = self.waiting(tier)
+            if not queued:
+                continue
+            biggest = max(r.prompt for r in queued)  # fits => every smaller prompt fits
+            for name in self.backends:
+                if self.allows(tier, biggest, name, now):
+                    return tier, name
+        return None
+
+    # ---- deadlines ---------------------------------------------------------------------------
+
+    def deadlines(self, req: Req) -> list[tuple[int, int]]:
+        """The governor's pending deadlines of a request: (at, index into EXPIRIES)."""
+        p = self.policy
+        queue, first, total = (p[f"{k}_timeout_ms"] for k in ("queue", "first_token", "request"))
+        out: list[tuple[int, int]] = []
+        if req.lingering:
+            return out
+        if queue is not None and req.waited and req.backend is None:
+            out.append((req.arrived + us(queue), 0))
+        if first is not None and req.backend is not None and not req.first_token:
+            out.append((req.started_at + us(first), 1))
+        if total is not None:
+            out.append((req.arrived + us(total), 2))
+        return out
+
+    def due(self, rid: int, now: int) -> str | None:
+        """What ends the request when the timer fires at `now`: the earliest governor deadline,
+        else its stalled window, else the end of the drain."""
+        req = self.live[rid]
+        passed = [d for d in self.deadlines(req) if d[0] <= now]
+        if passed:
+            return EXPIRIES[min(passed)[1]]
+        if req.stall_at is not None and req.stall_at <= now:
+            return "client_stall"
+        if self.drain_at is not None and self.drain_at <= now:
+            return "shutdown"
+        return None
+
+    def next_due(self, now: int) -> int | None:
+        """The earliest time something is pending: a deadline, a stall, the drain's end, or the
+        breaker cooling down a level (which frees room)."""
+        times = [at for r in self.live.values() for at, _ in self.deadlines(r)]
+        times += [r.stall_at for r in self.live.values() if r.stall_at is not None]
+        if self.drain_at is not None:
+            times.append(self.drain_at)
+        if self.breaker(now) > 0 and self.policy["preemption_cooldown_ms"]:
+            times.append(self.level_until)
+        return min(times, default=None)
+
+    def render(self, rid: int, reason: str) -> tuple[bool, tuple[Any, ...]]:
+        """(aborts upstream, terminal signature) of a request ended by `reason` at the timer."""
+        req = self.live[rid]
+        if reason == "first_token_timeout" and self.life["first_token_error"]:
+            return True, ("Reply", 504, reason)
+        if req.backend is not None:
+            return not req.lingering, ("Cut", reason)
+        return False, ("Reply", 503, reason)
