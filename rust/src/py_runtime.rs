@@ -103,14 +103,15 @@ pub struct PyRuntime {
 
 impl PyRuntime {
     fn feed(&mut self, py: Python<'_>, now_us: u64, event: &Event) -> PyResult<Py<PyAny>> {
-        let result = self.inner.handle(now_us, event);
+        let result = self.inner.feed(now_us, event);
         if let Some(buf) = self.trace.as_mut() {
-            trace::record(buf, now_us, event, &result);
+            let actions = self.inner.actions();
+            trace::record(buf, now_us, event, result.as_ref().map(|&()| actions));
         }
-        let actions = result?;
+        result?;
         let gov = self.inner.governor();
         let list = pyo3::types::PyList::empty(py);
-        for action in actions {
+        for action in self.inner.actions().iter().cloned() {
             let obj: Py<PyAny> = match action {
                 Action::Start {
                     id,

@@ -231,7 +231,8 @@ pub enum Action {
     /// Terminal: the request is over (upstream done or failed after the reply was committed,
     /// or the client left).
     End { id: u64, outcome: Outcome },
-    /// (Re)set the host's one timer to fire at `at_us`.
+    /// (Re)set the host's one timer to fire at `at_us`. It may fire early (nothing is due then
+    /// and the runtime arms it again); it must not fire late.
     Arm { at_us: u64 },
     /// A backend went down or came back.
     Backend { backend: u32, healthy: bool },
@@ -377,15 +378,37 @@ impl Runtime {
             .min()
     }
 
-    /// Feed one event that happened at `now_us`; returns the actions to carry out, in order.
-    pub fn handle(&mut self, now_us: u64, event: &Event) -> PolicyResult<Vec<Action>> {
+    /// Feed one event that happened at `now_us`; the actions to carry out, in order, are in
+    /// `actions()` until the next event. (Reusing one buffer keeps the per-event cost off the
+    /// allocator.)
+    pub fn feed(&mut self, now_us: u64, event: &Event) -> PolicyResult<()> {
         self.out.clear();
+        // The per-chunk hot path: tokens after the first move no deadline and free no room.
+        if let Event::Tokens { id, n } = *event {
+            if let Some(s) = self.sessions.get(&id) {
+                if s.first_token && !s.upstream_done {
+                    self.gov.on_tokens(id, n, now_us);
+                    return Ok(());
+                }
+            }
+        }
         let frees_room = self.apply(now_us, event)?;
         if frees_room {
             self.dispatch(now_us);
         }
         self.rearm();
-        Ok(std::mem::take(&mut self.out))
+        Ok(())
+    }
+
+    /// What the last `feed` asked the host to do.
+    pub fn actions(&self) -> &[Action] {
+        &self.out
+    }
+
+    /// `feed`, with the actions returned as a vector (tests, replays).
+    pub fn handle(&mut self, now_us: u64, event: &Event) -> PolicyResult<Vec<Action>> {
+        self.feed(now_us, event)?;
+        Ok(self.out.clone())
     }
 
     fn apply(&mut self, now: u64, event: &Event) -> PolicyResult<bool> {
@@ -759,10 +782,14 @@ impl Runtime {
     }
 
     fn rearm(&mut self) {
-        let next = self.next_timer_us();
-        if let Some(at_us) = next.filter(|_| next != self.armed) {
-            self.armed = next;
-            self.out.push(Action::Arm { at_us });
+        // Only an earlier time needs the host's timer moved: one set later fires early, finds
+        // nothing due, and is re-armed then (one timer event instead of a reset per request).
+        let Some(next) = self.next_timer_us() else {
+            return;
+        };
+        if self.armed.is_none_or(|armed| next < armed) {
+            self.armed = Some(next);
+            self.out.push(Action::Arm { at_us: next });
         }
     }
 }
@@ -1059,8 +1086,8 @@ mod tests {
         }));
     }
 
-    // The timer is armed only when the earliest pending time changes, and re-armed after it
-    // fires early.
+    // The timer is armed only when the earliest pending time moves earlier, and re-armed after
+    // it fires early.
     #[test]
     fn timer_rearms() {
         let mut rt = runtime("{}");
@@ -1069,9 +1096,20 @@ mod tests {
         let Some(Action::Arm { at_us }) = acts.last().cloned() else {
             panic!("{acts:?}")
         };
-        let acts = rt.handle(0, &arrive(2, a)).unwrap();
+        let acts = rt.handle(10, &arrive(2, a)).unwrap();
         assert!(!acts.iter().any(|a| matches!(a, Action::Arm { .. })));
         let acts = rt.handle(at_us - 1, &Event::Timer).unwrap();
         assert_eq!(acts, [Action::Arm { at_us }]);
+        // A later next time leaves the host's timer as it is: it fires early, then re-arms.
+        let acts = rt.handle(at_us - 1, &Event::ClientGone { id: 1 }).unwrap();
+        assert!(
+            !acts.iter().any(|a| matches!(a, Action::Arm { .. })),
+            "{acts:?}"
+        );
+        let acts = rt.handle(at_us, &Event::Timer).unwrap();
+        assert!(
+            matches!(acts[..], [Action::Arm { at_us: later }] if later == at_us + 10),
+            "{acts:?}"
+        );
     }
 }

@@ -34,7 +34,12 @@ pub fn header(config_json: &str) -> PolicyResult<String> {
 }
 
 /// Append the line for one handled event to `out`.
-pub fn record(out: &mut String, now_us: u64, event: &Event, result: &PolicyResult<Vec<Action>>) {
+pub fn record(
+    out: &mut String,
+    now_us: u64,
+    event: &Event,
+    result: Result<&[Action], &PolicyError>,
+) {
     let ev = serde_json::to_string(event).expect("events serialise");
     match result {
         Ok(actions) => {
@@ -144,10 +149,11 @@ pub fn replay(text: &str) -> Result<Replayed, ReplayError> {
         let line_no = i + 1;
         let line: Line =
             serde_json::from_str(text).map_err(|e| format_err(line_no, e.to_string()))?;
-        let result = runtime.handle(line.t, &line.ev);
+        let result = runtime.feed(line.t, &line.ev);
+        let result = result.map(|()| runtime.actions());
         let (expected, got) = match (&line.act, &line.error, result) {
             (Some(act), None, Ok(actions)) => {
-                let got = serde_json::to_value(&actions).expect("actions serialise");
+                let got = serde_json::to_value(actions).expect("actions serialise");
                 done.actions += actions.len() as u64;
                 if &got == act {
                     done.events += 1;
@@ -163,7 +169,7 @@ pub fn replay(text: &str) -> Result<Replayed, ReplayError> {
                 act.as_ref()
                     .map_or_else(|| format!("error {err:?}"), Value::to_string),
                 match got {
-                    Ok(a) => serde_json::to_string(&a).expect("actions serialise"),
+                    Ok(a) => serde_json::to_string(a).expect("actions serialise"),
                     Err(e) => format!("error {:?}", e.to_string()),
                 },
             ),
@@ -188,7 +194,7 @@ mod tests {
         let mut out = header(&config).unwrap();
         for (t, ev) in events {
             let result = rt.handle(*t, ev);
-            record(&mut out, *t, ev, &result);
+            record(&mut out, *t, ev, result.as_deref());
         }
         out
     }
