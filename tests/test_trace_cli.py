@@ -31,7 +31,7 @@ def _trace() -> str:
 def test_a_faithful_trace_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "t.jsonl").write_text(_trace())
     assert main(["trace", "replay", str(tmp_path / "t.jsonl")]) == 0
-    assert capsys.readouterr().out == "replayed 5 events, 8 actions: every action matches\n"
+    assert capsys.readouterr().out == "replayed 5 events, 6 actions: every action matches\n"
 
 
 def test_a_doctored_trace_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -339,7 +339,12 @@ class Runtime:
     Every method is one event that happened at `now_us` and returns the actions to carry out,
     in order. Every request announced with `arrive` ends with exactly one terminal action
     (`Reply`, `Cut` or `End`); late events for an ended request are ignored. The host keeps one
-    timer, set by `Arm`, and calls `timer` when it fires.
+    timer, set by `Arm`, and calls `timer` when it fires (early is harmless, late is not).
+
+    A request whose upstream is `done` while its client's window is full lingers: its slot and
+    KV are freed at once (`running` drops, `live` does not), and it ends with `End` at the next
+    `window_drained`, or with `Cut("client_stall")` (no `Abort`: upstream is over) when the
+    stall timer fires first. `failed` and `tokens` for it are ignored.
 
     Args:
         config: `{"policy": <Governor config>, "lifecycle": {...}}`, as

@@ -69,29 +69,81 @@ pub struct PySetHealth {
     healthy: bool,
 }
 
+/// Python's spelling of a value, for `__repr__`.
+trait PyRepr {
+    fn py_repr(&self) -> String;
+}
+
+impl PyRepr for u64 {
+    fn py_repr(&self) -> String {
+        self.to_string()
+    }
+}
+impl PyRepr for u32 {
+    fn py_repr(&self) -> String {
+        self.to_string()
+    }
+}
+impl PyRepr for u16 {
+    fn py_repr(&self) -> String {
+        self.to_string()
+    }
+}
+impl PyRepr for i64 {
+    fn py_repr(&self) -> String {
+        self.to_string()
+    }
+}
+impl PyRepr for f64 {
+    fn py_repr(&self) -> String {
+        format!("{self:?}") // always with a decimal point, as Python prints floats
+    }
+}
+impl PyRepr for bool {
+    fn py_repr(&self) -> String {
+        (if *self { "True" } else { "False" }).to_owned()
+    }
+}
+impl PyRepr for &str {
+    fn py_repr(&self) -> String {
+        format!("'{self}'")
+    }
+}
+impl PyRepr for String {
+    fn py_repr(&self) -> String {
+        self.as_str().py_repr()
+    }
+}
+impl<T: PyRepr> PyRepr for Option<T> {
+    fn py_repr(&self) -> String {
+        self.as_ref()
+            .map_or_else(|| "None".to_owned(), PyRepr::py_repr)
+    }
+}
+
 macro_rules! reprs {
-    ($($ty:ident => $fmt:literal, $($field:ident),*;)*) => {$(
+    ($($ty:ident => $name:literal: $($field:ident),*;)*) => {$(
         #[pymethods]
         impl $ty {
             fn __repr__(&self) -> String {
-                format!($fmt, $(self.$field),*)
+                let fields: Vec<String> = vec![
+                    $(format!("{}={}", stringify!($field), self.$field.py_repr())),*
+                ];
+                format!("{}({})", $name, fields.join(", "))
             }
         }
     )*};
 }
 
 reprs! {
-    PyStart => "Start(request_id={}, backend={:?}, priority={}, queue_wait_s={})",
-        request_id, backend, priority, queue_wait_s;
-    PyWait => "Wait(request_id={}, position={}, estimated_wait_s={})",
-        request_id, position, estimated_wait_s;
-    PyAbort => "Abort(request_id={})", request_id;
-    PyReply => "Reply(request_id={}, status={}, reason={:?}, retry_after_s={:?})",
-        request_id, status, reason, retry_after_s;
-    PyCut => "Cut(request_id={}, reason={:?})", request_id, reason;
-    PyEnd => "End(request_id={}, outcome={:?})", request_id, outcome;
-    PyArm => "Arm(at_us={})", at_us;
-    PySetHealth => "SetHealth(backend={:?}, healthy={})", backend, healthy;
+    PyStart => "Start": request_id, backend, priority, queue_wait_s;
+    PyWait => "Wait": request_id, position, estimated_wait_s;
+    PyAbort => "Abort": request_id;
+    PyReply => "Reply": request_id, status, reason, retry_after_s;
+    PyCut => "Cut": request_id, reason;
+    PyEnd => "End": request_id, outcome;
+    PyArm => "Arm": at_us;
+    PySetHealth => "SetHealth": backend, healthy;
 }
 
 /// The request lifecycle around the governor; see `llmflow._core.pyi`.
