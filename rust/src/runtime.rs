@@ -383,14 +383,19 @@ impl Runtime {
     /// allocator.)
     pub fn feed(&mut self, now_us: u64, event: &Event) -> PolicyResult<()> {
         self.out.clear();
-        // The per-chunk hot path: tokens after the first move no deadline and free no room.
-        if let Event::Tokens { id, n } = *event {
-            if let Some(s) = self.sessions.get(&id) {
-                if s.first_token && !s.upstream_done {
-                    self.gov.on_tokens(id, n, now_us);
-                    return Ok(());
+        // The per-chunk hot path: tokens after the first move no deadline and free no room;
+        // neither does a backend's accepting the request (recorded for traces only).
+        match *event {
+            Event::Tokens { id, n } => {
+                if let Some(s) = self.sessions.get(&id) {
+                    if s.first_token && !s.upstream_done {
+                        self.gov.on_tokens(id, n, now_us);
+                        return Ok(());
+                    }
                 }
             }
+            Event::Started { .. } => return Ok(()),
+            _ => {}
         }
         let frees_room = self.apply(now_us, event)?;
         if frees_room {
@@ -423,7 +428,7 @@ impl Runtime {
                 self.arrive(id, tenant, prompt, max_tokens, stream, now)?;
                 true
             }
-            Event::Started { .. } => false,
+            Event::Started { .. } => unreachable!("handled in `feed`"),
             Event::Tokens { id, n } => {
                 if let Some(s) = self.sessions.get_mut(&id) {
                     if n > 0 && s.started && !s.upstream_done {
