@@ -100,7 +100,10 @@ class Host:
         self.carry(self.runtime.started(request_id, now_us()))
 
     def tokens(self, request_id: int, n: int) -> None:
-        self.carry(self.runtime.tokens(request_id, n, now_us()))
+        # The per-chunk path: the runtime answers tokens with no action unless it must.
+        actions = self.runtime.tokens(request_id, n, now_us())
+        if actions or self._trace is not None:
+            self.carry(actions)
 
     def done(self, request_id: int) -> None:
         self.carry(self.runtime.done(request_id, now_us()))
