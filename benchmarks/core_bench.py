@@ -66,8 +66,8 @@ def reference_cycles(n: int) -> float:
     model = ReferenceGovernor(config())
     start = time.perf_counter()
     for rid in range(n):
-        kind, _ = model.expected("n1")
-        backend = model.placeable(1)[0] if kind == "admitted" else None
+        kind, detail = model.decide("n1", 512, 256, rid * 10)
+        backend = detail if kind == "admitted" else None
         req = model.live[rid] = Req("n1", 1, 512, backend=backend)
         for _ in range(10):
             req.generated += 1

@@ -1,8 +1,11 @@
-"""A deliberately small pure-Python reference of the governor, for property tests only.
+"""A pure-Python reference of the governor, for property tests only.
 
-It keeps the facts the Rust core must agree with — who is queued or running where, the KV
-ledger, the cap, the queue bound and the tier thresholds — without fairness order, estimates or
-deadlines. It is never used by the product.
+It restates, from the config alone, the rules the Rust core must follow: who may start where (the
+cap, halved by stale metrics and, for unprotected tiers, per breaker level; `max_share`; KV
+pressure and KV fit for unprotected tiers), what `submit` decides (tier limits, displacement,
+the TTFT SLA estimate, the breaker), the fair order inside a tier (the Virtual Token Counter),
+the KV ledger and every request's deadlines. It is never used by the product, and it dispatches
+nothing itself: the state machine applies the core's admissions to it after checking each one.
 """
 
 from __future__ import annotations
@@ -10,6 +13,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+EXPIRY_REASONS = ("queue_timeout", "first_token_timeout", "deadline")  # same-instant order
+KV_COST_TOKENS = 1024.0  # context tokens per extra unit of output cost (times kv_weight)
+MAX_SHED_LEVEL = 3  # the preemption breaker's highest level
+EWMA_ALPHA = 0.2  # weight of a new prefill-throughput sample
+
+
+def us(ms: float | None) -> int | None:
+    """A config duration in microseconds (None: off)."""
+    return None if ms is None else round(ms * 1000)
 
 
 @dataclass
@@ -19,98 +32,325 @@ class Req:
     prompt: int
     generated: int = 0
     backend: str | None = None  # None while queued
+    submitted: int = 0
+    started: int = 0  # µs it got its slot (meaningful once `backend` is set)
+    first_token: bool = False
+    prefill_ahead: int = 0  # prompt tokens in prefill on its backend when it started, its own too
+
+
+@dataclass
+class Backend:
+    cap: int
+    kv_blocks: int  # 0: capacity unknown, no fit check
+    prefill_tps: float
+    healthy: bool = True
+    seen_at: int | None = None  # µs of the last scrape
+    kv_usage: float | None = None  # what the last scrape reported
+    preemptions: int | None = None  # the last scrape's counter
+
+
+@dataclass
+class Tenant:
+    tier: int
+    weight: float
+    counter: float = 0.0  # VTC: service / weight, lifted when it becomes backlogged
+    service: float = 0.0
+    queue: list[int] = field(default_factory=list)  # queued ids, oldest first
 
 
 @dataclass
 class ReferenceGovernor:
     config: dict[str, Any]
     live: dict[int, Req] = field(default_factory=dict)
-    kv_usage: dict[str, float] = field(default_factory=dict)
-    healthy: dict[str, bool] = field(default_factory=dict)
+    shed_level: int = 0
+    breaker_until: int = 0
     draining: bool = False
 
     def __post_init__(self) -> None:
         c = self.config
-        self.tiers = {t["name"]: i for i, t in enumerate(c["tiers"])}
-        self.tenant_tier = {t["name"]: self.tiers[t["tier"]] for t in c["tenants"]}
-        self.caps = {b["name"]: b["gpus"] * c["max_concurrency_per_gpu"] for b in c["backends"]}
-        self.healthy = dict.fromkeys(self.caps, True)
+        tiers = {t["name"]: i for i, t in enumerate(c["tiers"])}
+        self.tenants = {t["name"]: Tenant(tiers[t["tier"]], t["weight"]) for t in c["tenants"]}
+        self.backends = {
+            b["name"]: Backend(
+                b["gpus"] * c["max_concurrency_per_gpu"],
+                b["kv_blocks"],
+                c["prefill_tokens_per_s"],
+            )
+            for b in c["backends"]
+        }
+        self.last_served = [0.0] * len(tiers)  # counter of the tenant a tier served last
+
+    # ---- readings --------------------------------------------------------------------------
 
     def tier(self, i: int) -> dict[str, Any]:
         return self.config["tiers"][i]  # type: ignore[no-any-return]
 
-    def running_on(self, backend: str, tier: int | None = None) -> int:
-        return sum(
-            r.backend == backend and (tier is None or r.tier == tier) for r in self.live.values()
-        )
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config["block_size"])
 
-    @property
-    def queued(self) -> int:
-        return sum(r.backend is None for r in self.live.values())
-
-    def queued_in(self, tier: int) -> int:
-        return sum(r.backend is None and r.tier == tier for r in self.live.values())
-
-    def blocks(self, req: Req) -> int:
-        return math.ceil((req.prompt + req.generated) / self.config["block_size"])
-
-    def ledger(self) -> int:
-        return sum(self.blocks(r) for r in self.live.values() if r.backend is not None)
-
-    def pressured(self, backend: str) -> bool:
-        threshold = self.config["kv_pressure_threshold"]
-        return threshold is not None and self.kv_usage.get(backend, 0.0) > threshold
-
-    def placeable(self, tier: int) -> list[str]:
-        """Backends where a request of `tier` may start now."""
-        t = self.tier(tier)
+    def running(self, backend: str | None = None, tier: int | None = None) -> list[Req]:
         return [
-            b
-            for b, cap in self.caps.items()
-            if self.healthy[b]
-            and self.running_on(b) < cap
-            and self.running_on(b, tier) < max(1, math.floor(cap * t["max_share"]))
-            and (t["protected"] or not self.pressured(b))
+            r
+            for r in self.live.values()
+            if r.backend is not None and backend in (None, r.backend) and tier in (None, r.tier)
         ]
+
+    def queued(self, max_tier: int | None = None) -> list[int]:
+        return [
+            rid
+            for rid, r in self.live.items()
+            if r.backend is None and (max_tier is None or r.tier <= max_tier)
+        ]
+
+    def ledger(self, backend: str | None = None) -> int:
+        return sum(self.blocks(r.prompt + r.generated) for r in self.running(backend))
+
+    def stale(self, name: str, now: int) -> bool:
+        limit, seen = us(self.config["stale_after_ms"]), self.backends[name].seen_at
+        return limit is not None and seen is not None and now - seen > limit
+
+    def usage(self, name: str, now: int) -> float:
+        """KV usage: the scrape while fresh; else never below the ledger's own estimate."""
+        b = self.backends[name]
+        estimate = min(self.ledger(name) / b.kv_blocks, 1.0) if b.kv_blocks else 0.0
+        if b.kv_usage is None:
+            return estimate
+        return max(b.kv_usage, estimate) if self.stale(name, now) else b.kv_usage
+
+    def pressured(self, name: str, now: int) -> bool:
+        threshold = self.config["kv_pressure_threshold"]
+        return threshold is not None and self.usage(name, now) > threshold
+
+    def limits(self, name: str, tier: int, now: int) -> tuple[int, int]:
+        """(slots the tier may see in all, slots of its own) on a backend now."""
+        t, cap = self.tier(tier), self.backends[name].cap
+        total = max(cap // 2, 1) if self.stale(name, now) else cap
+        if not t["protected"]:
+            total = max(total >> self.shed_level, 1)
+        return total, min(max(math.floor(cap * t["max_share"]), 1), total)
+
+    def fits(self, name: str, prompt: int, now: int) -> bool:
+        """Free KV blocks hold the prompt plus one block (unknown capacity or idle: yes)."""
+        b = self.backends[name]
+        if not b.kv_blocks or not self.running(name):
+            return True
+        used = max(math.ceil(self.usage(name, now) * b.kv_blocks), self.ledger(name))
+        return self.blocks(prompt) < max(b.kv_blocks - used, 0)
+
+    def placeable(self, tier: int, prompt: int = 0, now: int = 0) -> list[str]:
+        """Backends a request of `tier` may start on now, most headroom first."""
+        protected, room = self.tier(tier)["protected"], {}
+        for name, b in self.backends.items():
+            total, share = self.limits(name, tier, now)
+            running = len(self.running(name))
+            if (
+                b.healthy
+                and running < total
+                and len(self.running(name, tier)) < share
+                and (protected or not self.pressured(name, now))
+                and (protected or self.fits(name, prompt, now))
+            ):
+                room[name] = total - running
+        return sorted(room, key=lambda name: -room[name])  # ties: config order
+
+    def head(self, tier: int) -> int | None:
+        """The queued request a tier starts next: the oldest of its smallest counter's tenant."""
+        backlogged = [
+            (t.counter, i, t.queue[0])
+            for i, t in enumerate(self.tenants.values())
+            if t.tier == tier and t.queue
+        ]
+        return min(backlogged)[2] if backlogged else None
+
+    def stuck(self, now: int) -> list[tuple[int, str]]:
+        """Queued requests that could start now: each tier's head, where it has a place."""
+        out = []
+        for tier in range(len(self.config["tiers"])):
+            rid = self.head(tier)
+            where = [] if rid is None else self.placeable(tier, self.live[rid].prompt, now)
+            if where:
+                out.append((rid, where[0]))
+        return out
+
+    def priority(self, tier: int, tokens: int) -> int:
+        return tier * 1000 + int(min(self.blocks(tokens) * self.config["kv_weight"] / 8, 999))
+
+    # ---- what submit decides ---------------------------------------------------------------
 
     def victim(self, tenant: str) -> int | None:
         """The queued request `tenant` may push out when its tier's places are full."""
-        weight = {t["name"]: t["weight"] for t in self.config["tenants"]}
-        mine_tier = self.tenant_tier[tenant]
-        lower = [r.tier for r in self.live.values() if r.backend is None and r.tier > mine_tier]
-        tier = max(lower, default=mine_tier)
-        queued: dict[str, list[int]] = {}
-        for rid, r in self.live.items():
-            if r.backend is None and r.tier == tier:
-                queued.setdefault(r.tenant, []).append(rid)
-        load = {t: len(ids) / weight[t] for t, ids in queued.items() if t != tenant}
-        mine = (len(queued.get(tenant, [])) + 1) / weight[tenant] if tier == mine_tier else -1
-        names = [t["name"] for t in self.config["tenants"]]
-        heaviest = max(load, key=lambda t: (load[t], -names.index(t)), default=None)
-        if heaviest is None or load[heaviest] <= mine:
+        mine = self.tenants[tenant].tier
+        load = {n: len(t.queue) / t.weight for n, t in self.tenants.items() if t.queue}
+        lower = [self.tenants[n].tier for n in load if self.tenants[n].tier > mine]
+        tier = max(lower, default=mine)
+        names = [n for n in load if self.tenants[n].tier == tier and n != tenant]
+        if not names:
             return None
-        return max(queued[heaviest])
+        heaviest = max(names, key=lambda n: (load[n], -list(self.tenants).index(n)))
+        own = (len(self.tenants[tenant].queue) + 1) / self.tenants[tenant].weight
+        if tier == mine and load[heaviest] <= own:
+            return None
+        return self.tenants[heaviest].queue[-1]
 
-    def expected(self, tenant: str) -> tuple[str, str | None]:
-        """(kind, reason) the core must decide for a new request of `tenant` now."""
-        tier = self.tenant_tier[tenant]
-        t = self.tier(tier)
+    def late(self, tenant: str, prompt: int) -> bool:
+        """The prefill ahead of a new request (fair share of its tier) overshoots the SLA."""
+        sla = self.config["ttft_sla_ms"]
+        if sla is None:
+            return False
+        me = self.tenants[tenant]
+
+        def waiting(t: Tenant) -> int:
+            return sum(self.live[rid].prompt for rid in t.queue)
+
+        higher = sum(waiting(t) for t in self.tenants.values() if t.tier < me.tier)
+        own = waiting(me)
+        served = (own + prompt) / me.weight
+        others = sum(
+            min(waiting(t), int(served * t.weight))
+            for t in self.tenants.values()
+            if t.tier == me.tier and t is not me
+        )
+        healthy = [name for name, b in self.backends.items() if b.healthy]
+        pending = sum(r.prompt for n in healthy for r in self.running(n) if not r.first_token)
+        tps = sum(self.backends[n].prefill_tps for n in healthy)
+        return (higher + own + others + pending) / tps > sla / 1000.0
+
+    def decide(self, tenant: str, prompt: int, max_tokens: int, now: int) -> tuple[str, Any]:
+        """("admitted", backend), ("queued", victim or None) or ("rejected", reason)."""
+        tier = self.tenants[tenant].tier
+        t, c = self.tier(tier), self.config
         if self.draining:
             return "rejected", "draining"
-        healthy = [b for b, ok in self.healthy.items() if ok]
+        healthy = [name for name, b in self.backends.items() if b.healthy]
         if not healthy:
             return "rejected", "no_healthy_backend"
-        if not t["protected"] and all(self.pressured(b) for b in healthy):
+        unprotected = not t["protected"]
+        lowest = min(self.usage(name, now) for name in healthy)
+        threshold = c["kv_pressure_threshold"]
+        if unprotected and threshold is not None and lowest > threshold:
             return "rejected", "kv_pressure"
-        ahead = sum(self.queued_in(i) for i in range(tier + 1))
-        if ahead == 0 and self.placeable(tier):
-            return "admitted", None
-        max_waiting = self.config["max_waiting"]
-        if self.victim(tenant) is not None:
-            full = self.queued >= min(max_waiting, math.floor(t["shed_at"] * max_waiting))
-            return "queued", "displaces" if full else None
-        if self.queued >= max_waiting:
-            return "rejected", "queue_full"
-        if self.queued >= math.floor(t["shed_at"] * max_waiting):
-            return "rejected", "tier_shed"
-        return "queued", None
+        late = unprotected and self.late(tenant, prompt)
+        where = self.placeable(tier, prompt, now)
+        if not self.queued(tier) and where:
+            return ("rejected", "ttft_sla") if late else ("admitted", where[0])
+        queued, most = len(self.queued()), c["max_waiting"]
+        victim = None
+        if queued >= min(math.floor(t["shed_at"] * most), most):
+            victim = self.victim(tenant)
+            if victim is None:
+                return "rejected", "queue_full" if queued >= most else "tier_shed"
+        breaker_limit = math.floor(t["shed_at"] * 0.5**self.shed_level * most)
+        if unprotected and self.shed_level and queued >= breaker_limit:
+            return "rejected", "preemption_breaker"
+        return ("rejected", "ttft_sla") if late else ("queued", victim)
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def add(self, rid: int, tenant: str, prompt: int, now: int, backend: str | None) -> None:
+        """A request `submit` let in: started on `backend`, or queued (None)."""
+        t = self.tenants[tenant]
+        self.live[rid] = Req(tenant, t.tier, prompt, submitted=now)
+        if backend is not None:
+            self.start(rid, backend, now)
+            return
+        if not t.queue:  # VTC lift: idling earns no credit
+            floor = [u.counter for u in self.tenants.values() if u.tier == t.tier and u.queue]
+            t.counter = max(t.counter, min(floor, default=self.last_served[t.tier]))
+        t.queue.append(rid)
+
+    def start(self, rid: int, backend: str, now: int) -> None:
+        """Give a request (new, or a queued tier head) its slot and charge its prompt."""
+        req, t = self.live[rid], self.tenants[self.live[rid].tenant]
+        if rid in t.queue:
+            self.last_served[t.tier] = t.counter
+            t.queue.remove(rid)
+        req.backend, req.started = backend, now
+        req.prefill_ahead = sum(r.prompt for r in self.running(backend) if not r.first_token)
+        self.charge(req.tenant, self.config["input_token_weight"] * req.prompt)
+
+    def charge(self, tenant: str, cost: float) -> None:
+        t = self.tenants[tenant]
+        t.service += cost
+        t.counter += cost / t.weight
+
+    def on_first_token(self, rid: int, now: int) -> None:
+        req = self.live.get(rid)
+        if req is None or req.backend is None or req.first_token:
+            return
+        req.first_token = True
+        b, elapsed = self.backends[req.backend], now - req.started
+        if elapsed and req.prefill_ahead:
+            sample = req.prefill_ahead / (elapsed / 1e6)
+            sample = min(max(sample, b.prefill_tps / 100.0), b.prefill_tps * 100.0)
+            b.prefill_tps += EWMA_ALPHA * (sample - b.prefill_tps)
+
+    def on_tokens(self, rid: int, n: int, now: int) -> None:
+        req = self.live.get(rid)
+        if n == 0 or req is None or req.backend is None:
+            return
+        self.on_first_token(rid, now)
+        req.generated += n
+        c = self.config
+        per_token = c["output_token_weight"] + c["kv_weight"] * (req.prompt + req.generated) / (
+            KV_COST_TOKENS
+        )
+        self.charge(req.tenant, per_token * n)
+
+    def finish(self, rid: int) -> bool:
+        req = self.live.pop(rid, None)
+        if req is not None and req.backend is None:
+            self.tenants[req.tenant].queue.remove(rid)
+        return req is not None
+
+    def deadlines(self, req: Req) -> list[tuple[int, int]]:
+        """(µs, index in EXPIRY_REASONS) of each deadline a request has now."""
+        c, out = self.config, []
+        for reason, key, since, applies in (
+            (0, "queue_timeout_ms", req.submitted, req.backend is None),
+            (1, "first_token_timeout_ms", req.started, req.backend and not req.first_token),
+            (2, "request_timeout_ms", req.submitted, True),
+        ):
+            limit = us(c[key])
+            if limit is not None and applies:
+                out.append((since + limit, reason))
+        return out
+
+    def next_deadline(self) -> int | None:
+        return min((at for r in self.live.values() for at, _ in self.deadlines(r)), default=None)
+
+    def expire(self, now: int) -> list[tuple[int, str, bool, str | None]]:
+        """End each request past a deadline: (id, reason, was running, backend), due first."""
+        due = []
+        for rid, req in self.live.items():
+            passed = [d for d in self.deadlines(req) if d[0] <= now]
+            if passed:
+                at, reason = min(passed)
+                due.append((at, rid, reason, req.backend))
+        due.sort()
+        for _, rid, _, _ in due:
+            self.finish(rid)
+        return [(rid, EXPIRY_REASONS[r], b is not None, b) for _, rid, r, b in due]
+
+    def tick(self, now: int) -> None:
+        """The breaker cools down one level per elapsed cool-down."""
+        cooldown = us(self.config["preemption_cooldown_ms"])
+        while cooldown is not None and self.shed_level and now >= self.breaker_until:
+            self.shed_level -= 1
+            self.breaker_until += cooldown
+
+    def observe(
+        self, name: str, now: int, usage: float | None, preemptions: int | None, kv: int | None
+    ) -> None:
+        b = self.backends[name]
+        if kv is not None:
+            b.kv_blocks = kv
+        b.seen_at, b.kv_usage = now, usage
+        rose = False
+        if preemptions is not None:
+            rose = b.preemptions is not None and preemptions > b.preemptions
+            b.preemptions = preemptions
+        self.tick(now)
+        cooldown = us(self.config["preemption_cooldown_ms"])
+        if rose and cooldown is not None:
+            self.shed_level = min(self.shed_level + 1, MAX_SHED_LEVEL)
+            self.breaker_until = now + cooldown

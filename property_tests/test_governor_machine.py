@@ -1,16 +1,26 @@
 """Random interleavings of the request lifecycle against the reference model.
 
-Covers: running <= cap per backend; queue <= max_waiting; every decision matches the reference;
-each request ends exactly once; the KV ledger equals the sum over live requests and is zero
-when idle; VIP is never shed while normal would be let in; every rejection has a positive
-Retry-After; the same event sequence always gives the same decisions.
+Every rule is one event followed by the `dispatch` a host makes after every event. Covers, after
+every rule: work conservation (no queued request that could start is left queued: each tier's
+head, under the cap halved by stale metrics and by the breaker, `max_share`, KV pressure and KV
+fit); every admission is its tier's head in fair (VTC) order, no more important tier could start
+one, and it goes to the backend with the most room; every decision (kind, reason, backend,
+displaced request, position, priority) matches the model; `expire` ends exactly the requests
+whose deadlines the model computed from the config, with their reasons; running <= cap;
+queue <= max_waiting; the KV ledger, per-request blocks, staleness, KV usage, breaker level,
+prefill estimates and tenant service agree with the model; each request ends exactly once and
+nothing is left when idle; VIP is never refused while normal would be let in; every refusal has
+a positive Retry-After; the same events always give the same answers. Two machines: optional
+checks off (`GovernorMachine`), and every check on (`AllChecksMachine`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -25,9 +35,10 @@ from hypothesis.stateful import (
 
 from llmflow import Admitted, Governor, Queued, Rejected
 from property_tests import strategies as s
-from property_tests.models import ReferenceGovernor, Req
+from property_tests.models import ReferenceGovernor, us
 
 OUTCOMES = ("completed", "error", "cancelled")
+STATES = {(False, False): "queued", (True, False): "prefill", (True, True): "streaming"}
 
 
 class GovernorMachine(RuleBasedStateMachine):
@@ -41,16 +52,22 @@ class GovernorMachine(RuleBasedStateMachine):
         self.next_id = 1
         self.log: list[tuple[str, tuple[Any, ...], Any]] = []
 
-    @initialize(config=s.configs)
+    @initialize(config=s.permissive_configs)
     def build(self, config: dict[str, Any]) -> None:
+        self.setup(config)
+
+    def setup(self, config: dict[str, Any]) -> None:
         self.config = config
         self.core = Governor(config)
         self.model = ReferenceGovernor(config)
+        self.learns_kv = any(b["kv_blocks"] for b in config["backends"])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         result = getattr(self.core, method)(*args, **kwargs)
         self.log.append((method, (*args, tuple(sorted(kwargs.items()))), _plain(result)))
         return result
+
+    # ---- rules -------------------------------------------------------------------------------
 
     @rule(
         target=ids,
@@ -61,131 +78,271 @@ class GovernorMachine(RuleBasedStateMachine):
     )
     def submit(self, tenant: str, prompt: int, max_tokens: int, dt: int) -> int:
         self.now += dt
-        self.expire_both()
-        expected = self.model.expected(tenant)
-        placeable = self.model.placeable(self.model.tenant_tier[tenant])
-        if tenant == "v1" and expected[0] == "rejected":
-            self.check_vip_not_shed_before_normal()
-        rid = self.next_id
-        self.next_id += 1
-        victim = self.model.victim(tenant) if expected[1] == "displaces" else None
-        decision = self.call("submit", rid, tenant, prompt, max_tokens, self.now)
-        # submit dispatches the request it queues: one that can start comes back admitted,
-        # and the others it starts come out of the next dispatch.
-        handed = self.call("dispatch", self.now) if not isinstance(decision, Rejected) else []
-        tier = self.model.tenant_tier[tenant]
-        match decision:
-            case Rejected(reason=reason, retry_after_s=retry):
-                assert ("rejected", reason) == expected, (decision, expected)
-                assert retry > 0
-            case Queued(displaced=displaced, displaced_retry_after_s=retry):
-                assert expected[0] == "queued", (decision, expected)
-                if displaced is None:
-                    # Nobody is pushed out when the dispatch made room.
-                    assert victim is None or handed, (decision, victim)
-                else:
-                    assert displaced == victim, (decision, victim)
-                    assert retry is not None
-                    assert retry > 0
-                    del self.model.live[victim]
-                self.model.live[rid] = Req(tenant, tier, prompt)
-            case Admitted(backend=backend):
-                assert expected[0] in ("admitted", "queued"), (decision, expected)
-                assert backend in placeable
-                self.model.live[rid] = Req(tenant, tier, prompt, backend=backend)
-        self.take(handed)
-        return rid
+        self.expire()
+        return self.submit_now(tenant, prompt, max_tokens)
 
     @rule(target=ids, tenant=s.tenants, count=st.integers(2, 8), prompt=s.prompt_tokens)
     def burst(self, tenant: str, count: int, prompt: int) -> Any:
         """Many requests of one tenant at once: fills queues and provokes displacement."""
-        return multiple(*(self.submit(tenant, prompt, 64, 0) for _ in range(count)))
+        return multiple(*(self.submit_now(tenant, prompt, 64) for _ in range(count)))
 
-    def check_vip_not_shed_before_normal(self) -> None:
-        for normal in ("n1", "n2"):
-            probe = copy.copy(self.core).submit(10**9, normal, 1, 1, self.now)
+    def submit_now(self, tenant: str, prompt: int, max_tokens: int) -> int:
+        m = self.model
+        m.tick(self.now)
+        kind, detail = m.decide(tenant, prompt, max_tokens, self.now)
+        rid = self.next_id
+        self.next_id += 1
+        before = copy.copy(self.core) if tenant in s.VIPS else None
+        decision = self.call("submit", rid, tenant, prompt, max_tokens, self.now)
+        # submit dispatches the request it queues (it comes back admitted when it can start);
+        # the other requests that dispatch started come out of the next `dispatch`, which a
+        # host calls after every event (a refusal too: an expiry may have freed a slot).
+        handed = self.call("dispatch", self.now)
+        tier = m.tenants[tenant].tier
+        match decision:
+            case Rejected(reason=reason, retry_after_s=retry):
+                assert ("rejected", reason) == (kind, detail), (decision, kind, detail)
+                assert retry > 0
+                if before is not None:
+                    self.check_vip_not_shed_before_normal(before)
+                self.follow(handed)
+            case Admitted(backend=backend, priority=priority):
+                assert kind in ("admitted", "queued"), (decision, kind, detail)
+                assert priority == m.priority(tier, prompt + max_tokens)
+                if kind == "admitted":
+                    assert backend == detail, (decision, detail)
+                    m.add(rid, tenant, prompt, self.now, backend)
+                    self.follow(handed)
+                else:
+                    m.add(rid, tenant, prompt, self.now, None)
+                    self.follow(handed, own=(rid, backend))
+            case Queued(displaced=displaced, displaced_retry_after_s=retry, position=position):
+                assert kind == "queued", (decision, kind, detail)
+                assert decision.priority == m.priority(tier, prompt + max_tokens)
+                m.add(rid, tenant, prompt, self.now, None)
+                self.follow(handed)
+                # Nobody is pushed out when the dispatch made room.
+                victim = None if handed else detail
+                assert displaced == victim, (decision, detail, handed)
+                if victim is not None:
+                    assert retry is not None
+                    assert retry > 0
+                    m.finish(victim)
+                assert position == len(m.queued(tier)) - 1, (decision, m.queued(tier))
+        return rid
+
+    @precondition(lambda self: self.fit_blocked())
+    @rule(index=st.integers(0, 10**6))
+    def squeeze(self, index: int) -> None:
+        """A small request of a tier below one whose head waits for KV room: it may start."""
+        tier = min(self.fit_blocked())
+        names = [n for n, t in self.model.tenants.items() if t.tier > tier]
+        self.submit_now(names[index % len(names)], 0, 1)
+
+    def fit_blocked(self) -> list[int]:
+        """Tiers above the last whose head could start but for the KV fit of its prompt."""
+        m, tiers = self.model, self.config["tiers"]
+        return [
+            tier
+            for tier in range(len(tiers) - 1)
+            if m.head(tier) is not None
+            and not tiers[tier]["protected"]
+            and m.placeable(tier, 0, self.now)
+        ]
+
+    def check_vip_not_shed_before_normal(self, before: Governor) -> None:
+        for normal in s.NORMALS:
+            probe = copy.copy(before).submit(10**9, normal, 1, 1, self.now)
             assert isinstance(probe, Rejected), f"VIP refused while {normal} gets in: {probe}"
 
     @rule()
     def dispatch(self) -> None:
-        self.take(self.call("dispatch", self.now))
+        self.settle()
 
-    def take(self, admissions: list[Any]) -> None:
-        """Check admissions against the model (in tier order, as the core makes them)."""
-        for admission in sorted(admissions, key=lambda a: self.model.live[a.request_id].tier):
-            req = self.model.live[admission.request_id]
-            assert req.backend is None, "dispatched a request that was not queued"
-            assert admission.backend in self.model.placeable(req.tier)
-            higher = [t for t in range(req.tier) if self.model.queued_in(t)]
-            assert not any(self.model.placeable(t) for t in higher), "skipped a higher tier"
-            req.backend = admission.backend
+    def pick(self, index: int, running: bool = False) -> int | None:
+        """A live request (a running one if `running`), by index, so events find live work."""
+        live = sorted(r for r, req in self.model.live.items() if req.backend or not running)
+        return live[index % len(live)] if live else None
 
-    @rule(rid=ids, n=st.integers(0, 40), dt=s.time_steps_us)
-    def tokens(self, rid: int, n: int, dt: int) -> None:
+    @rule(index=st.integers(0, 10**6), n=st.integers(0, 40), dt=s.time_steps_us)
+    def tokens(self, index: int, n: int, dt: int) -> None:
+        self.feed(self.pick(index), n, dt)
+
+    @rule(rid=ids, n=st.integers(1, 40))
+    def stray_tokens(self, rid: int, n: int) -> None:
+        """Tokens for any id ever submitted: refused and ended ones must ignore them."""
+        self.feed(rid, n, 0)
+
+    def feed(self, rid: int | None, n: int, dt: int) -> None:
         self.now += dt // 10
-        self.call("on_tokens", rid, n, self.now)
-        req = self.model.live.get(rid)
-        if req is not None and req.backend is not None:
-            req.generated += n
+        if rid is not None:
+            self.call("on_tokens", rid, n, self.now)
+            self.model.on_tokens(rid, n, self.now)
+        self.settle()
 
-    @rule(rid=ids)
-    def first_token(self, rid: int) -> None:
-        self.call("on_first_token", rid, self.now)
+    @rule(index=st.integers(0, 10**6), dt=s.time_steps_us)
+    def first_token(self, index: int, dt: int) -> None:
+        self.now += dt // 10
+        rid = self.pick(index)
+        if rid is not None:
+            self.call("on_first_token", rid, self.now)
+            self.model.on_first_token(rid, self.now)
+        self.settle()
 
     @rule(rid=consumes(ids), outcome=st.sampled_from(OUTCOMES))
     def finish(self, rid: int, outcome: str) -> None:
-        was_live = rid in self.model.live
-        assert self.call("finish", rid, outcome, self.now) == was_live
-        self.model.live.pop(rid, None)
+        self.end(rid, outcome)
+
+    @rule(index=st.integers(0, 10**6), outcome=st.sampled_from(OUTCOMES))
+    def complete(self, index: int, outcome: str) -> None:
+        """A running request ends (bundled ids are mostly refused or ended already)."""
+        rid = self.pick(index, running=True)
+        if rid is not None:
+            self.end(rid, outcome)
+
+    def end(self, rid: int, outcome: str) -> None:
+        assert self.call("finish", rid, outcome, self.now) == self.model.finish(rid)
         assert self.call("finish", rid, outcome, self.now) is False, "ended twice"
+        self.settle()
 
     @rule(dt=s.time_steps_us)
     def advance(self, dt: int) -> None:
         self.now += dt * 4
-        self.expire_both()
+        self.expire()
+        self.settle()
 
-    def expire_both(self) -> None:
-        for expired in self.call("expire", self.now):
-            req = self.model.live.pop(expired.request_id)
-            assert expired.was_running == (req.backend is not None)
+    @rule(index=st.integers(0, 10**6), offset=st.sampled_from((0, -1, 1)))
+    def to_the_edge(self, index: int, offset: int) -> None:
+        """Move time to just before, at or just after the model's next deadline, the breaker's
+        next cool-down or a backend going stale, where an off-by-one would show."""
+        m = self.model
+        stale = us(self.config["stale_after_ms"])
+        edges = [m.next_deadline(), m.breaker_until if m.shed_level else None]
+        edges += [b.seen_at + stale for b in m.backends.values() if b.seen_at and stale]
+        edges = sorted(t + offset for t in edges if t is not None and t + offset >= self.now)
+        if edges:
+            self.now = edges[index % len(edges)]
+            self.expire()
+            self.settle()
 
-    @rule(backend=st.integers(0, 1), usage=st.floats(0, 1), preemptions=st.integers(0, 3))
-    def observe(self, backend: int, usage: float, preemptions: int) -> None:
+    @rule(
+        backend=st.integers(0, 1),
+        usage=st.none() | st.floats(0, 0.5) | st.floats(0, 1),
+        preemptions=st.none() | st.integers(0, 4),
+        kv_blocks=st.none() | st.integers(24, 160),
+    )
+    def observe(
+        self, backend: int, usage: float | None, preemptions: int | None, kv_blocks: int | None
+    ) -> None:
         name = f"b{backend}"
-        if name in self.model.caps:
-            self.call(
-                "observe_backend", name, self.now, kv_usage=usage, preemptions_total=preemptions
-            )
-            self.model.kv_usage[name] = usage
+        if name not in self.model.backends:
+            return
+        kv_blocks = kv_blocks if self.learns_kv else None
+        self.call(
+            "observe_backend",
+            name,
+            self.now,
+            kv_usage=usage,
+            preemptions_total=preemptions,
+            kv_blocks=kv_blocks,
+        )
+        self.model.observe(name, self.now, usage, preemptions, kv_blocks)
+        self.settle()
 
-    @rule(backend=st.integers(0, 1), healthy=st.booleans())
+    @rule(backend=st.integers(0, 1), healthy=st.sampled_from((True, True, False)))
     def health(self, backend: int, healthy: bool) -> None:
         name = f"b{backend}"
-        if name in self.model.caps:
+        if name in self.model.backends:
             self.call("set_backend_health", name, healthy)
-            self.model.healthy[name] = healthy
+            self.model.backends[name].healthy = healthy
+            self.settle()
 
-    @precondition(lambda self: self.now > 0)
+    @precondition(lambda self: len(self.log) > 200)
     @rule()
     def drain(self) -> None:
+        """Start draining, late in a run: nothing is let in afterwards."""
         self.call("start_draining")
         self.model.draining = True
+        self.settle()
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def expire(self) -> None:
+        expired = self.call("expire", self.now)
+        got = [(e.request_id, e.reason, e.was_running, e.backend) for e in expired]
+        assert got == self.model.expire(self.now), "expiries differ from the model's deadlines"
+        assert all(e.retry_after_s > 0 for e in expired)
+
+    def settle(self) -> None:
+        """The dispatch a host makes after every event."""
+        self.model.tick(self.now)
+        self.follow(self.call("dispatch", self.now))
+
+    def follow(self, admissions: list[Any], own: tuple[int, str] | None = None) -> None:
+        """Check the core's admissions one by one, in the order it made them, and apply them.
+
+        `own` is the request `submit` started from the queue: it went when it was its tier's
+        head, between the others `submit`'s dispatch started (returned by `dispatch`).
+        """
+        rest = [(a.request_id, a.backend) for a in admissions]
+        while rest or own:
+            if own is not None:
+                tier = self.model.live[own[0]].tier
+                first = self.model.live[rest[0][0]].tier if rest else math.inf
+                if first > tier or (first == tier and self.model.head(tier) == own[0]):
+                    rest.insert(0, own)
+                    own = None
+            self.place(*rest.pop(0))
+
+    def place(self, rid: int, backend: str) -> None:
+        m = self.model
+        req = m.live.get(rid)
+        assert req is not None, f"admitted {rid}, which is not live"
+        assert req.backend is None, f"admitted {rid}, which was not queued"
+        skipped = [(r, b) for r, b in m.stuck(self.now) if m.live[r].tier < req.tier]
+        assert not skipped, f"admitted {rid} while a more important tier could start {skipped}"
+        head = m.head(req.tier)
+        assert head == rid, f"admitted {rid} out of fair order (the head is {head})"
+        where = m.placeable(req.tier, req.prompt, self.now)
+        assert where, f"admitted {rid} on {backend}, where no rule lets it start"
+        assert backend == where[0], f"admitted {rid} on {backend}, not on the roomiest {where}"
+        m.start(rid, backend, self.now)
+
+    @invariant()
+    def work_conserving(self) -> None:
+        if hasattr(self, "core"):
+            stuck = self.model.stuck(self.now)
+            assert not stuck, f"left queued though each could start (id, backend): {stuck}"
 
     @invariant()
     def agrees_with_model(self) -> None:
         if not hasattr(self, "core"):
             return
-        snap = self.core.snapshot(self.now)
+        m, snap = self.model, self.core.snapshot(self.now)
+        assert snap["shed_level"] == m.shed_level
         for b in snap["backends"]:
+            name = b["name"]
             assert b["running"] <= b["cap"]
-            assert b["running"] == self.model.running_on(b["name"])
-        assert snap["queued"] == self.model.queued <= self.config["max_waiting"]
-        assert self.core.live == len(self.model.live)
-        assert self.core.kv_blocks_in_use == self.model.ledger()
+            assert b["running"] == len(m.running(name))
+            assert b["kv_blocks_reserved"] == m.ledger(name)
+            assert b["kv_capacity_blocks"] == m.backends[name].kv_blocks
+            assert b["stale"] == m.stale(name, self.now)
+            assert b["kv_usage"] == m.usage(name, self.now)
+            assert math.isclose(b["prefill_tokens_per_s"], m.backends[name].prefill_tps)
+        assert snap["queued"] == len(m.queued()) <= self.config["max_waiting"]
+        assert self.core.live == len(m.live)
+        assert self.core.kv_blocks_in_use == m.ledger()
+        assert self.core.next_deadline_us() == m.next_deadline()
         for r in snap["requests"]:
-            req = self.model.live[r["id"]]
-            assert r["kv_blocks"] == (self.model.blocks(req) if req.backend else 0)
-        if not self.model.live:
+            req = m.live[r["id"]]
+            assert r["state"] == STATES[req.backend is not None, req.first_token]
+            assert (r["backend"], r["generated_tokens"]) == (req.backend, req.generated)
+            assert r["kv_blocks"] == (m.blocks(req.prompt + req.generated) if req.backend else 0)
+        for t in snap["tenants"]:
+            tenant = m.tenants[t["name"]]
+            assert t["queued"] == len(tenant.queue)
+            assert math.isclose(t["service"], tenant.service, rel_tol=1e-9, abs_tol=1e-9)
+        if not m.live:
             assert (self.core.kv_blocks_in_use, self.core.running, self.core.queued) == (0, 0, 0)
 
     def teardown(self) -> None:
@@ -195,6 +352,14 @@ class GovernorMachine(RuleBasedStateMachine):
         for method, args, result in self.log:
             *positional, kwargs = args
             assert _plain(getattr(replay, method)(*positional, **dict(kwargs))) == result
+
+
+class AllChecksMachine(GovernorMachine):
+    """The same, with the TTFT SLA, the breaker, stale metrics, KV pressure and KV fit all on."""
+
+    @initialize(config=s.strict_configs)
+    def build(self, config: dict[str, Any]) -> None:
+        self.setup(config)
 
 
 def _plain(value: Any) -> Any:
@@ -208,3 +373,7 @@ def _plain(value: Any) -> Any:
 
 
 TestGovernorMachine = GovernorMachine.TestCase
+TestAllChecksMachine = AllChecksMachine.TestCase
+# Caps, queues, KV, deadlines and the breaker each need a few dozen steps to bind.
+TestGovernorMachine.settings = settings(TestGovernorMachine.settings, stateful_step_count=100)
+TestAllChecksMachine.settings = settings(TestAllChecksMachine.settings, stateful_step_count=100)
