@@ -23,7 +23,14 @@ if TYPE_CHECKING:
     from pathlib import Path
     from types import TracebackType
 
-__all__ = ["GatewayProcess", "SimServeProcess", "free_port", "own_process_group", "tail"]
+__all__ = [
+    "GatewayProcess",
+    "SimServeProcess",
+    "free_port",
+    "own_process_group",
+    "tail",
+    "wait_ready",
+]
 
 
 def free_port() -> int:
@@ -45,6 +52,24 @@ def tail(path: Path, lines: int = 60) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"<could not read {path}: {exc}>"
+
+
+def wait_ready(
+    process: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s: float, what: str
+) -> None:
+    """Poll `url` until it answers 200; raise with the log's tail if the process exits first
+    or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {process.returncode}:\n{tail(log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{tail(log_path)}")
+            time.sleep(0.05)
 
 
 class GatewayProcess:
@@ -118,19 +143,9 @@ class GatewayProcess:
 
     def _wait_ready(self) -> None:
         assert self.process is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(
-                        f"gateway exited with {self.process.returncode}:\n{tail(self.log_path)}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/readyz").status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"gateway not ready:\n{tail(self.log_path)}")
-                time.sleep(0.1)
+        wait_ready(
+            self.process, f"{self.url}/readyz", self.log_path, self.startup_timeout_s, "gateway"
+        )
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM (graceful drain), then SIGKILL the group after `timeout_s`; the exit code."""
@@ -156,7 +171,7 @@ class GatewayProcess:
         body: dict[str, Any] = response.json()
         return body
 
-    def logtail(self, lines: int = 60) -> str:
+    def log_tail(self, lines: int = 60) -> str:
         """The last lines of the gateway's log."""
         return tail(self.log_path, lines)
 
@@ -212,16 +227,12 @@ class SimServeProcess:
                 stdin=subprocess.DEVNULL,
                 **own_process_group(),
             )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"simserve exited:\n{tail(self.log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"simserve not ready:\n{tail(self.log_path)}")
-            time.sleep(0.05)
+        try:
+            wait_ready(self.process, f"{self.url}/health", self.log_path, timeout_s, "simserve")
+        except BaseException:
+            self.kill()
+            raise
+        return self
 
     def kill(self) -> None:
         """Stop it at once (SIGKILL): the backend dies mid-stream."""

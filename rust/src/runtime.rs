@@ -142,23 +142,6 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Self; 14] = [
-        Self::QueueFull,
-        Self::TierShed,
-        Self::KvPressure,
-        Self::TtftSla,
-        Self::PreemptionBreaker,
-        Self::Draining,
-        Self::NoHealthyBackend,
-        Self::Displaced,
-        Self::QueueTimeout,
-        Self::FirstTokenTimeout,
-        Self::Deadline,
-        Self::ClientStall,
-        Self::Shutdown,
-        Self::UpstreamError,
-    ];
-
     pub fn as_str(self) -> &'static str {
         match self {
             Self::QueueFull => "queue_full",

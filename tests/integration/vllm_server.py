@@ -249,7 +249,7 @@ class VllmServer:
         self.process = None
         return code
 
-    def logtail(self, lines: int = 60) -> str:
+    def log_tail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the server log."""
         return tail(self.log_path, lines)
 

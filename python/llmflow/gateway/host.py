@@ -92,9 +92,12 @@ class Host:
     ) -> None:
         """A request arrived; its party hears `on_start` or `on_reply` (maybe at once)."""
         self.parties[request_id] = party
-        self.carry(
-            self.runtime.arrive(request_id, tenant, prompt, max_tokens, stream, now_us())
-        )
+        try:
+            actions = self.runtime.arrive(request_id, tenant, prompt, max_tokens, stream, now_us())
+        except BaseException:
+            del self.parties[request_id]  # the runtime never took it: nothing to end
+            raise
+        self.carry(actions)
 
     def started(self, request_id: int) -> None:
         self.carry(self.runtime.started(request_id, now_us()))
