@@ -362,6 +362,8 @@ class Runtime:
         """The backend accepted the request (its response headers came back)."""
     def tokens(self, request_id: int, n: int, now_us: int) -> list[Action]:
         """`n` more tokens were generated; the first ones are the first token."""
+    def tokens_many(self, counts: list[tuple[int, int]], now_us: int) -> list[Action]:
+        """`tokens` for each (request_id, n), in order: the relay's periodic batch."""
     def done(self, request_id: int, now_us: int) -> list[Action]:
         """Upstream finished the request."""
     def failed(
@@ -426,3 +428,58 @@ def replay_trace(text: str) -> tuple[int, int]:
         TraceMismatchError: the runtime answered differently (the message names the line).
         InvalidArgumentError: the text is not a trace.
     """
+
+RelayEvent = tuple[Any, ...]
+"""One relay event: `("started", id)`, `("first_token", id, n, template_json | None)`,
+`("tokens", [(id, n), ...])`, `("done", id)`,
+`("failed", id, status, code, message, backend_down)`, `("window_full", id)`,
+`("window_drained", id)`, `("client_gone", id)`, `("closed", id, socket_fd | None,
+upstream_complete)`."""
+
+class Relay:
+    """Relays streamed completions from vLLM to clients on threads of its own (tokio).
+
+    I/O only: it de-frames SSE, cuts usage, counts tokens and writes to the client's socket;
+    every decision stays with the `Runtime`, which the host feeds the relay's events.
+
+    Args:
+        notify_fd: the write end of the host's wake-up pipe (the relay owns it from now on);
+            a byte arrives when events are waiting.
+        threads: relay threads (`llmflow serve --workers`).
+        client_window: unwritten chunks a client may owe before its window is full.
+        pause_when_full: stop reading upstream while full (else merge overflow).
+        flush_interval_ms: coalescing interval; 0 writes each chunk at once.
+        token_flush_ms: how often batched token counts are reported.
+        connect_timeout_ms: giving up on connecting to a backend (it is then down).
+    """
+
+    def __init__(
+        self,
+        notify_fd: int,
+        *,
+        threads: int = 1,
+        client_window: int = 8,
+        pause_when_full: bool = True,
+        flush_interval_ms: float = 0.0,
+        token_flush_ms: float = 20.0,
+        connect_timeout_ms: float = 5000.0,
+    ) -> None: ...
+    def open(
+        self, request_id: int, url: str, body: bytes, x_request_id: str, include_usage: bool
+    ) -> None:
+        """Send a streamed completion to `url` and relay it; the client attaches later."""
+    def attach(self, request_id: int, fd: int, head: bytes, keep_alive: bool) -> bool:
+        """Hand the stream the client's socket (owned by the relay from now on)."""
+    def cut(self, request_id: int, frame: bytes | None, only_if_open: bool = False) -> bool:
+        """End the reply with `frame` and `[DONE]`, or close the connection now (`None`)."""
+    def abort(self, request_id: int) -> bool:
+        """Close the upstream request (vLLM aborts it)."""
+    def close(self, request_id: int) -> bool:
+        """Drop the stream now, upstream and client."""
+    @property
+    def live(self) -> int:
+        """Streams still running."""
+    def events(self) -> list[RelayEvent]:
+        """Every event since the last call, oldest first."""
+    def inter_chunk(self) -> tuple[list[float], list[int], float]:
+        """Gaps between writes to clients: bucket bounds (s), per-bucket counts (+Inf last), sum."""

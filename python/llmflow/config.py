@@ -126,6 +126,10 @@ class Server(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     drain_timeout_ms: DurationMs = 30_000.0  # shutdown: how long live requests may finish
     bytes_per_token: float = Field(4.0, gt=0)  # prompt-length estimate for text (no tokenizer)
+    # Streams relayed by the Rust relay (socket hand-off after the first token); off streams
+    # every reply through Python, as any ASGI server without the hand-off does.
+    relay: bool = True
+    workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
 
 
 _DEFAULT_TIERS = (

@@ -10,6 +10,8 @@ pub mod error;
 pub mod fair_queue;
 pub mod governor;
 pub mod kv;
+#[cfg(feature = "relay")]
+pub mod relay;
 pub mod runtime;
 pub mod snapshot;
 pub mod trace;
@@ -19,6 +21,8 @@ pub mod types;
 mod py;
 #[cfg(feature = "python")]
 mod py_runtime;
+#[cfg(all(feature = "python", feature = "relay"))]
+mod py_relay;
 
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};
@@ -40,6 +44,10 @@ pub mod _core {
         replay_trace, PyAbort, PyArm, PyCut, PyEnd, PyReply, PyRuntime, PySetHealth, PyStart,
         PyWait,
     };
+
+    #[cfg(feature = "relay")]
+    #[pymodule_export]
+    use crate::py_relay::PyRelay;
 
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {

@@ -155,6 +155,19 @@ pub struct PyRuntime {
 
 impl PyRuntime {
     fn feed(&mut self, py: Python<'_>, now_us: u64, event: &Event) -> PyResult<Py<PyAny>> {
+        let list = pyo3::types::PyList::empty(py);
+        self.feed_into(py, now_us, event, &list)?;
+        Ok(list.into_any().unbind())
+    }
+
+    /// Feed one event and append its actions to `list`.
+    fn feed_into(
+        &mut self,
+        py: Python<'_>,
+        now_us: u64,
+        event: &Event,
+        list: &Bound<'_, pyo3::types::PyList>,
+    ) -> PyResult<()> {
         let result = self.inner.feed(now_us, event);
         if let Some(buf) = self.trace.as_mut() {
             let actions = self.inner.actions();
@@ -162,7 +175,6 @@ impl PyRuntime {
         }
         result?;
         let gov = self.inner.governor();
-        let list = pyo3::types::PyList::empty(py);
         for action in self.inner.actions().iter().cloned() {
             let obj: Py<PyAny> = match action {
                 Action::Start {
@@ -237,7 +249,7 @@ impl PyRuntime {
             };
             list.append(obj)?;
         }
-        Ok(list.into_any().unbind())
+        Ok(())
     }
 
     fn backend(&self, name: &str) -> PyResult<u32> {
@@ -301,6 +313,20 @@ impl PyRuntime {
     ) -> PyResult<Py<PyAny>> {
         let n = non_negative("n", n)?;
         self.feed(py, now_us, &Event::Tokens { id: request_id, n })
+    }
+
+    /// `tokens` for many requests at once (the relay's periodic batch); one list of actions.
+    fn tokens_many(
+        &mut self,
+        py: Python<'_>,
+        counts: Vec<(u64, u64)>,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        let list = pyo3::types::PyList::empty(py);
+        for (id, n) in counts {
+            self.feed_into(py, now_us, &Event::Tokens { id, n }, &list)?;
+        }
+        Ok(list.into_any().unbind())
     }
 
     fn done(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {

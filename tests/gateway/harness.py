@@ -21,6 +21,7 @@ import uvicorn
 from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
+from llmflow.gateway.handoff import HandoffProtocol
 
 from .fake_vllm import FakeVllm
 
@@ -37,6 +38,7 @@ async def serve_asgi(app: Any, **config: Any) -> AsyncIterator[tuple[str, QuietS
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    config.setdefault("http", HandoffProtocol)  # as `llmflow serve` runs it
     cfg = uvicorn.Config(app, log_level="critical", lifespan="on", access_log=False, **config)
     server = QuietServer(cfg)
     task = asyncio.create_task(server.serve(sockets=[sock]))

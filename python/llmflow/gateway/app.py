@@ -25,6 +25,7 @@ from llmflow.gateway.errors import install_handlers
 from llmflow.gateway.host import Host, now_us
 from llmflow.gateway.metrics import GatewayMetrics
 from llmflow.gateway.middleware import BodyLimit
+from llmflow.gateway.relay import RelayHost
 from llmflow.gateway.routes import dashboard, openai, ops, websocket
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
@@ -69,6 +70,7 @@ class Gateway:
                 models[model] = min(models.get(model, backend.max_model_len), backend.max_model_len)
         self.models = models
         self.scraper: Scraper | None = None
+        self.relay = RelayHost(self.host, settings) if settings.server.relay else None
         self.ctx: SessionContext | None = None
         self.service: CompletionService | None = None
 
@@ -97,8 +99,12 @@ class Gateway:
             },
             client_window=s.backpressure.client_window,
             pause_when_full=s.backpressure.pause_when_full,
+            relay=self.relay,
             tasks=self.tasks,
         )
+        if self.relay is not None:
+            self.relay.start()
+            self.metrics.relay = self.relay.relay
         self.service = CompletionService(
             self.ctx, self.models, s.server.bytes_per_token, s.streaming.enabled
         )
@@ -123,6 +129,8 @@ class Gateway:
             return
         if not self.draining:
             self.draining = True
+            if self.relay is not None:
+                self.relay.draining = True  # connections close after their reply
             log.info("draining: %d live request(s)", len(self.ctx.sessions))
             self.host.drain()
         bound = time.monotonic() + self.settings.server.drain_timeout_ms / 1e3 + _CUT_GRACE_S
@@ -139,6 +147,8 @@ class Gateway:
         if self.tasks:
             await asyncio.wait(list(self.tasks))
         self.host.close()
+        if self.relay is not None:
+            self.relay.close()
         await self.upstream.aclose()
         for embedded in self.embedded:
             await embedded.stop()

@@ -15,6 +15,7 @@ import uvicorn
 
 from llmflow.config import ConfigFileError, load_settings
 from llmflow.gateway.app import create_app
+from llmflow.gateway.handoff import HandoffProtocol
 
 if TYPE_CHECKING:
     import argparse
@@ -90,6 +91,13 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="threads that relay streamed replies (default: server.workers, 1); admission, "
+        "the queue and the KV ledger stay one, shared by all of them",
+    )
+    p.add_argument(
         "--trace",
         type=Path,
         metavar="FILE",
@@ -106,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    settings = _override(settings, args.host, args.port)
+    settings = _override(settings, args.host, args.port, args.workers)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
     trace = args.trace.open("w", encoding="utf-8") if args.trace else None
@@ -117,6 +125,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         lifespan="on",
         access_log=False,
+        http=HandoffProtocol,  # streamed replies leave Python for the relay after the head
         timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_ms / 1e3)
         + _FORCE_AFTER_DRAIN_S,
     )
@@ -133,8 +142,11 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _override(settings: Settings, host: str | None, port: int | None) -> Settings:
-    update = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+def _override(
+    settings: Settings, host: str | None, port: int | None, workers: int | None = None
+) -> Settings:
+    pairs = (("host", host), ("port", port), ("workers", workers))
+    update = {k: v for k, v in pairs if v is not None}
     if not update:
         return settings
     server = settings.server.model_copy(update=update)

@@ -108,6 +108,12 @@ class Host:
         if actions or self._trace is not None:
             self.carry(actions)
 
+    def tokens_many(self, counts: list[tuple[int, int]]) -> None:
+        """Token counts of many requests at once (the relay's periodic batch)."""
+        actions = self.runtime.tokens_many(counts, now_us())
+        if actions or self._trace is not None:
+            self.carry(actions)
+
     def done(self, request_id: int) -> None:
         self.carry(self.runtime.done(request_id, now_us()))
 

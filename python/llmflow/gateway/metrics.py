@@ -7,18 +7,20 @@ from the core and the scraper when `/metrics` is scraped, so the hot path never 
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
     from prometheus_client.metrics_core import Metric
 
+    from llmflow._core import Relay
     from llmflow.gateway.host import Host
     from llmflow.gateway.scraper import Scraper
     from llmflow.gateway.session import StreamSession
@@ -51,6 +53,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.host = host
         self.scraper: Scraper | None = None
+        self.relay: Relay | None = None  # relayed streams' write gaps live in the relay
         self.draining: Callable[[], bool] = lambda: False
         self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
         r = self.registry
@@ -74,12 +77,7 @@ class GatewayMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
-        self.inter_chunk = Histogram(
-            "llmflow_inter_chunk_seconds",
-            "Gap between writes to a streaming client",
-            buckets=_CHUNK_BUCKETS,
-            registry=r,
-        )
+        self.inter_chunk = GapTally()  # Python-written streams; the relay counts its own
         self.tokens = Counter(
             "llmflow_tokens_streamed", "Generated tokens relayed to clients", ["tier"], registry=r
         )
@@ -156,6 +154,43 @@ class _StateCollector:
         )
         if self.m.scraper is not None:
             yield from _backend_gauges(self.m.scraper)
+        yield _gaps(self.m.inter_chunk, self.m.relay)
+
+
+class GapTally:
+    """Gaps between writes to streaming clients, in `llmflow_inter_chunk_seconds`' buckets.
+
+    A plain tally rather than a `Histogram`, so that `/metrics` can add the relay's counts
+    (the same buckets, kept in Rust) and show one histogram for every stream.
+    """
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_CHUNK_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, gap_s: float) -> None:
+        """Count one gap."""
+        self.counts[bisect.bisect_left(_CHUNK_BUCKETS, gap_s)] += 1
+        self.sum += gap_s
+
+
+def _gaps(tally: GapTally, relay: Relay | None) -> Metric:
+    counts, total = list(tally.counts), tally.sum
+    if relay is not None:
+        bounds, relayed, relayed_sum = relay.inter_chunk()
+        assert tuple(bounds) == _CHUNK_BUCKETS, "the relay's buckets must match"
+        counts = [a + b for a, b in zip(counts, relayed)]
+        total += relayed_sum
+    cumulative, running = [], 0
+    for bound, count in zip([*map(str, _CHUNK_BUCKETS), "+Inf"], counts):
+        running += count
+        cumulative.append((bound, running))
+    return HistogramMetricFamily(
+        "llmflow_inter_chunk_seconds",
+        "Gap between writes to a streaming client",
+        buckets=cumulative,
+        sum_value=total,
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from llmflow.gateway.relay import RelayedSession
 from llmflow.gateway.session import Prepared, StreamSession
 from llmflow.gateway.streaming import ClientOptions
 from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompt_tokens
@@ -121,8 +122,12 @@ class CompletionService:
             generated * request.n,
         )
 
-    def admit(self, prepared: Prepared) -> StreamSession:
+    def admit(self, prepared: Prepared, relayed: bool = False) -> StreamSession:
         """Announce a prepared request to the runtime.
+
+        Args:
+            prepared: the validated request.
+            relayed: stream it through the Rust relay (the server can hand off the socket).
 
         Returns:
             Its session (started or waiting); go on with `StreamSession.start`.
@@ -131,7 +136,12 @@ class CompletionService:
             GatewayError: the runtime refused it at once: 429 with `Retry-After` (503 when the
                 reason is draining or no healthy backend).
         """
-        session = StreamSession(self.ctx, prepared)
+        relay = self.ctx.relay
+        session = (
+            RelayedSession(self.ctx, prepared, relay)
+            if relayed and relay is not None
+            else StreamSession(self.ctx, prepared)
+        )
         try:
             session.arrive()
         except GatewayError as exc:
@@ -139,8 +149,10 @@ class CompletionService:
             raise
         return session
 
-    async def serve(self, prepared: Prepared, receive: Receive) -> StreamSession:
-        """Run a prepared request as the runtime directs.
+    async def serve(
+        self, prepared: Prepared, receive: Receive, relayed: bool = False
+    ) -> StreamSession:
+        """Run a prepared request as the runtime directs (`relayed`: as in `admit`).
 
         Returns:
             The session: done, with its `response()` (non-streaming), or past its first token,
@@ -151,7 +163,7 @@ class CompletionService:
                 wait expired, 502/504 from the backend, 504 on first-token timeout (when so
                 configured); `ClientGone` when the client disconnected first.
         """
-        session = self.admit(prepared)
+        session = self.admit(prepared, relayed)
         departure = Departure()
         watcher = asyncio.create_task(_watch_disconnect(receive, departure))
         handed_over = False

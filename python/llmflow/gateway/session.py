@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from llmflow._core import Reply, Start
     from llmflow.gateway.host import Host
     from llmflow.gateway.metrics import GatewayMetrics
+    from llmflow.gateway.relay import RelayHost
     from llmflow.gateway.streaming import ClientOptions, Item
     from llmflow.gateway.types import Json
     from llmflow.gateway.upstream import Upstream, UpstreamStream
@@ -77,6 +78,7 @@ class SessionContext:
     metrics: GatewayMetrics
     client_window: int
     pause_when_full: bool
+    relay: RelayHost | None = None  # the Rust relay, when streams may use it
     sessions: set[StreamSession] = field(default_factory=set)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -180,10 +182,14 @@ class StreamSession:
                 displaced, shutting down).
         """
         await self.admitted
+        self._begin()
+        await self.ready.wait()
+
+    def _begin(self) -> None:
+        """Start reading upstream (in a task of this session's own)."""
         self._reader = asyncio.create_task(self._read(), name=f"llmflow-read-{self.request_id}")
         self.ctx.tasks.add(self._reader)
         self._reader.add_done_callback(self.ctx.tasks.discard)
-        await self.ready.wait()
 
     async def close(self) -> None:
         """The client is gone (or its writer finished): tell the runtime, wait for the read."""

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
 from llmflow.gateway.protocol import ModelCard, ModelList
 from llmflow.gateway.routes.deps import gateway, identity, service
+from llmflow.gateway.relay import RelayedSession, RelayStream, relayable
 from llmflow.gateway.sse import SessionStream
 
 if TYPE_CHECKING:
@@ -50,7 +51,9 @@ async def models(request: Request, _who: Annotated[Identity, Depends(identity)])
 async def _complete(endpoint: Endpoint, request: Request) -> Response:
     svc, settings = service(request), gateway(request).settings
     prepared = svc.prepare(endpoint, identity(request), await request.body())
-    session = await svc.serve(prepared, request.receive)
+    session = await svc.serve(prepared, request.receive, relayable(request.scope, prepared))
     if not prepared.options.stream:
         return JSONResponse(session.response(), headers=session.id_header)
+    if isinstance(session, RelayedSession) and session.opened:
+        return RelayStream(session)
     return SessionStream(session, settings.streaming.sse_flush_interval / 1e3)

@@ -1,0 +1,164 @@
+//! The PyO3 seam of the relay: open, attach, cut, abort, close; events as tuples.
+//!
+//! Events are plain tuples (`("done", id)`, ...) because the host reads a batch of them per
+//! wake-up and dispatches on the first item; a class per event would cost more than it says.
+
+use std::fs::File;
+use std::os::fd::FromRawFd;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use pyo3::{intern, IntoPyObjectExt};
+
+use crate::py::InvalidArgumentError;
+use crate::relay::{Control, Relay, RelayConfig, RelayEvent, GAP_BOUNDS_S};
+
+/// Relays streamed completions from vLLM to clients on threads of its own.
+#[pyclass(name = "Relay", module = "llmflow._core")]
+pub struct PyRelay {
+    inner: Relay,
+}
+
+fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {
+    if !ms.is_finite() || ms < 0.0 {
+        return Err(InvalidArgumentError::new_err(format!(
+            "{name} must be a finite number of milliseconds >= 0, got {ms}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(ms / 1e3))
+}
+
+#[pymethods]
+impl PyRelay {
+    #[new]
+    #[pyo3(signature = (notify_fd, *, threads=1, client_window=8, pause_when_full=true,
+        flush_interval_ms=0.0, token_flush_ms=20.0, connect_timeout_ms=5000.0))]
+    fn new(
+        notify_fd: i32,
+        threads: usize,
+        client_window: usize,
+        pause_when_full: bool,
+        flush_interval_ms: f64,
+        token_flush_ms: f64,
+        connect_timeout_ms: f64,
+    ) -> PyResult<Self> {
+        if threads == 0 || client_window == 0 {
+            return Err(InvalidArgumentError::new_err(
+                "threads and client_window must be at least 1",
+            ));
+        }
+        let token_flush = duration_ms("token_flush_ms", token_flush_ms)?;
+        if token_flush.is_zero() {
+            return Err(InvalidArgumentError::new_err("token_flush_ms must be > 0"));
+        }
+        let config = RelayConfig {
+            threads,
+            client_window,
+            pause_when_full,
+            flush_interval: duration_ms("flush_interval_ms", flush_interval_ms)?,
+            token_flush,
+            connect_timeout: duration_ms("connect_timeout_ms", connect_timeout_ms)?,
+        };
+        // SAFETY: the caller hands over the write end of its wake-up pipe; the relay owns it.
+        let notify = unsafe { File::from_raw_fd(notify_fd) };
+        let inner = Relay::new(config, notify)
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+        Ok(Self { inner })
+    }
+
+    /// Send a streamed completion to `url` and relay it; the client attaches later.
+    fn open(
+        &self,
+        request_id: u64,
+        url: &str,
+        body: &[u8],
+        x_request_id: &str,
+        include_usage: bool,
+    ) -> PyResult<()> {
+        self.inner
+            .open(request_id, url, body.to_vec(), x_request_id, include_usage)
+            .map_err(InvalidArgumentError::new_err)
+    }
+
+    /// Give the stream the client's socket (the relay owns `fd` from now on, and closes it
+    /// if the stream is gone). Returns False when the stream had already ended.
+    fn attach(&self, request_id: u64, fd: i32, head: &[u8], keep_alive: bool) -> bool {
+        // SAFETY: the caller hands over a connected TCP socket it no longer uses.
+        let socket = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+        self.inner.control(
+            request_id,
+            Control::Attach { socket, head: head.to_vec(), keep_alive },
+        )
+    }
+
+    /// End the reply with `frame` (then `[DONE]`), or close the connection now (`None`).
+    #[pyo3(signature = (request_id, frame, only_if_open=false))]
+    fn cut(&self, request_id: u64, frame: Option<&[u8]>, only_if_open: bool) -> bool {
+        self.inner.control(
+            request_id,
+            Control::Cut { frame: frame.map(<[u8]>::to_vec), only_if_open },
+        )
+    }
+
+    /// Close the upstream request (vLLM aborts it).
+    fn abort(&self, request_id: u64) -> bool {
+        self.inner.control(request_id, Control::Abort)
+    }
+
+    /// Drop the stream now, upstream and client.
+    fn close(&self, request_id: u64) -> bool {
+        self.inner.control(request_id, Control::Close)
+    }
+
+    /// Streams still running.
+    #[getter]
+    fn live(&self) -> usize {
+        self.inner.live()
+    }
+
+    /// Every event since the last call, oldest first, as tuples.
+    fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for event in self.inner.take_events() {
+            let item: Bound<'py, PyTuple> = match event {
+                RelayEvent::Started(id) => (intern!(py, "started"), id).into_pyobject(py)?,
+                RelayEvent::FirstToken { id, n, template } => {
+                    (intern!(py, "first_token"), id, n, template).into_pyobject(py)?
+                }
+                RelayEvent::Tokens(batch) => (intern!(py, "tokens"), batch).into_pyobject(py)?,
+                RelayEvent::Done(id) => (intern!(py, "done"), id).into_pyobject(py)?,
+                RelayEvent::Failed(id, f) => (
+                    intern!(py, "failed"),
+                    id,
+                    f.status,
+                    f.code,
+                    f.message,
+                    f.backend_down,
+                )
+                    .into_pyobject(py)?,
+                RelayEvent::WindowFull(id) => (intern!(py, "window_full"), id).into_pyobject(py)?,
+                RelayEvent::WindowDrained(id) => {
+                    (intern!(py, "window_drained"), id).into_pyobject(py)?
+                }
+                RelayEvent::ClientGone(id) => (intern!(py, "client_gone"), id).into_pyobject(py)?,
+                RelayEvent::Closed { id, socket, upstream_complete } => {
+                    (intern!(py, "closed"), id, socket, upstream_complete).into_pyobject(py)?
+                }
+            };
+            list.append(item)?;
+        }
+        Ok(list)
+    }
+
+    /// Gaps between writes to clients: (bucket upper bounds in s, per-bucket counts with the
+    /// last for +Inf, sum in s).
+    fn inter_chunk<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let (counts, sum) = self.inner.stats().gaps();
+        (GAP_BOUNDS_S.to_vec(), counts, sum).into_bound_py_any(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Relay(live={})", self.inner.live())
+    }
+}

@@ -1,0 +1,390 @@
+//! The chunk logic of a relayed stream: count new tokens, cut the usage the client did not ask
+//! for, and coalesce chunks. The Python twin for the paths the relay does not take (several
+//! choices, continuous usage, non-streaming replies) is `gateway/streaming.py`; both follow the
+//! same rules, and `tests/gateway/test_relay_chunks.py` feeds both the same payloads.
+
+use serde_json::{Map, Value};
+
+/// What one upstream payload becomes.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Shaped {
+    /// The SSE frame for the client (`data: {...}\n\n`), or nothing to forward.
+    pub frame: Option<Vec<u8>>,
+    /// Tokens generated since the previous payload.
+    pub new_tokens: u32,
+}
+
+/// Reads one single-choice stream's payloads. Upstream is always asked for continuous usage
+/// stats, so each chunk states the tokens generated so far (chunks without usage count one
+/// token per text delta).
+#[derive(Debug)]
+pub struct ChunkShaper {
+    include_usage: bool,
+    completion_tokens: u64,
+    /// The choice sent a `finish_reason` (a cut adds no notice after it).
+    pub finished: bool,
+    /// `{"id","created","model"}` of the upstream reply, as JSON, once a chunk named them.
+    pub template: Option<String>,
+}
+
+const USAGE_KEY: &[u8] = b",\"usage\":{";
+const TOKENS_KEY: &[u8] = b"\"completion_tokens\":";
+const TEXT_DELTAS: [&str; 3] = ["content", "reasoning_content", "reasoning"];
+
+impl ChunkShaper {
+    /// `include_usage`: the client asked for `stream_options.include_usage` (it then gets
+    /// `"usage":null` on every chunk and the final usage chunk, as vLLM sends them).
+    pub fn new(include_usage: bool) -> Self {
+        Self {
+            include_usage,
+            completion_tokens: 0,
+            finished: false,
+            template: None,
+        }
+    }
+
+    /// Generated tokens counted so far.
+    pub fn completion_tokens(&self) -> u64 {
+        self.completion_tokens
+    }
+
+    /// Read one `data:` payload.
+    ///
+    /// # Errors
+    /// The payload is not JSON: the message says what the backend sent.
+    pub fn feed(&mut self, data: &[u8]) -> Result<Shaped, String> {
+        if self.template.is_some() {
+            if let Some(shaped) = self.passthrough(data) {
+                return Ok(shaped);
+            }
+        }
+        let value: Value = serde_json::from_slice(data)
+            .map_err(|e| format!("backend sent bad data: {e}"))?;
+        let Value::Object(mut chunk) = value else {
+            return Ok(Shaped::default());
+        };
+        if self.template.is_none() && chunk.contains_key("id") {
+            let mut t = Map::new();
+            for key in ["id", "created", "model"] {
+                if let Some(v) = chunk.get(key) {
+                    t.insert(key.to_owned(), v.clone());
+                }
+            }
+            self.template = Some(Value::Object(t).to_string());
+        }
+        let new_tokens = self.count(&chunk);
+        let choices = chunk.get("choices").and_then(Value::as_array);
+        if choices.is_some_and(|cs| cs.iter().any(|c| !c["finish_reason"].is_null())) {
+            self.finished = true;
+        }
+        if choices.is_none_or(Vec::is_empty) {
+            let keep = chunk.contains_key("error") || self.include_usage;
+            let frame = keep.then(|| frame_of(&Value::Object(chunk)));
+            return Ok(Shaped { frame, new_tokens });
+        }
+        if chunk.contains_key("usage") {
+            if self.include_usage {
+                chunk.insert("usage".to_owned(), Value::Null);
+            } else {
+                chunk.remove("usage");
+            }
+        }
+        Ok(Shaped {
+            frame: Some(frame_of(&Value::Object(chunk))),
+            new_tokens,
+        })
+    }
+
+    /// vLLM puts continuous usage last: cut it off without parsing the chunk.
+    fn passthrough(&mut self, data: &[u8]) -> Option<Shaped> {
+        let cut = rfind(data, USAGE_KEY)?;
+        if !data.ends_with(b"}}") || find(&data[cut..], b"}")? + cut != data.len() - 2 {
+            return None;
+        }
+        let head = &data[..cut];
+        if find(head, b"\"choices\":[]").is_some() || find(head, b"\"error\"").is_some() {
+            return None;
+        }
+        let at = find(&data[cut..], TOKENS_KEY)? + cut + TOKENS_KEY.len();
+        let digits = trim_spaces(&data[at..]);
+        let end = digits.iter().position(|b| !b.is_ascii_digit()).unwrap_or(digits.len());
+        if end == 0 {
+            return None;
+        }
+        let total: u64 = std::str::from_utf8(&digits[..end]).ok()?.parse().ok()?;
+        let new = total.saturating_sub(self.completion_tokens);
+        self.completion_tokens = total;
+        if find(head, b"\"finish_reason\":\"").is_some() {
+            self.finished = true;
+        }
+        let tail: &[u8] = if self.include_usage { b",\"usage\":null}" } else { b"}" };
+        let mut frame = Vec::with_capacity(head.len() + tail.len() + 8);
+        frame.extend_from_slice(b"data: ");
+        frame.extend_from_slice(head);
+        frame.extend_from_slice(tail);
+        frame.extend_from_slice(b"\n\n");
+        Some(Shaped {
+            frame: Some(frame),
+            new_tokens: u32::try_from(new).unwrap_or(u32::MAX),
+        })
+    }
+
+    fn count(&mut self, chunk: &Map<String, Value>) -> u32 {
+        if let Some(total) = chunk
+            .get("usage")
+            .and_then(|u| u.get("completion_tokens"))
+            .and_then(Value::as_u64)
+        {
+            let new = total.saturating_sub(self.completion_tokens);
+            self.completion_tokens = total;
+            return u32::try_from(new).unwrap_or(u32::MAX);
+        }
+        let new = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .map_or(0, |cs| cs.iter().filter(|c| has_text(c)).count());
+        self.completion_tokens += new as u64;
+        new as u32
+    }
+}
+
+fn has_text(choice: &Value) -> bool {
+    if let Some(delta) = choice.get("delta") {
+        let Some(delta) = delta.as_object() else {
+            return false;
+        };
+        return TEXT_DELTAS
+            .iter()
+            .any(|k| delta.get(*k).and_then(Value::as_str).is_some_and(|s| !s.is_empty()));
+    }
+    choice.get("text").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+}
+
+/// `data: {json}\n\n`, compact.
+pub fn frame_of(chunk: &Value) -> Vec<u8> {
+    let mut out = b"data: ".to_vec();
+    serde_json::to_writer(&mut out, chunk).expect("a JSON value serializes");
+    out.extend_from_slice(b"\n\n");
+    out
+}
+
+/// Coalesce consecutive frames into as few valid chunks as possible (order kept). Frames
+/// that do not parse, or cannot merge (tool calls, a finished choice, errors), stay as they
+/// are.
+pub fn merge_frames(frames: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    if frames.len() < 2 {
+        return frames;
+    }
+    let mut out: Vec<Result<Value, Vec<u8>>> = Vec::with_capacity(frames.len());
+    for frame in frames {
+        let parsed = frame
+            .strip_prefix(b"data: ")
+            .and_then(|f| f.strip_suffix(b"\n\n"))
+            .and_then(|p| serde_json::from_slice::<Value>(p).ok());
+        match parsed {
+            Some(b) => {
+                let merged = match out.last_mut() {
+                    Some(Ok(a)) => merge_into(a, &b),
+                    _ => false,
+                };
+                if !merged {
+                    out.push(Ok(b));
+                }
+            }
+            None => out.push(Err(frame)),
+        }
+    }
+    out.into_iter()
+        .map(|item| item.map_or_else(|raw| raw, |v| frame_of(&v)))
+        .collect()
+}
+
+fn merge_into(a: &mut Value, b: &Value) -> bool {
+    let (Some(ca), Some(cb)) = (
+        a.get("choices").and_then(Value::as_array),
+        b.get("choices").and_then(Value::as_array),
+    ) else {
+        return false;
+    };
+    if ca.is_empty() || cb.is_empty() || a.get("object") != b.get("object") || b.get("error").is_some() {
+        return false;
+    }
+    let index = |c: &Value| c.get("index").and_then(Value::as_u64).unwrap_or(0);
+    for choice_b in cb {
+        if let Some(choice_a) = ca.iter().find(|c| index(c) == index(choice_b)) {
+            if !mergeable(choice_a, choice_b) {
+                return false;
+            }
+        }
+    }
+    let b_choices = cb.clone();
+    let a_obj = a.as_object_mut().expect("has choices, so an object");
+    let ca = a_obj
+        .get_mut("choices")
+        .and_then(Value::as_array_mut)
+        .expect("checked above");
+    for choice_b in b_choices {
+        match ca.iter_mut().find(|c| index(c) == index(&choice_b)) {
+            Some(choice_a) => merge_choice(choice_a, &choice_b),
+            None => ca.push(choice_b),
+        }
+    }
+    for key in ["usage", "llmflow"] {
+        if let Some(v) = b.get(key) {
+            a_obj.insert(key.to_owned(), v.clone());
+        }
+    }
+    true
+}
+
+fn empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => false,
+    }
+}
+
+fn mergeable(ca: &Value, cb: &Value) -> bool {
+    if !ca["finish_reason"].is_null() || !empty(&ca["logprobs"]) || !empty(&cb["logprobs"]) {
+        return false;
+    }
+    const ALLOWED: [&str; 6] = ["index", "delta", "text", "finish_reason", "logprobs", "stop_reason"];
+    let keys_ok = |c: &Value| {
+        c.as_object()
+            .is_some_and(|o| o.keys().all(|k| ALLOWED.contains(&k.as_str())))
+    };
+    if !keys_ok(ca) || !keys_ok(cb) {
+        return false;
+    }
+    let delta_ok = |c: &Value| {
+        c.get("delta")
+            .and_then(Value::as_object)
+            .is_none_or(|d| d.iter().all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v)))
+    };
+    delta_ok(ca) && delta_ok(cb)
+}
+
+fn merge_choice(ca: &mut Value, cb: &Value) {
+    let a = ca.as_object_mut().expect("a choice is an object");
+    if let Some(text) = cb.get("text") {
+        let joined = format!(
+            "{}{}",
+            a.get("text").and_then(Value::as_str).unwrap_or(""),
+            text.as_str().unwrap_or("")
+        );
+        a.insert("text".to_owned(), Value::String(joined));
+    }
+    if let Some(delta_b) = cb.get("delta") {
+        let delta = a
+            .entry("delta")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !delta.is_object() {
+            *delta = Value::Object(Map::new());
+        }
+        let delta = delta.as_object_mut().expect("made an object");
+        for (key, value) in delta_b.as_object().into_iter().flatten() {
+            if TEXT_DELTAS.contains(&key.as_str()) {
+                if let Some(s) = value.as_str() {
+                    let joined = format!("{}{s}", delta.get(key).and_then(Value::as_str).unwrap_or(""));
+                    delta.insert(key.clone(), Value::String(joined));
+                }
+            } else if key == "role" && !delta.contains_key("role") {
+                delta.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    a.insert(
+        "finish_reason".to_owned(),
+        cb.get("finish_reason").cloned().unwrap_or(Value::Null),
+    );
+    if let Some(stop) = cb.get("stop_reason") {
+        a.insert("stop_reason".to_owned(), stop.clone());
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+fn rfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).rposition(|w| w == needle)
+}
+
+fn trim_spaces(mut s: &[u8]) -> &[u8] {
+    while let [b' ', rest @ ..] = s {
+        s = rest;
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(i: u64, text: &str, finish: &str) -> Vec<u8> {
+        format!(
+            r#"{{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{{"index":0,"delta":{{"content":"{text}"}},"logprobs":null,"finish_reason":{finish}}}],"usage":{{"prompt_tokens":3,"total_tokens":{},"completion_tokens":{i}}}}}"#,
+            i + 3
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn first_chunk_parsed_then_passthrough_counts_and_cuts_usage() {
+        let mut s = ChunkShaper::new(false);
+        let a = s.feed(&chunk(1, "a", "null")).unwrap();
+        assert_eq!(a.new_tokens, 1);
+        assert!(s.template.as_deref().unwrap().contains("\"id\":\"c1\""));
+        assert!(!String::from_utf8(a.frame.unwrap()).unwrap().contains("usage"));
+        let b = s.feed(&chunk(3, "bc", "null")).unwrap();
+        assert_eq!(b.new_tokens, 2);
+        let frame = String::from_utf8(b.frame.unwrap()).unwrap();
+        assert!(frame.starts_with("data: {\"id\":\"c1\"") && frame.ends_with("null}]}\n\n"), "{frame}");
+        assert!(!s.finished);
+        s.feed(&chunk(4, "d", "\"length\"")).unwrap();
+        assert!(s.finished);
+        assert_eq!(s.completion_tokens(), 4);
+    }
+
+    #[test]
+    fn include_usage_keeps_null_and_final_usage_chunk() {
+        let mut s = ChunkShaper::new(true);
+        let a = s.feed(&chunk(1, "a", "null")).unwrap();
+        assert!(String::from_utf8(a.frame.unwrap()).unwrap().contains("\"usage\":null"));
+        let b = s.feed(&chunk(2, "b", "null")).unwrap();
+        assert!(String::from_utf8(b.frame.unwrap()).unwrap().ends_with(",\"usage\":null}\n\n"));
+        let last = br#"{"id":"c1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
+        let c = s.feed(last).unwrap();
+        assert_eq!(c.new_tokens, 0);
+        assert!(String::from_utf8(c.frame.unwrap()).unwrap().contains("\"completion_tokens\":2"));
+        let mut plain = ChunkShaper::new(false);
+        assert_eq!(plain.feed(last).unwrap().frame, None);
+    }
+
+    #[test]
+    fn no_usage_counts_text_deltas_and_bad_json_is_an_error() {
+        let mut s = ChunkShaper::new(false);
+        let role = br#"{"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+        assert_eq!(s.feed(role).unwrap().new_tokens, 0);
+        let text = br#"{"id":"x","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#;
+        assert_eq!(s.feed(text).unwrap().new_tokens, 1);
+        assert!(s.feed(b"{not json").unwrap_err().contains("bad data"));
+    }
+
+    #[test]
+    fn merge_joins_text_and_keeps_unmergeable_apart() {
+        let f = |t: &str, fin: &str| {
+            format!(r#"data: {{"object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"{t}"}},"finish_reason":{fin}}}]}}"#).into_bytes().into_iter().chain(*b"\n\n").collect::<Vec<u8>>()
+        };
+        let merged = merge_frames(vec![f("a", "null"), f("b", "null"), f("c", "\"stop\"")]);
+        assert_eq!(merged.len(), 1);
+        let text = String::from_utf8(merged[0].clone()).unwrap();
+        assert!(text.contains("\"content\":\"abc\"") && text.contains("\"stop\""), "{text}");
+        let after_finish = merge_frames(vec![f("a", "\"stop\""), f("b", "null")]);
+        assert_eq!(after_finish.len(), 2);
+        let raw = merge_frames(vec![b"data: nope\n\n".to_vec(), f("a", "null")]);
+        assert_eq!(raw[0], b"data: nope\n\n");
+    }
+}

@@ -1,0 +1,118 @@
+//! What the relay tells its host, queued for the host's thread, with one wake-up per batch.
+//!
+//! Streams run on the relay's threads; the host (the gateway's event loop) drains the queue
+//! when the notify pipe becomes readable. A byte is written only when the queue goes from
+//! empty to non-empty, so a busy relay costs the host one wake-up per batch, not per event.
+//! Token counts are not urgent: they gather per request and go out every flush interval as one
+//! `Tokens` batch, except that a request's count always goes out just before its own next
+//! event, so the host never sees a request end before its last tokens.
+
+use std::fs::File;
+use std::io::Write;
+use std::mem;
+use std::sync::Mutex;
+
+use rustc_hash::FxHashMap;
+
+/// An upstream failure, as the client should hear it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The status to answer with (4xx passed through, 502).
+    pub status: u16,
+    /// `backend_unavailable`, `backend_rejected`, `backend_error`.
+    pub code: &'static str,
+    pub message: String,
+    /// The backend could not be reached at all.
+    pub backend_down: bool,
+}
+
+/// One thing that happened to a relayed stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RelayEvent {
+    /// Upstream answered 200: the request runs in vLLM.
+    Started(u64),
+    /// The first generated tokens; `template` is the reply's `{"id","created","model"}`.
+    FirstToken { id: u64, n: u32, template: Option<String> },
+    /// Tokens generated since the last report, per request.
+    Tokens(Vec<(u64, u32)>),
+    /// Upstream sent `[DONE]`.
+    Done(u64),
+    /// Upstream failed (before or after the first token).
+    Failed(u64, Failure),
+    /// The client's window of unwritten chunks is full.
+    WindowFull(u64),
+    /// A full window has room again.
+    WindowDrained(u64),
+    /// The client closed its connection.
+    ClientGone(u64),
+    /// The stream is over; `socket` is the client's connection, handed back for its next
+    /// request (a reply that ended cleanly on a keep-alive connection), else closed.
+    Closed { id: u64, socket: Option<i32>, upstream_complete: bool },
+}
+
+/// The queue, the per-request token tallies and the notify pipe.
+pub struct Events {
+    queue: Mutex<Vec<RelayEvent>>,
+    tokens: Mutex<FxHashMap<u64, u32>>,
+    notify: Mutex<File>,
+}
+
+impl Events {
+    pub fn new(notify: File) -> Self {
+        Self {
+            queue: Mutex::new(Vec::new()),
+            tokens: Mutex::new(FxHashMap::default()),
+            notify: Mutex::new(notify),
+        }
+    }
+
+    /// Count tokens for a request (reported at the next flush or with its next event).
+    pub fn add_tokens(&self, id: u64, n: u32) {
+        if n > 0 {
+            *self.tokens.lock().unwrap().entry(id).or_insert(0) += n;
+        }
+    }
+
+    /// Queue an event for `id`, after its pending tokens.
+    pub fn push(&self, id: u64, event: RelayEvent) {
+        let mut tokens = self.tokens.lock().unwrap();
+        let pending = tokens.remove(&id);
+        let mut queue = self.queue.lock().unwrap();
+        let was_empty = queue.is_empty();
+        if let Some(n) = pending {
+            queue.push(RelayEvent::Tokens(vec![(id, n)]));
+        }
+        queue.push(event);
+        drop(tokens);
+        if was_empty {
+            self.wake();
+        }
+        drop(queue);
+    }
+
+    /// Move every pending token count into one `Tokens` event (the periodic flush).
+    pub fn flush_tokens(&self) {
+        let mut tokens = self.tokens.lock().unwrap();
+        if tokens.is_empty() {
+            return;
+        }
+        let batch: Vec<(u64, u32)> = tokens.drain().collect();
+        let mut queue = self.queue.lock().unwrap();
+        let was_empty = queue.is_empty();
+        queue.push(RelayEvent::Tokens(batch));
+        drop(tokens);
+        if was_empty {
+            self.wake();
+        }
+    }
+
+    /// Everything queued, oldest first.
+    pub fn take(&self) -> Vec<RelayEvent> {
+        mem::take(&mut *self.queue.lock().unwrap())
+    }
+
+    fn wake(&self) {
+        // A full pipe already holds a wake-up; any other error means the host is gone.
+        let _ = self.notify.lock().unwrap().write(&[1]);
+    }
+}

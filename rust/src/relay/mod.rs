@@ -1,0 +1,184 @@
+//! The per-chunk relay: streams bytes from vLLM to clients on threads of its own.
+//!
+//! The gateway's Python host admits a request and, when the runtime says `Start`, opens it
+//! here ([`Relay::open`]). From then on every upstream chunk is read, de-framed, shaped
+//! (usage cut, tokens counted) and written to the client's socket by one task on the relay's
+//! tokio threads; Python sees a handful of events per request ([`RelayEvent`]: started, first
+//! token, batched token counts, done, window full/drained, client gone, closed), and carries
+//! out the runtime's answers to them as [`Control`]s. The relay is I/O only: it reads clocks
+//! and sockets and decides nothing (no admission, deadline, stall or health rule lives here;
+//! the runtime keeps them all).
+//!
+//! The client's connection reaches the relay by hand-off: after the first token the host
+//! detaches the socket from its HTTP server and attaches it to the stream, which then writes
+//! the head and the chunks itself, and hands the socket back after a clean end so the client's
+//! keep-alive connection goes on serving.
+
+pub mod chunk;
+pub mod events;
+pub mod sse;
+pub mod stream;
+
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustc_hash::FxHashMap;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+
+pub use events::{Failure, RelayEvent};
+pub use stream::Control;
+
+/// How streams are relayed (the gateway's `backpressure` and `streaming` settings).
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Threads running streams (`llmflow serve --workers`).
+    pub threads: usize,
+    /// Unwritten chunks a client may owe before its window is full.
+    pub client_window: usize,
+    /// Stop reading upstream while the window is full (else merge overflow).
+    pub pause_when_full: bool,
+    /// Coalescing interval (`streaming.sse_flush_interval`); zero writes every chunk at once.
+    pub flush_interval: Duration,
+    /// How often token counts go to the host.
+    pub token_flush: Duration,
+    /// Giving up on connecting to a backend.
+    pub connect_timeout: Duration,
+}
+
+/// Gaps between writes to a client, as a Prometheus histogram (the bounds of
+/// `llmflow_inter_chunk_seconds`).
+pub const GAP_BOUNDS_S: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
+
+/// Counters the host reads when `/metrics` is scraped.
+#[derive(Default)]
+pub struct Stats {
+    gap_buckets: [AtomicU64; GAP_BOUNDS_S.len() + 1],
+    gap_sum_ns: AtomicU64,
+}
+
+impl Stats {
+    fn observe_gap(&self, gap: Duration) {
+        let s = gap.as_secs_f64();
+        let i = GAP_BOUNDS_S.iter().position(|&b| s <= b).unwrap_or(GAP_BOUNDS_S.len());
+        self.gap_buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.gap_sum_ns.fetch_add(gap.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Per-bucket counts (not cumulative; the last is +Inf) and the sum in seconds.
+    pub fn gaps(&self) -> (Vec<u64>, f64) {
+        let counts = self.gap_buckets.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        (counts, self.gap_sum_ns.load(Ordering::Relaxed) as f64 / 1e9)
+    }
+}
+
+/// What every stream task shares.
+pub struct Shared {
+    pub events: events::Events,
+    pub client: Client<HttpConnector, Full<Bytes>>,
+    pub config: RelayConfig,
+    pub stats: Stats,
+}
+
+/// The relay: its threads, its upstream connection pool, and the live streams.
+pub struct Relay {
+    runtime: tokio::runtime::Runtime,
+    shared: Arc<Shared>,
+    streams: Arc<Mutex<FxHashMap<u64, UnboundedSender<Control>>>>,
+}
+
+impl Relay {
+    /// Start the relay's threads; `notify` is the write end of the host's wake-up pipe.
+    pub fn new(config: RelayConfig, notify: File) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads.max(1))
+            .thread_name("llmflow-relay")
+            .enable_all()
+            .build()?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        let shared = Arc::new(Shared {
+            events: events::Events::new(notify),
+            client,
+            config,
+            stats: Stats::default(),
+        });
+        let ticker = Arc::clone(&shared);
+        runtime.spawn(async move {
+            let mut tick = tokio::time::interval(ticker.config.token_flush);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                ticker.events.flush_tokens();
+            }
+        });
+        Ok(Self { runtime, shared, streams: Arc::default() })
+    }
+
+    /// Send a streamed completion upstream and relay it.
+    ///
+    /// # Errors
+    /// The URL or a header is malformed, or `id` is already live.
+    pub fn open(&self, id: u64, url: &str, body: Vec<u8>, request_id: &str, include_usage: bool) -> Result<(), String> {
+        let request = hyper::Request::post(url)
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream")
+            .header("x-request-id", request_id)
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| format!("cannot build the upstream request: {e}"))?;
+        let (tx, rx) = unbounded_channel();
+        {
+            let mut streams = self.streams.lock().unwrap();
+            if streams.contains_key(&id) {
+                return Err(format!("request {id} is already relayed"));
+            }
+            streams.insert(id, tx);
+        }
+        let shared = Arc::clone(&self.shared);
+        let streams = Arc::clone(&self.streams);
+        let open = stream::Open { id, request, include_usage };
+        self.runtime.spawn(async move {
+            let closed = stream::run(Arc::clone(&shared), open, rx).await;
+            streams.lock().unwrap().remove(&id);
+            shared.events.push(id, closed);
+        });
+        Ok(())
+    }
+
+    /// Hand a live stream a control; false when the stream has already ended.
+    pub fn control(&self, id: u64, control: Control) -> bool {
+        let streams = self.streams.lock().unwrap();
+        streams.get(&id).is_some_and(|tx| tx.send(control).is_ok())
+    }
+
+    /// Every event since the last call, oldest first.
+    pub fn take_events(&self) -> Vec<RelayEvent> {
+        self.shared.events.take()
+    }
+
+    /// Streams still running.
+    pub fn live(&self) -> usize {
+        self.streams.lock().unwrap().len()
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.shared.stats
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.streams.lock().unwrap().clear();
+    }
+}

@@ -1,0 +1,506 @@
+//! One relayed stream: the upstream request, its SSE read, and the client's writes, in one task.
+//!
+//! Reading and writing share the task, so a chunk crosses no task boundary: each upstream
+//! piece is de-framed, shaped and written to the client's socket in the same wake-up. The
+//! window of unwritten chunks (`client_window`) is the backpressure: when it is full the task
+//! stops reading upstream (`pause_when_full`, so TCP pushes back on vLLM) or merges overflow
+//! into the newest waiting piece, and it tells the host, whose runtime runs the stall timer.
+//! The task decides nothing: cuts, aborts and the end come from the runtime, via the host, as
+//! [`Control`] messages.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::Response;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::chunk::{merge_frames, ChunkShaper};
+use super::events::{Failure, RelayEvent};
+use super::Shared;
+
+/// What the host asks of a stream (each carries out a runtime action).
+#[derive(Debug)]
+pub enum Control {
+    /// Take over the client's connection (after the first token): write `head`, then the
+    /// chunks. `keep_alive`: hand the socket back after a clean end, for the next request.
+    Attach { socket: std::net::TcpStream, head: Vec<u8>, keep_alive: bool },
+    /// End the reply: stop reading upstream, write `frame` (the notice or the error; when
+    /// `only_if_open`, only if the choice has not finished), then `[DONE]`. Without a frame
+    /// (a stalled client), close the connection at once.
+    Cut { frame: Option<Vec<u8>>, only_if_open: bool },
+    /// Close the upstream request (vLLM aborts it and frees its KV blocks).
+    Abort,
+    /// Drop everything now: upstream and client.
+    Close,
+}
+
+/// A request to relay.
+pub struct Open {
+    pub id: u64,
+    pub request: hyper::Request<Full<Bytes>>,
+    pub include_usage: bool,
+}
+
+type ResponseFuture =
+    Pin<Box<dyn Future<Output = Result<Response<Incoming>, hyper_util::client::legacy::Error>> + Send>>;
+
+const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
+const ERROR_BODY_LIMIT: usize = 64 * 1024;
+const WRITE_BATCH: usize = 64; // pieces per vectored write
+
+struct Task {
+    shared: Arc<Shared>,
+    id: u64,
+    response: Option<ResponseFuture>,
+    body: Option<Incoming>,
+    decoder: super::sse::SseDecoder,
+    shaper: ChunkShaper,
+    first_sent: bool,
+    upstream_complete: bool,
+    client: Option<TcpStream>,
+    keep_alive: bool,
+    watch_client: bool,
+    /// Wire pieces not yet written (chunk-encoded frames; the head first once attached).
+    out: VecDeque<Piece>,
+    /// Bytes of `out[0]` already written.
+    written: usize,
+    /// Frames in `out` (the head and the terminator do not count).
+    out_frames: usize,
+    /// Frames waiting for the coalescing interval.
+    held: Vec<Vec<u8>>,
+    flush_at: Option<tokio::time::Instant>,
+    last_flush: Option<Instant>,
+    last_write: Option<Instant>,
+    full: bool,
+    terminated: bool,
+    clean: bool,
+}
+
+/// Run one stream to its end; returns the event that closes it.
+pub async fn run(shared: Arc<Shared>, open: Open, mut ctrl: UnboundedReceiver<Control>) -> RelayEvent {
+    let response: ResponseFuture = Box::pin(shared.client.request(open.request));
+    let mut task = Task {
+        shared,
+        id: open.id,
+        response: Some(response),
+        body: None,
+        decoder: super::sse::SseDecoder::new(),
+        shaper: ChunkShaper::new(open.include_usage),
+        first_sent: false,
+        upstream_complete: false,
+        client: None,
+        keep_alive: false,
+        watch_client: false,
+        out: VecDeque::new(),
+        written: 0,
+        out_frames: 0,
+        held: Vec::new(),
+        flush_at: None,
+        last_flush: None,
+        last_write: None,
+        full: false,
+        terminated: false,
+        clean: false,
+    };
+    task.run(&mut ctrl).await;
+    task.closed()
+}
+
+enum Step {
+    Go,
+    Stop,
+}
+
+impl Task {
+    async fn run(&mut self, ctrl: &mut UnboundedReceiver<Control>) {
+        let mut peek_buf = [0u8; 1];
+        loop {
+            if self.terminated && self.out.is_empty() && self.client.is_some() {
+                return; // everything written
+            }
+            let reading = self.body.is_some() && !(self.full && self.shared.config.pause_when_full);
+            let writing = self.client.is_some() && !self.out.is_empty();
+            let watching = self.client.is_some() && self.watch_client;
+            let step = tokio::select! {
+                biased;
+                msg = ctrl.recv() => match msg {
+                    Some(control) => self.control(control),
+                    None => Step::Stop,
+                },
+                res = async { self.response.as_mut().unwrap().await }, if self.response.is_some() => {
+                    self.response = None;
+                    self.on_response(res).await
+                }
+                frame = async { self.body.as_mut().unwrap().frame().await }, if reading => {
+                    self.on_frame(frame)
+                }
+                ready = async { self.client.as_ref().unwrap().writable().await }, if writing => {
+                    match ready {
+                        Ok(()) => self.write(),
+                        Err(_) => self.client_gone(),
+                    }
+                }
+                seen = async { self.client.as_ref().unwrap().peek(&mut peek_buf).await }, if watching => {
+                    match seen {
+                        Ok(0) | Err(_) => self.client_gone(),
+                        Ok(_) => { self.watch_client = false; Step::Go } // pipelined bytes: not ours
+                    }
+                }
+                () = async { tokio::time::sleep_until(self.flush_at.unwrap()).await }, if self.flush_at.is_some() => {
+                    self.flush_held();
+                    self.write()
+                }
+            };
+            if matches!(step, Step::Stop) {
+                return;
+            }
+        }
+    }
+
+    fn push(&self, event: RelayEvent) {
+        self.shared.events.push(self.id, event);
+    }
+
+    fn closed(mut self) -> RelayEvent {
+        let socket = if self.clean && self.keep_alive && self.out.is_empty() {
+            self.client.take().and_then(|c| c.into_std().ok()).map(into_fd)
+        } else {
+            None
+        };
+        RelayEvent::Closed { id: self.id, socket, upstream_complete: self.upstream_complete }
+    }
+
+    // ---- upstream --------------------------------------------------------------------------
+
+    async fn on_response(&mut self, res: Result<Response<Incoming>, hyper_util::client::legacy::Error>) -> Step {
+        let response = match res {
+            Ok(r) => r,
+            Err(e) => {
+                let down = e.is_connect();
+                let failure = if down {
+                    Failure { status: 502, code: "backend_unavailable", message: format!("backend unreachable: {}", source_chain(&e)), backend_down: true }
+                } else {
+                    Failure { status: 502, code: "backend_error", message: format!("backend failed: {}", source_chain(&e)), backend_down: false }
+                };
+                self.push(RelayEvent::Failed(self.id, failure));
+                return Step::Go;
+            }
+        };
+        let status = response.status().as_u16();
+        if status != 200 {
+            let raw = read_limited(response.into_body(), ERROR_BODY_LIMIT).await;
+            let message = error_message(&raw).unwrap_or_else(|| format!("backend answered {status}"));
+            let failure = if (400..500).contains(&status) {
+                Failure { status, code: "backend_rejected", message, backend_down: false }
+            } else {
+                Failure { status: 502, code: "backend_error", message: format!("backend error {status}: {message}"), backend_down: false }
+            };
+            self.push(RelayEvent::Failed(self.id, failure));
+            return Step::Go;
+        }
+        self.body = Some(response.into_body());
+        self.push(RelayEvent::Started(self.id));
+        Step::Go
+    }
+
+    fn on_frame(&mut self, frame: Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>) -> Step {
+        let data = match frame {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => return Step::Go, // trailers
+            },
+            Some(Err(e)) => return self.fail(format!("backend stream broke: {e}")),
+            None => return self.fail("backend stream ended without [DONE]".to_owned()),
+        };
+        let decoded = self.decoder.feed(&data);
+        let now = Instant::now();
+        for payload in decoded.payloads {
+            match self.shaper.feed(&payload) {
+                Ok(shaped) => {
+                    if shaped.new_tokens > 0 {
+                        if self.first_sent {
+                            self.shared.events.add_tokens(self.id, shaped.new_tokens);
+                        } else {
+                            self.first_sent = true;
+                            self.push(RelayEvent::FirstToken {
+                                id: self.id,
+                                n: shaped.new_tokens,
+                                template: self.shaper.template.clone(),
+                            });
+                        }
+                    }
+                    if let Some(frame) = shaped.frame {
+                        self.add_frame(frame, now);
+                    }
+                }
+                Err(message) => return self.fail(message),
+            }
+        }
+        if decoded.done {
+            self.body = None;
+            self.upstream_complete = true;
+            self.clean = true;
+            self.push(RelayEvent::Done(self.id));
+            self.terminate();
+        }
+        self.write()
+    }
+
+    fn fail(&mut self, message: String) -> Step {
+        self.body = None;
+        self.push(RelayEvent::Failed(
+            self.id,
+            Failure { status: 502, code: "backend_error", message, backend_down: false },
+        ));
+        Step::Go
+    }
+
+    // ---- the client's window ---------------------------------------------------------------
+
+    fn occupancy(&self) -> usize {
+        self.held.len() + self.out_frames
+    }
+
+    fn add_frame(&mut self, frame: Vec<u8>, now: Instant) {
+        let interval = self.shared.config.flush_interval;
+        if interval.is_zero() {
+            self.enqueue(frame);
+        } else if self.held.is_empty() && self.last_flush.is_none_or(|t| now.duration_since(t) >= interval) {
+            self.last_flush = Some(now);
+            self.enqueue(frame);
+        } else {
+            self.held.push(frame);
+            if self.flush_at.is_none() {
+                let due = self.last_flush.unwrap_or(now) + interval;
+                self.flush_at = Some(tokio::time::Instant::from_std(due));
+            }
+        }
+        self.check_full();
+    }
+
+    fn enqueue(&mut self, frame: Vec<u8>) {
+        let cap = self.shared.config.client_window;
+        if !self.shared.config.pause_when_full && self.occupancy() >= cap {
+            // Merge into the newest waiting piece: the count stays bounded; the bytes are
+            // bounded by the request's max_tokens.
+            let writing_front = self.out.len() == 1 && self.written > 0;
+            if let Some(last) = self.out.back_mut().filter(|p| p.frame && !writing_front) {
+                last.bytes.extend_from_slice(&chunked(&frame));
+                return;
+            }
+        }
+        self.push_frame(&frame);
+    }
+
+    fn push_frame(&mut self, frame: &[u8]) {
+        self.out.push_back(Piece { bytes: chunked(frame), frame: true });
+        self.out_frames += 1;
+    }
+
+    fn flush_held(&mut self) {
+        self.flush_at = None;
+        if self.held.is_empty() {
+            return;
+        }
+        self.last_flush = Some(Instant::now());
+        let held = std::mem::take(&mut self.held);
+        for frame in merge_frames(held) {
+            self.push_frame(&frame);
+        }
+    }
+
+    fn check_full(&mut self) {
+        let cap = self.shared.config.client_window;
+        let occupied = self.occupancy();
+        if !self.full && occupied >= cap {
+            self.full = true;
+            self.push(RelayEvent::WindowFull(self.id));
+        } else if self.full && occupied < cap {
+            self.full = false;
+            self.push(RelayEvent::WindowDrained(self.id));
+        }
+    }
+
+    /// `[DONE]` and the end of the chunked body, after whatever is held.
+    fn terminate(&mut self) {
+        if self.terminated {
+            return;
+        }
+        self.flush_held();
+        let mut tail = chunked(DONE_FRAME);
+        tail.extend_from_slice(b"0\r\n\r\n");
+        self.out.push_back(Piece { bytes: tail, frame: false });
+        self.terminated = true;
+    }
+
+    /// Write what the socket takes now, without waiting.
+    fn write(&mut self) -> Step {
+        let Some(client) = self.client.as_ref() else {
+            return Step::Go;
+        };
+        while !self.out.is_empty() {
+            let slices: Vec<IoSlice<'_>> = self
+                .out
+                .iter()
+                .take(WRITE_BATCH)
+                .enumerate()
+                .map(|(i, piece)| IoSlice::new(if i == 0 { &piece.bytes[self.written..] } else { &piece.bytes }))
+                .collect();
+            match client.try_write_vectored(&slices) {
+                Ok(0) => return self.client_gone(),
+                Ok(mut n) => {
+                    let now = Instant::now();
+                    if let Some(last) = self.last_write {
+                        self.shared.stats.observe_gap(now.duration_since(last));
+                    }
+                    self.last_write = Some(now);
+                    while n > 0 {
+                        let left = self.out[0].bytes.len() - self.written;
+                        if n >= left {
+                            n -= left;
+                            self.written = 0;
+                            if self.out.pop_front().is_some_and(|p| p.frame) {
+                                self.out_frames -= 1;
+                            }
+                        } else {
+                            self.written += n;
+                            n = 0;
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => return self.client_gone(),
+            }
+        }
+        self.check_full();
+        Step::Go
+    }
+
+    fn client_gone(&mut self) -> Step {
+        self.client = None;
+        self.clean = false;
+        self.push(RelayEvent::ClientGone(self.id));
+        Step::Stop
+    }
+
+    // ---- the host's controls ---------------------------------------------------------------
+
+    fn control(&mut self, control: Control) -> Step {
+        match control {
+            Control::Attach { socket, head, keep_alive } => {
+                let client = socket.set_nonblocking(true).and_then(|()| TcpStream::from_std(socket));
+                let Ok(client) = client else {
+                    return self.client_gone();
+                };
+                let _ = client.set_nodelay(true);
+                self.client = Some(client);
+                self.keep_alive = keep_alive;
+                self.watch_client = true;
+                self.out.push_front(Piece { bytes: head, frame: false });
+                self.write()
+            }
+            Control::Cut { frame: Some(frame), only_if_open } => {
+                self.stop_upstream();
+                if !self.terminated {
+                    self.clean = false;
+                    self.flush_held();
+                    if !only_if_open || !self.shaper.finished {
+                        self.push_frame(&frame);
+                    }
+                    self.terminate();
+                }
+                if self.client.is_none() {
+                    return Step::Go; // written once the client is attached
+                }
+                self.write()
+            }
+            Control::Cut { frame: None, .. } | Control::Close => {
+                self.clean = false;
+                Step::Stop
+            }
+            Control::Abort => {
+                self.stop_upstream();
+                Step::Go
+            }
+        }
+    }
+
+    fn stop_upstream(&mut self) {
+        self.response = None;
+        self.body = None;
+    }
+}
+
+/// Bytes waiting for the client's socket.
+struct Piece {
+    bytes: Vec<u8>,
+    /// A chunk of the reply (counts in the window), not the head or the end.
+    frame: bool,
+}
+
+/// One HTTP/1.1 chunk carrying `data`.
+fn chunked(data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() + 12);
+    out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+#[cfg(unix)]
+fn into_fd(socket: std::net::TcpStream) -> i32 {
+    use std::os::fd::IntoRawFd;
+    socket.into_raw_fd()
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+async fn read_limited(mut body: Incoming, limit: usize) -> Vec<u8> {
+    let mut raw = Vec::new();
+    while raw.len() < limit {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    raw.extend_from_slice(&data);
+                }
+            }
+            _ => break,
+        }
+    }
+    raw.truncate(limit);
+    raw
+}
+
+/// The message of an OpenAI- or FastAPI-style error body, else its text.
+fn error_message(raw: &[u8]) -> Option<String> {
+    let text = match serde_json::from_slice::<serde_json::Value>(raw) {
+        Ok(body) => match body.get("error") {
+            Some(serde_json::Value::Object(e)) => e.get("message").map(value_text).unwrap_or_default(),
+            Some(other) if !other.is_null() => value_text(other),
+            _ => body.get("message").map(value_text).unwrap_or_default(),
+        },
+        Err(_) => String::from_utf8_lossy(&raw[..raw.len().min(500)]).trim().to_owned(),
+    };
+    (!text.is_empty()).then_some(text)
+}
+
+fn value_text(v: &serde_json::Value) -> String {
+    v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+}
