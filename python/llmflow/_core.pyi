@@ -476,6 +476,8 @@ class Relay:
         """Close the upstream request (vLLM aborts it)."""
     def close(self, request_id: int) -> bool:
         """Drop the stream now, upstream and client."""
+    def shutdown(self) -> None:
+        """Stop every stream and the relay's threads (the relay is unusable afterwards)."""
     @property
     def live(self) -> int:
         """Streams still running."""

@@ -111,6 +111,11 @@ impl PyRelay {
         self.inner.control(request_id, Control::Close)
     }
 
+    /// Stop every stream and the relay's threads (the relay is unusable afterwards).
+    fn shutdown(&mut self) {
+        self.inner.shutdown();
+    }
+
     /// Streams still running.
     #[getter]
     fn live(&self) -> usize {

@@ -104,8 +104,7 @@ class RelayHost:
         if self._loop is not None:
             self._loop.remove_reader(self._wake_fd)
             self._loop = None
-        for session in list(self.sessions.values()):
-            self.relay.close(session.request_id)
+        self.relay.shutdown()
         os.close(self._wake_fd)
 
     def open(self, session: RelayedSession, url: str, body: bytes) -> None:
@@ -221,11 +220,13 @@ class RelayedSession(StreamSession):
             self.relay.close(self.request_id)
 
     async def close(self) -> None:
+        """The reply will not be relayed (an error, or the client left before it started)."""
         if not self.opened:
             await super().close()
             return
         if not self._ended:
             self.ctx.host.client_gone(self.request_id)
+        self.relay.close(self.request_id)  # a stream cut before the hand-off waits for none
 
     # ---- the relay's events ------------------------------------------------------------------
 
@@ -272,6 +273,7 @@ class RelayedSession(StreamSession):
         if taken is None:  # the connection is closing: nobody reads this reply
             if not self._ended:
                 self.ctx.host.client_gone(self.request_id)
+            self.relay.close(self.request_id)
             return
         self.taken = taken
         head = b"HTTP/1.1 200 OK\r\n" + _HEADERS

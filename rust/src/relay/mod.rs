@@ -88,7 +88,7 @@ pub struct Shared {
 
 /// The relay: its threads, its upstream connection pool, and the live streams.
 pub struct Relay {
-    runtime: tokio::runtime::Runtime,
+    runtime: Option<tokio::runtime::Runtime>,
     shared: Arc<Shared>,
     streams: Arc<Mutex<FxHashMap<u64, UnboundedSender<Control>>>>,
 }
@@ -123,7 +123,7 @@ impl Relay {
                 ticker.events.flush_tokens();
             }
         });
-        Ok(Self { runtime, shared, streams: Arc::default() })
+        Ok(Self { runtime: Some(runtime), shared, streams: Arc::default() })
     }
 
     /// Send a streamed completion upstream and relay it.
@@ -148,7 +148,11 @@ impl Relay {
         let shared = Arc::clone(&self.shared);
         let streams = Arc::clone(&self.streams);
         let open = stream::Open { id, request, include_usage };
-        self.runtime.spawn(async move {
+        let Some(runtime) = self.runtime.as_ref() else {
+            self.streams.lock().unwrap().remove(&id);
+            return Err("the relay has shut down".to_owned());
+        };
+        runtime.spawn(async move {
             let closed = stream::run(Arc::clone(&shared), open, rx).await;
             streams.lock().unwrap().remove(&id);
             shared.events.push(id, closed);
@@ -175,10 +179,18 @@ impl Relay {
     pub fn stats(&self) -> &Stats {
         &self.shared.stats
     }
+
+    /// Stop every stream and the relay's threads, without waiting for them.
+    pub fn shutdown(&mut self) {
+        self.streams.lock().unwrap().clear();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        self.streams.lock().unwrap().clear();
+        self.shutdown();
     }
 }
