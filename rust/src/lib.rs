@@ -19,10 +19,10 @@ pub mod types;
 
 #[cfg(feature = "python")]
 mod py;
-#[cfg(feature = "python")]
-mod py_runtime;
 #[cfg(all(feature = "python", feature = "relay"))]
 mod py_relay;
+#[cfg(feature = "python")]
+mod py_runtime;
 
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};

@@ -88,7 +88,11 @@ impl PyRelay {
         let socket = unsafe { std::net::TcpStream::from_raw_fd(fd) };
         self.inner.control(
             request_id,
-            Control::Attach { socket, head: head.to_vec(), keep_alive },
+            Control::Attach {
+                socket,
+                head: head.to_vec(),
+                keep_alive,
+            },
         )
     }
 
@@ -97,7 +101,10 @@ impl PyRelay {
     fn cut(&self, request_id: u64, frame: Option<&[u8]>, only_if_open: bool) -> bool {
         self.inner.control(
             request_id,
-            Control::Cut { frame: frame.map(<[u8]>::to_vec), only_if_open },
+            Control::Cut {
+                frame: frame.map(<[u8]>::to_vec),
+                only_if_open,
+            },
         )
     }
 
@@ -147,9 +154,11 @@ impl PyRelay {
                     (intern!(py, "window_drained"), id).into_pyobject(py)?
                 }
                 RelayEvent::ClientGone(id) => (intern!(py, "client_gone"), id).into_pyobject(py)?,
-                RelayEvent::Closed { id, socket, upstream_complete } => {
-                    (intern!(py, "closed"), id, socket, upstream_complete).into_pyobject(py)?
-                }
+                RelayEvent::Closed {
+                    id,
+                    socket,
+                    upstream_complete,
+                } => (intern!(py, "closed"), id, socket, upstream_complete).into_pyobject(py)?,
             };
             list.append(item)?;
         }

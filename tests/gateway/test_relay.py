@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
 from .harness import assert_idle, start_gateway
+
+if TYPE_CHECKING:
+    import httpx
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -79,7 +81,12 @@ async def test_the_relay_sends_what_the_python_path_sends(path: str, extra: dict
 
 
 async def test_a_keep_alive_connection_serves_requests_after_a_relayed_reply() -> None:
-    body = {"model": "fake-model", "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    body = {
+        "model": "fake-model",
+        "stream": True,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     connections: list[int] = []
 
     async def count(response: httpx.Response) -> None:
@@ -89,19 +96,19 @@ async def test_a_keep_alive_connection_serves_requests_after_a_relayed_reply() -
         h.client.event_hooks["response"].append(count)
         for _ in range(3):
             status, text = await _stream(h.client, CHAT, body)
-            assert status == 200 and text.endswith("data: [DONE]\n\n")
+            assert status == 200
+            assert text.endswith("data: [DONE]\n\n")
             r = await h.client.get("/v1/models")  # a plain route on the same connection
             assert r.status_code == 200
         assert h.fake.completed == 3
-        assert len(connections) == 6 and len(set(connections)) == 1  # one connection for all
+        assert len(connections) == 6
+        assert len(set(connections)) == 1  # one connection for all six
         await assert_idle(h)
 
 
 async def test_with_two_relay_threads_the_cap_holds_for_every_stream() -> None:
     cap = 3
-    async with start_gateway(
-        gate={"max_concurrency_per_gpu": cap}, server={"workers": 2}
-    ) as h:
+    async with start_gateway(gate={"max_concurrency_per_gpu": cap}, server={"workers": 2}) as h:
         body = {
             "model": "fake-model",
             "stream": True,
@@ -114,6 +121,7 @@ async def test_with_two_relay_threads_the_cap_holds_for_every_stream() -> None:
         for _, text in results:
             chunks = [e for e in _events(text) if isinstance(e, dict)]
             got = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-            assert got and text.endswith("data: [DONE]\n\n")
+            assert got
+            assert text.endswith("data: [DONE]\n\n")
         assert h.fake.peak_running == cap  # the fake's own count: never past the cap
         assert h.fake.completed == 24

@@ -14,7 +14,6 @@ any other server the gateway streams through Python as before.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 if TYPE_CHECKING:
+    import asyncio
+
     from llmflow.gateway.types import Scope
 
 __all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of"]
@@ -52,7 +53,8 @@ class HandoffProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self.scope.get("http_version", "1.1") == "1.1":
-            self.scope["extensions"] = {EXTENSION: self._take}  # type: ignore[typeddict-unknown-key]
+            extensions: dict[str, Any] = {EXTENSION: self._take}
+            self.scope["extensions"] = extensions
 
     def _take(self) -> TakenSocket | None:
         """Detach the socket: a duplicate of its fd goes to the caller, uvicorn forgets it.
@@ -80,8 +82,8 @@ class HandoffProtocol(HttpToolsProtocol):
             return HandoffProtocol(self.config, self.server_state, self.app_state, _loop=loop)
 
         task = loop.create_task(_adopt(loop, factory, sock))
-        self.server_state.tasks.add(task)  # type: ignore[arg-type]
-        task.add_done_callback(self.server_state.tasks.discard)  # type: ignore[arg-type]
+        self.server_state.tasks.add(task)
+        task.add_done_callback(self.server_state.tasks.discard)
 
 
 async def _adopt(loop: asyncio.AbstractEventLoop, factory: Any, sock: socket.socket) -> None:

@@ -179,10 +179,10 @@ def _gaps(tally: GapTally, relay: Relay | None) -> Metric:
     if relay is not None:
         bounds, relayed, relayed_sum = relay.inter_chunk()
         assert tuple(bounds) == _CHUNK_BUCKETS, "the relay's buckets must match"
-        counts = [a + b for a, b in zip(counts, relayed)]
+        counts = [a + b for a, b in zip(counts, relayed, strict=True)]
         total += relayed_sum
     cumulative, running = [], 0
-    for bound, count in zip([*map(str, _CHUNK_BUCKETS), "+Inf"], counts):
+    for bound, count in zip([*map(str, _CHUNK_BUCKETS), "+Inf"], counts, strict=True):
         running += count
         cumulative.append((bound, running))
     return HistogramMetricFamily(

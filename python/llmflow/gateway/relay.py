@@ -21,6 +21,7 @@ knows how to end a reply that never started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from llmflow.gateway.upstream import UpstreamError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from llmflow._core import Reply, RelayEvent
+    from llmflow._core import RelayEvent, Reply
     from llmflow.config import Settings
     from llmflow.gateway.handoff import TakenSocket
     from llmflow.gateway.host import Host
@@ -114,10 +115,8 @@ class RelayHost:
         self.relay.open(rid, url, body, f"llmflow-{rid}", session.prepared.options.include_usage)
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):  # woken by an earlier batch's byte
             os.read(self._wake_fd, 4096)
-        except BlockingIOError:
-            pass
         for event in self.relay.events():
             self._by_kind[event[0]](event)
 
@@ -290,7 +289,7 @@ class RelayStream(Response):
     A `Response` only so that FastAPI passes it through untouched; it never renders a body.
     """
 
-    def __init__(self, session: RelayedSession) -> None:  # noqa: D107 - no Response init
+    def __init__(self, session: RelayedSession) -> None:
         self.session = session
         self.status_code = 200
         self.background = None

@@ -58,8 +58,8 @@ impl ChunkShaper {
                 return Ok(shaped);
             }
         }
-        let value: Value = serde_json::from_slice(data)
-            .map_err(|e| format!("backend sent bad data: {e}"))?;
+        let value: Value =
+            serde_json::from_slice(data).map_err(|e| format!("backend sent bad data: {e}"))?;
         let Value::Object(mut chunk) = value else {
             return Ok(Shaped::default());
         };
@@ -107,7 +107,10 @@ impl ChunkShaper {
         }
         let at = find(&data[cut..], TOKENS_KEY)? + cut + TOKENS_KEY.len();
         let digits = trim_spaces(&data[at..]);
-        let end = digits.iter().position(|b| !b.is_ascii_digit()).unwrap_or(digits.len());
+        let end = digits
+            .iter()
+            .position(|b| !b.is_ascii_digit())
+            .unwrap_or(digits.len());
         if end == 0 {
             return None;
         }
@@ -117,7 +120,11 @@ impl ChunkShaper {
         if find(head, b"\"finish_reason\":\"").is_some() {
             self.finished = true;
         }
-        let tail: &[u8] = if self.include_usage { b",\"usage\":null}" } else { b"}" };
+        let tail: &[u8] = if self.include_usage {
+            b",\"usage\":null}"
+        } else {
+            b"}"
+        };
         let mut frame = Vec::with_capacity(head.len() + tail.len() + 8);
         frame.extend_from_slice(b"data: ");
         frame.extend_from_slice(head);
@@ -153,11 +160,17 @@ fn has_text(choice: &Value) -> bool {
         let Some(delta) = delta.as_object() else {
             return false;
         };
-        return TEXT_DELTAS
-            .iter()
-            .any(|k| delta.get(*k).and_then(Value::as_str).is_some_and(|s| !s.is_empty()));
+        return TEXT_DELTAS.iter().any(|k| {
+            delta
+                .get(*k)
+                .and_then(Value::as_str)
+                .is_some_and(|s| !s.is_empty())
+        });
     }
-    choice.get("text").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+    choice
+        .get("text")
+        .and_then(Value::as_str)
+        .is_some_and(|s| !s.is_empty())
 }
 
 /// `data: {json}\n\n`, compact.
@@ -206,7 +219,11 @@ fn merge_into(a: &mut Value, b: &Value) -> bool {
     ) else {
         return false;
     };
-    if ca.is_empty() || cb.is_empty() || a.get("object") != b.get("object") || b.get("error").is_some() {
+    if ca.is_empty()
+        || cb.is_empty()
+        || a.get("object") != b.get("object")
+        || b.get("error").is_some()
+    {
         return false;
     }
     let index = |c: &Value| c.get("index").and_then(Value::as_u64).unwrap_or(0);
@@ -246,22 +263,31 @@ fn empty(v: &Value) -> bool {
     }
 }
 
+const MERGEABLE_KEYS: [&str; 6] = [
+    "index",
+    "delta",
+    "text",
+    "finish_reason",
+    "logprobs",
+    "stop_reason",
+];
+
 fn mergeable(ca: &Value, cb: &Value) -> bool {
     if !ca["finish_reason"].is_null() || !empty(&ca["logprobs"]) || !empty(&cb["logprobs"]) {
         return false;
     }
-    const ALLOWED: [&str; 6] = ["index", "delta", "text", "finish_reason", "logprobs", "stop_reason"];
     let keys_ok = |c: &Value| {
         c.as_object()
-            .is_some_and(|o| o.keys().all(|k| ALLOWED.contains(&k.as_str())))
+            .is_some_and(|o| o.keys().all(|k| MERGEABLE_KEYS.contains(&k.as_str())))
     };
     if !keys_ok(ca) || !keys_ok(cb) {
         return false;
     }
     let delta_ok = |c: &Value| {
-        c.get("delta")
-            .and_then(Value::as_object)
-            .is_none_or(|d| d.iter().all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v)))
+        c.get("delta").and_then(Value::as_object).is_none_or(|d| {
+            d.iter()
+                .all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v))
+        })
     };
     delta_ok(ca) && delta_ok(cb)
 }
@@ -287,7 +313,10 @@ fn merge_choice(ca: &mut Value, cb: &Value) {
         for (key, value) in delta_b.as_object().into_iter().flatten() {
             if TEXT_DELTAS.contains(&key.as_str()) {
                 if let Some(s) = value.as_str() {
-                    let joined = format!("{}{s}", delta.get(key).and_then(Value::as_str).unwrap_or(""));
+                    let joined = format!(
+                        "{}{s}",
+                        delta.get(key).and_then(Value::as_str).unwrap_or("")
+                    );
                     delta.insert(key.clone(), Value::String(joined));
                 }
             } else if key == "role" && !delta.contains_key("role") {
@@ -337,11 +366,16 @@ mod tests {
         let a = s.feed(&chunk(1, "a", "null")).unwrap();
         assert_eq!(a.new_tokens, 1);
         assert!(s.template.as_deref().unwrap().contains("\"id\":\"c1\""));
-        assert!(!String::from_utf8(a.frame.unwrap()).unwrap().contains("usage"));
+        assert!(!String::from_utf8(a.frame.unwrap())
+            .unwrap()
+            .contains("usage"));
         let b = s.feed(&chunk(3, "bc", "null")).unwrap();
         assert_eq!(b.new_tokens, 2);
         let frame = String::from_utf8(b.frame.unwrap()).unwrap();
-        assert!(frame.starts_with("data: {\"id\":\"c1\"") && frame.ends_with("null}]}\n\n"), "{frame}");
+        assert!(
+            frame.starts_with("data: {\"id\":\"c1\"") && frame.ends_with("null}]}\n\n"),
+            "{frame}"
+        );
         assert!(!s.finished);
         s.feed(&chunk(4, "d", "\"length\"")).unwrap();
         assert!(s.finished);
@@ -352,13 +386,19 @@ mod tests {
     fn include_usage_keeps_null_and_final_usage_chunk() {
         let mut s = ChunkShaper::new(true);
         let a = s.feed(&chunk(1, "a", "null")).unwrap();
-        assert!(String::from_utf8(a.frame.unwrap()).unwrap().contains("\"usage\":null"));
+        assert!(String::from_utf8(a.frame.unwrap())
+            .unwrap()
+            .contains("\"usage\":null"));
         let b = s.feed(&chunk(2, "b", "null")).unwrap();
-        assert!(String::from_utf8(b.frame.unwrap()).unwrap().ends_with(",\"usage\":null}\n\n"));
+        assert!(String::from_utf8(b.frame.unwrap())
+            .unwrap()
+            .ends_with(",\"usage\":null}\n\n"));
         let last = br#"{"id":"c1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
         let c = s.feed(last).unwrap();
         assert_eq!(c.new_tokens, 0);
-        assert!(String::from_utf8(c.frame.unwrap()).unwrap().contains("\"completion_tokens\":2"));
+        assert!(String::from_utf8(c.frame.unwrap())
+            .unwrap()
+            .contains("\"completion_tokens\":2"));
         let mut plain = ChunkShaper::new(false);
         assert_eq!(plain.feed(last).unwrap().frame, None);
     }
@@ -366,7 +406,8 @@ mod tests {
     #[test]
     fn no_usage_counts_text_deltas_and_bad_json_is_an_error() {
         let mut s = ChunkShaper::new(false);
-        let role = br#"{"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+        let role =
+            br#"{"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
         assert_eq!(s.feed(role).unwrap().new_tokens, 0);
         let text = br#"{"id":"x","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#;
         assert_eq!(s.feed(text).unwrap().new_tokens, 1);
@@ -381,7 +422,10 @@ mod tests {
         let merged = merge_frames(vec![f("a", "null"), f("b", "null"), f("c", "\"stop\"")]);
         assert_eq!(merged.len(), 1);
         let text = String::from_utf8(merged[0].clone()).unwrap();
-        assert!(text.contains("\"content\":\"abc\"") && text.contains("\"stop\""), "{text}");
+        assert!(
+            text.contains("\"content\":\"abc\"") && text.contains("\"stop\""),
+            "{text}"
+        );
         let after_finish = merge_frames(vec![f("a", "\"stop\""), f("b", "null")]);
         assert_eq!(after_finish.len(), 2);
         let raw = merge_frames(vec![b"data: nope\n\n".to_vec(), f("a", "null")]);

@@ -32,7 +32,11 @@ pub enum RelayEvent {
     /// Upstream answered 200: the request runs in vLLM.
     Started(u64),
     /// The first generated tokens; `template` is the reply's `{"id","created","model"}`.
-    FirstToken { id: u64, n: u32, template: Option<String> },
+    FirstToken {
+        id: u64,
+        n: u32,
+        template: Option<String>,
+    },
     /// Tokens generated since the last report, per request.
     Tokens(Vec<(u64, u32)>),
     /// Upstream sent `[DONE]`.
@@ -47,7 +51,11 @@ pub enum RelayEvent {
     ClientGone(u64),
     /// The stream is over; `socket` is the client's connection, handed back for its next
     /// request (a reply that ended cleanly on a keep-alive connection), else closed.
-    Closed { id: u64, socket: Option<i32>, upstream_complete: bool },
+    Closed {
+        id: u64,
+        socket: Option<i32>,
+        upstream_complete: bool,
+    },
 }
 
 /// The queue, the per-request token tallies and the notify pipe.

@@ -54,7 +54,9 @@ pub struct RelayConfig {
 
 /// Gaps between writes to a client, as a Prometheus histogram (the bounds of
 /// `llmflow_inter_chunk_seconds`).
-pub const GAP_BOUNDS_S: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
+pub const GAP_BOUNDS_S: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
 
 /// Counters the host reads when `/metrics` is scraped.
 #[derive(Default)]
@@ -66,14 +68,22 @@ pub struct Stats {
 impl Stats {
     fn observe_gap(&self, gap: Duration) {
         let s = gap.as_secs_f64();
-        let i = GAP_BOUNDS_S.iter().position(|&b| s <= b).unwrap_or(GAP_BOUNDS_S.len());
+        let i = GAP_BOUNDS_S
+            .iter()
+            .position(|&b| s <= b)
+            .unwrap_or(GAP_BOUNDS_S.len());
         self.gap_buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.gap_sum_ns.fetch_add(gap.as_nanos() as u64, Ordering::Relaxed);
+        self.gap_sum_ns
+            .fetch_add(gap.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Per-bucket counts (not cumulative; the last is +Inf) and the sum in seconds.
     pub fn gaps(&self) -> (Vec<u64>, f64) {
-        let counts = self.gap_buckets.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let counts = self
+            .gap_buckets
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
         (counts, self.gap_sum_ns.load(Ordering::Relaxed) as f64 / 1e9)
     }
 }
@@ -123,14 +133,25 @@ impl Relay {
                 ticker.events.flush_tokens();
             }
         });
-        Ok(Self { runtime: Some(runtime), shared, streams: Arc::default() })
+        Ok(Self {
+            runtime: Some(runtime),
+            shared,
+            streams: Arc::default(),
+        })
     }
 
     /// Send a streamed completion upstream and relay it.
     ///
     /// # Errors
     /// The URL or a header is malformed, or `id` is already live.
-    pub fn open(&self, id: u64, url: &str, body: Vec<u8>, request_id: &str, include_usage: bool) -> Result<(), String> {
+    pub fn open(
+        &self,
+        id: u64,
+        url: &str,
+        body: Vec<u8>,
+        request_id: &str,
+        include_usage: bool,
+    ) -> Result<(), String> {
         let request = hyper::Request::post(url)
             .header("content-type", "application/json")
             .header("accept", "text/event-stream")
@@ -147,7 +168,11 @@ impl Relay {
         }
         let shared = Arc::clone(&self.shared);
         let streams = Arc::clone(&self.streams);
-        let open = stream::Open { id, request, include_usage };
+        let open = stream::Open {
+            id,
+            request,
+            include_usage,
+        };
         let Some(runtime) = self.runtime.as_ref() else {
             self.streams.lock().unwrap().remove(&id);
             return Err("the relay has shut down".to_owned());

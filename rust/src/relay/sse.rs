@@ -118,7 +118,8 @@ mod tests {
         assert!(a.payloads.is_empty());
         let b = d.feed(b"\n\r\ndata: {\"b\"");
         assert_eq!(b.payloads, vec![b"{\"a\":1}".to_vec()]);
-        let c = d.feed(b":2}\n\n: comment\n\nevent: x\ndata: 1\ndata: 2\n\ndata: [DONE]\n\ndata: after");
+        let c = d
+            .feed(b":2}\n\n: comment\n\nevent: x\ndata: 1\ndata: 2\n\ndata: [DONE]\n\ndata: after");
         assert_eq!(c.payloads, vec![b"{\"b\":2}".to_vec(), b"1\n2".to_vec()]);
         assert!(c.done);
         assert!(d.feed(b"\n\n").payloads.is_empty());

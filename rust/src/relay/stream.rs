@@ -31,11 +31,18 @@ use super::Shared;
 pub enum Control {
     /// Take over the client's connection (after the first token): write `head`, then the
     /// chunks. `keep_alive`: hand the socket back after a clean end, for the next request.
-    Attach { socket: std::net::TcpStream, head: Vec<u8>, keep_alive: bool },
+    Attach {
+        socket: std::net::TcpStream,
+        head: Vec<u8>,
+        keep_alive: bool,
+    },
     /// End the reply: stop reading upstream, write `frame` (the notice or the error; when
     /// `only_if_open`, only if the choice has not finished), then `[DONE]`. Without a frame
     /// (a stalled client), close the connection at once.
-    Cut { frame: Option<Vec<u8>>, only_if_open: bool },
+    Cut {
+        frame: Option<Vec<u8>>,
+        only_if_open: bool,
+    },
     /// Close the upstream request (vLLM aborts it and frees its KV blocks).
     Abort,
     /// Drop everything now: upstream and client.
@@ -49,13 +56,15 @@ pub struct Open {
     pub include_usage: bool,
 }
 
-type ResponseFuture =
-    Pin<Box<dyn Future<Output = Result<Response<Incoming>, hyper_util::client::legacy::Error>> + Send>>;
+type ResponseFuture = Pin<
+    Box<dyn Future<Output = Result<Response<Incoming>, hyper_util::client::legacy::Error>> + Send>,
+>;
 
 const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 const WRITE_BATCH: usize = 64; // pieces per vectored write
 
+#[allow(clippy::struct_excessive_bools)] // one task's state flags, each read in one place
 struct Task {
     shared: Arc<Shared>,
     id: u64,
@@ -85,7 +94,11 @@ struct Task {
 }
 
 /// Run one stream to its end; returns the event that closes it.
-pub async fn run(shared: Arc<Shared>, open: Open, mut ctrl: UnboundedReceiver<Control>) -> RelayEvent {
+pub async fn run(
+    shared: Arc<Shared>,
+    open: Open,
+    mut ctrl: UnboundedReceiver<Control>,
+) -> RelayEvent {
     let response: ResponseFuture = Box::pin(shared.client.request(open.request));
     let mut task = Task {
         shared,
@@ -171,24 +184,44 @@ impl Task {
 
     fn closed(mut self) -> RelayEvent {
         let socket = if self.clean && self.keep_alive && self.out.is_empty() {
-            self.client.take().and_then(|c| c.into_std().ok()).map(into_fd)
+            self.client
+                .take()
+                .and_then(|c| c.into_std().ok())
+                .map(into_fd)
         } else {
             None
         };
-        RelayEvent::Closed { id: self.id, socket, upstream_complete: self.upstream_complete }
+        RelayEvent::Closed {
+            id: self.id,
+            socket,
+            upstream_complete: self.upstream_complete,
+        }
     }
 
     // ---- upstream --------------------------------------------------------------------------
 
-    async fn on_response(&mut self, res: Result<Response<Incoming>, hyper_util::client::legacy::Error>) -> Step {
+    async fn on_response(
+        &mut self,
+        res: Result<Response<Incoming>, hyper_util::client::legacy::Error>,
+    ) -> Step {
         let response = match res {
             Ok(r) => r,
             Err(e) => {
                 let down = e.is_connect();
                 let failure = if down {
-                    Failure { status: 502, code: "backend_unavailable", message: format!("backend unreachable: {}", source_chain(&e)), backend_down: true }
+                    Failure {
+                        status: 502,
+                        code: "backend_unavailable",
+                        message: format!("backend unreachable: {}", source_chain(&e)),
+                        backend_down: true,
+                    }
                 } else {
-                    Failure { status: 502, code: "backend_error", message: format!("backend failed: {}", source_chain(&e)), backend_down: false }
+                    Failure {
+                        status: 502,
+                        code: "backend_error",
+                        message: format!("backend failed: {}", source_chain(&e)),
+                        backend_down: false,
+                    }
                 };
                 self.push(RelayEvent::Failed(self.id, failure));
                 return Step::Go;
@@ -197,11 +230,22 @@ impl Task {
         let status = response.status().as_u16();
         if status != 200 {
             let raw = read_limited(response.into_body(), ERROR_BODY_LIMIT).await;
-            let message = error_message(&raw).unwrap_or_else(|| format!("backend answered {status}"));
+            let message =
+                error_message(&raw).unwrap_or_else(|| format!("backend answered {status}"));
             let failure = if (400..500).contains(&status) {
-                Failure { status, code: "backend_rejected", message, backend_down: false }
+                Failure {
+                    status,
+                    code: "backend_rejected",
+                    message,
+                    backend_down: false,
+                }
             } else {
-                Failure { status: 502, code: "backend_error", message: format!("backend error {status}: {message}"), backend_down: false }
+                Failure {
+                    status: 502,
+                    code: "backend_error",
+                    message: format!("backend error {status}: {message}"),
+                    backend_down: false,
+                }
             };
             self.push(RelayEvent::Failed(self.id, failure));
             return Step::Go;
@@ -258,7 +302,12 @@ impl Task {
         self.body = None;
         self.push(RelayEvent::Failed(
             self.id,
-            Failure { status: 502, code: "backend_error", message, backend_down: false },
+            Failure {
+                status: 502,
+                code: "backend_error",
+                message,
+                backend_down: false,
+            },
         ));
         Step::Go
     }
@@ -272,10 +321,14 @@ impl Task {
     fn add_frame(&mut self, frame: Vec<u8>, now: Instant) {
         let interval = self.shared.config.flush_interval;
         if interval.is_zero() {
-            self.enqueue(frame);
-        } else if self.held.is_empty() && self.last_flush.is_none_or(|t| now.duration_since(t) >= interval) {
+            self.enqueue(&frame);
+        } else if self.held.is_empty()
+            && self
+                .last_flush
+                .is_none_or(|t| now.duration_since(t) >= interval)
+        {
             self.last_flush = Some(now);
-            self.enqueue(frame);
+            self.enqueue(&frame);
         } else {
             self.held.push(frame);
             if self.flush_at.is_none() {
@@ -286,22 +339,25 @@ impl Task {
         self.check_full();
     }
 
-    fn enqueue(&mut self, frame: Vec<u8>) {
+    fn enqueue(&mut self, frame: &[u8]) {
         let cap = self.shared.config.client_window;
         if !self.shared.config.pause_when_full && self.occupancy() >= cap {
             // Merge into the newest waiting piece: the count stays bounded; the bytes are
             // bounded by the request's max_tokens.
             let writing_front = self.out.len() == 1 && self.written > 0;
             if let Some(last) = self.out.back_mut().filter(|p| p.frame && !writing_front) {
-                last.bytes.extend_from_slice(&chunked(&frame));
+                last.bytes.extend_from_slice(&chunked(frame));
                 return;
             }
         }
-        self.push_frame(&frame);
+        self.push_frame(frame);
     }
 
     fn push_frame(&mut self, frame: &[u8]) {
-        self.out.push_back(Piece { bytes: chunked(frame), frame: true });
+        self.out.push_back(Piece {
+            bytes: chunked(frame),
+            frame: true,
+        });
         self.out_frames += 1;
     }
 
@@ -337,7 +393,10 @@ impl Task {
         self.flush_held();
         let mut tail = chunked(DONE_FRAME);
         tail.extend_from_slice(b"0\r\n\r\n");
-        self.out.push_back(Piece { bytes: tail, frame: false });
+        self.out.push_back(Piece {
+            bytes: tail,
+            frame: false,
+        });
         self.terminated = true;
     }
 
@@ -352,7 +411,13 @@ impl Task {
                 .iter()
                 .take(WRITE_BATCH)
                 .enumerate()
-                .map(|(i, piece)| IoSlice::new(if i == 0 { &piece.bytes[self.written..] } else { &piece.bytes }))
+                .map(|(i, piece)| {
+                    IoSlice::new(if i == 0 {
+                        &piece.bytes[self.written..]
+                    } else {
+                        &piece.bytes
+                    })
+                })
                 .collect();
             match client.try_write_vectored(&slices) {
                 Ok(0) => return self.client_gone(),
@@ -395,8 +460,14 @@ impl Task {
 
     fn control(&mut self, control: Control) -> Step {
         match control {
-            Control::Attach { socket, head, keep_alive } => {
-                let client = socket.set_nonblocking(true).and_then(|()| TcpStream::from_std(socket));
+            Control::Attach {
+                socket,
+                head,
+                keep_alive,
+            } => {
+                let client = socket
+                    .set_nonblocking(true)
+                    .and_then(|()| TcpStream::from_std(socket));
                 let Ok(client) = client else {
                     return self.client_gone();
                 };
@@ -404,10 +475,16 @@ impl Task {
                 self.client = Some(client);
                 self.keep_alive = keep_alive;
                 self.watch_client = true;
-                self.out.push_front(Piece { bytes: head, frame: false });
+                self.out.push_front(Piece {
+                    bytes: head,
+                    frame: false,
+                });
                 self.write()
             }
-            Control::Cut { frame: Some(frame), only_if_open } => {
+            Control::Cut {
+                frame: Some(frame),
+                only_if_open,
+            } => {
                 self.stop_upstream();
                 if !self.terminated {
                     self.clean = false;
@@ -492,11 +569,15 @@ async fn read_limited(mut body: Incoming, limit: usize) -> Vec<u8> {
 fn error_message(raw: &[u8]) -> Option<String> {
     let text = match serde_json::from_slice::<serde_json::Value>(raw) {
         Ok(body) => match body.get("error") {
-            Some(serde_json::Value::Object(e)) => e.get("message").map(value_text).unwrap_or_default(),
+            Some(serde_json::Value::Object(e)) => {
+                e.get("message").map(value_text).unwrap_or_default()
+            }
             Some(other) if !other.is_null() => value_text(other),
             _ => body.get("message").map(value_text).unwrap_or_default(),
         },
-        Err(_) => String::from_utf8_lossy(&raw[..raw.len().min(500)]).trim().to_owned(),
+        Err(_) => String::from_utf8_lossy(&raw[..raw.len().min(500)])
+            .trim()
+            .to_owned(),
     };
     (!text.is_empty()).then_some(text)
 }

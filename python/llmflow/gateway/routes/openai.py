@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response
 
 from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
 from llmflow.gateway.protocol import ModelCard, ModelList
-from llmflow.gateway.routes.deps import gateway, identity, service
 from llmflow.gateway.relay import RelayedSession, RelayStream, relayable
+from llmflow.gateway.routes.deps import gateway, identity, service
 from llmflow.gateway.sse import SessionStream
 
 if TYPE_CHECKING:
