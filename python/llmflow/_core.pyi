@@ -434,7 +434,7 @@ RelayEvent = tuple[Any, ...]
 `("tokens", [(id, n), ...])`, `("done", id)`,
 `("failed", id, status, code, message, backend_down)`, `("window_full", id)`,
 `("window_drained", id)`, `("client_gone", id)`, `("closed", id, socket_fd | None,
-upstream_complete)`."""
+upstream_complete, completion_tokens)`."""
 
 class Relay:
     """Relays streamed completions from vLLM to clients on threads of its own (tokio).

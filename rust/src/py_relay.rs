@@ -158,7 +158,15 @@ impl PyRelay {
                     id,
                     socket,
                     upstream_complete,
-                } => (intern!(py, "closed"), id, socket, upstream_complete).into_pyobject(py)?,
+                    completion_tokens,
+                } => (
+                    intern!(py, "closed"),
+                    id,
+                    socket,
+                    upstream_complete,
+                    completion_tokens,
+                )
+                    .into_pyobject(py)?,
             };
             list.append(item)?;
         }

@@ -156,14 +156,16 @@ class Gateway:
     def state(self) -> dict[str, Any]:
         """The JSON snapshot behind `/api/state` and the dashboard."""
         sessions = list(self.ctx.sessions) if self.ctx else []
+        core = self.runtime.snapshot(now_us())
+        generated = {r["id"]: r["generated_tokens"] for r in core.get("requests", ())}
         return {
             "draining": self.draining,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
-            "core": self.runtime.snapshot(now_us()),
+            "core": core,
             "backends": {n: s.as_json() for n, s in self.scraper.states.items()}
             if self.scraper
             else {},
-            "streams": [_stream_state(s) for s in sessions],
+            "streams": [_stream_state(s, generated) for s in sessions],
             "outcomes": [
                 {"outcome": o, "reason": r, "count": c}
                 for (o, r), c in sorted(self.metrics.outcomes.items())
@@ -171,7 +173,10 @@ class Gateway:
         }
 
 
-def _stream_state(session: Any) -> dict[str, Any]:
+def _stream_state(session: Any, generated: dict[int, int]) -> dict[str, Any]:
+    # The core counts every stream's tokens as they are reported (the relay's every 20 ms);
+    # a stream it no longer holds shows what its reader counted.
+    tokens = generated.get(session.request_id, session.parser.completion_tokens)
     return {
         "id": session.request_id,
         "tenant": session.prepared.tenant,
@@ -179,7 +184,7 @@ def _stream_state(session: Any) -> dict[str, Any]:
         "backend": session.backend,
         "queued": session.queued,
         "streaming": session.streaming,
-        "tokens": session.parser.completion_tokens,
+        "tokens": tokens,
         "window": len(session.window),
         "age_s": round(time.monotonic() - session.prepared.arrived, 3),
     }

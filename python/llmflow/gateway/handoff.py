@@ -64,7 +64,12 @@ class HandoffProtocol(HttpToolsProtocol):
         """
         transport, cycle = self.transport, self.cycle
         sock = transport.get_extra_info("socket")
-        if sock is None or transport.is_closing() or self.pipeline or cycle is None:
+        if cycle is None:
+            return None
+        if sock is None or transport.is_closing():
+            cycle.disconnected = True  # the client is going: nothing to answer, nobody to tell
+            return None
+        if self.pipeline:
             return None
         fd = os.dup(sock.fileno())
         keep_alive = bool(cycle.keep_alive)

@@ -124,16 +124,12 @@ class RelayHost:
         return self.sessions[event[1]]
 
     def _tokens(self, event: RelayEvent) -> None:
-        counts: list[tuple[int, int]] = event[1]
-        for rid, n in counts:
-            session = self.sessions.get(rid)
-            if session is not None:
-                session.parser.completion_tokens += n
-        self.host.tokens_many(counts)
+        self.host.tokens_many(event[1])
 
     def _closed(self, event: RelayEvent) -> None:
-        _, rid, fd, complete = event
+        _, rid, fd, complete, tokens = event
         session = self.sessions.pop(rid)
+        session.parser.completion_tokens = tokens  # the relay's own count, for the metrics
         if fd is not None:
             taken = session.taken
             if taken is not None and not self.draining:
@@ -235,7 +231,6 @@ class RelayedSession(StreamSession):
 
     def relay_first_token(self, n: int, template: str | None) -> None:
         self._template = template
-        self.parser.completion_tokens += n
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
             self.ctx.metrics.first_token(self)

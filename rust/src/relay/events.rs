@@ -55,6 +55,8 @@ pub enum RelayEvent {
         id: u64,
         socket: Option<i32>,
         upstream_complete: bool,
+        /// Tokens the stream counted in all (the host's metrics read it here, not per batch).
+        completion_tokens: u64,
     },
 }
 

@@ -195,6 +195,7 @@ impl Task {
             id: self.id,
             socket,
             upstream_complete: self.upstream_complete,
+            completion_tokens: self.shaper.completion_tokens(),
         }
     }
 
