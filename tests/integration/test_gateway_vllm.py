@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -104,19 +105,28 @@ def test_streaming_chat_and_non_streaming(vllm: VllmServer, start_gateway: Any) 
     assert whole.choices[0].text
 
 
-def test_disconnect_mid_stream_aborts_in_vllm(vllm: VllmServer, start_gateway: Any) -> None:
-    """A client that hangs up mid-stream: vLLM stops running it and stops generating."""
+@pytest.mark.parametrize("path", ["relay", "python"])
+def test_disconnect_mid_stream_aborts_in_vllm(
+    vllm: VllmServer, start_gateway: Any, path: str
+) -> None:
+    """A client that hangs up mid-stream: vLLM stops running it and stops generating. Plain
+    streams go through the Rust relay; continuous usage stats take the Python path."""
     gw = start_gateway(gateway_config(vllm.url))
+    request = body(16, 1900)
+    if path == "relay":
+        request["stream_options"] = {"include_usage": True}
     with httpx.Client(timeout=10) as m:
         generated_before = vllm.metrics(m)[GENERATED]
         with (
             httpx.Client(timeout=30) as client,
             client.stream("POST", f"{gw.openai_base_url}/completions",
-                          json=body(16, 1900)) as response,
+                          json=request) as response,
         ):
             assert response.status_code == 200
+            chunks = 0
             for line in response.iter_lines():  # read until 20 tokens are in: mid-stream
-                if line.startswith("data: {") and _tokens(line) >= 20:
+                chunks += line.startswith("data: {")
+                if chunks >= 20 and (path == "relay" or _tokens(line) >= 20):
                     break
             assert vllm.metrics(m)[RUNNING] == 1
         took = poll(lambda: vllm.metrics(m)[RUNNING] == 0, ABORT_WITHIN_S)
@@ -126,6 +136,35 @@ def test_disconnect_mid_stream_aborts_in_vllm(vllm: VllmServer, start_gateway: A
         assert after - generated_before < 1000, "the request ran to its end"
         poll(lambda: gateway_idle(gw.state(m)), 2.0)
     print(f"vLLM stopped running the request {took:.3f} s after the client closed")
+
+
+def test_a_client_that_stops_reading_is_cut_and_aborted_in_vllm(
+    vllm: VllmServer, start_gateway: Any
+) -> None:
+    """Backpressure against real vLLM: a client that never reads fills its window; the relay
+    stops reading vLLM; after the stall timeout the request is aborted in vLLM (its running
+    count falls) and the gateway holds nothing."""
+    gw = start_gateway(
+        gateway_config(vllm.url, backpressure={"client_window": 4, "stall_timeout_ms": 1000})
+    )
+    request = {**body(16, 1900), "stream_options": {"include_usage": True}}
+    payload = json.dumps(request).encode()
+    with httpx.Client(timeout=10) as m, socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", gw.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
+        poll(lambda: vllm.metrics(m)[RUNNING] == 1, 10.0)
+        generated_before = vllm.metrics(m)[GENERATED]
+        took = poll(lambda: vllm.metrics(m)[RUNNING] == 0, 30.0)  # never read a byte
+        generated = vllm.metrics(m)[GENERATED] - generated_before
+        assert generated < 1900, "vLLM ran the request to its end: nothing pushed back"
+        poll(lambda: gateway_idle(gw.state(m)), 2.0)
+        outcomes = {(o["outcome"], o["reason"]): o["count"] for o in gw.state(m)["outcomes"]}
+        assert outcomes.get(("cancelled", "client_stall")) == 1, outcomes
+    print(f"stalled client cut and aborted in vLLM after {took:.2f} s, {generated:.0f} tokens")
 
 
 def test_disconnect_while_queued_in_vllm(vllm: VllmServer, start_gateway: Any) -> None:

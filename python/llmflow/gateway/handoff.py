@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of"]
 
 EXTENSION = "llmflow.handoff"
+_SEND_BUFFER_BYTES = 64 * 1024  # per relayed reply; SSE chunks are a few hundred bytes
 log = logging.getLogger("llmflow.gateway")
 
 
@@ -71,6 +72,9 @@ class HandoffProtocol(HttpToolsProtocol):
             return None
         if self.pipeline:
             return None
+        # A stalled client holds at most this much in the kernel, not the megabytes TCP
+        # autotuning would grant: the relay's window then fills when the client stops reading.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
         fd = os.dup(sock.fileno())
         keep_alive = bool(cycle.keep_alive)
         cycle.disconnected = True  # uvicorn sends nothing more on this cycle (no 500 either)
