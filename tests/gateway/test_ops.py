@@ -81,6 +81,7 @@ async def test_rejections_truncations_and_aborts_are_counted() -> None:
 
 async def test_healthz_readyz_and_state(gw: Harness) -> None:
     assert (await gw.client.get("/healthz")).json() == {"status": "ok"}
+    assert (await gw.client.get("/health")).json() == {"status": "ok"}  # vLLM's name
     ready = await gw.client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["healthy_backends"] == ["b0"]

@@ -22,6 +22,7 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/healthz")
+@router.get("/health", include_in_schema=False)  # vLLM's name: clients and routers probe it
 async def healthz() -> dict[str, str]:
     """Liveness: the process serves HTTP."""
     return {"status": "ok"}
