@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["Gateway", "create_app"]
 
 log = logging.getLogger("llmflow.gateway")
+_GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
 _CUT_GRACE_S = 2.0  # past the drain timeout, how long cut streams get to write their end
 
 
@@ -110,6 +112,7 @@ class Gateway:
         )
         await self.scraper.scrape_all()
         self.scraper.start(self.tasks)
+        _settle_heap()
         for name, state in self.scraper.states.items():
             log.info(
                 "backend %s at %s: %s",
@@ -171,6 +174,22 @@ class Gateway:
                 for (o, r), c in sorted(self.metrics.outcomes.items())
             ],
         }
+
+
+def _settle_heap() -> None:
+    """Keep Python's cyclic GC off the request path.
+
+    Everything alive once the gateway has started (modules, FastAPI's routes, pydantic's
+    validators) lives as long as the process: `gc.freeze` moves it out of the collector's
+    sight, so a full collection scans only what requests allocate. A profile at 64 relayed
+    streams found 37% of the event loop's time in `gc_collect_main`, triggered by ordinary
+    per-request allocations; vLLM freezes its heap after start-up for the same reason. The
+    higher first threshold makes young collections rarer (a request allocates hundreds of
+    objects); what requests leave in cycles is still collected.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _stream_state(session: Any, generated: dict[int, int]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 //! What the relay tells its host, queued for the host's thread, with one wake-up per batch.
 //!
 //! Streams run on the relay's threads; the host (the gateway's event loop) drains the queue
-//! when the notify pipe becomes readable. A byte is written only when the queue goes from
-//! empty to non-empty, so a busy relay costs the host one wake-up per batch, not per event.
+//! when the notify pipe becomes readable. A byte is written only when none is on its way since
+//! the host last took the queue, so a busy relay costs the host one wake-up per batch, not per
+//! event.
 //! Token counts are not urgent: they gather per request and go out every flush interval as one
 //! `Tokens` batch, except that a request's count always goes out just before its own next
 //! event, so the host never sees a request end before its last tokens.
@@ -29,7 +30,8 @@ pub struct Failure {
 /// One thing that happened to a relayed stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RelayEvent {
-    /// Upstream answered 200: the request runs in vLLM.
+    /// Upstream answered 200: the request runs in vLLM (queued quietly: the runtime only
+    /// records it, so it rides with the next batch instead of waking the host).
     Started(u64),
     /// The first generated tokens; `template` is the reply's `{"id","created","model"}`.
     FirstToken {
@@ -60,9 +62,16 @@ pub enum RelayEvent {
     },
 }
 
+#[derive(Default)]
+struct Queue {
+    events: Vec<RelayEvent>,
+    /// A wake-up byte is on its way and the host has not taken the queue since.
+    woken: bool,
+}
+
 /// The queue, the per-request token tallies and the notify pipe.
 pub struct Events {
-    queue: Mutex<Vec<RelayEvent>>,
+    queue: Mutex<Queue>,
     tokens: Mutex<FxHashMap<u64, u32>>,
     notify: Mutex<File>,
 }
@@ -70,7 +79,7 @@ pub struct Events {
 impl Events {
     pub fn new(notify: File) -> Self {
         Self {
-            queue: Mutex::new(Vec::new()),
+            queue: Mutex::new(Queue::default()),
             tokens: Mutex::new(FxHashMap::default()),
             notify: Mutex::new(notify),
         }
@@ -88,16 +97,18 @@ impl Events {
         let mut tokens = self.tokens.lock().unwrap();
         let pending = tokens.remove(&id);
         let mut queue = self.queue.lock().unwrap();
-        let was_empty = queue.is_empty();
         if let Some(n) = pending {
-            queue.push(RelayEvent::Tokens(vec![(id, n)]));
+            queue.events.push(RelayEvent::Tokens(vec![(id, n)]));
         }
-        queue.push(event);
+        queue.events.push(event);
         drop(tokens);
-        if was_empty {
-            self.wake();
-        }
-        drop(queue);
+        self.wake(&mut queue);
+    }
+
+    /// Queue an event that need not wake the host: it goes with the next batch (the host
+    /// learns of it at most one token flush late, in order).
+    pub fn push_quiet(&self, event: RelayEvent) {
+        self.queue.lock().unwrap().events.push(event);
     }
 
     /// Move every pending token count into one `Tokens` event (the periodic flush).
@@ -108,21 +119,24 @@ impl Events {
         }
         let batch: Vec<(u64, u32)> = tokens.drain().collect();
         let mut queue = self.queue.lock().unwrap();
-        let was_empty = queue.is_empty();
-        queue.push(RelayEvent::Tokens(batch));
+        queue.events.push(RelayEvent::Tokens(batch));
         drop(tokens);
-        if was_empty {
-            self.wake();
-        }
+        self.wake(&mut queue);
     }
 
     /// Everything queued, oldest first.
     pub fn take(&self) -> Vec<RelayEvent> {
-        mem::take(&mut *self.queue.lock().unwrap())
+        let mut queue = self.queue.lock().unwrap();
+        queue.woken = false;
+        mem::take(&mut queue.events)
     }
 
-    fn wake(&self) {
-        // A full pipe already holds a wake-up; any other error means the host is gone.
-        let _ = self.notify.lock().unwrap().write(&[1]);
+    /// One byte per batch: none while one is on its way and the queue not yet taken.
+    fn wake(&self, queue: &mut Queue) {
+        if !queue.woken {
+            queue.woken = true;
+            // A full pipe already holds a wake-up; any other error means the host is gone.
+            let _ = self.notify.lock().unwrap().write(&[1]);
+        }
     }
 }

@@ -252,7 +252,7 @@ impl Task {
             return Step::Go;
         }
         self.body = Some(response.into_body());
-        self.push(RelayEvent::Started(self.id));
+        self.shared.events.push_quiet(RelayEvent::Started(self.id));
         Step::Go
     }
 
