@@ -140,3 +140,61 @@ impl Events {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    fn events() -> (Events, UnixStream) {
+        let (tx, rx) = UnixStream::pair().unwrap();
+        rx.set_nonblocking(true).unwrap();
+        (Events::new(File::from(OwnedFd::from(tx))), rx)
+    }
+
+    fn bytes(rx: &mut UnixStream) -> usize {
+        let mut buf = [0u8; 16];
+        rx.read(&mut buf).unwrap_or(0)
+    }
+
+    #[test]
+    fn one_wake_per_batch_and_quiet_events_wait_for_it() {
+        let (ev, mut rx) = events();
+        ev.push_quiet(RelayEvent::Started(1));
+        assert_eq!(bytes(&mut rx), 0, "a quiet event wakes nobody");
+        ev.push(1, RelayEvent::Done(1));
+        ev.push(2, RelayEvent::Done(2));
+        assert_eq!(bytes(&mut rx), 1, "one byte for the batch");
+        assert_eq!(
+            ev.take(),
+            vec![
+                RelayEvent::Started(1),
+                RelayEvent::Done(1),
+                RelayEvent::Done(2)
+            ]
+        );
+        ev.push(3, RelayEvent::Done(3));
+        assert_eq!(bytes(&mut rx), 1, "taken: the next event wakes again");
+    }
+
+    #[test]
+    fn a_request_s_tokens_go_out_before_its_next_event() {
+        let (ev, _rx) = events();
+        ev.add_tokens(7, 3);
+        ev.add_tokens(8, 1);
+        ev.add_tokens(7, 2);
+        ev.push(7, RelayEvent::Done(7));
+        ev.flush_tokens();
+        let got = ev.take();
+        assert_eq!(
+            got,
+            vec![
+                RelayEvent::Tokens(vec![(7, 5)]),
+                RelayEvent::Done(7),
+                RelayEvent::Tokens(vec![(8, 1)]),
+            ]
+        );
+    }
+}
