@@ -5,24 +5,27 @@ kinds of process on loopback:
 
 - a fake vLLM (`--backend PORT`, `gatewaybench/backend.py`): every request gets its first token
   at 20 ms, then 100 tokens 10 ms apart (so 256 streams offer 25.6k chunks/s);
-- `llmflow serve` with admission, the fair queue and the KV ledger active (default policy; a
-  slot cap and queue of 5,120 so that nothing queues or is refused; `sse_flush_interval: 0`);
+- `llmflow serve` with admission, the fair queue and the KV ledger active (default policy,
+  except a slot cap and queue of 5,120 so that nothing queues, `sse_flush_interval: 0`, and
+  the TTFT SLA at one hour: see `gatewaybench/procs.py:llmflow_config`);
 - `vllm-router==0.1.17` from PyPI, in a venv of its own under
   `~/.cache/llmflow/vllm-router-0.1.17` (installed on first use), started as
   `vllm-router --host 127.0.0.1 --port P --worker-urls http://127.0.0.1:U --policy round_robin
   --prometheus-port P2 --worker-startup-check-interval 1`;
 - this driver: raw-socket keep-alive clients (closed loop, one connection per stream).
 
-Pinning: the fake vLLM and the clients on CPU 0, the gateway under test on CPU 1.
+Pinning: the fake vLLM and the clients on CPU 0, the gateway under test on CPU 1. Every run
+also records what the machine's other work took from each CPU meanwhile ("others' load").
 
 Phases:
 1. Concurrency levels (1, 16, 64, 128, 256 streams): direct, llmflow, router interleaved, 3
    repeats; per level the medians of TTFT p50/p99, inter-chunk gap p99 (each "added" = arm minus
    direct of the same repeat), chunks/s, the gateway's CPU per chunk (utime+stime of every
    thread over the window / chunks the clients counted) and its CPU utilisation.
-2. Peak chunk rate: streams doubled, then bisected, until the clients' gap p99 exceeds the
-   backend's 10 ms interval by more than 5 ms; for direct (the harness's own ceiling), llmflow
-   and the router.
+2. Peak chunk rate, for llmflow and the router: the most streams at which the gateway adds
+   <= 5 ms to the clients' inter-chunk gap p99 (over direct at the same streams, run just
+   before it). The levels bracket it; past the top level streams double, then bisect. Where
+   direct itself falls behind its schedule the harness (CPU 0) is the limit and it says so.
 3. Memory per idle open stream: 1,000 and 5,000 streams that got their first token and then
    hold; (VmRSS open - VmRSS before) / streams, each on a fresh gateway process.
 4. Relay workers (`--llmflow-workers 1,2`): `llmflow serve --workers N` at the top level, pinned
@@ -33,8 +36,12 @@ Usage:
                                                   # benchmarks/results/gateway.json, charts in
                                                   # docs/img/, markdown tables on stdout
     python benchmarks/gateway_bench.py --quick    # development run, ~2 min, outputs in /tmp
-    options: --levels 1,64,256 --repeats N --window S --llmflow-workers 1,2 --no-router
-             --no-peak --no-memory --json PATH --charts DIR
+    options: --levels 1,64,256 --repeats N --window S --memory 1000,5000
+             --llmflow-workers 1,2 (or '') --no-router --no-peak --no-memory
+             --nice -10 (the arms take CPU from other work first; opt-in)
+             --json PATH --charts DIR
+    python benchmarks/gateway_bench.py --render benchmarks/results/gateway.json
+                                                  # tables and charts again, from a result
 
 Any refused request (non-200 or broken stream) through a gateway makes the run invalid: the
 script says so and exits 1.

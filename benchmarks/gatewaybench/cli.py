@@ -43,11 +43,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="`llmflow serve --workers N` values to run at the top level ('' to skip)",
     )
     p.add_argument("--memory", help="idle open streams, e.g. 1000,5000 (default by profile)")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the driver and every server at this nice value (e.g. -10, needs root): on a "
+        "shared machine the arms then lose less CPU to other work, which loses more to them",
+    )
     p.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     p.add_argument("--no-peak", action="store_true", help="skip the peak chunk-rate search")
     p.add_argument("--no-memory", action="store_true", help="skip the idle-stream memory phase")
     p.add_argument("--json", type=Path, help="result file (default by profile)")
     p.add_argument("--charts", type=Path, help="PNG directory (default: docs/img; quick: /tmp)")
+    p.add_argument(
+        "--render", type=Path, metavar="JSON", help="only redraw tables and charts from a result"
+    )
     p.add_argument("--backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -61,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     if args.backend:
         asyncio.run(backend.serve(args.backend))
+        return 0
+    if args.render:
+        result = json.loads(args.render.read_text())
+        print(report.markdown(result))
+        charts = report.charts(result, args.charts or ROOT / "docs" / "img")
+        print("charts: " + ", ".join(str(p) for p in charts))
         return 0
     return asyncio.run(run(args))
 
@@ -112,11 +128,12 @@ def _meta(args: argparse.Namespace, prof: phases.Profile, pin_text: str) -> dict
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git("rev-parse", "--short", "HEAD") + dirty,
-        "command": "python benchmarks/gateway_bench.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/gateway_bench.py", *sys.argv[1:]]),
         "profile": "quick" if args.quick else "full",
         "settings": prof.__dict__,
         "machine": f"{os.cpu_count()} vCPU {model}, {mem:.0f} GiB, Linux {platform.release()}",
         "pinning": pin_text,
+        "nice": args.nice,
         "router_version": procs.ROUTER_VERSION,
         "workload": f"first token at {phases.TTFT_MS:g} ms, then {phases.TOKENS - 1} tokens "
         f"{phases.ITL_MS:g} ms apart; closed-loop keep-alive streams",
@@ -136,6 +153,8 @@ async def run(args: argparse.Namespace) -> int:
     pins, pin_text = pinning()
     meta = _meta(args, prof, pin_text)
     os.sched_setaffinity(0, pins["harness"])
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # the servers inherit it
     router_exe, router_note = _router(args)
     logdir = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     result: dict[str, Any] = {"meta": meta}
@@ -249,7 +268,7 @@ def _outputs(args: argparse.Namespace, result: dict[str, Any], logdir: Path) -> 
     chart_dir = args.charts or (quick_dir if args.quick else ROOT / "docs" / "img")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     charts = report.charts(result, chart_dir)
-    result["charts"] = [str(p) for p in charts]
+    result["charts"] = [str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in charts]
     json_path.write_text(json.dumps(result, indent=1, default=sorted))
     print()
     print(report.markdown(result))
@@ -257,9 +276,15 @@ def _outputs(args: argparse.Namespace, result: dict[str, Any], logdir: Path) -> 
     print(f"JSON: {json_path}")
     print("charts: " + ", ".join(str(p) for p in charts))
     print(f"server logs: {logdir}  ({result['meta']['wall_s']} s in all)")
-    bad = [r for r in result.get("level_runs", []) if r["arm"] != "direct" and r["refused"]]
+    bad = [
+        f"{r['arm']} x{r['streams']}: {r['statuses'] or r['refused']}"
+        for r in result.get("level_runs", [])
+        + result.get("memory", [])
+        + result.get("worker_runs", [])
+        if r["arm"] != "direct" and r["refused"]
+    ]
     if bad:
-        print(f"INVALID: {len(bad)} gateway runs had refused requests (see 'refused')")
+        print(f"INVALID: requests refused through a gateway in {len(bad)} runs: {bad}")
         return 1
     return 0
 

@@ -22,9 +22,12 @@ def _pair(a: Any, b: Any, fmt: str = "{:,.1f}") -> str:
 def markdown(r: dict[str, Any]) -> str:
     """Every table of one run, ready to paste under docs/benchmarks.md's Gateway section."""
     meta = r["meta"]
+    nice = f", nice {meta['nice']}" if meta.get("nice") else ""
     parts = [
         f"Run {meta['date']}, llmflow `{meta['commit']}`, vllm-router {meta['router_version']}, "
-        f"{meta['machine']}; {meta['pinning']}. Profile: {meta['profile']}.",
+        f"{meta['machine']}; {meta['pinning']}{nice}. "
+        f"Command: `{meta['command']}`. Load average at start {_load(meta['load_avg_start'])}, "
+        f"at end {_load(meta.get('load_avg_end'))}.",
         "",
         _levels_table(r["levels"]),
     ]
@@ -37,6 +40,10 @@ def markdown(r: dict[str, Any]) -> str:
     elif r.get("workers_note"):
         parts += ["", f"Relay workers: {r['workers_note']}"]
     return "\n".join(parts)
+
+
+def _load(avg: Any) -> str:
+    return "-" if not avg else " / ".join(f"{x:.1f}" for x in avg)
 
 
 def _levels_table(rows: list[dict[str, Any]]) -> str:
