@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.render:
         result = json.loads(args.render.read_text())
+        if result.get("level_runs"):  # the summaries as this version of the script makes them
+            result["levels"] = phases.summarise_levels(result["level_runs"])
+        if result.get("worker_runs"):
+            result["workers"] = phases.summarise_workers(result["worker_runs"])
         print(report.markdown(result))
         charts = report.charts(result, args.charts or ROOT / "docs" / "img")
         print("charts: " + ", ".join(str(p) for p in charts))

@@ -198,8 +198,11 @@ def summarise_levels(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for key in _MEDIANS:
                 row[key] = _median([r.get(key) for r in mine])
             for key in ("ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms"):
-                row["added_" + key] = _median(
-                    [_minus(r[key], direct[(r["repeat"], level)][key]) for r in mine]
+                added = [_minus(r[key], direct[(r["repeat"], level)][key]) for r in mine]
+                row["added_" + key] = _median(added)
+                present = [a for a in added if a is not None]
+                row[f"added_{key}_range"] = (
+                    [_r(min(present)), _r(max(present))] if present else None
                 )
             for cpu in sorted({c for r in mine for c in r["others"]}):
                 row[f"others_{cpu}"] = _median([r["others"].get(cpu) for r in mine])

@@ -42,6 +42,10 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _range(pair: Any) -> str:
+    return "-" if not pair else f"{pair[0]:,.1f} - {pair[1]:,.1f}"
+
+
 def _load(avg: Any) -> str:
     return "-" if not avg else " / ".join(f"{x:.1f}" for x in avg)
 
@@ -49,9 +53,10 @@ def _load(avg: Any) -> str:
 def _levels_table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| streams (offered chunks/s) | arm | TTFT p50 / p99 (ms) | added TTFT p50 / p99 (ms) "
+        "| added TTFT p50, repeats' min-max (ms) "
         "| gap p99 (ms) | added gap p99 (ms) | chunks/s | CPU per chunk (us) | gateway CPU "
         "| others' load on CPU 0 / 1 | refused |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         gateway = row["arm"] != "direct"
@@ -59,6 +64,7 @@ def _levels_table(rows: list[dict[str, Any]]) -> str:
             f"| {row['streams']:,} ({row['offered_chunks_per_s']:,.0f}) | {row['arm']} "
             f"| {_pair(row['ttft_p50_ms'], row['ttft_p99_ms'])} "
             f"| {_pair(row['added_ttft_p50_ms'], row['added_ttft_p99_ms']) if gateway else ''} "
+            f"| {_range(row.get('added_ttft_p50_ms_range')) if gateway else ''} "
             f"| {_f(row['gap_p99_ms'])} "
             f"| {_f(row['added_gap_p99_ms']) if gateway else ''} "
             f"| {row['chunks_per_s']:,.0f} "
