@@ -465,9 +465,19 @@ class Relay:
         connect_timeout_ms: float = 5000.0,
     ) -> None: ...
     def open(
-        self, request_id: int, url: str, body: bytes, x_request_id: str, include_usage: bool
+        self,
+        request_id: int,
+        url: str,
+        body: bytes,
+        x_request_id: str,
+        include_usage: bool,
+        deferred: bool = False,
     ) -> None:
-        """Send a streamed completion to `url` and relay it; the client attaches later."""
+        """Send a streamed completion to `url` and relay it; the client attaches later.
+
+        With `deferred`, the stream exists at once (controls apply) but sends on `go`."""
+    def go(self, request_id: int) -> bool:
+        """Send a deferred stream's request upstream now."""
     def attach(self, request_id: int, fd: int, head: bytes, keep_alive: bool) -> bool:
         """Hand the stream the client's socket (owned by the relay from now on)."""
     def cut(self, request_id: int, frame: bytes | None, only_if_open: bool = False) -> bool:

@@ -14,6 +14,11 @@ use pyo3::{intern, IntoPyObjectExt};
 use crate::py::InvalidArgumentError;
 use crate::relay::{Control, Relay, RelayConfig, RelayEvent, GAP_BOUNDS_S};
 
+/// The longest the host waits for a stream to carry out a cut, an abort or a close: the
+/// upstream socket is closed before the runtime's next `Start` goes out (a stream busy for
+/// longer is closed a moment later all the same).
+const CARRY_OUT_WAIT: Duration = Duration::from_millis(100);
+
 /// Relays streamed completions from vLLM to clients on threads of its own.
 #[pyclass(name = "Relay", module = "llmflow._core")]
 pub struct PyRelay {
@@ -67,7 +72,9 @@ impl PyRelay {
         Ok(Self { inner })
     }
 
-    /// Send a streamed completion to `url` and relay it; the client attaches later.
+    /// Send a streamed completion to `url` and relay it; the client attaches later. With
+    /// `deferred`, the stream exists at once (controls apply) but waits for `go` to send.
+    #[pyo3(signature = (request_id, url, body, x_request_id, include_usage, deferred=false))]
     fn open(
         &self,
         request_id: u64,
@@ -75,10 +82,23 @@ impl PyRelay {
         body: &[u8],
         x_request_id: &str,
         include_usage: bool,
+        deferred: bool,
     ) -> PyResult<()> {
         self.inner
-            .open(request_id, url, body.to_vec(), x_request_id, include_usage)
+            .open(
+                request_id,
+                url,
+                body.to_vec(),
+                x_request_id,
+                include_usage,
+                deferred,
+            )
             .map_err(InvalidArgumentError::new_err)
+    }
+
+    /// Send a deferred stream's request upstream now.
+    fn go(&self, request_id: u64) -> bool {
+        self.inner.control(request_id, Control::Go)
     }
 
     /// Give the stream the client's socket (the relay owns `fd` from now on, and closes it
@@ -98,24 +118,37 @@ impl PyRelay {
 
     /// End the reply with `frame` (then `[DONE]`), or close the connection now (`None`).
     #[pyo3(signature = (request_id, frame, only_if_open=false))]
-    fn cut(&self, request_id: u64, frame: Option<&[u8]>, only_if_open: bool) -> bool {
-        self.inner.control(
-            request_id,
-            Control::Cut {
-                frame: frame.map(<[u8]>::to_vec),
-                only_if_open,
-            },
-        )
+    fn cut(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        frame: Option<&[u8]>,
+        only_if_open: bool,
+    ) -> bool {
+        let control = Control::Cut {
+            frame: frame.map(<[u8]>::to_vec),
+            only_if_open,
+        };
+        py.detach(|| {
+            self.inner
+                .control_and_wait(request_id, control, CARRY_OUT_WAIT)
+        })
     }
 
-    /// Close the upstream request (vLLM aborts it).
-    fn abort(&self, request_id: u64) -> bool {
-        self.inner.control(request_id, Control::Abort)
+    /// Close the upstream request (vLLM aborts it); returns once the socket is closed.
+    fn abort(&self, py: Python<'_>, request_id: u64) -> bool {
+        py.detach(|| {
+            self.inner
+                .control_and_wait(request_id, Control::Abort, CARRY_OUT_WAIT)
+        })
     }
 
-    /// Drop the stream now, upstream and client.
-    fn close(&self, request_id: u64) -> bool {
-        self.inner.control(request_id, Control::Close)
+    /// Drop the stream now, upstream and client; returns once it is done.
+    fn close(&self, py: Python<'_>, request_id: u64) -> bool {
+        py.detach(|| {
+            self.inner
+                .control_and_wait(request_id, Control::Close, CARRY_OUT_WAIT)
+        })
     }
 
     /// Stop every stream and the relay's threads (the relay is unusable afterwards).

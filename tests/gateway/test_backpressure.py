@@ -131,7 +131,7 @@ async def test_a_client_that_stops_reading_pauses_upstream_then_is_aborted() -> 
             assert h.fake.aborted == 0  # not yet: the stall timer runs
             await until(lambda: h.fake.aborted == 1, timeout_s=3)
             assert h.fake.tokens_sent < 1000
-            assert h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1
+            await until(lambda: h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1)
         finally:
             sock.close()
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import ssl
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
 __all__ = ["Connection", "ConnectionPool", "HttpResponse", "ProtocolError"]
 
@@ -43,6 +45,16 @@ class Connection:
     def close(self) -> None:
         """Close now; an unfinished response is abandoned (the server sees a disconnect)."""
         self.writer.close()
+
+    def shut_down_now(self) -> None:
+        """Shut the socket down at once, not on the loop's next turn as `close` does: the
+        server sees the disconnect before this loop sends anything else (an abort reaches
+        vLLM before a request started in the slot it freed)."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(sock.fileno())) as dup:
+            dup.shutdown(socket.SHUT_RDWR)
 
 
 class HttpResponse:
@@ -170,13 +182,21 @@ class ConnectionPool:
         """Keep an idle connection for reuse."""
         self._idle.setdefault(conn.key, []).append(conn)
 
-    async def request(self, url: str, head: bytes, body: bytes) -> HttpResponse:
+    async def request(
+        self,
+        url: str,
+        head: bytes,
+        body: bytes,
+        on_connection: Callable[[Connection], None] | None = None,
+    ) -> HttpResponse:
         """Send one request and read its status line and headers.
 
         Args:
             url: the full URL (`http://host:port/path` or `https://...`).
             head: the header lines after the request line, each ending in CRLF, no Host.
             body: the request body (its Content-Length is added).
+            on_connection: told each connection the request goes out on, before it is sent
+                (so an abort can shut it down while the head is awaited).
 
         Raises:
             OSError, TimeoutError: the connection could not be opened.
@@ -202,10 +222,15 @@ class ConnectionPool:
             if not conn.usable():
                 conn.close()
                 continue
+            if on_connection is not None:
+                on_connection(conn)
             with contextlib.suppress(ProtocolError, ConnectionError):
                 return await self._exchange(conn, message)  # a stale keep-alive: try afresh
             conn.close()
-        return await self._exchange(await self._open(key), message)
+        conn = await self._open(key)
+        if on_connection is not None:
+            on_connection(conn)
+        return await self._exchange(conn, message)
 
     async def _open(self, key: tuple[str, str, int]) -> Connection:
         context = ssl.create_default_context() if key[0] == "https" else None

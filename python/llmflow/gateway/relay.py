@@ -112,7 +112,12 @@ class RelayHost:
         """Send a session's request upstream through the relay."""
         rid = session.request_id
         self.sessions[rid] = session
-        self.relay.open(rid, url, body, f"llmflow-{rid}", session.prepared.options.include_usage)
+        include_usage = session.prepared.options.include_usage
+        self.relay.open(rid, url, body, f"llmflow-{rid}", include_usage, deferred=True)
+        # Sent on the loop's next turn, as a Python reader task would send it: what this turn
+        # closed (the abort that freed the slot it takes) reaches the backend first.
+        assert self._loop is not None
+        self._loop.call_soon(self.relay.go, rid)
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # woken by an earlier batch's byte

@@ -27,6 +27,7 @@ from llmflow.gateway.upstream import UpstreamError
 if TYPE_CHECKING:
     from llmflow._core import Reply, Start
     from llmflow.gateway.host import Host
+    from llmflow.gateway.http1 import Connection
     from llmflow.gateway.metrics import GatewayMetrics
     from llmflow.gateway.relay import RelayHost
     from llmflow.gateway.streaming import ClientOptions, Item
@@ -127,6 +128,7 @@ class StreamSession:
         self._ended = False  # the runtime sent this request's terminal action
         self._arriving = False  # inside `arrive`: a refusal now is counted as a rejection
         self._stream: UpstreamStream | None = None
+        self._conn: Connection | None = None  # the upstream connection, once there is one
         self._scope: anyio.CancelScope | None = None
         self._stop = False  # the read must stop (cut, abort, reply, client gone)
         self._reader: asyncio.Task[None] | None = None
@@ -257,6 +259,8 @@ class StreamSession:
 
     def _stop_reading(self) -> None:
         self._stop = True
+        if self._conn is not None and not self._upstream_complete:
+            self._conn.shut_down_now()  # before the runtime's next Start reaches the backend
         if self._scope is not None:
             self._scope.cancel()
 
@@ -302,7 +306,7 @@ class StreamSession:
             body = {**body, "priority": self.priority}
         host, rid = self.ctx.host, self.request_id
         self._stream = await self.ctx.upstream.open(
-            route.url, self.prepared.path, body, self.id_header["X-Request-Id"]
+            route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
         )
         host.started(rid)
         async for data in self._stream.events():
@@ -318,6 +322,11 @@ class StreamSession:
             if chunk is not None:
                 await self._emit(chunk)
         self._upstream_complete = True
+
+    def _on_conn(self, conn: Connection) -> None:
+        self._conn = conn
+        if self._stop:  # stopped while connecting: the request must not reach the backend
+            conn.shut_down_now()
 
     async def _emit(self, chunk: Item) -> None:
         if self.streaming:

@@ -20,8 +20,9 @@ import httpx
 from llmflow.gateway.http1 import ConnectionPool, HttpResponse, ProtocolError
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
+    from llmflow.gateway.http1 import Connection
     from llmflow.gateway.types import Json
 
 __all__ = ["Upstream", "UpstreamError", "UpstreamStream"]
@@ -118,7 +119,14 @@ class Upstream:
         )
         self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
-    async def open(self, base_url: str, path: str, body: Json, request_id: str) -> UpstreamStream:
+    async def open(
+        self,
+        base_url: str,
+        path: str,
+        body: Json,
+        request_id: str,
+        on_connection: Callable[[Connection], None] | None = None,
+    ) -> UpstreamStream:
         """Send a streamed completion and wait for the backend's response headers.
 
         Args:
@@ -126,6 +134,7 @@ class Upstream:
             path: `/v1/chat/completions` or `/v1/completions`.
             body: the JSON body (already rewritten for streaming).
             request_id: sent as `X-Request-Id`, so backend logs name the gateway's request.
+            on_connection: told the connection before the request goes out on it.
 
         Returns:
             The open stream (status 200).
@@ -139,7 +148,9 @@ class Upstream:
             b"x-request-id: " + request_id.encode() + b"\r\n"
         )
         try:
-            response = await self.pool.request(base_url + path, head, json.dumps(body).encode())
+            response = await self.pool.request(
+                base_url + path, head, json.dumps(body).encode(), on_connection
+            )
         except (OSError, TimeoutError, asyncio.TimeoutError) as exc:  # distinct before 3.11
             raise UpstreamError(
                 502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True

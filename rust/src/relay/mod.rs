@@ -18,6 +18,7 @@ pub mod chunk;
 pub mod events;
 pub mod sse;
 pub mod stream;
+pub mod upstream;
 
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,10 +26,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustc_hash::FxHashMap;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
@@ -91,7 +88,7 @@ impl Stats {
 /// What every stream task shares.
 pub struct Shared {
     pub events: events::Events,
-    pub client: Client<HttpConnector, Full<Bytes>>,
+    pub pool: upstream::Pool,
     pub config: RelayConfig,
     pub stats: Stats,
 }
@@ -111,16 +108,9 @@ impl Relay {
             .thread_name("llmflow-relay")
             .enable_all()
             .build()?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector);
         let shared = Arc::new(Shared {
             events: events::Events::new(notify),
-            client,
+            pool: upstream::Pool::default(),
             config,
             stats: Stats::default(),
         });
@@ -140,7 +130,8 @@ impl Relay {
         })
     }
 
-    /// Send a streamed completion upstream and relay it.
+    /// Send a streamed completion upstream and relay it (`deferred`: register it now, send it
+    /// on `Control::Go`).
     ///
     /// # Errors
     /// The URL or a header is malformed, or `id` is already live.
@@ -151,13 +142,24 @@ impl Relay {
         body: Vec<u8>,
         request_id: &str,
         include_usage: bool,
+        deferred: bool,
     ) -> Result<(), String> {
-        let request = hyper::Request::post(url)
-            .header("content-type", "application/json")
-            .header("accept", "text/event-stream")
-            .header("x-request-id", request_id)
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| format!("cannot build the upstream request: {e}"))?;
+        let uri: hyper::Uri = url
+            .parse()
+            .map_err(|e| format!("bad backend URL {url:?}: {e}"))?;
+        let (Some(authority), Some(path)) = (uri.authority(), uri.path_and_query()) else {
+            return Err(format!(
+                "bad backend URL {url:?}: it needs a host and a path"
+            ));
+        };
+        if uri.scheme_str() != Some("http") {
+            return Err(format!(
+                "bad backend URL {url:?}: the relay speaks plain http"
+            ));
+        }
+        let port = authority.port_u16().unwrap_or(80);
+        hyper::header::HeaderValue::from_str(request_id)
+            .map_err(|e| format!("bad request id {request_id:?}: {e}"))?;
         let (tx, rx) = unbounded_channel();
         {
             let mut streams = self.streams.lock().unwrap();
@@ -170,8 +172,12 @@ impl Relay {
         let streams = Arc::clone(&self.streams);
         let open = stream::Open {
             id,
-            request,
+            authority: format!("{}:{port}", authority.host()),
+            path: path.as_str().to_owned(),
+            body: Bytes::from(body),
+            request_id: request_id.to_owned(),
             include_usage,
+            deferred,
         };
         let Some(runtime) = self.runtime.as_ref() else {
             self.streams.lock().unwrap().remove(&id);
@@ -189,6 +195,26 @@ impl Relay {
     pub fn control(&self, id: u64, control: Control) -> bool {
         let streams = self.streams.lock().unwrap();
         streams.get(&id).is_some_and(|tx| tx.send(control).is_ok())
+    }
+
+    /// `control`, then wait (at most `timeout`) until the stream has carried it out: an abort
+    /// has closed the upstream socket when this returns, so vLLM hears of it before any
+    /// request the host sends next. False when the stream had already ended.
+    pub fn control_and_wait(&self, id: u64, control: Control, timeout: Duration) -> bool {
+        let (done, carried_out) = std::sync::mpsc::sync_channel(1);
+        {
+            let streams = self.streams.lock().unwrap();
+            let Some(tx) = streams.get(&id) else {
+                return false;
+            };
+            if tx.send(control).is_err() {
+                return false;
+            }
+            let _ = tx.send(Control::Ack(done));
+        }
+        // Ok: carried out; disconnected: the stream ended on it (and dropped everything).
+        let _ = carried_out.recv_timeout(timeout);
+        true
     }
 
     /// Every event since the last call, oldest first.

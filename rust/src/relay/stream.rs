@@ -24,6 +24,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::chunk::{merge_frames, ChunkShaper};
 use super::events::{Failure, RelayEvent};
+use super::upstream::{Conn, Driver, Pool};
 use super::Shared;
 
 /// What the host asks of a stream (each carries out a runtime action).
@@ -47,20 +48,34 @@ pub enum Control {
     Abort,
     /// Drop everything now: upstream and client.
     Close,
+    /// Send the request upstream now (a stream opened `deferred` waits for this).
+    Go,
+    /// Say when every control before this one has been carried out (the host waits for an
+    /// abort to reach the socket before the runtime's next `Start` goes upstream).
+    Ack(std::sync::mpsc::SyncSender<()>),
 }
 
 /// A request to relay.
 pub struct Open {
     pub id: u64,
-    pub request: hyper::Request<Full<Bytes>>,
+    /// The backend, `host:port`.
+    pub authority: String,
+    /// `/v1/chat/completions` or `/v1/completions`.
+    pub path: String,
+    pub body: Bytes,
+    /// Sent as `X-Request-Id`.
+    pub request_id: String,
     pub include_usage: bool,
+    /// Wait for `Control::Go` before connecting (controls that come first still apply).
+    pub deferred: bool,
 }
 
-type ResponseFuture = Pin<
-    Box<dyn Future<Output = Result<Response<Incoming>, hyper_util::client::legacy::Error>> + Send>,
->;
+type ResponseFuture = Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
+type ConnectFuture = Pin<Box<dyn Future<Output = io::Result<Conn>> + Send>>;
 
 const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
+/// vLLM ends the body right after `[DONE]`; waiting this long for it keeps the connection.
+const BODY_END_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 const WRITE_BATCH: usize = 64; // pieces per vectored write
 
@@ -68,8 +83,19 @@ const WRITE_BATCH: usize = 64; // pieces per vectored write
 struct Task {
     shared: Arc<Shared>,
     id: u64,
+    open: Open,
+    /// Opened deferred and not yet told to go.
+    waiting_go: bool,
+    connecting: Option<ConnectFuture>,
+    /// The connection to vLLM, its driver polled by this task (dropping it closes the socket).
+    conn: Option<Conn>,
     response: Option<ResponseFuture>,
     body: Option<Incoming>,
+    /// `[DONE]` came; the rest of the body is read so the connection can serve again.
+    draining_body: bool,
+    /// How long the body's end may take after `[DONE]` before the connection is dropped.
+    drain_until: Option<Instant>,
+    retried: bool,
     decoder: super::sse::SseDecoder,
     shaper: ChunkShaper,
     first_sent: bool,
@@ -89,6 +115,7 @@ struct Task {
     last_flush: Option<Instant>,
     last_write: Option<Instant>,
     full: bool,
+    driver_done: bool,
     terminated: bool,
     clean: bool,
 }
@@ -99,14 +126,21 @@ pub async fn run(
     open: Open,
     mut ctrl: UnboundedReceiver<Control>,
 ) -> RelayEvent {
-    let response: ResponseFuture = Box::pin(shared.client.request(open.request));
+    let connecting = (!open.deferred).then(|| connect(&shared, &open.authority));
     let mut task = Task {
-        shared,
+        waiting_go: open.deferred,
         id: open.id,
-        response: Some(response),
-        body: None,
-        decoder: super::sse::SseDecoder::new(),
         shaper: ChunkShaper::new(open.include_usage),
+        shared,
+        open,
+        connecting,
+        conn: None,
+        response: None,
+        body: None,
+        draining_body: false,
+        drain_until: None,
+        retried: false,
+        decoder: super::sse::SseDecoder::new(),
         first_sent: false,
         upstream_complete: false,
         client: None,
@@ -120,6 +154,7 @@ pub async fn run(
         last_flush: None,
         last_write: None,
         full: false,
+        driver_done: false,
         terminated: false,
         clean: false,
     };
@@ -136,10 +171,14 @@ impl Task {
     async fn run(&mut self, ctrl: &mut UnboundedReceiver<Control>) {
         let mut peek_buf = [0u8; 1];
         loop {
-            if self.terminated && self.out.is_empty() && self.client.is_some() {
-                return; // everything written
+            let written = self.terminated && self.out.is_empty() && self.client.is_some();
+            let draining = self.body.is_some() && self.draining_body;
+            if written && !(draining && self.drain_until.is_some_and(|t| Instant::now() < t)) {
+                return; // everything written (and the upstream body read to its end, or given up)
             }
-            let reading = self.body.is_some() && !(self.full && self.shared.config.pause_when_full);
+            let reading = self.body.is_some()
+                && (self.draining_body || !(self.full && self.shared.config.pause_when_full));
+            let driving = self.conn.is_some() && !self.driver_done;
             let writing = self.client.is_some() && !self.out.is_empty();
             let watching = self.client.is_some() && self.watch_client;
             let step = tokio::select! {
@@ -148,6 +187,15 @@ impl Task {
                     Some(control) => self.control(control),
                     None => Step::Stop,
                 },
+                conn = async { self.connecting.as_mut().unwrap().await }, if self.connecting.is_some() => {
+                    self.connecting = None;
+                    self.on_connected(conn)
+                }
+                _ = async { self.conn.as_mut().unwrap().driver.as_mut().await }, if driving => {
+                    // The connection ended; a reply or body still waiting on it fails by itself.
+                    self.driver_done = true;
+                    Step::Go
+                }
                 res = async { self.response.as_mut().unwrap().await }, if self.response.is_some() => {
                     self.response = None;
                     self.on_response(res).await
@@ -167,6 +215,9 @@ impl Task {
                         Ok(_) => { self.watch_client = false; Step::Go } // pipelined bytes: not ours
                     }
                 }
+                () = async { tokio::time::sleep_until(self.drain_until.unwrap().into()).await }, if written && draining => {
+                    Step::Go
+                }
                 () = async { tokio::time::sleep_until(self.flush_at.unwrap()).await }, if self.flush_at.is_some() => {
                     self.flush_held();
                     self.write()
@@ -183,6 +234,12 @@ impl Task {
     }
 
     fn closed(mut self) -> RelayEvent {
+        if let Some(conn) = self.conn.take() {
+            let drained = self.upstream_complete && self.body.is_none() && !self.driver_done;
+            if drained && !conn.sender.is_closed() {
+                self.shared.pool.checkin(&self.open.authority, conn);
+            }
+        }
         let socket = if self.clean && self.keep_alive && self.out.is_empty() {
             self.client
                 .take()
@@ -201,36 +258,69 @@ impl Task {
 
     // ---- upstream --------------------------------------------------------------------------
 
-    async fn on_response(
-        &mut self,
-        res: Result<Response<Incoming>, hyper_util::client::legacy::Error>,
-    ) -> Step {
-        let response = match res {
-            Ok(r) => r,
+    fn on_connected(&mut self, conn: io::Result<Conn>) -> Step {
+        let mut conn = match conn {
+            Ok(conn) => conn,
             Err(e) => {
-                let down = e.is_connect();
-                let failure = if down {
+                self.push(RelayEvent::Failed(
+                    self.id,
                     Failure {
                         status: 502,
                         code: "backend_unavailable",
-                        message: format!("backend unreachable: {}", source_chain(&e)),
+                        message: format!("backend unreachable: {e}"),
                         backend_down: true,
-                    }
-                } else {
+                    },
+                ));
+                return Step::Go;
+            }
+        };
+        let o = &self.open;
+        let request = hyper::Request::post(o.path.as_str())
+            .header("host", o.authority.as_str())
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream")
+            .header("x-request-id", o.request_id.as_str())
+            .body(Full::new(o.body.clone()))
+            .expect("checked when the stream was opened");
+        self.response = Some(Box::pin(conn.sender.send_request(request)));
+        self.driver_done = false;
+        self.conn = Some(conn);
+        Step::Go
+    }
+
+    async fn on_response(&mut self, res: hyper::Result<Response<Incoming>>) -> Step {
+        let response = match res {
+            Ok(r) => r,
+            Err(e) => {
+                let stale = self.conn.as_ref().is_some_and(|c| c.reused);
+                self.conn = None;
+                if stale && !self.retried {
+                    // A kept-alive connection the backend had closed: once more, on a new one.
+                    self.retried = true;
+                    self.connecting = Some(connect_new(&self.shared, &self.open.authority));
+                    return Step::Go;
+                }
+                self.push(RelayEvent::Failed(
+                    self.id,
                     Failure {
                         status: 502,
                         code: "backend_error",
                         message: format!("backend failed: {}", source_chain(&e)),
                         backend_down: false,
-                    }
-                };
-                self.push(RelayEvent::Failed(self.id, failure));
+                    },
+                ));
                 return Step::Go;
             }
         };
         let status = response.status().as_u16();
         if status != 200 {
-            let raw = read_limited(response.into_body(), ERROR_BODY_LIMIT).await;
+            let raw = match self.conn.as_mut() {
+                Some(conn) => {
+                    read_limited(response.into_body(), &mut conn.driver, ERROR_BODY_LIMIT).await
+                }
+                None => Vec::new(),
+            };
+            self.conn = None; // an error reply: the connection is not worth keeping
             let message =
                 error_message(&raw).unwrap_or_else(|| format!("backend answered {status}"));
             let failure = if (400..500).contains(&status) {
@@ -257,6 +347,17 @@ impl Task {
     }
 
     fn on_frame(&mut self, frame: Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>) -> Step {
+        if self.draining_body {
+            match frame {
+                Some(Ok(_)) => {}
+                Some(Err(_)) => {
+                    self.body = None;
+                    self.conn = None;
+                }
+                None => self.body = None, // read to the end: the connection can serve again
+            }
+            return Step::Go;
+        }
         let data = match frame {
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => data,
@@ -290,7 +391,8 @@ impl Task {
             }
         }
         if decoded.done {
-            self.body = None;
+            self.draining_body = true;
+            self.drain_until = Some(now + BODY_END_WAIT);
             self.upstream_complete = true;
             self.clean = true;
             self.push(RelayEvent::Done(self.id));
@@ -301,6 +403,7 @@ impl Task {
 
     fn fail(&mut self, message: String) -> Step {
         self.body = None;
+        self.conn = None;
         self.push(RelayEvent::Failed(
             self.id,
             Failure {
@@ -451,6 +554,9 @@ impl Task {
     }
 
     fn client_gone(&mut self) -> Step {
+        // Close upstream before the host hears of it: vLLM sees the abort before the runtime
+        // can start another request in the freed slot.
+        self.stop_upstream();
         self.client = None;
         self.clean = false;
         self.push(RelayEvent::ClientGone(self.id));
@@ -502,18 +608,36 @@ impl Task {
             }
             Control::Cut { frame: None, .. } | Control::Close => {
                 self.clean = false;
+                self.stop_upstream();
                 Step::Stop
             }
             Control::Abort => {
                 self.stop_upstream();
                 Step::Go
             }
+            Control::Go => {
+                if self.waiting_go {
+                    self.waiting_go = false;
+                    self.connecting = Some(connect(&self.shared, &self.open.authority));
+                }
+                Step::Go
+            }
+            Control::Ack(done) => {
+                let _ = done.send(());
+                Step::Go
+            }
         }
     }
 
     fn stop_upstream(&mut self) {
+        if self.upstream_complete && self.draining_body {
+            return; // the reply is whole: let the connection finish and serve again
+        }
+        self.waiting_go = false;
+        self.connecting = None;
         self.response = None;
         self.body = None;
+        self.conn = None; // closes the socket now, in this task
     }
 }
 
@@ -550,20 +674,41 @@ fn source_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-async fn read_limited(mut body: Incoming, limit: usize) -> Vec<u8> {
+/// Up to `limit` bytes of an error reply's body (the connection's driver runs meanwhile).
+async fn read_limited(mut body: Incoming, driver: &mut Driver, limit: usize) -> Vec<u8> {
     let mut raw = Vec::new();
+    let mut driving = true;
     while raw.len() < limit {
-        match body.frame().await {
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    raw.extend_from_slice(&data);
+        tokio::select! {
+            frame = body.frame() => match frame {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        raw.extend_from_slice(&data);
+                    }
                 }
-            }
-            _ => break,
+                _ => break,
+            },
+            _ = driver.as_mut(), if driving => driving = false,
         }
     }
     raw.truncate(limit);
     raw
+}
+
+fn connect(shared: &Arc<Shared>, authority: &str) -> ConnectFuture {
+    let shared = Arc::clone(shared);
+    let authority = authority.to_owned();
+    Box::pin(async move {
+        let timeout = shared.config.connect_timeout;
+        shared.pool.checkout(&authority, timeout).await
+    })
+}
+
+/// A fresh connection (the retry after a stale kept-alive one).
+fn connect_new(shared: &Arc<Shared>, authority: &str) -> ConnectFuture {
+    let timeout = shared.config.connect_timeout;
+    let authority = authority.to_owned();
+    Box::pin(async move { Pool::connect(&authority, timeout).await })
 }
 
 /// The message of an OpenAI- or FastAPI-style error body, else its text.
