@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
-from llmflow._core import Relay
+from llmflow._core import InvalidArgumentError, Relay
 from llmflow.gateway.handoff import handoff_of
 from llmflow.gateway.session import StreamSession, in_band_error, reply_error
 from llmflow.gateway.streaming import encode_event, tail_chunk
@@ -111,9 +111,9 @@ class RelayHost:
     def open(self, session: RelayedSession, url: str, body: bytes) -> None:
         """Send a session's request upstream through the relay."""
         rid = session.request_id
-        self.sessions[rid] = session
         include_usage = session.prepared.options.include_usage
         self.relay.open(rid, url, body, f"llmflow-{rid}", include_usage, deferred=True)
+        self.sessions[rid] = session
         # Sent on the loop's next turn, as a Python reader task would send it: what this turn
         # closed (the abort that freed the slot it takes) reaches the backend first.
         assert self._loop is not None
@@ -165,15 +165,25 @@ class RelayedSession(StreamSession):
     # ---- the runtime's actions ---------------------------------------------------------------
 
     def _begin(self) -> None:
-        if self._stop:  # cut between admission and now: the Python path writes the end
+        route = self.ctx.routes[self.backend or ""]
+        # Cut between admission and now, or a backend the relay cannot speak to (https): the
+        # Python path serves it (and writes the end of a reply that never started).
+        if self._stop or not route.url.startswith("http://"):
             super()._begin()
             return
-        route = self.ctx.routes[self.backend or ""]
         body = self.prepared.body
         if route.priority_scheduling:
             body = {**body, "priority": self.priority}
+        url = route.url + self.prepared.path
+        try:
+            self.relay_host.open(self, url, json.dumps(body).encode())
+        except InvalidArgumentError:  # a URL the relay cannot parse
+            log.warning(
+                "relay cannot open %s; streaming request %d through Python", url, self.request_id
+            )
+            super()._begin()
+            return
         self.opened = True
-        self.relay_host.open(self, route.url + self.prepared.path, json.dumps(body).encode())
 
     def on_abort(self) -> None:
         if not self.opened:
