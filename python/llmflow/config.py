@@ -1,8 +1,10 @@
 """The llmflow YAML config: one file whose sections mirror the seed's, validated with clear errors.
 
-Defaults are the seed's values (`max_concurrency_per_gpu: 16`, `max_waiting: 200`,
-`client_window: 8`, `first_token_timeout_ms: 3000`, `sse_flush_interval: 20ms`, 80% queue fill
-for normal traffic, 85% KV pressure, 1.5 s TTFT SLA). `Settings.to_core()` turns a validated file
+Defaults are the seed's values (`max_waiting: 200`, `client_window: 8`,
+`first_token_timeout_ms: 3000`, `sse_flush_interval: 20ms`, 80% queue fill for normal traffic,
+85% KV pressure, 1.5 s TTFT SLA), except the concurrency cap: the seed's fixed 16 per GPU is
+`seed-gate`'s; here 256 per GPU (vLLM's default `max_num_seqs`) is only the bound, and within it the number running follows the
+engine's KV capacity (`kv.fit_target`) and batch borrows what the latency tiers' headroom leaves. `Settings.to_core()` turns a validated file
 into the mapping `llmflow._core.Governor` takes, so the gateway and the simulator build the very
 same policy from the same file.
 """
@@ -65,9 +67,16 @@ class Queue(_Section):
 
 
 class Gate(_Section):
-    max_concurrency_per_gpu: int = Field(16, ge=1)
+    # The bound on requests running per GPU. Within it the number running follows the engine:
+    # requests start while the KV they are expected to reach fits (`kv.fit_target`).
+    max_concurrency_per_gpu: int = Field(256, ge=1)
     queue: Queue = Queue()
     on_queue_full: Literal["reject_429"] = "reject_429"
+    # Slots kept free for the latency tiers, sized online by Erlang C from their measured
+    # arrival rate and hold time: an arrival finds a slot within `headroom_wait_ms` with this
+    # probability. Best-effort tiers borrow every other slot. None: no headroom.
+    headroom_quantile: Annotated[float, Field(gt=0, lt=1)] | None = 0.999
+    headroom_wait_ms: DurationMs = 500.0
 
 
 class Tier(_Section):
@@ -75,6 +84,8 @@ class Tier(_Section):
     shed_at: Fraction = 1.0  # queue fill above which this tier is refused
     max_share: Fraction = 1.0  # share of each backend's slots this tier may hold
     protected: bool = False  # exempt from KV-pressure and preemption shedding (VIP)
+    # no latency objective (batch): never refused for the TTFT SLA; borrows idle slots only
+    best_effort: bool = False
 
 
 class Tenant(_Section):
@@ -94,6 +105,9 @@ class Kv(_Section):
     input_token_weight: float = Field(1.0, ge=0)
     output_token_weight: float = Field(2.0, ge=0)
     kv_weight: float = Field(1.0, ge=0)  # how much a long request's KV footprint lowers it
+    # share of a backend's KV the running requests may be expected to fill at their peak
+    # (prompt + the tenant's measured output, max_tokens until measured); None: prompt only
+    fit_target: Fraction | None = 0.9
 
 
 class Sla(_Section):
@@ -135,7 +149,7 @@ class Server(_Section):
 _DEFAULT_TIERS = (
     Tier(name="vip", shed_at=1.0, protected=True),
     Tier(name="normal", shed_at=0.8),
-    Tier(name="batch", shed_at=0.5, max_share=0.5),
+    Tier(name="batch", shed_at=0.5, best_effort=True),
 )
 
 
@@ -209,6 +223,9 @@ class Settings(_Section):
             "input_token_weight": self.kv.input_token_weight,
             "output_token_weight": self.kv.output_token_weight,
             "kv_weight": self.kv.kv_weight,
+            "kv_fit_target": self.kv.fit_target,
+            "headroom_quantile": self.gate.headroom_quantile,
+            "headroom_wait_ms": self.gate.headroom_wait_ms,
         }
 
     def to_runtime(self) -> dict[str, Any]:

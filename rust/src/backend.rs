@@ -22,13 +22,23 @@ pub struct BackendState {
     pub running_by_tier: Vec<u32>,
     /// Prompt tokens of running requests still waiting for their first token.
     pub prefill_pending: u64,
+    /// KV blocks the running requests are expected to need at their peak (see `kv_fit_target`).
+    pub committed_blocks: u64,
     pub healthy: bool,
     pub observed: Option<Observation>,
     pub preemptions_seen: Option<u64>,
     pub preemptions_total: u64,
-    /// Prefill tokens per second, smoothed (EWMA) from measured first-token times.
+    /// Prefill tokens per second, smoothed (EWMA), measured while prefill work was waiting.
     pub prefill_tps: f64,
+    /// Prompt tokens prefilled (their first token seen) since `sample_at_us`, and the prefill
+    /// work pending then.
+    prefilled: u64,
+    sample_at_us: Option<u64>,
+    pending_at_sample: u64,
 }
+
+/// Shortest interval over which a prefill-throughput sample is taken (µs).
+const PREFILL_SAMPLE_US: u64 = 500_000;
 
 /// Weight of a new sample in the smoothed estimates: recent enough to follow load shifts,
 /// smooth enough that one odd request does not swing admission.
@@ -43,11 +53,15 @@ impl BackendState {
             running: 0,
             running_by_tier: vec![0; tiers],
             prefill_pending: 0,
+            committed_blocks: 0,
             healthy: true,
             observed: None,
             preemptions_seen: None,
             preemptions_total: 0,
             prefill_tps,
+            prefilled: 0,
+            sample_at_us: None,
+            pending_at_sample: 0,
         }
     }
 
@@ -76,15 +90,40 @@ impl BackendState {
         }
     }
 
-    /// Fold a measured prefill rate into the estimate (ignoring absurd samples from clock
-    /// jitter: more than 100x off the current estimate either way).
-    pub fn record_prefill(&mut self, tokens: u64, elapsed_us: u64) {
-        if elapsed_us == 0 || tokens == 0 {
+    /// Count a prompt whose first token came out, and take a throughput sample when due.
+    ///
+    /// The rate is measured as prompt tokens completed per second over intervals of at least
+    /// 500 ms that began with prefill work pending: a busy backend's throughput, not the
+    /// arrival rate of an idle one. (Timing each request's own first token against the work
+    /// ahead of it overestimates badly: a long prompt counts whole until its first token even
+    /// when vLLM has chunked most of it already.)
+    pub fn record_prefill(&mut self, prompt: u64, now_us: u64) {
+        self.prefilled += prompt;
+        self.sample_prefill(now_us);
+    }
+
+    /// Take a prefill-throughput sample if one is due (also called on every scrape).
+    pub fn sample_prefill(&mut self, now_us: u64) {
+        let Some(at) = self.sample_at_us else {
+            self.restart_sample(now_us);
+            return;
+        };
+        let elapsed = now_us.saturating_sub(at);
+        if elapsed < PREFILL_SAMPLE_US {
             return;
         }
-        let sample = tokens as f64 / (elapsed_us as f64 / 1e6);
-        let clamped = sample.clamp(self.prefill_tps / 100.0, self.prefill_tps * 100.0);
-        self.prefill_tps += EWMA_ALPHA * (clamped - self.prefill_tps);
+        if self.pending_at_sample > 0 && self.prefilled > 0 {
+            let sample = self.prefilled as f64 / (elapsed as f64 / 1e6);
+            let clamped = sample.clamp(self.prefill_tps / 100.0, self.prefill_tps * 100.0);
+            self.prefill_tps += EWMA_ALPHA * (clamped - self.prefill_tps);
+        }
+        self.restart_sample(now_us);
+    }
+
+    fn restart_sample(&mut self, now_us: u64) {
+        self.prefilled = 0;
+        self.sample_at_us = Some(now_us);
+        self.pending_at_sample = self.prefill_pending;
     }
 }
 
@@ -134,13 +173,20 @@ mod tests {
         assert!(!b.is_stale(10_000, None));
     }
 
-    // The prefill estimate moves toward measurements, but an outlier moves it at most 100x.
+    // The prefill estimate moves toward the tokens a busy backend prefills per second; an
+    // interval that began with nothing pending, or is shorter than 500 ms, is no sample.
     #[test]
     fn prefill_estimate() {
         let mut b = backend();
-        b.record_prefill(2000, 1_000_000);
+        b.prefill_pending = 4000;
+        b.sample_prefill(0);
+        b.record_prefill(1000, 250_000);
+        assert!((b.prefill_tps - 1000.0).abs() < 1e-9);
+        b.record_prefill(1000, 1_000_000); // 2000 tokens in 1 s
         assert!((b.prefill_tps - 1200.0).abs() < 1e-9);
-        b.record_prefill(1, 0);
+        b.prefill_pending = 0;
+        b.sample_prefill(2_000_000);
+        b.record_prefill(100, 3_000_000); // began idle: the arrival rate, not throughput
         assert!((b.prefill_tps - 1200.0).abs() < 1e-9);
     }
 }

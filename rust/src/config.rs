@@ -33,6 +33,10 @@ pub struct TierConfig {
     /// Exempt from KV-pressure, TTFT-SLA and preemption-breaker shedding (a VIP tier).
     #[serde(default)]
     pub protected: bool,
+    /// No latency objective (a batch tier): never refused for the TTFT SLA, and it borrows
+    /// only the slots and KV the latency tiers' headroom leaves idle (work-conserving sharing).
+    #[serde(default)]
+    pub best_effort: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -91,6 +95,18 @@ pub struct PolicyConfig {
     pub output_token_weight: f64,
     #[serde(default = "one_f")]
     pub kv_weight: f64,
+    /// Share of a backend's KV blocks that admitted work may be expected to fill at its peak
+    /// (prompt plus the tenant's measured output, or `max_tokens` until measured). `None`: only
+    /// the prompt must fit the free blocks.
+    #[serde(default)]
+    pub kv_fit_target: Option<f64>,
+    /// Headroom for the latency tiers, sized online (Erlang C) from their measured arrival rate
+    /// and service time: the probability that an arrival of theirs finds a slot within
+    /// `headroom_wait_ms`. Best-effort tiers never take that headroom. `None`: no headroom.
+    #[serde(default)]
+    pub headroom_quantile: Option<f64>,
+    #[serde(default = "default_headroom_wait")]
+    pub headroom_wait_ms: f64,
 }
 
 fn one() -> u32 {
@@ -116,6 +132,9 @@ fn default_prefill_tps() -> f64 {
 }
 fn default_output_weight() -> f64 {
     2.0
+}
+fn default_headroom_wait() -> f64 {
+    500.0
 }
 
 impl PolicyConfig {
@@ -164,9 +183,23 @@ impl PolicyConfig {
             }
             positive_f(&format!("tenants[{i}].weight"), t.weight)?;
         }
-        if let Some(v) = self.kv_pressure_threshold {
-            fraction("kv_pressure_threshold", v)?;
+        for (key, value) in [
+            ("kv_pressure_threshold", self.kv_pressure_threshold),
+            ("kv_fit_target", self.kv_fit_target),
+        ] {
+            if let Some(v) = value {
+                fraction(key, v)?;
+            }
         }
+        if let Some(q) = self.headroom_quantile {
+            if !(q > 0.0 && q < 1.0) {
+                return Err(PolicyError::config(
+                    "headroom_quantile",
+                    format!("must be in (0, 1), e.g. 0.99, got {q}"),
+                ));
+            }
+        }
+        positive_f("headroom_wait_ms", self.headroom_wait_ms)?;
         positive_f("prefill_tokens_per_s", self.prefill_tokens_per_s)?;
         for (key, value) in [
             ("ttft_sla_ms", self.ttft_sla_ms),
@@ -209,6 +242,13 @@ impl PolicyConfig {
         for (i, t) in self.tiers.iter().enumerate() {
             fraction(&format!("tiers[{i}].shed_at"), t.shed_at)?;
             fraction(&format!("tiers[{i}].max_share"), t.max_share)?;
+            if t.protected && t.best_effort {
+                return Err(PolicyError::config(
+                    format!("tiers[{i}]"),
+                    "a tier cannot be both protected (never shed) and best_effort (no latency \
+                     objective); choose one",
+                ));
+            }
             // A more important tier must never be shed while a less important one is still let
             // in: that is what makes "VIP is never shed before normal" hold by construction.
             if i > 0 && t.shed_at > self.tiers[i - 1].shed_at {

@@ -15,6 +15,8 @@ pub struct Snapshot {
     pub draining: bool,
     pub kv_blocks_in_use: u64,
     pub drain_rate_per_s: f64,
+    /// Slots kept free for the latency tiers (Erlang C headroom); best-effort work takes none.
+    pub headroom_slots: u32,
     pub backends: Vec<BackendSnapshot>,
     pub tenants: Vec<TenantSnapshot>,
     pub requests: Vec<RequestSnapshot>,
@@ -30,6 +32,8 @@ pub struct BackendSnapshot {
     pub running: u32,
     pub kv_usage: f64,
     pub kv_blocks_reserved: u64,
+    /// Blocks the running requests are expected to reach at their peak.
+    pub kv_blocks_committed: u64,
     pub kv_capacity_blocks: u64,
     pub prefill_tokens_per_s: f64,
     pub reported_running: Option<u64>,
@@ -88,6 +92,7 @@ impl Governor {
                 running: b.running,
                 kv_usage: self.backend_kv_usage(i, now_us),
                 kv_blocks_reserved: self.ledger.backend_blocks(i as u32),
+                kv_blocks_committed: b.committed_blocks,
                 kv_capacity_blocks: b.kv_capacity_blocks,
                 prefill_tokens_per_s: b.prefill_tps,
                 reported_running: b.observed.and_then(|o| o.running),
@@ -152,6 +157,7 @@ impl Governor {
             draining: self.draining,
             kv_blocks_in_use: self.ledger.total_blocks(),
             drain_rate_per_s: self.drain_rate(),
+            headroom_slots: self.headroom_slots(),
             backends,
             tenants,
             requests,

@@ -38,11 +38,11 @@ PRESETS: dict[str, tuple[dict[str, Any], str, str | None]] = {
     # seed's own `strategy: "fair"` order (a scenario may override it to "fifo").
     "seed-gate": (
         {
-            "gate": {"max_concurrency_per_gpu": 16,
+            "gate": {"max_concurrency_per_gpu": 16, "headroom_quantile": None,
                      "queue": {"max_waiting": 200, "strategy": "fair", "max_wait_ms": None}},
             "tiers": [{"name": "all"}],
             "default_tier": "all",
-            "kv": {"pressure_threshold": None},
+            "kv": {"pressure_threshold": None, "fit_target": None},
             "sla": {"ttft_ms": None},
             "preemption": {"cooldown_ms": None},
             "timeouts": {"total_ms": None},

@@ -4,11 +4,21 @@ use super::{us, Governor, Running};
 use crate::types::{Admission, ExpiryReason};
 
 impl Governor {
-    /// The healthy backend with the most free slots for this tier whose free KV blocks can hold
-    /// the prompt, or none. (A prompt that does not fit would only wait in vLLM's own FCFS
-    /// queue; waiting here keeps the fair queue in charge of who gets the freed blocks.)
-    pub(super) fn pick_backend(&self, tier_idx: usize, prompt: u64, now_us: u64) -> Option<u32> {
+    /// The healthy backend with the most free slots for this tier whose KV can take the
+    /// request, or none. (A request that does not fit would only wait in vLLM's own FCFS queue
+    /// or be preempted there; waiting here keeps the fair queue in charge of who gets the freed
+    /// blocks.) `peak` is the context the request is expected to reach (prompt plus expected
+    /// output): with `kv_fit_target` the backend's committed blocks must leave room for it, so
+    /// the number of requests running follows the KV capacity, not a fixed count.
+    pub(super) fn pick_backend(
+        &self,
+        tier_idx: usize,
+        prompt: u64,
+        peak: u64,
+        now_us: u64,
+    ) -> Option<u32> {
         let tier = &self.config.tiers[tier_idx];
+        let peak_blocks = self.ledger.blocks_for(peak);
         let mut best: Option<(u32, u32)> = None;
         for (i, b) in self.backends.iter().enumerate() {
             if !b.healthy {
@@ -28,7 +38,12 @@ impl Governor {
             }
             // Protected tiers skip the fit check: vLLM's priority scheduling preempts lower
             // tiers to make room for them, and waiting here would only delay a VIP.
-            if !tier.protected && !self.prompt_fits(i, prompt, now_us) {
+            if !tier.protected
+                && !(self.fits(i, prompt, peak_blocks, now_us) && self.prefill_paced(i, prompt))
+            {
+                continue;
+            }
+            if tier.best_effort && !self.leaves_headroom(i, peak_blocks) {
                 continue;
             }
             let headroom = total - b.running;
@@ -39,9 +54,10 @@ impl Governor {
         best.map(|(_, i)| i)
     }
 
-    /// Whether a backend's free KV blocks hold a prompt plus one block of output. Unknown
-    /// capacity, or an idle backend, always fits (vLLM is then the judge).
-    fn prompt_fits(&self, b: usize, prompt: u64, now_us: u64) -> bool {
+    /// Whether a backend's free KV blocks hold a prompt plus one block of output and, with
+    /// `kv_fit_target`, whether its committed blocks leave room for the request's expected
+    /// peak. Unknown capacity, or an idle backend, always fits (vLLM is then the judge).
+    fn fits(&self, b: usize, prompt: u64, peak_blocks: u64, now_us: u64) -> bool {
         let backend = &self.backends[b];
         let capacity = backend.kv_capacity_blocks;
         if capacity == 0 || backend.running == 0 {
@@ -49,7 +65,12 @@ impl Governor {
         }
         let reported = (self.backend_kv_usage(b, now_us) * capacity as f64).ceil() as u64;
         let used = reported.max(self.ledger.backend_blocks(b as u32));
-        self.ledger.blocks_for(prompt) < capacity.saturating_sub(used)
+        if self.ledger.blocks_for(prompt) >= capacity.saturating_sub(used) {
+            return false;
+        }
+        self.config.kv_fit_target.is_none_or(|target| {
+            backend.committed_blocks + peak_blocks <= (target * capacity as f64) as u64
+        })
     }
 
     /// Move queued requests onto free slots: tiers in strict order, tenants fairly within.
@@ -58,6 +79,7 @@ impl Governor {
     /// (they already hold their slots), then the new ones, each exactly once.
     pub fn dispatch(&mut self, now_us: u64) -> Vec<Admission> {
         self.tick(now_us);
+        self.update_headroom(now_us);
         let mut admitted = std::mem::take(&mut self.pending);
         let placed = self.place_queued(now_us);
         self.counters.dispatched += placed.len() as u64;
@@ -75,11 +97,12 @@ impl Governor {
         }
         for tier_idx in 0..self.config.tiers.len() {
             while self.queue.tier_len(tier_idx) > 0 {
-                let head = self
-                    .queue
-                    .peek(tier_idx)
-                    .map_or(0, |item| item.prompt_tokens);
-                let Some(backend) = self.pick_backend(tier_idx, head, now_us) else {
+                let (prompt, peak) = self.queue.peek(tier_idx).map_or((0, 0), |item| {
+                    let req = &self.requests[&item.id];
+                    let out = self.expected_output(req.tenant, req.max_tokens);
+                    (item.prompt_tokens, item.prompt_tokens + out)
+                });
+                let Some(backend) = self.pick_backend(tier_idx, prompt, peak, now_us) else {
                     break;
                 };
                 let Some((_, item)) = self.queue.pop(tier_idx) else {
@@ -100,10 +123,22 @@ impl Governor {
         admitted
     }
 
-    /// Give a request its slot: count it on the backend, open its KV entry, charge its prompt.
+    /// Give a request its slot: count it on the backend, open its KV entry, commit its expected
+    /// peak, charge its prompt.
     pub(super) fn start(&mut self, id: u64, backend: u32, now_us: u64) {
+        let (tenant, max_tokens) = {
+            let req = &self.requests[&id];
+            (req.tenant, req.max_tokens)
+        };
+        let peak = self.requests[&id].prompt + self.expected_output(tenant, max_tokens);
+        let committed = self.ledger.blocks_for(peak);
         let b = &mut self.backends[backend as usize];
         let req = self.requests.get_mut(&id).expect("start: request is live");
+        req.committed = committed;
+        b.committed_blocks += committed;
+        if !self.config.tiers[req.tier].best_effort {
+            self.tier_load[req.tier].committed(committed);
+        }
         b.running += 1;
         b.running_by_tier[req.tier] += 1;
         b.prefill_pending += req.prompt;
@@ -111,7 +146,6 @@ impl Governor {
             backend,
             admitted_us: now_us,
             first_token: false,
-            prefill_ahead: b.prefill_pending,
         });
         let (tenant, prompt) = (req.tenant, req.prompt);
         self.ledger.open(id, tenant, backend, prompt, now_us);

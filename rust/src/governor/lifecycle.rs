@@ -22,8 +22,8 @@ impl Governor {
         }
         run.first_token = true;
         let b = &mut self.backends[run.backend as usize];
+        b.record_prefill(req.prompt, now_us);
         b.prefill_pending -= req.prompt;
-        b.record_prefill(run.prefill_ahead, now_us.saturating_sub(run.admitted_us));
         self.clear_deadline(id, crate::types::ExpiryReason::FirstTokenTimeout);
         true
     }
@@ -41,7 +41,14 @@ impl Governor {
         req.generated += n;
         let context = (req.prompt + req.generated) as f64;
         let tenant = req.tenant;
-        self.ledger.grow(id, n, now_us);
+        if let Some(blocks) = self.ledger.grow(id, n, now_us) {
+            // Past its expected peak a request commits what it really holds.
+            if blocks > req.committed {
+                let backend = req.running.as_ref().map_or(0, |r| r.backend);
+                self.backends[backend as usize].committed_blocks += blocks - req.committed;
+                req.committed = blocks;
+            }
+        }
         let per_token =
             self.config.output_token_weight + self.config.kv_weight * context / KV_COST_TOKENS;
         self.queue.charge(tenant, per_token * n as f64);
@@ -71,6 +78,7 @@ impl Governor {
                 let b = &mut self.backends[run.backend as usize];
                 b.running -= 1;
                 b.running_by_tier[req.tier] -= 1;
+                b.committed_blocks -= req.committed;
                 if !run.first_token {
                     b.prefill_pending -= req.prompt;
                 }
@@ -79,6 +87,8 @@ impl Governor {
                     let took = now_us.saturating_sub(run.admitted_us) as f64 / 1e6;
                     let smoothed = self.service_s.map_or(took, |s| s + EWMA_ALPHA * (took - s));
                     self.service_s = Some(smoothed.max(1e-3));
+                    self.tier_load[req.tier].held(took.max(1e-3));
+                    self.record_output(req.tenant, req.generated);
                 }
             }
         }

@@ -23,6 +23,7 @@
 
 mod deadlines;
 mod dispatch;
+mod headroom;
 mod lifecycle;
 mod observe;
 mod shedding;
@@ -31,12 +32,15 @@ use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
-use crate::backend::BackendState;
+use crate::backend::{BackendState, EWMA_ALPHA};
 use crate::config::PolicyConfig;
 use crate::error::{PolicyError, PolicyResult};
 use crate::fair_queue::{FairQueue, QueuedItem};
 use crate::kv::KvLedger;
 use crate::types::{Admission, Decision, ExpiryReason, Outcome, RejectReason};
+
+pub use headroom::servers_needed;
+use headroom::TierLoad;
 
 /// Mean service time assumed until the first completion is measured; it only shapes the
 /// first Retry-After and queue-wait estimates.
@@ -49,9 +53,6 @@ pub(crate) struct Running {
     pub backend: u32,
     admitted_us: u64,
     pub first_token: bool,
-    /// Prefill work on the backend when admitted (its own prompt included): divided by the
-    /// time to first token it measures the backend's prefill throughput.
-    prefill_ahead: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -59,7 +60,11 @@ pub(crate) struct Request {
     pub tenant: u32,
     pub tier: usize,
     pub prompt: u64,
+    pub max_tokens: u64,
     pub generated: u64,
+    /// KV blocks this request counts against its backend while running: the larger of its
+    /// expected peak (prompt plus expected output, fixed at start) and what it holds now.
+    pub committed: u64,
     pub priority: i64,
     pub submitted_us: u64,
     pub running: Option<Running>,
@@ -99,6 +104,13 @@ pub struct Governor {
     pub(crate) shed_level: u8,
     breaker_until_us: u64,
     service_s: Option<f64>,
+    /// Per tier: arrival rate, hold time and KV commitment, measured (headroom sizing).
+    pub(crate) tier_load: Vec<TierLoad>,
+    /// Slots the latency tiers need kept free beyond those they hold, and when computed.
+    pub(crate) headroom: u32,
+    headroom_at_us: Option<u64>,
+    /// Per tenant: output tokens of its completed requests, smoothed (`None` until one ends).
+    expected_output: Vec<Option<f64>>,
     pub(crate) draining: bool,
     pub(crate) counters: Counters,
     /// Admissions `submit`'s own dispatch made for other requests, handed out first by the
@@ -168,6 +180,10 @@ impl Governor {
             shed_level: 0,
             breaker_until_us: 0,
             service_s: None,
+            tier_load: vec![TierLoad::default(); tiers],
+            headroom: 0,
+            headroom_at_us: None,
+            expected_output: vec![None; config.tenants.len()],
             draining: false,
             counters: Counters::default(),
             pending: Vec::new(),
@@ -252,6 +268,20 @@ impl Governor {
         (0..=tier_idx).map(|t| self.queue.tier_len(t)).sum()
     }
 
+    /// Output tokens a request of this tenant is expected to generate: the tenant's measured
+    /// mean, never above the request's own `max_tokens` (which is the guess until measured).
+    pub(crate) fn expected_output(&self, tenant: u32, max_tokens: u64) -> u64 {
+        self.expected_output[tenant as usize].map_or(max_tokens, |mean| {
+            (mean.ceil() as u64).min(max_tokens)
+        })
+    }
+
+    pub(super) fn record_output(&mut self, tenant: u32, generated: u64) {
+        let g = generated as f64;
+        let slot = &mut self.expected_output[tenant as usize];
+        *slot = Some(slot.map_or(g, |m| m + EWMA_ALPHA * (g - m)));
+    }
+
     // ---- the request lifecycle ---------------------------------------------------------------
 
     /// Decide on a new request: admit it now, queue it, or reject it.
@@ -276,6 +306,8 @@ impl Governor {
             .get(tenant as usize)
             .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
         self.tick(now_us);
+        self.tier_load[tier_idx].arrive(now_us);
+        self.update_headroom(now_us);
         let decision = self.decide(tenant, tier_idx, prompt, max_tokens, now_us);
         Ok(match decision {
             Decision::Rejected { reason, .. } => {
@@ -284,12 +316,14 @@ impl Governor {
                 decision
             }
             Decision::Admitted { backend, priority } => {
-                self.insert(id, tenant, tier_idx, prompt, priority, now_us);
+                self.insert(id, tenant, tier_idx, (prompt, max_tokens), priority, now_us);
                 self.start(id, backend, now_us);
                 self.counters.admitted += 1;
                 decision
             }
-            Decision::Queued { .. } => self.enqueue(id, tenant, tier_idx, prompt, decision, now_us),
+            Decision::Queued { .. } => {
+                self.enqueue(id, tenant, tier_idx, (prompt, max_tokens), decision, now_us)
+            }
         })
     }
 
@@ -301,7 +335,7 @@ impl Governor {
         id: u64,
         tenant: u32,
         tier_idx: usize,
-        prompt: u64,
+        (prompt, max_tokens): (u64, u64),
         queued: Decision,
         now_us: u64,
     ) -> Decision {
@@ -313,7 +347,7 @@ impl Governor {
         else {
             unreachable!("enqueue takes a queued decision")
         };
-        self.insert(id, tenant, tier_idx, prompt, priority, now_us);
+        self.insert(id, tenant, tier_idx, (prompt, max_tokens), priority, now_us);
         self.queue.push(
             tenant,
             QueuedItem {
@@ -394,15 +428,16 @@ impl Governor {
                 return reject(RejectReason::KvPressure, seconds);
             }
         }
-        let priority = self.priority(tier_idx, prompt + max_tokens);
+        let priority = self.priority(tier_idx, prompt + self.expected_output(tenant, max_tokens));
         let ahead = self.waiting_ahead(tier_idx);
-        let sla_excess = if tier.protected {
+        let sla_excess = if tier.protected || tier.best_effort {
             None
         } else {
             self.sla_excess(tenant, tier_idx, prompt)
         };
         if ahead == 0 {
-            if let Some(backend) = self.pick_backend(tier_idx, prompt, now_us) {
+            let peak = prompt + self.expected_output(tenant, max_tokens);
+            if let Some(backend) = self.pick_backend(tier_idx, prompt, peak, now_us) {
                 if let Some(excess) = sla_excess {
                     return reject(RejectReason::TtftSla, excess);
                 }
@@ -455,7 +490,7 @@ impl Governor {
         id: u64,
         tenant: u32,
         tier: usize,
-        prompt: u64,
+        (prompt, max_tokens): (u64, u64),
         priority: i64,
         now_us: u64,
     ) {
@@ -463,7 +498,9 @@ impl Governor {
             tenant,
             tier,
             prompt,
+            max_tokens,
             generated: 0,
+            committed: 0,
             priority,
             submitted_us: now_us,
             running: None,

@@ -30,6 +30,7 @@ impl Governor {
             .backends
             .get_mut(backend as usize)
             .ok_or_else(|| PolicyError::UnknownBackend(backend.to_string()))?;
+        b.sample_prefill(now_us);
         b.observed = Some(Observation {
             kv_usage,
             running,
