@@ -68,7 +68,7 @@ def _add_capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--avg-context", type=int, default=4096, help="average context in tokens")
     p.add_argument("--kv-mb-per-token", type=float, help="KV MB per token per GPU (default 1)")
     p.add_argument("--model", help="model preset (llama-3-8b, llama-3-70b, qwen2.5-32b, ...)")
-    p.add_argument("--gpu", help="GPU preset (a100-80g, h100, h200, l40s)")
+    p.add_argument("--gpu", help="GPU preset (a100-80g, h100, h200, l40s, l4, rtx-4090)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs the model spans")
     p.set_defaults(func=_run_capacity)
 

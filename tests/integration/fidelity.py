@@ -30,16 +30,18 @@ import yaml
 from llmflow.sim.clients import RequestSpec, client
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.metrics import Recorder
-from llmflow.sim.policies import GatedPolicy, policy_settings
+from llmflow.sim.policies import DirectPolicy, GatedPolicy, policy_settings
 from llmflow.sim.scenario import Scenario, load_scenario
 from llmflow.sim.workload import Requests, build_requests
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Generator
 
-__all__ = ["SCENARIO", "Outcome", "compare", "load", "replay", "simulate", "summarise"]
+__all__ = ["SCENARIO", "STARVED", "Outcome", "compare", "load", "replay", "simulate",
+           "simulate_with_engine", "summarise"]
 
 SCENARIO = Path(__file__).resolve().parent / "fidelity.yaml"
+STARVED = Path(__file__).resolve().parent / "kv_starved.yaml"  # direct to a KV-starved vLLM
 POLICY = "gateway"
 _TOKEN_IDS = (100, 4000)  # random prompt ids, as `llmflow calibrate` draws them
 _OPEN_AHEAD_S = 0.3  # connect this long before a request is due (keep-alive lasts 5 s)
@@ -69,9 +71,9 @@ class Outcome:
         return (self.end - self.first) / (self.tokens - 1)
 
 
-def load(profile: Path) -> Scenario:
-    """The fidelity scenario with its backend's profile set to `profile`."""
-    data = yaml.safe_load(SCENARIO.read_text(encoding="utf-8"))
+def load(profile: Path, scenario: Path = SCENARIO) -> Scenario:
+    """A fidelity scenario with its backend's profile set to `profile`."""
+    data = yaml.safe_load(scenario.read_text(encoding="utf-8"))
     data["cluster"][0]["profile"] = str(profile)
     tmp = profile.parent / "fidelity-scenario.yaml"
     tmp.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
@@ -85,14 +87,29 @@ def gateway_sections(sc: Scenario) -> dict[str, Any]:
 
 def simulate(sc: Scenario) -> list[Outcome]:
     """Run the workload in the simulator (until every request has ended)."""
+    return simulate_with_engine(sc)[0]
+
+
+def simulate_with_engine(sc: Scenario) -> tuple[list[Outcome], Cluster]:
+    """`simulate`, also giving the simulated cluster (its engines' counters). The scenario's
+    one policy is `gateway` (gated, through the core) or `direct` (straight to vLLM)."""
     reqs = build_requests(sc)
     env = simpy.Environment()
-    spec = sc.policies[POLICY]
+    name = POLICY if POLICY in sc.policies else "direct"
+    spec = sc.policies[name]
     cluster = Cluster(env, sc.cluster, spec.scheduling_policy, spec.engine)
-    gw = GatedPolicy(env, cluster, policy_settings(POLICY, spec, sc, cluster))
+    gw: GatedPolicy | DirectPolicy
+    if spec.kind == "direct":
+        gw = DirectPolicy(env, cluster, spec.propagate_disconnect)
+    else:
+        gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster))
     rec = Recorder(env)
     env.process(_arrivals(env, sc, reqs, gw, rec))
     env.run(until=sc.horizon_s)
+    return _outcomes(sc, rec), cluster
+
+
+def _outcomes(sc: Scenario, rec: Recorder) -> list[Outcome]:
     cols = rec.columns()
     names = [wc.name for wc in sc.workload]
     return [
@@ -103,7 +120,8 @@ def simulate(sc: Scenario) -> list[Outcome]:
 
 
 def _arrivals(
-    env: simpy.Environment, sc: Scenario, reqs: Requests, gw: GatedPolicy, rec: Recorder
+    env: simpy.Environment, sc: Scenario, reqs: Requests, gw: GatedPolicy | DirectPolicy,
+    rec: Recorder,
 ) -> Generator[simpy.Event, None, None]:
     rng = random.Random(sc.seed)
     for i in range(len(reqs)):
@@ -207,15 +225,19 @@ def summarise(outcomes: list[Outcome]) -> dict[str, float]:
 
 
 def compare(sim: dict[str, float], real: dict[str, float]) -> list[tuple[str, float, float, float]]:
-    """(metric, simulated, real, relative error of the simulation) for every shared metric."""
-    return [(k, sim[k], real[k], (sim[k] - real[k]) / real[k]) for k in real if k in sim]
+    """(metric, simulated, real, error) for every shared metric; the error is the log ratio
+    `ln(sim / real)`: symmetric (twice and half as large are equally wrong, where
+    `(sim - real) / real` can never go below -100%), and signed (> 0: the simulator is slow)."""
+    return [(k, sim[k], real[k], math.log(sim[k] / real[k])) for k in real if k in sim]
 
 
 def table(rows: list[tuple[str, float, float, float]]) -> str:
-    """A Markdown table of `compare`'s rows (times in ms)."""
-    lines = ["| metric | simulated | real | error |", "|---|---|---|---|"]
+    """A Markdown table of `compare`'s rows (times in ms; the error as a log ratio and as the
+    factor the simulator is off by)."""
+    lines = ["| metric | simulated | real | ln(sim/real) | sim/real |", "|---|---|---|---|---|"]
     for name, sim, real, err in rows:
-        scale, unit = (1.0, "tok/s") if name.endswith("tok_s") else (1e3, "ms")
-        lines.append(f"| {name} | {sim * scale:.1f} {unit} | {real * scale:.1f} {unit} "
-                     f"| {err:+.1%} |")
+        scale, unit = ((1.0, " tok/s") if name.endswith("tok_s") else
+                       (1e3, " ms") if name.endswith("_s") else (1.0, ""))  # else a count
+        lines.append(f"| {name} | {sim * scale:.1f}{unit} | {real * scale:.1f}{unit} "
+                     f"| {err:+.3f} | x{math.exp(err):.2f} |")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ runs is the noise floor); `LLMFLOW_FIDELITY_OUT=FILE` writes the report there.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import statistics
@@ -34,6 +35,8 @@ from llmflow.gateway.http1 import ConnectionPool
 from llmflow.sim.profile import Profile, StepModel, pooled
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
@@ -42,22 +45,27 @@ pytestmark = pytest.mark.integration
 # build's default --max-num-batched-tokens for the API server (vllm/engine/arg_utils.py).
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 2048}
 SWEEP = {"concurrency": (1, 4, 8, 16), "contexts": (32, 1024)}  # lean: two calibrations per run
-# Gross bounds only: on 2 shared cores the same real workload varies 20-49% run to run (see
-# docs/fidelity.md), so the 15% target is reported, not asserted. What is asserted robustly is
-# discrimination: the calibrated profile must beat deliberately wrong ones by a wide margin.
-MEDIAN_LIMIT = 0.60  # median |error| over the seven figures (target 0.15; see docs/fidelity.md)
-EACH_LIMIT = 1.00  # every figure but the p99s within this (p99s: reported, not bounded)
+# Errors are log ratios, ln(sim / real) (`fidelity.compare`): symmetric, so a simulator that is
+# twice too fast fails as surely as one twice too slow. Gross bounds only: on 2 shared cores the
+# same real workload varies 20-49% run to run (see docs/fidelity.md), so the 15% target
+# (|ln| <= 0.14) is reported, not asserted. What is asserted robustly is discrimination: the
+# calibrated profile must beat deliberately wrong ones by a wide margin.
+MEDIAN_LIMIT = math.log(1.6)  # median |ln(sim/real)| over the seven figures
+EACH_LIMIT = math.log(2.0)  # every figure but the p99s within a factor of 2
+P99_LIMIT = math.log(2.5)  # the p99s, CPU stalls and all (measured as low as x0.44)
 MARGIN = 2.0  # a wrong profile's median error must be at least this many times the calibrated
 WRONG = (3.0, 1 / 3)  # profiles with every cost scaled so must fail the same check
 HOP_PAIRS = 12  # idle requests timed direct and through the gateway, alternately
 
 
-def _score(sim: dict[str, float], real: dict[str, float]) -> tuple[float, float]:
-    """(median |error| over every figure, worst |error| over the figures but the p99s)."""
+def _score(sim: dict[str, float], real: dict[str, float]) -> tuple[float, float, float]:
+    """(median |error| over every figure, worst |error| over the figures but the p99s, worst
+    |error| of the p99s)."""
     rows = fidelity.compare(sim, real)
     errors = [abs(err) for *_, err in rows]
     bounded = [abs(err) for name, *_, err in rows if "p99" not in name]
-    return statistics.median(errors), max(bounded)
+    p99s = [abs(err) for name, *_, err in rows if "p99" in name]
+    return statistics.median(errors), max(bounded), max(p99s)
 
 
 async def _gateway_hop(vllm_url: str, gateway_url: str) -> float:
@@ -130,18 +138,21 @@ def test_simulator_predicts_real_vllm_through_the_gateway(
     profile.dump(tmp_path / "profile.yaml")
     sim = fidelity.summarise(fidelity.simulate(sc))
     real = reals[0]
-    median, worst = _score(sim, real)
-    report = _report(vllm_profile, hop, fidelity.compare(sim, real), median, worst, spare,
-                     scheds, reals, _drift(before, after))
+    median, worst, worst_p99 = _score(sim, real)
+    report = _report(vllm_profile, hop, fidelity.compare(sim, real), (median, worst, worst_p99),
+                     spare, scheds, reals, _drift(before, after))
     print("\n" + report)
     if out := os.environ.get("LLMFLOW_FIDELITY_OUT"):
         Path(out).write_text(report + "\n", encoding="utf-8")
     assert median <= MEDIAN_LIMIT, report
     assert worst <= EACH_LIMIT, report
+    assert worst_p99 <= P99_LIMIT, report
     for factor in WRONG:  # the check can fail: a wrong profile fails it on the same real run
         wrong = fidelity.load(_dump(_scaled(profile, factor), tmp_path / f"x{factor:.2f}.yaml"))
-        wrong_median, wrong_worst = _score(fidelity.summarise(fidelity.simulate(wrong)), real)
-        assert wrong_median > MEDIAN_LIMIT or wrong_worst > EACH_LIMIT, (factor, wrong_median)
+        wrong_median, wrong_worst, wrong_p99 = _score(
+            fidelity.summarise(fidelity.simulate(wrong)), real)
+        assert (wrong_median > MEDIAN_LIMIT or wrong_worst > EACH_LIMIT
+                or wrong_p99 > P99_LIMIT), (factor, wrong_median)
         assert wrong_median >= MARGIN * median, (factor, wrong_median, median, report)
 
 
@@ -156,17 +167,18 @@ def _scaled(profile: Profile, factor: float) -> Profile:
 
 
 def _report(
-    profile: Profile, hop: float, rows: list[tuple[str, float, float, float]], median: float,
-    worst: float, spare: set[int], scheds: list[Sched], reals: list[dict[str, float]],
-    drift: float,
+    profile: Profile, hop: float, rows: list[tuple[str, float, float, float]],
+    scores: tuple[float, float, float], spare: set[int], scheds: list[Sched],
+    reals: list[dict[str, float]], drift: float,
 ) -> str:
+    median, worst, worst_p99 = scores
     s = profile.step_s
     waits = ", ".join(f"{x.wait_share:.0%}" for x in scheds)
     lines = [
         fidelity.table(rows),
         "",
-        f"median |error| {median:.1%}, worst but the p99s {worst:.1%} (limits "
-        f"{MEDIAN_LIMIT:.0%} / {EACH_LIMIT:.0%})",
+        f"median |ln(sim/real)| {median:.3f}, worst but the p99s {worst:.3f}, worst p99 "
+        f"{worst_p99:.3f} (limits {MEDIAN_LIMIT:.3f} / {EACH_LIMIT:.3f} / {P99_LIMIT:.3f})",
         f"profile (before and after pooled): step = {s.overhead * 1e3:.2f} ms + "
         f"{s.prefill_token * 1e6:.2f} us/prompt token (+ {s.mixed_prefill * 1e6:.2f} among "
         f"decodes) + {s.prefill_attn * 1e12:.2f} ps/attn + "
@@ -185,3 +197,60 @@ def _report(
             lines.append(f"real runs {key}: {', '.join(f'{v:.4g}' for v in values)} "
                          f"(spread {spread:.0%})")
     return "\n".join(lines)
+
+
+# KV starvation: a vLLM whose cache holds 4,096 of the tiny model's tokens (1 KiB each), a burst
+# that needs several times that. The issue's goals: preemptions within 25% (asserted), TTFT
+# p50/p99 within 15% (reported; asserted within the gross bound of the test above: on 2 shared
+# cores the first run missed the target at x1.25 on TTFT p50 with a load average of 6).
+STARVED_ARGS = ("--kv-cache-memory-bytes", str(4 << 20))
+STARVED_SWEEP = {"prompt_lengths": (16, 128, 384, 768), "repeats": 2, "concurrency": (1, 4, 8),
+                 "contexts": (32, 256), "decode_repeats": 1, "mixed_prompts": (256,)}
+PREEMPTION_LIMIT = math.log(1.25)
+STARVED_TTFT_TARGET = math.log(1.15)  # reported
+STARVED_TTFT_LIMIT = MEDIAN_LIMIT  # asserted
+
+
+def _preemptions(server: VllmServer) -> float:
+    return server.metrics().get("vllm:num_preemptions_total", 0.0)
+
+
+@pytest.mark.timeout(600)  # about 100 s here with a vLLM start; twice that on a busy machine
+def test_simulator_predicts_kv_starvation(
+    vllm_server_factory: Callable[[Sequence[str]], VllmServer], tmp_path: Path
+) -> None:
+    """Calibrate a KV-starved vLLM (the probes are trimmed to fit its cache), replay a burst
+    straight to it, and simulate the same burst with the profile: vLLM's own preemption
+    counter and the clients' TTFT p50/p99 against the simulator's."""
+    server = vllm_server_factory(STARVED_ARGS)
+    assert server.process is not None
+    sc = fidelity.load(tmp_path / "profile.yaml", fidelity.STARVED)
+    with pinned(spare_cpus(server.process.pid)):
+        asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up, as above
+        wait_vllm_idle(server)
+        cal = Calibration(server.url, engine=dict(ENGINE), **STARVED_SWEEP)  # type: ignore[arg-type]
+        profile = asyncio.run(calibrate(cal))
+        wait_vllm_idle(server)
+        before = _preemptions(server)
+        outcomes = asyncio.run(fidelity.replay(sc, server.url))
+        real_preemptions = _preemptions(server) - before
+    failed = [o for o in outcomes if o.status != "completed"]
+    assert not failed, failed[:5]
+    profile.dump(tmp_path / "profile.yaml")
+    sim_outcomes, cluster = fidelity.simulate_with_engine(sc)
+    sim, real = fidelity.summarise(sim_outcomes), fidelity.summarise(outcomes)
+    rows = [row for row in fidelity.compare(sim, real) if "ttft" in row[0]]
+    rows.append(("preemptions", cluster.preemptions, real_preemptions,
+                 math.log(max(cluster.preemptions, 1) / max(real_preemptions, 1))))
+    report = "\n".join([
+        fidelity.table(rows),
+        f"num_gpu_blocks {profile.engine.get('num_gpu_blocks')}, block size "
+        f"{profile.engine.get('block_size')}; prefix-cache hits on resume in the simulator: "
+        f"{sum(b.core.cache_hit_tokens for b in cluster.backends)} tokens; TTFT target "
+        f"|ln| <= {STARVED_TTFT_TARGET:.3f}, asserted bound {STARVED_TTFT_LIMIT:.3f}",
+    ])
+    print("\n" + report)
+    assert real_preemptions >= 10, report  # the workload does starve vLLM
+    assert abs(rows[-1][3]) <= PREEMPTION_LIMIT, report
+    for name, *_, err in rows[:-1]:
+        assert abs(err) <= STARVED_TTFT_LIMIT, (name, report)

@@ -20,11 +20,11 @@ The formulas are those of `shared/reference/README.md` (BLIS, DistServe, Splitwi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from llmflow.presets import GpuSpec, ModelSpec, gpu, model
+from llmflow.presets import GIB, GpuSpec, ModelSpec, gpu, model
+from llmflow.sim.memory import MemoryProfile, memory_profile
 
 __all__ = ["CALIBRATION", "CostModel", "FixedStepCost", "Knobs", "StepCost", "cost_model"]
 
@@ -40,7 +40,8 @@ class Knobs:
     allreduce_latency_s: float = 10e-6  # fixed cost of one all-reduce
     link_bandwidth: float = 300e9  # effective all-reduce bus bandwidth, bytes/s
     gpu_memory_utilization: float = 0.9  # vLLM's --gpu-memory-utilization
-    reserved_bytes: float = 2e9  # activations, CUDA graphs and allocator slack per GPU
+    non_torch_bytes: float = 0.16 * GIB  # per GPU outside torch's allocator (see sim/memory.py)
+    cudagraph_bytes: float = 0.0  # CUDA-graph memory vLLM >= 0.21 takes from the KV cache
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> Knobs:
         """A copy with some knobs replaced.
@@ -79,8 +80,11 @@ class StepCost:
         """Seconds one step takes (see the module docstring for the terms)."""
         raise NotImplementedError
 
-    def kv_blocks(self, block_size: int) -> int:
-        """KV blocks of `block_size` tokens that fit in GPU memory."""
+    def kv_blocks(
+        self, block_size: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+    ) -> int:
+        """KV blocks of `block_size` tokens that fit in GPU memory (vLLM's profile run sizes
+        its activations from the two engine limits)."""
         raise NotImplementedError
 
 
@@ -136,24 +140,31 @@ class CostModel(StepCost):
         swap = swap_bytes / self._pcie if swap_bytes else 0.0
         return self._overhead + (compute if compute > memory else memory) + allreduce + swap
 
-    def kv_blocks(self, block_size: int) -> int:
-        """vLLM's `num_gpu_blocks`: memory left after weights and reserve, in blocks.
+    def memory(self, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256) -> MemoryProfile:
+        """vLLM's start-up memory profile of one GPU (`llmflow.sim.memory`)."""
+        k = self.knobs
+        return memory_profile(
+            self.gpu, self.model, self.tp, gpu_memory_utilization=k.gpu_memory_utilization,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            non_torch_bytes=k.non_torch_bytes, cudagraph_bytes=k.cudagraph_bytes)
+
+    def kv_blocks(
+        self, block_size: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+    ) -> int:
+        """vLLM's `num_gpu_blocks`: what its memory profile leaves, in blocks.
 
         Raises:
-            ValueError: the weights alone do not fit.
+            ValueError: the weights and the profile's activations do not fit.
         """
-        k = self.knobs
-        free = (
-            self.gpu.hbm_bytes * k.gpu_memory_utilization
-            - self._weights / self.tp
-            - k.reserved_bytes
-        )
-        if free <= 0:
+        mem = self.memory(max_num_batched_tokens, max_num_seqs)
+        if mem.kv_cache <= 0:
             raise ValueError(
                 f"{self.model.name} does not fit on {self.tp} x {self.gpu.name}: "
-                f"{self._weights / self.tp / 1e9:.1f} GB of weights per GPU"
+                f"{mem.weights / GIB:.1f} GiB of weights and {mem.activation_peak / GIB:.1f} GiB "
+                f"of activations per GPU in {mem.requested / GIB:.1f} GiB "
+                "(gpu_memory_utilization x total)"
             )
-        return math.floor(free / (block_size * self.kv_bytes_per_token))
+        return mem.blocks(block_size, self.kv_bytes_per_token)
 
     def swap_seconds(self, blocks: int, block_size: int) -> float:
         """Time to move `blocks` KV blocks across PCIe (each GPU moves its shard in parallel)."""
@@ -181,7 +192,9 @@ class FixedStepCost(StepCost):
         """Always `dt`."""
         return self.dt
 
-    def kv_blocks(self, block_size: int) -> int:
+    def kv_blocks(
+        self, block_size: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+    ) -> int:
         """Always `blocks`."""
         return self.blocks
 

@@ -6,11 +6,15 @@ returns its duration, `complete(now)` applies it. It follows vLLM V1's scheduler
 1. running requests first, in admission order: each decode takes one token of the step budget
    (`max_num_batched_tokens`), each unfinished prefill the next chunk of what is left;
 2. when their KV blocks do not fit, preempt from the tail of the running list (FCFS) or the
-   worst `(priority, arrival)` (priority scheduling) until they do; a preempted request loses
+   worst `(priority, arrival)` (priority scheduling) until they do; a preempted request frees
    its KV and is put back at the head of the waiting queue to be recomputed (vLLM V1), or is
-   swapped to host memory over PCIe when `preemption="swap"`;
-3. if nothing was preempted, admit waiting requests while the budget, `max_num_seqs` and free
-   blocks allow, the last one possibly with a partial chunk.
+   swapped to host memory over PCIe when `preemption="swap"`. With prefix caching (vLLM's
+   default) its full blocks stay cached in the free queue until they are reused
+   (`blockpool.FreeBlockQueue`), so its recompute starts after the prefix that survived;
+3. if nothing was preempted, admit waiting requests in order while the budget, `max_num_seqs`
+   and free blocks allow: the head's whole sequence must fit (`scheduler_reserve_full_isl`,
+   vLLM's default) plus the watermark, or, without that flag, its first chunk; the head that
+   does not fit blocks the rest. The last one admitted may get a partial chunk.
 
 The hot path is O(1) per step in the number of decoding requests: decoders are kept in
 aggregate. A decoder's computed-token count is `c = k + step`, so it needs a new block exactly
@@ -24,6 +28,7 @@ import heapq
 from collections import deque
 from typing import TYPE_CHECKING
 
+from llmflow.sim.blockpool import FreeBlockQueue
 from llmflow.sim.sequence import (
     DECODE,
     DONE,
@@ -57,7 +62,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, cost: StepCost):
         self.config, self.cost = config, cost
         self.block_size = bs = config.block_size
-        self.num_blocks = config.num_gpu_blocks or cost.kv_blocks(bs)
+        self.num_blocks = config.num_gpu_blocks or cost.kv_blocks(
+            bs, config.max_num_batched_tokens, config.max_num_seqs)
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise EngineError("max_num_batched_tokens must be >= max_num_seqs (as vLLM checks)")
         if self.num_blocks * bs < config.max_model_len:
@@ -68,6 +74,11 @@ class EngineCore:
         self._priority = config.scheduling_policy == "priority"  # picks preemption victims
         self._swap = config.preemption_mode == "swap"
         self._thr = config.long_prefill_token_threshold
+        self._cache = config.enable_prefix_caching and not self._swap
+        self._full_isl = config.scheduler_reserve_full_isl
+        self._watermark = int(config.watermark * self.num_blocks)
+        self.free_q = FreeBlockQueue(self.num_blocks)  # free blocks in eviction order
+        self.cache_hit_tokens = 0  # tokens a resumed request did not recompute
         self.step = 0  # engine steps completed
         self.used = 0  # GPU blocks held
         self.cpu_used = 0  # host blocks held by swapped sequences
@@ -184,15 +195,15 @@ class EngineCore:
         if need > self.num_blocks - self.used:
             need, swapped_out = self._preempt(need)
             swap_bytes += swapped_out
+            self._alloc(need)
             if not chunks and not self.n_dec and self.n_waiting:  # all evicted: start afresh
-                need = self._admit(need, self.config.max_num_batched_tokens, now)
-        elif self.n_waiting and not self.n_swapped:  # swapped ones resume before new ones
-            need = self._admit(need, budget, now)
+                self._admit(self.config.max_num_batched_tokens, now)
+        else:
+            self._alloc(need)
+            if self.n_waiting and not self.n_swapped:  # swapped ones resume before new ones
+                self._admit(budget, now)
         if not chunks and not self.n_dec:
             return None
-        self.used += need
-        if self.used > self.peak_used:
-            self.peak_used = self.used
         self.in_step = True
         p_tok = p_attn = p_ctx = 0
         for seq, n, _ in chunks:
@@ -257,26 +268,42 @@ class EngineCore:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _admit(self, need: int, budget: int, now: float) -> int:
-        bs, cap, free = self.block_size, self.config.max_num_seqs, self.num_blocks - self.used
+    def _alloc(self, n: int) -> None:
+        self.used += n
+        self.free_q.pop(n)
+        if self.used > self.peak_used:
+            self.peak_used = self.used
+
+    def _admit(self, budget: int, now: float) -> None:
+        bs, cap, thr = self.block_size, self.config.max_num_seqs, self._thr
         while self.n_waiting and budget > 0 and len(self.running) < cap:
             seq = self.waiting.peek()
-            n = min(seq.num_tokens, budget)
-            if self._thr:
-                n = min(n, self._thr)
-            nb = -(-n // bs)
-            if need + nb > free:
+            run = seq.cached
+            hits = min(run.n, (seq.num_tokens - 1) // bs) if run is not None else 0
+            computed = hits * bs
+            n = min(seq.num_tokens - computed, budget)
+            if thr:
+                n = min(n, thr)
+            nb = -(-(computed + n) // bs) - hits
+            required = -(-seq.num_tokens // bs) if self._full_isl else hits + nb
+            if self.running:  # vLLM keeps its watermark only when something else runs
+                required += self._watermark
+            if required > self.num_blocks - self.used:
                 break
             self.waiting.pop()
-            seq.state, seq.computed, seq.blocks = PREFILL, 0, 0
+            if run is not None:
+                self.free_q.take(run, hits)
+                self.used += hits
+                seq.cached = None
+                self.cache_hit_tokens += computed
+            self._alloc(nb)
+            seq.state, seq.computed, seq.blocks = PREFILL, computed, hits
             if seq.t_sched < 0:
                 seq.t_sched = now
             self.running[seq.rid] = seq
             self.prefilling[seq.rid] = seq
             self._chunks.append((seq, n, nb))
-            need += nb
             budget -= n
-        return need
 
     def _swap_in(self, need: int) -> float:
         bs, moved = self.block_size, 0
@@ -292,7 +319,7 @@ class EngineCore:
             self.swapped.popleft()
             self.n_swapped -= 1
             self.cpu_used -= held
-            self.used += held
+            self._alloc(held)
             moved += held
             seq.state = PREFILL
             self.running[seq.rid] = seq
@@ -308,7 +335,7 @@ class EngineCore:
                 if (victim.k + s) % bs == 0:
                     need -= 1
                 held = -(-(victim.k + s) // bs)
-                victim.computed = victim.k + s
+                victim.computed = victim.k + s  # tokens whose KV it holds
                 victim.gen = victim.computed - victim.prompt + 1
                 self._leave_decode(victim)
             else:
@@ -321,6 +348,7 @@ class EngineCore:
                 del self.prefilling[victim.rid]
             del self.running[victim.rid]
             self.used -= held
+            self._free_preempted(victim, held)
             victim.preemptions += 1
             self.num_preemptions += 1
             if self._swap and self.cpu_used + held <= self.config.swap_space_blocks:
@@ -335,6 +363,14 @@ class EngineCore:
                 victim.num_tokens = victim.prompt + victim.gen
                 self.waiting.push(victim, front=True)
         return need, swapped_out * bs * self.cost.kv_bytes_per_token
+
+    def _free_preempted(self, victim: Seq, held: int) -> None:
+        if not self._cache:
+            self.free_q.push(held)
+            return
+        full = victim.computed // self.block_size  # only full blocks are hashed and cached
+        self.free_q.push(held - full)  # the partial block goes first: reversed order
+        victim.cached = self.free_q.push(full, victim)
 
     def _victim(self) -> Seq:
         if self._priority:
@@ -362,12 +398,14 @@ class EngineCore:
     def _free_running(self, seq: Seq, now: float, blocks: int) -> None:
         del self.running[seq.rid]
         self.used -= blocks
+        self.free_q.push(blocks)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
 
     def _remove(self, seq: Seq, now: float) -> None:
         state = seq.state
         if state == WAITING:
             self.waiting.discard()
+            seq.cached = None  # its cached blocks stay in the queue, of use to no one
         elif state == SWAPPED:
             self.n_swapped -= 1
             self.cpu_used -= seq.blocks
@@ -382,10 +420,13 @@ class EngineCore:
             del self.prefilling[seq.rid]
             del self.running[seq.rid]
             self.used -= held
+            self.free_q.push(held)
         elif state == DECODE:
             c = seq.k + self.step  # computed tokens; this step's slot is allocated if in_step
             seq.gen = c - seq.prompt + 1
             self._leave_decode(seq)
             del self.running[seq.rid]
-            self.used -= -(-(c + self.in_step) // self.block_size)
+            held = -(-(c + self.in_step) // self.block_size)
+            self.used -= held
+            self.free_q.push(held)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now

@@ -142,7 +142,9 @@ class FittedStepCost(StepCost):
             c1 += c5
         return c0 + c1 * prefill_tokens + c2 * prefill_attn + c3 * decodes + c4 * decode_ctx
 
-    def kv_blocks(self, block_size: int) -> int:
+    def kv_blocks(
+        self, block_size: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+    ) -> int:
         """The measured KV capacity, in blocks of `block_size` tokens."""
         if self.num_gpu_blocks is None:
             return 1_000_000

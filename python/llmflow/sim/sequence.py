@@ -9,7 +9,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from llmflow.sim.blockpool import Run
 
 __all__ = ["DECODE", "DONE", "PREFILL", "SWAPPED", "WAITING", "EngineConfig", "EngineError",
            "Seq", "SeqOwner", "WaitingQueue"]
@@ -48,6 +51,9 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space_blocks: int = 0  # host blocks for swap preemption (vLLM --swap-space)
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
+    enable_prefix_caching: bool = True  # a preempted request finds its surviving blocks cached
+    scheduler_reserve_full_isl: bool = True  # admit only when the whole sequence's blocks fit
+    watermark: float = 0.0  # fraction of KV blocks kept free when admitting (vLLM's watermark)
 
 
 class Seq:
@@ -65,10 +71,9 @@ class Seq:
     """
 
     __slots__ = (
-        "arrival", "blocks", "computed", "epoch", "finish_reason", "gen", "k", "max_tokens",
-        "notify_at", "num_tokens", "order", "owner", "preemptions", "priority", "prompt", "rid",
-        "state",
-        "stop", "stop_reason", "t_end", "t_first", "t_sched",
+        "arrival", "blocks", "cached", "computed", "epoch", "finish_reason", "gen", "k",
+        "max_tokens", "notify_at", "num_tokens", "order", "owner", "preemptions", "priority",
+        "prompt", "rid", "state", "stop", "stop_reason", "t_end", "t_first", "t_sched",
     )
 
     def __init__(
@@ -84,6 +89,7 @@ class Seq:
         if stop_after is not None and stop_after < self.stop:
             self.stop, self.stop_reason = max(1, stop_after), "abort"
         self.state, self.gen, self.computed, self.blocks, self.k = WAITING, 0, 0, 0, 0
+        self.cached: Run | None = None  # its blocks left in the free queue when preempted
         self.num_tokens = prompt
         self.arrival = self.t_sched = self.t_first = self.t_end = -1.0
         self.order = self.epoch = self.preemptions = 0
