@@ -90,15 +90,25 @@ impl BackendState {
         }
     }
 
-    /// Count a prompt whose first token came out, and take a throughput sample when due.
+    /// Count a prompt whose first token came out `elapsed_us` after it started, and take a
+    /// throughput sample when due.
     ///
     /// The rate is measured as prompt tokens completed per second over intervals of at least
     /// 500 ms that began with prefill work pending: a busy backend's throughput, not the
-    /// arrival rate of an idle one. (Timing each request's own first token against the work
+    /// arrival rate of an idle one. (Timing each request's first token against all the work
     /// ahead of it overestimates badly: a long prompt counts whole until its first token even
-    /// when vLLM has chunked most of it already.)
-    pub fn record_prefill(&mut self, prompt: u64, now_us: u64) {
+    /// when vLLM has chunked most of it already.) A lightly loaded backend is seldom busy for
+    /// a whole interval, so each prompt also gives a lower bound, its own tokens over its own
+    /// time to first token, which may only raise the estimate.
+    pub fn record_prefill(&mut self, prompt: u64, elapsed_us: u64, now_us: u64) {
         self.prefilled += prompt;
+        if elapsed_us > 0 && prompt > 0 {
+            let floor = prompt as f64 / (elapsed_us as f64 / 1e6);
+            if floor > self.prefill_tps {
+                let clamped = floor.min(self.prefill_tps * 100.0);
+                self.prefill_tps += EWMA_ALPHA * (clamped - self.prefill_tps);
+            }
+        }
         self.sample_prefill(now_us);
     }
 
@@ -180,13 +190,16 @@ mod tests {
         let mut b = backend();
         b.prefill_pending = 4000;
         b.sample_prefill(0);
-        b.record_prefill(1000, 250_000);
+        b.record_prefill(1000, 1_000_000, 250_000);
         assert!((b.prefill_tps - 1000.0).abs() < 1e-9);
-        b.record_prefill(1000, 1_000_000); // 2000 tokens in 1 s
+        b.record_prefill(1000, 1_000_000, 1_000_000); // 2000 tokens in 1 s
         assert!((b.prefill_tps - 1200.0).abs() < 1e-9);
         b.prefill_pending = 0;
         b.sample_prefill(2_000_000);
-        b.record_prefill(100, 3_000_000); // began idle: the arrival rate, not throughput
+        b.record_prefill(100, 1_000_000, 3_000_000); // began idle: the arrival rate
         assert!((b.prefill_tps - 1200.0).abs() < 1e-9);
+        // A prompt of 3000 tokens prefilled alone in 1 s: at least 3000 tokens/s.
+        b.record_prefill(3000, 1_000_000, 3_100_000);
+        assert!((b.prefill_tps - 1560.0).abs() < 1e-9);
     }
 }

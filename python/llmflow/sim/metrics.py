@@ -117,6 +117,16 @@ def class_summary(cols: dict[str, np.ndarray], idx: int, chars_per_token: float)
     out["ttft_s"] = percentiles(cols["ttft"][mine], (50, 90, 99))
     out["e2e_s"] = percentiles(np.where(ok, cols["e2e"][mine], np.nan), (50, 90, 99))
     out["queue_wait_s"] = percentiles(cols["qwait"][mine], (50, 99))
+    # TTFT p99 with every request that never got an answer (refused, timed out, failed, still
+    # waiting) counted as infinitely late: percentiles of the served alone flatter a policy
+    # that loses requests. Cancelled requests left by choice and are not counted.
+    served = np.where(ok | (state == "cancelled"), cols["ttft"][mine], np.inf)
+    counted = served[~((state == "cancelled") & ~np.isfinite(cols["ttft"][mine]))]
+    # nearest rank: interpolating between two infinities is undefined
+    p99 = float(np.percentile(counted, 99, method="higher")) if counted.size else None
+    out["ttft_p99_lost_inf_s"] = None if p99 is None or not math.isfinite(p99) else round(p99, 6)
+    ends = (cols["t0"] + cols["e2e"])[mine][ok]
+    out["last_done_s"] = round(float(ends.max()), 6) if ends.size else None
     # TTFT of the attempt that was served, from its own submission: what a server-side
     # histogram shows (no 429 backoff, no earlier timed-out attempts)
     out["ttft_served_attempt_s"] = percentiles(cols["served"][mine], (50, 99))

@@ -7,6 +7,7 @@ The table holds only simulated quantities (no wall-clock time), so it is the gol
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,7 +15,11 @@ if TYPE_CHECKING:
 
     from llmflow.sim.scenario import Scenario
 
-__all__ = ["render_markdown", "render_table", "verdicts", "write_reports"]
+__all__ = ["dominance", "render_markdown", "render_table", "verdicts", "write_reports"]
+
+# A rival beats llmflow on a metric only by more than this (relative): simulated figures move
+# by fractions of a percent with the seed, and a tie is not a loss.
+DOMINANCE_TOLERANCE = 0.01
 
 _COLUMNS = ("policy", "class", "arrived", "completed", "rejected", "timed_out", "truncated",
             "cancelled", "unfinished", "ttft p50", "ttft p99", "e2e p99", "wait p99")
@@ -59,7 +64,62 @@ def render_table(report: dict[str, Any]) -> str:
                      f"{pol['peak_kv_usage']:.3f}", str(pol["preemptions"]),
                      f"{pol['goodput_rps']:.3f}", f"{pol['sim_s']:.1f}", verdict])
     lines += _grid(head, rows)
+    if "dominance" in report:
+        lines += ["", f"dominance: {report['dominance']['summary']}"]
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _inf(x: float | None) -> float:
+    return math.inf if x is None else x
+
+
+def dominance(sc: Scenario, report: dict[str, Any], ours: str = "llmflow") -> None:
+    """Add a `dominance` block: does `ours` lose to any other policy on any metric that matters?
+
+    The metrics: for each class with a TTFT SLO, its TTFT p99 counting requests that never got
+    an answer as infinitely late (lower wins); for each class with a completion SLO, the share
+    completed (higher wins); for each class without a latency SLO (batch work), when its last
+    request completed, i.e. its makespan (earlier wins; a class that lost requests never
+    finished); and total goodput (higher wins). A rival beats `ours` on a metric only by more
+    than `DOMINANCE_TOLERANCE`.
+    """
+    pols = report["policies"]
+    if ours not in pols or len(pols) < 2:
+        return
+    def metrics(pol: dict[str, Any]) -> list[tuple[str, float, bool]]:
+        out = []  # (name, value, higher is better)
+        for wc in sc.workload:
+            c = pol["classes"][wc.name]
+            slo = wc.slo
+            if slo is not None and slo.ttft_p99_s is not None:
+                out.append((f"{wc.name} ttft p99", _inf(c["ttft_p99_lost_inf_s"]), False))
+            if slo is not None and slo.min_completed_frac is not None:
+                frac = c["completed"] / c["arrived"] if c["arrived"] else 1.0
+                out.append((f"{wc.name} completed", frac, True))
+            if slo is None or (slo.ttft_p99_s is None and slo.e2e_p99_s is None):
+                lost = c["arrived"] - c["completed"] - c["cancelled"] - c["truncated"]
+                done = math.inf if lost else _inf(c["last_done_s"])
+                out.append((f"{wc.name} makespan", done, False))
+        out.append(("goodput", pol["goodput_rps"], True))
+        return out
+
+    mine = metrics(pols[ours])
+    beaten: list[str] = []
+    for name, pol in pols.items():
+        if name == ours:
+            continue
+        for (metric, v_ours, higher), (_, v_them, _) in zip(mine, metrics(pol), strict=True):
+            margin = DOMINANCE_TOLERANCE * (abs(v_ours) if math.isfinite(v_ours) else 1.0)
+            better = v_them > v_ours + margin if higher else v_them < v_ours - margin
+            if better:
+                beaten.append(f"{name} {metric} {_fmt(v_them)} vs {_fmt(v_ours)}")
+    summary = f"{ours} dominates" if not beaten else f"{ours} beaten {len(beaten)}x: " + "; ".join(
+        beaten)
+    report["dominance"] = {"policy": ours, "summary": summary, "beaten": beaten}
+
+
+def _fmt(x: float) -> str:
+    return "inf" if not math.isfinite(x) else f"{x:.3f}"
 
 
 def verdicts(sc: Scenario, report: dict[str, Any]) -> None:

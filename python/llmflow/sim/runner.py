@@ -21,7 +21,7 @@ from llmflow.sim.clients import RequestSpec, client
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.metrics import Recorder, class_summary
 from llmflow.sim.policies import PRESETS, DirectPolicy, GatedPolicy, policy_settings
-from llmflow.sim.report import verdicts
+from llmflow.sim.report import dominance, verdicts
 from llmflow.sim.workload import Requests, build_requests
 
 if TYPE_CHECKING:
@@ -237,6 +237,7 @@ def run_scenario(
         "policies": {r.name: r.summary for r in runs},
     }
     verdicts(sc, report)
+    dominance(sc, report)
     return report, runs
 
 

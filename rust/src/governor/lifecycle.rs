@@ -22,7 +22,7 @@ impl Governor {
         }
         run.first_token = true;
         let b = &mut self.backends[run.backend as usize];
-        b.record_prefill(req.prompt, now_us);
+        b.record_prefill(req.prompt, now_us.saturating_sub(run.admitted_us), now_us);
         b.prefill_pending -= req.prompt;
         self.clear_deadline(id, crate::types::ExpiryReason::FirstTokenTimeout);
         true
