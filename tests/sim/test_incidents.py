@@ -74,3 +74,35 @@ def test_long_report_is_cut_and_its_blocks_reused() -> None:
     assert short["completed"] == 3
     assert short["attempts_mean"] == 1.0
     assert 50 - 20 < short["ttft_s"]["p50"] <= short["ttft_s"]["p99"] < 50 - 20 + 4
+
+
+def test_llmflow_beats_the_seed_gate_on_every_figure(flood: dict[str, Any]) -> None:
+    # Work-conserving sharing: batch borrows what the business headroom leaves, so protecting
+    # business no longer costs the batch job time (the fixed half share made it 38% slower)
+    ours, gate = flood["llmflow"], flood["seed-gate"]
+    assert ours["classes"]["batch"]["last_done_s"] < gate["classes"]["batch"]["last_done_s"]
+    assert ours["goodput_rps"] >= gate["goodput_rps"]
+    # more running than the seed's 16 per GPU, bounded by KV, never preempting
+    assert ours["peak_running"] > 16 * ours["gpus"]
+    assert ours["preemptions"] == 0
+    assert ours["peak_kv_usage"] < 0.95
+
+
+SCENARIOS = sorted([*INCIDENTS.glob("*.yaml"), *(INCIDENTS.parent / "scenarios").glob("*.yaml")])
+# Where another policy still wins, and why (xfail is strict: fixing one fails the test until
+# the mark is removed).
+KNOWN_LOSSES = {
+    "azure-code": "4x overload no policy can serve within the SLO: llmflow's TTFT-SLA refusals "
+    "add client backoff to the tail (p99 ~31 s) where vLLM's own queue gives ~20 s; llmflow's "
+    "goodput is 1.5x direct's",
+    "fairness": "direct runs 253 at once with 244 preemptions and finishes the heavy tenant "
+    "~6% sooner; llmflow's KV fit target (0.9) and 85% pressure line hold it to ~200",
+}
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_no_policy_beats_llmflow(path: Path, request: pytest.FixtureRequest) -> None:
+    if path.stem in KNOWN_LOSSES:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_LOSSES[path.stem], strict=True))
+    report, _ = run_scenario(load_scenario(path))
+    assert report["dominance"]["beaten"] == [], report["dominance"]["summary"]
