@@ -21,7 +21,7 @@ import uvicorn
 from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
-from llmflow.gateway.handoff import HandoffProtocol
+from llmflow.gateway.handoff import HandoffProtocol, server_options
 
 from .fake_vllm import FakeVllm
 
@@ -154,8 +154,9 @@ async def start_gateway(
         urls = {}
         for name, fake in fakes.items():
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
-        app = create_app(settings_for(urls, backend, **sections))
-        url, _ = await stack.enter_async_context(serve_asgi(app))
+        settings = settings_for(urls, backend, **sections)
+        app = create_app(settings)
+        url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         harness = Harness(url, app.state.gateway, client, fakes)
         yield harness

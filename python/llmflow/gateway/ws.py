@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.websockets import WebSocketDisconnect
 
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.protocol import decode_json
 from llmflow.gateway.serving import ClientGone, Departure
 from llmflow.gateway.streaming import merge_chunks, parse_item
 
@@ -52,15 +53,27 @@ class AckChannel:
         self._progress = asyncio.Event()
 
     async def run(self) -> None:
-        """Read client messages until the socket closes."""
+        """Read client messages until the socket closes.
+
+        Each message is decoded as strictly as an HTTP body; one that is not a JSON object is
+        a protocol violation: the client gets an `error` saying why, and the socket closes.
+        """
         try:
             while True:
-                message = await self.websocket.receive_json()
-                self._on(message if isinstance(message, dict) else {})
-        except (WebSocketDisconnect, RuntimeError):
+                frame = await self.websocket.receive()
+                if frame["type"] == "websocket.disconnect":
+                    break
+                text = frame.get("text")
+                raw = text.encode() if text is not None else frame.get("bytes") or b""
+                try:
+                    message = decode_json(raw)
+                except GatewayError as exc:
+                    await _send(self.websocket, _error_message(None, exc))
+                    await self.websocket.close(code=1003)
+                    break
+                self._on(message)
+        except (WebSocketDisconnect, RuntimeError, ClientGone):
             pass
-        except ValueError:  # not JSON: a protocol violation ends the socket
-            await self.websocket.close(code=1003)
         self.closed = True
         self.departure.leave()
         self._progress.set()
@@ -191,10 +204,7 @@ async def _one_request(
     except ClientGone:
         return
     except GatewayError as exc:
-        await _send(
-            websocket,
-            {"type": "error", "id": request_id, "status": exc.status, **exc.body, **_retry(exc)},
-        )
+        await _send(websocket, _error_message(request_id, exc))
     finally:
         if session is not None:
             session.cancel_writer = None
@@ -206,9 +216,10 @@ def _identity(keyring: KeyRing, header: str | None, message: Json) -> Identity:
     return keyring.authenticate(header or (f"Bearer {key}" if isinstance(key, str) else None))
 
 
-def _retry(exc: GatewayError) -> dict[str, Any]:
+def _error_message(request_id: Any, exc: GatewayError) -> Json:
     value = exc.headers.get("Retry-After")
-    return {"retry_after": int(value)} if value else {}
+    retry = {"retry_after": int(value)} if value else {}
+    return {"type": "error", "id": request_id, "status": exc.status, **exc.body, **retry}
 
 
 async def _send(websocket: WebSocket, message: Json) -> None:
