@@ -116,6 +116,9 @@ class HandoffProtocol(HttpToolsProtocol):
             self._head_too_large = True
             raise _HeadTooLarge  # httptools stops and reports a parse error
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and not isinstance(cycle.transport, _Lingering):
+            cycle.transport = _Lingering(self.transport, self, cycle)  # type: ignore[assignment]
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes it cannot parse, as an OpenAI-style body."""
@@ -149,8 +152,14 @@ class HandoffProtocol(HttpToolsProtocol):
             b"connection: close\r\n\r\n",
         ]
         self.transport.write(b"".join(head) + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        # Closing a socket with unread bytes makes the kernel send a reset, which can destroy
+        # the answer before the client reads it: end our side, drop what still comes, close.
+        self._discarding = True
         if self.transport.can_write_eof():
-            self.transport.write_eof()  # the answer is complete; what the client sends is not
+            self.transport.write_eof()
         self.loop.call_later(_LINGER_S, self.transport.close)
 
     def on_message_begin(self) -> None:
@@ -205,6 +214,29 @@ async def _adopt(loop: asyncio.AbstractEventLoop, factory: Any, sock: socket.soc
         log.debug("handed-back connection closed: %r", exc)
         with contextlib.suppress(OSError):
             sock.close()
+
+
+class _Lingering:
+    """A request cycle's view of the transport: closing with the body unread lingers first.
+
+    An early answer (413 for a body over the limit, a refusal before the body is read) is
+    followed by uvicorn closing the connection while the client is still sending; without
+    lingering, the client would see a reset instead of the answer.
+    """
+
+    def __init__(self, transport: asyncio.Transport, protocol: HandoffProtocol, cycle: Any) -> None:
+        self._transport, self._protocol, self._cycle = transport, protocol, cycle
+
+    def close(self) -> None:
+        """Close now, or, while the client is still sending this request's body, linger."""
+        if self._cycle.more_body and not self._transport.is_closing():
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else is the transport's."""
+        return getattr(self._transport, name)
 
 
 def handoff_of(scope: Scope) -> Any:

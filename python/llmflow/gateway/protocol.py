@@ -89,9 +89,10 @@ def decode_json(raw: bytes) -> dict[str, Any]:
 
 def _not_json(raw: bytes, detail: str) -> GatewayError:
     hint = next((h for key, h in _HINTS if key in detail), None)
-    if hint is None and detail.startswith("expected value"):
+    if hint is None and detail.startswith(("expected value", "invalid number")):
         offset = _offset(raw, detail)
-        if raw[offset : offset + 3] in (b"NaN", b"Inf", b"-In"):
+        around = raw[max(offset - 1, 0) : offset + 4]  # jiter points at or just past a sign
+        if b"NaN" in around or b"Inf" in around:
             hint = "NaN and Infinity are not JSON; send a finite number or null"
         elif raw.startswith(b"\xef\xbb\xbf"):
             hint = "the body starts with a byte-order mark; send UTF-8 without one"
