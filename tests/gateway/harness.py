@@ -98,6 +98,7 @@ class Harness:
     gateway: Gateway
     client: httpx.AsyncClient
     fakes: dict[str, FakeVllm]
+    app: Any = None  # the FastAPI app (an admin app can be built over it)
 
     def __repr__(self) -> str:
         return f"Harness({self.url})"
@@ -158,7 +159,7 @@ async def start_gateway(
         app = create_app(settings)
         url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
-        harness = Harness(url, app.state.gateway, client, fakes)
+        harness = Harness(url, app.state.gateway, client, fakes, app)
         yield harness
         if check_idle:
             await assert_idle(harness)

@@ -22,6 +22,7 @@ import uvicorn
 from llmflow.config import ConfigFileError, load_settings
 from llmflow.gateway.app import create_admin_app, create_app
 from llmflow.gateway.handoff import server_options
+from llmflow.gateway.ws import FrameRedactor
 
 if TYPE_CHECKING:
     import argparse
@@ -155,6 +156,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = _override(settings, args.host, args.port, args.workers)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
+    logging.getLogger("uvicorn.error").addFilter(FrameRedactor())  # no API key in a debug log
     trace = args.trace.open("w", encoding="utf-8") if args.trace else None
     app = create_app(settings, trace)
     config = uvicorn.Config(

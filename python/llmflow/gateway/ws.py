@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocketDisconnect
@@ -30,9 +31,30 @@ if TYPE_CHECKING:
     from llmflow.gateway.streaming import Item
     from llmflow.gateway.types import Json
 
-__all__ = ["AckChannel", "serve_websocket"]
+__all__ = ["AckChannel", "FrameRedactor", "serve_websocket"]
 
 _ENDPOINTS = ("chat", "completions")
+
+
+class FrameRedactor(logging.Filter):
+    """Keep WebSocket payloads out of debug logs: a request message may carry an API key.
+
+    The `websockets` library logs every frame it sends and receives (`< TEXT '...'`) at DEBUG
+    on the logger uvicorn gives it; this keeps the frame's kind and size and drops its data.
+    `llmflow serve` installs it on that logger.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite a frame record's arguments to their kind and size; keep every record."""
+        if record.msg in ("< %s", "> %s") and isinstance(record.args, tuple):
+            record.args = tuple(_frame_summary(arg) for arg in record.args)
+        return True
+
+
+def _frame_summary(frame: Any) -> str:
+    opcode = getattr(getattr(frame, "opcode", None), "name", "frame")
+    data = getattr(frame, "data", b"")
+    return f"{opcode} [{len(data)} bytes, not logged]"
 
 
 class AckChannel:
