@@ -11,6 +11,7 @@ stays full for the stall timeout is cut by the runtime's stall timer. The wire f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -226,7 +227,8 @@ async def _one_request(
     except ClientGone:
         return
     except GatewayError as exc:
-        await _send(websocket, _error_message(request_id, exc))
+        with contextlib.suppress(ClientGone):  # the socket may have closed meanwhile
+            await _send(websocket, _error_message(request_id, exc))
     finally:
         if session is not None:
             session.cancel_writer = None
