@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmflow import Governor
 from llmflow.config import ConfigFileError, load_settings, parse_duration_ms
@@ -88,8 +91,12 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_api_keys_are_unique() -> None:
-    data = {"tenants": [{"name": "a", "tier": "vip", "api_keys": ["k"]},
-                        {"name": "b", "tier": "normal", "api_keys": ["k"]}]}
+    data = {
+        "tenants": [
+            {"name": "a", "tier": "vip", "api_keys": ["k"]},
+            {"name": "b", "tier": "normal", "api_keys": ["k"]},
+        ]
+    }
     with pytest.raises(ConfigFileError, match="api_keys must be unique"):
         load_settings(data=data)
 
@@ -97,3 +104,76 @@ def test_api_keys_are_unique() -> None:
 def test_anonymous_tenant_gets_default_tier() -> None:
     core = load_settings(data={"default_tier": "batch"}).to_core()
     assert {"name": "anonymous", "tier": "batch", "weight": 1.0} in core["tenants"]
+
+
+SECRET_KEY = "ck-7e1d2c9b8a40f3e65d21"  # planted in every generated file: no message may quote it
+_SUBKEYS = {
+    "server": ["host", "port", "max_body_bytes", "drain_timeout_ms", "bytes_per_token", "relay"],
+    "limits": ["max_messages", "max_n", "max_tokens", "max_header_bytes", "max_api_key_bytes"],
+    "gate": ["max_concurrency_per_gpu", "queue", "on_queue_full"],
+    "streaming": ["enabled", "first_token_timeout_ms", "sse_flush_interval"],
+    "kv": ["pressure_threshold", "block_size"],
+}
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()  # NaN and infinities included
+    | st.text(max_size=12)
+    | st.sampled_from(["20ms", "1.5s", "2m", "-1s", "vip", "normal"])
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_tenant = st.fixed_dictionaries(
+    {"name": st.sampled_from(["a", "b", ""]) | _values, "tier": st.sampled_from(["vip", "gold"])},
+    optional={"api_keys": st.sampled_from([[SECRET_KEY], SECRET_KEY, [SECRET_KEY, SECRET_KEY]])},
+)
+_sections = {
+    name: st.dictionaries(st.sampled_from([*keys, "typo"]), _values, max_size=4)
+    for name, keys in _SUBKEYS.items()
+}
+_sections["admin"] = st.fixed_dictionaries(
+    {},
+    optional={"host": _values, "port": _values, "api_key": st.just(SECRET_KEY) | _values},
+)
+config_mappings = st.fixed_dictionaries(
+    {},
+    optional={
+        **_sections,
+        "tenants": st.lists(_tenant, max_size=3) | _values,
+        "tiers": _values,
+        "default_tier": _values,
+        "backends": st.lists(st.dictionaries(st.sampled_from(["name", "url", "gpus"]), _values)),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(data=config_mappings)
+def test_any_mapping_loads_or_is_a_config_error_that_quotes_no_key(data: dict[str, Any]) -> None:
+    try:
+        load_settings(data=data).to_runtime()  # a file that loads also builds the core's map
+        message = "invalid config (none)"
+    except ConfigFileError as exc:
+        message = str(exc)
+    assert "invalid config" in message
+    assert SECRET_KEY not in message
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(text=st.text(max_size=80) | config_mappings.map(yaml.safe_dump))
+def test_any_yaml_text_loads_or_is_a_config_error(tmp_path_factory: Any, text: str) -> None:
+    path = tmp_path_factory.mktemp("yaml") / "llmflow.yaml"
+    path.write_text(text, encoding="utf-8")
+    try:
+        load_settings(path)
+        message = str(path)
+    except ConfigFileError as exc:
+        message = str(exc)
+    assert str(path) in message
+    assert SECRET_KEY not in message

@@ -146,6 +146,32 @@ class Server(_Section):
     workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
 
 
+class Limits(_Section):
+    """Bounds on what one request may ask for; each is refused with a 4xx saying which to change.
+
+    The body size is `server.max_body_bytes`; the prompt is checked against each model's
+    `max_model_len`.
+    """
+
+    max_messages: int = Field(2048, ge=1)  # chat messages in one request
+    max_n: int = Field(128, ge=1)  # choices in one request (`n`)
+    max_tokens: int | None = Field(None, ge=1)  # None: the model's context is the only bound
+    max_header_bytes: int = Field(32 * 1024, ge=4096)  # request line plus headers (431 past it)
+    max_api_key_bytes: int = Field(256, ge=16)  # longer keys are refused before they are hashed
+
+
+class Admin(_Section):
+    """Where `/api/state`, `/dashboard` and `/metrics` are served, and the key they need.
+
+    With no `port` they stay on the main listener (open unless `api_key` is set); with a `port`
+    they move to a listener of their own on `host`, and `api_key` is required.
+    """
+
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=0, le=65535)
+    api_key: str | None = Field(None, min_length=16, repr=False)
+
+
 _DEFAULT_TIERS = (
     Tier(name="vip", shed_at=1.0, protected=True),
     Tier(name="normal", shed_at=0.8),
@@ -169,6 +195,8 @@ class Settings(_Section):
     metrics: Metrics = Metrics()
     backends: list[Backend] = Field(default_factory=lambda: [Backend(name="sim0")], min_length=1)
     server: Server = Server()
+    limits: Limits = Limits()
+    admin: Admin = Admin()
 
     @model_validator(mode="after")
     def _check_references(self) -> Settings:
@@ -176,7 +204,7 @@ class Settings(_Section):
         _require_unique("tiers", tier_names)
         _require_unique("tenants", [t.name for t in self.tenants])
         _require_unique("backends", [b.name for b in self.backends])
-        _require_unique("api_keys", [k for t in self.tenants for k in t.api_keys])
+        _check_keys(self)
         if self.default_tier not in tier_names:
             raise ValueError(f"default_tier {self.default_tier!r} is not one of {tier_names}")
         for tenant in self.tenants:
@@ -240,6 +268,35 @@ class Settings(_Section):
         }
 
 
+def _check_keys(settings: Settings) -> None:
+    # Messages name tenants, never a key: config errors end up in logs.
+    seen: dict[str, str] = {}
+    limit = settings.limits.max_api_key_bytes
+    for tenant in settings.tenants:
+        for key in tenant.api_keys:
+            if not key.strip() or len(key.encode("utf-8")) > limit:
+                raise ValueError(
+                    f"tenants[{tenant.name}].api_keys: every key must be 1 to {limit} bytes "
+                    "(limits.max_api_key_bytes) and not blank"
+                )
+            if key in seen:
+                raise ValueError(
+                    f"api_keys must be unique: tenants {seen[key]!r} and {tenant.name!r} "
+                    "share a key"
+                )
+            seen[key] = tenant.name
+    admin = settings.admin
+    if admin.port is not None and admin.api_key is None:
+        raise ValueError(
+            "admin.port is set but admin.api_key is not: the admin listener needs a key "
+            "(at least 16 characters)"
+        )
+    if admin.api_key is not None and admin.api_key in seen:
+        raise ValueError(
+            f"admin.api_key is also an API key of tenant {seen[admin.api_key]!r}; use another"
+        )
+
+
 def _require_unique(what: str, names: list[str]) -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -265,7 +322,7 @@ def load_settings(path: str | Path | None = None, data: dict[str, Any] | None = 
     try:
         return Settings.model_validate(data or {})
     except ValidationError as exc:
-        raise ConfigFileError(_describe(exc, path)) from None
+        raise ConfigFileError(_describe(exc, path, _secrets_in(data or {}))) from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -284,14 +341,37 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def _describe(exc: ValidationError, path: str | Path | None) -> str:
+def _secrets_in(data: dict[str, Any]) -> list[str]:
+    # Every string that may be an API key, however malformed the file: the admin key, and any
+    # string under `tenants` but a tenant's name or tier. No error message may quote one.
+    found: list[str] = []
+    admin = data.get("admin")
+    if isinstance(admin, dict) and isinstance(admin.get("api_key"), str):
+        found.append(admin["api_key"])
+    stack: list[Any] = [data.get("tenants")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(v for k, v in item.items() if k not in ("name", "tier"))
+        elif isinstance(item, list):
+            stack.extend(item)
+    return [repr(k)[1:-1] for k in found if k]  # as they would appear inside a repr
+
+
+def _describe(exc: ValidationError, path: str | Path | None, secrets: list[str]) -> str:
     where = f"{path}: " if path else ""
     lines = [f"{where}invalid config ({exc.error_count()} problem(s)):"]
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
-        message = "unknown key; remove it or check its spelling" if err["type"] == (
-            "extra_forbidden"
-        ) else err["msg"]
+        if not err["loc"] or any(secret in got for secret in secrets):
+            got = ""  # the whole file, or a value holding an API key
+        message = (
+            "unknown key; remove it or check its spelling"
+            if err["type"] == ("extra_forbidden")
+            else err["msg"]
+        )
         lines.append(f"  {key}: {message}{got}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ import uvicorn
 from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
-from llmflow.gateway.handoff import HandoffProtocol
+from llmflow.gateway.handoff import HandoffProtocol, server_options
 
 from .fake_vllm import FakeVllm
 
@@ -98,6 +98,7 @@ class Harness:
     gateway: Gateway
     client: httpx.AsyncClient
     fakes: dict[str, FakeVllm]
+    app: Any = None  # the FastAPI app (an admin app can be built over it)
 
     def __repr__(self) -> str:
         return f"Harness({self.url})"
@@ -154,10 +155,11 @@ async def start_gateway(
         urls = {}
         for name, fake in fakes.items():
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
-        app = create_app(settings_for(urls, backend, **sections))
-        url, _ = await stack.enter_async_context(serve_asgi(app))
+        settings = settings_for(urls, backend, **sections)
+        app = create_app(settings)
+        url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
-        harness = Harness(url, app.state.gateway, client, fakes)
+        harness = Harness(url, app.state.gateway, client, fakes, app)
         yield harness
         if check_idle:
             await assert_idle(harness)

@@ -20,14 +20,15 @@ from fastapi import FastAPI
 
 from llmflow._core import Runtime
 from llmflow.config import load_settings
-from llmflow.gateway.auth import KeyRing
+from llmflow.gateway.auth import AdminGuard, KeyRing
 from llmflow.gateway.embedded import EmbeddedBackend
 from llmflow.gateway.errors import install_handlers
 from llmflow.gateway.host import Host, now_us
 from llmflow.gateway.metrics import GatewayMetrics
 from llmflow.gateway.middleware import BodyLimit
+from llmflow.gateway.protocol import install_schemas
 from llmflow.gateway.relay import RelayHost
-from llmflow.gateway.routes import dashboard, openai, ops, websocket
+from llmflow.gateway.routes import admin, openai, ops, websocket
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import BackendRoute, SessionContext
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
     from llmflow.config import Settings
 
-__all__ = ["Gateway", "create_app"]
+__all__ = ["Gateway", "create_admin_app", "create_app"]
 
 log = logging.getLogger("llmflow.gateway")
 _GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
@@ -57,6 +58,7 @@ class Gateway:
     def __init__(self, settings: Settings, trace: TextIO | None = None) -> None:
         self.settings = settings
         self.keyring = KeyRing(settings)
+        self.admin_guard = AdminGuard(settings)
         self.embedded: list[EmbeddedBackend] = []
         self.started_at = time.monotonic()
         self.draining = False
@@ -108,7 +110,7 @@ class Gateway:
             self.relay.start()
             self.metrics.relay = self.relay.relay
         self.service = CompletionService(
-            self.ctx, self.models, s.server.bytes_per_token, s.streaming.enabled
+            self.ctx, self.models, s.server.bytes_per_token, s.streaming.enabled, s.limits
         )
         await self.scraper.scrape_all()
         self.scraper.start(self.tasks)
@@ -236,6 +238,29 @@ def create_app(settings: Settings | None = None, trace: TextIO | None = None) ->
     app.state.trace = trace
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
-    for module in (openai, ops, dashboard, websocket):
+    for module in (openai, ops, websocket):
         app.include_router(module.router)
+    if settings.admin.port is None:  # no admin listener: the admin routes stay here
+        app.include_router(admin.router)
+    install_schemas(app)
+    return app
+
+
+def create_admin_app(main: FastAPI) -> FastAPI:
+    """Build the admin listener's app: `/api/state`, `/dashboard`, `/metrics` of `main`'s gateway.
+
+    It has no lifespan of its own: it reads the gateway that `main`'s lifespan starts, so serve
+    it once `main` has started.
+
+    Args:
+        main: the app from `create_app` (its config has `admin.port` set).
+
+    Returns:
+        The admin app; every route needs `admin.api_key`.
+    """
+    app = FastAPI(title="llmflow admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state = main.state  # the same settings and, once started, the same gateway
+    install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=main.state.settings.server.max_body_bytes)
+    app.include_router(admin.router)
     return app

@@ -1,7 +1,13 @@
-"""`llmflow serve`: run the gateway under uvicorn, with a graceful drain on SIGINT/SIGTERM."""
+"""`llmflow serve`: run the gateway under uvicorn, with a graceful drain on SIGINT/SIGTERM.
+
+With `admin.port` set, a second listener serves `/api/state`, `/dashboard` and `/metrics` (behind
+`admin.api_key`) in the same process and event loop; it starts once the gateway has, and stops
+after the gateway's drain.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -14,12 +20,16 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from llmflow.config import ConfigFileError, load_settings
-from llmflow.gateway.app import create_app
-from llmflow.gateway.handoff import HandoffProtocol
+from llmflow.gateway.app import create_admin_app, create_app
+from llmflow.gateway.handoff import server_options
+from llmflow.gateway.ws import FrameRedactor
 
 if TYPE_CHECKING:
     import argparse
+    import socket
     from collections.abc import Generator
+
+    from fastapi import FastAPI
 
     from llmflow.config import Settings
     from llmflow.gateway.app import Gateway
@@ -35,7 +45,25 @@ class GatewayServer(uvicorn.Server):
 
     SIGINT/SIGTERM start the drain; once it is done the process exits with status 0 (uvicorn
     itself re-raises the signal after shutting down, which would end the process by it).
+    Companion servers (the admin listener) are told to exit once the drain is done.
     """
+
+    companions: tuple[uvicorn.Server, ...] = ()
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve; companions start once the gateway has (they read its state) and stop after."""
+        if not self.companions:
+            await super().serve(sockets)
+            return
+        main = asyncio.create_task(super().serve(sockets))
+        while not self.started and not main.done():
+            await asyncio.sleep(0.01)
+        others = [asyncio.create_task(c.serve()) for c in self.companions if not main.done()]
+        await asyncio.wait([main, *others], return_when=asyncio.FIRST_COMPLETED)
+        self.should_exit = True  # one ended (a companion could not bind): end them all
+        for companion in self.companions:
+            companion.should_exit = True
+        await asyncio.gather(main, *others)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -58,7 +86,18 @@ class GatewayServer(uvicorn.Server):
             gateway = _find_gateway(app)
         if gateway is not None:
             await gateway.drain()
+        for companion in self.companions:
+            companion.should_exit = True
         await super().shutdown(sockets)  # type: ignore[arg-type]
+
+
+class CompanionServer(uvicorn.Server):
+    """A second listener in the gateway's loop: the main server owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """Leave signal handling to the main server."""
+        yield
 
 
 def _find_gateway(app: object) -> Gateway | None:
@@ -117,29 +156,57 @@ def serve(args: argparse.Namespace) -> int:
     settings = _override(settings, args.host, args.port, args.workers)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
+    logging.getLogger("uvicorn.error").addFilter(FrameRedactor())  # no API key in a debug log
     trace = args.trace.open("w", encoding="utf-8") if args.trace else None
+    app = create_app(settings, trace)
     config = uvicorn.Config(
-        create_app(settings, trace),
+        app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=args.log_level,
         lifespan="on",
         access_log=False,
-        http=HandoffProtocol,  # streamed replies leave Python for the relay after the head
+        # streamed replies leave Python for the relay after the head; header and WebSocket
+        # message limits
+        **server_options(settings),
         timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_ms / 1e3)
         + _FORCE_AFTER_DRAIN_S,
     )
-    logging.getLogger("llmflow.gateway").info(
-        "llmflow gateway listening on http://%s:%d (dashboard at /dashboard)",
+    server = GatewayServer(config)
+    admin = settings.admin
+    log = logging.getLogger("llmflow.gateway")
+    log.info(
+        "llmflow gateway listening on http://%s:%d%s",
         settings.server.host,
         settings.server.port,
+        " (dashboard at /dashboard)" if admin.port is None else "",
     )
     try:
-        GatewayServer(config).run()
+        if admin.port is not None:
+            log.info(
+                "admin listener on http://%s:%d (/dashboard, /api/state, /metrics)",
+                admin.host,
+                admin.port,
+            )
+            server.companions = (_admin_server(app, settings, args.log_level),)
+        server.run()
     finally:
         if trace is not None:
             trace.close()
     return 0
+
+
+def _admin_server(app: FastAPI, settings: Settings, log_level: str) -> CompanionServer:
+    config = uvicorn.Config(
+        create_admin_app(app),
+        host=settings.admin.host,
+        port=settings.admin.port or 0,
+        log_level=log_level,
+        lifespan="off",
+        access_log=False,
+        **server_options(settings),
+    )
+    return CompanionServer(config)
 
 
 def _override(

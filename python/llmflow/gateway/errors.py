@@ -1,11 +1,14 @@
 """OpenAI-style errors: one exception type, one body shape, the right status for each case.
 
 Every error the gateway answers is `{"error": {"message", "type", "code"}}` (plus `param` when a
-field is to blame), the shape the `openai` client turns into its typed exceptions.
+field is to blame), the shape the `openai` client turns into its typed exceptions. That holds for
+a bug too: an exception no handler expected is logged with its traceback and answered as an
+OpenAI-style 500, never as a plain-text page.
 """
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +19,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.requests import Request
 
-__all__ = ["GatewayError", "error_body", "install_handlers"]
+__all__ = ["GatewayError", "error_body", "error_bytes", "install_handlers"]
 
 _TYPES = {  # status -> OpenAI error type
     400: "invalid_request_error",
@@ -24,7 +27,9 @@ _TYPES = {  # status -> OpenAI error type
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     499: "client_closed_request",
     502: "bad_gateway",
     503: "service_unavailable",
@@ -85,6 +90,11 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
+def error_bytes(status: int, message: str, code: str) -> bytes:
+    """An error body as the bytes of a JSON document, for code below the ASGI app."""
+    return json.dumps(error_body(status, message, code)).encode()
+
+
 async def _on_gateway_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
     return exc.response()
@@ -111,8 +121,17 @@ async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
     return error.response()
 
 
+async def _on_unexpected(_request: Request, _exc: Exception) -> JSONResponse:
+    # Starlette's ServerErrorMiddleware calls this, then re-raises: the server logs the
+    # traceback. The message names no detail of the bug (it may hold request data).
+    return GatewayError(
+        500, "the gateway failed on this request; it is logged, please report it", "internal_error"
+    ).response()
+
+
 def install_handlers(app: FastAPI) -> None:
     """Make every error the app raises answer with an OpenAI-style body."""
+    app.add_exception_handler(Exception, _on_unexpected)
     app.add_exception_handler(GatewayError, _on_gateway_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -10,11 +10,16 @@ request is served as if nothing had happened.
 
 The extension exists only under `HandoffProtocol` (uvicorn with httptools, HTTP/1.1); under
 any other server the gateway streams through Python as before.
+
+The protocol also guards what httptools alone would not: a request's line and headers are
+bounded (`limits.max_header_bytes`, passed as uvicorn's `h11_max_incomplete_event_size`), and a
+request it cannot parse gets an OpenAI-style body instead of uvicorn's plain text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http
 import logging
 import os
 import socket
@@ -23,16 +28,45 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from llmflow.gateway.errors import error_bytes
+
 if TYPE_CHECKING:
     import asyncio
 
+    from llmflow.config import Settings
     from llmflow.gateway.types import Scope
 
-__all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of"]
+__all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of", "server_options"]
 
 EXTENSION = "llmflow.handoff"
 _SEND_BUFFER_BYTES = 64 * 1024  # per relayed reply; SSE chunks are a few hundred bytes
+_HEAD_BYTES = 32 * 1024  # request line plus headers, when the server config names no limit
+_HEADER_OVERHEAD = 4  # ": " and CRLF around each header
 log = logging.getLogger("llmflow.gateway")
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """The uvicorn options that carry the gateway's limits (`llmflow serve` and the tests).
+
+    Args:
+        settings: the validated config.
+
+    Returns:
+        Keyword arguments for `uvicorn.Config`: this protocol, its header limit, and the
+        largest WebSocket message (`server.max_body_bytes`, as for an HTTP body).
+    """
+    return {
+        "http": HandoffProtocol,
+        "h11_max_incomplete_event_size": settings.limits.max_header_bytes,
+        "ws_max_size": settings.server.max_body_bytes,
+    }
+
+
+class _HeadTooLarge(Exception):
+    """Raised inside the parser's callback to stop it before the request reaches the app."""
+
+
+_LINGER_S = 2.0  # after an error, how long the rest of a refused upload is read and dropped
 
 
 @dataclass(slots=True)
@@ -49,9 +83,87 @@ class TakenSocket:
 
 
 class HandoffProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol that can give its connection away (and take one back)."""
+    """uvicorn's httptools protocol that can give its connection away (and take one back).
+
+    It also bounds a request's head: one that grows past the limit before it ends is refused
+    as soon as it does (httptools would buffer it all), and one that ends over the limit is
+    refused before the app sees it; either way with 431 and an OpenAI-style body. After such
+    an error the connection reads and drops what the client is still sending for a moment, so
+    the client gets to read the answer instead of a reset.
+    """
+
+    _head_open = True  # reading a request line and headers
+    _head_bytes = 0  # bytes received while the head was open
+    _head_too_large = False  # the parser stopped because the head passed the limit
+    _discarding = False  # an error was sent: what still arrives is dropped
+
+    def data_received(self, data: bytes) -> None:
+        """Feed the parser, counting what arrives while a request's head is still open."""
+        if self._discarding:
+            return
+        was_open = self._head_open
+        super().data_received(data)
+        if was_open and self._head_open and not self._discarding:  # all of it is one head
+            self._head_bytes += len(data)
+            if self._head_bytes > self._head_limit:
+                self._refuse_head()
+
+    def on_headers_complete(self) -> None:
+        """Refuse a head over the limit; otherwise go on as uvicorn does."""
+        self._head_open = False
+        size = len(self.url) + sum(len(n) + len(v) + _HEADER_OVERHEAD for n, v in self.headers)
+        if size > self._head_limit:
+            self._head_too_large = True
+            raise _HeadTooLarge  # httptools stops and reports a parse error
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and not isinstance(cycle.transport, _Lingering):
+            cycle.transport = _Lingering(self.transport, self, cycle)  # type: ignore[assignment]
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes it cannot parse, as an OpenAI-style body."""
+        if self._head_too_large:
+            self._refuse_head()
+            return
+        self._send_error(400, f"{msg} Send a well-formed HTTP/1.1 request.", "invalid_http")
+
+    @property
+    def _head_limit(self) -> int:
+        return self.config.h11_max_incomplete_event_size or _HEAD_BYTES
+
+    def _refuse_head(self) -> None:
+        message = (
+            f"request line and headers are larger than the gateway's limit of "
+            f"{self._head_limit} bytes (limits.max_header_bytes): send fewer or shorter headers"
+        )
+        self._send_error(431, message, "headers_too_large")
+
+    def _send_error(self, status: int, message: str, code: str) -> None:
+        if self.transport.is_closing() or self._discarding:
+            return
+        self._discarding = True
+        body = error_bytes(status, message, code)
+        head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        # Closing a socket with unread bytes makes the kernel send a reset, which can destroy
+        # the answer before the client reads it: end our side, drop what still comes, close.
+        self._discarding = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self.transport.close)
 
     def on_message_begin(self) -> None:
+        self._head_open, self._head_bytes = True, 0
         super().on_message_begin()
         if self.scope.get("http_version", "1.1") == "1.1":
             extensions: dict[str, Any] = {EXTENSION: self._take}
@@ -102,6 +214,29 @@ async def _adopt(loop: asyncio.AbstractEventLoop, factory: Any, sock: socket.soc
         log.debug("handed-back connection closed: %r", exc)
         with contextlib.suppress(OSError):
             sock.close()
+
+
+class _Lingering:
+    """A request cycle's view of the transport: closing with the body unread lingers first.
+
+    An early answer (413 for a body over the limit, a refusal before the body is read) is
+    followed by uvicorn closing the connection while the client is still sending; without
+    lingering, the client would see a reset instead of the answer.
+    """
+
+    def __init__(self, transport: asyncio.Transport, protocol: HandoffProtocol, cycle: Any) -> None:
+        self._transport, self._protocol, self._cycle = transport, protocol, cycle
+
+    def close(self) -> None:
+        """Close now, or, while the client is still sending this request's body, linger."""
+        if self._cycle.more_body and not self._transport.is_closing():
+            self._protocol._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else is the transport's."""
+        return getattr(self._transport, name)
 
 
 def handoff_of(scope: Scope) -> Any:

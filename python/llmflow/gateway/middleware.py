@@ -1,11 +1,10 @@
-"""Plain ASGI middleware: the request body size limit, answered as an OpenAI-style 413."""
+"""Plain ASGI middleware: the request body's size and encoding, refused as OpenAI-style errors."""
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
-from llmflow.gateway.errors import GatewayError, error_body
+from llmflow.gateway.errors import GatewayError, error_bytes
 
 if TYPE_CHECKING:
     from llmflow.gateway.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,7 +16,9 @@ class BodyLimit:
     """Refuse request bodies larger than `max_bytes` with 413, before they are read whole.
 
     A declared `Content-Length` over the limit is refused at once; a chunked body is counted as
-    it arrives and refused when it passes the limit.
+    it arrives and refused when it passes the limit. A compressed body (`Content-Encoding`
+    other than `identity`) is refused with 415: the gateway decodes none, so no gzip bomb can
+    expand in it, and the client learns to send plain JSON instead of a parse error.
 
     Args:
         app: the wrapped ASGI app.
@@ -35,7 +36,12 @@ class BodyLimit:
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await _send_413(send, self.max_bytes)
+                await _send_error(send, 413, _message(self.max_bytes), "body_too_large")
+                return
+            if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+                encoding = value.decode("latin-1")[:40]
+                message = f"Content-Encoding {encoding!r} is not supported: send plain JSON"
+                await _send_error(send, 415, message, "unsupported_content_encoding")
                 return
         seen = 0
 
@@ -55,12 +61,12 @@ def _message(limit: int) -> str:
     return f"request body is larger than the gateway's limit of {limit} bytes"
 
 
-async def _send_413(send: Send, limit: int) -> None:
-    body = json.dumps(error_body(413, _message(limit), "body_too_large")).encode()
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    body = error_bytes(status, message, code)
     await send(
         {
             "type": "http.response.start",
-            "status": 413,
+            "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

@@ -1,15 +1,27 @@
 """Wire models of the OpenAI surface: what a request must look like before it reaches a backend.
 
-Known fields are checked strictly (a string where a number belongs is a 400, never coerced);
-unknown fields are kept, so vLLM's own extensions (`ignore_eos`, `top_k`, ...) pass through.
-Responses are built as plain dicts on the hot path; `ModelList` documents `/v1/models`.
+Bodies are decoded by `decode_json` alone, strictly (RFC 8259: UTF-8, no NaN or Infinity, no
+lone surrogates, bounded nesting and number size), so whatever a client sends is either a plain
+JSON object every later step can handle or a 400 that says what to fix. Known fields are checked
+strictly (a string where a number belongs is a 400, never coerced); unknown fields are kept, so
+vLLM's own extensions (`ignore_eos`, `top_k`, ...) pass through. Responses are built as plain
+dicts on the hot path; `ModelList` documents `/v1/models`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+import re
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
+from pydantic_core import from_json
+
+from llmflow.gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = [
     "ChatCompletionRequest",
@@ -18,11 +30,108 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "StreamOptions",
+    "decode_json",
+    "install_schemas",
+    "request_body",
 ]
+
+MAX_DEPTH = 200  # nesting the decoder accepts (jiter's recursion limit); OpenAI bodies use < 10
+MAX_INT = 2**31 - 1  # largest token count or choice count a request may name (vLLM's int32)
+_POSITION = re.compile(r" at line (\d+) column (\d+)$")
+# A number that may overflow a float to +-inf: an exponent of 3+ digits or 309+ digits in a row.
+_MAYBE_HUGE = re.compile(rb"[0-9][eE][+]?[0-9]{3}|[0-9]{309}")
+_ESCAPE = "a \\u escape takes 4 hex digits, and a UTF-16 surrogate must come as a pair"
+_HINTS = (  # jiter's message -> what the client should fix
+    ("recursion limit exceeded", f"arrays and objects nest deeper than {MAX_DEPTH} levels"),
+    ("number out of range", "a number has more digits than the gateway reads (4,300)"),
+    ("hex escape", _ESCAPE),
+    ("surrogate", _ESCAPE),
+    ("unicode code point", "the body is not UTF-8; send it UTF-8 encoded"),
+    ("control character", "a string holds a raw control character; escape it (\\n, \\u0000)"),
+)
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """Decode a request body: one JSON object, strictly, or a 400 naming what to fix.
+
+    This is the one place a client's JSON is parsed (HTTP bodies and WebSocket messages), so
+    the whole class of parser-exhausting input stops here: deep nesting, numbers too long to
+    convert, invalid UTF-8, lone surrogates, `NaN`/`Infinity` (not JSON), numbers that
+    overflow a float, and a top level that is not an object.
+
+    Args:
+        raw: the body as received.
+
+    Returns:
+        The object, every string valid Unicode and every number finite.
+
+    Raises:
+        GatewayError: 400 `invalid_json`, its message saying where and what to change.
+    """
+    try:
+        body = from_json(raw, allow_inf_nan=False, cache_strings=False)
+    except ValueError as exc:
+        raise _not_json(raw, str(exc)) from None
+    if not isinstance(body, dict):
+        got = type(body).__name__ if body is not None else "null"
+        raise GatewayError(
+            400, f"request body must be a JSON object ({{...}}), got {got}", "invalid_json"
+        )
+    if _MAYBE_HUGE.search(raw) and not _all_finite(body):
+        raise GatewayError(
+            400,
+            "a number in the request body is too large for a float (it would be Infinity); "
+            "send a finite number",
+            "invalid_json",
+        )
+    return body
+
+
+def _not_json(raw: bytes, detail: str) -> GatewayError:
+    hint = next((h for key, h in _HINTS if key in detail), None)
+    if hint is None and detail.startswith(("expected value", "invalid number")):
+        offset = _offset(raw, detail)
+        around = raw[max(offset - 1, 0) : offset + 4]  # jiter points at or just past a sign
+        if b"NaN" in around or b"Inf" in around:
+            hint = "NaN and Infinity are not JSON; send a finite number or null"
+        elif raw.startswith(b"\xef\xbb\xbf"):
+            hint = "the body starts with a byte-order mark; send UTF-8 without one"
+    if not raw.strip():
+        hint = "the body is empty; send a JSON object"
+    message = f"request body is not valid JSON: {detail}"
+    return GatewayError(400, f"{message} ({hint})" if hint else message, "invalid_json")
+
+
+def _offset(raw: bytes, detail: str) -> int:
+    match = _POSITION.search(detail)
+    if match is None:
+        return 0
+    line, column = int(match.group(1)), int(match.group(2))
+    start = 0
+    for _ in range(line - 1):
+        start = raw.find(b"\n", start) + 1
+    return start + max(column - 1, 0)
+
+
+def _all_finite(value: Any) -> bool:
+    stack = [value]  # iterative: depth is bounded by the decoder, but no recursion is needed
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Open):
@@ -43,8 +152,8 @@ class _Sampling(_Open):
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    n: int = Field(1, ge=1, le=MAX_INT)  # the gateway's own bound is `limits.max_n`
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
@@ -56,13 +165,13 @@ class ChatCompletionRequest(_Sampling):
     """Body of `POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
 
 
 class CompletionRequest(_Sampling):
     """Body of `POST /v1/completions`: one prompt, as text or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
 
 
@@ -81,3 +190,26 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra`: its JSON body is `model` (the route reads the raw bytes)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def install_schemas(app: FastAPI) -> None:
+    """Publish the request models in the app's OpenAPI schema, where `request_body` points."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            _, defs = models_json_schema(
+                [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                ref_template="#/components/schemas/{model}",
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -10,15 +10,15 @@ its ticket.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from pydantic import ValidationError
 
+from llmflow.config import Limits
 from llmflow.gateway.errors import GatewayError
-from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest, decode_json
 from llmflow.gateway.relay import RelayedSession
 from llmflow.gateway.session import Prepared, StreamSession
 from llmflow.gateway.streaming import ClientOptions
@@ -35,6 +35,9 @@ __all__ = ["ClientGone", "CompletionService", "Departure"]
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _STRIPPED = ("priority",)  # fields a client may not set: the core computes them
+_PROMPT_SHAPES = (  # a union's first error ("should be a valid string") would mislead
+    "send text, or token ids (integers from 0 to 2147483647), or a list of one of either"
+)
 
 
 class ClientGone(GatewayError):
@@ -52,6 +55,7 @@ class CompletionService:
         models: served model name -> context length (the smallest among its backends).
         bytes_per_token: UTF-8 bytes per token for prompt estimates.
         streaming: whether clients may ask for `stream` (`streaming.enabled`).
+        limits: what one request may ask for (`limits`).
     """
 
     def __init__(
@@ -60,17 +64,21 @@ class CompletionService:
         models: dict[str, int],
         bytes_per_token: float,
         streaming: bool = True,
+        limits: Limits | None = None,
     ) -> None:
         self.ctx, self.models, self.bytes_per_token = ctx, models, bytes_per_token
         self.streaming = streaming
+        self.limits = limits or Limits()
 
     def prepare(self, endpoint: Endpoint, identity: Identity, raw: bytes) -> Prepared:
         """Check a request body completely, without touching a backend.
 
         Raises:
-            GatewayError: 400 (bad JSON, wrong types, prompt too long), 404 (unknown model).
+            GatewayError: 400 (bad JSON, wrong types, a limit passed, prompt too long), 404
+                (unknown model).
         """
-        body = _parse_json(raw)
+        body = decode_json(raw)
+        _check_messages(body, self.limits.max_messages)
         model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
         try:
             request: Any = model_cls.model_validate(body)
@@ -98,6 +106,7 @@ class CompletionService:
             _require_single_prompt(request)
             prompt = completion_prompt_tokens(request, self.bytes_per_token)
             max_tokens = request.max_tokens
+        _check_limits(request.n, max_tokens, self.limits)
         _check_context(prompt, max_tokens, context)
         options = request.stream_options
         client = ClientOptions(
@@ -111,6 +120,9 @@ class CompletionService:
         upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
         upstream["stream"] = True
         upstream["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        cap = self.limits.max_tokens
+        if max_tokens is None and cap is not None and cap < context - prompt:
+            max_tokens = upstream["max_tokens"] = cap  # the gateway's bound holds upstream too
         generated = max_tokens if max_tokens is not None else context - prompt
         return Prepared(
             client,
@@ -228,21 +240,47 @@ async def _watch_disconnect(receive: Receive, departure: Departure) -> None:
     departure.leave()
 
 
-def _parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise GatewayError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise GatewayError(400, "request body must be a JSON object", "invalid_json")
-    return body
+def _check_messages(body: dict[str, Any], limit: int) -> None:
+    # Before validation: a million tiny messages would cost their validation first.
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > limit:
+        raise GatewayError(
+            400,
+            f"messages has {len(messages)} entries, over this gateway's limit of {limit} "
+            "(limits.max_messages): send fewer, or merge them",
+            "too_many_messages",
+            param="messages",
+        )
+
+
+def _check_limits(n: int, max_tokens: int | None, limits: Limits) -> None:
+    if n > limits.max_n:
+        raise GatewayError(
+            400,
+            f"n is {n}, over this gateway's limit of {limits.max_n} choices per request "
+            "(limits.max_n): ask for fewer, or send several requests",
+            "n_too_large",
+            param="n",
+        )
+    cap = limits.max_tokens
+    if cap is not None and max_tokens is not None and max_tokens > cap:
+        raise GatewayError(
+            400,
+            f"max_tokens is {max_tokens}, over this gateway's limit of {cap} "
+            f"(limits.max_tokens): ask for at most {cap}",
+            "max_tokens_too_large",
+            param="max_tokens",
+        )
 
 
 def _invalid(exc: ValidationError) -> GatewayError:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
     got = "" if first["type"] == "missing" else f" (got {first.get('input')!r:.80})"
-    return GatewayError(400, f"{param}: {first['msg']}{got}", "invalid_request", param=param)
+    message = f"{param}: {first['msg']}"
+    if first["loc"][:1] == ("prompt",) and len(first["loc"]) > 1:  # a union member's error
+        param, message = "prompt", f"prompt: {_PROMPT_SHAPES}"
+    return GatewayError(400, f"{message}{got}", "invalid_request", param=param)
 
 
 def _require_single_prompt(request: CompletionRequest) -> None:

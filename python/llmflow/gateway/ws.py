@@ -11,12 +11,15 @@ stays full for the stall timeout is cut by the runtime's stall timer. The wire f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocketDisconnect
 
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.protocol import decode_json
 from llmflow.gateway.serving import ClientGone, Departure
 from llmflow.gateway.streaming import merge_chunks, parse_item
 
@@ -29,9 +32,30 @@ if TYPE_CHECKING:
     from llmflow.gateway.streaming import Item
     from llmflow.gateway.types import Json
 
-__all__ = ["AckChannel", "serve_websocket"]
+__all__ = ["AckChannel", "FrameRedactor", "serve_websocket"]
 
 _ENDPOINTS = ("chat", "completions")
+
+
+class FrameRedactor(logging.Filter):
+    """Keep WebSocket payloads out of debug logs: a request message may carry an API key.
+
+    The `websockets` library logs every frame it sends and receives (`< TEXT '...'`) at DEBUG
+    on the logger uvicorn gives it; this keeps the frame's kind and size and drops its data.
+    `llmflow serve` installs it on that logger.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite a frame record's arguments to their kind and size; keep every record."""
+        if record.msg in ("< %s", "> %s") and isinstance(record.args, tuple):
+            record.args = tuple(_frame_summary(arg) for arg in record.args)
+        return True
+
+
+def _frame_summary(frame: Any) -> str:
+    opcode = getattr(getattr(frame, "opcode", None), "name", "frame")
+    data = getattr(frame, "data", b"")
+    return f"{opcode} [{len(data)} bytes, not logged]"
 
 
 class AckChannel:
@@ -52,15 +76,27 @@ class AckChannel:
         self._progress = asyncio.Event()
 
     async def run(self) -> None:
-        """Read client messages until the socket closes."""
+        """Read client messages until the socket closes.
+
+        Each message is decoded as strictly as an HTTP body; one that is not a JSON object is
+        a protocol violation: the client gets an `error` saying why, and the socket closes.
+        """
         try:
             while True:
-                message = await self.websocket.receive_json()
-                self._on(message if isinstance(message, dict) else {})
-        except (WebSocketDisconnect, RuntimeError):
+                frame = await self.websocket.receive()
+                if frame["type"] == "websocket.disconnect":
+                    break
+                text = frame.get("text")
+                raw = text.encode() if text is not None else frame.get("bytes") or b""
+                try:
+                    message = decode_json(raw)
+                except GatewayError as exc:
+                    await _send(self.websocket, _error_message(None, exc))
+                    await self.websocket.close(code=1003)
+                    break
+                self._on(message)
+        except (WebSocketDisconnect, RuntimeError, ClientGone):
             pass
-        except ValueError:  # not JSON: a protocol violation ends the socket
-            await self.websocket.close(code=1003)
         self.closed = True
         self.departure.leave()
         self._progress.set()
@@ -191,10 +227,8 @@ async def _one_request(
     except ClientGone:
         return
     except GatewayError as exc:
-        await _send(
-            websocket,
-            {"type": "error", "id": request_id, "status": exc.status, **exc.body, **_retry(exc)},
-        )
+        with contextlib.suppress(ClientGone):  # the socket may have closed meanwhile
+            await _send(websocket, _error_message(request_id, exc))
     finally:
         if session is not None:
             session.cancel_writer = None
@@ -206,9 +240,10 @@ def _identity(keyring: KeyRing, header: str | None, message: Json) -> Identity:
     return keyring.authenticate(header or (f"Bearer {key}" if isinstance(key, str) else None))
 
 
-def _retry(exc: GatewayError) -> dict[str, Any]:
+def _error_message(request_id: Any, exc: GatewayError) -> Json:
     value = exc.headers.get("Retry-After")
-    return {"retry_after": int(value)} if value else {}
+    retry = {"retry_after": int(value)} if value else {}
+    return {"type": "error", "id": request_id, "status": exc.status, **exc.body, **retry}
 
 
 async def _send(websocket: WebSocket, message: Json) -> None:

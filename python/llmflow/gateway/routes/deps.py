@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.auth import Identity
     from llmflow.gateway.serving import CompletionService
 
-__all__ = ["gateway", "identity", "service"]
+__all__ = ["admin", "gateway", "identity", "service"]
 
 
 def gateway(request: Request) -> Gateway:
@@ -27,3 +27,8 @@ def service(request: Request) -> CompletionService:
 def identity(request: Request) -> Identity:
     """Who is calling, from the API key alone (401 when keys are configured and it is bad)."""
     return gateway(request).keyring.authenticate(request.headers.get("authorization"))
+
+
+def admin(request: Request) -> None:
+    """Let an admin request through (401 when `admin.api_key` is set and not presented)."""
+    gateway(request).admin_guard.check(request.headers.get("authorization"))

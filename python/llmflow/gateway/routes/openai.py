@@ -9,7 +9,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
-from llmflow.gateway.protocol import ModelCard, ModelList
+from llmflow.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    request_body,
+)
 from llmflow.gateway.relay import RelayedSession, RelayStream, relayable
 from llmflow.gateway.routes.deps import gateway, identity, service
 from llmflow.gateway.sse import SessionStream
@@ -20,16 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-_BODY = {"requestBody": {"required": True, "content": {"application/json": {}}}}
 
 
-@router.post("/chat/completions", openapi_extra=_BODY)
+@router.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     """Create a chat completion (streamed as SSE when `stream` is true)."""
     return await _complete("chat", request)
 
 
-@router.post("/completions", openapi_extra=_BODY)
+@router.post("/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     """Create a text completion (streamed as SSE when `stream` is true)."""
     return await _complete("completions", request)

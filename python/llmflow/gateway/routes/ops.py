@@ -1,24 +1,15 @@
-"""Operational routes: Prometheus metrics, liveness, readiness, and the state snapshot."""
+"""Operational routes on the main listener: liveness and readiness (the rest is `admin.py`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
-from llmflow.gateway.metrics import CONTENT_TYPE
 from llmflow.gateway.routes.deps import gateway
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["operations"])
-
-
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    """Prometheus text exposition."""
-    return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 @router.get("/healthz")
@@ -40,9 +31,3 @@ async def readyz(request: Request) -> JSONResponse:
         "healthy_backends": healthy,
     }
     return JSONResponse(body, status_code=200 if ready else 503)
-
-
-@router.get("/api/state")
-async def state(request: Request) -> dict[str, Any]:
-    """Queue by tier, in flight, per-backend KV usage, per-request KV footprint, live streams."""
-    return gateway(request).state()
