@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from llmflow.gateway.http1 import ConnectionPool, HttpResponse, ProtocolError
+from llmflow.gateway.http1 import ConnectionLost, ConnectionPool, HttpResponse, ProtocolError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -77,7 +77,13 @@ class UpstreamStream:
                         await _finish(body)
                         return
                     yield data
-        except (ProtocolError, OSError) as exc:
+        except (ConnectionLost, OSError) as exc:
+            # The connection died under a started reply: the backend is down until a scrape
+            # begun after this says otherwise (new requests go elsewhere at once).
+            raise UpstreamError(
+                502, "backend_error", f"backend stream broke: {exc!r}", backend_down=True
+            ) from exc
+        except ProtocolError as exc:
             raise UpstreamError(502, "backend_error", f"backend stream broke: {exc!r}") from exc
         raise UpstreamError(502, "backend_error", "backend stream ended without [DONE]")
 
