@@ -43,6 +43,8 @@ ALLOWED = {
     # Upstream I/O: how long a connect or the body's last bytes may take, not a request rule.
     ("gateway/upstream.py", "a timer of its own"),
     ("gateway/http1.py", "a timer of its own"),
+    # Transport I/O below any request: how long a client may take to send one (slowloris).
+    ("gateway/handoff.py", "a timer of its own"),
     # The embedded simulated backend is a backend, not the gateway's lifecycle.
     ("gateway/embedded.py", "a timer of its own"),
 }

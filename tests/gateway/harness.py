@@ -154,8 +154,10 @@ async def start_gateway(
         urls = {}
         for name, fake in fakes.items():
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
-        app = create_app(settings_for(urls, backend, **sections))
-        url, _ = await stack.enter_async_context(serve_asgi(app))
+        settings = settings_for(urls, backend, **sections)
+        app = create_app(settings)
+        http = HandoffProtocol.configured(settings.server.read_timeout_ms / 1e3)
+        url, _ = await stack.enter_async_context(serve_asgi(app, http=http))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         harness = Harness(url, app.state.gateway, client, fakes)
         yield harness

@@ -125,7 +125,8 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         lifespan="on",
         access_log=False,
-        http=HandoffProtocol,  # streamed replies leave Python for the relay after the head
+        # streamed replies leave Python for the relay after the head
+        http=HandoffProtocol.configured(settings.server.read_timeout_ms / 1e3),
         timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_ms / 1e3)
         + _FORCE_AFTER_DRAIN_S,
     )

@@ -10,6 +10,12 @@ request is served as if nothing had happened.
 
 The extension exists only under `HandoffProtocol` (uvicorn with httptools, HTTP/1.1); under
 any other server the gateway streams through Python as before.
+
+The protocol also guards the listener, below any request (so below the runtime): a client
+must send its whole request within `read_timeout_s` (uvicorn has no such timer, so a
+slowloris client held its connection for ever), and a connection accepted when file
+descriptors are nearly gone is answered with a 503 and closed, keeping a reserve for the
+backends' connections instead of leaving clients in the accept backlog.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +39,17 @@ __all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of"]
 
 EXTENSION = "llmflow.handoff"
 _SEND_BUFFER_BYTES = 64 * 1024  # per relayed reply; SSE chunks are a few hundred bytes
+_FD_RESERVE = 64  # descriptors kept for upstream connections, scrapes and the relay
+_REFUSAL_RETRY_S = 1  # a transport-level refusal: no request exists for the runtime to price
+_OUT_OF_FDS = (
+    b'{"error":{"message":"the gateway has no file descriptors left for new connections; '
+    b'retry shortly","type":"server_error","param":null,"code":"too_many_connections"}}'
+)
+_TIMED_OUT = (
+    b'{"error":{"message":"the request was not received in time: send the headers and the '
+    b'body without pausing","type":"invalid_request_error","param":null,'
+    b'"code":"request_timeout"}}'
+)
 log = logging.getLogger("llmflow.gateway")
 
 
@@ -48,14 +66,90 @@ class TakenSocket:
         self.protocol.adopt(fd)
 
 
+def _error_response(status: bytes, body: bytes, retry_after: int | None = None) -> bytes:
+    head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+    if retry_after is not None:
+        head += b"retry-after: " + str(retry_after).encode() + b"\r\n"
+    head += b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    return head + body
+
+
 class HandoffProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol that can give its connection away (and take one back)."""
+    """uvicorn's httptools protocol that can give its connection away (and take one back).
+
+    `read_timeout_s`: how long a client may take to send a request's head and body
+    (`server.read_timeout_ms`; set it with `configured`).
+    """
+
+    read_timeout_s: float = 30.0
+    _read_timer: asyncio.TimerHandle | None = None
+    _refuse = False
+    _begun = False
+
+    @classmethod
+    def configured(cls, read_timeout_s: float) -> type[HandoffProtocol]:
+        """This protocol with another read timeout."""
+        return type(cls.__name__, (cls,), {"read_timeout_s": read_timeout_s})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # Descriptors are handed out lowest first: a number this high means few are left.
+        self._refuse = sock is not None and sock.fileno() >= limit - _FD_RESERVE
+        self._arm_read_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refuse:  # answered at once, before parsing: it costs no request
+            if not self.transport.is_closing():
+                log.warning("out of file descriptors: refusing a connection")
+                body = _error_response(b"503 Service Unavailable", _OUT_OF_FDS, _REFUSAL_RETRY_S)
+                self.transport.write(body)
+                self.transport.close()
+            return
+        super().data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_read_timer()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._begun = True
+        self._arm_read_timer()
         if self.scope.get("http_version", "1.1") == "1.1":
             extensions: dict[str, Any] = {EXTENSION: self._take}
             self.scope["extensions"] = extensions
+
+    def handle_websocket_upgrade(self) -> None:
+        self._disarm_read_timer()  # the connection is the WebSocket protocol's from now on
+        super().handle_websocket_upgrade()
+
+    def on_message_complete(self) -> None:
+        self._disarm_read_timer()
+        self._begun = False
+        super().on_message_complete()
+
+    def _arm_read_timer(self) -> None:
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _disarm_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        """The request did not arrive in time (slowloris): 408 if it began, then close."""
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self._begun and (cycle is None or not cycle.response_started):
+            self.transport.write(_error_response(b"408 Request Timeout", _TIMED_OUT))
+            if cycle is not None:
+                cycle.disconnected = True  # the handler waiting for the body hears it left
+        self.transport.close()
 
     def _take(self) -> TakenSocket | None:
         """Detach the socket: a duplicate of its fd goes to the caller, uvicorn forgets it.
