@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ _CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treate
 _WRITE_TIMEOUT_S = 30.0  # sending one request body
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body worth reading
 _DONE = b"[DONE]"
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)  # a failed connect that says nothing of the backend
 _TAIL_WAIT_S = 0.05  # after [DONE], how long the body's end may take before we drop the link
 
 
@@ -157,7 +159,15 @@ class Upstream:
             response = await self.pool.request(
                 base_url + path, head, json.dumps(body).encode(), on_connection
             )
-        except (OSError, TimeoutError, asyncio.TimeoutError) as exc:  # distinct before 3.11
+        except OSError as exc:
+            if exc.errno in _OUT_OF_FDS:  # the gateway's own shortage: the backend is fine
+                raise UpstreamError(
+                    502, "gateway_out_of_fds", f"the gateway has no file descriptor left: {exc!r}"
+                ) from exc
+            raise UpstreamError(
+                502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
+            ) from exc
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct before 3.11
             raise UpstreamError(
                 502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
             ) from exc
