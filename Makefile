@@ -29,12 +29,16 @@ deps: ## Install what the tests need beyond Python packages: Debian's chromium (
 .PHONY: test
 test: deps ## Run every test: cargo test, then pytest (unit, simulator, property, integration)
 	cargo test --quiet
-	$(PYTHON) -m pytest tests sim property_tests
+	$(PYTHON) -m pytest tests sim property_tests -m "not reliability"
 
 .PHONY: test-fast
 test-fast: ## Everything except the real-vLLM integration tests
 	cargo test --quiet
-	HYPOTHESIS_PROFILE=fast $(PYTHON) -m pytest tests sim property_tests -m "not integration"
+	HYPOTHESIS_PROFILE=fast $(PYTHON) -m pytest tests sim property_tests -m "not integration and not reliability"
+
+.PHONY: reliability
+reliability: ## The flood: 10,000 connections, a 5,000-request burst, VIP latency, RSS (minutes)
+	$(PYTHON) -m pytest tests/reliability -m reliability -s
 
 .PHONY: props
 props: ## Property tests only

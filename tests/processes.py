@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -80,6 +81,7 @@ class GatewayProcess:
         workdir: where the config file and the log go.
         startup_timeout_s: how long to wait for `/readyz`.
         extra_args: more `llmflow serve` arguments (`--trace FILE`).
+        max_open_files: the child's file-descriptor limit (`RLIMIT_NOFILE`), if set.
     """
 
     def __init__(
@@ -88,8 +90,10 @@ class GatewayProcess:
         workdir: Path,
         startup_timeout_s: float = 60.0,
         extra_args: tuple[str, ...] = (),
+        max_open_files: int | None = None,
     ):
         self.config = config
+        self.max_open_files = max_open_files
         self.extra_args = extra_args
         self.port = free_port()
         self.workdir = workdir
@@ -132,7 +136,7 @@ class GatewayProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                **own_process_group(),
+                **self._limits(),
             )
         try:
             self._wait_ready()
@@ -140,6 +144,24 @@ class GatewayProcess:
             self.stop()
             raise
         return self
+
+    def _limits(self) -> dict[str, Any]:
+        """Popen arguments: its own process group, and the fd limit set in the child."""
+        limit = self.max_open_files
+        if limit is None:
+            return own_process_group()
+
+        def setup() -> None:
+            os.setpgrp()
+            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+        return {"preexec_fn": setup}
+
+    def pid(self) -> int:
+        """The process id (it must be running)."""
+        assert self.process is not None
+        return self.process.pid
 
     def _wait_ready(self) -> None:
         assert self.process is not None

@@ -44,7 +44,8 @@ ALLOWED = {
     ("gateway/upstream.py", "a timer of its own"),
     ("gateway/http1.py", "a timer of its own"),
     # Connection I/O: after an error answer, how long the rest of a refused upload is read and
-    # dropped before the socket closes (so the client reads the answer, not a reset).
+    # dropped before the socket closes (so the client reads the answer, not a reset); and how
+    # long a client may take to send a request at all (slowloris), below any request.
     ("gateway/handoff.py", "a timer of its own"),
     # The embedded simulated backend is a backend, not the gateway's lifecycle.
     ("gateway/embedded.py", "a timer of its own"),

@@ -139,6 +139,8 @@ class Server(_Section):
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     drain_timeout_ms: DurationMs = 30_000.0  # shutdown: how long live requests may finish
+    # How long a client may take to send a request's head and body (slowloris): 408, closed.
+    read_timeout_ms: DurationMs = Field(30_000.0, gt=0)
     bytes_per_token: float = Field(4.0, gt=0)  # prompt-length estimate for text (no tokenizer)
     # Streams relayed by the Rust relay (socket hand-off after the first token); off streams
     # every reply through Python, as any ASGI server without the hand-off does.

@@ -9,7 +9,15 @@ Each request may carry a `fake` object (the gateway passes unknown fields throug
 - `crash_after` (int): drop the connection after that many tokens;
 - `hang` (bool): accept the request and never send a byte;
 - `step` (bool): emit each token only when the test calls `FakeVllm.release()`;
-- `chunk_bytes` (int): pad each token's text to this many bytes (to fill socket buffers).
+- `chunk_bytes` (int): pad each token's text to this many bytes (to fill socket buffers);
+- `malformed_after` (int): after that many tokens send a `data:` frame that is not JSON;
+- `error_after` (int): after that many tokens send vLLM's in-band error event (a 500 in the
+  middle of a stream: `data: {"error": {..., "code": 500}}`, then `[DONE]`), as vLLM does
+  when the engine fails under a started stream;
+- `close_after` (int): after that many tokens end the body cleanly, without `[DONE]`.
+
+`/metrics` misbehaves on request too: `metrics_status` (answer that status), `metrics_delay`
+(seconds before answering), `metrics_garbage` (answer 200 with text that is not vLLM's).
 
 It speaks vLLM's streaming format: a role chunk first, one chunk per token with continuous usage
 when asked, a usage-only chunk when `include_usage` is set, then `data: [DONE]`. It counts what a
@@ -43,6 +51,8 @@ class FakeVllm:
     kv_usage: float = 0.0
     preemptions: int = 0
     metrics_status: int = 200
+    metrics_delay: float = 0.0
+    metrics_garbage: bool = False
     kv_name: str = "vllm:kv_cache_usage_perc"
     num_gpu_blocks: int = 1000
     default: dict[str, Any] = field(default_factory=dict)
@@ -51,6 +61,7 @@ class FakeVllm:
     peak_running: int = 0
     aborted: int = 0
     completed: int = 0
+    broken: int = 0  # replies the fake itself broke off (error event, early close)
     tokens_sent: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     metrics_scrapes: int = 0
@@ -90,6 +101,10 @@ class FakeVllm:
 
     async def _metrics(self, _request: Request) -> Response:
         self.metrics_scrapes += 1
+        if self.metrics_delay:
+            await asyncio.sleep(self.metrics_delay)
+        if self.metrics_garbage:
+            return PlainTextResponse("<html>\x00\xff not metrics {{{\nvllm: nan nan\n")
         if self.metrics_status != 200:
             return PlainTextResponse("boom", status_code=self.metrics_status)
         labels = f'engine="0",model_name="{self.model}"'
@@ -143,16 +158,18 @@ class FakeVllm:
         self.running += 1
         self.peak_running = max(self.peak_running, self.running)
 
-    def _leave(self, finished: bool) -> None:
+    def _leave(self, finished: bool | None) -> None:
         self.running -= 1
-        if finished:
+        if finished is None:
+            self.broken += 1
+        elif finished:
             self.completed += 1
         else:
             self.aborted += 1
 
     async def _stream(self, body: dict[str, Any], plan: dict[str, Any], chat: bool) -> Any:
         self._enter()
-        finished = False
+        finished: bool | None = False
         try:
             n = int(plan.get("tokens") or body.get("max_tokens") or 8)
             options = body.get("stream_options") or {}
@@ -188,6 +205,17 @@ class FakeVllm:
                     await asyncio.sleep(0)
                 if plan.get("crash_after") is not None and i >= int(plan["crash_after"]):
                     raise ConnectionAbortedError("injected crash mid-stream")
+                if _due(plan, "malformed_after", i):
+                    yield b'data: {"id": "broken", "choices": [{"delta": \n\n'
+                    await asyncio.Event().wait()  # the gateway must not wait for more
+                if _due(plan, "error_after", i):
+                    yield b"data: " + json.dumps({"error": _ENGINE_ERROR}).encode() + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                    finished = None
+                    return
+                if _due(plan, "close_after", i):
+                    finished = None
+                    return
                 text = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
                 finish = "length" if i == n - 1 else None
                 choice: dict[str, Any] = (
@@ -202,6 +230,19 @@ class FakeVllm:
             finished = True
         finally:
             self._leave(finished)
+
+
+_ENGINE_ERROR = {
+    "object": "error",
+    "message": "EngineCore encountered an issue (injected)",
+    "type": "InternalServerError",
+    "param": None,
+    "code": 500,
+}
+
+
+def _due(plan: dict[str, Any], key: str, i: int) -> bool:
+    return plan.get(key) is not None and i >= int(plan[key])
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

@@ -14,6 +14,12 @@ any other server the gateway streams through Python as before.
 The protocol also guards what httptools alone would not: a request's line and headers are
 bounded (`limits.max_header_bytes`, passed as uvicorn's `h11_max_incomplete_event_size`), and a
 request it cannot parse gets an OpenAI-style body instead of uvicorn's plain text.
+
+The protocol also guards the listener, below any request (so below the runtime): a client
+must send its whole request within `read_timeout_s` (uvicorn has no such timer, so a
+slowloris client held its connection for ever), and a connection accepted when file
+descriptors are nearly gone is answered with a 503 and closed, keeping a reserve for the
+backends' connections instead of leaving clients in the accept backlog.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import http
 import logging
 import os
+import resource
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +49,17 @@ EXTENSION = "llmflow.handoff"
 _SEND_BUFFER_BYTES = 64 * 1024  # per relayed reply; SSE chunks are a few hundred bytes
 _HEAD_BYTES = 32 * 1024  # request line plus headers, when the server config names no limit
 _HEADER_OVERHEAD = 4  # ": " and CRLF around each header
+_FD_RESERVE = 64  # descriptors kept for upstream connections, scrapes and the relay
+_REFUSAL_RETRY_S = 1  # a transport-level refusal: no request exists for the runtime to price
+_OUT_OF_FDS = (
+    b'{"error":{"message":"the gateway has no file descriptors left for new connections; '
+    b'retry shortly","type":"server_error","param":null,"code":"too_many_connections"}}'
+)
+_TIMED_OUT = (
+    b'{"error":{"message":"the request was not received in time: send the headers and the '
+    b'body without pausing","type":"invalid_request_error","param":null,'
+    b'"code":"request_timeout"}}'
+)
 log = logging.getLogger("llmflow.gateway")
 
 
@@ -56,7 +74,7 @@ def server_options(settings: Settings) -> dict[str, Any]:
         largest WebSocket message (`server.max_body_bytes`, as for an HTTP body).
     """
     return {
-        "http": HandoffProtocol,
+        "http": HandoffProtocol.configured(settings.server.read_timeout_ms / 1e3),
         "h11_max_incomplete_event_size": settings.limits.max_header_bytes,
         "ws_max_size": settings.server.max_body_bytes,
     }
@@ -82,6 +100,14 @@ class TakenSocket:
         self.protocol.adopt(fd)
 
 
+def _error_response(status: bytes, body: bytes, retry_after: int | None = None) -> bytes:
+    head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+    if retry_after is not None:
+        head += b"retry-after: " + str(retry_after).encode() + b"\r\n"
+    head += b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    return head + body
+
+
 class HandoffProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol that can give its connection away (and take one back).
 
@@ -90,6 +116,9 @@ class HandoffProtocol(HttpToolsProtocol):
     refused before the app sees it; either way with 431 and an OpenAI-style body. After such
     an error the connection reads and drops what the client is still sending for a moment, so
     the client gets to read the answer instead of a reset.
+
+    `read_timeout_s`: how long a client may take to send a request's head and body
+    (`server.read_timeout_ms`; set it with `configured`).
     """
 
     _head_open = True  # reading a request line and headers
@@ -99,6 +128,13 @@ class HandoffProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         """Feed the parser, counting what arrives while a request's head is still open."""
+        if self._refuse:  # answered at once, before parsing: it costs no request
+            if not self.transport.is_closing():
+                log.warning("out of file descriptors: refusing a connection")
+                body = _error_response(b"503 Service Unavailable", _OUT_OF_FDS, _REFUSAL_RETRY_S)
+                self.transport.write(body)
+                self.transport.close()
+            return
         if self._discarding:
             return
         was_open = self._head_open
@@ -162,12 +198,66 @@ class HandoffProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         self.loop.call_later(_LINGER_S, self.transport.close)
 
+    read_timeout_s: float = 30.0
+    _read_timer: asyncio.TimerHandle | None = None
+    _refuse = False
+    _begun = False
+
+    @classmethod
+    def configured(cls, read_timeout_s: float) -> type[HandoffProtocol]:
+        """This protocol with another read timeout."""
+        return type(cls.__name__, (cls,), {"read_timeout_s": read_timeout_s})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # Descriptors are handed out lowest first: a number this high means few are left.
+        self._refuse = sock is not None and sock.fileno() >= limit - _FD_RESERVE
+        self._arm_read_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_read_timer()
+        super().connection_lost(exc)
+
     def on_message_begin(self) -> None:
         self._head_open, self._head_bytes = True, 0
         super().on_message_begin()
+        self._begun = True
+        self._arm_read_timer()
         if self.scope.get("http_version", "1.1") == "1.1":
             extensions: dict[str, Any] = {EXTENSION: self._take}
             self.scope["extensions"] = extensions
+
+    def handle_websocket_upgrade(self) -> None:
+        self._disarm_read_timer()  # the connection is the WebSocket protocol's from now on
+        super().handle_websocket_upgrade()
+
+    def on_message_complete(self) -> None:
+        self._disarm_read_timer()
+        self._begun = False
+        super().on_message_complete()
+
+    def _arm_read_timer(self) -> None:
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _disarm_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        """The request did not arrive in time (slowloris): 408 if it began, then close."""
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self._begun and (cycle is None or not cycle.response_started):
+            self.transport.write(_error_response(b"408 Request Timeout", _TIMED_OUT))
+            if cycle is not None:
+                cycle.disconnected = True  # the handler waiting for the body hears it left
+        self.transport.close()
 
     def _take(self) -> TakenSocket | None:
         """Detach the socket: a duplicate of its fd goes to the caller, uvicorn forgets it.

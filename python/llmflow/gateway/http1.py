@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-__all__ = ["Connection", "ConnectionPool", "HttpResponse", "ProtocolError"]
+__all__ = ["Connection", "ConnectionLost", "ConnectionPool", "HttpResponse", "ProtocolError"]
 
 _READ_SIZE = 65536  # bytes per socket read
 _HEAD_LIMIT = 64 * 1024  # the most bytes of status line and headers accepted
@@ -28,6 +28,10 @@ _HEAD_LIMIT = 64 * 1024  # the most bytes of status line and headers accepted
 
 class ProtocolError(Exception):
     """The backend broke the HTTP exchange (bad framing, or closed mid-response)."""
+
+
+class ConnectionLost(ProtocolError):
+    """The backend's connection closed in the middle of a response (a killed process)."""
 
 
 class Connection:
@@ -82,7 +86,7 @@ class HttpResponse:
             while left > 0:
                 piece = await reader.read(min(left, _READ_SIZE))
                 if not piece:
-                    raise ProtocolError("connection closed before the body ended")
+                    raise ConnectionLost("connection closed before the body ended")
                 left -= len(piece)
                 yield piece
         else:
@@ -148,7 +152,7 @@ async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
             yield b"".join(out)
         more = await reader.read(_READ_SIZE)
         if not more:
-            raise ProtocolError("connection closed inside the chunked body")
+            raise ConnectionLost("connection closed inside the chunked body")
         buffer += more
 
 

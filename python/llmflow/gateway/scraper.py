@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.host import Host
     from llmflow.gateway.upstream import Upstream
 
-__all__ = ["BackendState", "Scraper", "parse_vllm_metrics"]
+__all__ = ["BackendState", "NotMetricsError", "Scraper", "parse_vllm_metrics"]
 
 log = logging.getLogger("llmflow.gateway")
 
@@ -110,6 +110,13 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class NotMetricsError(Exception):
+    """A `/metrics` reply without a single vLLM metric in it (a proxy's page, garbage)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(f"no vLLM metrics in the reply: {text[:80]!r}")
+
+
 class Scraper:
     """Scrapes every backend on a fixed period and reports to the runtime.
 
@@ -148,7 +155,9 @@ class Scraper:
             response = await self.upstream.get(state.url + "/metrics", self.timeout_s)
             response.raise_for_status()
             values = parse_vllm_metrics(response.text)
-        except httpx.HTTPError as exc:
+            if not values:  # a 200 that says nothing is no observation: not a fresh scrape
+                raise NotMetricsError(response.text)
+        except (httpx.HTTPError, NotMetricsError) as exc:
             state.last_error = repr(exc)
             self.host.scrape_failed(name)
             state.failures = self.host.runtime.scrape_failures(name)

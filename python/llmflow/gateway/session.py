@@ -313,6 +313,8 @@ class StreamSession:
             if self._stop:  # cut or aborted: events already read must not follow the tail
                 return
             chunk, new_tokens = self.parser.feed(data)
+            if isinstance(chunk, dict) and "error" in chunk:
+                raise error_event(chunk)  # vLLM's in-band 500: a failure, not a chunk
             if new_tokens:
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
@@ -354,6 +356,14 @@ class StreamSession:
     def response(self) -> Json:
         """The non-streaming reply, once `done` (partial text and notice when cut)."""
         return self.accumulator.response(self.parser.usage)
+
+
+def error_event(chunk: Json) -> UpstreamError:
+    """The failure a backend reports in-band (vLLM's `data: {"error": ...}` under a started
+    stream, followed by `[DONE]`): the request failed, whatever the `[DONE]` says."""
+    error = chunk["error"]
+    message = error.get("message") if isinstance(error, dict) else error
+    return UpstreamError(502, "backend_error", f"backend failed mid-stream: {message}")
 
 
 def in_band_error(exc: UpstreamError) -> Json:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
 
-from llmflow.gateway.http1 import ConnectionPool, HttpResponse, ProtocolError
+from llmflow.gateway.http1 import ConnectionLost, ConnectionPool, HttpResponse, ProtocolError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,7 @@ _CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treate
 _WRITE_TIMEOUT_S = 30.0  # sending one request body
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body worth reading
 _DONE = b"[DONE]"
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)  # a failed connect that says nothing of the backend
 _TAIL_WAIT_S = 0.05  # after [DONE], how long the body's end may take before we drop the link
 
 
@@ -77,7 +79,13 @@ class UpstreamStream:
                         await _finish(body)
                         return
                     yield data
-        except (ProtocolError, OSError) as exc:
+        except (ConnectionLost, OSError) as exc:
+            # The connection died under a started reply: the backend is down until a scrape
+            # begun after this says otherwise (new requests go elsewhere at once).
+            raise UpstreamError(
+                502, "backend_error", f"backend stream broke: {exc!r}", backend_down=True
+            ) from exc
+        except ProtocolError as exc:
             raise UpstreamError(502, "backend_error", f"backend stream broke: {exc!r}") from exc
         raise UpstreamError(502, "backend_error", "backend stream ended without [DONE]")
 
@@ -151,7 +159,15 @@ class Upstream:
             response = await self.pool.request(
                 base_url + path, head, json.dumps(body).encode(), on_connection
             )
-        except (OSError, TimeoutError, asyncio.TimeoutError) as exc:  # distinct before 3.11
+        except OSError as exc:
+            if exc.errno in _OUT_OF_FDS:  # the gateway's own shortage: the backend is fine
+                raise UpstreamError(
+                    502, "gateway_out_of_fds", f"the gateway has no file descriptor left: {exc!r}"
+                ) from exc
+            raise UpstreamError(
+                502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
+            ) from exc
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct before 3.11
             raise UpstreamError(
                 502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
             ) from exc

@@ -63,6 +63,14 @@ impl ChunkShaper {
         let Value::Object(mut chunk) = value else {
             return Ok(Shaped::default());
         };
+        if let Some(error) = chunk.get("error") {
+            // vLLM's in-band 500 under a started stream (then `[DONE]`): the request failed.
+            let message = error
+                .get("message")
+                .and_then(Value::as_str)
+                .map_or_else(|| error.to_string(), str::to_owned);
+            return Err(format!("backend failed mid-stream: {message}"));
+        }
         if self.template.is_none() && chunk.contains_key("id") {
             let mut t = Map::new();
             for key in ["id", "created", "model"] {
@@ -78,8 +86,7 @@ impl ChunkShaper {
             self.finished = true;
         }
         if choices.is_none_or(Vec::is_empty) {
-            let keep = chunk.contains_key("error") || self.include_usage;
-            let frame = keep.then(|| frame_of(&Value::Object(chunk)));
+            let frame = self.include_usage.then(|| frame_of(&Value::Object(chunk)));
             return Ok(Shaped { frame, new_tokens });
         }
         if chunk.contains_key("usage") {
@@ -401,6 +408,16 @@ mod tests {
             .contains("\"completion_tokens\":2"));
         let mut plain = ChunkShaper::new(false);
         assert_eq!(plain.feed(last).unwrap().frame, None);
+    }
+
+    // vLLM's in-band error event is the stream's failure, not a chunk to pass on.
+    #[test]
+    fn an_in_band_error_event_is_a_failure() {
+        let mut s = ChunkShaper::new(false);
+        let err = s
+            .feed(br#"{"error":{"message":"engine died","code":500}}"#)
+            .unwrap_err();
+        assert!(err.contains("engine died"), "{err}");
     }
 
     #[test]

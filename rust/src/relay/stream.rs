@@ -363,8 +363,10 @@ impl Task {
                 Ok(data) => data,
                 Err(_) => return Step::Go, // trailers
             },
-            Some(Err(e)) => return self.fail(format!("backend stream broke: {e}")),
-            None => return self.fail("backend stream ended without [DONE]".to_owned()),
+            // The connection died under a started reply (a killed backend): down until a
+            // scrape begun later says otherwise, so new requests go elsewhere at once.
+            Some(Err(e)) => return self.fail(format!("backend stream broke: {e}"), true),
+            None => return self.fail("backend stream ended without [DONE]".to_owned(), false),
         };
         let decoded = self.decoder.feed(&data);
         let now = Instant::now();
@@ -387,7 +389,7 @@ impl Task {
                         self.add_frame(frame, now);
                     }
                 }
-                Err(message) => return self.fail(message),
+                Err(message) => return self.fail(message, false),
             }
         }
         if decoded.done {
@@ -401,7 +403,7 @@ impl Task {
         self.write()
     }
 
-    fn fail(&mut self, message: String) -> Step {
+    fn fail(&mut self, message: String, backend_down: bool) -> Step {
         self.body = None;
         self.conn = None;
         self.push(RelayEvent::Failed(
@@ -410,7 +412,7 @@ impl Task {
                 status: 502,
                 code: "backend_error",
                 message,
-                backend_down: false,
+                backend_down,
             },
         ));
         Step::Go

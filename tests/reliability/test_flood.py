@@ -1,0 +1,233 @@
+"""The flood: 10,000 concurrent connections and a burst of 5,000 requests at a real gateway
+process; and a gateway that runs out of file descriptors refuses politely.
+
+Marked `reliability` (`make reliability`; `make test` leaves the flood out): it takes a
+minute or two and most of a small machine. It measures, from the clients' side, how fast the
+429s come (p99 under 50 ms when the burst arrives at `PACED_PER_S`; the all-at-once figure is
+printed beside it), a VIP client's latency before and during the burst, and the gateway's
+resident memory (`/proc/<pid>/status`), and prints them as one JSON line for
+`docs/reliability.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from processes import GatewayProcess, SimServeProcess
+
+from .zero import assert_back_to_zero, vllm_running
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "sim"
+CONNECTIONS = 10_000  # idle connections held open through the burst
+BURST = 5_000  # requests in the burst
+PACED_PER_S = 1_000  # the paced burst's arrival rate
+VIP_REQUESTS = 10  # sequential VIP requests, before and during the burst
+P99_429_S = 0.050
+RSS_LIMIT_MB = 1024
+
+
+def _config(url: str) -> dict[str, Any]:
+    return {
+        "gate": {"max_concurrency_per_gpu": 4, "queue": {"max_waiting": 32}},
+        "sla": {"ttft_ms": None},
+        "metrics": {"scrape_interval_ms": 200},
+        "streaming": {"sse_flush_interval": 0},
+        "server": {"drain_timeout_ms": 1000},
+        "tenants": [
+            {"name": "gold", "tier": "vip", "api_keys": ["k-vip"]},
+            {"name": "crowd", "tier": "normal", "api_keys": ["k-crowd"]},
+        ],
+        "backends": [{"name": "b0", "url": url, "models": [MODEL], "max_model_len": 8192}],
+    }
+
+
+def _request(key: str) -> bytes:
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + key.encode() + b"\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Conn:
+    """One raw client connection: send a request, read one response."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def ask(self, request: bytes) -> tuple[int, float]:
+        start = time.perf_counter()
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        await self.reader.readexactly(length)
+        return status, time.perf_counter() - start
+
+
+async def _open(port: int, n: int) -> list[Conn]:
+    conns: list[Conn] = []
+    for start in range(0, n, 500):  # in batches: the listen backlog is finite
+        pairs = await asyncio.gather(
+            *(asyncio.open_connection("127.0.0.1", port) for _ in range(min(500, n - start)))
+        )
+        conns += [Conn(r, w) for r, w in pairs]
+    return conns
+
+
+async def _vip(client: httpx.AsyncClient) -> list[float]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    out = []
+    for _ in range(VIP_REQUESTS):
+        start = time.perf_counter()
+        r = await client.post(
+            "/v1/chat/completions", json=body, headers={"authorization": "Bearer k-vip"}
+        )
+        assert r.status_code == 200, r.text
+        out.append(time.perf_counter() - start)
+    return out
+
+
+async def _burst(conns: list[Conn], per_s: float | None) -> list[tuple[int, float]]:
+    request = _request("k-crowd")
+
+    async def one(i: int, conn: Conn) -> tuple[int, float]:
+        if per_s:
+            await asyncio.sleep(i / per_s)
+        return await conn.ask(request)
+
+    return await asyncio.gather(*(one(i, c) for i, c in enumerate(conns)))
+
+
+async def _sample_rss(pid: int, peak: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        peak[0] = max(peak[0], _rss_mb(pid))
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.reliability
+async def test_a_flood_of_connections_and_requests(tmp_path: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = CONNECTIONS + 1000
+    assert hard >= need, f"the fd hard limit {hard} is below {need}: raise it (ulimit -Hn)"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the test's side
+    figures: dict[str, Any] = {}
+    try:
+        with (
+            SimServeProcess(tmp_path, "--model-name", MODEL, "--speed", "4") as backend,
+            GatewayProcess(_config(backend.url), tmp_path, max_open_files=hard) as gw,
+        ):
+            pid = gw.pid()
+            async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+                figures["rss_idle_mb"] = round(_rss_mb(pid), 1)
+                baseline = await _vip(client)
+                conns = await _open(gw.port, CONNECTIONS)
+                assert (await client.get("/healthz")).status_code == 200
+                figures["rss_10k_connections_mb"] = round(_rss_mb(pid), 1)
+                peak, stop = [0.0], asyncio.Event()
+                sampler = asyncio.create_task(_sample_rss(pid, peak, stop))
+                results: dict[str, list[tuple[int, float]]] = {}
+                vip_during: list[float] = []
+                for name, per_s, part in (
+                    ("all_at_once", None, conns[:BURST]),
+                    ("paced", PACED_PER_S, conns[BURST : 2 * BURST]),
+                ):
+                    burst, vip = await asyncio.gather(_burst(part, per_s), _vip(client))
+                    results[name] = burst
+                    vip_during += vip
+                    assert (await client.get("/healthz")).status_code == 200  # still up
+                stop.set()
+                await sampler
+                figures["rss_peak_mb"] = round(peak[0], 1)
+                for conn in conns:
+                    conn.writer.close()
+                await assert_back_to_zero(gw.url, vllm_running([backend.url]), timeout_s=30)
+                figures["rss_after_mb"] = round(_rss_mb(pid), 1)
+            assert gw.stop() == 0
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    for name, burst in results.items():
+        statuses = [s for s, _ in burst]
+        refused = [t for s, t in burst if s == 429]
+        assert set(statuses) <= {200, 429}, sorted(set(statuses))
+        figures[name] = {
+            "requests": len(burst),
+            "served_200": statuses.count(200),
+            "refused_429": len(refused),
+            "p50_429_ms": round(_p(refused, 0.50) * 1e3, 1),
+            "p99_429_ms": round(_p(refused, 0.99) * 1e3, 1),
+        }
+    figures["vip_p50_ms"] = {
+        "before": round(statistics.median(baseline) * 1e3, 1),
+        "during": round(statistics.median(vip_during) * 1e3, 1),
+    }
+    figures["vip_max_ms"] = {
+        "before": round(max(baseline) * 1e3, 1),
+        "during": round(max(vip_during) * 1e3, 1),
+    }
+    print("\nFLOOD " + json.dumps(figures))
+    assert figures["paced"]["p99_429_ms"] < P99_429_S * 1e3, figures
+    assert figures["rss_peak_mb"] < RSS_LIMIT_MB, figures
+    assert max(vip_during) < 2.0 + 3 * max(baseline), figures  # VIP kept its place
+
+
+async def test_out_of_file_descriptors_refuses_politely_and_recovers(tmp_path: Path) -> None:
+    """With 256 descriptors, 400 connections: the last get a 503 with Retry-After, an
+    OpenAI-style body, and a closed connection; once they go, the gateway serves again."""
+    with (
+        SimServeProcess(tmp_path, "--model-name", MODEL, "--speed", "4") as backend,
+        GatewayProcess(_config(backend.url), tmp_path, max_open_files=256) as gw,
+    ):
+        conns = await _open(gw.port, 400)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(c.ask(_request("k-crowd")) for c in conns), return_exceptions=True),
+            timeout=60,
+        )
+        statuses = [r[0] if isinstance(r, tuple) else type(r).__name__ for r in results]
+        print("\nFD-LIMIT " + json.dumps({str(s): statuses.count(s) for s in set(statuses)}))
+        assert statuses.count(503) > 0, statuses  # refused politely, not left in the backlog
+        for conn in conns:
+            conn.writer.close()
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                headers={"authorization": "Bearer k-vip"},
+            )
+            assert r.status_code == 200, r.text
+            state = (await client.get("/api/state")).json()
+            assert state["core"]["backends"][0]["healthy"], state  # not blamed on the backend
+        await assert_back_to_zero(gw.url, vllm_running([backend.url]))
+        assert gw.stop() == 0
