@@ -18,6 +18,7 @@ EXPIRY_REASONS = ("queue_timeout", "first_token_timeout", "deadline")  # same-in
 KV_COST_TOKENS = 1024.0  # context tokens per extra unit of output cost (times kv_weight)
 MAX_SHED_LEVEL = 3  # the preemption breaker's highest level
 EWMA_ALPHA = 0.2  # weight of a new prefill-throughput sample
+PREFILL_SAMPLE_US = 500_000  # shortest interval of a prefill-throughput sample
 
 
 def us(ms: float | None) -> int | None:
@@ -43,6 +44,9 @@ class Backend:
     cap: int
     kv_blocks: int  # 0: capacity unknown, no fit check
     prefill_tps: float
+    prefilled: int = 0  # prompt tokens whose first token came since `sample_at`
+    sample_at: int | None = None  # µs the current throughput interval began
+    pending_at_sample: int = 0  # prompt tokens in prefill when it began
     healthy: bool = True
     seen_at: int | None = None  # µs of the last scrape
     kv_usage: float | None = None  # what the last scrape reported
@@ -79,6 +83,11 @@ class ReferenceGovernor:
             for b in c["backends"]
         }
         self.last_served = [0.0] * len(tiers)  # counter of the tenant a tier served last
+        self.mean_output: dict[str, float] = {}  # per tenant, once a request of it completed
+
+    def expected_output(self, tenant: str, max_tokens: int) -> int:
+        mean = self.mean_output.get(tenant)
+        return max_tokens if mean is None else min(math.ceil(mean), max_tokens)
 
     # ---- readings --------------------------------------------------------------------------
 
@@ -277,12 +286,28 @@ class ReferenceGovernor:
         req = self.live.get(rid)
         if req is None or req.backend is None or req.first_token:
             return
-        req.first_token = True
         b, elapsed = self.backends[req.backend], now - req.started
-        if elapsed and req.prefill_ahead:
-            sample = req.prefill_ahead / (elapsed / 1e6)
-            sample = min(max(sample, b.prefill_tps / 100.0), b.prefill_tps * 100.0)
-            b.prefill_tps += EWMA_ALPHA * (sample - b.prefill_tps)
+        b.prefilled += req.prompt
+        if elapsed and req.prompt:  # a lower bound on throughput: may only raise the estimate
+            floor = req.prompt / (elapsed / 1e6)
+            if floor > b.prefill_tps:
+                b.prefill_tps += EWMA_ALPHA * (min(floor, b.prefill_tps * 100.0) - b.prefill_tps)
+        self.sample_prefill(req.backend, now)
+        req.first_token = True
+
+    def sample_prefill(self, name: str, now: int) -> None:
+        """A throughput sample per interval of >= 500 ms that began with prefill pending."""
+        b = self.backends[name]
+        if b.sample_at is not None:
+            elapsed = now - b.sample_at
+            if elapsed < PREFILL_SAMPLE_US:
+                return
+            if b.pending_at_sample and b.prefilled:
+                sample = b.prefilled / (elapsed / 1e6)
+                sample = min(max(sample, b.prefill_tps / 100.0), b.prefill_tps * 100.0)
+                b.prefill_tps += EWMA_ALPHA * (sample - b.prefill_tps)
+        b.prefilled, b.sample_at = 0, now
+        b.pending_at_sample = sum(r.prompt for r in self.running(name) if not r.first_token)
 
     def on_tokens(self, rid: int, n: int, now: int) -> None:
         req = self.live.get(rid)
@@ -296,10 +321,14 @@ class ReferenceGovernor:
         )
         self.charge(req.tenant, per_token * n)
 
-    def finish(self, rid: int) -> bool:
+    def finish(self, rid: int, outcome: str | None = None) -> bool:
         req = self.live.pop(rid, None)
         if req is not None and req.backend is None:
             self.tenants[req.tenant].queue.remove(rid)
+        if req is not None and req.backend is not None and outcome == "completed":
+            mean = self.mean_output.get(req.tenant)
+            g = float(req.generated)
+            self.mean_output[req.tenant] = g if mean is None else mean + EWMA_ALPHA * (g - mean)
         return req is not None
 
     def deadlines(self, req: Req) -> list[tuple[int, int]]:
@@ -341,6 +370,7 @@ class ReferenceGovernor:
     def observe(
         self, name: str, now: int, usage: float | None, preemptions: int | None, kv: int | None
     ) -> None:
+        self.sample_prefill(name, now)
         b = self.backends[name]
         if kv is not None:
             b.kv_blocks = kv

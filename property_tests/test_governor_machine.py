@@ -108,7 +108,7 @@ class GovernorMachine(RuleBasedStateMachine):
                 self.follow(handed)
             case Admitted(backend=backend, priority=priority):
                 assert kind in ("admitted", "queued"), (decision, kind, detail)
-                assert priority == m.priority(tier, prompt + max_tokens)
+                assert priority == m.priority(tier, prompt + m.expected_output(tenant, max_tokens))
                 if kind == "admitted":
                     assert backend == detail, (decision, detail)
                     m.add(rid, tenant, prompt, self.now, backend)
@@ -118,7 +118,9 @@ class GovernorMachine(RuleBasedStateMachine):
                     self.follow(handed, own=(rid, backend))
             case Queued(displaced=displaced, displaced_retry_after_s=retry, position=position):
                 assert kind == "queued", (decision, kind, detail)
-                assert decision.priority == m.priority(tier, prompt + max_tokens)
+                assert decision.priority == m.priority(
+                    tier, prompt + m.expected_output(tenant, max_tokens)
+                )
                 m.add(rid, tenant, prompt, self.now, None)
                 self.follow(handed)
                 # Nobody is pushed out when the dispatch made room.
@@ -201,7 +203,7 @@ class GovernorMachine(RuleBasedStateMachine):
             self.end(rid, outcome)
 
     def end(self, rid: int, outcome: str) -> None:
-        assert self.call("finish", rid, outcome, self.now) == self.model.finish(rid)
+        assert self.call("finish", rid, outcome, self.now) == self.model.finish(rid, outcome)
         assert self.call("finish", rid, outcome, self.now) is False, "ended twice"
         self.settle()
 
