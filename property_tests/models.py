@@ -36,7 +36,7 @@ class Req:
     submitted: int = 0
     started: int = 0  # µs it got its slot (meaningful once `backend` is set)
     first_token: bool = False
-    prefill_ahead: int = 0  # prompt tokens in prefill on its backend when it started, its own too
+    own_prefill_us: int = 0  # its prompt's prefill time at the configured rate
 
 
 @dataclass
@@ -274,7 +274,7 @@ class ReferenceGovernor:
             self.last_served[t.tier] = t.counter
             t.queue.remove(rid)
         req.backend, req.started = backend, now
-        req.prefill_ahead = sum(r.prompt for r in self.running(backend) if not r.first_token)
+        req.own_prefill_us = int(req.prompt * 1e6 / self.config["prefill_tokens_per_s"])
         self.charge(req.tenant, self.config["input_token_weight"] * req.prompt)
 
     def charge(self, tenant: str, cost: float) -> None:
@@ -341,7 +341,9 @@ class ReferenceGovernor:
         ):
             limit = us(c[key])
             if limit is not None and applies:
-                out.append((since + limit, reason))
+                # the first-token timeout runs on top of the prompt's own prefill time
+                extra = req.own_prefill_us if reason == 1 else 0
+                out.append((since + limit + extra, reason))
         return out
 
     def next_deadline(self) -> int | None:

@@ -243,7 +243,9 @@ class RuntimeModel:
         if queue is not None and req.waited and req.backend is None:
             out.append((req.arrived + us(queue), 0))
         if first is not None and req.backend is not None and not req.first_token:
-            out.append((req.started_at + us(first), 1))
+            # on top of the prompt's own prefill time at the configured rate
+            own = int(req.prompt * 1e6 / p["prefill_tokens_per_s"])
+            out.append((req.started_at + us(first) + own, 1))
         if total is not None:
             out.append((req.arrived + us(total), 2))
         return out

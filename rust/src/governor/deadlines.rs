@@ -33,11 +33,12 @@ impl Governor {
             if at > now_us {
                 break;
             }
-            let backend = self.requests[&id].running.as_ref().map(|r| r.backend);
+            let req = &self.requests[&id];
+            let (backend, tier) = (req.running.as_ref().map(|r| r.backend), req.tier);
             self.finish(id, Outcome::Timeout, now_us);
             self.counters.expired[reason as usize] += 1;
             let wait = (self.queue.len() + 1) as f64 / self.drain_rate();
-            let backlog = self.recent_refusals(now_us) / self.drain_rate();
+            let backlog = self.refusal_backlog_s(tier, now_us);
             expired.push(Expired {
                 request_id: id,
                 reason,

@@ -151,8 +151,14 @@ impl Governor {
         self.ledger.open(id, tenant, backend, prompt, now_us);
         self.queue
             .charge(tenant, self.config.input_token_weight * prompt as f64);
-        if let Some(ms) = us(self.config.first_token_timeout_ms) {
-            self.set_deadline(id, ExpiryReason::FirstTokenTimeout, now_us + ms);
+        if let Some(limit) = us(self.config.first_token_timeout_ms) {
+            // The timeout guards against a backend that hangs, not against a long prompt: it
+            // runs on top of the prompt's own prefill time at the configured prefill rate
+            // (`sla.prefill_tokens_per_s`; a 13k-token prompt needs ~4 s on a 32B model, which
+            // no fixed 3 s allows). The configured rate, not the measured one: a deadline must
+            // not move with an estimate that a few odd samples can swing.
+            let own = (prompt as f64 * 1e6 / self.config.prefill_tokens_per_s) as u64;
+            self.set_deadline(id, ExpiryReason::FirstTokenTimeout, now_us + limit + own);
         }
     }
 }

@@ -16,6 +16,11 @@ use crate::backend::EWMA_ALPHA;
 const ARRIVAL_WINDOW_S: f64 = 60.0;
 /// Hold time assumed for a tier until one of its requests has completed (s).
 const PRIOR_HOLD_S: f64 = 10.0;
+/// How long a refusal keeps counting toward later Retry-Afters (s, exponential decay). (A
+/// queue of refused clients draining linearly at the tier's rate was tried: it cut batch
+/// retries in the marketing flood further, 3.4 to 2.4 per request, but its Retry-Afters ran
+/// long, the batch job finished 100 s later and azure-code's tail doubled.)
+const REFUSAL_MEMORY_S: f64 = 5.0;
 /// How often the headroom is recomputed (µs): the inputs move on a scale of seconds.
 const RECOMPUTE_US: u64 = 100_000;
 
@@ -29,6 +34,11 @@ pub(crate) struct TierLoad {
     hold_s: Option<f64>,
     /// Mean KV blocks a request of the tier commits (prompt plus expected output), smoothed.
     pub blocks: Option<f64>,
+    /// Recent refusals of the tier, decaying, as of `refused_at_us`: each refusal's
+    /// Retry-After adds them at the tier's drain rate, so a crowd refused together is told to
+    /// come back spread out at the pace its tier gets places, not all at once.
+    refused: f64,
+    refused_at_us: u64,
 }
 
 impl TierLoad {
@@ -58,6 +68,17 @@ impl TierLoad {
 
     pub fn hold(&self) -> f64 {
         self.hold_s.unwrap_or(PRIOR_HOLD_S)
+    }
+
+    /// The tier's recent refusals at `now_us`, decaying with `REFUSAL_MEMORY_S`.
+    pub fn recent_refusals(&self, now_us: u64) -> f64 {
+        let elapsed = now_us.saturating_sub(self.refused_at_us) as f64 / 1e6;
+        self.refused * (-elapsed / REFUSAL_MEMORY_S).exp()
+    }
+
+    pub fn refuse(&mut self, now_us: u64) {
+        self.refused = self.recent_refusals(now_us) + 1.0;
+        self.refused_at_us = self.refused_at_us.max(now_us);
     }
 }
 

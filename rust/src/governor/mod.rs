@@ -93,9 +93,6 @@ pub struct Governor {
     pub(crate) tenant_tier: Vec<usize>,
     /// Tenants of each tier, for fair-share checks on the waiting places.
     tier_tenants: Vec<Vec<u32>>,
-    /// Recent refusals, decaying with `REFUSAL_MEMORY_S`, and when it was last updated.
-    refusals: f64,
-    refusals_at_us: u64,
     pub(crate) requests: FxHashMap<u64, Request>,
     pub(crate) queue: FairQueue,
     pub(crate) ledger: KvLedger,
@@ -159,8 +156,6 @@ impl Governor {
             .collect();
         Ok(Self {
             tier_tenants,
-            refusals: 0.0,
-            refusals_at_us: 0,
             tenant_index: config
                 .tenants
                 .iter()
@@ -312,7 +307,7 @@ impl Governor {
         Ok(match decision {
             Decision::Rejected { reason, .. } => {
                 self.counters.rejected[reason as usize] += 1;
-                self.note_refusal(reason, now_us);
+                self.note_refusal(reason, tier_idx, now_us);
                 decision
             }
             Decision::Admitted { backend, priority } => {
@@ -384,9 +379,10 @@ impl Governor {
             };
         }
         if let Some((victim, _)) = displaced {
+            let victim_tier = self.requests[&victim].tier;
             self.finish_as(victim, None, now_us);
             self.counters.rejected[RejectReason::Displaced as usize] += 1;
-            self.note_refusal(RejectReason::Displaced, now_us);
+            self.note_refusal(RejectReason::Displaced, victim_tier, now_us);
         }
         queued
     }
@@ -401,9 +397,11 @@ impl Governor {
     ) -> Decision {
         let tier = &self.config.tiers[tier_idx];
         let drain = self.drain_rate();
-        // Refusals for load add the recent refusal backlog, so a crowd refused together is
-        // told to come back spread out at the drain rate rather than all at once.
-        let backlog = self.recent_refusals(now_us) / drain;
+        // Refusals for load add the tier's refused clients still away, so a crowd refused
+        // together is told to come back spread out at the pace its tier gets places, rather
+        // than all at once.
+        let tier_drain = self.tier_drain(tier_idx);
+        let backlog = self.refusal_backlog_s(tier_idx, now_us);
         let retry =
             |seconds: f64| (seconds + backlog).clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1);
         let reject = |reason, seconds: f64| Decision::Rejected {
@@ -446,7 +444,7 @@ impl Governor {
         }
         let queued = self.queue.len();
         let max_waiting = self.config.max_waiting as usize;
-        let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / drain;
+        let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / tier_drain;
         let tier_limit = (tier.shed_at * max_waiting as f64).floor() as usize;
         let mut displaced = None;
         // A victim of the newcomer's own tier was counted in `ahead`; one of a lower tier not.

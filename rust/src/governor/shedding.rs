@@ -8,11 +8,6 @@ use super::{us, Governor};
 use crate::config::{Strategy, TierConfig};
 use crate::types::RejectReason;
 
-/// How long a refusal keeps counting toward later Retry-Afters (seconds, exponential decay).
-/// A burst of N refusals at once gets Retry-Afters spread over N / drain rate, so clients that
-/// honour them come back at the pace the backends free slots instead of all together.
-const REFUSAL_MEMORY_S: f64 = 5.0;
-
 impl Governor {
     /// When the waiting places a tier may use are all taken, a newcomer may push out a queued
     /// request instead of being refused: first from the least important tier below its own
@@ -46,17 +41,33 @@ impl Governor {
         self.queue.newest(victim).map(|item| (item.id, tier))
     }
 
-    pub(super) fn recent_refusals(&self, now_us: u64) -> f64 {
-        let elapsed = now_us.saturating_sub(self.refusals_at_us) as f64 / 1e6;
-        self.refusals * (-elapsed / REFUSAL_MEMORY_S).exp()
+    /// Requests of a tier that leave per second while it is saturated: its requests running on
+    /// healthy backends over their measured hold time. Refused clients of the tier get places
+    /// at this pace, whatever other tiers do (a batch crowd told to come back at the pace short
+    /// business calls finish would come back far too soon). With none running: `drain_rate`.
+    pub(super) fn tier_drain(&self, tier_idx: usize) -> f64 {
+        let running: u32 = self
+            .backends
+            .iter()
+            .filter(|b| b.healthy)
+            .map(|b| b.running_by_tier[tier_idx])
+            .sum();
+        if running == 0 {
+            return self.drain_rate();
+        }
+        f64::from(running) / self.tier_load[tier_idx].hold()
     }
 
-    pub(super) fn note_refusal(&mut self, reason: RejectReason, now_us: u64) {
+    /// Seconds the tier's recent refusals need to be served at its drain rate.
+    pub(super) fn refusal_backlog_s(&self, tier_idx: usize, now_us: u64) -> f64 {
+        self.tier_load[tier_idx].recent_refusals(now_us) / self.tier_drain(tier_idx)
+    }
+
+    pub(super) fn note_refusal(&mut self, reason: RejectReason, tier_idx: usize, now_us: u64) {
         if matches!(reason, RejectReason::Draining) {
             return;
         }
-        self.refusals = self.recent_refusals(now_us) + 1.0;
-        self.refusals_at_us = self.refusals_at_us.max(now_us);
+        self.tier_load[tier_idx].refuse(now_us);
     }
 
     /// The time for enough running work to finish that KV usage falls below the threshold, when
