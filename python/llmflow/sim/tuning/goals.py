@@ -66,7 +66,7 @@ _Entry = tuple[str, str, str, "Callable[[dict[str, Any]], float | None]"]
 # name: (direction, unit, what it is, reader of a policy's report block)
 POLICY_METRICS: dict[str, _Entry] = {
     "goodput": ("maximize", "req/s", "requests completed within their class SLO per simulated "
-                "second (until the last one ended)", _at("goodput_rps")),
+                "second, until the last one ended", _at("goodput_rps")),
     "makespan": ("minimize", "s", "simulated time until the last request ended (sim s)",
                  _at("sim_s")),
     "lost": ("minimize", "requests", "requests rejected, timed out, truncated, failed or "

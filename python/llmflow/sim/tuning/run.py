@@ -54,20 +54,43 @@ def _bar(plan: Plan, goals: Goals, show: bool) -> tuple[Any, Any]:
     return bar, on_trial
 
 
-def _intro(plan: Plan, sc: Scenario, goals: Goals, n: int) -> str:
+def _intro(plan: Plan, sc: Scenario, goals: Goals, n: int, command: str) -> str:
     seeds = ", ".join(map(str, plan.seeds))
     objs = "; ".join(f"{o.direction} {o.name} ({o.what})" for o in goals.objectives)
     cons = ", ".join(f"`{c.text}`" for c in goals.constraints) or "none"
     return (
         f"# Tuning {sc.title}: policy {plan.policy}\n\n"
-        f"`{_command()}`\n\n{n} trials, each simulated on seeds {seeds}. Objectives (mean "
+        f"`{command}`\n\n{n} trials, each simulated on seeds {seeds}. Objectives (mean "
         f"over the seeds): {objs}. Constraints (worst seed): {cons}. Trial 0 is the "
         "starting config. Knob values are what the trial ran; `off` is null."
     )
 
 
-def _command() -> str:
-    return "llmflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
+def _command(args: argparse.Namespace) -> str:
+    """The command that reproduces this search (rebuilt from the parsed arguments, so a run
+    started from Python records a command too)."""
+    words = ["llmflow", "sim", "tune", args.scenario]
+    for flag, values in (
+        ("--objective", args.objective),
+        ("--constraint", args.constraint),
+        ("--knob", args.knob),
+    ):
+        for v in values or ():
+            words += [flag, v]
+    words += ["--ignore-slo"] if args.ignore_slo else []
+    words += [
+        "--policy",
+        args.policy,
+        "--trials",
+        str(args.trials),
+        "--seeds",
+        str(args.seeds),
+        "--holdout-seeds",
+        str(args.holdout_seeds),
+        "--jobs",
+        str(args.jobs),
+    ]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def tune(
@@ -84,12 +107,15 @@ def tune(
     bar, on_trial = _bar(plan, goals, not args.no_progress)
     try:
         study = search(plan, space, goals, jobs, on_trial)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the trials so far are in {plan.journal}", file=sys.stderr)
+        return 130
     finally:
         bar.close()
     rows = rows_of(study, goals)
     chosen = choose(rows, goals)
     search_s = time.perf_counter() - t0
-    written = write_tables(rows, goals, out, _intro(plan, sc, goals, len(rows)))
+    written = write_tables(rows, goals, out, _intro(plan, sc, goals, len(rows), _command(args)))
     written.append(
         write_pareto(
             rows, goals, chosen, out, f"{sc.title}\npolicy {plan.policy}, {len(rows)} trials"
@@ -105,7 +131,7 @@ def tune(
         return 1
     header = [
         f"Scenario: {sc.title} ({plan.scenario.name}), policy {plan.policy}.",
-        f"Command: {_command()}",
+        f"Command: {_command(args)}",
         f"Objectives (mean over seeds {', '.join(map(str, plan.seeds))}): "
         + ", ".join(f"{o.direction} {o.name}" for o in goals.objectives)
         + "; constraints "

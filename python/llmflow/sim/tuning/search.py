@@ -196,10 +196,9 @@ class _Worker:
         trial.set_user_attr("seeds", seeds)
         ran = min(len(v) for v in seeds.values())
         if ran < len(self.plan.seeds):
-            broken = [
-                c.text for c in self.goals.constraints if c.violation(seeds[c.metric.name]) > 0
-            ]
-            trial.set_user_attr("note", f"{', '.join(broken)} broken on seed {ran}: stopped")
+            cs = self.goals.constraints
+            broken = ", ".join(c.text for c in cs if c.violation(seeds[c.metric.name]) > 0)
+            trial.set_user_attr("note", f"{broken} on seed {self.plan.seeds[ran - 1]}: stopped")
         trial.set_user_attr("wall_s", round(time.perf_counter() - t0, 3))
         for c in self.goals.constraints:  # the samplers read them (optuna >= 5)
             trial.set_constraint(c.text, c.violation(seeds[c.metric.name]))
