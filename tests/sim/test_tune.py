@@ -236,7 +236,8 @@ def test_help_lists_knobs_and_metrics(capsys: pytest.CaptureFixture[str]) -> Non
 def test_two_objectives_front_choice_and_plot(scenario: Path, tmp_path: Path) -> None:
     """On hand-made trials: the front holds the feasible non-dominated ones, tuned.yaml's pick is
     the feasible trial best on the first objective, and the tables and plot are written."""
-    from llmflow.sim.tuning.outputs import choose, rows_of, write_pareto, write_tables
+    from llmflow.sim.tuning.outputs import choose, rows_of, write_tables
+    from llmflow.sim.tuning.pareto import write_pareto
     from llmflow.sim.tuning.search import Goals
 
     sc = load_scenario(scenario)
@@ -265,3 +266,17 @@ def test_two_objectives_front_choice_and_plot(scenario: Path, tmp_path: Path) ->
     assert lines[5].startswith("| 1 | 8 | 6 | 0.9 | 0 | 3 | yes | yes |")
     png = write_pareto(rows, goals, chosen, tmp_path, "two objectives")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_lone_tier_lowered_pulls_the_unused_ones_below_it_down(scenario: Path) -> None:
+    """Only `normal` has tenants: its shed_at is searched, `batch` (below it, unused) is not,
+    yet a low `normal` must pull `batch` down with it, in the trial and in tuned.yaml alike."""
+    sc = load_scenario(scenario)
+    base = base_config(sc, "llmflow")
+    base["tenants"] = [t for t in base["tenants"] if t["tier"] == "normal"]
+    space = Space(base, ["tiers[*].shed_at"])
+    assert space.paths == ["tiers[normal].shed_at"]
+    data = space.suggest(optuna.trial.FixedTrial({"tiers[normal].shed_at": 0.25}))
+    assert [t["shed_at"] for t in data["tiers"]] == [1.0, 0.25, 0.25]
+    assert space.apply(space.values(data)) == data
+    Runtime(load_settings(data=data).to_runtime())

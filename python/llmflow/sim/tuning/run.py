@@ -14,11 +14,10 @@ from llmflow.sim.tuning.outputs import (
     choose,
     render_holdout,
     rows_of,
-    tuned_config,
-    write_pareto,
     write_tables,
     write_tuned,
 )
+from llmflow.sim.tuning.pareto import write_pareto
 from llmflow.sim.tuning.search import holdout, search
 
 if TYPE_CHECKING:
@@ -139,7 +138,7 @@ def tune(
     ]
     spec = sc.policies[plan.policy]
     scheduling = spec.scheduling_policy or PRESETS[spec.preset_for(plan.policy)][1]
-    written.insert(0, write_tuned(space.base, chosen, goals, out, header, scheduling))
+    written.insert(0, write_tuned(space, chosen, goals, out, header, scheduling))
     print(_summary(chosen, rows, goals, space), end="")
     if args.holdout_seeds:
         text = _holdout(plan, sc, goals, space, chosen, args)
@@ -196,7 +195,7 @@ def _holdout(
         for k in ("ttft_p99", "completed_frac")
     ]
     names = list(dict.fromkeys(m.name for m in (*goals.metrics, *extra)))
-    configs = {"defaults": None, "tuned": tuned_config(space.base, chosen)}
+    configs = {"defaults": None, "tuned": space.apply(chosen.config)}
     results = holdout(
         plan.scenario, plan.policy, configs, seeds, names, args.jobs, progress=not args.no_progress
     )

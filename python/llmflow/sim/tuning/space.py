@@ -195,6 +195,15 @@ class Space:
         """The varied paths' values in a config."""
         return {p: get_path(data, p) for p in self.paths}
 
+    def apply(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The config a trial ran, from its varied values (`values`): the starting config with
+        those set, and a tier left alone lowered below a lowered one as `suggest` does."""
+        data = copy.deepcopy(self.base)
+        for path, value in values.items():
+            set_path(data, path, value)
+        _keep_order(data, self.params)
+        return data
+
     def defaults(self) -> dict[str, Any]:
         """The trial parameters that give the starting config (clamped into each range), for
         `study.enqueue_trial`."""
