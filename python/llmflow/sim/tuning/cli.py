@@ -58,8 +58,8 @@ def add_tune(sim_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "trial simulated on several seeds. Writes to --out: tuned.yaml (a config `llmflow serve "
         "--config` loads as is; add your backends), pareto.png, trials.csv, trials.md, "
         "holdout.md (tuned vs the policy's starting config on held-out seeds) and "
-        "study.journal (the optuna study). The scenario's declared SLOs are constraints too "
-        "unless --ignore-slo.",
+        "study.journal (the optuna study, replaced on each run). The scenario's declared "
+        "SLOs are constraints too unless --ignore-slo.",
         epilog=_EPILOG.format(knobs=knobs),
     )
     p.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file or name")
