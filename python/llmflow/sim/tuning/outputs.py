@@ -4,7 +4,7 @@
 constraints' worst seeds, feasible, on the Pareto front), `tuned.yaml` (the chosen trial's full
 config, which `llmflow serve --config` loads unchanged) and `holdout.md` (tuned against the
 starting config on held-out seeds); `pareto.py` draws `pareto.png`. The chosen trial is the
-feasible one best on the first objective (ties broken by the next ones); the others on the
+feasible one best on the first objective (near-ties broken by the next ones); the others on the
 front are in the tables.
 """
 
@@ -38,6 +38,9 @@ __all__ = [
     "write_tables",
     "write_tuned",
 ]
+
+
+TIE = 0.001  # relative: objective values this close to the best are tied on it
 
 
 @dataclass
@@ -95,16 +98,22 @@ def _dominates(a: Row, b: Row, signs: list[float]) -> bool:
 
 
 def choose(rows: list[Row], goals: Goals) -> Row | None:
-    """The feasible trial best on the first objective (then the next ones); None if no trial
-    met every constraint."""
-    signs = [1.0 if o.direction == "minimize" else -1.0 for o in goals.objectives]
-    ok = [r for r in rows if r.feasible and r.objectives is not None]
-    if not ok:
+    """The feasible trial best on the first objective, then the next ones; None if no trial
+    met every constraint.
+
+    Trials within `TIE` of the best on an objective count as tied on it (a mean over a few
+    seeds is not finer than that), so the next objective decides between them; the last ties
+    go to the earliest trial.
+    """
+    pool = [r for r in rows if r.feasible and r.objectives is not None]
+    if not pool:
         return None
-    return min(
-        ok,
-        key=lambda r: ([s * v for s, v in zip(signs, r.objectives or [], strict=True)], r.number),
-    )
+    for i, o in enumerate(goals.objectives):
+        sign = 1.0 if o.direction == "minimize" else -1.0
+        best = min(sign * (r.objectives or [])[i] for r in pool)
+        slack = TIE * abs(best)
+        pool = [r for r in pool if sign * (r.objectives or [])[i] <= best + slack]
+    return min(pool, key=lambda r: r.number)
 
 
 def _fmt(v: Any) -> str:
