@@ -1,4 +1,4 @@
-"""The simulator's commands: `llmflow sim run|list` and `llmflow simserve`.
+"""The simulator's commands: `llmflow sim run|list|tune` and `llmflow simserve`.
 
 `add_commands(subparsers)` registers them on the `llmflow` parser; each sets `func`, a callable
 taking the parsed arguments and returning the exit status.
@@ -57,7 +57,7 @@ def _all_scenarios() -> list[Path]:
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `sim` (with `run` and `list`) and `simserve` on the `llmflow` parser."""
+    """Register `sim` (with `run`, `list` and `tune`) and `simserve` on the `llmflow` parser."""
     sim = subparsers.add_parser(
         "sim", help="replay scenarios and incidents in the simulator",
         description="Simulate vLLM backends under a workload and compare policies: direct "
@@ -86,6 +86,9 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                              description="List the scenario files found under sim/scenarios "
                              "and sim/incidents, with their titles.")
     lst.set_defaults(func=_list)
+    from llmflow.sim.tuning.cli import add_tune
+
+    add_tune(sim_sub)
 
     def _sim_help(_args: argparse.Namespace) -> int:
         sim.print_help()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from llmflow.sim.cluster import Backend, Cluster
     from llmflow.sim.scenario import PolicySpec, Scenario
 
-__all__ = ["PRESETS", "DirectPolicy", "GatedPolicy", "policy_settings"]
+__all__ = ["PRESETS", "DirectPolicy", "GatedPolicy", "policy_config", "policy_settings"]
 
 # Built-in policy configs: (llmflow config sections, vLLM scheduling policy, tier of every tenant).
 PRESETS: dict[str, tuple[dict[str, Any], str, str | None]] = {
@@ -63,14 +63,11 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def policy_settings(name: str, spec: PolicySpec, sc: Scenario, cluster: Cluster) -> Settings:
-    """The llmflow config a gated policy runs: preset, then the scenario's overrides, then the
-    cluster's backends and the workload's tenants (unless the scenario lists its own).
-
-    Raises:
-        ConfigFileError: the merged config does not validate.
-    """
-    base, scheduling, tenant_tier = PRESETS[spec.preset_for(name)]
+def policy_config(name: str, spec: PolicySpec, sc: Scenario) -> dict[str, Any]:
+    """The llmflow config sections a gated policy runs, before the cluster's backends: preset,
+    then the scenario's overrides, then the workload's tenants (unless the scenario lists its
+    own)."""
+    base, _scheduling, tenant_tier = PRESETS[spec.preset_for(name)]
     data = _merge(base, spec.config)
     tier = spec.tenant_tier or tenant_tier
     if "tenants" not in spec.config:
@@ -78,6 +75,17 @@ def policy_settings(name: str, spec: PolicySpec, sc: Scenario, cluster: Cluster)
         for wc in sc.workload:
             seen.setdefault(wc.tenant, tier or wc.tier)
         data["tenants"] = [{"name": t, "tier": tr} for t, tr in seen.items()]
+    return data
+
+
+def policy_settings(name: str, spec: PolicySpec, sc: Scenario, cluster: Cluster) -> Settings:
+    """The llmflow config a gated policy runs: `policy_config` plus the cluster's backends.
+
+    Raises:
+        ConfigFileError: the merged config does not validate.
+    """
+    scheduling = PRESETS[spec.preset_for(name)][1]
+    data = policy_config(name, spec, sc)
     data["backends"] = [
         {"name": b.name, "gpus": b.gpus, "kv_blocks": b.core.num_blocks,
          "max_model_len": b.core.config.max_model_len,

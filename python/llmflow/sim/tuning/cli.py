@@ -1,0 +1,204 @@
+"""`llmflow sim tune`: search a gated policy's knobs for the config that best meets an objective
+under constraints, and write it as a config `llmflow serve --config` loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
+
+__all__ = ["add_tune"]
+
+TRIALS = 60  # default: the marketing flood's search takes ~6 min on 2 shared cores
+TIMEOUT_S = 420.0  # default: no trial starts after 7 min, so a default run ends within 10
+HOLDOUT_OFFSET = 1000  # held-out seeds: the scenario's seed + 1000 + k, far from the search's
+
+_EPILOG = """\
+metrics (times in seconds, from each run's report):
+  goodput         requests completed within their class SLO per simulated second (maximize)
+  makespan        simulated seconds until the last request ended (minimize)
+  lost            rejected + timed_out + truncated + failed + unfinished, all classes (minimize)
+  completed_frac, preemptions, peak_kv, peak_queue
+  <class>.ttft_p50|ttft_p90|ttft_p99|e2e_p50|e2e_p90|e2e_p99|wait_p50|wait_p99 (minimize)
+  <class>.completed_frac|completed (maximize), <class>.lost|rejected|timed_out|truncated|
+  failed|unfinished|cancelled|retries_429 (minimize)
+An objective is the mean over the search seeds; a constraint must hold on the worst seed.
+
+knobs searched (a config path and its range; tiers[*] = each tier the workload uses):
+{knobs}
+
+example:
+  llmflow sim tune marketing-flood --objective goodput --constraint 'business.ttft_p99<=1.5'
+"""
+
+
+def add_tune(sim_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `tune` under `llmflow sim`."""
+    import argparse
+
+    from llmflow.sim.tuning.space import KNOBS
+
+    def _range(k: Any) -> str:
+        d = k.dist
+        return f"{d.low}..{d.high}{' log' if d.log else ''}{' or off' if k.can_be_off else ''}"
+
+    knobs = "\n".join(f"  {k.path:<30} {_range(k):<22} {k.what}" for k in KNOBS)
+    p = sim_sub.add_parser(
+        "tune",
+        help="search a policy's knobs for the best config (optuna)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Search the knobs of a scenario's gated policy (its cap, shares, shedding, "
+        "SLA, breaker and queue length) with optuna's TPE sampler in parallel processes, each "
+        "trial simulated on several seeds. Writes to --out: tuned.yaml (a config `llmflow serve "
+        "--config` loads as is; add your backends), pareto.png, trials.csv, trials.md, "
+        "holdout.md (tuned vs the policy's starting config on held-out seeds) and "
+        "study.journal (the optuna study, replaced on each run). The scenario's declared "
+        "SLOs are constraints too unless --ignore-slo.",
+        epilog=_EPILOG.format(knobs=knobs),
+    )
+    p.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file or name")
+    p.add_argument(
+        "--objective",
+        action="append",
+        metavar="METRIC",
+        help="metric to optimise, in its natural direction (repeat for a "
+        "multi-objective study; the first picks tuned.yaml; default: goodput)",
+    )
+    p.add_argument(
+        "--constraint",
+        action="append",
+        default=[],
+        metavar="'METRIC<=X'",
+        help="METRIC<=X or METRIC>=X, on the worst seed (repeatable)",
+    )
+    p.add_argument(
+        "--ignore-slo",
+        action="store_true",
+        help="do not add the scenario's declared SLOs as constraints",
+    )
+    p.add_argument(
+        "--knob",
+        action="append",
+        metavar="PATH",
+        help="search only this knob (repeatable; a path from the list below, or a "
+        "concrete one such as tiers[batch].max_share); default: all",
+    )
+    p.add_argument(
+        "--policy",
+        default="llmflow",
+        metavar="NAME",
+        help="the scenario's gated policy whose config is the starting point (default llmflow)",
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=TRIALS,
+        metavar="N",
+        help=f"trials in the study, the starting config first (default {TRIALS})",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="J",
+        help="worker processes (default: the CPU count)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        metavar="K",
+        help="seeds per trial: the scenario's seed + 0..K-1 (default 3)",
+    )
+    p.add_argument(
+        "--holdout-seeds",
+        type=int,
+        default=3,
+        metavar="H",
+        help=f"held-out seeds (the scenario's seed + {HOLDOUT_OFFSET} + 0..H-1) on "
+        "which tuned and starting configs are compared (default 3; 0 skips)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=TIMEOUT_S,
+        metavar="S",
+        help=f"start no trial after S seconds (default {TIMEOUT_S:g}; 0: no limit)",
+    )
+    p.add_argument(
+        "--sampler-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the samplers (worker k uses N + k)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="output folder (default: sim-out/<scenario name>-tune)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.set_defaults(func=_tune)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    for name, low in (("trials", 1), ("jobs", 1), ("seeds", 1), ("holdout_seeds", 0)):
+        if getattr(args, name) < low:
+            return f"--{name.replace('_', '-')} must be at least {low}"
+    if args.timeout < 0:
+        return "--timeout must be >= 0 (0: no limit)"
+    return None
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from llmflow.config import ConfigFileError
+    from llmflow.sim.cli import find_scenario
+    from llmflow.sim.scenario import ScenarioError, load_scenario
+    from llmflow.sim.tuning.goals import GoalError, slo_constraints
+    from llmflow.sim.tuning.search import Goals, Plan
+    from llmflow.sim.tuning.space import Space, base_config
+
+    problem = _check(args)
+    try:
+        if problem:
+            raise ValueError(problem)
+        path = find_scenario(args.scenario)
+        sc = load_scenario(path)
+        constraints = [*([] if args.ignore_slo else slo_constraints(sc)), *args.constraint]
+        goals = Goals(sc, args.objective or ["goodput"], list(dict.fromkeys(constraints)))
+        space = Space(base_config(sc, args.policy), args.knob)
+    except (
+        FileNotFoundError,
+        ScenarioError,
+        ConfigFileError,
+        GoalError,
+        KeyError,
+        ValueError,
+    ) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    out: Path = args.out or Path("sim-out") / f"{path.stem}-tune"
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = tuple(sc.seed + k for k in range(args.seeds))
+    plan = Plan(
+        path.resolve(),
+        args.policy,
+        tuple(args.objective or ["goodput"]),
+        tuple(c.text for c in goals.constraints),
+        tuple(args.knob or ()) or None,
+        seeds,
+        args.trials,
+        time.time() + (args.timeout or float("inf")),
+        (out / "study.journal").resolve(),
+        args.sampler_seed,
+    )
+    from llmflow.sim.tuning.run import tune
+
+    return tune(plan, sc, goals, space, out, args)
