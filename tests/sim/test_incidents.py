@@ -72,7 +72,9 @@ def test_long_report_is_cut_and_its_blocks_reused() -> None:
     # t = 50 s, first tokens ~2.2-2.6 s later, not after the whole report (~150 s)
     short = llm["classes"]["short"]
     assert short["completed"] == 3
-    assert short["attempts_mean"] == 1.0
+    # on the defaults their ~30 s wait meets the queue's 30 s limit at the cut: a short one
+    # may come back once after a 503's Retry-After, never more
+    assert short["attempts_mean"] <= 2.0
     assert 50 - 20 < short["ttft_s"]["p50"] <= short["ttft_s"]["p99"] < 50 - 20 + 4
 
 

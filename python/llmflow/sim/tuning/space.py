@@ -57,8 +57,17 @@ class Knob:
 
 # fmt: off
 KNOBS: tuple[Knob, ...] = (
-    Knob("gate.max_concurrency_per_gpu", Int(2, 128, log=True),
-         "the cap: requests running per GPU"),
+    Knob("gate.max_concurrency_per_gpu", Int(2, 256, log=True),
+         "the bound on requests running per GPU (vLLM's max_num_seqs is the ceiling)"),
+    Knob("kv.fit_target", Float(0.5, 1.0),
+         "share of the KV cache running requests may be expected to reach", can_be_off=True),
+    Knob("kv.pressure_threshold", Float(0.6, 1.0),
+         "KV usage above which unprotected tiers are shed", can_be_off=True),
+    Knob("gate.headroom_quantile", Float(0.5, 0.9999),
+         "chance a latency-tier arrival finds a slot in time (Erlang C headroom)",
+         can_be_off=True),
+    Knob("gate.headroom_wait_ms", Int(50, 5_000, log=True),
+         "latency tiers' wait budget for a slot and for the prefill ahead, ms"),
     Knob("gate.queue.max_waiting", Int(16, 4096, log=True),
          "queue length: requests waiting in the gateway"),
     Knob("tiers[*].max_share", Float(0.05, 1.0),
