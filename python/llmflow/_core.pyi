@@ -271,12 +271,17 @@ class TraceMismatchError(PolicyError):
 
 @final
 class Start:
-    """Send the request to `backend`, with vLLM priority `priority` (lower runs first)."""
+    """Send the request to `backend`, with vLLM priority `priority` (lower runs first).
+
+    `max_tokens` is set when a brownout clamped the request (its tier's `brownout_max_tokens`,
+    once the queue is `brownout_at` full): send it upstream in place of the client's.
+    """
 
     request_id: int
     backend: str
     priority: int
     queue_wait_s: float
+    max_tokens: int | None
 
 @final
 class Wait:

@@ -86,6 +86,9 @@ class Tier(_Section):
     protected: bool = False  # exempt from KV-pressure and preemption shedding (VIP)
     # no latency objective (batch): never refused for the TTFT SLA; borrows idle slots only
     best_effort: bool = False
+    # brownout before refusal: from this queue fill on, max_tokens is clamped (null: never)
+    brownout_at: Fraction = 1.0
+    brownout_max_tokens: int | None = Field(None, ge=1)
 
 
 class Tenant(_Section):

@@ -37,6 +37,13 @@ pub struct TierConfig {
     /// only the slots and KV the latency tiers' headroom leaves idle (work-conserving sharing).
     #[serde(default)]
     pub best_effort: bool,
+    /// Brownout before refusal: once the queue is this full (0..1], requests of the tier are
+    /// admitted with `max_tokens` clamped to `brownout_max_tokens` (a shorter answer that
+    /// holds its slot and KV for less time), before `shed_at` refuses them outright.
+    #[serde(default = "one_f")]
+    pub brownout_at: f64,
+    #[serde(default)]
+    pub brownout_max_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -242,6 +249,13 @@ impl PolicyConfig {
         for (i, t) in self.tiers.iter().enumerate() {
             fraction(&format!("tiers[{i}].shed_at"), t.shed_at)?;
             fraction(&format!("tiers[{i}].max_share"), t.max_share)?;
+            fraction(&format!("tiers[{i}].brownout_at"), t.brownout_at)?;
+            if t.brownout_max_tokens == Some(0) {
+                return Err(PolicyError::config(
+                    format!("tiers[{i}].brownout_max_tokens"),
+                    "must be >= 1 (or null: no brownout), got 0",
+                ));
+            }
             if t.protected && t.best_effort {
                 return Err(PolicyError::config(
                     format!("tiers[{i}]"),

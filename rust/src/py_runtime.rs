@@ -17,6 +17,7 @@ pub struct PyStart {
     backend: String,
     priority: i64,
     queue_wait_s: f64,
+    max_tokens: Option<u64>,
 }
 
 /// The request waits in the gateway's queue.
@@ -136,7 +137,7 @@ macro_rules! reprs {
 }
 
 reprs! {
-    PyStart => "Start": request_id, backend, priority, queue_wait_s;
+    PyStart => "Start": request_id, backend, priority, queue_wait_s, max_tokens;
     PyWait => "Wait": request_id, position, estimated_wait_s;
     PyAbort => "Abort": request_id;
     PyReply => "Reply": request_id, status, reason, retry_after_s;
@@ -182,6 +183,7 @@ impl PyRuntime {
                     backend,
                     priority,
                     queue_wait_us,
+                    max_tokens,
                 } => Py::new(
                     py,
                     PyStart {
@@ -189,6 +191,7 @@ impl PyRuntime {
                         backend: gov.backend_name(backend).to_owned(),
                         priority,
                         queue_wait_s: queue_wait_us as f64 / 1e6,
+                        max_tokens,
                     },
                 )?
                 .into_any(),

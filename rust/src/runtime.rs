@@ -187,12 +187,15 @@ impl Reason {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Action {
-    /// Send the request to `backend` with vLLM priority `priority`.
+    /// Send the request to `backend` with vLLM priority `priority` (and, after a brownout,
+    /// with `max_tokens` clamped to this).
     Start {
         id: u64,
         backend: u32,
         priority: i64,
         queue_wait_us: u64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_tokens: Option<u64>,
     },
     /// The request waits in the gateway's queue (informational: keep the client waiting).
     Queued {
@@ -620,11 +623,13 @@ impl Runtime {
         if let Some(s) = self.sessions.get_mut(&id) {
             s.started = true;
         }
+        let max_tokens = self.gov.browned_out(id);
         self.out.push(Action::Start {
             id,
             backend,
             priority,
             queue_wait_us,
+            max_tokens,
         });
     }
 

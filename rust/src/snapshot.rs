@@ -71,6 +71,7 @@ pub struct CounterSnapshot {
     pub admitted: u64,
     pub queued: u64,
     pub dispatched: u64,
+    pub browned_out: u64,
     pub rejected: Vec<(RejectReason, u64)>,
     pub finished: Vec<(&'static str, u64)>,
     pub expired: Vec<(&'static str, u64)>,
@@ -165,6 +166,7 @@ impl Governor {
                 admitted: c.admitted,
                 queued: c.queued,
                 dispatched: c.dispatched,
+                browned_out: c.browned_out,
                 rejected: RejectReason::ALL
                     .iter()
                     .map(|&r| (r, c.rejected[r as usize]))

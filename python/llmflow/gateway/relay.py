@@ -32,7 +32,7 @@ from starlette.responses import Response
 
 from llmflow._core import InvalidArgumentError, Relay
 from llmflow.gateway.handoff import handoff_of
-from llmflow.gateway.session import StreamSession, in_band_error, reply_error
+from llmflow.gateway.session import StreamSession, in_band_error, reply_error, upstream_body
 from llmflow.gateway.streaming import encode_event, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
 
@@ -171,9 +171,7 @@ class RelayedSession(StreamSession):
         if self._stop or not route.url.startswith("http://"):
             super()._begin()
             return
-        body = self.prepared.body
-        if route.priority_scheduling:
-            body = {**body, "priority": self.priority}
+        body = upstream_body(self.prepared, route, self.start_action)
         url = route.url + self.prepared.path
         try:
             self.relay_host.open(self, url, json.dumps(body).encode())

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.types import Json
     from llmflow.gateway.upstream import Upstream, UpstreamStream
 
-__all__ = ["BackendRoute", "Prepared", "SessionContext", "StreamSession"]
+__all__ = ["BackendRoute", "Prepared", "SessionContext", "StreamSession", "upstream_body"]
 
 # What each refusal says to the client; the status and Retry-After are the runtime's.
 _MESSAGES = {
@@ -67,6 +67,20 @@ class Prepared:
     prompt_tokens: int
     max_tokens: int
     arrived: float = field(default_factory=time.monotonic)
+
+
+def upstream_body(prepared: Prepared, route: BackendRoute, start: Start | None) -> Json:
+    """The body sent to vLLM: the prepared one, with the core's priority when the backend
+    schedules by priority, and `max_tokens` clamped when the core browned the request out."""
+    body = prepared.body
+    if start is None:
+        return body
+    if route.priority_scheduling:
+        body = {**body, "priority": start.priority}
+    if start.max_tokens is not None:
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        body = {**body, key: start.max_tokens}
+    return body
 
 
 @dataclass(slots=True)
@@ -122,6 +136,7 @@ class StreamSession:
         self.end = "running"  # completed, error, deadline, first_token_timeout, cancelled, ...
         self.backend: str | None = None
         self.priority = 0
+        self.start_action: Start | None = None  # the runtime's Start, once admitted
         self.queue_wait_s = 0.0
         self.first_token_at: float | None = None
         self.cancel_writer: Any = None  # set by the writer: called when the client stalls
@@ -204,6 +219,7 @@ class StreamSession:
 
     def on_start(self, action: Start) -> None:
         self.backend, self.priority = action.backend, action.priority
+        self.start_action = action
         self.queue_wait_s = action.queue_wait_s
         if not self.admitted.done():
             self.admitted.set_result(None)
@@ -301,9 +317,7 @@ class StreamSession:
 
     async def _pump(self) -> None:
         route = self.ctx.routes[self.backend or ""]
-        body = self.prepared.body
-        if route.priority_scheduling:
-            body = {**body, "priority": self.priority}
+        body = upstream_body(self.prepared, route, self.start_action)
         host, rid = self.ctx.host, self.request_id
         self._stream = await self.ctx.upstream.open(
             route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn

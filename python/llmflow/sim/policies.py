@@ -211,6 +211,7 @@ class GatedPolicy:
         self._armed: int | None = None  # the timer the runtime holds us to, in µs
         self.peak_queue = 0
         self.rejections: dict[str, int] = {}
+        self.browned_out = 0  # starts with max_tokens clamped by a brownout
         self._do: dict[type, Callable[[Any], None]] = {
             Start: self._start, Wait: _ignore, Abort: self._abort, Reply: self._reply,
             Cut: self._cut, End: self._end, Arm: self._arm, SetHealth: _ignore,
@@ -281,7 +282,11 @@ class GatedPolicy:
         att = self._atts[a.request_id]
         b, req = self.cluster.by_name[a.backend], att.req
         window = None if att.stall_after is None else att.stall_after + self._window
-        seq = Seq(a.request_id, req.prompt, req.max_tokens, req.eos, a.priority,
+        max_tokens = req.max_tokens
+        if a.max_tokens is not None:  # browned out: a shorter answer
+            max_tokens = a.max_tokens
+            self.browned_out += 1
+        seq = Seq(a.request_id, req.prompt, max_tokens, req.eos, a.priority,
                   _Handler(self, att), att.stop_after, window)
         att.seq, att.backend = seq, b
         try:

@@ -166,7 +166,8 @@ def render_markdown(sc: Scenario, report: dict[str, Any]) -> str:
         line = (f"- **{name}**: {v['summary']}. Peak running {pol['peak_running']} "
                 f"on {pol['gpus']} GPUs, peak queue {pol['peak_queue']}, peak KV "
                 f"{pol['peak_kv_usage']:.0%}, {pol['preemptions']} preemptions, goodput "
-                f"{pol['goodput_rps']:.2f} req/s.")
+                f"{pol['goodput_rps']:.2f} req/s, {pol.get('browned_out', 0)} browned out "
+                "(max_tokens clamped).")
         if v["missed"]:
             line += " Missed: " + "; ".join(v["missed"]) + "."
         out.append(line)

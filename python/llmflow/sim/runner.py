@@ -170,6 +170,7 @@ def _summarise(
         "engine_steps": cluster.steps,
         "generated_tokens": gen_tokens,
         "rejections": dict(sorted(gw.rejections.items())) if isinstance(gw, GatedPolicy) else {},
+        "browned_out": gw.browned_out if isinstance(gw, GatedPolicy) else 0,
         "littles_law": rec.littles_law(horizon),
         "gpus": cluster.gpus,
         "wall_s": round(wall, 3),

@@ -65,6 +65,8 @@ pub(crate) struct Request {
     /// KV blocks this request counts against its backend while running: the larger of its
     /// expected peak (prompt plus expected output, fixed at start) and what it holds now.
     pub committed: u64,
+    /// `max_tokens` after a brownout clamped it (`None`: as asked).
+    pub browned_out: Option<u64>,
     pub priority: i64,
     pub submitted_us: u64,
     pub running: Option<Running>,
@@ -81,6 +83,8 @@ pub struct Counters {
     pub admitted: u64,
     pub queued: u64,
     pub dispatched: u64,
+    /// Requests admitted or queued with `max_tokens` clamped by a brownout.
+    pub browned_out: u64,
     pub rejected: [u64; RejectReason::ALL.len()],
     pub finished: [u64; Outcome::ALL.len()],
     pub expired: [u64; ExpiryReason::ALL.len()],
@@ -271,6 +275,34 @@ impl Governor {
         })
     }
 
+    /// `max_tokens` as a request of this tier may have it now: clamped once the queue is
+    /// `brownout_at` full, for tiers that set `brownout_max_tokens`.
+    fn brownout(&self, tier_idx: usize, max_tokens: u64) -> u64 {
+        let tier = &self.config.tiers[tier_idx];
+        let Some(clamp) = tier.brownout_max_tokens else {
+            return max_tokens;
+        };
+        let fill = self.queue.len() as f64 / f64::from(self.config.max_waiting.max(1));
+        if fill >= tier.brownout_at {
+            max_tokens.min(clamp)
+        } else {
+            max_tokens
+        }
+    }
+
+    fn note_brownout(&mut self, id: u64, asked: u64) {
+        if let Some(req) = self.requests.get_mut(&id) {
+            if req.max_tokens < asked {
+                req.browned_out = Some(req.max_tokens);
+            }
+        }
+    }
+
+    /// The clamped `max_tokens` of a live request a brownout shortened (`None`: as asked).
+    pub fn browned_out(&self, id: u64) -> Option<u64> {
+        self.requests.get(&id).and_then(|r| r.browned_out)
+    }
+
     pub(super) fn record_output(&mut self, tenant: u32, generated: u64) {
         let g = generated as f64;
         let slot = &mut self.expected_output[tenant as usize];
@@ -303,7 +335,12 @@ impl Governor {
         self.tick(now_us);
         self.tier_load[tier_idx].arrive(now_us);
         self.update_headroom(now_us);
+        let asked = max_tokens;
+        let max_tokens = self.brownout(tier_idx, max_tokens);
         let decision = self.decide(tenant, tier_idx, prompt, max_tokens, now_us);
+        if max_tokens < asked && !matches!(decision, Decision::Rejected { .. }) {
+            self.counters.browned_out += 1;
+        }
         Ok(match decision {
             Decision::Rejected { reason, .. } => {
                 self.counters.rejected[reason as usize] += 1;
@@ -312,12 +349,14 @@ impl Governor {
             }
             Decision::Admitted { backend, priority } => {
                 self.insert(id, tenant, tier_idx, (prompt, max_tokens), priority, now_us);
+                self.note_brownout(id, asked);
                 self.start(id, backend, now_us);
                 self.counters.admitted += 1;
                 decision
             }
             Decision::Queued { .. } => {
-                self.enqueue(id, tenant, tier_idx, (prompt, max_tokens), decision, now_us)
+                let asked_then = (prompt, max_tokens, asked);
+                self.enqueue(id, tenant, tier_idx, asked_then, decision, now_us)
             }
         })
     }
@@ -330,7 +369,7 @@ impl Governor {
         id: u64,
         tenant: u32,
         tier_idx: usize,
-        (prompt, max_tokens): (u64, u64),
+        (prompt, max_tokens, asked): (u64, u64, u64),
         queued: Decision,
         now_us: u64,
     ) -> Decision {
@@ -343,6 +382,7 @@ impl Governor {
             unreachable!("enqueue takes a queued decision")
         };
         self.insert(id, tenant, tier_idx, (prompt, max_tokens), priority, now_us);
+        self.note_brownout(id, asked);
         self.queue.push(
             tenant,
             QueuedItem {
@@ -499,6 +539,7 @@ impl Governor {
             max_tokens,
             generated: 0,
             committed: 0,
+            browned_out: None,
             priority,
             submitted_us: now_us,
             running: None,

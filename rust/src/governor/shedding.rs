@@ -417,6 +417,29 @@ mod tests {
         assert_eq!(g.shed_level, 0);
     }
 
+    // Brownout before refusal: once the queue is brownout_at full, a tier with a clamp is let
+    // in with shorter answers (counted); below it, and for tiers without one, max_tokens stands.
+    #[test]
+    fn brownout_clamps_max_tokens_under_pressure() {
+        let mut g = governor();
+        g.config.tiers[1].brownout_at = 0.25; // normal: from 1 of 4 waiting places
+        g.config.tiers[1].brownout_max_tokens = Some(64);
+        let a = tenant(&g, "a");
+        for id in 1..=2 {
+            g.submit(id, a, 10, 500, 0).unwrap(); // the two slots
+        }
+        g.submit(3, a, 10, 500, 0).unwrap(); // queued, the queue was empty: as asked
+        assert_eq!(g.browned_out(3), None);
+        let d = g.submit(4, a, 10, 500, 0).unwrap(); // 1 of 4 waiting: clamped
+        assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
+        assert_eq!(g.browned_out(4), Some(64));
+        assert_eq!(g.requests[&4].max_tokens, 64);
+        assert_eq!(g.counters.browned_out, 1);
+        let v = tenant(&g, "v");
+        g.submit(5, v, 10, 500, 0).unwrap(); // VIP has no clamp
+        assert_eq!(g.browned_out(5), None);
+    }
+
     // Long requests get a larger (worse) vLLM priority than short ones of the same tier, and
     // any VIP beats any normal.
     #[test]
