@@ -77,6 +77,9 @@ class Gate(_Section):
     # probability. Best-effort tiers borrow every other slot. None: no headroom.
     headroom_quantile: Annotated[float, Field(gt=0, lt=1)] | None = 0.999
     headroom_wait_ms: DurationMs = 500.0
+    # per-token latency target: a backend whose measured time per output token is above it
+    # runs fewer requests (down to one), more again once well below; None: the bound alone
+    tpot_target_ms: DurationMs | None = None
 
 
 class Tier(_Section):
@@ -259,6 +262,7 @@ class Settings(_Section):
             "kv_fit_target": self.kv.fit_target,
             "headroom_quantile": self.gate.headroom_quantile,
             "headroom_wait_ms": self.gate.headroom_wait_ms,
+            "tpot_target_ms": self.gate.tpot_target_ms,
         }
 
     def to_runtime(self) -> dict[str, Any]:

@@ -17,6 +17,16 @@ pub struct BackendState {
     pub name: String,
     /// Hard concurrency cap: GPUs x `max_concurrency_per_gpu`.
     pub cap: u32,
+    /// The cap the per-token latency target allows now (`tpot_target_ms`; `cap` without one).
+    pub tpot_cap: u32,
+    /// Requests past their first token (decoding), and tokens they generated since
+    /// `decode_at_us`, for the time-per-output-token measurement.
+    pub decoding: u32,
+    decoded: u64,
+    decode_at_us: Option<u64>,
+    decoding_at_sample: u32,
+    /// Seconds per output token while decoding, smoothed; `None` until measured.
+    pub tpot_s: Option<f64>,
     pub kv_capacity_blocks: u64,
     pub running: u32,
     pub running_by_tier: Vec<u32>,
@@ -37,8 +47,8 @@ pub struct BackendState {
     pending_at_sample: u64,
 }
 
-/// Shortest interval over which a prefill-throughput sample is taken (µs).
-const PREFILL_SAMPLE_US: u64 = 500_000;
+/// Shortest interval over which a prefill-throughput or time-per-token sample is taken (µs).
+const SAMPLE_US: u64 = 500_000;
 
 /// Weight of a new sample in the smoothed estimates: recent enough to follow load shifts,
 /// smooth enough that one odd request does not swing admission.
@@ -49,6 +59,12 @@ impl BackendState {
         Self {
             name: config.name.clone(),
             cap: config.gpus * per_gpu,
+            tpot_cap: config.gpus * per_gpu,
+            decoding: 0,
+            decoded: 0,
+            decode_at_us: None,
+            decoding_at_sample: 0,
+            tpot_s: None,
             kv_capacity_blocks: config.kv_blocks,
             running: 0,
             running_by_tier: vec![0; tiers],
@@ -62,6 +78,51 @@ impl BackendState {
             prefilled: 0,
             sample_at_us: None,
             pending_at_sample: 0,
+        }
+    }
+
+    /// Slots usable now: the cap, or less while the per-token latency target holds it down.
+    pub fn slots(&self) -> u32 {
+        self.cap.min(self.tpot_cap)
+    }
+
+    pub fn record_decoded(&mut self, tokens: u64) {
+        self.decoded += tokens;
+    }
+
+    /// Take a time-per-output-token sample over the interval since the last one (>= 500 ms,
+    /// with requests decoding throughout): decoding requests x elapsed / tokens they made.
+    /// Returns the smoothed figure when a sample was taken.
+    pub fn sample_tpot(&mut self, now_us: u64) -> Option<f64> {
+        let mut sampled = None;
+        if let Some(at) = self.decode_at_us {
+            let elapsed = now_us.saturating_sub(at);
+            if elapsed < SAMPLE_US {
+                return None;
+            }
+            let decoding = (self.decoding_at_sample + self.decoding) as f64 / 2.0;
+            if self.decoding_at_sample > 0 && self.decoding > 0 && self.decoded > 0 {
+                let sample = decoding * (elapsed as f64 / 1e6) / self.decoded as f64;
+                let tpot = self.tpot_s.map_or(sample, |t| t + EWMA_ALPHA * (sample - t));
+                self.tpot_s = Some(tpot);
+                sampled = Some(tpot);
+            }
+        }
+        self.decoded = 0;
+        self.decode_at_us = Some(now_us);
+        self.decoding_at_sample = self.decoding;
+        sampled
+    }
+
+    /// Follow the per-token latency target: over it, shrink the cap in proportion (at most
+    /// by half); well under it while every slot is taken, grow by an eighth. Never below one
+    /// slot or above `cap`.
+    pub fn follow_tpot(&mut self, tpot_s: f64, target_s: f64) {
+        if tpot_s > target_s {
+            let scaled = (f64::from(self.running) * (target_s / tpot_s).max(0.5)).floor() as u32;
+            self.tpot_cap = scaled.clamp(1, self.cap).min(self.tpot_cap);
+        } else if tpot_s < 0.8 * target_s && self.running >= self.slots() {
+            self.tpot_cap = (self.tpot_cap + (self.tpot_cap / 8).max(1)).min(self.cap);
         }
     }
 
@@ -119,7 +180,7 @@ impl BackendState {
             return;
         };
         let elapsed = now_us.saturating_sub(at);
-        if elapsed < PREFILL_SAMPLE_US {
+        if elapsed < SAMPLE_US {
             return;
         }
         if self.pending_at_sample > 0 && self.prefilled > 0 {
@@ -201,5 +262,29 @@ mod tests {
         // A prompt of 3000 tokens prefilled alone in 1 s: at least 3000 tokens/s.
         b.record_prefill(3000, 1_000_000, 3_100_000);
         assert!((b.prefill_tps - 1560.0).abs() < 1e-9);
+    }
+
+    // Time per output token: 10 requests decoding for 1 s made 200 tokens, 50 ms a token.
+    // Over a 25 ms target the cap shrinks to the running count scaled by target/measured (at
+    // most by half); well under it, with every slot taken, it grows by an eighth up to `cap`.
+    #[test]
+    fn tpot_follows_the_target() {
+        let mut b = backend(); // cap 32
+        b.decoding = 10;
+        assert_eq!(b.sample_tpot(0), None);
+        b.record_decoded(200);
+        assert_eq!(b.sample_tpot(1_000_000), Some(0.05));
+        b.running = 20;
+        b.follow_tpot(0.05, 0.025);
+        assert_eq!(b.slots(), 10);
+        b.follow_tpot(0.01, 0.025); // under target but slots not full: no growth
+        b.running = 10;
+        b.follow_tpot(0.01, 0.025);
+        assert_eq!(b.slots(), 11);
+        for _ in 0..40 {
+            b.running = b.slots();
+            b.follow_tpot(0.01, 0.025);
+        }
+        assert_eq!(b.slots(), 32);
     }
 }

@@ -114,6 +114,11 @@ pub struct PolicyConfig {
     pub headroom_quantile: Option<f64>,
     #[serde(default = "default_headroom_wait")]
     pub headroom_wait_ms: f64,
+    /// Per-token latency target: while a backend's measured time per output token is above
+    /// it, fewer requests may run there (down to one), and more again (up to the cap) once it
+    /// is well below. `None`: the cap alone.
+    #[serde(default)]
+    pub tpot_target_ms: Option<f64>,
 }
 
 fn one() -> u32 {
@@ -215,6 +220,7 @@ impl PolicyConfig {
             ("first_token_timeout_ms", self.first_token_timeout_ms),
             ("request_timeout_ms", self.request_timeout_ms),
             ("stale_after_ms", self.stale_after_ms),
+            ("tpot_target_ms", self.tpot_target_ms),
         ] {
             if let Some(v) = value {
                 positive_f(key, v)?;

@@ -29,6 +29,10 @@ pub struct BackendSnapshot {
     pub healthy: bool,
     pub stale: bool,
     pub cap: u32,
+    /// Slots usable now (below `cap` while the per-token latency target holds it down).
+    pub slots: u32,
+    /// Measured seconds per output token while decoding.
+    pub tpot_s: Option<f64>,
     pub running: u32,
     pub kv_usage: f64,
     pub kv_blocks_reserved: u64,
@@ -90,6 +94,8 @@ impl Governor {
                 healthy: b.healthy,
                 stale: b.is_stale(now_us, stale_after),
                 cap: b.cap,
+                slots: b.slots(),
+                tpot_s: b.tpot_s,
                 running: b.running,
                 kv_usage: self.backend_kv_usage(i, now_us),
                 kv_blocks_reserved: self.ledger.backend_blocks(i as u32),

@@ -135,7 +135,7 @@ impl Governor {
             load += r * l.hold();
             running += self.backends.iter().map(|b| b.running_by_tier[t]).sum::<u32>();
         }
-        let pool: u32 = self.backends.iter().filter(|b| b.healthy).map(|b| b.cap).sum();
+        let pool: u32 = self.backends.iter().filter(|b| b.healthy).map(|b| b.slots()).sum();
         let hold = if rate > 0.0 { load / rate } else { PRIOR_HOLD_S };
         let wait_s = self.config.headroom_wait_ms / 1000.0;
         let needed = servers_needed(load, hold, wait_s, quantile, pool);
@@ -150,7 +150,7 @@ impl Governor {
             return true;
         }
         let healthy = self.backends.iter().filter(|x| x.healthy);
-        let (pool, running) = healthy.fold((0, 0), |(p, r), x| (p + x.cap, r + x.running));
+        let (pool, running) = healthy.fold((0, 0), |(p, r), x| (p + x.slots(), r + x.running));
         if running + headroom >= pool {
             return false;
         }
@@ -160,7 +160,7 @@ impl Governor {
             return true;
         };
         // This backend's share of the headroom, at the latency tiers' mean commitment each.
-        let share = f64::from(headroom) * f64::from(backend.cap) / f64::from(pool.max(1));
+        let share = f64::from(headroom) * f64::from(backend.slots()) / f64::from(pool.max(1));
         let per_request = self
             .config
             .tiers

@@ -24,6 +24,7 @@ impl Governor {
         let b = &mut self.backends[run.backend as usize];
         b.record_prefill(req.prompt, now_us.saturating_sub(run.admitted_us), now_us);
         b.prefill_pending -= req.prompt;
+        b.decoding += 1;
         self.clear_deadline(id, crate::types::ExpiryReason::FirstTokenTimeout);
         true
     }
@@ -41,6 +42,9 @@ impl Governor {
         req.generated += n;
         let context = (req.prompt + req.generated) as f64;
         let tenant = req.tenant;
+        if let Some(run) = req.running.as_ref() {
+            self.backends[run.backend as usize].record_decoded(n);
+        }
         if let Some(blocks) = self.ledger.grow(id, n, now_us) {
             // Past its expected peak a request commits what it really holds.
             if blocks > req.committed {
@@ -79,7 +83,9 @@ impl Governor {
                 b.running -= 1;
                 b.running_by_tier[req.tier] -= 1;
                 b.committed_blocks -= req.committed;
-                if !run.first_token {
+                if run.first_token {
+                    b.decoding -= 1;
+                } else {
                     b.prefill_pending -= req.prompt;
                 }
                 self.ledger.close(id, now_us);

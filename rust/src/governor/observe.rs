@@ -31,6 +31,11 @@ impl Governor {
             .get_mut(backend as usize)
             .ok_or_else(|| PolicyError::UnknownBackend(backend.to_string()))?;
         b.sample_prefill(now_us);
+        if let Some(tpot) = b.sample_tpot(now_us) {
+            if let Some(target) = self.config.tpot_target_ms {
+                b.follow_tpot(tpot, target / 1000.0);
+            }
+        }
         b.observed = Some(Observation {
             kv_usage,
             running,

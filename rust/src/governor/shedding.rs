@@ -131,7 +131,7 @@ impl Governor {
     /// a tier's own use.
     pub(super) fn limits(&self, b: usize, tier: &TierConfig, now_us: u64) -> (u32, u32) {
         let backend = &self.backends[b];
-        let mut total = backend.cap;
+        let mut total = backend.slots();
         if backend.is_stale(now_us, self.stale_after_us()) {
             total = (total / 2).max(1);
         }

@@ -68,6 +68,8 @@ KNOBS: tuple[Knob, ...] = (
          can_be_off=True),
     Knob("gate.headroom_wait_ms", Int(50, 5_000, log=True),
          "latency tiers' wait budget for a slot and for the prefill ahead, ms"),
+    Knob("gate.tpot_target_ms", Int(10, 500, log=True),
+         "per-token latency target the number running follows, ms (or off)", can_be_off=True),
     Knob("gate.queue.max_waiting", Int(16, 4096, log=True),
          "queue length: requests waiting in the gateway"),
     Knob("tiers[*].max_share", Float(0.05, 1.0),
