@@ -3,10 +3,11 @@
 Defaults are the seed's values (`max_waiting: 200`, `client_window: 8`,
 `first_token_timeout_ms: 3000`, `sse_flush_interval: 20ms`, 80% queue fill for normal traffic,
 85% KV pressure, 1.5 s TTFT SLA), except the concurrency cap: the seed's fixed 16 per GPU is
-`seed-gate`'s; here 256 per GPU (vLLM's default `max_num_seqs`) is only the bound, and within it the number running follows the
-engine's KV capacity (`kv.fit_target`) and batch borrows what the latency tiers' headroom leaves. `Settings.to_core()` turns a validated file
-into the mapping `llmflow._core.Governor` takes, so the gateway and the simulator build the very
-same policy from the same file.
+`seed-gate`'s; here 256 per GPU (vLLM's default `max_num_seqs`) is only the bound, within which
+the number running follows the engine's KV capacity (`kv.fit_target`) and batch borrows what the
+latency tiers' headroom leaves. `Settings.to_core()` turns a validated file into the mapping
+`llmflow._core.Governor` takes, so the gateway and the simulator build the very same policy from
+the same file.
 """
 
 from __future__ import annotations
