@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -109,6 +110,19 @@ def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
+async def _settled(read: Callable[[], int], quiet_s: float = 0.25, timeout_s: float = 5.0) -> int:
+    """The value once it has not changed for `quiet_s` (fails after `timeout_s`)."""
+    loop = asyncio.get_running_loop()
+    deadline, last = loop.time() + timeout_s, read()
+    while loop.time() < deadline:
+        await asyncio.sleep(quiet_s)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"still changing after {timeout_s} s: {last}")
+
+
 BIG = {
     "model": "fake-model",
     "messages": [{"role": "user", "content": "hi"}],
@@ -123,8 +137,9 @@ async def test_a_client_that_stops_reading_pauses_upstream_then_is_aborted() -> 
         sock = _raw_request(h.url, BIG)
         try:
             await until(lambda: h.fake.running != 0)
-            await asyncio.sleep(0.25)  # buffers fill; the window fills; the reader pauses
-            sent = h.fake.tokens_sent
+            # buffers fill; the window fills; the reader pauses: the count stops moving (a
+            # loaded machine may take longer than a fixed sleep to get there)
+            sent = await _settled(lambda: h.fake.tokens_sent)
             assert sent < 1000  # upstream held back: kernel buffers, not 48 MB
             await asyncio.sleep(0.2)
             assert h.fake.tokens_sent == sent  # paused: the backend sends nothing more
