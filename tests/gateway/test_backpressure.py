@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from llmflow.gateway.backpressure import ChunkWindow
 
 from .harness import start_gateway, until
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 pytestmark = pytest.mark.anyio
 
