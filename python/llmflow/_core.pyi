@@ -12,6 +12,7 @@ __version__: str
 
 RejectReason = Literal[
     "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
+    "rate_limited",
     "no_healthy_backend", "displaced",
 ]
 Outcome = Literal["completed", "error", "timeout", "cancelled"]
@@ -262,6 +263,7 @@ def kv_bytes_per_token(
 
 Reason = Literal[
     "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
+    "rate_limited",
     "no_healthy_backend", "displaced", "queue_timeout", "first_token_timeout", "deadline",
     "client_stall", "shutdown", "upstream_error",
 ]

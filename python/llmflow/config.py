@@ -100,6 +100,10 @@ class Tenant(_Section):
     tier: str
     weight: float = Field(1.0, gt=0)
     api_keys: list[str] = []
+    # rate limits, enforced by the core as token buckets (None: unlimited); refusals are 429
+    # rate_limited with the exact Retry-After
+    requests_per_s: float | None = Field(None, gt=0)
+    tokens_per_min: float | None = Field(None, gt=0)  # prompt + output tokens
 
 
 class Timeouts(_Section):
@@ -235,7 +239,12 @@ class Settings(_Section):
 
     def to_core(self) -> dict[str, Any]:
         """The mapping `llmflow._core.Governor` takes (its keys are the core's own names)."""
-        tenants = [{"name": t.name, "tier": t.tier, "weight": t.weight} for t in self.tenants]
+        tenants = [
+            {"name": t.name, "tier": t.tier, "weight": t.weight}
+            | ({"requests_per_s": t.requests_per_s} if t.requests_per_s is not None else {})
+            | ({"tokens_per_min": t.tokens_per_min} if t.tokens_per_min is not None else {})
+            for t in self.tenants
+        ]
         if self.anonymous_tenant not in {t.name for t in self.tenants}:
             anonymous = {"name": self.anonymous_tenant, "tier": self.default_tier, "weight": 1.0}
             tenants.append(anonymous)

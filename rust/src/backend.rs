@@ -103,7 +103,9 @@ impl BackendState {
             let decoding = (self.decoding_at_sample + self.decoding) as f64 / 2.0;
             if self.decoding_at_sample > 0 && self.decoding > 0 && self.decoded > 0 {
                 let sample = decoding * (elapsed as f64 / 1e6) / self.decoded as f64;
-                let tpot = self.tpot_s.map_or(sample, |t| t + EWMA_ALPHA * (sample - t));
+                let tpot = self
+                    .tpot_s
+                    .map_or(sample, |t| t + EWMA_ALPHA * (sample - t));
                 self.tpot_s = Some(tpot);
                 sampled = Some(tpot);
             }

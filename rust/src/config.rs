@@ -54,6 +54,12 @@ pub struct TenantConfig {
     /// Fair-share weight inside the tier: a weight-2 tenant gets twice the service.
     #[serde(default = "one_f")]
     pub weight: f64,
+    /// Rate limits (token buckets; `None`: unlimited): requests per second (a second's worth,
+    /// at least one, may come at once) and prompt plus output tokens per minute.
+    #[serde(default)]
+    pub requests_per_s: Option<f64>,
+    #[serde(default)]
+    pub tokens_per_min: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -194,6 +200,12 @@ impl PolicyConfig {
                 ));
             }
             positive_f(&format!("tenants[{i}].weight"), t.weight)?;
+            if let Some(v) = t.requests_per_s {
+                positive_f(&format!("tenants[{i}].requests_per_s"), v)?;
+            }
+            if let Some(v) = t.tokens_per_min {
+                positive_f(&format!("tenants[{i}].tokens_per_min"), v)?;
+            }
         }
         for (key, value) in [
             ("kv_pressure_threshold", self.kv_pressure_threshold),

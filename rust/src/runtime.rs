@@ -133,6 +133,7 @@ pub enum Reason {
     Draining,
     NoHealthyBackend,
     Displaced,
+    RateLimited,
     QueueTimeout,
     FirstTokenTimeout,
     Deadline,
@@ -152,6 +153,7 @@ impl Reason {
             Self::Draining => "draining",
             Self::NoHealthyBackend => "no_healthy_backend",
             Self::Displaced => "displaced",
+            Self::RateLimited => "rate_limited",
             Self::QueueTimeout => "queue_timeout",
             Self::FirstTokenTimeout => "first_token_timeout",
             Self::Deadline => "deadline",
@@ -171,6 +173,7 @@ impl Reason {
             RejectReason::Draining => Self::Draining,
             RejectReason::NoHealthyBackend => Self::NoHealthyBackend,
             RejectReason::Displaced => Self::Displaced,
+            RejectReason::RateLimited => Self::RateLimited,
         }
     }
 

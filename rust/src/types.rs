@@ -16,10 +16,12 @@ pub enum RejectReason {
     /// A queued request pushed out by a newcomer of a more important tier, or by one of its
     /// own tier whose tenant holds less than its fair share of the waiting places.
     Displaced,
+    /// The tenant is over its request or token rate limit.
+    RateLimited,
 }
 
 impl RejectReason {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::QueueFull,
         Self::TierShed,
         Self::KvPressure,
@@ -28,6 +30,7 @@ impl RejectReason {
         Self::Draining,
         Self::NoHealthyBackend,
         Self::Displaced,
+        Self::RateLimited,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -40,6 +43,7 @@ impl RejectReason {
             Self::Draining => "draining",
             Self::NoHealthyBackend => "no_healthy_backend",
             Self::Displaced => "displaced",
+            Self::RateLimited => "rate_limited",
         }
     }
 }

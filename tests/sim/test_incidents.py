@@ -99,6 +99,8 @@ KNOWN_LOSSES = {
     "goodput is 1.5x direct's",
     "fairness": "direct runs 253 at once with 244 preemptions and finishes the heavy tenant "
     "~6% sooner; llmflow's KV fit target (0.9) and 85% pressure line hold it to ~200",
+    "rate-limits": "a rate limit is a contract, not an optimisation: the crawler is held to its "
+    "150k tokens/min on purpose, so every unlimited policy finishes it sooner",
 }
 
 

@@ -41,6 +41,8 @@ _MESSAGES = {
     "displaced": "request displaced from the queue by a more important request or by a tenant "
     "holding less than its fair share of the waiting places; retry later",
     "queue_timeout": "queue wait expired (queue_timeout)",
+    "rate_limited": "over this API key's rate limit (requests per second or tokens per minute); "
+    "retry after the Retry-After header's seconds",
     "deadline": "queue wait expired (deadline)",
     "first_token_timeout": "no first token within the first-token timeout",
     "shutdown": "the gateway is shutting down",

@@ -92,7 +92,11 @@ impl Governor {
         let mut admitted = Vec::new();
         // Saturated backends (the common case when anything queues) take nobody: skip the
         // per-tier search, which `submit` would otherwise pay on every request it queues.
-        if !self.backends.iter().any(|b| b.healthy && b.running < b.slots()) {
+        if !self
+            .backends
+            .iter()
+            .any(|b| b.healthy && b.running < b.slots())
+        {
             return admitted;
         }
         for tier_idx in 0..self.config.tiers.len() {

@@ -58,7 +58,10 @@ impl TierLoad {
     }
 
     pub fn held(&mut self, seconds: f64) {
-        self.hold_s = Some(self.hold_s.map_or(seconds, |s| s + EWMA_ALPHA * (seconds - s)));
+        self.hold_s = Some(
+            self.hold_s
+                .map_or(seconds, |s| s + EWMA_ALPHA * (seconds - s)),
+        );
     }
 
     pub fn committed(&mut self, blocks: u64) {
@@ -119,7 +122,10 @@ impl Governor {
         let Some(quantile) = self.config.headroom_quantile else {
             return;
         };
-        if self.headroom_at_us.is_some_and(|at| now_us < at + RECOMPUTE_US) {
+        if self
+            .headroom_at_us
+            .is_some_and(|at| now_us < at + RECOMPUTE_US)
+        {
             return;
         }
         self.headroom_at_us = Some(now_us);
@@ -133,10 +139,23 @@ impl Governor {
             let r = l.rate(now_us);
             rate += r;
             load += r * l.hold();
-            running += self.backends.iter().map(|b| b.running_by_tier[t]).sum::<u32>();
+            running += self
+                .backends
+                .iter()
+                .map(|b| b.running_by_tier[t])
+                .sum::<u32>();
         }
-        let pool: u32 = self.backends.iter().filter(|b| b.healthy).map(|b| b.slots()).sum();
-        let hold = if rate > 0.0 { load / rate } else { PRIOR_HOLD_S };
+        let pool: u32 = self
+            .backends
+            .iter()
+            .filter(|b| b.healthy)
+            .map(|b| b.slots())
+            .sum();
+        let hold = if rate > 0.0 {
+            load / rate
+        } else {
+            PRIOR_HOLD_S
+        };
         let wait_s = self.config.headroom_wait_ms / 1000.0;
         let needed = servers_needed(load, hold, wait_s, quantile, pool);
         self.headroom = needed.saturating_sub(running);

@@ -56,6 +56,7 @@ impl Governor {
         let per_token =
             self.config.output_token_weight + self.config.kv_weight * context / KV_COST_TOKENS;
         self.queue.charge(tenant, per_token * n as f64);
+        self.pay_tokens(tenant, n);
         true
     }
 

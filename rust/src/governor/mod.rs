@@ -25,6 +25,7 @@ mod deadlines;
 mod dispatch;
 mod headroom;
 mod lifecycle;
+mod limits;
 mod observe;
 mod shedding;
 
@@ -112,6 +113,8 @@ pub struct Governor {
     headroom_at_us: Option<u64>,
     /// Per tenant: output tokens of its completed requests, smoothed (`None` until one ends).
     expected_output: Vec<Option<f64>>,
+    /// Per tenant: its rate-limit token buckets.
+    buckets: Vec<limits::Buckets>,
     pub(crate) draining: bool,
     pub(crate) counters: Counters,
     /// Admissions `submit`'s own dispatch made for other requests, handed out first by the
@@ -183,6 +186,7 @@ impl Governor {
             headroom: 0,
             headroom_at_us: None,
             expected_output: vec![None; config.tenants.len()],
+            buckets: Self::full_buckets(&config),
             draining: false,
             counters: Counters::default(),
             pending: Vec::new(),
@@ -270,9 +274,8 @@ impl Governor {
     /// Output tokens a request of this tenant is expected to generate: the tenant's measured
     /// mean, never above the request's own `max_tokens` (which is the guess until measured).
     pub(crate) fn expected_output(&self, tenant: u32, max_tokens: u64) -> u64 {
-        self.expected_output[tenant as usize].map_or(max_tokens, |mean| {
-            (mean.ceil() as u64).min(max_tokens)
-        })
+        self.expected_output[tenant as usize]
+            .map_or(max_tokens, |mean| (mean.ceil() as u64).min(max_tokens))
     }
 
     /// `max_tokens` as a request of this tier may have it now: clamped once the queue is
@@ -337,7 +340,16 @@ impl Governor {
         self.update_headroom(now_us);
         let asked = max_tokens;
         let max_tokens = self.brownout(tier_idx, max_tokens);
-        let decision = self.decide(tenant, tier_idx, prompt, max_tokens, now_us);
+        let decision = match self.rate_limited(tenant, prompt, now_us) {
+            Some(wait) if !self.draining => Decision::Rejected {
+                reason: RejectReason::RateLimited,
+                retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
+            },
+            _ => self.decide(tenant, tier_idx, prompt, max_tokens, now_us),
+        };
+        if !matches!(decision, Decision::Rejected { .. }) {
+            self.pay_request(tenant, prompt);
+        }
         if max_tokens < asked && !matches!(decision, Decision::Rejected { .. }) {
             self.counters.browned_out += 1;
         }

@@ -64,8 +64,8 @@ impl Governor {
     }
 
     pub(super) fn note_refusal(&mut self, reason: RejectReason, tier_idx: usize, now_us: u64) {
-        if matches!(reason, RejectReason::Draining) {
-            return;
+        if matches!(reason, RejectReason::Draining | RejectReason::RateLimited) {
+            return; // a rate limit's Retry-After is exact: no crowd to spread
         }
         self.tier_load[tier_idx].refuse(now_us);
     }
