@@ -17,7 +17,7 @@ const ARRIVAL_WINDOW_S: f64 = 60.0;
 /// Hold time assumed for a tier until one of its requests has completed (s).
 const PRIOR_HOLD_S: f64 = 10.0;
 /// How often the headroom is recomputed (µs): the inputs move on a scale of seconds.
-const RECOMPUTE_US: u64 = 100_000;
+pub(super) const RECOMPUTE_US: u64 = 100_000;
 
 /// What a latency tier asks of the pool, measured online.
 #[derive(Debug, Clone, Default)]

@@ -26,6 +26,7 @@ mod dispatch;
 mod headroom;
 mod lifecycle;
 mod observe;
+mod refusal;
 mod shedding;
 
 use std::collections::BTreeSet;
