@@ -377,7 +377,8 @@ class Runtime:
             `(status, reason, retry_after_s)` as `arrive`'s `Reply` would carry them (429, or
             503 for `draining` and `no_healthy_backend`; Retry-After in whole seconds), or None
             when `arrive` would start or queue the request, or when only `arrive` itself can
-            tell (a breaker cool-down or a headroom recompute is due at `now_us`).
+            tell (at `now_us` a breaker cool-down is due, or, for a best-effort tier, a
+            headroom recompute).
 
         Raises:
             UnknownTenantError: the tenant is not configured.

@@ -6,10 +6,13 @@
 //! `submit`, so counters, the refusal memory (the Retry-After spread) and a trace stay exact.
 //!
 //! `submit` does some bookkeeping before it decides: a breaker level may cool down (`tick`), and
-//! the headroom may be recomputed with this arrival counted. When either is due the answer
-//! could differ from what `decide` says on the state as it is, so the query says "not refused"
-//! (`None`) and the host takes its ordinary path; otherwise that bookkeeping changes nothing
-//! `decide` reads, and the query's refusal is exactly `submit`'s.
+//! the headroom may be recomputed with this arrival counted (every `RECOMPUTE_US`). When that
+//! could change what `decide` reads, the query says "not refused" (`None`) and the host takes
+//! its ordinary path: while a cool-down is due, and while a recompute is due for a best-effort
+//! tier (the headroom is read only when a best-effort request looks for a slot). Otherwise the
+//! bookkeeping changes nothing `decide` reads, and the query's refusal is exactly `submit`'s.
+//! (A recompute falls due every 100 ms under a flood; deferring every tier then would send each
+//! request read before the first deferred one reaches `submit` down the ordinary path.)
 
 use super::headroom::RECOMPUTE_US;
 use super::{us, Governor};
@@ -19,7 +22,8 @@ use crate::types::{Decision, RejectReason};
 impl Governor {
     /// The refusal `submit` would return for this request at `now_us` (reason, Retry-After in
     /// seconds), or `None` when it would admit or queue it, or when that cannot be known without
-    /// `submit`'s own bookkeeping (a breaker cool-down or a headroom recompute is due).
+    /// `submit`'s own bookkeeping (a breaker cool-down is due, or a headroom recompute for a
+    /// best-effort tier).
     pub fn refusal(
         &self,
         tenant: u32,
@@ -31,7 +35,8 @@ impl Governor {
             .tenant_tier
             .get(tenant as usize)
             .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
-        if self.cooldown_due(now_us) || self.headroom_due(now_us) {
+        let best_effort = self.config.tiers[tier_idx].best_effort;
+        if self.cooldown_due(now_us) || (best_effort && self.headroom_due(now_us)) {
             return Ok(None);
         }
         Ok(
@@ -187,7 +192,7 @@ mod tests {
                 _ => {
                     let t = tenants[next(4) as usize];
                     let (prompt, max_tokens) = (1 + next(4000), 1 + next(500));
-                    let due = g.cooldown_due(now) || g.headroom_due(now);
+                    let due = g.cooldown_due(now) || (t == tenants[3] && g.headroom_due(now));
                     let asked = g.refusal(t, prompt, max_tokens, now).unwrap();
                     let got = rejected(g.submit(id, t, prompt, max_tokens, now).unwrap());
                     if asked.is_some() {
