@@ -227,6 +227,29 @@ async def test_requests_the_runtime_admits_go_on_unchanged_on_the_same_connectio
         writer.close()
 
 
+async def test_a_queued_request_whose_client_leaves_frees_its_place() -> None:
+    """Fed to the runtime below FastAPI, a queued request is still the route's to end: its
+    client leaving takes it out of the queue, and nothing of it reaches the backend."""
+    async with served(
+        fast=True, gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 2}}
+    ) as gw:
+        await gw.hold_the_slot()
+        _, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
+        body = json.dumps({**REFUSED[0][1], "max_tokens": 4}).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k-crowd\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
+        await until(lambda: gw.counted.requests == 2)  # the route has it
+        state = (await gw.client.get("/api/state")).json()["core"]
+        assert (state["running"], state["queued"]) == (1, 1), state
+        writer.close()
+        await until(lambda: gw.gateway.runtime.live == 1)
+        state = (await gw.client.get("/api/state")).json()["core"]
+        assert (state["running"], state["queued"]) == (1, 0), state
+        assert gw.fake.seen == 1  # the held slot's request only
+
+
 @pytest.mark.usefixtures("frozen")
 async def test_http_1_0_and_connection_close_get_their_refusal_then_eof() -> None:
     async with served(fast=True) as gw:

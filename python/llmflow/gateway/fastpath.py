@@ -11,13 +11,22 @@ or `/v1/completions` with a `Content-Length` body of at most `FAST_BODY_BYTES`, 
 `Transfer-Encoding` or `Content-Encoding`, nothing pipelined ahead of it) until its body is
 in, then asks `RefusalDesk.answer`. That runs the ordinary path's own checks (the API key,
 then `CompletionService.prepare`: the strict decoder, validation, limits, the prompt estimate)
-and the runtime's pure `refusal` query. Only when the runtime would refuse the request does it
-feed `arrive`, through the host as the ordinary path does (so counters, the Retry-After spread
-and the trace are the same), and write the runtime's `Reply` as the ordinary path writes it
-(status, OpenAI-style body, `Retry-After`, `X-Request-Id`) straight to the transport.
-Everything else (bad input, a bad key, a request the runtime starts or queues) goes on to
-uvicorn and FastAPI unchanged. Whether a request is refused, and its Retry-After, are the
-runtime's alone.
+and feeds the request to the runtime right there, in arrival order:
+
+- when the runtime's pure `refusal` query says it refuses the request, through a party that
+  only hears the `Reply` (no session is built); otherwise through `CompletionService.admit`
+  and a session, as the route would. Either way `arrive` is fed as on the ordinary path, so
+  counters, the Retry-After spread and the trace are the same;
+- a refusal is written as the ordinary path writes it (status, OpenAI-style body,
+  `Retry-After`, `X-Request-Id`) straight to the transport;
+- a request the runtime starts or queues goes on to uvicorn and FastAPI with its session in
+  the scope (`admitted_of`), and the route serves it from there.
+
+Bad input and bad keys go on to uvicorn and FastAPI untouched, to get their errors there.
+Whether a request is refused, and its Retry-After, are the runtime's alone. (Arriving here
+rather than in the route matters under a flood: a request judged "not refused" but arriving
+only when its ASGI task ran would leave its queue place to every request read meanwhile, and
+they would all fall through to be refused the slow way.)
 """
 
 from __future__ import annotations
@@ -29,18 +38,19 @@ from typing import TYPE_CHECKING, Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.relay import relayable
 from llmflow.gateway.session import reply_error
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from llmflow._core import Reply, Start
-    from llmflow.gateway.errors import GatewayError
     from llmflow.gateway.serving import CompletionService
-    from llmflow.gateway.session import Prepared
-    from llmflow.gateway.types import Endpoint
+    from llmflow.gateway.session import Prepared, StreamSession
+    from llmflow.gateway.types import Endpoint, Scope
 
-__all__ = ["FAST_BODY_BYTES", "Held", "RefusalDesk"]
+__all__ = ["ADMITTED", "FAST_BODY_BYTES", "Admitted", "Held", "RefusalDesk", "admitted_of"]
 
 FAST_BODY_BYTES = 64 * 1024  # bodies up to this are held for the fast path; larger go on at once
 _ENDPOINTS: dict[bytes, Endpoint] = {
@@ -49,7 +59,22 @@ _ENDPOINTS: dict[bytes, Endpoint] = {
 }
 _NOT_PLAIN = (b"transfer-encoding", b"expect", b"upgrade")  # left to uvicorn and the app
 _IDENTITY = (b"", b"identity")
+ADMITTED = "llmflow.admitted"  # scope extension: a request the runtime took below FastAPI
 log = logging.getLogger("llmflow.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request judged and fed to the runtime below FastAPI: the route serves its session."""
+
+    prepared: Prepared
+    session: StreamSession
+
+
+def admitted_of(scope: Scope) -> Admitted | None:
+    """The request's `Admitted`, when the protocol already fed it to the runtime."""
+    extensions = scope.get("extensions") or {}
+    return extensions.get(ADMITTED)
 
 
 @dataclass(slots=True)
@@ -115,11 +140,12 @@ class RefusalDesk:
         )
 
     def answer(self, protocol: Any, held: Held) -> bool:
-        """Answer a held request that the runtime refuses at once.
+        """Feed a held request to the runtime; answer it here if the runtime refuses it.
 
         Returns:
-            True when the refusal was written; False when the request must be served the
-            ordinary way (nothing was fed to the runtime then).
+            True when the refusal was written; False when the request goes on to the app:
+            with its session in the scope (`admitted_of`) when the runtime took it, untouched
+            when it failed a check (the route answers it with the same error).
         """
         gateway = getattr(self.app.state, "gateway", None)
         service: CompletionService | None = gateway.service if gateway is not None else None
@@ -132,7 +158,14 @@ class RefusalDesk:
             return False
         error = _refused(service, prepared)
         if error is None:
-            return False
+            try:
+                session = service.admit(prepared, relayable(protocol.scope, prepared))
+            except GatewayError as exc:  # refused after all: its bookkeeping was due
+                error = exc
+            else:
+                extensions = protocol.scope.setdefault("extensions", {})
+                extensions[ADMITTED] = Admitted(prepared, session)
+                return False
         keep_alive = held.keep_alive and not held.closing
         state = protocol.server_state
         protocol.transport.write(_reply_bytes(error, state.default_headers, keep_alive))
@@ -144,6 +177,10 @@ class RefusalDesk:
         if not keep_alive:
             protocol.transport.close()
         protocol.on_response_complete()
+        # Nothing of the request stays with the idle connection: under a flood thousands of
+        # them would otherwise be promoted through the GC's generations, whose collections
+        # then pause the loop for tens of milliseconds. The next request builds its own.
+        protocol.scope = protocol.headers = None
         return True
 
 
