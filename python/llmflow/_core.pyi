@@ -365,6 +365,32 @@ class Runtime:
         now_us: int,
     ) -> list[Action]:
         """A request arrived: it starts, waits, or gets its `Reply` at once."""
+    def refusal(
+        self, tenant: str, prompt_tokens: int, max_tokens: int, now_us: int
+    ) -> tuple[int, Reason, int] | None:
+        """Whether `arrive` would refuse this request at once, asked without changing anything.
+
+        A host under a flood may answer a refused request on a short path (the gateway does,
+        below FastAPI), but it still feeds it to `arrive`, which then returns exactly this
+        refusal as its `Reply`: counters, the Retry-After spread and the trace stay exact.
+
+        Args:
+            tenant: the tenant's name.
+            prompt_tokens: the request's prompt length, as `arrive` would get it.
+            max_tokens: its output bound, as `arrive` would get it.
+            now_us: the time `arrive` would be fed at.
+
+        Returns:
+            `(status, reason, retry_after_s)` as `arrive`'s `Reply` would carry them (429, or
+            503 for `draining` and `no_healthy_backend`; Retry-After in whole seconds), or None
+            when `arrive` would start or queue the request, or when only `arrive` itself can
+            tell (at `now_us` a breaker cool-down is due, or, for a best-effort tier, a
+            headroom recompute).
+
+        Raises:
+            UnknownTenantError: the tenant is not configured.
+            InvalidArgumentError: a negative token count.
+        """
     def started(self, request_id: int, now_us: int) -> list[Action]:
         """The backend accepted the request (its response headers came back)."""
     def tokens(self, request_id: int, n: int, now_us: int) -> list[Action]:

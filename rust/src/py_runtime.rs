@@ -303,6 +303,23 @@ impl PyRuntime {
         self.feed(py, now_us, &event)
     }
 
+    /// What `arrive` would answer now if it refused at once: (status, reason, Retry-After).
+    fn refusal(
+        &self,
+        tenant: &str,
+        prompt_tokens: i64,
+        max_tokens: i64,
+        now_us: u64,
+    ) -> PyResult<Option<(u16, &'static str, u32)>> {
+        let refused = self.inner.refusal(
+            self.inner.governor().tenant_id(tenant)?,
+            non_negative("prompt_tokens", prompt_tokens)?,
+            non_negative("max_tokens", max_tokens)?,
+            now_us,
+        )?;
+        Ok(refused.map(|r| (r.status, r.reason.as_str(), r.retry_after_s)))
+    }
+
     fn started(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {
         self.feed(py, now_us, &Event::Started { id: request_id })
     }

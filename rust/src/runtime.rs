@@ -237,6 +237,29 @@ impl Action {
     }
 }
 
+/// A refusal as `arrive` answers it: the `Reply`'s status, reason and Retry-After.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub status: u16,
+    pub reason: Reason,
+    /// Whole seconds, as the header carries them (`wire_retry_after`).
+    pub retry_after_s: u32,
+}
+
+impl Refusal {
+    fn of(reason: RejectReason, retry_after_s: f64) -> Self {
+        let status = match reason {
+            RejectReason::Draining | RejectReason::NoHealthyBackend => 503,
+            _ => 429,
+        };
+        Self {
+            status,
+            reason: Reason::of_reject(reason),
+            retry_after_s: wire_retry_after(retry_after_s),
+        }
+    }
+}
+
 /// The seconds a Retry-After header carries: whole seconds (RFC 9110), at least one, rounded up
 /// so a client is never told to come back before the estimate.
 pub fn wire_retry_after(seconds: f64) -> u32 {
@@ -365,6 +388,21 @@ impl Runtime {
             .into_iter()
             .flatten()
             .min()
+    }
+
+    /// What `arrive` would answer a request of `tenant` at `now_us` if it refuses it at once,
+    /// without changing anything; `None` when it would admit or queue it, or when only
+    /// `arrive` itself can tell (see `Governor::refusal`). A host may answer a refused request
+    /// on a short path, but still feeds it `arrive`: the `Reply` it then gets is this refusal.
+    pub fn refusal(
+        &self,
+        tenant: u32,
+        prompt: u64,
+        max_tokens: u64,
+        now_us: u64,
+    ) -> PolicyResult<Option<Refusal>> {
+        let refused = self.gov.refusal(tenant, prompt, max_tokens, now_us)?;
+        Ok(refused.map(|(reason, seconds)| Refusal::of(reason, seconds)))
     }
 
     /// Feed one event that happened at `now_us`; the actions to carry out, in order, are in
@@ -607,15 +645,12 @@ impl Runtime {
                 reason,
                 retry_after_s,
             } => {
-                let status = match reason {
-                    RejectReason::Draining | RejectReason::NoHealthyBackend => 503,
-                    _ => 429,
-                };
+                let refusal = Refusal::of(reason, retry_after_s);
                 self.out.push(Action::Reply {
                     id,
-                    status,
-                    reason: Reason::of_reject(reason),
-                    retry_after_s: Some(wire_retry_after(retry_after_s)),
+                    status: refusal.status,
+                    reason: refusal.reason,
+                    retry_after_s: Some(refusal.retry_after_s),
                 });
             }
         }
@@ -949,6 +984,36 @@ mod tests {
         assert!(retry >= 1);
         assert_eq!(wire_retry_after(0.05), 1);
         assert_eq!(wire_retry_after(1.01), 2);
+    }
+
+    // The refusal query names the Reply that arrive then sends (a 429 under load, a 503 while
+    // draining), changes nothing (the runtime is as it was), and is `None` for a newcomer
+    // arrive would start.
+    #[test]
+    fn refusal_is_the_reply_arrive_sends() {
+        let mut rt = runtime("{}");
+        let v = rt.governor().tenant_id("v").unwrap();
+        assert_eq!(rt.refusal(v, 10, 10, 0).unwrap(), None);
+        for id in 1..=8 {
+            rt.handle(0, &arrive(id, v)).unwrap();
+        }
+        for (id, now) in [(9, 0), (10, 1), (11, 2)] {
+            let asked = rt.refusal(v, 10, 10, now).unwrap().unwrap();
+            let live = rt.live();
+            assert_eq!(rt.refusal(v, 10, 10, now).unwrap(), Some(asked));
+            assert_eq!(rt.live(), live);
+            let acts = rt.handle(now, &arrive(id, v)).unwrap();
+            let reply = Action::Reply {
+                id,
+                status: asked.status,
+                reason: asked.reason,
+                retry_after_s: Some(asked.retry_after_s),
+            };
+            assert_eq!(terminal(&acts), [&reply]);
+        }
+        rt.handle(3, &Event::Drain).unwrap();
+        let asked = rt.refusal(v, 10, 10, 4).unwrap().unwrap();
+        assert_eq!((asked.status, asked.reason), (503, Reason::Draining));
     }
 
     // Two failed scrapes mark a backend down; a request that finds it unreachable marks it down

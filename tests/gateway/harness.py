@@ -157,7 +157,7 @@ async def start_gateway(
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
         settings = settings_for(urls, backend, **sections)
         app = create_app(settings)
-        url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings)))
+        url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings, app)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         harness = Harness(url, app.state.gateway, client, fakes, app)
         yield harness

@@ -166,9 +166,9 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         lifespan="on",
         access_log=False,
-        # streamed replies leave Python for the relay after the head; header and WebSocket
-        # message limits
-        **server_options(settings),
+        # streamed replies leave Python for the relay after the head; refusals are answered
+        # below FastAPI; header and WebSocket message limits
+        **server_options(settings, app),
         timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_ms / 1e3)
         + _FORCE_AFTER_DRAIN_S,
     )

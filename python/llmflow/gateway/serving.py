@@ -162,9 +162,15 @@ class CompletionService:
         return session
 
     async def serve(
-        self, prepared: Prepared, receive: Receive, relayed: bool = False
+        self,
+        prepared: Prepared,
+        receive: Receive,
+        relayed: bool = False,
+        admitted: StreamSession | None = None,
     ) -> StreamSession:
         """Run a prepared request as the runtime directs (`relayed`: as in `admit`).
+
+        `admitted`: its session, when it was already admitted (by the protocol's fast path).
 
         Returns:
             The session: done, with its `response()` (non-streaming), or past its first token,
@@ -175,7 +181,7 @@ class CompletionService:
                 wait expired, 502/504 from the backend, 504 on first-token timeout (when so
                 configured); `ClientGone` when the client disconnected first.
         """
-        session = self.admit(prepared, relayed)
+        session = admitted if admitted is not None else self.admit(prepared, relayed)
         departure = Departure()
         watcher = asyncio.create_task(_watch_disconnect(receive, departure))
         handed_over = False

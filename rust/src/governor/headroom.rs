@@ -22,7 +22,7 @@ const PRIOR_HOLD_S: f64 = 10.0;
 /// long, the batch job finished 100 s later and azure-code's tail doubled.)
 const REFUSAL_MEMORY_S: f64 = 5.0;
 /// How often the headroom is recomputed (µs): the inputs move on a scale of seconds.
-const RECOMPUTE_US: u64 = 100_000;
+pub(super) const RECOMPUTE_US: u64 = 100_000;
 
 /// What a latency tier asks of the pool, measured online.
 #[derive(Debug, Clone, Default)]

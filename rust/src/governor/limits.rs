@@ -45,21 +45,32 @@ impl Governor {
     }
 
     /// Seconds until the tenant may send a request of `prompt` tokens; `None`: it may now.
+    /// Refills the buckets to `now_us` first.
     pub(super) fn rate_limited(&mut self, tenant: u32, prompt: u64, now_us: u64) -> Option<f64> {
         let (req_rate, tok_rate) = self.bucket_rates(tenant);
         if req_rate.is_none() && tok_rate.is_none() {
             return None;
         }
         self.refill(tenant, now_us);
-        let b = &self.buckets[tenant as usize];
+        self.rate_wait(tenant, prompt, now_us)
+    }
+
+    /// `rate_limited` without changing anything: the buckets as they would be at `now_us`.
+    pub(super) fn rate_wait(&self, tenant: u32, prompt: u64, now_us: u64) -> Option<f64> {
+        let (req_rate, tok_rate) = self.bucket_rates(tenant);
+        if req_rate.is_none() && tok_rate.is_none() {
+            return None;
+        }
+        let mut b = self.buckets[tenant as usize].clone();
+        let t = &self.config.tenants[tenant as usize];
+        let elapsed = now_us.saturating_sub(b.at_us) as f64 / 1e6;
         let mut wait: f64 = 0.0;
         if let Some(rate) = req_rate {
+            b.requests = (b.requests + rate * elapsed).min(rate.max(1.0));
             wait = wait.max((1.0 - b.requests) / rate);
         }
-        if let (Some(rate), Some(cap)) = (
-            tok_rate,
-            self.config.tenants[tenant as usize].tokens_per_min,
-        ) {
+        if let (Some(rate), Some(cap)) = (tok_rate, t.tokens_per_min) {
+            b.tokens = (b.tokens + rate * elapsed).min(cap);
             let need = (prompt as f64).min(cap);
             wait = wait.max((need - b.tokens) / rate);
         }

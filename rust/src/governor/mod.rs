@@ -27,6 +27,7 @@ mod headroom;
 mod lifecycle;
 mod limits;
 mod observe;
+mod refusal;
 mod shedding;
 
 use std::collections::BTreeSet;
@@ -280,7 +281,7 @@ impl Governor {
 
     /// `max_tokens` as a request of this tier may have it now: clamped once the queue is
     /// `brownout_at` full, for tiers that set `brownout_max_tokens`.
-    fn brownout(&self, tier_idx: usize, max_tokens: u64) -> u64 {
+    pub(super) fn brownout(&self, tier_idx: usize, max_tokens: u64) -> u64 {
         let tier = &self.config.tiers[tier_idx];
         let Some(clamp) = tier.brownout_max_tokens else {
             return max_tokens;

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
+from llmflow.gateway.fastpath import admitted_of
 from llmflow.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,8 +56,13 @@ async def models(request: Request, _who: Annotated[Identity, Depends(identity)])
 
 async def _complete(endpoint: Endpoint, request: Request) -> Response:
     svc, settings = service(request), gateway(request).settings
-    prepared = svc.prepare(endpoint, identity(request), await request.body())
-    session = await svc.serve(prepared, request.receive, relayable(request.scope, prepared))
+    admitted = admitted_of(request.scope)  # checked and fed to the runtime below FastAPI
+    if admitted is None:
+        prepared = svc.prepare(endpoint, identity(request), await request.body())
+        session = await svc.serve(prepared, request.receive, relayable(request.scope, prepared))
+    else:
+        prepared = admitted.prepared
+        session = await svc.serve(prepared, request.receive, admitted=admitted.session)
     if not prepared.options.stream:
         return JSONResponse(session.response(), headers=session.id_header)
     if isinstance(session, RelayedSession) and session.opened:

@@ -1,0 +1,284 @@
+"""Refusals answered below FastAPI are the refusals FastAPI would have answered.
+
+Two gateways, built alike over two fakes, take the same requests: one serves with the fast
+path (`server_options(settings, app)`, as `llmflow serve` does), the other without it. Each app
+is wrapped in a counter of the HTTP requests that reach it, so a test sees from outside which
+way a request went. Compared: the status line, every header but `date`, the body byte for
+byte, and the runtime's trace line for each arrival.
+
+The Retry-After of a crowd's refusals grows with the refusals before it and decays with time,
+and the runtime leaves a request to `arrive` when a periodic recompute falls due (every 100 ms;
+that request takes the ordinary path). Where a test compares exact figures or counts the
+ordinary path's requests, the gateways' clock (`host.now_us`, the runtime's only time input) is
+held still (`frozen`), so both runtimes decide at the same instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from llmflow._core import replay_trace
+from llmflow.gateway import host
+from llmflow.gateway.app import Gateway, create_app
+from llmflow.gateway.handoff import server_options
+
+from .fake_vllm import FakeVllm
+from .harness import serve_asgi, settings_for, until
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from llmflow.gateway.types import ASGIApp, Receive, Scope, Send
+
+pytestmark = pytest.mark.anyio
+
+CHAT = "/v1/chat/completions"
+HANG = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "hold"}],
+    "fake": {"hang": True},
+}
+REFUSED = [  # (path, body): requests the gateway refuses while the one slot is held
+    (CHAT, {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}),
+    (
+        CHAT,
+        {"model": "fake-model", "messages": [{"role": "user", "content": "go"}], "stream": True},
+    ),
+    ("/v1/completions", {"model": "fake-model", "prompt": "once upon", "max_tokens": 5}),
+    ("/v1/completions", {"model": "fake-model", "prompt": [1, 2, 3], "stream": True}),
+]
+SECTIONS: dict[str, Any] = {
+    "gate": {"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
+    "streaming": {"sse_flush_interval": 0, "first_token_timeout_ms": None},
+    "tenants": [{"name": "crowd", "tier": "normal", "api_keys": ["k-crowd"]}],
+}
+KEY = {"authorization": "Bearer k-crowd"}
+MESSAGES = b'[{"role": "user", "content": "hi"}]'
+
+
+class Counted:
+    """An ASGI app that counts the HTTP requests reaching the wrapped one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app, self.requests = app, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            self.requests += 1
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class Served:
+    """One gateway under test: its URL, its app's request counter, its trace, its fake."""
+
+    url: str
+    gateway: Gateway
+    counted: Counted
+    trace: io.StringIO
+    fake: FakeVllm
+    client: httpx.AsyncClient
+    holds: list[asyncio.Task[httpx.Response]] = field(default_factory=list)
+
+    def arrivals(self) -> list[dict[str, Any]]:
+        """The trace's arrive lines."""
+        lines = [json.loads(line) for line in self.trace.getvalue().splitlines()[1:]]
+        return [line for line in lines if "arrive" in line["ev"]]
+
+    async def hold_the_slot(self) -> None:
+        self.holds.append(asyncio.create_task(self.client.post(CHAT, json=HANG, headers=KEY)))
+        await until(lambda: self.fake.running == 1)
+
+
+@contextlib.asynccontextmanager
+async def served(fast: bool, **sections: Any) -> AsyncIterator[Served]:
+    """A gateway over its own fake, with the fast path or without it."""
+    fake = FakeVllm()
+    async with contextlib.AsyncExitStack() as stack:
+        fake_url, _ = await stack.enter_async_context(serve_asgi(fake.app))
+        settings = settings_for({"b0": fake_url}, **{**SECTIONS, **sections})
+        trace = io.StringIO()
+        app = create_app(settings, trace)
+        counted = Counted(app)
+        options = server_options(settings, app if fast else None)
+        url, _ = await stack.enter_async_context(serve_asgi(counted, **options))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+        s = Served(url, app.state.gateway, counted, trace, fake, client)
+        try:
+            yield s
+        finally:
+            for task in s.holds:
+                task.cancel()
+            await asyncio.gather(*s.holds, return_exceptions=True)
+            await until(lambda: fake.running == 0 and s.gateway.runtime.live == 0)
+
+
+@pytest.fixture
+def frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateways' clock, held at the time the test starts."""
+    now = host.now_us()
+    monkeypatch.setattr(host, "now_us", lambda: now)
+
+
+def _seen(r: httpx.Response) -> tuple[int, dict[str, str], bytes]:
+    headers = {k: v for k, v in r.headers.items() if k != "date"}
+    return r.status_code, headers, r.content
+
+
+@pytest.mark.usefixtures("frozen")
+async def test_a_fast_refusal_is_the_ordinary_one_on_the_wire_and_in_the_trace() -> None:
+    async with served(fast=True) as fast, served(fast=False) as slow:
+        for gw in (fast, slow):
+            await gw.hold_the_slot()
+        base = (fast.counted.requests, slow.counted.requests)
+        retries = []
+        for path, body in REFUSED * 2:
+            a, b = [await gw.client.post(path, json=body, headers=KEY) for gw in (fast, slow)]
+            assert a.status_code == 429, a.text
+            assert a.json()["error"]["code"] == "queue_full", a.text
+            assert _seen(a) == _seen(b)
+            retries.append(int(a.headers["retry-after"]))
+        assert retries == sorted(retries)  # the crowd is spread over the drain time
+        assert retries[0] < retries[-1]
+        # The fast gateway's app never saw them; the other one's saw every one.
+        assert fast.counted.requests - base[0] == 0
+        assert slow.counted.requests - base[1] == 2 * len(REFUSED)
+        assert fast.arrivals() == slow.arrivals()
+        refusals = fast.arrivals()[1:]  # after the held slot's
+        assert len(refusals) == 2 * len(REFUSED)
+        replies = [a["reply"] for r in refusals for a in r["act"] if "reply" in a]
+        assert [r["retry_after_s"] for r in replies] == retries
+        metrics = [(await gw.client.get("/metrics")).text for gw in (fast, slow)]
+        rejected = [
+            [x for x in m.splitlines() if x.startswith('llmflow_requests_total{outcome="rejected"')]
+            for m in metrics
+        ]
+        assert rejected[0] == rejected[1]
+        assert any(line.endswith(f" {2.0 * len(REFUSED)}") for line in rejected[0]), rejected
+    assert replay_trace(fast.trace.getvalue())[0] > 0  # replays bit for bit
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "code"),
+    [
+        (b'{"model": "fake-model", "messages": [', KEY, 400, "invalid_json"),
+        (b'{"model": "fake-model", "messages": "hi"}', KEY, 400, "invalid_request"),
+        (b'{"model": "gpt-17", "messages": %s}' % MESSAGES, KEY, 404, "model_not_found"),
+        (b'{"model": "fake-model", "messages": %s, "n": 500}' % MESSAGES, KEY, 400, "n_too_large"),
+        (
+            b'{"model": "fake-model", "messages": %s}' % MESSAGES,
+            {"authorization": "Bearer no"},
+            401,
+            "invalid_api_key",
+        ),
+        (b'{"model": "fake-model", "messages": %s}' % MESSAGES, {}, 401, "invalid_api_key"),
+    ],
+    ids=["json", "type", "model", "limit", "wrong-key", "no-key"],
+)
+async def test_bad_input_under_a_flood_gets_its_own_error(
+    body: bytes, headers: dict[str, str], status: int, code: str
+) -> None:
+    """While every good request is refused, a bad one still gets its 4xx, from the app."""
+    async with served(fast=True) as fast, served(fast=False) as slow:
+        for gw in (fast, slow):
+            await gw.hold_the_slot()
+        before = fast.counted.requests
+        a, b = [await gw.client.post(CHAT, content=body, headers=headers) for gw in (fast, slow)]
+        assert a.status_code == status, a.text
+        assert a.json()["error"]["code"] == code
+        assert _seen(a) == _seen(b)
+        assert fast.counted.requests == before + 1  # it went the ordinary way
+        assert len(fast.arrivals()) == 1  # and never reached the runtime (the held slot's did)
+
+
+async def test_requests_the_runtime_admits_go_on_unchanged_on_the_same_connection() -> None:
+    """Refusals, then, once the slot is free, a served request on the same keep-alive
+    connection: the held request reaches the app with its whole body."""
+    async with served(fast=True) as gw:
+        await gw.hold_the_slot()
+        reader, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
+        body = json.dumps(REFUSED[0][1]).encode()
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k-crowd\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        )
+        for _ in range(3):
+            writer.write(request)
+            assert (await _response(reader))[0] == 429
+        gw.holds.pop().cancel()
+        await until(lambda: gw.fake.running == 0 and gw.gateway.runtime.live == 0)
+        seen = gw.fake.seen
+        writer.write(request[:-5])  # the body in two pieces
+        await asyncio.sleep(0.05)
+        writer.write(request[-5:])
+        status, payload = await _response(reader)
+        assert status == 200, payload
+        assert json.loads(payload)["choices"][0]["message"]["content"]
+        assert gw.fake.seen == seen + 1
+        assert gw.fake.bodies[-1]["messages"] == REFUSED[0][1]["messages"]
+        writer.close()
+
+
+async def test_a_queued_request_whose_client_leaves_frees_its_place() -> None:
+    """Fed to the runtime below FastAPI, a queued request is still the route's to end: its
+    client leaving takes it out of the queue, and nothing of it reaches the backend."""
+    async with served(
+        fast=True, gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 2}}
+    ) as gw:
+        await gw.hold_the_slot()
+        _, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
+        body = json.dumps({**REFUSED[0][1], "max_tokens": 4}).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k-crowd\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
+        await until(lambda: gw.counted.requests == 2)  # the route has it
+        state = (await gw.client.get("/api/state")).json()["core"]
+        assert (state["running"], state["queued"]) == (1, 1), state
+        writer.close()
+        await until(lambda: gw.gateway.runtime.live == 1)
+        state = (await gw.client.get("/api/state")).json()["core"]
+        assert (state["running"], state["queued"]) == (1, 0), state
+        assert gw.fake.seen == 1  # the held slot's request only
+
+
+@pytest.mark.usefixtures("frozen")
+async def test_http_1_0_and_connection_close_get_their_refusal_then_eof() -> None:
+    async with served(fast=True) as gw:
+        await gw.hold_the_slot()
+        body = json.dumps(REFUSED[0][1]).encode()
+        for first_line, extra in ((b"HTTP/1.0", b""), (b"HTTP/1.1", b"connection: close\r\n")):
+            reader, writer = await asyncio.open_connection(
+                *gw.url.removeprefix("http://").split(":")
+            )
+            writer.write(
+                b"POST /v1/chat/completions "
+                + first_line
+                + b"\r\nhost: x\r\n"
+                + extra
+                + b"authorization: Bearer k-crowd\r\ncontent-length: %d\r\n\r\n" % len(body)
+                + body
+            )
+            status, _ = await _response(reader)
+            assert status == 429
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the gateway
+            writer.close()
+        assert gw.counted.requests == 1  # only the held slot's request reached the app
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return int(head.split(b" ", 2)[1]), await reader.readexactly(length)
