@@ -37,6 +37,7 @@ class Req:
     started: int = 0  # µs it got its slot (meaningful once `backend` is set)
     first_token: bool = False
     own_prefill_us: int = 0  # its prompt's prefill time at the configured rate
+    prefill_alone: bool = False  # nothing else was in prefill on its backend when it started
 
 
 @dataclass
@@ -83,11 +84,18 @@ class ReferenceGovernor:
             for b in c["backends"]
         }
         self.last_served = [0.0] * len(tiers)  # counter of the tenant a tier served last
-        self.mean_output: dict[str, float] = {}  # per tenant, once a request of it completed
+        # completed output, smoothed: per tenant, per tier, over all (a tenant with no history
+        # is expected to look like its tier, else like everyone)
+        self.mean_output: dict[str, float] = {}
+        self.tier_output: dict[int, float] = {}
+        self.all_output: list[float] = []
 
     def expected_output(self, tenant: str, max_tokens: int) -> int:
-        mean = self.mean_output.get(tenant)
-        return max_tokens if mean is None else min(math.ceil(mean), max_tokens)
+        tier = self.tenants[tenant].tier
+        for mean in (self.mean_output.get(tenant), self.tier_output.get(tier), *self.all_output):
+            if mean is not None:
+                return min(math.ceil(mean), max_tokens)
+        return max_tokens
 
     # ---- readings --------------------------------------------------------------------------
 
@@ -273,6 +281,7 @@ class ReferenceGovernor:
         if rid in t.queue:
             self.last_served[t.tier] = t.counter
             t.queue.remove(rid)
+        req.prefill_alone = not any(not r.first_token for r in self.running(backend))
         req.backend, req.started = backend, now
         req.own_prefill_us = int(req.prompt * 1e6 / self.config["prefill_tokens_per_s"])
         self.charge(req.tenant, self.config["input_token_weight"] * req.prompt)
@@ -288,7 +297,7 @@ class ReferenceGovernor:
             return
         b, elapsed = self.backends[req.backend], now - req.started
         b.prefilled += req.prompt
-        if elapsed and req.prompt:  # a lower bound on throughput: may only raise the estimate
+        if req.prefill_alone and elapsed and req.prompt:  # a lower bound: may only raise it
             floor = req.prompt / (elapsed / 1e6)
             if floor > b.prefill_tps:
                 b.prefill_tps += EWMA_ALPHA * (min(floor, b.prefill_tps * 100.0) - b.prefill_tps)
@@ -326,9 +335,14 @@ class ReferenceGovernor:
         if req is not None and req.backend is None:
             self.tenants[req.tenant].queue.remove(rid)
         if req is not None and req.backend is not None and outcome == "completed":
-            mean = self.mean_output.get(req.tenant)
             g = float(req.generated)
-            self.mean_output[req.tenant] = g if mean is None else mean + EWMA_ALPHA * (g - mean)
+
+            def fold(mean: float | None) -> float:
+                return g if mean is None else mean + EWMA_ALPHA * (g - mean)
+
+            self.mean_output[req.tenant] = fold(self.mean_output.get(req.tenant))
+            self.tier_output[req.tier] = fold(self.tier_output.get(req.tier))
+            self.all_output = [fold(self.all_output[0] if self.all_output else None)]
         return req is not None
 
     def deadlines(self, req: Req) -> list[tuple[int, int]]:

@@ -47,10 +47,10 @@ def test_defaults_are_the_seeds() -> None:
     # except the cap: the seed's fixed 16 per GPU is the seed-gate preset's; here 256 per GPU
     # (vLLM's max_num_seqs) only bounds what the KV fit lets run
     assert (s.gate.max_concurrency_per_gpu, s.gate.queue.max_waiting) == (256, 200)
-    assert (s.kv.fit_target, s.gate.headroom_quantile) == (0.9, 0.999)
+    assert (s.kv.fit_target, s.gate.headroom_quantile) == (1.0, 0.999)
     assert [t.name for t in s.tiers if t.best_effort] == ["batch"]
     assert (s.backpressure.client_window, s.streaming.first_token_timeout_ms) == (8, 3000.0)
-    assert (s.kv.pressure_threshold, s.sla.ttft_ms) == (0.85, 1500.0)
+    assert (s.kv.pressure_threshold, s.sla.ttft_ms) == (0.95, 1500.0)  # the seed: 85%
     assert [t.shed_at for t in s.tiers] == [1.0, 0.8, 0.5]
 
 

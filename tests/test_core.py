@@ -95,7 +95,7 @@ def test_expire_reports_reason(core_config: dict[str, Any]) -> None:
 def test_observe_and_breaker(core_config: dict[str, Any]) -> None:
     g = Governor(core_config)
     g.observe_backend("sim0", 0, kv_usage=0.2, running=0, waiting=0, preemptions_total=0)
-    g.observe_backend("sim0", 1, kv_usage=0.95, preemptions_total=3, kv_blocks=1000)
+    g.observe_backend("sim0", 1, kv_usage=0.97, preemptions_total=3, kv_blocks=1000)
     assert g.shed_level == 1
     assert _reason(g.submit(1, "shop", 10, 10, 2)) == "kv_pressure"
     assert isinstance(g.submit(2, "acme", 10, 10, 2), Admitted)

@@ -2,12 +2,13 @@
 
 Defaults are the seed's values (`max_waiting: 200`, `client_window: 8`,
 `first_token_timeout_ms: 3000`, `sse_flush_interval: 20ms`, 80% queue fill for normal traffic,
-85% KV pressure, 1.5 s TTFT SLA), except the concurrency cap: the seed's fixed 16 per GPU is
-`seed-gate`'s; here 256 per GPU (vLLM's default `max_num_seqs`) is only the bound, within which
-the number running follows the engine's KV capacity (`kv.fit_target`) and batch borrows what the
-latency tiers' headroom leaves. `Settings.to_core()` turns a validated file into the mapping
-`llmflow._core.Governor` takes, so the gateway and the simulator build the very same policy from
-the same file.
+1.5 s TTFT SLA), except two. The seed's fixed 16 per GPU is `seed-gate`'s; here 256 per GPU
+(vLLM's default `max_num_seqs`) is only the bound, within which the number running follows the
+engine's KV capacity (`kv.fit_target`) and batch borrows what the latency tiers' headroom
+leaves. And the KV pressure line is 95%, not 85%: the KV fit keeps the expected peak within the
+cache, and the line is its safety net. `Settings.to_core()` turns a validated file into the
+mapping `llmflow._core.Governor` takes, so the gateway and the simulator build the very same
+policy from the same file.
 """
 
 from __future__ import annotations
@@ -111,14 +112,14 @@ class Timeouts(_Section):
 
 
 class Kv(_Section):
-    pressure_threshold: Fraction | None = 0.85
+    pressure_threshold: Fraction | None = 0.95
     block_size: int = Field(16, ge=1)
     input_token_weight: float = Field(1.0, ge=0)
     output_token_weight: float = Field(2.0, ge=0)
     kv_weight: float = Field(1.0, ge=0)  # how much a long request's KV footprint lowers it
     # share of a backend's KV the running requests may be expected to fill at their peak
     # (prompt + the tenant's measured output, max_tokens until measured); None: prompt only
-    fit_target: Fraction | None = 0.9
+    fit_target: Fraction | None = 1.0
 
 
 class Sla(_Section):

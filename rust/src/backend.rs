@@ -153,7 +153,8 @@ impl BackendState {
         }
     }
 
-    /// Count a prompt whose first token came out `elapsed_us` after it started, and take a
+    /// Count a prompt whose first token came out `elapsed_us` after it started (0: it shared
+    /// the backend's prefill with others, so its own time bounds nothing), and take a
     /// throughput sample when due.
     ///
     /// The rate is measured as prompt tokens completed per second over intervals of at least
@@ -161,8 +162,8 @@ impl BackendState {
     /// arrival rate of an idle one. (Timing each request's first token against all the work
     /// ahead of it overestimates badly: a long prompt counts whole until its first token even
     /// when vLLM has chunked most of it already.) A lightly loaded backend is seldom busy for
-    /// a whole interval, so each prompt also gives a lower bound, its own tokens over its own
-    /// time to first token, which may only raise the estimate.
+    /// a whole interval, so a prompt that had the prefill to itself also gives a lower bound,
+    /// its own tokens over its own time to first token, which may only raise the estimate.
     pub fn record_prefill(&mut self, prompt: u64, elapsed_us: u64, now_us: u64) {
         self.prefilled += prompt;
         if elapsed_us > 0 && prompt > 0 {

@@ -97,8 +97,6 @@ KNOWN_LOSSES = {
     "azure-code": "4x overload no policy can serve within the SLO: llmflow's TTFT-SLA refusals "
     "add client backoff to the tail (p99 ~31 s) where vLLM's own queue gives ~20 s; llmflow's "
     "goodput is 1.5x direct's",
-    "fairness": "direct runs 253 at once with 244 preemptions and finishes the heavy tenant "
-    "~6% sooner; llmflow's KV fit target (0.9) and 85% pressure line hold it to ~200",
     "rate-limits": "a rate limit is a contract, not an optimisation: the crawler is held to its "
     "150k tokens/min on purpose, so every unlimited policy finishes it sooner",
 }

@@ -145,11 +145,13 @@ impl Governor {
         }
         b.running += 1;
         b.running_by_tier[req.tier] += 1;
+        let prefill_alone = b.prefill_pending == 0;
         b.prefill_pending += req.prompt;
         req.running = Some(Running {
             backend,
             admitted_us: now_us,
             first_token: false,
+            prefill_alone,
         });
         let (tenant, prompt) = (req.tenant, req.prompt);
         self.ledger.open(id, tenant, backend, prompt, now_us);

@@ -22,7 +22,14 @@ impl Governor {
         }
         run.first_token = true;
         let b = &mut self.backends[run.backend as usize];
-        b.record_prefill(req.prompt, now_us.saturating_sub(run.admitted_us), now_us);
+        // Only a prompt that had the backend's prefill to itself bounds its throughput: under a
+        // burst each prompt shares the steps, and its own time says little.
+        let alone = if run.prefill_alone {
+            now_us.saturating_sub(run.admitted_us)
+        } else {
+            0
+        };
+        b.record_prefill(req.prompt, alone, now_us);
         b.prefill_pending -= req.prompt;
         b.decoding += 1;
         self.clear_deadline(id, crate::types::ExpiryReason::FirstTokenTimeout);

@@ -55,6 +55,9 @@ pub(crate) struct Running {
     pub backend: u32,
     admitted_us: u64,
     pub first_token: bool,
+    /// Nothing else was in prefill on its backend when it started: its own time to first
+    /// token then bounds the backend's prefill throughput from below.
+    prefill_alone: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -112,8 +115,11 @@ pub struct Governor {
     /// Slots the latency tiers need kept free beyond those they hold, and when computed.
     pub(crate) headroom: u32,
     headroom_at_us: Option<u64>,
-    /// Per tenant: output tokens of its completed requests, smoothed (`None` until one ends).
+    /// Output tokens of completed requests, smoothed (`None` until one ends): per tenant, then
+    /// per tier and over all, for tenants with no completed request yet.
     expected_output: Vec<Option<f64>>,
+    tier_output: Vec<Option<f64>>,
+    all_output: Option<f64>,
     /// Per tenant: its rate-limit token buckets.
     buckets: Vec<limits::Buckets>,
     pub(crate) draining: bool,
@@ -187,6 +193,8 @@ impl Governor {
             headroom: 0,
             headroom_at_us: None,
             expected_output: vec![None; config.tenants.len()],
+            tier_output: vec![None; tiers],
+            all_output: None,
             buckets: Self::full_buckets(&config),
             draining: false,
             counters: Counters::default(),
@@ -273,10 +281,25 @@ impl Governor {
     }
 
     /// Output tokens a request of this tenant is expected to generate: the tenant's measured
-    /// mean, never above the request's own `max_tokens` (which is the guess until measured).
+    /// mean; for a tenant with no completed request yet, its tier's, else everyone's (a new
+    /// tenant's requests are expected to look like the others'); never above the request's own
+    /// `max_tokens`, which is the guess until anything is measured.
     pub(crate) fn expected_output(&self, tenant: u32, max_tokens: u64) -> u64 {
+        let tier = self.tenant_tier[tenant as usize];
         self.expected_output[tenant as usize]
+            .or(self.tier_output[tier])
+            .or(self.all_output)
             .map_or(max_tokens, |mean| (mean.ceil() as u64).min(max_tokens))
+    }
+
+    pub(super) fn record_output(&mut self, tenant: u32, generated: u64) {
+        let g = generated as f64;
+        let fold =
+            |slot: &mut Option<f64>| *slot = Some(slot.map_or(g, |m| m + EWMA_ALPHA * (g - m)));
+        let tier = self.tenant_tier[tenant as usize];
+        fold(&mut self.expected_output[tenant as usize]);
+        fold(&mut self.tier_output[tier]);
+        fold(&mut self.all_output);
     }
 
     /// `max_tokens` as a request of this tier may have it now: clamped once the queue is
@@ -305,12 +328,6 @@ impl Governor {
     /// The clamped `max_tokens` of a live request a brownout shortened (`None`: as asked).
     pub fn browned_out(&self, id: u64) -> Option<u64> {
         self.requests.get(&id).and_then(|r| r.browned_out)
-    }
-
-    pub(super) fn record_output(&mut self, tenant: u32, generated: u64) {
-        let g = generated as f64;
-        let slot = &mut self.expected_output[tenant as usize];
-        *slot = Some(slot.map_or(g, |m| m + EWMA_ALPHA * (g - m)));
     }
 
     // ---- the request lifecycle ---------------------------------------------------------------
