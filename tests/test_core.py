@@ -83,8 +83,11 @@ def _reason(decision: Decision) -> str | None:
 def test_expire_reports_reason(core_config: dict[str, Any]) -> None:
     g = Governor(core_config)
     g.submit(1, "shop", 10, 10, 0)
-    assert g.next_deadline_us() == 3_000_000  # first-token timeout, the seed's 3000 ms
-    (expired,) = g.expire(3_000_000)
+    # the seed's 3000 ms first-token timeout, on top of the 10-token prompt's own prefill at the
+    # configured 8000 tokens/s (1,250 us)
+    assert g.next_deadline_us() == 3_001_250
+    assert g.expire(3_001_249) == []
+    (expired,) = g.expire(3_001_250)
     assert (expired.request_id, expired.reason, expired.was_running) == (
         1, "first_token_timeout", True,
     )
