@@ -38,7 +38,7 @@ TENANTS = [
     {"name": "shop", "tier": "normal", "api_keys": ["k-shop"]},
 ]
 QUIET = {  # no shedding but what a test turns on: the order comes from vLLM alone
-    "kv": {"pressure_threshold": None},
+    "kv": {"pressure_threshold": None, "fit_target": None},
     "sla": {"ttft_ms": None},
     "preemption": {"cooldown_ms": None},
     "streaming": {"sse_flush_interval": 0, "first_token_timeout_ms": None},
@@ -129,13 +129,16 @@ def test_preemptions_shed_normal_while_vip_completes(
     vLLM's 31 usable KV blocks and it preempts them (never the VIP: its priority is better).
     The gateway sees `num_preemptions_total` rise and refuses new normal requests with 429
     (its preemption breaker halves the normal tier's 12 slots, which the 8 running exceed),
-    while the VIP request runs to completion. KV-pressure shedding is off, so the refusals can
-    only be the breaker's."""
+    while the VIP request runs to completion. KV-pressure shedding, the KV fit (which would
+    never let the flood outgrow the cache) and prefill pacing are off, so the refusals can only
+    be the breaker's."""
     wait_idle(tight)
     gw = start_gateway(gateway_config(
         tight.url, priority=True, tenants=TENANTS,
-        gate={"max_concurrency_per_gpu": 12, "queue": {"max_waiting": 2}},
-        kv={"pressure_threshold": None}, preemption={"cooldown_ms": 10_000},
+        gate={"max_concurrency_per_gpu": 12, "queue": {"max_waiting": 2},
+              "headroom_quantile": None},  # no prefill pacing: the flood must start at once
+        kv={"pressure_threshold": None, "fit_target": None},  # vLLM must be let preempt
+        preemption={"cooldown_ms": 10_000},
         streaming={"sse_flush_interval": 0, "first_token_timeout_ms": None},
         sla={"ttft_ms": None}))
     url = f"{gw.openai_base_url}/completions"
