@@ -357,14 +357,8 @@ impl Governor {
         self.tier_load[tier_idx].arrive(now_us);
         self.update_headroom(now_us);
         let asked = max_tokens;
-        let max_tokens = self.brownout(tier_idx, max_tokens);
-        let decision = match self.rate_limited(tenant, prompt, now_us) {
-            Some(wait) if !self.draining => Decision::Rejected {
-                reason: RejectReason::RateLimited,
-                retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
-            },
-            _ => self.decide(tenant, tier_idx, prompt, max_tokens, now_us),
-        };
+        self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
+        let (max_tokens, decision) = self.judge(tenant, tier_idx, prompt, asked, now_us);
         if !matches!(decision, Decision::Rejected { .. }) {
             self.pay_request(tenant, prompt);
         }
@@ -455,6 +449,33 @@ impl Governor {
             self.note_refusal(RejectReason::Displaced, victim_tier, now_us);
         }
         queued
+    }
+
+    /// The decision `submit` makes once its bookkeeping is done, and the `max_tokens` it lets
+    /// the request have: the tenant's rate limit first (unless draining), then brownout, then
+    /// `decide`. Pure, so the refusal query asks the very same thing.
+    pub(super) fn judge(
+        &self,
+        tenant: u32,
+        tier_idx: usize,
+        prompt: u64,
+        max_tokens: u64,
+        now_us: u64,
+    ) -> (u64, Decision) {
+        if !self.draining {
+            if let Some(wait) = self.rate_wait(tenant, prompt, now_us) {
+                let refused = Decision::Rejected {
+                    reason: RejectReason::RateLimited,
+                    retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
+                };
+                return (max_tokens, refused);
+            }
+        }
+        let max_tokens = self.brownout(tier_idx, max_tokens);
+        (
+            max_tokens,
+            self.decide(tenant, tier_idx, prompt, max_tokens, now_us),
+        )
     }
 
     fn decide(

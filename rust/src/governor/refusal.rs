@@ -15,7 +15,7 @@
 //! request read before the first deferred one reaches `submit` down the ordinary path.)
 
 use super::headroom::RECOMPUTE_US;
-use super::{us, Governor, RETRY_AFTER_RANGE};
+use super::{us, Governor};
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::{Decision, RejectReason};
 
@@ -39,15 +39,8 @@ impl Governor {
         if self.cooldown_due(now_us) || (best_effort && self.headroom_due(now_us)) {
             return Ok(None);
         }
-        if !self.draining {
-            if let Some(wait) = self.rate_wait(tenant, prompt, now_us) {
-                let retry = wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1);
-                return Ok(Some((RejectReason::RateLimited, retry)));
-            }
-        }
-        let max_tokens = self.brownout(tier_idx, max_tokens);
         Ok(
-            match self.decide(tenant, tier_idx, prompt, max_tokens, now_us) {
+            match self.judge(tenant, tier_idx, prompt, max_tokens, now_us).1 {
                 Decision::Rejected {
                     reason,
                     retry_after_s,
