@@ -270,17 +270,22 @@ class ReferenceGovernor:
         if backend is not None:
             self.start(rid, backend, now)
             return
-        if not t.queue:  # VTC lift: idling earns no credit
+        self.arrive(tenant)
+        t.queue.append(rid)
+
+    def arrive(self, tenant: str) -> None:
+        """VTC lift at every arrival of a tenant with nothing waiting: idling earns no credit."""
+        t = self.tenants[tenant]
+        if not t.queue:
             floor = [u.counter for u in self.tenants.values() if u.tier == t.tier and u.queue]
             t.counter = max(t.counter, min(floor, default=self.last_served[t.tier]))
-        t.queue.append(rid)
 
     def start(self, rid: int, backend: str, now: int) -> None:
         """Give a request (new, or a queued tier head) its slot and charge its prompt."""
         req, t = self.live[rid], self.tenants[self.live[rid].tenant]
         if rid in t.queue:
-            self.last_served[t.tier] = t.counter
             t.queue.remove(rid)
+        self.last_served[t.tier] = t.counter
         # the core's own test: no prompt tokens in prefill there (a 0-token prompt adds none)
         req.prefill_alone = not sum(r.prompt for r in self.running(backend) if not r.first_token)
         req.backend, req.started = backend, now

@@ -89,6 +89,7 @@ class GovernorMachine(RuleBasedStateMachine):
     def submit_now(self, tenant: str, prompt: int, max_tokens: int) -> int:
         m = self.model
         m.tick(self.now)
+        m.arrive(tenant)
         kind, detail = m.decide(tenant, prompt, max_tokens, self.now)
         rid = self.next_id
         self.next_id += 1

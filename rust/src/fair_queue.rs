@@ -128,6 +128,26 @@ impl FairQueue {
         self.rekey(t);
     }
 
+    /// VTC's arrival rule: a tenant that has nothing waiting is lifted to the smallest
+    /// backlogged counter of its tier, or, when nobody waits, to the counter of the tenant its
+    /// tier served last. Applied to every arrival, not only to one that queues: a tenant whose
+    /// first request of a burst starts at once must not keep the credit of its idle time, or
+    /// it takes every freed slot until its counter catches up with tenants that were served
+    /// all along (the burst scenario starved its steady tenant for 7 s this way).
+    pub fn arrive(&mut self, tenant: u32) {
+        let t = tenant as usize;
+        if self.strategy == Strategy::Fair && self.tenants[t].items.is_empty() {
+            self.lift(t);
+        }
+    }
+
+    /// A request of `tenant` started (from the queue or at once): its counter is the lift for
+    /// a tenant that arrives when nobody waits.
+    pub fn served(&mut self, tenant: u32) {
+        let t = &self.tenants[tenant as usize];
+        self.tiers[t.tier].last_served = t.counter;
+    }
+
     /// Take the next request of a tier: the oldest of the tenant with the smallest counter.
     pub fn pop(&mut self, tier: usize) -> Option<(u32, QueuedItem)> {
         let &(_, tenant) = self.tiers[tier].backlog.first()?;
@@ -287,6 +307,23 @@ mod tests {
         q.push(0, item(2));
         q.push(1, item(3));
         assert!((q.counter(1) - 1000.0).abs() < 1e-9);
+    }
+
+    // A tenant served at once (never queued) still sets the lift: a newcomer that starts its
+    // burst while nobody waits is lifted to it instead of keeping its idle credit.
+    #[test]
+    fn lift_after_direct_service() {
+        let mut q = FairQueue::new(Strategy::Fair, 1, &[(0, 1.0), (0, 1.0)]);
+        q.arrive(0);
+        q.served(0);
+        q.charge(0, 1000.0);
+        q.arrive(0);
+        q.served(0);
+        q.arrive(1);
+        assert!((q.counter(1) - 1000.0).abs() < 1e-9);
+        q.push(1, item(1));
+        q.push(0, item(2));
+        assert_eq!(q.pop(0).map(|(t, _)| t), Some(0), "equal counters: lower index first");
     }
 
     // FIFO keeps arrival order across tenants of a tier.

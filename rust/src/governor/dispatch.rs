@@ -155,6 +155,7 @@ impl Governor {
         });
         let (tenant, prompt) = (req.tenant, req.prompt);
         self.ledger.open(id, tenant, backend, prompt, now_us);
+        self.queue.served(tenant);
         self.queue
             .charge(tenant, self.config.input_token_weight * prompt as f64);
         if let Some(limit) = us(self.config.first_token_timeout_ms) {
