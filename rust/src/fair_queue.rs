@@ -323,7 +323,11 @@ mod tests {
         assert!((q.counter(1) - 1000.0).abs() < 1e-9);
         q.push(1, item(1));
         q.push(0, item(2));
-        assert_eq!(q.pop(0).map(|(t, _)| t), Some(0), "equal counters: lower index first");
+        assert_eq!(
+            q.pop(0).map(|(t, _)| t),
+            Some(0),
+            "equal counters: lower index first"
+        );
     }
 
     // FIFO keeps arrival order across tenants of a tier.
