@@ -79,6 +79,7 @@ class Backend:
         self._wake: simpy.Event | None = None
         self._seen = (0, 0, 0)
         self.steps = 0
+        self.budget_area = 0.0  # integral of the step token budget's share in use, over time
         env.process(self._run())
 
     def submit(self, seq: Seq) -> None:
@@ -116,6 +117,9 @@ class Backend:
                 self._wake = None
                 continue
             self._sync()
+            # Time-weighted use of the step's token budget: how compute-bound the engine is
+            # (a prefill-bound engine fills it with slots and KV to spare).
+            self.budget_area += dt * core.step_budget_used
             yield env.timeout(dt)
             now = env.now
             first, ended = core.complete(now)

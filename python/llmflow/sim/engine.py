@@ -79,6 +79,7 @@ class EngineCore:
         self._watermark = int(config.watermark * self.num_blocks)
         self.free_q = FreeBlockQueue(self.num_blocks)  # free blocks in eviction order
         self.cache_hit_tokens = 0  # tokens a resumed request did not recompute
+        self.step_budget_used = 0.0  # the planned step's share of `max_num_batched_tokens`
         self.step = 0  # engine steps completed
         self.used = 0  # GPU blocks held
         self.cpu_used = 0  # host blocks held by swapped sequences
@@ -212,6 +213,7 @@ class EngineCore:
             p_attn += n * (2 * o + n)
             p_ctx += o + n
         d = self.n_dec
+        self.step_budget_used = (d + p_tok) / self.config.max_num_batched_tokens
         return self.cost.step_time(d, self._sumk + d * s, p_tok, p_attn, p_ctx, swap_bytes)
 
     def complete(self, now: float) -> tuple[list[Seq], list[Seq]]:

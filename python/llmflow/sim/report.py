@@ -56,17 +56,23 @@ def render_table(report: dict[str, Any]) -> str:
     lines += _grid(_COLUMNS, _rows(report))
     lines.append("")
     head = ("policy", "peak run", "peak queue", "peak kv", "preempt", "goodput/s", "sim s",
-            "verdict")
+            "busy q", "kept q", "verdict")
     rows = []
     for name, pol in report["policies"].items():
         verdict = pol.get("verdict", {}).get("summary", "")
+        occ = pol.get("occupancy_while_queued") or {}
         rows.append([name, str(pol["peak_running"]), str(pol["peak_queue"]),
                      f"{pol['peak_kv_usage']:.3f}", str(pol["preemptions"]),
-                     f"{pol['goodput_rps']:.3f}", f"{pol['sim_s']:.1f}", verdict])
+                     f"{pol['goodput_rps']:.3f}", f"{pol['sim_s']:.1f}",
+                     _share(occ.get("busy")), _share(occ.get("reserved")), verdict])
     lines += _grid(head, rows)
     if "dominance" in report:
         lines += ["", f"dominance: {report['dominance']['summary']}"]
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def _inf(x: float | None) -> float:

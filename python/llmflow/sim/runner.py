@@ -76,10 +76,51 @@ def _sampler(
     env: simpy.Environment, cluster: Cluster, gw: Any, every: float, out: list[tuple[float, ...]]
 ) -> Generator[simpy.Event, None, None]:
     g = cluster.gauges
+    slots = sum(b.core.config.max_num_seqs for b in cluster.backends)
+    last_area, last_t = 0.0, env.now
     while True:
         queued = gw.runtime.queued if isinstance(gw, GatedPolicy) else 0
-        out.append((env.now, queued + g.waiting, g.running, g.used / g.total_blocks))
+        kv = g.used / g.total_blocks
+        area = sum(b.budget_area for b in cluster.backends)
+        dt = env.now - last_t
+        compute = (area - last_area) / (dt * len(cluster.backends)) if dt else 0.0
+        last_area, last_t = area, env.now
+        # The engine is as busy as its binding resource: sequences, KV blocks, or the step's
+        # token budget over the last interval (prefill-bound work). What a gated
+        # policy keeps free on purpose is read only while work waits, the one time it matters:
+        # the latency tiers' headroom slots, or the KV its running requests are expected to
+        # grow into (the fit commits each request's expected peak at start).
+        reserved = 0.0
+        if queued + g.waiting and isinstance(gw, GatedPolicy):
+            snap = gw.runtime.snapshot(round(env.now * 1e6))
+            capacity = sum(b["kv_capacity_blocks"] for b in snap["backends"])
+            committed = sum(b["kv_blocks_committed"] for b in snap["backends"])
+            grow = committed / capacity - kv if capacity else 0.0
+            reserved = max(snap["headroom_slots"] / slots, grow, 0.0)
+        busy = min(1.0, max(g.running / slots, kv, compute))
+        out.append((env.now, queued + g.waiting, g.running, kv, busy, reserved))
         yield env.timeout(every)
+
+
+def occupancy_while_queued(samples: np.ndarray) -> dict[str, float | None]:
+    """How busy the engines were while work waited (gateway queue or vLLM's own), and the
+    share a policy kept free on purpose then: the "no idle GPU while work waits" check.
+
+    Busy is the binding resource's use, whichever is fuller: running sequences over
+    `max_num_seqs`, KV blocks in use, or the step token budget used since the last sample.
+    Kept is the larger of the headroom slots and the KV committed to running requests'
+    expected growth. Both are None when nothing ever waited."""
+    # Work that waits across two samples in a row: a request waiting for the engine's next
+    # step, seen at one sample, is the step boundary, not idle capacity.
+    queued = samples[:, 1] > 0 if len(samples) else np.zeros(0, dtype=bool)
+    waiting = queued & np.concatenate(([False], queued[:-1])) if len(queued) else queued
+    if not waiting.any():
+        return {"busy": None, "reserved": None, "waiting_share": 0.0}
+    return {
+        "busy": round(float(samples[waiting, 4].mean()), 4),
+        "reserved": round(float(samples[waiting, 5].mean()), 4),
+        "waiting_share": round(float(waiting.mean()), 4),
+    }
 
 
 def run_policy(
@@ -172,10 +213,12 @@ def _summarise(
         "rejections": dict(sorted(gw.rejections.items())) if isinstance(gw, GatedPolicy) else {},
         "browned_out": gw.browned_out if isinstance(gw, GatedPolicy) else 0,
         "littles_law": rec.littles_law(horizon),
+        "occupancy_while_queued": occupancy_while_queued(
+            np.array(samples) if samples else np.zeros((0, 6))),
         "gpus": cluster.gpus,
         "wall_s": round(wall, 3),
     }
-    arr = np.array(samples) if samples else np.zeros((0, 4))
+    arr = np.array(samples) if samples else np.zeros((0, 6))
     series = {"t": arr[:, 0], "queue": arr[:, 1], "running": arr[:, 2], "kv_usage": arr[:, 3]}
     ttft = {wc.name: cols["ttft"][cols["cls"] == i] for i, wc in enumerate(sc.workload)}
     return PolicyRun(name, summary, series, ttft)
