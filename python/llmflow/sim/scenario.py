@@ -20,6 +20,10 @@ __all__ = [
 ]
 
 
+# The trace formats of `llmflow.sim.traces.FORMATS`.
+TraceFormat = Literal["csv", "mooncake", "vllm-bench", "burstgpt", "requests"]
+
+
 class ScenarioError(ValueError):
     """A scenario file is missing, is not YAML or does not validate."""
 
@@ -38,8 +42,9 @@ class Dist(_Model):
     median: float | None = None  # lognormal
     sigma: float | None = None
     mean: float | None = None  # exponential (rounded up: a geometric number of tokens)
-    path: str | None = None  # empirical: CSV file, relative to the scenario file
-    column: str | None = None
+    path: str | None = None  # empirical: a trace file, relative to the scenario file
+    column: str | None = None  # its column (`prompt`, `output`, or the file's own name)
+    format: TraceFormat | None = None  # the trace's format; None: from the file
     min: int = 1
     max: int = 1_000_000
 
@@ -60,7 +65,10 @@ class Arrival(_Model):
 
     `poisson`: rate_per_s between start_s and stop_s; `burst`: count requests at at_s, spread
     evenly over over_s; `onoff`: Poisson at rate_per_s during on_s, silent during off_s;
-    `trace`: timestamps (and lengths) from a CSV such as the Azure traces.
+    `trace`: timestamps (and lengths) from a trace file (`llmflow.sim.traces`: Azure CSV,
+    Mooncake JSONL, vLLM bench JSON, BurstGPT CSV, llmflow's per-request rows); a trace
+    without times (vLLM bench without `start_times`) arrives as Poisson at `rate_per_s` or
+    at the rate its file records.
     """
 
     kind: Literal["poisson", "burst", "onoff", "trace"]
@@ -73,6 +81,8 @@ class Arrival(_Model):
     on_s: float | None = Field(None, gt=0)
     off_s: float | None = Field(None, ge=0)
     path: str | None = None
+    format: TraceFormat | None = None  # trace: the file's format; None: detect it
+    tenant: str | None = None  # trace: keep only this tenant's rows (the requests format)
     time_scale: float = Field(1.0, gt=0)  # trace: divide gaps by this (2 = twice as fast)
     max_requests: int | None = Field(None, ge=1)  # cap on arrivals of this class
 
