@@ -21,9 +21,11 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from llmflow._core import Relay
+    from llmflow.gateway.access_log import AccessLog
+    from llmflow.gateway.errors import GatewayError
     from llmflow.gateway.host import Host
     from llmflow.gateway.scraper import Scraper
-    from llmflow.gateway.session import StreamSession
+    from llmflow.gateway.session import Prepared, StreamSession
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
@@ -55,6 +57,7 @@ class GatewayMetrics:
         self.scraper: Scraper | None = None
         self.relay: Relay | None = None  # relayed streams' write gaps live in the relay
         self.draining: Callable[[], bool] = lambda: False
+        self.access_log: AccessLog | None = None  # `server.access_log`
         self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
         r = self.registry
         self.requests = Counter(
@@ -92,10 +95,12 @@ class GatewayMetrics:
         )
         self.registry.register(_StateCollector(self))
 
-    def rejected(self, tier: str, reason: str) -> None:
-        """Count a request the core (or validation) turned away."""
-        self.requests.labels(tier, "rejected", reason).inc()
-        self.outcomes["rejected", reason] += 1
+    def rejected(self, prepared: Prepared, error: GatewayError) -> None:
+        """Count (and log) a request the core turned away as it arrived."""
+        self.requests.labels(prepared.tier, "rejected", error.code).inc()
+        self.outcomes["rejected", error.code] += 1
+        if self.access_log is not None:
+            self.access_log.refused(prepared, error)
 
     def first_token(self, session: StreamSession) -> None:
         """Record a session's time to first token."""
@@ -113,6 +118,8 @@ class GatewayMetrics:
             self.tokens.labels(tier).inc(session.parser.completion_tokens)
         if session.backend is not None:
             self.queue_wait.labels(tier).observe(session.queue_wait_s)
+        if self.access_log is not None:
+            self.access_log.ended(session)
 
     def truncated(self, reason: str) -> None:
         """Count a reply cut with a visible notice."""
