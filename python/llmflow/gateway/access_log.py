@@ -5,13 +5,12 @@ real day can sit beside a simulated one and be replayed in the simulator (`arriv
 trace, path: access.csv}`). Times are Unix seconds; `class` is the tenant's tier; `attempts` is
 1 (a client's retry is a request of its own); `prompt_tokens` is the count the core planned with
 (exact for token ids, estimated for text). The outcome follows the simulator's vocabulary, from
-the runtime's terminal action as the session recorded it. Rows are buffered and flushed within
-`_FLUSH_S`, and at shutdown.
+the runtime's terminal action as the session recorded it. Each row is written (one write) when
+its request ends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import time
 from typing import TYPE_CHECKING
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["AccessLog"]
 
-_FLUSH_S = 1.0  # a row reaches the file at most this long after its request ended
 _TIMED_OUT = frozenset(("deadline", "first_token_timeout", "queue_timeout", "timeout"))
 _REFUSED_503 = frozenset(("draining", "no_healthy_backend"))  # refusals, not waits that expired
 
@@ -40,13 +38,13 @@ class AccessLog:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", newline="", encoding="utf-8")
+        # line-buffered: a row is in the file when its request has ended (a crash loses none)
+        self._file = path.open("a", buffering=1, newline="", encoding="utf-8")
         self._csv = csv.writer(self._file)
         if self._file.tell() == 0:
             self._csv.writerow(COLUMNS)
         # monotonic stamps (the sessions') to Unix time
         self._epoch = time.time() - time.monotonic()
-        self._flush: asyncio.TimerHandle | None = None
 
     def refused(self, prepared: Prepared, error: GatewayError) -> None:
         """A request the runtime (or validation) refused as it arrived."""
@@ -96,24 +94,10 @@ class AccessLog:
         )
 
     def _write(self, row: tuple[object, ...]) -> None:
-        self._csv.writerow(format_row(row))
-        if self._flush is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a test calling in directly): write through
-                self._file.flush()
-                return
-            self._flush = loop.call_later(_FLUSH_S, self._flush_now)
-
-    def _flush_now(self) -> None:
-        self._flush = None
-        self._file.flush()
+        self._csv.writerow(format_row(row))  # line-buffered: one write per request, no timer
 
     def close(self) -> None:
-        """Flush and close the file."""
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
+        """Close the file."""
         self._file.close()
 
 
