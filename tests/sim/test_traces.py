@@ -111,3 +111,11 @@ def test_a_bad_format_key_is_named(tmp_path: Path) -> None:
                  "format: parquet}}]\n")
     with pytest.raises(ScenarioError, match=r"workload\.0\.arrival\.format"):
         load_scenario(f)
+
+
+def test_an_append_result_file_replays_its_first_run(tmp_path: Path) -> None:
+    runs = tmp_path / "runs.json"  # `vllm bench serve --append-result`: one JSON object a line
+    runs.write_text('{"input_lens": [5, 6], "output_lens": [1, 2], "start_times": [3.0, 4.5]}\n'
+                    '{"input_lens": [7], "output_lens": [1], "start_times": [9.0]}\n')
+    raw = read_trace(runs)
+    assert (raw["t"].tolist(), raw["prompt"].tolist()) == ([0.0, 1.5], [5, 6])

@@ -192,9 +192,8 @@ def _read_mooncake(path: Path) -> dict[str, Any]:
 
 
 def _read_vllm_bench(path: Path) -> dict[str, Any]:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if isinstance(data, list):  # --append-result files hold one run per line; take the first
-        data = data[0]
+    text = path.read_text(encoding="utf-8")
+    data, _end = json.JSONDecoder().raw_decode(text.lstrip())  # --append-result: the first run
     if not isinstance(data, dict) or "input_lens" not in data or "output_lens" not in data:
         raise TraceError(f"{path}: no per-request input_lens/output_lens; rerun `vllm bench "
                          "serve` with --save-result --save-detailed")
