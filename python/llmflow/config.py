@@ -158,6 +158,8 @@ class Server(_Section):
     # every reply through Python, as any ASGI server without the hand-off does.
     relay: bool = True
     workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
+    # one CSV row per request at its end, in the simulator's `--requests-out` columns
+    access_log: str | None = None
 
 
 class Limits(_Section):

@@ -22,13 +22,22 @@ from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
 from llmflow.gateway.handoff import HandoffProtocol, server_options
+from llmflow.sim import server as sim_server
 
 from .fake_vllm import FakeVllm
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-__all__ = ["Harness", "assert_idle", "serve_asgi", "settings_for", "start_gateway", "until"]
+__all__ = [
+    "Harness",
+    "assert_idle",
+    "serve_asgi",
+    "settings_for",
+    "start_gateway",
+    "start_sim_gateway",
+    "until",
+]
 
 
 @contextlib.asynccontextmanager
@@ -162,4 +171,23 @@ async def start_gateway(
         harness = Harness(url, app.state.gateway, client, fakes, app)
         yield harness
         if check_idle:
+            await assert_idle(harness)
+
+
+SIM_MODEL = "fake-model"  # the model name `settings_for` configures
+
+
+@contextlib.asynccontextmanager
+async def start_sim_gateway(**sections: Any) -> AsyncIterator[Harness]:
+    """A gateway (config `sections` over `settings_for`'s) in front of one simulated vLLM,
+    `sim0` (`llmflow.sim.server`: an H100 with Llama-3-8B at 5x real time); on exit, asserts
+    everything returned to zero."""
+    sim = sim_server.create_app(
+        preset="h100:llama-3-8b", speed=5.0, models=[SIM_MODEL], max_model_len=4096
+    )
+    async with serve_asgi(sim) as (sim_url, _):
+        app = create_app(settings_for({"sim0": sim_url}, **sections))
+        async with serve_asgi(app) as (url, _), httpx.AsyncClient(base_url=url) as client:
+            harness = Harness(url, app.state.gateway, client, {}, app)
+            yield harness
             await assert_idle(harness)

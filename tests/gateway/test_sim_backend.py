@@ -3,42 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from typing import TYPE_CHECKING
 
-import httpx
 import openai
 import pytest
 
-from llmflow.gateway.app import create_app
-from llmflow.sim import server as sim_server
-
-from .harness import Harness, assert_idle, serve_asgi, settings_for, until
+from .harness import SIM_MODEL as MODEL
+from .harness import start_sim_gateway, until
 from .sse_client import frames
-
-if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
 
 pytestmark = pytest.mark.anyio
 
-MODEL = "fake-model"  # the name `settings_for` configures
-
-
-@contextlib.asynccontextmanager
-async def _sim_gateway(**sections: object) -> AsyncIterator[tuple[Harness, object]]:
-    sim = sim_server.create_app(
-        preset="h100:llama-3-8b", speed=5.0, models=[MODEL], max_model_len=4096
-    )
-    async with serve_asgi(sim) as (sim_url, _):
-        app = create_app(settings_for({"sim0": sim_url}, **sections))
-        async with serve_asgi(app) as (url, _), httpx.AsyncClient(base_url=url) as client:
-            harness = Harness(url, app.state.gateway, client, {})
-            yield harness, sim
-            await assert_idle(harness)
-
 
 async def test_openai_client_streams_and_completes_through_the_simulator() -> None:
-    async with _sim_gateway() as (h, _):
+    async with start_sim_gateway() as h:
         async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="k", max_retries=0) as c:
             stream = await c.chat.completions.create(
                 model=MODEL,
@@ -59,7 +36,7 @@ async def test_openai_client_streams_and_completes_through_the_simulator() -> No
 
 
 async def test_a_disconnect_aborts_the_request_in_the_simulator() -> None:
-    async with _sim_gateway() as (h, _):
+    async with start_sim_gateway() as h:
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": "hi"}],

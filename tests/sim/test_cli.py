@@ -69,3 +69,57 @@ def test_sim_run_records_a_trace_per_gated_policy(
     assert "one.jsonl" in capsys.readouterr().err
     assert main(["trace", "replay", str(tmp_path / "one.jsonl")]) == 0
     assert capsys.readouterr().out.endswith(" actions: every action matches\n")
+
+
+def test_sim_run_writes_one_row_per_request(tmp_path: Path) -> None:
+    import csv
+
+    from llmflow.cli import main
+    from llmflow.request_log import COLUMNS
+    from llmflow.sim.cli import find_scenario
+    from llmflow.sim.scenario import load_scenario
+    from llmflow.sim.workload import build_requests
+
+    out = tmp_path / "rows.csv"
+    assert main(["sim", "run", "long-report-timeout", "--out", str(tmp_path), "--no-progress",
+                 "--no-plots", "--requests-out", str(out)]) == 0
+    sent = build_requests(load_scenario(find_scenario("long-report-timeout")))
+    by_policy = {
+        p: list(csv.DictReader((tmp_path / f"rows-{p}.csv").read_text().splitlines()))
+        for p in ("direct", "llmflow")}
+    for rows in by_policy.values():
+        assert tuple(rows[0]) == COLUMNS
+        # the scenario's four requests: the report at 5 s, three short ones from 20 s
+        assert [r["class"] for r in rows] == ["report", "short", "short", "short"]
+        assert [float(r["arrival_s"]) for r in rows] == pytest.approx(sent.t.tolist())
+        assert [int(r["prompt_tokens"]) for r in rows] == sent.prompt.tolist()
+        assert {r["backend"] for r in rows} == {"a100"}
+    report = by_policy["llmflow"][0]
+    # the 45 s total deadline cuts the report at 5 + 45 s, with its partial text
+    assert (report["outcome"], report["reason"]) == ("truncated", "deadline")
+    assert float(report["end_s"]) == pytest.approx(50.0, abs=0.01)
+    assert 0 < int(report["output_tokens"]) < int(report["max_tokens"]) == 3000
+    for r in by_policy["llmflow"][1:]:  # the short ones get their first token only after the cut
+        assert r["outcome"] == "completed"
+        assert float(r["admitted_s"]) <= float(r["first_token_s"]) <= float(r["end_s"])
+        assert float(r["first_token_s"]) > 50.0
+    direct = by_policy["direct"][0]
+    assert direct["outcome"] == "completed"  # no deadline without a gateway
+    assert int(direct["output_tokens"]) == 3000
+
+
+def test_requests_out_refuses_what_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from llmflow.cli import main
+
+    base = ["sim", "run", "long-report-timeout", "--out", str(tmp_path), "--no-progress",
+            "--no-plots", "--policy", "llmflow", "--requests-out"]
+    assert main([*base, str(tmp_path / "rows.txt")]) == 2
+    assert ".csv or .parquet" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as on a machine without it
+    assert main([*base, str(tmp_path / "rows.parquet")]) == 2
+    assert "pip install pyarrow" in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()  # refused before the run

@@ -14,12 +14,14 @@ import contextlib
 import gc
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
 from llmflow._core import Runtime
 from llmflow.config import load_settings
+from llmflow.gateway.access_log import AccessLog
 from llmflow.gateway.auth import AdminGuard, KeyRing
 from llmflow.gateway.embedded import EmbeddedBackend
 from llmflow.gateway.errors import install_handlers
@@ -67,6 +69,9 @@ class Gateway:
         self.upstream = Upstream()
         self.metrics = GatewayMetrics(self.host)
         self.metrics.draining = lambda: self.draining
+        log_path = settings.server.access_log
+        self.access_log = AccessLog(Path(log_path)) if log_path else None
+        self.metrics.access_log = self.access_log
         self.tasks: set[asyncio.Task[Any]] = set()
         models: dict[str, int] = {}
         for backend in settings.backends:
@@ -157,6 +162,8 @@ class Gateway:
         await self.upstream.aclose()
         for embedded in self.embedded:
             await embedded.stop()
+        if self.access_log is not None:
+            self.access_log.close()
 
     def state(self) -> dict[str, Any]:
         """The JSON snapshot behind `/api/state` and the dashboard."""

@@ -219,7 +219,7 @@ def _refused(service: CompletionService, prepared: Prepared) -> GatewayError | N
         return None
     assert party.reply is not None  # a refused arrival's one action for its party
     error = reply_error(party.reply)
-    service.ctx.metrics.rejected(prepared.tier, error.code)
+    service.ctx.metrics.rejected(prepared, error)
     return error
 
 

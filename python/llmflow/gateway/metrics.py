@@ -13,7 +13,7 @@ from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -21,14 +21,17 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from llmflow._core import Relay
+    from llmflow.gateway.access_log import AccessLog
+    from llmflow.gateway.errors import GatewayError
     from llmflow.gateway.host import Host
     from llmflow.gateway.scraper import Scraper
-    from llmflow.gateway.session import StreamSession
+    from llmflow.gateway.session import Prepared, StreamSession
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _CHUNK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _OUTCOME = {  # how a session ended -> the core's outcome label
     "completed": "completed",
@@ -55,6 +58,7 @@ class GatewayMetrics:
         self.scraper: Scraper | None = None
         self.relay: Relay | None = None  # relayed streams' write gaps live in the relay
         self.draining: Callable[[], bool] = lambda: False
+        self.access_log: AccessLog | None = None  # `server.access_log`
         self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
         r = self.registry
         self.requests = Counter(
@@ -68,6 +72,13 @@ class GatewayMetrics:
             "Arrival to first token, as the gateway sees it",
             ["tier"],
             buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llmflow_e2e_seconds",
+            "Arrival to the last token of a completed request",
+            ["tier"],
+            buckets=_E2E_BUCKETS,
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -92,10 +103,12 @@ class GatewayMetrics:
         )
         self.registry.register(_StateCollector(self))
 
-    def rejected(self, tier: str, reason: str) -> None:
-        """Count a request the core (or validation) turned away."""
-        self.requests.labels(tier, "rejected", reason).inc()
-        self.outcomes["rejected", reason] += 1
+    def rejected(self, prepared: Prepared, error: GatewayError) -> None:
+        """Count (and log) a request the core turned away as it arrived."""
+        self.requests.labels(prepared.tier, "rejected", error.code).inc()
+        self.outcomes["rejected", error.code] += 1
+        if self.access_log is not None:
+            self.access_log.refused(prepared, error)
 
     def first_token(self, session: StreamSession) -> None:
         """Record a session's time to first token."""
@@ -113,6 +126,10 @@ class GatewayMetrics:
             self.tokens.labels(tier).inc(session.parser.completion_tokens)
         if session.backend is not None:
             self.queue_wait.labels(tier).observe(session.queue_wait_s)
+        if outcome == "completed":
+            self.e2e.labels(tier).observe(time.monotonic() - session.prepared.arrived)
+        if self.access_log is not None:
+            self.access_log.ended(session)
 
     def truncated(self, reason: str) -> None:
         """Count a reply cut with a visible notice."""
@@ -136,13 +153,22 @@ class _StateCollector:
 
     def collect(self) -> Iterator[Metric]:
         host, governor = self.m.host, self.m.host.runtime
-        queued: Tally[str] = Tally(p.tier for p in host.parties.values() if p.queued)
+        queued: Tally[str] = Tally()
+        running: Tally[str] = Tally()
+        for party in host.parties.values():
+            (queued if party.queued else running)[party.tier] += 1
         by_tier = GaugeMetricFamily(
             "llmflow_queue_length", "Requests waiting, by tier", labels=["tier"]
         )
         for tier, count in sorted(queued.items()):
             by_tier.add_metric([tier], count)
         yield by_tier
+        in_flight = GaugeMetricFamily(
+            "llmflow_tier_in_flight", "Requests holding a backend slot, by tier", labels=["tier"]
+        )
+        for tier, count in sorted(running.items()):
+            in_flight.add_metric([tier], count)
+        yield in_flight
         yield _gauge("llmflow_queue_total", "Requests in the core's waiting queue", governor.queued)
         yield _gauge("llmflow_in_flight", "Requests holding a backend slot", governor.running)
         yield _gauge(
@@ -219,6 +245,11 @@ def _backend_gauges(scraper: Scraper) -> Iterator[Metric]:
             labels=["backend"],
         ),
     }
+    preemptions = CounterMetricFamily(
+        "llmflow_backend_preemptions",
+        "Preemptions vLLM reports (its num_preemptions counter), last scrape",
+        labels=["backend"],
+    )
     now = time.monotonic()
     for name, state in scraper.states.items():
         families["healthy"].add_metric([name], int(state.healthy))
@@ -230,4 +261,7 @@ def _backend_gauges(scraper: Scraper) -> Iterator[Metric]:
             families["waiting"].add_metric([name], state.waiting)
         if state.scraped_at is not None:
             families["age"].add_metric([name], now - state.scraped_at)
+        if state.preemptions_total is not None:
+            preemptions.add_metric([name], state.preemptions_total)
     yield from families.values()
+    yield preemptions

@@ -157,7 +157,7 @@ class CompletionService:
         try:
             session.arrive()
         except GatewayError as exc:
-            self.ctx.metrics.rejected(prepared.tier, exc.code)
+            self.ctx.metrics.rejected(prepared, exc)
             raise
         return session
 

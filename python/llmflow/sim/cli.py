@@ -81,6 +81,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                      help="record each gated policy's runtime (every event and the actions it "
                      "gave) as JSON lines to FILE, or to FILE with -<policy> before its suffix "
                      "when several gated policies run; check it with `llmflow trace replay`")
+    run.add_argument("--requests-out", type=Path, metavar="FILE",
+                     help="write one row per request (class, tenant, arrival, attempts, "
+                     "admission, first token, end, tokens, outcome, reason, backend) to FILE, "
+                     ".csv or .parquet (needs pyarrow), or to FILE with -<policy> before its "
+                     "suffix when several policies run; the gateway's server.access_log has "
+                     "the same columns")
     run.set_defaults(func=_run)
     lst = sim_sub.add_parser("list", help="list the scenarios and incidents",
                              description="List the scenario files found under sim/scenarios "
@@ -123,8 +129,9 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def _run(args: argparse.Namespace) -> int:
     from llmflow.config import ConfigFileError
+    from llmflow.request_log import check_path, write_rows
     from llmflow.sim.report import render_table, write_reports
-    from llmflow.sim.runner import run_scenario
+    from llmflow.sim.runner import run_scenario, trace_paths
     from llmflow.sim.scenario import ScenarioError, load_scenario
 
     try:
@@ -132,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
         sc = load_scenario(path)
         if args.trace is not None:
             args.trace.parent.mkdir(parents=True, exist_ok=True)
+        if args.requests_out is not None:
+            check_path(args.requests_out)  # before the run, not after it
         t0 = time.perf_counter()
         report, runs = run_scenario(sc, args.policy, args.seed, progress=not args.no_progress,
                                     trace=args.trace)
@@ -147,6 +156,10 @@ def _run(args: argparse.Namespace) -> int:
 
         written += write_plots(runs, out, sc.title)
     written += [r.trace for r in runs if r.trace is not None]
+    if args.requests_out is not None:
+        for name, p in trace_paths(args.requests_out, [r.name for r in runs]).items():
+            write_rows(p, next(r for r in runs if r.name == name).requests)
+            written.append(p)
     if args.trace is not None and not any(r.trace for r in runs):
         print("note: no gated policy ran, so no trace was written", file=sys.stderr)
     steps = sum(p["engine_steps"] for p in report["policies"].values())

@@ -37,11 +37,14 @@ REJECTED, BUSY, EXPIRED, ERROR = "rejected", "busy", "expired", "error"
 class RequestSpec:
     """What one user request asks for (shared by all its attempts)."""
 
-    __slots__ = ("cls", "eos", "max_tokens", "prompt", "tenant")
+    __slots__ = ("cls", "eos", "hash_ids", "index", "max_tokens", "prompt", "tenant")
 
-    def __init__(self, cls: int, tenant: str, prompt: int, eos: int, max_tokens: int):
+    def __init__(self, cls: int, tenant: str, prompt: int, eos: int, max_tokens: int,
+                 index: int = 0, hash_ids: tuple[int, ...] | None = None):
         self.cls, self.tenant, self.prompt, self.eos, self.max_tokens = (
             cls, tenant, prompt, eos, max_tokens)
+        self.index = index  # its place in the run's requests (the per-request rows' id)
+        self.hash_ids = hash_ids  # the prompt's prefix block hashes, from a trace
 
 
 class Gateway(Protocol):
@@ -67,8 +70,8 @@ class Attempt:
 
     __slots__ = (
         "backend", "done", "ended", "env", "first", "handler", "key", "outcome", "reason", "req",
-        "retry_after", "seq", "stall_after", "stop_after", "stream", "t_first", "t_sched",
-        "t_submit", "tokens",
+        "retry_after", "seq", "stall_after", "stop_after", "stream", "t_admit", "t_first",
+        "t_sched", "t_submit", "tokens",
     )
 
     def __init__(self, env: simpy.Environment, req: RequestSpec, stop_after: int | None,
@@ -81,7 +84,7 @@ class Attempt:
         self.outcome, self.reason = "", ""
         self.retry_after = 0.0
         self.t_submit = env.now
-        self.t_first = self.t_sched = math.nan
+        self.t_first = self.t_sched = self.t_admit = math.nan  # t_admit: started upstream
         self.tokens = 0
         self.seq: Seq | None = None
         self.backend: object = None
@@ -172,7 +175,8 @@ def client(
             shown = state in (COMPLETED, TRUNCATED)
             ttft = end - t0 if shown else math.nan
             served = end - att.t_submit if shown else math.nan
-        rec.end(req.cls, t0, ttft, end - t0, state, attempts, busy, att.tokens, qwait, served)
+        rec.end(req.cls, t0, ttft, end - t0, state, attempts, busy, att.tokens, qwait, served,
+                req=req, last=att)
         return
 
 

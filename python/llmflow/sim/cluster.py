@@ -174,7 +174,8 @@ class Cluster:
                 cost: StepCost = profile.cost()
                 flags = {**profile.engine_flags(), **flags}
             else:
-                cost = cost_model(g.gpu or "", g.model or "", g.tp, g.knobs)
+                gpu, model, knobs = g.specs()
+                cost = cost_model(gpu, model, g.tp, knobs)
             config = EngineConfig(**flags)
             for i in range(g.count):
                 name = g.name if g.count == 1 else f"{g.name}-{i}"

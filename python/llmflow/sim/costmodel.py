@@ -105,7 +105,7 @@ class CostModel(StepCost):
         self.knobs = k = knobs or CALIBRATION.get(gpu.name, Knobs())
         self.kv_bytes_per_token = model.kv_bytes_per_token(tp)
         self._kv_total = float(self.kv_bytes_per_token * tp)
-        self._linear = 2.0 * model.params
+        self._linear = 2.0 * model.compute_params
         self._attn = 2.0 * model.layers * model.heads * model.head_dim
         self._compute_rate = tp * gpu.peak_flops * k.mfu_prefill
         self._mem_rate = tp * gpu.hbm_bandwidth * k.decode_bw_eff
@@ -200,14 +200,16 @@ class FixedStepCost(StepCost):
 
 
 def cost_model(
-    gpu_name: str, model_name: str, tp: int = 1, overrides: dict[str, Any] | None = None
+    gpu_name: str | GpuSpec, model_name: str | ModelSpec, tp: int = 1,
+    overrides: dict[str, Any] | None = None,
 ) -> CostModel:
-    """Build a `CostModel` from preset names, with optional knob overrides.
+    """Build a `CostModel` from preset names (or specs), with optional knob overrides.
 
     Raises:
         KeyError: an unknown GPU or model preset.
         ValueError: an unknown knob.
     """
-    g = gpu(gpu_name)
+    g = gpu(gpu_name) if isinstance(gpu_name, str) else gpu_name
+    m = model(model_name) if isinstance(model_name, str) else model_name
     knobs = CALIBRATION.get(g.name, Knobs()).with_overrides(overrides)
-    return CostModel(g, model(model_name), tp, knobs)
+    return CostModel(g, m, tp, knobs)

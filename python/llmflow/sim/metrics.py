@@ -16,6 +16,8 @@ import numpy as np
 if TYPE_CHECKING:
     import simpy
 
+    from llmflow.sim.clients import Attempt, RequestSpec
+
 __all__ = ["STATES", "Recorder", "percentiles"]
 
 STATES = ("completed", "rejected", "timed_out", "truncated", "cancelled", "failed", "unfinished")
@@ -39,6 +41,8 @@ class Recorder:
     def __init__(self, env: simpy.Environment):
         self.env = env
         self.rows: list[tuple[Any, ...]] = []
+        # one per request, in `llmflow.request_log.COLUMNS` order (class as its index)
+        self.requests: list[tuple[Any, ...]] = []
         self.live = 0
         self.arrived = 0
         self.area_live = 0.0
@@ -59,22 +63,32 @@ class Recorder:
     def end(
         self, cls: int, t0: float, ttft: float, e2e: float, state: str, attempts: int,
         busy: int, tokens: int, qwait: float, served: float = math.nan,
+        req: RequestSpec | None = None, last: Attempt | None = None,
     ) -> None:
-        """A user request reached its final state."""
+        """A user request reached its final state (`req` and its `last` attempt: for its row in
+        `requests`)."""
         self._advance()
         self.live -= 1
         self.rows.append(
             (cls, t0, ttft, e2e, state, attempts, busy, tokens, qwait, self.env.now - t0, served))
+        if req is not None and last is not None:
+            backend = getattr(last.backend, "name", None)
+            self.requests.append((
+                req.index, cls, req.tenant, t0, attempts, last.t_admit, t0 + ttft, t0 + e2e,
+                req.prompt, req.max_tokens, tokens, state, last.reason or None, backend))
         for fn in self.on_end:
             fn()
 
-    def close(self, live: list[tuple[int, float]]) -> None:
+    def close(self, live: list[tuple[int, float, RequestSpec]]) -> None:
         """Stop the clock: requests still live become `unfinished` rows."""
         self._advance()
-        for cls, t0 in live:
+        for cls, t0, req in live:
             stay = self.env.now - t0
             self.rows.append(
                 (cls, t0, math.nan, stay, "unfinished", 0, 0, 0, math.nan, stay, math.nan))
+            self.requests.append((req.index, cls, req.tenant, t0, 0, math.nan, math.nan,
+                                  math.nan, req.prompt, req.max_tokens, 0, "unfinished", None,
+                                  None))
 
     def columns(self) -> dict[str, np.ndarray]:
         """The rows as column arrays, in arrival order."""

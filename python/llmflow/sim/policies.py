@@ -118,7 +118,7 @@ def _start(policy: DirectPolicy | GatedPolicy, att: Attempt, backend: Backend, p
     req = att.req
     seq = Seq(policy.next_id(), req.prompt, req.max_tokens, req.eos, prio,
               _Handler(policy, att), att.stop_after)
-    att.seq, att.backend = seq, backend
+    att.seq, att.backend, att.t_admit = seq, backend, policy.env.now
     try:
         backend.submit(seq)
     except EngineError as exc:
@@ -288,7 +288,7 @@ class GatedPolicy:
             self.browned_out += 1
         seq = Seq(a.request_id, req.prompt, max_tokens, req.eos, a.priority,
                   _Handler(self, att), att.stop_after, window)
-        att.seq, att.backend = seq, b
+        att.seq, att.backend, att.t_admit = seq, b, self.env.now
         try:
             b.submit(seq)
         except EngineError:

@@ -43,29 +43,33 @@ class PolicyRun:
     series: dict[str, np.ndarray]  # t, queue, running, kv_usage
     ttft: dict[str, np.ndarray] = field(default_factory=dict)  # class -> TTFTs (s)
     trace: Path | None = None  # the runtime's JSONL trace, when recorded
+    requests: list[tuple[Any, ...]] = field(default_factory=list)  # `request_log.COLUMNS` rows
 
 
 def _arrivals(
     env: simpy.Environment, reqs: Requests, sc: Scenario, gw: Any, rec: Recorder, seed: int,
-    live: dict[int, tuple[int, float]],
+    live: dict[int, tuple[int, float, RequestSpec]],
 ) -> Generator[simpy.Event, None, None]:
     classes = sc.workload
     rngs = [random.Random(f"{seed}:{i}:client") for i in range(len(classes))]
     t, cls, prompt = reqs.t.tolist(), reqs.cls.tolist(), reqs.prompt.tolist()
     eos, max_tokens = reqs.eos.tolist(), reqs.max_tokens.tolist()
+    hashes = reqs.hash_ids.tolist() if reqs.hash_ids is not None else [None] * len(t)
     for i in range(len(t)):
         delay = t[i] - env.now
         if delay > 0:
             yield env.timeout(delay)
         c = cls[i]
         wc = classes[c]
-        spec = RequestSpec(c, wc.tenant, prompt[i], eos[i], max_tokens[i])
-        live[i] = (c, env.now)
+        spec = RequestSpec(c, wc.tenant, prompt[i], eos[i], max_tokens[i], i, hashes[i])
+        live[i] = (c, env.now, spec)
         proc = env.process(client(env, spec, gw, wc.client, rngs[c], rec))
         proc.callbacks.append(_forget(live, i))
 
 
-def _forget(live: dict[int, tuple[int, float]], i: int) -> Callable[[simpy.Event], None]:
+def _forget(
+    live: dict[int, tuple[int, float, RequestSpec]], i: int
+) -> Callable[[simpy.Event], None]:
     def done(_ev: simpy.Event) -> None:
         live.pop(i, None)
 
@@ -151,7 +155,7 @@ def run_policy(
     rec = Recorder(env)
     total = len(reqs)
     done = env.event()
-    live: dict[int, tuple[int, float]] = {}
+    live: dict[int, tuple[int, float, RequestSpec]] = {}
     ended = [0, 0]  # ended so far, reported to progress so far
 
     def _on_end() -> None:
@@ -221,12 +225,15 @@ def _summarise(
     arr = np.array(samples) if samples else np.zeros((0, 6))
     series = {"t": arr[:, 0], "queue": arr[:, 1], "running": arr[:, 2], "kv_usage": arr[:, 3]}
     ttft = {wc.name: cols["ttft"][cols["cls"] == i] for i, wc in enumerate(sc.workload)}
-    return PolicyRun(name, summary, series, ttft)
+    names = [wc.name for wc in sc.workload]
+    requests = [(r[0], names[r[1]], *r[2:]) for r in sorted(rec.requests, key=lambda r: r[0])]
+    return PolicyRun(name, summary, series, ttft, requests=requests)
 
 
 def trace_paths(path: Path, gated: list[str]) -> dict[str, Path]:
     """Where each gated policy's trace goes: `path` itself for one, else `-<policy>` inserted
-    before the suffix (`run.jsonl` -> `run-llmflow.jsonl`)."""
+    before the suffix (`run.jsonl` -> `run-llmflow.jsonl`). Per-request rows
+    (`--requests-out`) are named the same way."""
     if len(gated) == 1:
         return {gated[0]: path}
     return {name: path.with_name(f"{path.stem}-{name}{path.suffix}") for name in gated}

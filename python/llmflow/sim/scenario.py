@@ -14,10 +14,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from llmflow.presets import GIB, GpuSpec, ModelSpec, gpu, model, model_from_hf_config
+
 __all__ = [
-    "Arrival", "BackendGroup", "ClientSpec", "Dist", "PolicySpec", "Retry", "Scenario",
+    "Arrival", "BackendGroup", "ClientSpec", "Dist", "GpuMapping", "PolicySpec", "Retry",
+    "Scenario",
     "ScenarioError", "Slo", "WorkloadClass", "load_scenario",
 ]
+
+
+# The trace formats of `llmflow.sim.traces.FORMATS`.
+TraceFormat = Literal["csv", "mooncake", "vllm-bench", "burstgpt", "requests"]
 
 
 class ScenarioError(ValueError):
@@ -38,8 +45,9 @@ class Dist(_Model):
     median: float | None = None  # lognormal
     sigma: float | None = None
     mean: float | None = None  # exponential (rounded up: a geometric number of tokens)
-    path: str | None = None  # empirical: CSV file, relative to the scenario file
-    column: str | None = None
+    path: str | None = None  # empirical: a trace file, relative to the scenario file
+    column: str | None = None  # its column (`prompt`, `output`, or the file's own name)
+    format: TraceFormat | None = None  # the trace's format; None: from the file
     min: int = 1
     max: int = 1_000_000
 
@@ -60,7 +68,10 @@ class Arrival(_Model):
 
     `poisson`: rate_per_s between start_s and stop_s; `burst`: count requests at at_s, spread
     evenly over over_s; `onoff`: Poisson at rate_per_s during on_s, silent during off_s;
-    `trace`: timestamps (and lengths) from a CSV such as the Azure traces.
+    `trace`: timestamps (and lengths) from a trace file (`llmflow.sim.traces`: Azure CSV,
+    Mooncake JSONL, vLLM bench JSON, BurstGPT CSV, llmflow's per-request rows); a trace
+    without times (vLLM bench without `start_times`) arrives as Poisson at `rate_per_s` or
+    at the rate its file records.
     """
 
     kind: Literal["poisson", "burst", "onoff", "trace"]
@@ -73,6 +84,8 @@ class Arrival(_Model):
     on_s: float | None = Field(None, gt=0)
     off_s: float | None = Field(None, ge=0)
     path: str | None = None
+    format: TraceFormat | None = None  # trace: the file's format; None: detect it
+    tenant: str | None = None  # trace: keep only this tenant's rows (the requests format)
     time_scale: float = Field(1.0, gt=0)  # trace: divide gaps by this (2 = twice as fast)
     max_requests: int | None = Field(None, ge=1)  # cap on arrivals of this class
 
@@ -140,13 +153,30 @@ class WorkloadClass(_Model):
         return self
 
 
+class GpuMapping(_Model):
+    """An accelerator described by its datasheet, for a GPU without a preset."""
+
+    name: str = "custom-gpu"
+    peak_tflops: float = Field(gt=0)  # dense bf16 TFLOP/s
+    memory_gib: float = Field(gt=0)  # device memory as CUDA reports its total, GiB
+    bandwidth_gb_s: float = Field(gt=0)  # HBM bandwidth, GB/s (decimal)
+    pcie_gb_s: float = Field(25.0, gt=0)  # host link (swap preemption), GB/s
+    link_gb_s: float | None = Field(None, gt=0)  # GPU-to-GPU all-reduce bus (TP), GB/s
+
+    def spec(self) -> GpuSpec:
+        """The `GpuSpec` the cost model reads."""
+        return GpuSpec(self.name, self.peak_tflops * 1e12, self.memory_gib * GIB,
+                       self.bandwidth_gb_s * 1e9, self.pcie_gb_s * 1e9)
+
+
 class BackendGroup(_Model):
     """`count` identical vLLM instances, each on `tp` GPUs."""
 
     name: str = Field(min_length=1)
     count: int = Field(1, ge=1)
-    gpu: str | None = None  # preset; required unless a profile gives the step cost
-    model: str | None = None
+    # a preset name or a datasheet mapping; required unless a profile gives the step cost
+    gpu: str | GpuMapping | None = None
+    model: str | None = None  # a preset name, or a Hugging Face config.json (path ending .json)
     tp: int = Field(1, ge=1)
     engine: dict[str, Any] = {}  # EngineConfig fields (vLLM flags)
     knobs: dict[str, float] = {}  # cost-model knob overrides
@@ -156,7 +186,28 @@ class BackendGroup(_Model):
     def _check(self) -> BackendGroup:
         if self.profile is None and (self.gpu is None or self.model is None):
             raise ValueError("a backend group needs `gpu` and `model`, or a `profile`")
+        if self.profile is None:
+            try:
+                self.specs()  # an unknown preset or a bad config.json fails at load time
+            except KeyError as exc:
+                raise ValueError(exc.args[0]) from None
         return self
+
+    def specs(self) -> tuple[GpuSpec, ModelSpec, dict[str, float]]:
+        """The GPU, the model and the knob overrides its cost model runs with.
+
+        Raises:
+            KeyError: an unknown preset.
+            ValueError: an unreadable or incomplete config.json.
+        """
+        g = self.gpu
+        gpu_spec = gpu(g) if isinstance(g, str) else g.spec() if g is not None else gpu("")
+        m = self.model or ""
+        model_spec = model_from_hf_config(Path(m)) if m.endswith(".json") else model(m)
+        knobs = dict(self.knobs)
+        if isinstance(g, GpuMapping) and g.link_gb_s is not None:
+            knobs.setdefault("link_bandwidth", g.link_gb_s * 1e9)
+        return gpu_spec, model_spec, knobs
 
 
 class PolicySpec(_Model):
@@ -230,6 +281,8 @@ def load_scenario(path: str | Path) -> Scenario:
     for group in data.get("cluster") or ():
         if isinstance(group, dict) and isinstance(group.get("profile"), str):
             group["profile"] = str(data["base_dir"] / group["profile"])  # relative to the file
+        if isinstance(group, dict) and str(group.get("model", "")).endswith(".json"):
+            group["model"] = str(data["base_dir"] / group["model"])
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:

@@ -2,28 +2,26 @@
 
 Each class draws from its own `numpy.random.Generator` seeded by `(seed, class index)`, so adding
 a class does not change the others and every policy of a run sees the very same requests.
-Traces are CSV files with a timestamp column (`TIMESTAMP`, as the Azure LLM inference traces:
-`2023-11-16 18:17:03.9799600`, or plain seconds) and `ContextTokens` / `GeneratedTokens`.
+Traces are read by `llmflow.sim.traces` (Azure CSV, Mooncake JSONL, vLLM bench JSON, BurstGPT,
+llmflow's own per-request rows); a trace's prefix block hashes (`hash_ids`) ride along with its
+requests.
 """
 
 from __future__ import annotations
 
-import csv
+import math
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from llmflow.sim.traces import read_trace
 
 if TYPE_CHECKING:
     from llmflow.sim.scenario import Arrival, Dist, Scenario, WorkloadClass
 
 __all__ = ["Requests", "build_requests", "read_trace", "sample_lengths"]
-
-_PROMPT_COLUMNS = ("ContextTokens", "num_prefill_tokens", "prompt_tokens")
-_OUTPUT_COLUMNS = ("GeneratedTokens", "num_decode_tokens", "output_tokens")
-
 
 @dataclass(frozen=True)
 class Requests:
@@ -34,57 +32,11 @@ class Requests:
     prompt: np.ndarray  # prompt tokens
     eos: np.ndarray  # output tokens after which the model stops
     max_tokens: np.ndarray  # what the client asks for
+    # per request: the prompt's block hashes (a tuple of ints) from a trace, or None
+    hash_ids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.t.size)
-
-
-def _seconds(stamp: str) -> float:
-    try:
-        return float(stamp)
-    except ValueError:
-        pass
-    date, _, clock = stamp.strip().partition(" ")
-    h, m, s = clock.split(":")
-    day = int(date.replace("-", ""))
-    return day * 86400.0 + int(h) * 3600.0 + int(m) * 60.0 + float(s)
-
-
-@lru_cache(maxsize=8)
-def read_trace(path: Path) -> dict[str, np.ndarray]:
-    """Read a trace CSV into columns: `t` (seconds from the first row, if timestamped), `prompt`,
-    `output`.
-
-    Raises:
-        ValueError: no known length columns, or an unreadable file.
-    """
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read trace ({exc.strerror})") from None
-    if not rows:
-        raise ValueError(f"{path}: empty trace")
-    cols = rows[0].keys()
-    out: dict[str, np.ndarray] = {}
-    for key, names in (("prompt", _PROMPT_COLUMNS), ("output", _OUTPUT_COLUMNS)):
-        name = next((n for n in names if n in cols), None)
-        if name is None:
-            raise ValueError(f"{path}: no {key} column (expected one of {names})")
-        out[key] = np.array([int(r[name]) for r in rows], dtype=np.int64)
-    stamp = next((c for c in ("TIMESTAMP", "timestamp", "t") if c in cols), None)
-    if stamp is not None:
-        t = np.array([_seconds(r[stamp]) for r in rows])
-        order = np.argsort(t, kind="stable")
-        out = {k: v[order] for k, v in out.items()}
-        out["t"] = t[order] - t[order][0]
-    for name in cols:
-        if name not in (stamp, *_PROMPT_COLUMNS, *_OUTPUT_COLUMNS):
-            try:
-                out[name] = np.array([float(r[name]) for r in rows])
-            except ValueError:
-                continue
-    return out
 
 
 def sample_lengths(dist: Dist, n: int, rng: np.random.Generator, base: Path) -> np.ndarray:
@@ -99,23 +51,58 @@ def sample_lengths(dist: Dist, n: int, rng: np.random.Generator, base: Path) -> 
         x = np.ceil(rng.exponential(dist.mean or 1.0, size=n))
     else:
         path = Path(dist.path or "")
-        table = read_trace(path if path.is_absolute() else base / path)
-        column = {"ContextTokens": "prompt", "GeneratedTokens": "output"}.get(
-            dist.column or "", dist.column or "")
-        if column not in table:
-            raise ValueError(f"{dist.path}: no column {dist.column!r}")
+        table = read_trace(path if path.is_absolute() else base / path, dist.format)
+        column = _ALIASES.get(dist.column or "", dist.column or "")
+        if column not in table or table[column].dtype == object:
+            raise ValueError(f"{dist.path}: no numeric column {dist.column!r}")
         x = rng.choice(table[column], size=n).astype(float)
     out: np.ndarray = np.clip(np.rint(x), dist.min, dist.max).astype(np.int64)
     return out
 
 
-def _times(arr: Arrival, duration: float, rng: np.random.Generator, base: Path) -> np.ndarray:
+# the length columns every format reads into `prompt` and `output`, by their usual names
+_ALIASES = {"ContextTokens": "prompt", "GeneratedTokens": "output", "input_length": "prompt",
+            "output_length": "output", "prompt_tokens": "prompt", "output_tokens": "output",
+            "Request tokens": "prompt", "Response tokens": "output"}
+
+
+def _trace(arr: Arrival, sc: Scenario) -> dict[str, Any]:
+    """The arrival's trace, only its tenant's rows when it names one."""
+    path = sc.resolve(arr.path or "")
+    table = read_trace(path, arr.format)
+    if arr.tenant is None:
+        return table
+    if "tenant" not in table:
+        raise ValueError(f"{arr.path}: no tenant column to pick {arr.tenant!r} from "
+                         "(only the requests format has one); remove `tenant:`")
+    keep = table["tenant"] == arr.tenant
+    if not keep.any():
+        raise ValueError(f"{arr.path}: no request of tenant {arr.tenant!r}")
+    n = keep.size
+    return {k: v[keep] if isinstance(v, np.ndarray) and v.size == n else v
+            for k, v in table.items()}
+
+
+def _trace_times(arr: Arrival, trace: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
+    if "t" in trace:
+        return np.asarray(trace["t"] / arr.time_scale + arr.start_s)
+    n = trace["prompt"].size  # no times in the file: spaced by the rate the run used
+    rate = arr.rate_per_s or trace.get("rate_per_s")
+    if rate is None:
+        raise ValueError(f"{arr.path}: the trace has no arrival times; give the arrival a "
+                         "`rate_per_s`")
+    if math.isinf(rate):  # vLLM sent them all at once
+        return np.full(n, arr.start_s)
+    return np.asarray(arr.start_s + np.cumsum(rng.exponential(1.0 / rate, size=n)))
+
+
+def _times(arr: Arrival, duration: float, rng: np.random.Generator, sc: Scenario) -> np.ndarray:
     stop = arr.stop_s if arr.stop_s is not None else duration
     if arr.kind == "burst":
         n = arr.count or 0
         return arr.at_s + (np.arange(n) * (arr.over_s / n) if arr.over_s else np.zeros(n))
     if arr.kind == "trace":
-        t = read_trace(base / (arr.path or ""))["t"] / arr.time_scale + arr.start_s
+        t = _trace_times(arr, _trace(arr, sc), rng)
         return t[t < stop]
     rate = arr.rate_per_s or 1.0
     if arr.kind == "poisson":
@@ -144,11 +131,11 @@ def _class_requests(
     wc: WorkloadClass, idx: int, sc: Scenario, seed: int
 ) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(np.random.SeedSequence([seed, idx]))
-    t = _times(wc.arrival, sc.duration_s, rng, sc.base_dir)
+    t = _times(wc.arrival, sc.duration_s, rng, sc)
     if wc.arrival.max_requests is not None:
         t = t[: wc.arrival.max_requests]
     n = t.size
-    trace = read_trace(sc.resolve(wc.arrival.path or "")) if wc.arrival.kind == "trace" else None
+    trace = _trace(wc.arrival, sc) if wc.arrival.kind == "trace" else None
     if wc.prompt_tokens is not None:
         prompt = sample_lengths(wc.prompt_tokens, n, rng, sc.base_dir)
     else:
@@ -158,7 +145,10 @@ def _class_requests(
     else:
         eos = np.maximum(trace["output"][:n], 1) if trace is not None else np.ones(n, np.int64)
     max_tokens = np.full(n, wc.max_tokens, np.int64) if wc.max_tokens else eos.copy()
-    return t, np.full(n, idx, np.int64), prompt, eos, max_tokens
+    hash_ids = np.empty(n, dtype=object)  # None unless the trace has them
+    if trace is not None and "hash_ids" in trace:
+        hash_ids[:] = trace["hash_ids"][:n]
+    return t, np.full(n, idx, np.int64), prompt, eos, max_tokens, hash_ids
 
 
 def build_requests(sc: Scenario, seed: int | None = None) -> Requests:
@@ -170,6 +160,9 @@ def build_requests(sc: Scenario, seed: int | None = None) -> Requests:
     """
     seed = sc.seed if seed is None else seed
     parts = [_class_requests(wc, i, sc, seed) for i, wc in enumerate(sc.workload)]
-    t, cls, prompt, eos, max_tokens = (np.concatenate(col) for col in zip(*parts, strict=True))
+    t, cls, prompt, eos, max_tokens, hash_ids = (
+        np.concatenate(col) for col in zip(*parts, strict=True))
     order = np.lexsort((cls, t))
-    return Requests(t[order], cls[order], prompt[order], eos[order], max_tokens[order])
+    hashed = any(h is not None for h in hash_ids)
+    return Requests(t[order], cls[order], prompt[order], eos[order], max_tokens[order],
+                    hash_ids[order] if hashed else None)

@@ -1,0 +1,90 @@
+"""The Grafana dashboard (`deploy/grafana/llmflow.json`) queries only metrics the gateway exports.
+
+The exported names come from a running gateway's `/metrics`, scraped over HTTP after it has
+served and refused a request: its samples, and the series each `# TYPE` line implies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from .harness import SIM_MODEL, start_sim_gateway, until
+
+pytestmark = pytest.mark.anyio
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmflow.json"
+KEY = "ak-grafana-test-tenant-01"
+_METRIC = re.compile(r"\b(?:llmflow_|vllm:)[A-Za-z0-9_:]*")
+_SERIES = {  # the series a family of each type exposes (prometheus_client's text format)
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+}
+
+
+def _expressions(dashboard: dict[str, object]) -> list[str]:
+    exprs = []
+    for panel in dashboard["panels"]:  # type: ignore[attr-defined]
+        exprs += [t["expr"] for t in panel.get("targets", ())]
+    return exprs
+
+
+def _exported(text: str) -> set[str]:
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split(" ", 3)
+            names.update(family + suffix for suffix in _SERIES.get(kind, ("",)))
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+async def test_every_dashboard_query_names_an_exported_metric() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    tenants = [{"name": "t", "tier": "normal", "api_keys": [KEY], "requests_per_s": 0.01}]
+    async with start_sim_gateway(tenants=tenants) as h:
+        async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key=KEY, max_retries=0) as c:
+            t0 = time.monotonic()
+            await c.completions.create(model=SIM_MODEL, prompt="hi", max_tokens=4)
+            took = time.monotonic() - t0
+            with pytest.raises(openai.RateLimitError):  # a refusal, counted by reason
+                await c.completions.create(model=SIM_MODEL, prompt="hi", max_tokens=4)
+        scraper = h.gateway.scraper
+        assert scraper is not None
+        await until(lambda: scraper.states["sim0"].preemptions_total is not None)
+        text = (await h.client.get("/metrics")).text
+    # the one completed request, in the new end-to-end histogram, no longer than the client saw
+    assert 'llmflow_e2e_seconds_count{tier="normal"} 1.0' in text
+    e2e = re.search(r'llmflow_e2e_seconds_sum\{tier="normal"\} (\S+)', text)
+    assert e2e is not None
+    assert 0 < float(e2e.group(1)) <= took
+    exported = _exported(text)
+    exprs = _expressions(dashboard)
+    assert len(exprs) >= 15
+    for expr in exprs:
+        named = set(_METRIC.findall(expr))
+        assert named, f"{expr!r} names no llmflow metric"
+        assert named <= exported, f"{expr!r}: not exported: {sorted(named - exported)}"
+        assert expr.count("(") == expr.count(")"), expr
+
+
+def test_the_dashboard_has_the_panels_the_docs_promise() -> None:
+    titles = [p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]]
+    for wanted in (
+        "TTFT p50 / p99 by tier",
+        "End-to-end p50 / p99 by tier",
+        "Queue by tier",
+        "In flight by tier",
+        "Refusals by reason",
+        "KV cache usage by backend",
+        "Preemptions by backend",
+        "Prefix cache hit rate (pending)",
+    ):
+        assert wanted in titles
