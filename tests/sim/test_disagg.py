@@ -94,15 +94,16 @@ def test_a_link_carries_one_transfer_at_a_time() -> None:
 
 
 def _recount(core: Any) -> int:
-    bs, s = core.block_size, core.step
+    """KV blocks held, recounted from the engine's sequences (exact mid-step too: the step in
+    progress holds its chunks' blocks and each decoder's slot for the token it computes)."""
+    bs, s, inside = core.block_size, core.step, core.in_step
     running = sum(
-        -(-(q.k + s) // bs) if q.state == DECODE else q.blocks for q in core.running.values()
+        -(-(q.k + s + inside) // bs) if q.state == DECODE else q.blocks
+        for q in core.running.values()
     )
-    return (
-        running
-        + sum(q.blocks for q in core.loading.values() if q.state == LOADING)
-        + sum(q.blocks for q in core.kv_held.values())
-    )
+    chunks = sum(nb for _, _, nb in core._chunks) if inside else 0
+    loading = sum(q.blocks for q in core.loading.values() if q.state == LOADING)
+    return running + chunks + loading + sum(q.blocks for q in core.kv_held.values())
 
 
 def test_decode_pool_never_exceeds_its_blocks_and_loses_nothing() -> None:
@@ -114,6 +115,7 @@ def test_decode_pool_never_exceeds_its_blocks_and_loses_nothing() -> None:
         while True:
             for b in cluster.backends:
                 held = _recount(b.core)
+                assert held == b.core.used
                 assert held <= b.core.num_blocks
                 if b.role == "decode":
                     seen["peak"] = max(seen["peak"], held)
@@ -136,11 +138,24 @@ def test_decode_pool_never_exceeds_its_blocks_and_loses_nothing() -> None:
         assert b.core.free_q.free == b.core.num_blocks
 
 
-def test_clients_that_leave_mid_way_leave_no_blocks_behind() -> None:
-    # timeouts fire while requests prefill, wait for decode blocks or are in transfer
+@pytest.mark.parametrize(("bw", "blocks", "timeout_s"), [(2.0, 600, 0.4), (5.0, 400, 1.0)])
+def test_clients_that_leave_mid_way_leave_no_blocks_behind(
+    bw: float, blocks: int, timeout_s: float
+) -> None:
+    # timeouts fire while requests wait for or run their prefill, wait for decode blocks or
+    # are in transfer (the first case aborts transfers, the second requests waiting for decode
+    # blocks, and preempts a decode that got its KV from the prefill: it recomputes locally)
     reqs = [(0.005 * i, 1500 + 37 * i, 200) for i in range(60)]
-    spec = ClientSpec(timeout_s=0.4)
-    cluster, rec = _serve(_groups(1, 1, 2.0, 5.0, engine={"num_gpu_blocks": 600}), reqs, spec)
+    spec = ClientSpec(timeout_s=timeout_s)
+
+    def watch(env: simpy.Environment, cluster: Cluster) -> Any:
+        while True:  # every abort gives its blocks back at once, on both sides
+            for b in cluster.backends:
+                assert _recount(b.core) == b.core.used <= b.core.num_blocks
+            yield env.timeout(0.001)
+
+    groups = _groups(1, 1, bw, 5.0, engine={"num_gpu_blocks": blocks, "max_model_len": 4096})
+    cluster, rec = _serve(groups, reqs, spec, watch)
     states = [r[4] for r in rec.rows]
     assert len(states) == 60
     assert "timed_out" in states

@@ -152,6 +152,7 @@ class EngineCore:
         vLLM's connectors do: the decode instance recomputes that one token)."""
         del self.loading[seq.rid]
         seq.state, seq.computed = PREFILL, seq.prompt - 1
+        seq.remote_kv = False  # preempted later, it recomputes here (the KV was read once)
         self.running[seq.rid] = seq
         self.prefilling[seq.rid] = seq
 
