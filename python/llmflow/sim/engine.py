@@ -338,25 +338,6 @@ class EngineCore:
             self._chunks.append((seq, n, nb))
             budget -= n
 
-    def _admit_remote(self, seq: Seq, now: float) -> bool:
-        # vLLM's WAITING_FOR_REMOTE_KVS: the whole prompt's blocks (plus the watermark) must
-        # fit; they are allocated now, the transfer starts, and the request takes no step
-        # budget until the KV is here. Loading requests count against max_num_seqs.
-        nb = -(-seq.prompt // self.block_size)
-        required = nb + (self._watermark if self.running else 0)
-        if (required > self.num_blocks - self.used
-                or len(self.running) + len(self.loading) >= self.config.max_num_seqs):
-            return False
-        self.waiting.pop()
-        self._alloc(nb)
-        seq.state, seq.blocks = LOADING, nb
-        if seq.t_sched < 0:
-            seq.t_sched = now
-        self.loading[seq.rid] = seq
-        if self.on_load is not None:
-            self.on_load(seq)
-        return True
-
     def _swap_in(self, need: int) -> float:
         bs, moved = self.block_size, 0
         while self.n_swapped and len(self.running) < self.config.max_num_seqs:
@@ -490,3 +471,22 @@ class EngineCore:
             self.used -= held
             self.free_q.push(held)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
+
+    def _admit_remote(self, seq: Seq, now: float) -> bool:
+        # vLLM's WAITING_FOR_REMOTE_KVS: the whole prompt's blocks (plus the watermark) must
+        # fit; they are allocated now, the transfer starts, and the request takes no step
+        # budget until the KV is here. Loading requests count against max_num_seqs.
+        nb = -(-seq.prompt // self.block_size)
+        required = nb + (self._watermark if self.running else 0)
+        if (required > self.num_blocks - self.used
+                or len(self.running) + len(self.loading) >= self.config.max_num_seqs):
+            return False
+        self.waiting.pop()
+        self._alloc(nb)
+        seq.state, seq.blocks = LOADING, nb
+        if seq.t_sched < 0:
+            seq.t_sched = now
+        self.loading[seq.rid] = seq
+        if self.on_load is not None:
+            self.on_load(seq)
+        return True
