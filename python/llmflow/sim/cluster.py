@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import simpy
 
     from llmflow.sim.costmodel import StepCost
-    from llmflow.sim.scenario import BackendGroup
+    from llmflow.sim.scenario import BackendGroup, Link
 
 __all__ = ["Backend", "Cluster", "Gauges"]
 
@@ -73,6 +73,8 @@ class Backend:
     def __init__(self, env: simpy.Environment, name: str, core: EngineCore, gauges: Gauges):
         self.env, self.name, self.core, self.gauges = env, name, core, gauges
         self.gpus = 1
+        self.role = "both"  # P/D disaggregation: "prefill", "decode" or "both" (`sim/disagg.py`)
+        self.link: Link | None = None  # a decode instance's inbound KV link
         # Client-visible delay of every output (HTTP, IPC, detokenising): a measured profile's
         # `frontend_s`; 0 for the roofline presets, whose step times are the whole story.
         self.frontend_s = float(getattr(core.cost, "frontend_s", 0.0))
@@ -89,6 +91,11 @@ class Backend:
             EngineError: the request is too long for `max_model_len`.
         """
         self.core.add(seq, self.env.now)
+        self.kick()
+
+    def kick(self) -> None:
+        """Something changed outside a step (a request, KV freed or arrived): update the
+        gauges and wake the engine if it sleeps."""
         self._sync()
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
@@ -102,7 +109,7 @@ class Backend:
 
     def _sync(self) -> None:
         core = self.core
-        r, w, u = len(core.running), core.n_waiting + core.n_swapped, core.used
+        r, w, u = len(core.running), core.num_waiting, core.used
         r0, w0, u0 = self._seen
         self._seen = (r, w, u)
         self.gauges.shift(r - r0, w - w0, u - u0, u / core.num_blocks)
@@ -164,7 +171,7 @@ class Cluster:
         self, env: simpy.Environment, groups: list[BackendGroup], scheduling_policy: str | None,
         engine: dict[str, Any] | None = None,
     ):
-        cores: list[tuple[str, int, EngineCore]] = []
+        cores: list[tuple[str, BackendGroup, EngineCore]] = []
         for g in groups:
             flags = {**g.engine, **(engine or {})}
             if scheduling_policy is not None:
@@ -179,14 +186,19 @@ class Cluster:
             config = EngineConfig(**flags)
             for i in range(g.count):
                 name = g.name if g.count == 1 else f"{g.name}-{i}"
-                cores.append((name, g.tp, EngineCore(config, cost)))
+                cores.append((name, g, EngineCore(config, cost)))
         self.gauges = Gauges(env, sum(c.num_blocks for _, _, c in cores))
         self.backends: list[Backend] = []
-        for name, tp, core in cores:
+        for name, g, core in cores:
             b = Backend(env, name, core, self.gauges)
-            b.gpus = tp
+            b.gpus, b.role, b.link = g.tp, g.role, g.link
             self.backends.append(b)
         self.by_name = {b.name: b for b in self.backends}
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode run on separate pools."""
+        return any(b.role != "both" for b in self.backends)
 
     @property
     def gpus(self) -> int:

@@ -32,6 +32,7 @@ from llmflow.sim.blockpool import FreeBlockQueue
 from llmflow.sim.sequence import (
     DECODE,
     DONE,
+    LOADING,
     PREFILL,
     SWAPPED,
     WAITING,
@@ -43,6 +44,8 @@ from llmflow.sim.sequence import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from llmflow.sim.costmodel import StepCost
 
 __all__ = ["DONE", "EngineConfig", "EngineCore", "EngineError", "Seq", "SeqOwner"]
@@ -101,6 +104,11 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_used = 0
+        # P/D disaggregation (`sim/disagg.py`): requests whose prompt KV is on its way, the
+        # hook that starts a transfer, and ended prefills whose KV waits to be read
+        self.loading: dict[int, Seq] = {}
+        self.on_load: Callable[[Seq], None] | None = None
+        self.kv_held: dict[int, Seq] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -138,6 +146,23 @@ class EngineCore:
         self._remove(seq, now)
         return True
 
+    def loaded(self, seq: Seq) -> None:
+        """The prompt's KV of a `remote_kv` request has arrived: it joins the running batch
+        with its last prompt token left to compute, which samples its first output token (as
+        vLLM's connectors do: the decode instance recomputes that one token)."""
+        del self.loading[seq.rid]
+        seq.state, seq.computed = PREFILL, seq.prompt - 1
+        seq.remote_kv = False  # preempted later, it recomputes here (the KV was read once)
+        self.running[seq.rid] = seq
+        self.prefilling[seq.rid] = seq
+
+    def release(self, seq: Seq) -> None:
+        """Free the blocks an ended `hold_kv` prefill kept for its transfer."""
+        if self.kv_held.pop(seq.rid, None) is not None:
+            self.used -= seq.blocks
+            self.free_q.push(seq.blocks)
+            seq.blocks = 0
+
     def generated(self, seq: Seq) -> int:
         """Output tokens the sequence has produced so far."""
         if seq.state == DECODE:
@@ -156,8 +181,9 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting, swapped ones included (vLLM's `num_requests_waiting`)."""
-        return self.n_waiting + self.n_swapped
+        """Requests waiting, swapped and loading ones included (vLLM's
+        `num_requests_waiting`)."""
+        return self.n_waiting + self.n_swapped + len(self.loading)
 
     @property
     def kv_usage(self) -> float:
@@ -166,8 +192,9 @@ class EngineCore:
 
     @property
     def idle(self) -> bool:
-        """Nothing running, waiting or swapped."""
-        return not self.running and not self.n_waiting and not self.n_swapped
+        """Nothing running, waiting, swapped or loading."""
+        return (not self.running and not self.n_waiting and not self.n_swapped
+                and not self.loading)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -280,6 +307,10 @@ class EngineCore:
         bs, cap, thr = self.block_size, self.config.max_num_seqs, self._thr
         while self.n_waiting and budget > 0 and len(self.running) < cap:
             seq = self.waiting.peek()
+            if seq.remote_kv:
+                if not self._admit_remote(seq, now):
+                    break
+                continue
             run = seq.cached
             hits = min(run.n, (seq.num_tokens - 1) // bs) if run is not None else 0
             computed = hits * bs
@@ -399,6 +430,10 @@ class EngineCore:
 
     def _free_running(self, seq: Seq, now: float, blocks: int) -> None:
         del self.running[seq.rid]
+        if seq.hold_kv:  # a connector's delayed free: kept until the decode side has read it
+            self.kv_held[seq.rid] = seq
+            seq.state, seq.t_end = DONE, now
+            return
         self.used -= blocks
         self.free_q.push(blocks)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
@@ -408,6 +443,10 @@ class EngineCore:
         if state == WAITING:
             self.waiting.discard()
             seq.cached = None  # its cached blocks stay in the queue, of use to no one
+        elif state == LOADING:
+            del self.loading[seq.rid]
+            self.used -= seq.blocks
+            self.free_q.push(seq.blocks)
         elif state == SWAPPED:
             self.n_swapped -= 1
             self.cpu_used -= seq.blocks
@@ -432,3 +471,22 @@ class EngineCore:
             self.used -= held
             self.free_q.push(held)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
+
+    def _admit_remote(self, seq: Seq, now: float) -> bool:
+        # vLLM's WAITING_FOR_REMOTE_KVS: the whole prompt's blocks (plus the watermark) must
+        # fit; they are allocated now, the transfer starts, and the request takes no step
+        # budget until the KV is here. Loading requests count against max_num_seqs.
+        nb = -(-seq.prompt // self.block_size)
+        required = nb + (self._watermark if self.running else 0)
+        if (required > self.num_blocks - self.used
+                or len(self.running) + len(self.loading) >= self.config.max_num_seqs):
+            return False
+        self.waiting.pop()
+        self._alloc(nb)
+        seq.state, seq.blocks = LOADING, nb
+        if seq.t_sched < 0:
+            seq.t_sched = now
+        self.loading[seq.rid] = seq
+        if self.on_load is not None:
+            self.on_load(seq)
+        return True

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from llmflow.sim.clients import Attempt, RequestSpec
 
-__all__ = ["STATES", "Recorder", "percentiles"]
+__all__ = ["STATES", "Recorder", "percentiles", "tpot"]
 
 STATES = ("completed", "rejected", "timed_out", "truncated", "cancelled", "failed", "unfinished")
 
@@ -120,6 +120,15 @@ class Recorder:
                 "rel_error": round(err, 9)}
 
 
+def tpot(cols: dict[str, np.ndarray]) -> np.ndarray:
+    """Each request's time per output token after the first (s): `(e2e - ttft) / (tokens - 1)`
+    for answers of two tokens or more that were served (completed or truncated), else NaN."""
+    state, n = cols["state"], cols["tokens"]
+    ok = ((state == "completed") | (state == "truncated")) & (n > 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ok, (cols["e2e"] - cols["ttft"]) / (n - 1), np.nan)
+
+
 def class_summary(cols: dict[str, np.ndarray], idx: int, chars_per_token: float) -> dict[str, Any]:
     """The report block of one workload class."""
     mine = cols["cls"] == idx
@@ -131,6 +140,8 @@ def class_summary(cols: dict[str, np.ndarray], idx: int, chars_per_token: float)
     out["ttft_s"] = percentiles(cols["ttft"][mine], (50, 90, 99))
     out["e2e_s"] = percentiles(np.where(ok, cols["e2e"][mine], np.nan), (50, 90, 99))
     out["queue_wait_s"] = percentiles(cols["qwait"][mine], (50, 99))
+    # decode-side interference (prefills sharing steps with decodes) shows here, not in TTFT
+    out["tpot_s"] = percentiles(tpot(cols)[mine], (50, 90, 99))
     # TTFT p99 with every request that never got an answer (refused, timed out, failed, still
     # waiting) counted as infinitely late: percentiles of the served alone flatter a policy
     # that loses requests. Cancelled requests left by choice and are not counted.

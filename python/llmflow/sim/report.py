@@ -66,9 +66,32 @@ def render_table(report: dict[str, Any]) -> str:
                      f"{pol['goodput_rps']:.3f}", f"{pol['sim_s']:.1f}",
                      _share(occ.get("busy")), _share(occ.get("reserved")), verdict])
     lines += _grid(head, rows)
+    lines += _tpot_table(report)
     if "dominance" in report:
         lines += ["", f"dominance: {report['dominance']['summary']}"]
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _tpot_table(report: dict[str, Any]) -> list[str]:
+    """Time per output token and the requests within every SLO of their class, for the
+    classes that declare a TPOT SLO."""
+    names = report.get("tpot_classes")
+    if not names:
+        return []
+    rows = []
+    for name, pol in report["policies"].items():
+        for cls in names:
+            c = pol["classes"][cls]
+            t = c["tpot_s"]
+            good = c.get("within_slo", 0)
+            share = f"{good / c['arrived']:.1%}" if c["arrived"] else "-"
+            rows.append([name, cls, _ms(t["p50"]), _ms(t["p99"]), str(good), share])
+    head = ("policy", "class", "tpot p50 ms", "tpot p99 ms", "within slo", "share")
+    return ["", *_grid(head, rows)]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
 
 
 def _share(x: float | None) -> str:
@@ -140,6 +163,7 @@ def verdicts(sc: Scenario, report: dict[str, Any]) -> None:
             for key, target, got in (
                 ("ttft p99", wc.slo.ttft_p99_s, c["ttft_s"]["p99"]),
                 ("e2e p99", wc.slo.e2e_p99_s, c["e2e_s"]["p99"]),
+                ("tpot p99", wc.slo.tpot_p99_s, c["tpot_s"]["p99"]),
             ):
                 if target is None:
                     continue

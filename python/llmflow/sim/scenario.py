@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from llmflow.presets import GIB, GpuSpec, ModelSpec, gpu, model, model_from_hf_config
 
 __all__ = [
-    "Arrival", "BackendGroup", "ClientSpec", "Dist", "GpuMapping", "PolicySpec", "Retry",
+    "Arrival", "BackendGroup", "ClientSpec", "Dist", "GpuMapping", "Link", "PolicySpec", "Retry",
     "Scenario",
     "ScenarioError", "Slo", "WorkloadClass", "load_scenario",
 ]
@@ -129,6 +129,9 @@ class Slo(_Model):
 
     ttft_p99_s: float | None = Field(None, gt=0)
     e2e_p99_s: float | None = Field(None, gt=0)
+    # time per output token after the first, per request; like the others it is a p99 bound
+    # for the verdict and a per-request bound for goodput
+    tpot_p99_s: float | None = Field(None, gt=0)
     min_completed_frac: float | None = Field(None, ge=0, le=1)
 
 
@@ -169,6 +172,13 @@ class GpuMapping(_Model):
                        self.bandwidth_gb_s * 1e9, self.pcie_gb_s * 1e9)
 
 
+class Link(_Model):
+    """The network a decode instance reads prompt KV over (P/D disaggregation)."""
+
+    bandwidth_gb_s: float = Field(gt=0)  # GB/s (decimal), the instance's whole inbound link
+    latency_ms: float = Field(0.0, ge=0)  # ms added to each transfer (setup, notification)
+
+
 class BackendGroup(_Model):
     """`count` identical vLLM instances, each on `tp` GPUs."""
 
@@ -181,9 +191,17 @@ class BackendGroup(_Model):
     engine: dict[str, Any] = {}  # EngineConfig fields (vLLM flags)
     knobs: dict[str, float] = {}  # cost-model knob overrides
     profile: str | None = None  # measured step cost (`llmflow calibrate`) instead of gpu/model
+    role: Literal["prefill", "decode", "both"] = "both"  # P/D disaggregation (`sim/disagg.py`)
+    link: Link | None = None  # decode: the inbound KV link, one per instance
 
     @model_validator(mode="after")
     def _check(self) -> BackendGroup:
+        if self.role == "decode" and self.link is None:
+            raise ValueError("a decode group needs `link: {bandwidth_gb_s, latency_ms}`, the "
+                             "network its instances read prompt KV over")
+        if self.role != "both" and self.profile is not None:
+            raise ValueError(f"a {self.role} group needs `gpu` and `model` (the KV bytes per "
+                             "token its transfers carry); a measured profile does not give them")
         if self.profile is None and (self.gpu is None or self.model is None):
             raise ValueError("a backend group needs `gpu` and `model`, or a `profile`")
         if self.profile is None:
@@ -220,6 +238,7 @@ class PolicySpec(_Model):
     engine: dict[str, Any] = {}  # vLLM flag overrides for this policy's run (preemption_mode...)
     tenant_tier: str | None = None  # put every tenant in this tier
     propagate_disconnect: bool = True  # direct: False when a proxy hides client disconnects
+    cluster: list[BackendGroup] | None = None  # this policy's own cluster (None: the scenario's)
 
     def preset_for(self, name: str) -> str:
         """The built-in config this policy starts from."""
@@ -247,8 +266,26 @@ class Scenario(_Model):
         names = [c.name for c in self.workload]
         if len(set(names)) != len(names):
             raise ValueError(f"workload class names must be unique: {names}")
-        if len({g.name for g in self.cluster}) != len(self.cluster):
-            raise ValueError("cluster group names must be unique")
+        for name, spec in {"": None, **self.policies}.items():
+            groups = self.cluster if spec is None else spec.cluster
+            if groups is None:
+                continue
+            where = f"policy {name}'s cluster" if name else "cluster"
+            if len({g.name for g in groups}) != len(groups):
+                raise ValueError(f"{where}: group names must be unique")
+            _check_roles(where, groups)
+            if spec is not None and spec.kind == "gated" and any(g.role != "both" for g in groups):
+                raise ValueError(
+                    f"policy {name} is gated but its cluster has prefill/decode roles: the core "
+                    "does not pick prefill and decode backends yet; use `kind: direct` (a P/D "
+                    "proxy) for it, or give it a co-located `cluster:`")
+        if any(g.role != "both" for g in self.cluster):
+            for name, spec in self.policies.items():
+                if spec.kind == "gated" and spec.cluster is None:
+                    raise ValueError(
+                        f"policy {name} is gated but the cluster has prefill/decode roles: the "
+                        "core does not pick prefill and decode backends yet; use `kind: "
+                        "direct` (a P/D proxy), or give the policy a co-located `cluster:`")
         return self
 
     @property
@@ -260,6 +297,14 @@ class Scenario(_Model):
         """A path from the file, relative to the scenario's folder."""
         p = Path(path)
         return p if p.is_absolute() else self.base_dir / p
+
+
+def _check_roles(where: str, groups: list[BackendGroup]) -> None:
+    roles = {g.role for g in groups}
+    if roles != {"both"} and roles != {"prefill", "decode"}:
+        raise ValueError(f"{where}: a disaggregated cluster needs both a `role: prefill` and a "
+                         "`role: decode` group and no `role: both` group (got "
+                         f"{sorted(roles)})")
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -278,7 +323,9 @@ def load_scenario(path: str | Path) -> Scenario:
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: the top level must be a mapping")
     data["base_dir"] = path.resolve().parent
-    for group in data.get("cluster") or ():
+    policy_groups = [g for p in (data.get("policies") or {}).values() if isinstance(p, dict)
+                     for g in (p.get("cluster") or ())]
+    for group in [*(data.get("cluster") or ()), *policy_groups]:
         if isinstance(group, dict) and isinstance(group.get("profile"), str):
             group["profile"] = str(data["base_dir"] / group["profile"])  # relative to the file
         if isinstance(group, dict) and str(group.get("model", "")).endswith(".json"):

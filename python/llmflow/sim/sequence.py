@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     from llmflow.sim.blockpool import Run
 
-__all__ = ["DECODE", "DONE", "PREFILL", "SWAPPED", "WAITING", "EngineConfig", "EngineError",
-           "Seq", "SeqOwner", "WaitingQueue"]
+__all__ = ["DECODE", "DONE", "LOADING", "PREFILL", "SWAPPED", "WAITING", "EngineConfig",
+           "EngineError", "Seq", "SeqOwner", "WaitingQueue"]
 
 WAITING, PREFILL, DECODE, SWAPPED, DONE = range(5)
-STATE_NAMES = ("waiting", "prefill", "decode", "swapped", "done")
+LOADING = 5  # P/D decode side: blocks allocated, the prompt's KV on its way (`sim/disagg.py`)
+STATE_NAMES = ("waiting", "prefill", "decode", "swapped", "done", "loading")
 
 
 class EngineError(ValueError):
@@ -71,9 +72,10 @@ class Seq:
     """
 
     __slots__ = (
-        "arrival", "blocks", "cached", "computed", "epoch", "finish_reason", "gen", "k",
+        "arrival", "blocks", "cached", "computed", "epoch", "finish_reason", "gen", "hold_kv", "k",
         "max_tokens", "notify_at", "num_tokens", "order", "owner", "preemptions", "priority",
-        "prompt", "rid", "state", "stop", "stop_reason", "t_end", "t_first", "t_sched",
+        "prompt", "remote_kv", "rid", "state", "stop", "stop_reason", "t_end", "t_first",
+        "t_sched",
     )
 
     def __init__(
@@ -94,6 +96,10 @@ class Seq:
         self.arrival = self.t_sched = self.t_first = self.t_end = -1.0
         self.order = self.epoch = self.preemptions = 0
         self.finish_reason = ""
+        # P/D disaggregation (`sim/disagg.py`): a prefill keeps its blocks after it ends until
+        # its KV has been read (`hold_kv`); a decode gets its prompt's KV from a prefill
+        # instance instead of computing it (`remote_kv`)
+        self.hold_kv = self.remote_kv = False
 
 
 class WaitingQueue:
