@@ -43,6 +43,7 @@ class Browser:
         assert CHROMIUM, "chromium is required (.ci/run installs Debian's chromium)"
         profile = workdir / "chromium-profile"
         profile.mkdir(parents=True, exist_ok=True)
+        (profile / "DevToolsActivePort").unlink(missing_ok=True)  # a reused profile's old port
         self.process = subprocess.Popen(
             [
                 CHROMIUM,

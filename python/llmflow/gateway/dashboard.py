@@ -35,9 +35,9 @@ border-radius:3px;overflow:hidden;margin:.2em 0 .5em}.fill{height:100%;backgroun
 .legend{font-size:12px;max-width:440px}.legend span{margin-right:.9em;white-space:nowrap}
 .legend i{display:inline-block;width:10px;height:3px;margin-right:3px;vertical-align:middle}
 #scroller{max-height:60vh;overflow:auto;background:#fff;border:1px solid #ddd}
-table{border-collapse:collapse;width:100%}
+table{border-collapse:collapse;width:100%;table-layout:fixed}
 td,th{border-bottom:1px solid #eee;padding:0 .5em;text-align:left;height:23px;
-white-space:nowrap}
+white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 th{position:sticky;top:0;background:#f3f4f6;cursor:pointer;user-select:none;z-index:1}
 th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after{content:" \\25BC"}
 td.num,th.num{text-align:right}tr.pad td{padding:0;border:0;height:auto}
