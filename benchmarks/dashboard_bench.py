@@ -11,6 +11,11 @@ headless chromium loads the page and is driven over the DevTools protocol
 - parse: `JSON.parse` of the `/api/state` body (what each poll adds before the render).
 - sort click: a click on a column header (the page's handler: sort, repaint), with layout.
 
+And the gateway's side of one poll, in this process: the core's snapshot with the state around
+it (`state_of`, as `Gateway.state` builds it), and its encoding, as `/api/state` does it now
+(`json.dumps`) and as FastAPI would for a returned dict (`jsonable_encoder`, then the same
+dump). That time is taken from the gateway's event loop once a second per open page.
+
 Usage: python benchmarks/dashboard_bench.py [--sizes 100 1000 5000] [--repeats 30]
 """
 
@@ -21,13 +26,22 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
+
+from fastapi.encoders import jsonable_encoder
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests" / "gateway")]
 
 from browser import Browser  # type: ignore[import-not-found]  # noqa: E402
-from busy_state import StateServer, busy_state  # type: ignore[import-not-found]  # noqa: E402
+from busy_state import (  # type: ignore[import-not-found]  # noqa: E402
+    StateServer,
+    busy_core,
+    busy_state,
+    state_of,
+)
 
 _MEASURE = """(async () => {
   const text = await (await fetch('api/state')).text();
@@ -67,6 +81,29 @@ def measure(size: int, repeats: int, workdir: Path) -> dict[str, object]:
     return result
 
 
+def gateway_cost(size: int, repeats: int) -> dict[str, list[float]]:
+    """Milliseconds of one `/api/state` in the gateway: the state, and two ways to encode it."""
+    governor, now = busy_core(size)
+    state = state_of(governor, now)
+
+    def timed(step: Any) -> list[float]:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return samples
+
+    def dumps(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    return {
+        "state": timed(lambda: state_of(governor, now)),
+        "dumps": timed(lambda: dumps(state)),
+        "encoder": timed(lambda: dumps(jsonable_encoder(state))),
+    }
+
+
 def _cell(samples: list[float]) -> str:
     ordered = sorted(samples)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
@@ -94,7 +131,15 @@ def main() -> int:
             f"| {r['bytes']:,} | {r['rows']} | {_cell(r['parse'])} | {_cell(r['render'])} "  # type: ignore[arg-type]
             f"| {_cell(r['sort'])} |"  # type: ignore[arg-type]
         )
+    print("(median / p95 / max)\n")
+    costs = {size: gateway_cost(size, args.repeats) for size in args.sizes}
+    print("| in flight | state ms | json.dumps ms (now) | jsonable_encoder + dumps ms (before) |")
+    print("|---|---:|---:|---:|")
+    for size, c in costs.items():
+        print(f"| {size:,} | {_cell(c['state'])} | {_cell(c['dumps'])} | {_cell(c['encoder'])} |")
     print("(median / p95 / max)")
+    for r, size in zip(results, args.sizes, strict=True):
+        r["gateway"] = costs[size]
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

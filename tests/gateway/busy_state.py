@@ -21,13 +21,19 @@ from llmflow.config import load_settings
 from llmflow.gateway.dashboard import PAGE
 from llmflow.gateway.scraper import BackendState
 
-__all__ = ["StateServer", "busy_state"]
+__all__ = ["StateServer", "busy_core", "busy_state", "state_of"]
 
 TENANTS = [("acme", "vip"), ("shop", "normal"), ("etl", "batch")]
 
 
 def busy_state(in_flight: int, queued: int = 50) -> dict[str, Any]:
-    """The state of a gateway offered `in_flight + queued` requests on two backends of
+    """`busy_core`'s snapshot as `/api/state` shows it."""
+    governor, now = busy_core(in_flight, queued)
+    return state_of(governor, now)
+
+
+def busy_core(in_flight: int, queued: int = 50) -> tuple[Governor, int]:
+    """A core offered `in_flight + queued` requests on two backends of
     `in_flight` slots in all, each with its own prompt, token count and so KV footprint.
 
     At a thousand the core runs `in_flight` of them and queues most of the rest; small runs
@@ -66,6 +72,11 @@ def busy_state(in_flight: int, queued: int = 50) -> dict[str, Any]:
         governor.observe_backend(
             name, now, kv_usage=0.4 + 0.2 * i, running=in_flight // 2, waiting=0, kv_blocks=100_000
         )
+    return governor, now
+
+
+def state_of(governor: Governor, now: int) -> dict[str, Any]:
+    """The governor's snapshot at `now` in `Gateway.state`'s shape."""
     core = governor.snapshot(now)
     backends = {
         b["name"]: BackendState(
