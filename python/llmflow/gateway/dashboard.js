@@ -73,14 +73,25 @@ function quantile(q, cumulative, bounds) {
   return lo + (bounds[b] - lo) * (rank - below) / (cumulative[b] - below);
 }
 
+// A line keeps its colour while the page lives, whatever names come and go beside it.
+const colours = new Map();
+function colour(kind, name) {
+  const key = `${kind}\u0000${name}`;
+  if (!colours.has(key)) {
+    const taken = [...colours.keys()].filter(k => k.startsWith(`${kind}\u0000`)).length;
+    colours.set(key, PALETTE[taken % PALETTE.length]);
+  }
+  return colours.get(key);
+}
+
 function kvSeries() {
-  return keysOf("kv").map((name, n) => ({name, color: PALETTE[n % PALETTE.length],
+  return keysOf("kv").map(name => ({name, color: colour("kv", name),
     points: ring.map(p => [p.t, p.kv[name] ?? null])}));
 }
 
 function tierSeries() {
-  return keysOf("queued").flatMap((tier, n) => {
-    const color = PALETTE[n % PALETTE.length];
+  return keysOf("queued").flatMap(tier => {
+    const color = colour("tier", tier);
     return [
       {name: `${tier} in flight`, color, points: ring.map(p => [p.t, p.running[tier] ?? 0])},
       {name: `${tier} queued`, color, dash: "4 3", points: ring.map(p => [p.t, p.queued[tier] ?? 0])},
@@ -89,7 +100,7 @@ function tierSeries() {
 }
 
 function refusalSeries() {
-  return keysOf("refused").map((reason, n) => ({name: reason, color: PALETTE[n % PALETTE.length],
+  return keysOf("refused").map(reason => ({name: reason, color: colour("refusal", reason),
     points: ring.map((p, i) => {
       const j = windowStart(i, RATE_WINDOW_S);
       if (j < 0) return [p.t, null];
