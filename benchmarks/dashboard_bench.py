@@ -33,7 +33,7 @@ from typing import Any
 from fastapi.encoders import jsonable_encoder
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "gateway")]
+sys.path[:0] = [str(REPO / "tests" / "gateway"), str(REPO / "tests")]
 
 from browser import Browser  # type: ignore[import-not-found]  # noqa: E402
 from busy_state import (  # type: ignore[import-not-found]  # noqa: E402

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from websockets.sync.client import connect
 
+from processes import own_process_group
+
 if TYPE_CHECKING:
     from pathlib import Path
     from types import TracebackType
@@ -60,7 +62,7 @@ class Browser:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, "HOME": str(workdir)},
-            process_group=0,
+            **own_process_group(),
         )
         self._ids = itertools.count(1)
         self._stack = contextlib.ExitStack()  # websockets wants its connection in a `with`
