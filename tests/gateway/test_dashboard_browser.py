@@ -26,8 +26,8 @@ from .browser import Browser
 pytestmark = pytest.mark.slow
 
 MODEL = "sim"
-SPEED = "0.2"  # a simulated H100 at a fifth of its speed: ~25 tokens/s, a KV block every ~0.6 s
-MAX_TOKENS = 150  # about six seconds of streaming
+SPEED = "0.2"  # a simulated H100 at a fifth of its speed: ~30 tokens/s, a KV block every ~0.5 s
+MAX_TOKENS = 150  # about five seconds of streaming
 TTFT_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
