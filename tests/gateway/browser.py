@@ -132,6 +132,17 @@ class Browser:
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
+    def press_enter(self) -> None:
+        """The Enter key, typed on the keyboard to the element that has the focus."""
+        for kind in ("keyDown", "keyUp"):
+            self.call(
+                "Input.dispatchKeyEvent",
+                type=kind,
+                key="Enter",
+                code="Enter",
+                windowsVirtualKeyCode=13,
+            )
+
     def screenshot(self, path: Path) -> None:
         """The whole page as a PNG."""
         shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)

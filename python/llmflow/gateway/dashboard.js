@@ -254,7 +254,8 @@ function setColumns(requests) {
   const next = COLUMNS.filter(c => !c.optional || requests.some(r => r[c.key] != null));
   if (next.length === shown.length && next.every((c, i) => c === shown[i])) return;
   shown = next;
-  $("columns").innerHTML = shown.map(c => `<th data-key="${c.key}"${c.num ? ' class="num"' : ""}` +
+  $("columns").innerHTML = shown.map(c => `<th data-key="${c.key}" tabindex="0"` +
+    `${c.num ? ' class="num"' : ""}` +
     `${c.title ? ` title="${esc(c.title)}"` : ""}>${esc(c.label)}</th>`).join("");
   for (const tr of [padTop, padBottom]) tr.firstChild.colSpan = shown.length;
   for (const tr of pool) tr.remove();
@@ -325,15 +326,22 @@ function paintRows() {
   if (drawn > 0 && Math.abs(drawn - rowHeight) > 0.5) { rowHeight = drawn; paintRows(); }
 }
 
-$("columns").addEventListener("click", e => {
-  const th = e.target.closest("th");
-  if (!th) return;
+function sortBy(th) {
   const column = COLUMNS.find(c => c.key === th.dataset.key);
   if (sort.key === column.key) sort.dir = -sort.dir;
   else Object.assign(sort, {key: column.key, dir: column.num ? -1 : 1});
   markSort();
   rows.sort(compare);
   paintRows();
+}
+
+$("columns").addEventListener("click", e => {
+  const th = e.target.closest("th");
+  if (th) sortBy(th);
+});
+$("columns").addEventListener("keydown", e => {  // a header has the focus: Enter sorts too
+  const th = e.target.closest("th");
+  if (th && (e.key === "Enter" || e.key === " ")) { e.preventDefault(); sortBy(th); }
 });
 
 let painting = false;
