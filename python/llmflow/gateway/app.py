@@ -182,6 +182,7 @@ class Gateway:
                 {"outcome": o, "reason": r, "count": c}
                 for (o, r), c in sorted(self.metrics.outcomes.items())
             ],
+            "ttft": self.metrics.ttft_buckets(),
         }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter as Tally
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -138,6 +138,20 @@ class GatewayMetrics:
     def upstream_aborted(self, reason: str) -> None:
         """Count an upstream request closed before it finished."""
         self.aborts.labels(reason).inc()
+
+    def ttft_buckets(self) -> dict[str, Any]:
+        """`llmflow_ttft_seconds` as `/api/state` shows it: the bucket bounds, and per tier
+        the cumulative count at each bound and at +Inf since the gateway started.
+
+        The dashboard keeps its own ten minutes of these and takes differences for its p50/p99,
+        so the gateway keeps no history for it.
+        """
+        by_tier: dict[str, list[int]] = {}
+        for metric in self.ttft.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_bucket"):  # in `le` order, +Inf last
+                    by_tier.setdefault(sample.labels["tier"], []).append(int(sample.value))
+        return {"bounds": list(_TTFT_BUCKETS), "by_tier": by_tier}
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
