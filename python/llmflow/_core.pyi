@@ -419,6 +419,13 @@ class Runtime:
         """A scrape of `backend` begun at `began_us` answered (KV usage is clamped to 0..1)."""
     def scrape_failed(self, backend: str, now_us: int) -> list[Action]:
         """A scrape of `backend` failed."""
+    def shared_load(self, backend: str, elsewhere: int, now_us: int) -> list[Action]:
+        """Other gateway replicas hold `elsewhere` of `backend`'s slots (the shared store's
+        count): this runtime's free slots are its cap less its own running less these."""
+    def lease_denied(self, request_id: int, now_us: int) -> list[Action]:
+        """The shared store refused the slot lease of a started request (it never reached the
+        backend): the request is decided again, as an arrival (queued, started, or refused with
+        a Retry-After), and one more slot counts as held elsewhere until the next sync."""
     def drain(self, now_us: int) -> list[Action]:
         """Stop admitting; cut whatever is live when the drain timeout passes."""
     def take_trace(self) -> str:

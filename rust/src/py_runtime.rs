@@ -425,6 +425,29 @@ impl PyRuntime {
         self.feed(py, now_us, &event)
     }
 
+    fn shared_load(
+        &mut self,
+        py: Python<'_>,
+        backend: &str,
+        elsewhere: u32,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        let event = Event::SharedLoad {
+            backend: self.backend(backend)?,
+            elsewhere,
+        };
+        self.feed(py, now_us, &event)
+    }
+
+    fn lease_denied(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::LeaseDenied { id: request_id })
+    }
+
     fn drain(&mut self, py: Python<'_>, now_us: u64) -> PyResult<Py<PyAny>> {
         self.feed(py, now_us, &Event::Drain)
     }

@@ -1,0 +1,249 @@
+"""Three `llmflow serve` replicas sharing one backend's slots through a real redis-server.
+
+Every figure is read from outside the gateways: the simulated vLLM's own running count
+(`vllm:num_requests_running` on its `/metrics`, sampled every few ms), the leases in Redis
+(read with a plain Redis client), and what each client received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from processes import GatewayProcess, SimServeProcess
+
+from .replies import stream_chat
+from .zero import assert_back_to_zero, vllm_running
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+    from pathlib import Path
+
+    from processes import RedisProcess
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+MODEL = "sim"
+CAP = 4  # the backend's slots, for all replicas together
+TTL_MS = 2000
+KEY = "llmflow:slots:b0"
+
+
+def _config(backend_url: str, redis_url: str, **state: Any) -> dict[str, Any]:
+    return {
+        "gate": {"max_concurrency_per_gpu": CAP, "queue": {"max_wait_ms": 60_000}},
+        "streaming": {"sse_flush_interval": 0},
+        "sla": {"ttft_ms": None},
+        "metrics": {"scrape_interval_ms": 200},
+        "backends": [{"name": "b0", "url": backend_url, "models": [MODEL]}],
+        "state": {
+            "backend": "redis",
+            "url": redis_url,
+            "lease_ttl_ms": TTL_MS,
+            "sync_interval_ms": 100,
+            "replicas": 3,
+            **state,
+        },
+    }
+
+
+@contextlib.asynccontextmanager
+async def _fleet(
+    tmp_path: Path, redis_url: str, **state: Any
+) -> AsyncIterator[tuple[SimServeProcess, list[GatewayProcess]]]:
+    with SimServeProcess(tmp_path, "--model-name", MODEL, "--max-num-seqs", "256") as backend:
+        replicas: list[GatewayProcess] = []
+        try:
+            for k in range(3):
+                gw = GatewayProcess(_config(backend.url, redis_url, **state), tmp_path / f"r{k}")
+                replicas.append(gw.start())
+            yield backend, replicas
+        finally:
+            for gw in replicas:
+                gw.stop(timeout_s=5)
+
+
+class _Peak:
+    """The backend's own running count, sampled until stopped; its peak."""
+
+    def __init__(self, count: Callable[[], Awaitable[list[int]]]):
+        self.count, self.peak, self.samples = count, 0, 0
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(await self.count()))
+            self.samples += 1
+            await asyncio.sleep(0.003)
+
+    async def stop(self) -> int:
+        self._stop.set()
+        await self._task
+        return self.peak
+
+
+async def _live_leases(redis_url: str) -> int:
+    client = aioredis.from_url(redis_url)
+    try:
+        seconds, micros = await client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        return int(await client.zcount(KEY, now_ms + 1, "+inf"))
+    finally:
+        await client.aclose()
+
+
+async def test_a_flood_across_three_replicas_never_passes_the_global_cap(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    async with _fleet(tmp_path, redis_server.url) as (backend, replicas):
+        clients = [httpx.AsyncClient(base_url=gw.url, timeout=60) for gw in replicas]
+        peak = _Peak(vllm_running([backend.url]))
+        try:
+            replies = await asyncio.gather(
+                *(
+                    stream_chat(clients[i % 3], model=MODEL, max_tokens=40, ignore_eos=True)
+                    for i in range(45)
+                )
+            )
+        finally:
+            highest = await peak.stop()
+            for c in clients:
+                await c.aclose()
+        assert [r.status for r in replies] == [200] * 45
+        assert all(r.done for r in replies)
+        assert highest == CAP, (highest, peak.samples)  # reached, never passed
+        assert await _live_leases(redis_server.url) == 0
+        for gw in replicas:
+            await assert_back_to_zero(gw.url, vllm_running([backend.url]))
+
+
+async def test_kill_9_of_a_replica_returns_its_slots_within_the_ttl(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    async with _fleet(tmp_path, redis_server.url) as (backend, replicas):
+        victim, survivor = replicas[0], replicas[1]
+        async with httpx.AsyncClient(base_url=victim.url, timeout=60) as vc:
+            held = [
+                asyncio.create_task(
+                    stream_chat(vc, model=MODEL, max_tokens=2000, ignore_eos=True)
+                )
+                for _ in range(CAP)
+            ]
+            deadline = time.monotonic() + 20
+            while sum(await vllm_running([backend.url])()) < CAP:
+                assert time.monotonic() < deadline, "the victim never filled the cap"
+                await asyncio.sleep(0.02)
+            assert await _live_leases(redis_server.url) == CAP
+            os.kill(victim.pid(), signal.SIGKILL)  # mid-stream, no drain, no release
+            killed_at = time.monotonic()
+            await asyncio.gather(*held)
+        async with httpx.AsyncClient(base_url=survivor.url, timeout=60) as sc:
+            reply = await stream_chat(sc, model=MODEL, max_tokens=5, ignore_eos=True)
+            served_after = time.monotonic() - killed_at
+            assert reply.status == 200
+            assert reply.done
+            # the dead replica's leases held the slots until they expired, no longer
+            assert served_after < TTL_MS / 1e3 + 3.0, served_after
+            more = await asyncio.gather(
+                *(stream_chat(sc, model=MODEL, max_tokens=5, ignore_eos=True) for _ in range(8))
+            )
+            assert [r.status for r in more] == [200] * 8
+        assert await _live_leases(redis_server.url) == 0
+        await assert_back_to_zero(survivor.url, vllm_running([backend.url]))
+
+
+async def test_redis_restarted_under_load_fails_closed_then_recovers(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    async with _fleet(tmp_path, redis_server.url, on_loss="fail_closed") as (backend, replicas):
+        gw = replicas[1]
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
+            running = [
+                asyncio.create_task(
+                    stream_chat(client, model=MODEL, max_tokens=300, ignore_eos=True)
+                )
+                for _ in range(2)
+            ]
+            while sum(await vllm_running([backend.url])()) < 2:
+                await asyncio.sleep(0.02)
+            redis_server.kill()
+            await asyncio.sleep(0.5)  # a sync or two: every replica knows the store is gone
+            peak = _Peak(vllm_running([backend.url]))
+            during = [
+                asyncio.create_task(stream_chat(client, model=MODEL, max_tokens=5, ignore_eos=True))
+                for _ in range(3)
+            ]
+            await asyncio.sleep(3.0)
+            highest = await peak.stop()
+            assert not any(t.done() for t in during)  # queued: no lease, no start
+            redis_server.start()
+            served = await asyncio.gather(*during)
+            after = await stream_chat(client, model=MODEL, max_tokens=5, ignore_eos=True)
+            first = await asyncio.gather(*running)
+        # Nothing new reached the backend while Redis was away: the two old streams ran on
+        assert highest <= 2, highest
+        for r in served:
+            assert r.status == 200
+            assert r.done
+        assert all(r.status == 200 and r.done for r in first)
+        assert after.status == 200
+        assert after.done
+
+
+async def test_without_redis_fail_closed_refuses_with_retry_after(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    async with _fleet(tmp_path, redis_server.url, on_loss="fail_closed") as (backend, replicas):
+        redis_server.kill()
+        await asyncio.sleep(0.5)
+        cfg = _config(backend.url, redis_server.url, on_loss="fail_closed")
+        cfg["gate"]["queue"]["max_wait_ms"] = 500
+        short = GatewayProcess(cfg, tmp_path / "short").start()
+        try:
+            async with httpx.AsyncClient(base_url=short.url, timeout=30) as client:
+                refused = await stream_chat(client, model=MODEL, max_tokens=5)
+                assert refused.status == 503, refused.raw
+                assert int(refused.headers["retry-after"]) >= 1
+                assert sum(await vllm_running([backend.url])()) == 0
+                redis_server.start()
+                deadline = time.monotonic() + 10
+                while (r := await stream_chat(client, model=MODEL, max_tokens=5)).status != 200:
+                    assert time.monotonic() < deadline, r.raw
+                    await asyncio.sleep(0.2)
+                assert r.done
+        finally:
+            short.stop(timeout_s=5)
+        del replicas
+
+
+async def test_without_redis_local_share_serves_cap_over_replicas(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    async with _fleet(tmp_path, redis_server.url, on_loss="local_share") as (backend, replicas):
+        redis_server.kill()
+        await asyncio.sleep(0.5)
+        clients = [httpx.AsyncClient(base_url=gw.url, timeout=60) for gw in replicas]
+        peak = _Peak(vllm_running([backend.url]))
+        try:
+            replies = await asyncio.gather(
+                *(
+                    stream_chat(clients[i % 3], model=MODEL, max_tokens=30, ignore_eos=True)
+                    for i in range(18)
+                )
+            )
+        finally:
+            highest = await peak.stop()
+            for c in clients:
+                await c.aclose()
+        assert [r.status for r in replies] == [200] * 18
+        # each replica runs cap // replicas (at least one) on its own: 3 x 1 here
+        assert highest <= 3 * max(CAP // 3, 1), highest
