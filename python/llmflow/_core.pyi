@@ -422,6 +422,9 @@ class Runtime:
     def shared_load(self, backend: str, elsewhere: int, now_us: int) -> list[Action]:
         """Other gateway replicas hold `elsewhere` of `backend`'s slots (the shared store's
         count): this runtime's free slots are its cap less its own running less these."""
+    def shared_service(self, tenant: str, cost: float, now_us: int) -> list[Action]:
+        """Other gateway replicas gave `tenant` `cost` weighted tokens of service since the
+        last sync: its fair-queue counter counts them (`tenant_service` does not)."""
     def lease_denied(self, request_id: int, now_us: int) -> list[Action]:
         """The shared store refused the slot lease of a started request (it never reached the
         backend): the request is decided again, as an arrival (queued, started, or refused with

@@ -439,6 +439,17 @@ impl PyRuntime {
         self.feed(py, now_us, &event)
     }
 
+    fn shared_service(
+        &mut self,
+        py: Python<'_>,
+        tenant: &str,
+        cost: f64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        let tenant = self.inner.governor().tenant_id(tenant)?;
+        self.feed(py, now_us, &Event::SharedService { tenant, cost })
+    }
+
     fn lease_denied(
         &mut self,
         py: Python<'_>,

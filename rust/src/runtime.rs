@@ -123,6 +123,9 @@ pub enum Event {
     /// The shared store refused a started request's slot lease (the global cap was reached
     /// elsewhere first): the request never reached the backend and is decided again.
     LeaseDenied { id: u64 },
+    /// Other gateway replicas gave `tenant` `cost` weighted tokens of service since the last
+    /// sync: its fair-queue counter counts them.
+    SharedService { tenant: u32, cost: f64 },
     /// Stop admitting; cut what is still live after the drain timeout.
     Drain,
 }
@@ -540,6 +543,10 @@ impl Runtime {
             }
             Event::SharedLoad { backend, elsewhere } => self.shared_load(backend, elsewhere)?,
             Event::LeaseDenied { id } => self.lease_denied(id, now)?,
+            Event::SharedService { tenant, cost } => {
+                self.gov.charge_elsewhere(tenant, cost)?;
+                false
+            }
             Event::Drain => {
                 if self.drain_at.is_none() && !self.gov.draining {
                     self.gov.start_draining();

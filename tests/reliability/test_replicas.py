@@ -133,9 +133,7 @@ async def test_kill_9_of_a_replica_returns_its_slots_within_the_ttl(
         victim, survivor = replicas[0], replicas[1]
         async with httpx.AsyncClient(base_url=victim.url, timeout=60) as vc:
             held = [
-                asyncio.create_task(
-                    stream_chat(vc, model=MODEL, max_tokens=2000, ignore_eos=True)
-                )
+                asyncio.create_task(stream_chat(vc, model=MODEL, max_tokens=2000, ignore_eos=True))
                 for _ in range(CAP)
             ]
             deadline = time.monotonic() + 20
@@ -247,3 +245,91 @@ async def test_without_redis_local_share_serves_cap_over_replicas(
         assert [r.status for r in replies] == [200] * 18
         # each replica runs cap // replicas (at least one) on its own: 3 x 1 here
         assert highest <= 3 * max(CAP // 3, 1), highest
+
+
+FAIR_CAP = 6
+WINDOW_S = 8.0
+
+
+async def _loop(client: httpx.AsyncClient, done: list[int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        r = await stream_chat(client, model=MODEL, max_tokens=30, ignore_eos=True)
+        if r.status == 200 and r.done and not stop.is_set():
+            done.append(1)
+
+
+async def _slot_share(redis_url: str, prefix: str, stop: asyncio.Event) -> float:
+    """Mean fraction of the live leases held by the replica whose lease ids start `prefix`."""
+    client = aioredis.from_url(redis_url)
+    ours = total = 0
+    try:
+        while not stop.is_set():
+            members = [m.decode() for m in await client.zrange(KEY, 0, -1)]
+            ours += sum(m.startswith(prefix) for m in members)
+            total += len(members)
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
+    return ours / max(total, 1)
+
+
+async def test_a_tenant_on_one_replica_gets_the_slots_of_that_replica(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    """Tenant a sends only to replica 0, tenant b to all three, both flooding, equal weights.
+
+    Stated bound: a tenant backlogged on a set of replicas gets at least
+    min(its weighted share, the share of slots those replicas hold) - 0.08. Replica 0 orders
+    its queue by each tenant's service everywhere (shared VTC), so b, served by the other
+    replicas, waits there behind a: a gets replica 0's slots. Without the shared counters
+    replica 0 would split its slots evenly and a would get about half that."""
+    with SimServeProcess(tmp_path, "--model-name", MODEL, "--max-num-seqs", "256") as backend:
+        config = _config(backend.url, redis_server.url)
+        config["gate"]["max_concurrency_per_gpu"] = FAIR_CAP
+        config["tenants"] = [
+            {"name": "a", "tier": "normal", "api_keys": ["key-tenant-a-0001"]},
+            {"name": "b", "tier": "normal", "api_keys": ["key-tenant-b-0001"]},
+        ]
+        replicas = [GatewayProcess(config, tmp_path / f"r{k}").start() for k in range(3)]
+        try:
+
+            def client(gw: GatewayProcess, key: str) -> httpx.AsyncClient:
+                auth = {"Authorization": f"Bearer {key}"}
+                return httpx.AsyncClient(base_url=gw.url, timeout=60, headers=auth)
+
+            a_client = client(replicas[0], "key-tenant-a-0001")
+            b_clients = [client(gw, "key-tenant-b-0001") for gw in replicas]
+            stop = asyncio.Event()
+            a_done: list[int] = []
+            b_done: list[int] = []
+            loops = [asyncio.create_task(_loop(a_client, a_done, stop)) for _ in range(8)]
+            loops += [
+                asyncio.create_task(_loop(c, b_done, stop)) for c in b_clients for _ in range(8)
+            ]
+            await asyncio.sleep(2.0)  # every queue backlogged, the counters exchanged
+            a_done.clear()
+            b_done.clear()
+            share_task = asyncio.create_task(
+                _slot_share(redis_server.url, f"{_host()}:{replicas[0].pid()}:", stop)
+            )
+            await asyncio.sleep(WINDOW_S)
+            stop.set()
+            a_count, b_count = len(a_done), len(b_done)
+            replica0_slots = await share_task
+            await asyncio.gather(*loops)
+            for c in (a_client, *b_clients):
+                await c.aclose()
+        finally:
+            for gw in replicas:
+                gw.stop(timeout_s=5)
+    a_share = a_count / max(a_count + b_count, 1)
+    bound = min(0.5, replica0_slots) - 0.08
+    print(f"a {a_count}, b {b_count}: a's share {a_share:.3f}, replica 0 held {replica0_slots:.3f}")
+    assert a_count + b_count > 50  # enough requests to judge
+    assert a_share >= bound, (a_share, replica0_slots)
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()

@@ -184,6 +184,10 @@ class Host:
         """Other replicas hold `elsewhere` of `backend`'s slots."""
         self.carry(self.runtime.shared_load(backend, elsewhere, now_us()))
 
+    def shared_service(self, tenant: str, cost: float) -> None:
+        """Other replicas gave `tenant` `cost` weighted tokens of service since the last sync."""
+        self.carry(self.runtime.shared_service(tenant, cost, now_us()))
+
     def lease_denied(self, request_id: int) -> None:
         """The shared store refused a started request's slot lease."""
         self.carry(self.runtime.lease_denied(request_id, now_us()))

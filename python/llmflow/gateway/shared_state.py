@@ -13,6 +13,10 @@ does the Redis I/O its decisions need, and feeds the results back as events:
 - **The global picture.** Every `sync_interval_ms` one script per backend renews this
   replica's leases, purges expired ones and counts the rest; the count less our own is fed as
   `Runtime.shared_load`, so the runtime's free slots reflect other replicas' requests.
+- **Fair order.** Each sync also adds this replica's per-tenant service (the weighted tokens
+  its fair queue charged) to the hash `{prefix}:service` and reads everyone's back; what other
+  replicas gave each tenant since the last sync is fed as `Runtime.shared_service`, so the
+  Virtual Token Counter orders this replica's queue by each tenant's service everywhere.
 - **Loss of Redis.** A failed call marks the store lost: with `on_loss: fail_closed` the
   runtime is told every slot is held elsewhere (requests queue and are refused with a
   Retry-After when the queue fills or their wait expires; none starts without a lease); with
@@ -89,6 +93,12 @@ class SharedSlots:
         self.keys = {b: f"{state.key_prefix}:slots:{b}" for b in self.caps}
         self.held: dict[str, dict[int, str]] = {b: {} for b in self.caps}  # backend -> id -> lease
         self.backend_of: dict[int, str] = {}
+        self.tenants = [t.name for t in settings.tenants]
+        if settings.anonymous_tenant not in self.tenants:
+            self.tenants.append(settings.anonymous_tenant)
+        self.service_key = f"{state.key_prefix}:service"
+        self._published = dict.fromkeys(self.tenants, 0.0)  # our service, as last added
+        self._seen: dict[str, float] | None = None  # everyone's, as last read
         self.lost = False
         self._acquire = self.client.register_script(_ACQUIRE)
         self._sync = self.client.register_script(_SYNC)
@@ -163,10 +173,11 @@ class SharedSlots:
         try:
             counts = {}
             for backend, key in self.keys.items():
-                mine = list(self.held[backend].values())
+                leases = list(self.held[backend].values())
                 counts[backend] = int(
-                    await self._sync(keys=[key], args=[int(self.state.lease_ttl_ms), *mine])
+                    await self._sync(keys=[key], args=[int(self.state.lease_ttl_ms), *leases])
                 )
+            mine, everyone = await self._exchange_service()
         except Exception as exc:
             self._lose(exc)
             return
@@ -175,6 +186,33 @@ class SharedSlots:
             self.lost = False
         for backend, count in counts.items():
             self.host.shared_load(backend, max(count - len(self.held[backend]), 0))
+        self._feed_service(mine, everyone)
+
+    async def _exchange_service(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Add our per-tenant service since the last sync; read everyone's totals."""
+        mine = {}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for tenant in self.tenants:
+                now = self.host.runtime.tenant_service(tenant)
+                mine[tenant] = now - self._published[tenant]
+                if mine[tenant] > 0:
+                    pipe.hincrbyfloat(self.service_key, tenant, mine[tenant])
+            pipe.hgetall(self.service_key)
+            replies = await pipe.execute()
+        for tenant, delta in mine.items():
+            self._published[tenant] += delta
+        everyone = {k.decode(): float(v) for k, v in replies[-1].items()}
+        return mine, everyone
+
+    def _feed_service(self, mine: dict[str, float], everyone: dict[str, float]) -> None:
+        seen, self._seen = self._seen, everyone
+        if seen is None:
+            return  # the first read: what came before does not count
+        for tenant in self.tenants:
+            total = everyone.get(tenant, 0.0)
+            elsewhere = total - seen.get(tenant, 0.0) - mine.get(tenant, 0.0)
+            if elsewhere > 0 and total >= seen.get(tenant, 0.0):  # not a restarted Redis
+                self.host.shared_service(tenant, elsewhere)
 
     def _lose(self, exc: BaseException) -> None:
         if not self.lost:

@@ -20,6 +20,18 @@ impl Governor {
         Ok(())
     }
 
+    /// Charge `tenant` the service (weighted tokens) other replicas gave it since the last
+    /// sync, so this replica's fair order counts it (the Virtual Token Counter, shared).
+    pub fn charge_elsewhere(&mut self, tenant: u32, cost: f64) -> PolicyResult<()> {
+        if tenant as usize >= self.config.tenants.len() {
+            return Err(PolicyError::UnknownTenant(tenant.to_string()));
+        }
+        if cost.is_finite() && cost > 0.0 {
+            self.queue.charge_elsewhere(tenant, cost);
+        }
+        Ok(())
+    }
+
     /// A started request whose slot lease the store refused: the slot was taken elsewhere
     /// since the last sync, so count one more held elsewhere (until the next sync says
     /// otherwise), end the start without charging it as served, and return what `submit`
@@ -54,6 +66,23 @@ mod tests {
         let started = g.dispatch(1);
         assert_eq!(started.len(), 1);
         assert!(g.set_elsewhere(9, 0).is_err());
+    }
+
+    // Service given elsewhere moves a tenant behind one that got none: the other goes first.
+    #[test]
+    fn elsewhere_service_orders_the_queue() {
+        let mut g = governor();
+        let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
+        for id in 1..=2 {
+            g.submit(id, a, 10, 10, 0).unwrap(); // both slots
+        }
+        g.submit(3, a, 10, 10, 0).unwrap();
+        g.submit(4, b, 10, 10, 0).unwrap();
+        g.charge_elsewhere(b, 1e6).unwrap();
+        g.finish(1, crate::types::Outcome::Completed, 1);
+        let next: Vec<u64> = g.dispatch(1).iter().map(|x| x.request_id).collect();
+        assert_eq!(next, vec![3]);
+        assert!(g.charge_elsewhere(99, 1.0).is_err());
     }
 
     // A denied lease frees the local slot, counts one more elsewhere, and hands back the
