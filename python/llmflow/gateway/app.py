@@ -97,6 +97,10 @@ class Gateway:
             self.host, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3, s.kv.block_size
         )
         self.metrics.scraper = self.scraper
+        if self.host.leases is not None:
+            from llmflow.gateway.shared_scrape import SharedScrapes
+
+            self.scraper.shared = SharedScrapes(self.host.leases, s.metrics.scrape_interval_ms)
         self.ctx = SessionContext(
             host=self.host,
             upstream=self.upstream,
