@@ -358,3 +358,43 @@ async def test_one_replica_scrapes_a_backend_at_a_time(
         b0 = state["backends"]["b0"]
         assert b0["healthy"], b0
         assert b0["scrape_age_s"] < 1.0, b0
+
+
+async def test_a_rate_limit_holds_across_replicas(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    """requests_per_s 3 over 3 replicas: each enforces 1/s (a bucket of one request), so a
+    tenant spraying all three gets at most 3 + 3 x T in T seconds, and one that sends to a
+    single replica gets at most 1 + T (the price of splitting: see docs/scale.md)."""
+    with SimServeProcess(tmp_path, "--model-name", MODEL) as backend:
+        config = _config(backend.url, redis_server.url)
+        config["tenants"] = [
+            {"name": "a", "tier": "normal", "api_keys": ["key-tenant-a-0001"], "requests_per_s": 3}
+        ]
+        replicas = [GatewayProcess(config, tmp_path / f"r{k}").start() for k in range(3)]
+        auth = {"Authorization": "Bearer key-tenant-a-0001"}
+        clients = [httpx.AsyncClient(base_url=gw.url, timeout=30, headers=auth) for gw in replicas]
+        try:
+
+            async def spray(targets: list[httpx.AsyncClient], seconds: float) -> int:
+                ok, end, i = 0, time.monotonic() + seconds, 0
+                while time.monotonic() < end:
+                    r = await stream_chat(targets[i % len(targets)], model=MODEL, max_tokens=1)
+                    i += 1
+                    ok += r.status == 200
+                    if r.status != 200:
+                        assert r.status == 429, r.raw
+                        assert int(r.headers["retry-after"]) >= 1
+                    await asyncio.sleep(0.02)
+                return ok
+
+            spread = await spray(clients, 3.0)
+            await asyncio.sleep(1.5)  # the buckets refill
+            single = await spray(clients[:1], 3.0)
+        finally:
+            for c in clients:
+                await c.aclose()
+            for gw in replicas:
+                gw.stop(timeout_s=5)
+    assert 3 <= spread <= 3 + 3 * 3 + 1, spread
+    assert single <= 1 + 1 * 3 + 1, single
