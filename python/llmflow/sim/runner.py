@@ -21,6 +21,7 @@ from llmflow.sim.clients import RequestSpec, client
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.metrics import Recorder, class_summary
 from llmflow.sim.policies import PRESETS, DirectPolicy, GatedPolicy, policy_settings
+from llmflow.sim.replicas import ReplicatedPolicy
 from llmflow.sim.report import dominance, verdicts
 from llmflow.sim.workload import Requests, build_requests
 
@@ -77,7 +78,7 @@ def _sampler(
 ) -> Generator[simpy.Event, None, None]:
     g = cluster.gauges
     while True:
-        queued = gw.runtime.queued if isinstance(gw, GatedPolicy) else 0
+        queued = 0 if isinstance(gw, DirectPolicy) else gw.runtime.queued
         out.append((env.now, queued + g.waiting, g.running, g.used / g.total_blocks))
         yield env.timeout(every)
 
@@ -102,11 +103,15 @@ def run_policy(
     sched = None if spec.kind == "direct" else (
         spec.scheduling_policy or PRESETS[spec.preset_for(name)][1])
     cluster = Cluster(env, sc.cluster, sched, spec.engine)
-    gw: DirectPolicy | GatedPolicy
+    gw: DirectPolicy | GatedPolicy | ReplicatedPolicy
     if spec.kind == "direct":
         gw = DirectPolicy(env, cluster, spec.propagate_disconnect)
     else:
-        gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster), trace)
+        settings = policy_settings(name, spec, sc, cluster)
+        if spec.replicas is not None:
+            gw = ReplicatedPolicy(env, cluster, settings, spec.replicas)
+        else:
+            gw = GatedPolicy(env, cluster, settings, trace)
     rec = Recorder(env)
     total = len(reqs)
     done = env.event()
@@ -127,7 +132,7 @@ def run_policy(
     env.process(_sampler(env, cluster, gw, sc.sample_interval_s, samples))
     if total:
         env.run(until=simpy.AnyOf(env, [done, env.timeout(sc.horizon_s)]))
-    if isinstance(gw, GatedPolicy):
+    if not isinstance(gw, DirectPolicy):
         gw.flush_trace()
     rec.close(sorted(live.values(), key=lambda v: v[1]))
     if progress is not None and ended[0] > ended[1]:
@@ -137,7 +142,8 @@ def run_policy(
 
 def _summarise(
     sc: Scenario, name: str, env: simpy.Environment, cluster: Cluster,
-    gw: DirectPolicy | GatedPolicy, rec: Recorder, samples: list[tuple[float, ...]], wall: float,
+    gw: DirectPolicy | GatedPolicy | ReplicatedPolicy, rec: Recorder,
+    samples: list[tuple[float, ...]], wall: float,
 ) -> PolicyRun:
     cols = rec.columns()
     horizon = env.now
@@ -146,8 +152,8 @@ def _summarise(
         for i, wc in enumerate(sc.workload)
     }
     g = cluster.gauges
-    gated = isinstance(gw, GatedPolicy)
-    peak_gw = gw.peak_queue if isinstance(gw, GatedPolicy) else 0
+    gated = not isinstance(gw, DirectPolicy)
+    peak_gw = 0 if isinstance(gw, DirectPolicy) else gw.peak_queue
     good = 0
     for i, wc in enumerate(sc.workload):
         mine = (cols["cls"] == i) & (cols["state"] == "completed")
@@ -169,12 +175,14 @@ def _summarise(
         "sim_s": round(horizon, 6),
         "engine_steps": cluster.steps,
         "generated_tokens": gen_tokens,
-        "rejections": dict(sorted(gw.rejections.items())) if isinstance(gw, GatedPolicy) else {},
-        "browned_out": gw.browned_out if isinstance(gw, GatedPolicy) else 0,
+        "rejections": {} if isinstance(gw, DirectPolicy) else dict(sorted(gw.rejections.items())),
+        "browned_out": 0 if isinstance(gw, DirectPolicy) else gw.browned_out,
         "littles_law": rec.littles_law(horizon),
         "gpus": cluster.gpus,
         "wall_s": round(wall, 3),
     }
+    if isinstance(gw, ReplicatedPolicy):
+        summary["lease_denials"] = gw.lease_denials
     arr = np.array(samples) if samples else np.zeros((0, 4))
     series = {"t": arr[:, 0], "queue": arr[:, 1], "running": arr[:, 2], "kv_usage": arr[:, 3]}
     ttft = {wc.name: cols["ttft"][cols["cls"] == i] for i, wc in enumerate(sc.workload)}
