@@ -78,7 +78,12 @@ class SharedSlots:
     """
 
     def __init__(self, settings: Settings, host: Host) -> None:
-        import redis.asyncio as aioredis
+        try:
+            import redis.asyncio as aioredis
+        except ImportError:
+            raise RuntimeError(
+                "state.backend redis needs the redis package: pip install 'llmflow[redis]'"
+            ) from None
 
         state = settings.state
         assert state.url is not None, "validated: state.backend redis needs a url"
