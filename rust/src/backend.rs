@@ -31,6 +31,8 @@ pub struct BackendState {
     pub running: u32,
     /// Slots other gateway replicas hold (their shared store's count; 0 with one replica).
     pub elsewhere: u32,
+    /// Weight of the tenants other replicas have waiting (0 with one replica).
+    pub waiting_elsewhere: f64,
     pub running_by_tier: Vec<u32>,
     /// Prompt tokens of running requests still waiting for their first token.
     pub prefill_pending: u64,
@@ -70,6 +72,7 @@ impl BackendState {
             kv_capacity_blocks: config.kv_blocks,
             running: 0,
             elsewhere: 0,
+            waiting_elsewhere: 0.0,
             running_by_tier: vec![0; tiers],
             prefill_pending: 0,
             committed_blocks: 0,

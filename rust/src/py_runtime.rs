@@ -425,18 +425,27 @@ impl PyRuntime {
         self.feed(py, now_us, &event)
     }
 
+    #[pyo3(signature = (backend, elsewhere, now_us, *, waiting=0.0))]
     fn shared_load(
         &mut self,
         py: Python<'_>,
         backend: &str,
         elsewhere: u32,
         now_us: u64,
+        waiting: f64,
     ) -> PyResult<Py<PyAny>> {
         let event = Event::SharedLoad {
             backend: self.backend(backend)?,
             elsewhere,
+            waiting,
         };
         self.feed(py, now_us, &event)
+    }
+
+    /// The weight of the tenants with requests waiting here (for the other replicas).
+    #[getter]
+    fn waiting_weight(&self) -> f64 {
+        self.inner.governor().waiting_weight()
     }
 
     fn shared_service(

@@ -117,9 +117,15 @@ pub enum Event {
     },
     /// A scrape of a backend failed.
     ScrapeFailed { backend: u32 },
-    /// Other gateway replicas hold `elsewhere` of the backend's slots (the shared store's
-    /// count, fed each sync; see `governor/shared.rs`).
-    SharedLoad { backend: u32, elsewhere: u32 },
+    /// Other gateway replicas hold `elsewhere` of the backend's slots and have tenants of
+    /// total weight `waiting` waiting (the shared store's figures, fed each sync; see
+    /// `governor/shared.rs`).
+    SharedLoad {
+        backend: u32,
+        elsewhere: u32,
+        #[serde(default)]
+        waiting: f64,
+    },
     /// The shared store refused a started request's slot lease (the global cap was reached
     /// elsewhere first): the request never reached the backend and is decided again.
     LeaseDenied { id: u64 },
@@ -541,7 +547,11 @@ impl Runtime {
                 self.scrape_failed(backend)?;
                 false
             }
-            Event::SharedLoad { backend, elsewhere } => self.shared_load(backend, elsewhere)?,
+            Event::SharedLoad {
+                backend,
+                elsewhere,
+                waiting,
+            } => self.shared_load(backend, elsewhere, waiting)?,
             Event::LeaseDenied { id } => self.lease_denied(id, now)?,
             Event::SharedService { tenant, cost } => {
                 self.gov.charge_elsewhere(tenant, cost)?;
@@ -630,8 +640,8 @@ impl Runtime {
     }
 
     /// Other replicas' share of a backend changed: room may have freed.
-    fn shared_load(&mut self, backend: u32, elsewhere: u32) -> PolicyResult<bool> {
-        self.gov.set_elsewhere(backend, elsewhere)?;
+    fn shared_load(&mut self, backend: u32, elsewhere: u32, waiting: f64) -> PolicyResult<bool> {
+        self.gov.set_elsewhere(backend, elsewhere, waiting)?;
         Ok(true)
     }
 
@@ -951,6 +961,7 @@ mod tests {
         let shared = |elsewhere| Event::SharedLoad {
             backend: 0,
             elsewhere,
+            waiting: 0.0,
         };
         rt.handle(1, &shared(1)).unwrap(); // 2 slots: 1 held elsewhere, 1 by request 1
         let acts = rt.handle(2, &Event::LeaseDenied { id: 1 }).unwrap();

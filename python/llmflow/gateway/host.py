@@ -180,9 +180,10 @@ class Host:
     def scrape_failed(self, backend: str) -> None:
         self.carry(self.runtime.scrape_failed(backend, now_us()))
 
-    def shared_load(self, backend: str, elsewhere: int) -> None:
-        """Other replicas hold `elsewhere` of `backend`'s slots."""
-        self.carry(self.runtime.shared_load(backend, elsewhere, now_us()))
+    def shared_load(self, backend: str, elsewhere: int, waiting: float = 0.0) -> None:
+        """Other replicas hold `elsewhere` of `backend`'s slots and have tenants of total
+        weight `waiting` waiting."""
+        self.carry(self.runtime.shared_load(backend, elsewhere, now_us(), waiting=waiting))
 
     def shared_service(self, tenant: str, cost: float) -> None:
         """Other replicas gave `tenant` `cost` weighted tokens of service since the last sync."""

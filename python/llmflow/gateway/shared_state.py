@@ -13,6 +13,10 @@ does the Redis I/O its decisions need, and feeds the results back as events:
 - **The global picture.** Every `sync_interval_ms` one script per backend renews this
   replica's leases, purges expired ones and counts the rest; the count less our own is fed as
   `Runtime.shared_load`, so the runtime's free slots reflect other replicas' requests.
+- **Fair split between replicas.** Each sync also publishes the weight of the tenants this
+  replica has waiting (`{prefix}:waiting`, expiring after three syncs) and reads the others'
+  sum; it goes with `shared_load`, and while others wait the core runs at most its share of
+  each backend by that weight, so slots do not stick to the replica that frees them.
 - **Fair order.** Each sync also adds this replica's per-tenant service (the weighted tokens
   its fair queue charged) to the hash `{prefix}:service` and reads everyone's back; what other
   replicas gave each tenant since the last sync is fed as `Runtime.shared_service`, so the
@@ -68,6 +72,26 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
+# KEYS: the replicas' expiry set and their weights; ARGV: replica, its waiting weight, ttl ms.
+# Records ours, forgets replicas that stopped syncing, returns the others' summed weight.
+_WAITING = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  redis.call('HDEL', KEYS[2], r)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local sum = 0
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] then sum = sum + tonumber(all[i + 1]) end
+end
+return tostring(sum)
+"""
+
+
 class SharedSlots:
     """This replica's leases on the backends' slots, and the sync with Redis.
 
@@ -107,6 +131,8 @@ class SharedSlots:
         self.lost = False
         self._acquire = self.client.register_script(_ACQUIRE)
         self._sync = self.client.register_script(_SYNC)
+        self._waiting = self.client.register_script(_WAITING)
+        self.waiting_keys = [f"{state.key_prefix}:waiting", f"{state.key_prefix}:waiting-weight"]
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
 
@@ -183,6 +209,11 @@ class SharedSlots:
                     await self._sync(keys=[key], args=[int(self.state.lease_ttl_ms), *leases])
                 )
             mine, everyone = await self._exchange_service()
+            ttl = int(3 * self.state.sync_interval_ms) + 1
+            weight = self.host.runtime.waiting_weight
+            waiting = float(
+                await self._waiting(keys=self.waiting_keys, args=[self.replica, weight, ttl])
+            )
         except Exception as exc:
             self._lose(exc)
             return
@@ -190,7 +221,7 @@ class SharedSlots:
             log.warning("shared state: Redis back at %s", self.state.url)
             self.lost = False
         for backend, count in counts.items():
-            self.host.shared_load(backend, max(count - len(self.held[backend]), 0))
+            self.host.shared_load(backend, max(count - len(self.held[backend]), 0), waiting)
         self._feed_service(mine, everyone)
 
     async def _exchange_service(self) -> tuple[dict[str, float], dict[str, float]]:

@@ -4,11 +4,12 @@ Each replica is a `GatedPolicy` (its own `Runtime`, scrapes and timer) and the g
 shared-state protocol (`gateway/shared_state.py`) is replayed in simulated time: a `Start` is
 carried out only after the lease script's round trip (`redis_rtt_ms`), a refused lease is fed
 back as `lease_denied`, every `sync_ms` each replica renews its leases, counts everyone's and
-exchanges per-tenant service (`shared_load`, `shared_service`), and a lease is released when
-its request ends. Redis's state changes at the instant a call reaches it (half the round
-trip). Arrivals go to replicas round robin, or by tenant (`balance: by_tenant`: tenant i to
-replica i mod N, the uneven spread that tests fairness). A replica may crash (`crash_at_s`):
-its requests fail, and its leases hold their slots until `lease_ttl_ms` expires them.
+exchanges per-tenant service and waiting weight (`shared_load`, `shared_service`), and a lease
+is released when its request ends. Redis's state changes at the instant a call reaches it
+(half the round trip). Arrivals go to replicas round robin, or by tenant (`balance:
+by_tenant`: tenant i to replica i mod N, the uneven spread that tests fairness). A replica
+may crash (`crash_at_s`): its requests fail, and its leases hold their slots until
+`lease_ttl_ms` expires them.
 `shared: false` runs the N replicas with no Redis at all, each on the whole cap.
 """
 
@@ -41,6 +42,7 @@ class SimRedis:
         self.env = env
         self.leases: dict[str, dict[str, float]] = {}  # backend -> lease -> expiry (sim s)
         self.service: dict[str, float] = {}
+        self.waiting: dict[int, tuple[float, float]] = {}  # replica -> (weight, expiry)
 
     def _live(self, backend: str) -> dict[str, float]:
         leases = self.leases.setdefault(backend, {})
@@ -60,6 +62,10 @@ class SimRedis:
         for lease in mine:
             leases[lease] = self.env.now + ttl_s
         return len(leases)
+
+    def waiting_elsewhere(self, replica: int, weight: float, ttl_s: float) -> float:
+        self.waiting[replica] = (weight, self.env.now + ttl_s)
+        return sum(w for r, (w, exp) in self.waiting.items() if r != replica and exp > self.env.now)
 
     def release(self, backend: str, lease: str) -> None:
         self.leases.get(backend, {}).pop(lease, None)
@@ -225,18 +231,22 @@ class ReplicatedPolicy:
                 self.published[k][tenant] += delta[tenant]
                 self.redis.service[tenant] = self.redis.service.get(tenant, 0.0) + delta[tenant]
             everyone = dict(self.redis.service)
+            waiting = self.redis.waiting_elsewhere(
+                k, gp.runtime.waiting_weight, 3 * self.spec.sync_ms / 1e3
+            )
             yield self._half()
             now = gp._now_us()
             for backend, count in counts.items():
                 mine_n = sum(1 for b, _ in self.held[k].values() if b == backend)
-                gp._carry(gp.runtime.shared_load(backend, max(count - mine_n, 0), now))
+                elsewhere = max(count - mine_n, 0)
+                gp._carry(gp.runtime.shared_load(backend, elsewhere, now, waiting=waiting))
             seen, self.seen[k] = self.seen[k], everyone
             if seen is None:
                 continue
             for tenant in self.tenants:
-                elsewhere = everyone.get(tenant, 0.0) - seen.get(tenant, 0.0) - delta[tenant]
-                if elsewhere > 0:
-                    gp._carry(gp.runtime.shared_service(tenant, elsewhere, now))
+                given = everyone.get(tenant, 0.0) - seen.get(tenant, 0.0) - delta[tenant]
+                if given > 0:
+                    gp._carry(gp.runtime.shared_service(tenant, given, now))
 
     def _crash_at(self, k: int, at_s: float) -> Generator[Any, Any, None]:
         yield self.env.timeout(at_s)

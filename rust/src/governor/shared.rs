@@ -4,20 +4,56 @@
 //! The store's I/O (Redis) is the host's; these are the events it feeds back. The governor's
 //! view of a backend's free slots is its cap less its own running requests less
 //! `elsewhere`, so each replica's decisions follow the global picture within one sync period.
+//!
+//! Slots would otherwise stick to the replica that frees them (it starts its next request
+//! before the others hear the slot is free). So while other replicas have requests waiting, a
+//! replica runs at most its share of each backend: the weight of the tenants it has waiting
+//! over everyone's (`replica_share`).
 
 use super::Governor;
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::Outcome;
 
 impl Governor {
-    /// Record how many of `backend`'s slots other replicas hold now.
-    pub fn set_elsewhere(&mut self, backend: u32, held: u32) -> PolicyResult<()> {
+    /// Record how many of `backend`'s slots other replicas hold now, and the weight of the
+    /// tenants other replicas have waiting.
+    pub fn set_elsewhere(&mut self, backend: u32, held: u32, waiting: f64) -> PolicyResult<()> {
         let b = self
             .backends
             .get_mut(backend as usize)
             .ok_or_else(|| PolicyError::UnknownBackend(backend.to_string()))?;
         b.elsewhere = held;
+        b.waiting_elsewhere = if waiting.is_finite() {
+            waiting.max(0.0)
+        } else {
+            0.0
+        };
         Ok(())
+    }
+
+    /// The weight of the tenants with requests waiting here (what other replicas are told).
+    pub fn waiting_weight(&self) -> f64 {
+        (0..self.config.tenants.len() as u32)
+            .filter(|&t| self.queue.tenant_len(t) > 0)
+            .map(|t| self.queue.weight(t))
+            .sum()
+    }
+
+    /// The most slots of backend `b` this replica may run while other replicas have requests
+    /// waiting: its share by waiting weight (at least one); `None` when none wait elsewhere or
+    /// none here.
+    pub(super) fn replica_share(&self, b: usize) -> Option<u32> {
+        let backend = &self.backends[b];
+        let elsewhere = backend.waiting_elsewhere;
+        if elsewhere <= 0.0 {
+            return None;
+        }
+        let here = self.waiting_weight();
+        if here <= 0.0 {
+            return None;
+        }
+        let slots = f64::from(backend.cap.min(backend.tpot_cap));
+        Some(((slots * here / (here + elsewhere)).ceil() as u32).max(1))
     }
 
     /// Charge `tenant` the service (weighted tokens) other replicas gave it since the last
@@ -59,13 +95,13 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         let cap = g.backends[0].cap;
-        g.set_elsewhere(0, cap).unwrap();
+        g.set_elsewhere(0, cap, 0.0).unwrap();
         let d = g.submit(1, a, 10, 10, 0).unwrap();
         assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
-        g.set_elsewhere(0, cap - 1).unwrap();
+        g.set_elsewhere(0, cap - 1, 0.0).unwrap();
         let started = g.dispatch(1);
         assert_eq!(started.len(), 1);
-        assert!(g.set_elsewhere(9, 0).is_err());
+        assert!(g.set_elsewhere(9, 0, 0.0).is_err());
     }
 
     // Service given elsewhere moves a tenant behind one that got none: the other goes first.
@@ -83,6 +119,24 @@ mod tests {
         let next: Vec<u64> = g.dispatch(1).iter().map(|x| x.request_id).collect();
         assert_eq!(next, vec![3]);
         assert!(g.charge_elsewhere(99, 1.0).is_err());
+    }
+
+    // While another replica has a tenant waiting, this one runs at most its share by waiting
+    // weight; with nothing waiting elsewhere it may use every free slot again.
+    #[test]
+    fn waiting_elsewhere_caps_this_replica() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        for id in 1..=2 {
+            g.submit(id, a, 10, 10, 0).unwrap(); // both slots
+        }
+        g.submit(3, a, 10, 10, 0).unwrap(); // a waits here (weight 1)
+        g.set_elsewhere(0, 0, 3.0).unwrap(); // weight 3 waits elsewhere: our share is 1 slot
+        assert_eq!(g.replica_share(0), Some(1));
+        g.finish(1, crate::types::Outcome::Completed, 1);
+        assert!(g.dispatch(1).is_empty()); // one still runs: that is our share
+        g.set_elsewhere(0, 0, 0.0).unwrap();
+        assert_eq!(g.dispatch(2).len(), 1);
     }
 
     // A denied lease frees the local slot, counts one more elsewhere, and hands back the
