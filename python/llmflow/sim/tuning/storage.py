@@ -69,11 +69,26 @@ def open_storage(storage: str, create: bool = True) -> optuna.storages.BaseStora
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.storages.JournalStorage(JournalRedisBackend(storage))
     if base in _SCHEMES:
-        return optuna.storages.RDBStorage(storage, skip_table_creation=not create)
+        return _rdb(storage, create)
     raise ValueError(
         f"--storage {storage!r}: use a journal file path, sqlite:///PATH, postgresql://..., "
         "mysql://... or redis://HOST:PORT/DB"
     )
+
+
+def _rdb(url: str, create: bool) -> optuna.storages.RDBStorage:
+    """An RDB storage. A joiner polling an empty database while the coordinator creates the
+    tables can win the insert of the schema version; the coordinator then just opens again."""
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, skip_table_creation=not create)
+        except (IntegrityError, OperationalError):
+            if attempt == 4:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 def has_study(storage: optuna.storages.BaseStorage, name: str) -> bool:
