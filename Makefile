@@ -20,11 +20,11 @@ vllm: ## Build (or reuse) the cached real-vLLM venv the integration tests use
 	scripts/vllm_env.sh
 
 .PHONY: deps
-deps: ## Install what the tests need beyond Python packages: Debian's chromium (dashboard test)
-	@command -v chromium >/dev/null 2>&1 || { \
-	  echo "installing Debian's chromium for the dashboard's browser test"; \
+deps: ## Install what the tests need beyond Python packages: Debian's chromium and redis-server
+	@command -v chromium >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium (dashboard browser test) and redis-server (shared state)"; \
 	  $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -q chromium; }
+	  DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -q chromium redis-server; }
 
 .PHONY: test
 test: deps ## Run every test: cargo test, then pytest (unit, simulator, property, integration)

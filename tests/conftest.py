@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from llmflow.config import load_settings
+from processes import RedisProcess
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 
 @pytest.fixture
@@ -23,3 +28,10 @@ def core_config() -> dict[str, Any]:
         }
     )
     return settings.to_core()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A real `redis-server` (Debian's) on a free port, killed after the test."""
+    with RedisProcess(tmp_path / "redis") as server:
+        yield server

@@ -1,4 +1,5 @@
-"""Child processes the tests run as in production: `llmflow serve`, `llmflow simserve`.
+"""Child processes the tests run as in production: `llmflow serve`, `llmflow simserve`, and
+Debian's `redis-server`.
 
 Each gets its own process group but stays in the test's session (see
 `integration/vllm_server.py` on autogroup starvation), writes its log to a file the error
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GatewayProcess",
+    "RedisProcess",
     "SimServeProcess",
     "free_port",
     "own_process_group",
@@ -265,6 +267,82 @@ class SimServeProcess:
             self.process = None
 
     def __enter__(self) -> SimServeProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()
+
+
+class RedisProcess:
+    """Debian's `redis-server` on a free port of 127.0.0.1, with nothing saved to disk.
+
+    Args:
+        workdir: where its log goes.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.log_path = workdir / f"redis-{self.port}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """`redis://127.0.0.1:PORT/0`."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        """Start it (again, on the same port) and wait until it answers PING."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        command = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+        ]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                **own_process_group(),
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self._pong():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not start:\n{tail(self.log_path)}")
+            time.sleep(0.02)
+        return self
+
+    def _pong(self) -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+        return False
+
+    def kill(self) -> None:
+        """Stop it at once (SIGKILL): everything it held is lost."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+    def __enter__(self) -> RedisProcess:
         return self.start()
 
     def __exit__(

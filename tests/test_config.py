@@ -177,3 +177,24 @@ def test_any_yaml_text_loads_or_is_a_config_error(tmp_path_factory: Any, text: s
         message = str(exc)
     assert str(path) in message
     assert SECRET_KEY not in message
+
+
+def test_state_is_in_memory_unless_redis_is_named() -> None:
+    assert load_settings(data={}).state.backend == "memory"
+    with pytest.raises(ConfigFileError, match=r"state\.url: backend redis needs a URL"):
+        load_settings(data={"state": {"backend": "redis"}})
+    with pytest.raises(ConfigFileError, match="on_loss"):
+        load_settings(data={"state": {"backend": "redis", "url": "redis://h/0", "on_loss": "x"}})
+
+
+def test_shared_state_splits_each_rate_limit_over_the_replicas() -> None:
+    tenant = {"name": "a", "tier": "normal", "requests_per_s": 9, "tokens_per_min": 900}
+    alone = load_settings(data={"tenants": [tenant]}).to_core()["tenants"][0]
+    shared = load_settings(
+        data={
+            "tenants": [tenant],
+            "state": {"backend": "redis", "url": "redis://h/0", "replicas": 3},
+        }
+    ).to_core()["tenants"][0]
+    assert (alone["requests_per_s"], alone["tokens_per_min"]) == (9, 900)
+    assert (shared["requests_per_s"], shared["tokens_per_min"]) == (3, 300)

@@ -419,6 +419,23 @@ class Runtime:
         """A scrape of `backend` begun at `began_us` answered (KV usage is clamped to 0..1)."""
     def scrape_failed(self, backend: str, now_us: int) -> list[Action]:
         """A scrape of `backend` failed."""
+    def shared_load(
+        self, backend: str, elsewhere: int, now_us: int, *, waiting: float = 0.0
+    ) -> list[Action]:
+        """Other gateway replicas hold `elsewhere` of `backend`'s slots and have tenants of
+        total weight `waiting` waiting (the shared store's figures): this runtime's free slots
+        are its cap less its own running less `elsewhere`, and while others wait it runs at
+        most its share of the cap by waiting weight (`waiting_weight` against `waiting`)."""
+    @property
+    def waiting_weight(self) -> float:
+        """The weight of the tenants with requests waiting here (for the other replicas)."""
+    def shared_service(self, tenant: str, cost: float, now_us: int) -> list[Action]:
+        """Other gateway replicas gave `tenant` `cost` weighted tokens of service since the
+        last sync: its fair-queue counter counts them (`tenant_service` does not)."""
+    def lease_denied(self, request_id: int, now_us: int) -> list[Action]:
+        """The shared store refused the slot lease of a started request (it never reached the
+        backend): the request is decided again, as an arrival (queued, started, or refused with
+        a Retry-After), and one more slot counts as held elsewhere until the next sync."""
     def drain(self, now_us: int) -> list[Action]:
         """Stop admitting; cut whatever is live when the drain timeout passes."""
     def take_trace(self) -> str:

@@ -188,6 +188,29 @@ class Admin(_Section):
     api_key: str | None = Field(None, min_length=16, repr=False)
 
 
+class State(_Section):
+    """Where admission state lives: in this process (the default), or in Redis, shared by
+    gateway replicas (see `docs/scale.md`)."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = Field(None, repr=False)  # redis://[:password@]host:port/db
+    # Redis unreachable: refuse (no request starts without a lease; they queue, then get a
+    # Retry-After), or run on cap / replicas of each backend, unleased, until it is back
+    on_loss: Literal["fail_closed", "local_share"] = "fail_closed"
+    lease_ttl_ms: DurationMs = Field(10_000.0, gt=0)  # a killed replica's slots return within
+    sync_interval_ms: DurationMs = Field(100.0, gt=0)  # renew leases, read the global count
+    replicas: int = Field(1, ge=1)  # gateway replicas: local_share's divisor, and rate limits'
+    key_prefix: str = Field("llmflow", min_length=1)
+
+    @model_validator(mode="after")
+    def _check_url(self) -> State:
+        if self.backend == "redis":
+            scheme = (self.url or "").partition("://")[0]
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ValueError("state.url: backend redis needs a URL such as redis://host:6379/0")
+        return self
+
+
 _DEFAULT_TIERS = (
     Tier(name="vip", shed_at=1.0, protected=True),
     Tier(name="normal", shed_at=0.8),
@@ -213,6 +236,7 @@ class Settings(_Section):
     server: Server = Server()
     limits: Limits = Limits()
     admin: Admin = Admin()
+    state: State = State()
 
     @model_validator(mode="after")
     def _check_references(self) -> Settings:
@@ -241,11 +265,17 @@ class Settings(_Section):
         return any(t.api_keys for t in self.tenants)
 
     def to_core(self) -> dict[str, Any]:
-        """The mapping `llmflow._core.Governor` takes (its keys are the core's own names)."""
+        """The mapping `llmflow._core.Governor` takes (its keys are the core's own names).
+
+        With shared state each of `state.replicas` replicas enforces 1/N of every tenant's
+        rate limit, so together they never pass it (a tenant whose traffic is spread unevenly
+        gets less than its limit: see `docs/scale.md`).
+        """
+        n = self.state.replicas if self.state.backend == "redis" else 1
         tenants = [
             {"name": t.name, "tier": t.tier, "weight": t.weight}
-            | ({"requests_per_s": t.requests_per_s} if t.requests_per_s is not None else {})
-            | ({"tokens_per_min": t.tokens_per_min} if t.tokens_per_min is not None else {})
+            | ({"requests_per_s": t.requests_per_s / n} if t.requests_per_s is not None else {})
+            | ({"tokens_per_min": t.tokens_per_min / n} if t.tokens_per_min is not None else {})
             for t in self.tenants
         ]
         if self.anonymous_tenant not in {t.name for t in self.tenants}:

@@ -29,6 +29,10 @@ pub struct BackendState {
     pub tpot_s: Option<f64>,
     pub kv_capacity_blocks: u64,
     pub running: u32,
+    /// Slots other gateway replicas hold (their shared store's count; 0 with one replica).
+    pub elsewhere: u32,
+    /// Weight of the tenants other replicas have waiting (0 with one replica).
+    pub waiting_elsewhere: f64,
     pub running_by_tier: Vec<u32>,
     /// Prompt tokens of running requests still waiting for their first token.
     pub prefill_pending: u64,
@@ -67,6 +71,8 @@ impl BackendState {
             tpot_s: None,
             kv_capacity_blocks: config.kv_blocks,
             running: 0,
+            elsewhere: 0,
+            waiting_elsewhere: 0.0,
             running_by_tier: vec![0; tiers],
             prefill_pending: 0,
             committed_blocks: 0,
@@ -81,9 +87,10 @@ impl BackendState {
         }
     }
 
-    /// Slots usable now: the cap, or less while the per-token latency target holds it down.
+    /// Slots usable now: the cap, or less while the per-token latency target holds it down,
+    /// less those other replicas hold.
     pub fn slots(&self) -> u32 {
-        self.cap.min(self.tpot_cap)
+        self.cap.min(self.tpot_cap).saturating_sub(self.elsewhere)
     }
 
     pub fn record_decoded(&mut self, tokens: u64) {

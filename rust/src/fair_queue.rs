@@ -210,6 +210,17 @@ impl FairQueue {
         }
     }
 
+    /// Raise a tenant's counter by service it received from other gateway replicas (`cost`
+    /// weighted tokens): the order between tenants then counts their service everywhere,
+    /// while `service` stays what this queue charged.
+    pub fn charge_elsewhere(&mut self, tenant: u32, cost: f64) {
+        let t = &mut self.tenants[tenant as usize];
+        t.counter += cost / t.weight;
+        if self.strategy == Strategy::Fair {
+            self.rekey(tenant as usize);
+        }
+    }
+
     fn forget(&mut self, t: usize, item: QueuedItem) {
         self.tenants[t].prompt_tokens -= item.prompt_tokens;
         let tier = &mut self.tiers[self.tenants[t].tier];

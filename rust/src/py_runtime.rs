@@ -425,6 +425,49 @@ impl PyRuntime {
         self.feed(py, now_us, &event)
     }
 
+    #[pyo3(signature = (backend, elsewhere, now_us, *, waiting=0.0))]
+    fn shared_load(
+        &mut self,
+        py: Python<'_>,
+        backend: &str,
+        elsewhere: u32,
+        now_us: u64,
+        waiting: f64,
+    ) -> PyResult<Py<PyAny>> {
+        let event = Event::SharedLoad {
+            backend: self.backend(backend)?,
+            elsewhere,
+            waiting,
+        };
+        self.feed(py, now_us, &event)
+    }
+
+    /// The weight of the tenants with requests waiting here (for the other replicas).
+    #[getter]
+    fn waiting_weight(&self) -> f64 {
+        self.inner.governor().waiting_weight()
+    }
+
+    fn shared_service(
+        &mut self,
+        py: Python<'_>,
+        tenant: &str,
+        cost: f64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        let tenant = self.inner.governor().tenant_id(tenant)?;
+        self.feed(py, now_us, &Event::SharedService { tenant, cost })
+    }
+
+    fn lease_denied(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::LeaseDenied { id: request_id })
+    }
+
     fn drain(&mut self, py: Python<'_>, now_us: u64) -> PyResult<Py<PyAny>> {
         self.feed(py, now_us, &Event::Drain)
     }

@@ -117,6 +117,21 @@ pub enum Event {
     },
     /// A scrape of a backend failed.
     ScrapeFailed { backend: u32 },
+    /// Other gateway replicas hold `elsewhere` of the backend's slots and have tenants of
+    /// total weight `waiting` waiting (the shared store's figures, fed each sync; see
+    /// `governor/shared.rs`).
+    SharedLoad {
+        backend: u32,
+        elsewhere: u32,
+        #[serde(default)]
+        waiting: f64,
+    },
+    /// The shared store refused a started request's slot lease (the global cap was reached
+    /// elsewhere first): the request never reached the backend and is decided again.
+    LeaseDenied { id: u64 },
+    /// Other gateway replicas gave `tenant` `cost` weighted tokens of service since the last
+    /// sync: its fair-queue counter counts them.
+    SharedService { tenant: u32, cost: f64 },
     /// Stop admitting; cut what is still live after the drain timeout.
     Drain,
 }
@@ -532,6 +547,16 @@ impl Runtime {
                 self.scrape_failed(backend)?;
                 false
             }
+            Event::SharedLoad {
+                backend,
+                elsewhere,
+                waiting,
+            } => self.shared_load(backend, elsewhere, waiting)?,
+            Event::LeaseDenied { id } => self.lease_denied(id, now)?,
+            Event::SharedService { tenant, cost } => {
+                self.gov.charge_elsewhere(tenant, cost)?;
+                false
+            }
             Event::Drain => {
                 if self.drain_at.is_none() && !self.gov.draining {
                     self.gov.start_draining();
@@ -592,6 +617,32 @@ impl Runtime {
             self.set_health(backend, false);
         }
         Ok(())
+    }
+
+    /// Decide a started request again after its lease was refused: it queues, starts on a
+    /// backend with room, or is refused with a Retry-After, as a new arrival would be (its
+    /// queue deadlines restart, and its tenant's request rate is charged again).
+    /// Returns whether room may have freed (always: a new decision may start something).
+    fn lease_denied(&mut self, id: u64, now: u64) -> PolicyResult<bool> {
+        let Some(s) = self.sessions.get(&id) else {
+            return Ok(false);
+        };
+        if !s.started || s.first_token || s.upstream_done {
+            return Ok(false);
+        }
+        let stream = s.stream;
+        let Some((tenant, prompt, max_tokens)) = self.gov.lease_denied(id, now) else {
+            return Ok(false);
+        };
+        self.forget(id);
+        self.arrive(id, tenant, prompt, max_tokens, stream, now)?;
+        Ok(true)
+    }
+
+    /// Other replicas' share of a backend changed: room may have freed.
+    fn shared_load(&mut self, backend: u32, elsewhere: u32, waiting: f64) -> PolicyResult<bool> {
+        self.gov.set_elsewhere(backend, elsewhere, waiting)?;
+        Ok(true)
     }
 
     fn arrive(
@@ -898,6 +949,40 @@ mod tests {
             ),
             "{acts:?}"
         );
+    }
+
+    // A denied lease decides the request again: with the other slot held elsewhere it queues,
+    // starts once the store says a slot came back, and ends once, as any request.
+    #[test]
+    fn lease_denied_requeues_until_a_slot_comes_back() {
+        let mut rt = runtime("{}");
+        let a = rt.governor().tenant_id("a").unwrap();
+        rt.handle(0, &arrive(1, a)).unwrap();
+        let shared = |elsewhere| Event::SharedLoad {
+            backend: 0,
+            elsewhere,
+            waiting: 0.0,
+        };
+        rt.handle(1, &shared(1)).unwrap(); // 2 slots: 1 held elsewhere, 1 by request 1
+        let acts = rt.handle(2, &Event::LeaseDenied { id: 1 }).unwrap();
+        assert!(
+            acts.iter()
+                .any(|x| matches!(x, Action::Queued { id: 1, .. })),
+            "{acts:?}"
+        );
+        assert!(terminal(&acts).is_empty());
+        let acts = rt.handle(3, &shared(1)).unwrap(); // the sync: one is free again
+        assert!(
+            acts.iter()
+                .any(|x| matches!(x, Action::Start { id: 1, .. })),
+            "{acts:?}"
+        );
+        let acts = rt.handle(4, &Event::Done { id: 1 }).unwrap();
+        assert_eq!(terminal(&acts).len(), 1);
+        assert!(rt
+            .handle(5, &Event::LeaseDenied { id: 1 })
+            .unwrap()
+            .is_empty());
     }
 
     // The window full for the stall timeout cuts the request and aborts it upstream; draining

@@ -229,6 +229,24 @@ mod tests {
         evs.push((200, Event::Tokens { id: 1, n: 7 }));
         evs.push((300, Event::Done { id: 1 }));
         evs.push((400, Event::ClientGone { id: 3 }));
+        // Replicas sharing state: another's load and waiting weight, service given elsewhere,
+        // a refused lease.
+        evs.push((
+            500,
+            Event::SharedLoad {
+                backend: 0,
+                elsewhere: 1,
+                waiting: 2.5,
+            },
+        ));
+        evs.push((
+            600,
+            Event::SharedService {
+                tenant: 0,
+                cost: 40.0,
+            },
+        ));
+        evs.push((700, Event::LeaseDenied { id: 2 }));
         evs.push((10_000_000, Event::Timer));
         // An unknown backend: an error, recorded and replayed as such.
         evs.push((10_000_001, Event::ScrapeFailed { backend: 9 }));

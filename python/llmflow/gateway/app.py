@@ -79,6 +79,10 @@ class Gateway:
                 models[model] = min(models.get(model, backend.max_model_len), backend.max_model_len)
         self.models = models
         self.scraper: Scraper | None = None
+        if settings.state.backend == "redis":
+            from llmflow.gateway.shared_state import SharedSlots
+
+            self.host.leases = SharedSlots(settings, self.host)
         self.relay = RelayHost(self.host, settings) if settings.server.relay else None
         self.ctx: SessionContext | None = None
         self.service: CompletionService | None = None
@@ -98,6 +102,10 @@ class Gateway:
             self.host, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3, s.kv.block_size
         )
         self.metrics.scraper = self.scraper
+        if self.host.leases is not None:
+            from llmflow.gateway.shared_scrape import SharedScrapes
+
+            self.scraper.shared = SharedScrapes(self.host.leases, s.metrics.scrape_interval_ms)
         self.ctx = SessionContext(
             host=self.host,
             upstream=self.upstream,
@@ -117,6 +125,9 @@ class Gateway:
         self.service = CompletionService(
             self.ctx, self.models, s.server.bytes_per_token, s.streaming.enabled, s.limits
         )
+        if self.host.leases is not None:
+            await self.host.leases.sync()
+            self.host.leases.begin(self.tasks)
         await self.scraper.scrape_all()
         self.scraper.start(self.tasks)
         _settle_heap()
@@ -152,6 +163,8 @@ class Gateway:
         await self.drain()
         if self.scraper is not None:
             await self.scraper.stop()
+        if self.host.leases is not None:
+            await self.host.leases.close()
         for task in list(self.tasks):
             task.cancel("llmflow gateway shutting down")
         if self.tasks:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from typing import TextIO
 
     from llmflow._core import Action, Runtime
+    from llmflow.gateway.shared_state import SharedSlots
 
 __all__ = ["Host", "Party", "now_us"]
 
@@ -63,16 +64,30 @@ class Host:
         self._ids = itertools.count(1)
         self._trace = trace
         self._timer: asyncio.TimerHandle | None = None
+        # Slot leases shared with other replicas (`state: {backend: redis}`); None: this
+        # process alone, and a Start is carried out at once.
+        self.leases: SharedSlots | None = None
         self._carry_by_type: dict[type, Callable[[Any], None]] = {
-            Start: lambda a: self.parties[a.request_id].on_start(a),
+            Start: self._start,
             Wait: lambda a: None,
             Abort: lambda a: self.parties[a.request_id].on_abort(),
-            Reply: lambda a: self.parties.pop(a.request_id).on_reply(a),
-            Cut: lambda a: self.parties.pop(a.request_id).on_cut(a.reason),
-            End: lambda a: self.parties.pop(a.request_id).on_end(a.outcome),
+            Reply: lambda a: self._ended(a.request_id).on_reply(a),
+            Cut: lambda a: self._ended(a.request_id).on_cut(a.reason),
+            End: lambda a: self._ended(a.request_id).on_end(a.outcome),
             Arm: self._arm,
             SetHealth: lambda a: self.on_health(a.backend, a.healthy),
         }
+
+    def _start(self, action: Start) -> None:
+        if self.leases is None:
+            self.parties[action.request_id].on_start(action)
+        else:
+            self.leases.start(action)  # on_start once the lease is held
+
+    def _ended(self, request_id: int) -> Party:
+        if self.leases is not None:
+            self.leases.ended(request_id)
+        return self.parties.pop(request_id)
 
     def new_id(self) -> int:
         """A fresh request id."""
@@ -164,6 +179,19 @@ class Host:
 
     def scrape_failed(self, backend: str) -> None:
         self.carry(self.runtime.scrape_failed(backend, now_us()))
+
+    def shared_load(self, backend: str, elsewhere: int, waiting: float = 0.0) -> None:
+        """Other replicas hold `elsewhere` of `backend`'s slots and have tenants of total
+        weight `waiting` waiting."""
+        self.carry(self.runtime.shared_load(backend, elsewhere, now_us(), waiting=waiting))
+
+    def shared_service(self, tenant: str, cost: float) -> None:
+        """Other replicas gave `tenant` `cost` weighted tokens of service since the last sync."""
+        self.carry(self.runtime.shared_service(tenant, cost, now_us()))
+
+    def lease_denied(self, request_id: int) -> None:
+        """The shared store refused a started request's slot lease."""
+        self.carry(self.runtime.lease_denied(request_id, now_us()))
 
     def drain(self) -> None:
         self.carry(self.runtime.drain(now_us()))

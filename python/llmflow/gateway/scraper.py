@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 import httpx
 
 from llmflow.gateway.host import now_us
+from llmflow.gateway.shared_scrape import ScrapedElsewhereError
 
 if TYPE_CHECKING:
     from llmflow.gateway.host import Host
+    from llmflow.gateway.shared_scrape import SharedScrapes
     from llmflow.gateway.upstream import Upstream
 
 __all__ = ["BackendState", "NotMetricsError", "Scraper", "parse_vllm_metrics"]
@@ -141,6 +143,8 @@ class Scraper:
         self.timeout_s = max(0.2, min(2.0, interval_s * 2))
         self.states = {name: BackendState(name, url) for name, url in backends.items()}
         self._task: asyncio.Task[None] | None = None
+        # With replicas sharing Redis: one scrapes each backend, the others read (None: alone).
+        self.shared: SharedScrapes | None = None
         host.on_health = self._on_health
 
     async def scrape_all(self) -> None:
@@ -152,18 +156,26 @@ class Scraper:
         state = self.states[name]
         began = now_us()
         try:
-            response = await self.upstream.get(state.url + "/metrics", self.timeout_s)
-            response.raise_for_status()
-            values = parse_vllm_metrics(response.text)
-            if not values:  # a 200 that says nothing is no observation: not a fresh scrape
-                raise NotMetricsError(response.text)
-        except (httpx.HTTPError, NotMetricsError) as exc:
+            if self.shared is None:
+                values = await self._read(state)
+            else:
+                values, age_s = await self.shared.fetch(name, lambda: self._read(state))
+                began -= round(age_s * 1e6)  # read by another replica that long ago
+        except (httpx.HTTPError, NotMetricsError, ScrapedElsewhereError) as exc:
             state.last_error = repr(exc)
             self.host.scrape_failed(name)
             state.failures = self.host.runtime.scrape_failures(name)
             return False
         self._record(state, values, began)
         return True
+
+    async def _read(self, state: BackendState) -> dict[str, float]:
+        response = await self.upstream.get(state.url + "/metrics", self.timeout_s)
+        response.raise_for_status()
+        values = parse_vllm_metrics(response.text)
+        if not values:  # a 200 that says nothing is no observation: not a fresh scrape
+            raise NotMetricsError(response.text)
+        return values
 
     def _record(self, state: BackendState, values: dict[str, float], began: int) -> None:
         state.failures, state.last_error, state.scrapes = 0, None, state.scrapes + 1

@@ -22,6 +22,7 @@ from llmflow.sim.cluster import Cluster
 from llmflow.sim.disagg import PdProxy
 from llmflow.sim.metrics import Recorder, class_summary, tpot
 from llmflow.sim.policies import PRESETS, DirectPolicy, GatedPolicy, policy_settings
+from llmflow.sim.replicas import ReplicatedPolicy
 from llmflow.sim.report import dominance, verdicts
 from llmflow.sim.workload import Requests, build_requests
 
@@ -84,7 +85,7 @@ def _sampler(
     slots = sum(b.core.config.max_num_seqs for b in cluster.backends)
     last_area, last_t = 0.0, env.now
     while True:
-        queued = gw.runtime.queued if isinstance(gw, GatedPolicy) else 0
+        queued = gw.runtime.queued if isinstance(gw, (GatedPolicy, ReplicatedPolicy)) else 0
         kv = g.used / g.total_blocks
         area = sum(b.budget_area for b in cluster.backends)
         dt = env.now - last_t
@@ -148,13 +149,17 @@ def run_policy(
     sched = None if spec.kind == "direct" else (
         spec.scheduling_policy or PRESETS[spec.preset_for(name)][1])
     cluster = Cluster(env, spec.cluster or sc.cluster, sched, spec.engine)
-    gw: DirectPolicy | GatedPolicy | PdProxy
+    gw: DirectPolicy | GatedPolicy | ReplicatedPolicy | PdProxy
     if cluster.disaggregated:  # scenario validation keeps gated policies off such a cluster
         gw = PdProxy(env, cluster, spec.propagate_disconnect)
     elif spec.kind == "direct":
         gw = DirectPolicy(env, cluster, spec.propagate_disconnect)
     else:
-        gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster), trace)
+        settings = policy_settings(name, spec, sc, cluster)
+        if spec.replicas is not None:
+            gw = ReplicatedPolicy(env, cluster, settings, spec.replicas)
+        else:
+            gw = GatedPolicy(env, cluster, settings, trace)
     rec = Recorder(env)
     total = len(reqs)
     done = env.event()
@@ -175,7 +180,7 @@ def run_policy(
     env.process(_sampler(env, cluster, gw, sc.sample_interval_s, samples))
     if total:
         env.run(until=simpy.AnyOf(env, [done, env.timeout(sc.horizon_s)]))
-    if isinstance(gw, GatedPolicy):
+    if isinstance(gw, (GatedPolicy, ReplicatedPolicy)):
         gw.flush_trace()
     rec.close(sorted(live.values(), key=lambda v: v[1]))
     if progress is not None and ended[0] > ended[1]:
@@ -185,8 +190,8 @@ def run_policy(
 
 def _summarise(
     sc: Scenario, name: str, env: simpy.Environment, cluster: Cluster,
-    gw: DirectPolicy | GatedPolicy | PdProxy, rec: Recorder, samples: list[tuple[float, ...]],
-    wall: float,
+    gw: DirectPolicy | GatedPolicy | ReplicatedPolicy | PdProxy, rec: Recorder,
+    samples: list[tuple[float, ...]], wall: float,
 ) -> PolicyRun:
     cols = rec.columns()
     horizon = env.now
@@ -195,8 +200,9 @@ def _summarise(
         for i, wc in enumerate(sc.workload)
     }
     g = cluster.gauges
-    gated = isinstance(gw, GatedPolicy)
-    peak_gw = gw.peak_queue if isinstance(gw, GatedPolicy) else 0
+    gate = gw if isinstance(gw, (GatedPolicy, ReplicatedPolicy)) else None
+    gated = gate is not None
+    peak_gw = gate.peak_queue if gate is not None else 0
     good = 0
     per_token = tpot(cols)
     for i, wc in enumerate(sc.workload):
@@ -222,14 +228,16 @@ def _summarise(
         "sim_s": round(horizon, 6),
         "engine_steps": cluster.steps,
         "generated_tokens": gen_tokens,
-        "rejections": dict(sorted(gw.rejections.items())) if isinstance(gw, GatedPolicy) else {},
-        "browned_out": gw.browned_out if isinstance(gw, GatedPolicy) else 0,
+        "rejections": dict(sorted(gate.rejections.items())) if gate is not None else {},
+        "browned_out": gate.browned_out if gate is not None else 0,
         "littles_law": rec.littles_law(horizon),
         "occupancy_while_queued": occupancy_while_queued(
             np.array(samples) if samples else np.zeros((0, 6))),
         "gpus": cluster.gpus,
         "wall_s": round(wall, 3),
     }
+    if isinstance(gw, ReplicatedPolicy):
+        summary["lease_denials"] = gw.lease_denials
     arr = np.array(samples) if samples else np.zeros((0, 6))
     series = {"t": arr[:, 0], "queue": arr[:, 1], "running": arr[:, 2], "kv_usage": arr[:, 3]}
     ttft = {wc.name: cols["ttft"][cols["cls"] == i] for i, wc in enumerate(sc.workload)}

@@ -228,6 +228,19 @@ class BackendGroup(_Model):
         return gpu_spec, model_spec, knobs
 
 
+class ReplicaSpec(_Model):
+    """`replicas:` in a gated policy of a scenario."""
+
+    n: int = Field(ge=1)
+    shared: bool = True  # False: no Redis, each replica on the whole cap
+    redis_rtt_ms: float = Field(0.5, ge=0)
+    lease_ttl_ms: float = Field(10_000.0, gt=0)
+    sync_ms: float = Field(100.0, gt=0)
+    balance: Literal["round_robin", "by_tenant"] = "round_robin"
+    crash_at_s: float | None = Field(None, ge=0)  # replica 0 crashes then (None: never)
+
+
+
 class PolicySpec(_Model):
     """A policy to compare: `direct` (no gateway) or `gated` (the core with `config`)."""
 
@@ -239,6 +252,7 @@ class PolicySpec(_Model):
     tenant_tier: str | None = None  # put every tenant in this tier
     propagate_disconnect: bool = True  # direct: False when a proxy hides client disconnects
     cluster: list[BackendGroup] | None = None  # this policy's own cluster (None: the scenario's)
+    replicas: ReplicaSpec | None = None  # gated: N gateway replicas (sim/replicas.py)
 
     def preset_for(self, name: str) -> str:
         """The built-in config this policy starts from."""

@@ -110,7 +110,8 @@ def _times(arr: Arrival, duration: float, rng: np.random.Generator, sc: Scenario
     period = (arr.on_s or 0.0) + (arr.off_s or 0.0)
     t = _poisson(rate, 0.0, (stop - arr.start_s) * (arr.on_s or 0.0) / period, rng)
     on = arr.on_s or 1.0
-    return arr.start_s + np.floor(t / on) * period + np.mod(t, on)
+    shifted: np.ndarray = arr.start_s + np.floor(t / on) * period + np.mod(t, on)
+    return shifted
 
 
 def _poisson(rate: float, start: float, stop: float, rng: np.random.Generator) -> np.ndarray:

@@ -28,6 +28,7 @@ mod lifecycle;
 mod limits;
 mod observe;
 mod refusal;
+mod shared;
 mod shedding;
 
 use std::collections::BTreeSet;

@@ -132,6 +132,12 @@ impl Governor {
     pub(super) fn limits(&self, b: usize, tier: &TierConfig, now_us: u64) -> (u32, u32) {
         let backend = &self.backends[b];
         let mut total = backend.slots();
+        if let Some(share) = self.replica_share(b) {
+            total = total.min(share); // other replicas have requests waiting: our share at most
+        }
+        if total == 0 {
+            return (0, 0); // other replicas hold every slot: the floors below must not add one
+        }
         if backend.is_stale(now_us, self.stale_after_us()) {
             total = (total / 2).max(1);
         }

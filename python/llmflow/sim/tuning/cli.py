@@ -17,6 +17,7 @@ __all__ = ["add_tune"]
 
 TRIALS = 60  # default: the marketing flood's search takes ~6 min on 2 shared cores
 TIMEOUT_S = 420.0  # default: no trial starts after 7 min, so a default run ends within 10
+STUDY = "llmflow-tune"  # default study name (in study.journal, or in --storage)
 HOLDOUT_OFFSET = 1000  # held-out seeds: the scenario's seed + 1000 + k, far from the search's
 
 _EPILOG = """\
@@ -58,11 +59,17 @@ def add_tune(sim_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "trial simulated on several seeds. Writes to --out: tuned.yaml (a config `llmflow serve "
         "--config` loads as is; add your backends), pareto.png, trials.csv, trials.md, "
         "holdout.md (tuned vs the policy's starting config on held-out seeds) and "
-        "study.journal (the optuna study, replaced on each run). The scenario's declared "
-        "SLOs are constraints too unless --ignore-slo.",
+        "study.journal (the optuna study, replaced on each run; or the study named --study "
+        "in --storage, which workers on other machines join with --worker-only). The "
+        "scenario's declared SLOs are constraints too unless --ignore-slo.",
         epilog=_EPILOG.format(knobs=knobs),
     )
-    p.add_argument("scenario", metavar="SCENARIO", help="scenario YAML file or name")
+    p.add_argument(
+        "scenario",
+        nargs="?",
+        metavar="SCENARIO",
+        help="scenario YAML file or name (not with --worker-only: the study carries it)",
+    )
     p.add_argument(
         "--objective",
         action="append",
@@ -144,12 +151,44 @@ def add_tune(sim_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         metavar="DIR",
         help="output folder (default: sim-out/<scenario name>-tune)",
     )
+    p.add_argument(
+        "--storage",
+        metavar="URL",
+        help="keep the study where workers on other machines reach it: sqlite:///PATH, "
+        "postgresql://USER:PASS@HOST/DB, mysql+pymysql://..., or redis://HOST:PORT/DB "
+        "(default: DIR/study.journal, this machine only)",
+    )
+    p.add_argument(
+        "--study",
+        default=STUDY,
+        metavar="NAME",
+        help=f"the study's name in --storage (default {STUDY}; a new run needs a new name)",
+    )
+    p.add_argument(
+        "--worker-only",
+        action="store_true",
+        help="join the study NAME in --storage that `llmflow sim tune SCENARIO --storage URL "
+        "--study NAME` created (elsewhere), run --jobs workers on its trials, and exit when "
+        "it holds them all; the study carries the scenario and every search setting",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="--worker-only: wait up to S seconds for the study to be created (default 600)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.set_defaults(func=_tune)
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    for name, low in (("trials", 1), ("jobs", 1), ("seeds", 1), ("holdout_seeds", 0)):
+    if args.worker_only and not args.storage:
+        return "--worker-only needs --storage URL: the study the coordinator created"
+    if not args.worker_only and not args.scenario:
+        return "a SCENARIO is needed (or --worker-only --storage URL to join a study)"
+    jobs = 0 if args.storage and not args.worker_only else 1  # 0: others run the trials
+    for name, low in (("trials", 1), ("jobs", jobs), ("seeds", 1), ("holdout_seeds", 0)):
         if getattr(args, name) < low:
             return f"--{name.replace('_', '-')} must be at least {low}"
     if args.timeout < 0:
@@ -166,6 +205,8 @@ def _tune(args: argparse.Namespace) -> int:
     from llmflow.sim.tuning.space import Space, base_config
 
     problem = _check(args)
+    if args.worker_only and not problem:
+        return _work_only(args)
     try:
         if problem:
             raise ValueError(problem)
@@ -186,6 +227,11 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
     out: Path = args.out or Path("sim-out") / f"{path.stem}-tune"
     out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or str((out / "study.journal").resolve())
+    taken = _taken(storage, args.study)
+    if taken:
+        print(f"error: {taken}", file=sys.stderr)
+        return 2
     seeds = tuple(sc.seed + k for k in range(args.seeds))
     plan = Plan(
         path.resolve(),
@@ -196,9 +242,50 @@ def _tune(args: argparse.Namespace) -> int:
         seeds,
         args.trials,
         time.time() + (args.timeout or float("inf")),
-        (out / "study.journal").resolve(),
+        storage,
+        args.study,
         args.sampler_seed,
     )
     from llmflow.sim.tuning.run import tune
 
     return tune(plan, sc, goals, space, out, args)
+
+
+def _taken(storage: str, study: str) -> str | None:
+    """Why a new study cannot be created there (a shared store keeps old studies)."""
+    from llmflow.sim.tuning.storage import has_study, is_url, open_storage
+
+    if not is_url(storage):
+        return None  # the output folder's journal is replaced
+    try:
+        exists = has_study(open_storage(storage), study)
+    except Exception as exc:  # the store's client raises its own kinds
+        return f"--storage {storage}: cannot open it ({type(exc).__name__}: {exc})"
+    if exists:
+        return (
+            f"study {study!r} already exists in {storage}: pick a new --study NAME "
+            f"(or remove it: optuna delete-study --storage {storage} --study-name {study})"
+        )
+    return None
+
+
+def _work_only(args: argparse.Namespace) -> int:
+    """`--worker-only`: join a study created elsewhere and run trials until it is full."""
+    from llmflow.sim.tuning.storage import StudyMissing, plan_from_study, wait_study
+    from llmflow.sim.tuning.workers import join
+
+    try:
+        study = wait_study(args.storage, args.study, args.wait)
+    except (StudyMissing, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    plan = plan_from_study(study, args.storage)
+    ran: list[int] = []
+    print(
+        f"joined study {args.study} in {args.storage}: {plan.scenario.name}, policy "
+        f"{plan.policy}, {plan.trials} trials; {args.jobs} workers here",
+        file=sys.stderr,
+    )
+    join(plan, args.jobs, lambda number, _values, _ok: ran.append(number))
+    print(f"ran trials {sorted(ran)} here", file=sys.stderr)
+    return 0

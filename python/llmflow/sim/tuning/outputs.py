@@ -66,6 +66,8 @@ def rows_of(study: optuna.Study, goals: Goals) -> list[Row]:
     trials) marked."""
     rows = []
     for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("surplus"):  # asked past --trials by a worker on another machine
+            continue
         seeds = t.user_attrs.get("seeds", {})
         done = t.values is not None and bool(seeds)
         cons = [c.worst(seeds[c.metric.name]) for c in goals.constraints] if done else []

@@ -89,6 +89,8 @@ def _command(args: argparse.Namespace) -> str:
         "--jobs",
         str(args.jobs),
     ]
+    if args.storage:
+        words += ["--storage", args.storage, "--study", args.study]
     return " ".join(shlex.quote(w) for w in words)
 
 
@@ -100,14 +102,20 @@ def tune(
     jobs = min(args.jobs, plan.trials)
     print(
         f"tuning {len(space.paths)} knobs of {plan.policy} on {sc.title}: {plan.trials} "
-        f"trials x {len(plan.seeds)} seeds in {jobs} processes",
+        f"trials x {len(plan.seeds)} seeds in {jobs} processes"
+        + (
+            f"; study {plan.study} in {plan.storage} (join from other machines with "
+            f"`llmflow sim tune --worker-only --storage {plan.storage} --study {plan.study}`)"
+            if args.storage
+            else ""
+        ),
         file=sys.stderr,
     )
     bar, on_trial = _bar(plan, goals, not args.no_progress)
     try:
         study = search(plan, space, goals, jobs, on_trial)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; the trials so far are in {plan.journal}", file=sys.stderr)
+        print(f"\ninterrupted; the trials so far are in {plan.storage}", file=sys.stderr)
         return 130
     finally:
         bar.close()

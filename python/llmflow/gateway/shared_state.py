@@ -1,0 +1,281 @@
+"""Slots shared by gateway replicas through Redis: leases, carried out for the runtime.
+
+With `state: {backend: redis}` every replica's runtime still decides alone; this module only
+does the Redis I/O its decisions need, and feeds the results back as events:
+
+- **Leases.** A `Start` reaches the backend only once this replica holds a lease on one of the
+  backend's slots: a member of the sorted set `{prefix}:slots:{backend}` whose score is its
+  expiry. One Lua script purges expired leases and adds ours only while fewer than the cap are
+  live, so the cap holds across replicas atomically. A refused lease is fed back
+  (`Runtime.lease_denied`): the runtime decides the request again. A lease is released when
+  the request ends, and renewed every sync while it runs; a replica killed with its leases
+  loses them within `lease_ttl_ms`, to nobody's action.
+- **The global picture.** Every `sync_interval_ms` one script per backend renews this
+  replica's leases, purges expired ones and counts the rest; the count less our own is fed as
+  `Runtime.shared_load`, so the runtime's free slots reflect other replicas' requests.
+- **Fair split between replicas.** Each sync also publishes the weight of the tenants this
+  replica has waiting (`{prefix}:waiting`, expiring after three syncs) and reads the others'
+  sum; it goes with `shared_load`, and while others wait the core runs at most its share of
+  each backend by that weight, so slots do not stick to the replica that frees them.
+- **Fair order.** Each sync also adds this replica's per-tenant service (the weighted tokens
+  its fair queue charged) to the hash `{prefix}:service` and reads everyone's back; what other
+  replicas gave each tenant since the last sync is fed as `Runtime.shared_service`, so the
+  Virtual Token Counter orders this replica's queue by each tenant's service everywhere.
+- **Loss of Redis.** A failed call marks the store lost: with `on_loss: fail_closed` the
+  runtime is told every slot is held elsewhere (requests queue and are refused with a
+  Retry-After when the queue fills or their wait expires; none starts without a lease); with
+  `local_share` it is told all but `cap / replicas` are, and starts go ahead unleased. The next
+  sync that succeeds re-adds the leases of what is still running and feeds the true count.
+
+Times in the scripts are Redis's own clock (`TIME`), so replicas' clocks need not agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmflow._core import Start
+    from llmflow.config import Settings
+    from llmflow.gateway.host import Host
+
+__all__ = ["SharedSlots"]
+
+log = logging.getLogger("llmflow.gateway")
+
+# KEYS[1] the backend's set; ARGV: lease id, ttl ms, cap. 1: leased, 0: the cap is reached.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], 10 * tonumber(ARGV[2]))
+return 1
+"""
+
+# KEYS[1] the backend's set; ARGV: ttl ms, then our live lease ids. Renews (or re-adds, after
+# Redis lost them) ours, purges the expired, and returns how many are live in all.
+_SYNC = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local expiry = now + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], expiry, ARGV[i]) end
+if #ARGV > 1 then redis.call('PEXPIRE', KEYS[1], 10 * tonumber(ARGV[1])) end
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+# KEYS: the replicas' expiry set and their weights; ARGV: replica, its waiting weight, ttl ms.
+# Records ours, forgets replicas that stopped syncing, returns the others' summed weight.
+_WAITING = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  redis.call('HDEL', KEYS[2], r)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local sum = 0
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] then sum = sum + tonumber(all[i + 1]) end
+end
+return tostring(sum)
+"""
+
+
+class SharedSlots:
+    """This replica's leases on the backends' slots, and the sync with Redis.
+
+    Args:
+        settings: the config (its `state` section names Redis; caps come from `gate` and
+            `backends`).
+        host: the runtime's host, fed `shared_load` and `lease_denied`.
+    """
+
+    def __init__(self, settings: Settings, host: Host) -> None:
+        try:
+            import redis.asyncio as aioredis
+        except ImportError:
+            raise RuntimeError(
+                "state.backend redis needs the redis package: pip install 'llmflow[redis]'"
+            ) from None
+
+        state = settings.state
+        assert state.url is not None, "validated: state.backend redis needs a url"
+        self.host = host
+        self.state = state
+        # Redis I/O bounds, not request rules: a call that hangs counts as the store lost.
+        io_s = max(state.lease_ttl_ms / 3e3, 0.05)
+        self.client = aioredis.from_url(state.url, socket_timeout=io_s, socket_connect_timeout=io_s)
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        per_gpu = settings.gate.max_concurrency_per_gpu
+        self.caps = {b.name: b.gpus * per_gpu for b in settings.backends}
+        self.keys = {b: f"{state.key_prefix}:slots:{b}" for b in self.caps}
+        self.held: dict[str, dict[int, str]] = {b: {} for b in self.caps}  # backend -> id -> lease
+        self.backend_of: dict[int, str] = {}
+        self.tenants = [t.name for t in settings.tenants]
+        if settings.anonymous_tenant not in self.tenants:
+            self.tenants.append(settings.anonymous_tenant)
+        self.service_key = f"{state.key_prefix}:service"
+        self._published = dict.fromkeys(self.tenants, 0.0)  # our service, as last added
+        self._seen: dict[str, float] | None = None  # everyone's, as last read
+        self.lost = False
+        self._acquire = self.client.register_script(_ACQUIRE)
+        self._sync = self.client.register_script(_SYNC)
+        self._waiting = self.client.register_script(_WAITING)
+        self.waiting_keys = [f"{state.key_prefix}:waiting", f"{state.key_prefix}:waiting-weight"]
+        self._task: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    # ---- leases ------------------------------------------------------------------------------
+
+    def start(self, action: Start) -> None:
+        """Carry out `Start` once its lease is held (or fed back as denied)."""
+        self._spawn(self._lease_then_start(action))
+
+    async def _lease_then_start(self, action: Start) -> None:
+        rid, backend = action.request_id, action.backend
+        lease = f"{self.replica}:{rid}"
+        granted = await self._try_acquire(backend, lease)
+        party = self.host.parties.get(rid)
+        if party is None:  # ended while we asked (client gone, deadline, drain)
+            if granted:
+                self._spawn(self._release(backend, lease))
+            return
+        if granted or (self.lost and self.state.on_loss == "local_share"):
+            self.held[backend][rid] = lease
+            self.backend_of[rid] = backend
+            party.on_start(action)
+        else:
+            self.host.lease_denied(rid)
+
+    async def _try_acquire(self, backend: str, lease: str) -> bool:
+        if self.lost:
+            return False
+        try:
+            ok = await self._acquire(
+                keys=[self.keys[backend]],
+                args=[lease, int(self.state.lease_ttl_ms), self.caps[backend]],
+            )
+        except Exception as exc:  # redis-py raises its own kinds and OSErrors
+            self._lose(exc)
+            return False
+        return bool(ok)
+
+    def ended(self, request_id: int) -> None:
+        """The request ended: give its lease back."""
+        backend = self.backend_of.pop(request_id, None)
+        if backend is None:
+            return
+        lease = self.held[backend].pop(request_id, None)
+        if lease is not None and not self.lost:
+            self._spawn(self._release(backend, lease))
+
+    async def _release(self, backend: str, lease: str) -> None:
+        try:
+            await self.client.zrem(self.keys[backend], lease)
+        except Exception as exc:  # it expires within the TTL anyway
+            self._lose(exc)
+
+    # ---- the sync ----------------------------------------------------------------------------
+
+    def begin(self, tasks: set[asyncio.Task[Any]]) -> None:
+        """Start the sync loop."""
+        self._task = asyncio.create_task(self._run(), name="llmflow-shared-slots")
+        tasks.add(self._task)
+        self._task.add_done_callback(tasks.discard)
+
+    async def _run(self) -> None:
+        while True:
+            await self.sync()
+            await asyncio.sleep(self.state.sync_interval_ms / 1e3)
+
+    async def sync(self) -> None:
+        """Renew our leases, count everyone's, feed the runtime what other replicas hold."""
+        try:
+            counts = {}
+            for backend, key in self.keys.items():
+                leases = list(self.held[backend].values())
+                counts[backend] = int(
+                    await self._sync(keys=[key], args=[int(self.state.lease_ttl_ms), *leases])
+                )
+            mine, everyone = await self._exchange_service()
+            ttl = int(3 * self.state.sync_interval_ms) + 1
+            weight = self.host.runtime.waiting_weight
+            waiting = float(
+                await self._waiting(keys=self.waiting_keys, args=[self.replica, weight, ttl])
+            )
+        except Exception as exc:
+            self._lose(exc)
+            return
+        if self.lost:
+            log.warning("shared state: Redis back at %s", self.state.url)
+            self.lost = False
+        for backend, count in counts.items():
+            self.host.shared_load(backend, max(count - len(self.held[backend]), 0), waiting)
+        self._feed_service(mine, everyone)
+
+    async def _exchange_service(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Add our per-tenant service since the last sync; read everyone's totals."""
+        mine = {}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for tenant in self.tenants:
+                now = self.host.runtime.tenant_service(tenant)
+                mine[tenant] = now - self._published[tenant]
+                if mine[tenant] > 0:
+                    pipe.hincrbyfloat(self.service_key, tenant, mine[tenant])
+            pipe.hgetall(self.service_key)
+            replies = await pipe.execute()
+        for tenant, delta in mine.items():
+            self._published[tenant] += delta
+        everyone = {k.decode(): float(v) for k, v in replies[-1].items()}
+        return mine, everyone
+
+    def _feed_service(self, mine: dict[str, float], everyone: dict[str, float]) -> None:
+        seen, self._seen = self._seen, everyone
+        if seen is None:
+            return  # the first read: what came before does not count
+        for tenant in self.tenants:
+            total = everyone.get(tenant, 0.0)
+            elsewhere = total - seen.get(tenant, 0.0) - mine.get(tenant, 0.0)
+            if elsewhere > 0 and total >= seen.get(tenant, 0.0):  # not a restarted Redis
+                self.host.shared_service(tenant, elsewhere)
+
+    def _lose(self, exc: BaseException) -> None:
+        if not self.lost:
+            log.warning("shared state: Redis lost (%s: %s)", type(exc).__name__, exc)
+        self.lost = True
+        for backend, cap in self.caps.items():
+            if self.state.on_loss == "fail_closed":
+                elsewhere = cap
+            else:
+                elsewhere = cap - max(cap // self.state.replicas, 1)
+            self.host.shared_load(backend, elsewhere)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def close(self) -> None:
+        """Stop syncing, give back what we hold, close the connection."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=1.0)
+        with contextlib.suppress(Exception):
+            for backend, leases in self.held.items():
+                if leases:
+                    await self.client.zrem(self.keys[backend], *leases.values())
+        await self.client.aclose()

@@ -1,0 +1,266 @@
+"""N gateway replicas sharing slot leases and fair-queue counters through a simulated Redis.
+
+Each replica is a `GatedPolicy` (its own `Runtime`, scrapes and timer) and the gateway's
+shared-state protocol (`gateway/shared_state.py`) is replayed in simulated time: a `Start` is
+carried out only after the lease script's round trip (`redis_rtt_ms`), a refused lease is fed
+back as `lease_denied`, every `sync_ms` each replica renews its leases, counts everyone's and
+exchanges per-tenant service and waiting weight (`shared_load`, `shared_service`), and a lease
+is released when its request ends. Redis's state changes at the instant a call reaches it
+(half the round trip). Arrivals go to replicas round robin, or by tenant (`balance:
+by_tenant`: tenant i to replica i mod N, the uneven spread that tests fairness). A replica
+may crash (`crash_at_s`): its requests fail, and its leases hold their slots until
+`lease_ttl_ms` expires them.
+`shared: false` runs the N replicas with no Redis at all, each on the whole cap.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from llmflow._core import Cut, End, Reply, Start
+from llmflow.sim.clients import ERROR
+from llmflow.sim.policies import GatedPolicy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator
+
+    import simpy
+
+    from llmflow.config import Settings
+    from llmflow.sim.clients import Attempt
+    from llmflow.sim.cluster import Cluster
+    from llmflow.sim.scenario import ReplicaSpec
+
+__all__ = ["ReplicatedPolicy", "SimRedis"]
+
+
+class SimRedis:
+    """The leases and the service hash, as Redis holds them."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.leases: dict[str, dict[str, float]] = {}  # backend -> lease -> expiry (sim s)
+        self.service: dict[str, float] = {}
+        self.waiting: dict[int, tuple[float, float]] = {}  # replica -> (weight, expiry)
+
+    def _live(self, backend: str) -> dict[str, float]:
+        leases = self.leases.setdefault(backend, {})
+        for lease in [k for k, exp in leases.items() if exp <= self.env.now]:
+            del leases[lease]
+        return leases
+
+    def acquire(self, backend: str, lease: str, ttl_s: float, cap: int) -> bool:
+        leases = self._live(backend)
+        if len(leases) >= cap:
+            return False
+        leases[lease] = self.env.now + ttl_s
+        return True
+
+    def sync(self, backend: str, mine: list[str], ttl_s: float) -> int:
+        leases = self._live(backend)
+        for lease in mine:
+            leases[lease] = self.env.now + ttl_s
+        return len(leases)
+
+    def waiting_elsewhere(self, replica: int, weight: float, ttl_s: float) -> float:
+        self.waiting[replica] = (weight, self.env.now + ttl_s)
+        return sum(w for r, (w, exp) in self.waiting.items() if r != replica and exp > self.env.now)
+
+    def release(self, backend: str, lease: str) -> None:
+        self.leases.get(backend, {}).pop(lease, None)
+
+
+class _Queued:
+    """The replicas' queues together, for the runner's samples."""
+
+    def __init__(self, replicas: list[GatedPolicy]) -> None:
+        self.replicas = replicas
+
+    @property
+    def queued(self) -> int:
+        return sum(r.runtime.queued for r in self.replicas)
+
+
+class ReplicatedPolicy:
+    """N gated replicas in front of one cluster (see the module doc).
+
+    Args:
+        env: the simulation environment.
+        cluster: the backends.
+        settings: every replica's llmflow config.
+        spec: how many replicas and how they share state.
+    """
+
+    def __init__(
+        self, env: simpy.Environment, cluster: Cluster, settings: Settings, spec: ReplicaSpec
+    ) -> None:
+        self.env, self.spec = env, spec
+        self.replicas = [GatedPolicy(env, cluster, settings) for _ in range(spec.n)]
+        for k, gp in enumerate(self.replicas):
+            gp._ids = k * 1_000_000_000  # request ids are the engine's keys: apart per replica
+        self.runtime = _Queued(self.replicas)
+        self.redis = SimRedis(env)
+        per_gpu = settings.gate.max_concurrency_per_gpu
+        self.caps = {b.name: b.gpus * per_gpu for b in settings.backends}
+        self.routing = [t.name for t in settings.tenants]  # by_tenant: i-th tenant -> replica i
+        self.tenants = [*self.routing, settings.anonymous_tenant]
+        self.held: list[dict[int, tuple[str, str]]] = [{} for _ in self.replicas]
+        self.published = [dict.fromkeys(self.tenants, 0.0) for _ in self.replicas]
+        self.seen: list[dict[str, float] | None] = [None for _ in self.replicas]
+        self.owner: dict[int, tuple[int, Attempt]] = {}
+        self.dead: set[int] = set()
+        self.lease_denials = 0
+        self._rr = itertools.count()
+        if spec.shared:
+            for k, gp in enumerate(self.replicas):
+                self._wrap(k, gp)
+                env.process(self._sync(k))
+        if spec.crash_at_s is not None:
+            env.process(self._crash_at(0, spec.crash_at_s))
+
+    # ---- what the runner reads ---------------------------------------------------------------
+
+    @property
+    def peak_queue(self) -> int:
+        return max(r.peak_queue for r in self.replicas)
+
+    @property
+    def rejections(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.replicas:
+            for reason, n in r.rejections.items():
+                out[reason] = out.get(reason, 0) + n
+        return out
+
+    @property
+    def browned_out(self) -> int:
+        return sum(r.browned_out for r in self.replicas)
+
+    def flush_trace(self) -> None:
+        """No trace: N runtimes do not make one replayable trace."""
+
+    # ---- the client side ---------------------------------------------------------------------
+
+    def send(self, att: Attempt) -> None:
+        """The request arrives at the replica the load balancer picks."""
+        live = [k for k in range(self.spec.n) if k not in self.dead]
+        if self.spec.balance == "by_tenant":
+            tenant = att.req.tenant
+            idx = self.routing.index(tenant) if tenant in self.routing else 0
+            k = live[idx % len(live)]
+        else:
+            k = live[next(self._rr) % len(live)]
+        self.owner[id(att)] = (k, att)
+        self.replicas[k].send(att)
+
+    def cancel(self, att: Attempt) -> None:
+        """Client disconnect, to the replica that has the request."""
+        k, _ = self.owner.get(id(att), (None, att))
+        if k is not None and k not in self.dead:
+            self.replicas[k].cancel(att)
+
+    # ---- the shared-state protocol -----------------------------------------------------------
+
+    def _wrap(self, k: int, gp: GatedPolicy) -> None:
+        """Start waits for its lease; each terminal action gives the lease back."""
+        start = gp._do[Start]
+
+        def leased(a: Start) -> None:
+            self.env.process(self._lease(k, gp, a, start))
+
+        gp._do[Start] = leased
+        for kind in (Reply, Cut, End):
+            gp._do[kind] = self._releasing(k, gp._do[kind])
+
+    def _releasing(self, k: int, carry: Callable[[Any], None]) -> Callable[[Any], None]:
+        def done(a: Any) -> None:
+            carry(a)
+            self._release(k, a.request_id)
+
+        return done
+
+    def _half(self) -> simpy.Event:
+        return self.env.timeout(self.spec.redis_rtt_ms / 2e3)
+
+    def _lease(self, k: int, gp: GatedPolicy, a: Start, start: Any) -> Generator[Any, Any, None]:
+        lease = f"{k}:{a.request_id}"
+        yield self._half()
+        if k in self.dead:
+            return
+        ok = self.redis.acquire(
+            a.backend, lease, self.spec.lease_ttl_ms / 1e3, self.caps[a.backend]
+        )
+        yield self._half()
+        if k in self.dead:
+            return
+        if a.request_id not in gp._atts:  # ended while the script ran
+            if ok:
+                self.env.process(self._release_at_redis(a.backend, lease))
+            return
+        if ok:
+            self.held[k][a.request_id] = (a.backend, lease)
+            start(a)
+        else:
+            self.lease_denials += 1
+            gp._carry(gp.runtime.lease_denied(a.request_id, gp._now_us()))
+
+    def _release(self, k: int, rid: int) -> None:
+        held = self.held[k].pop(rid, None)
+        if held is not None and k not in self.dead:
+            self.env.process(self._release_at_redis(*held))
+
+    def _release_at_redis(self, backend: str, lease: str) -> Generator[Any, Any, None]:
+        yield self._half()
+        self.redis.release(backend, lease)
+
+    def _sync(self, k: int) -> Generator[Any, Any, None]:
+        gp, ttl_s = self.replicas[k], self.spec.lease_ttl_ms / 1e3
+        while k not in self.dead:
+            yield self.env.timeout(self.spec.sync_ms / 1e3)
+            yield self._half()
+            if k in self.dead:
+                return
+            counts = {}
+            for backend in self.caps:
+                mine = [lease for b, lease in self.held[k].values() if b == backend]
+                counts[backend] = self.redis.sync(backend, mine, ttl_s)
+            delta = {}
+            for tenant in self.tenants:
+                delta[tenant] = gp.runtime.tenant_service(tenant) - self.published[k][tenant]
+                self.published[k][tenant] += delta[tenant]
+                self.redis.service[tenant] = self.redis.service.get(tenant, 0.0) + delta[tenant]
+            everyone = dict(self.redis.service)
+            waiting = self.redis.waiting_elsewhere(
+                k, gp.runtime.waiting_weight, 3 * self.spec.sync_ms / 1e3
+            )
+            yield self._half()
+            now = gp._now_us()
+            for backend, count in counts.items():
+                mine_n = sum(1 for b, _ in self.held[k].values() if b == backend)
+                elsewhere = max(count - mine_n, 0)
+                gp._carry(gp.runtime.shared_load(backend, elsewhere, now, waiting=waiting))
+            seen, self.seen[k] = self.seen[k], everyone
+            if seen is None:
+                continue
+            for tenant in self.tenants:
+                given = everyone.get(tenant, 0.0) - seen.get(tenant, 0.0) - delta[tenant]
+                if given > 0:
+                    gp._carry(gp.runtime.shared_service(tenant, given, now))
+
+    def _crash_at(self, k: int, at_s: float) -> Generator[Any, Any, None]:
+        yield self.env.timeout(at_s)
+        self.dead.add(k)
+        gp = self.replicas[k]
+        gp._do = dict.fromkeys(gp._do, _gone)  # its runtime still ticks; nothing is carried out
+        for rid, att in list(gp._atts.items()):
+            up = gp._up.pop(rid, None)
+            if up is not None:
+                up.backend.abort(up.seq)
+            gp._atts.pop(rid, None)
+            att.end(ERROR, reason="replica_crashed")
+        self.held[k].clear()  # its leases stay in Redis until they expire
+
+
+def _gone(_action: object) -> None:
+    """A crashed replica's actions: nobody carries them out."""

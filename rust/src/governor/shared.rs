@@ -1,0 +1,154 @@
+//! Gateway replicas sharing backends: the slots other replicas hold, as their shared store
+//! reports them, and a started request handed back when the store refused its slot lease.
+//!
+//! The store's I/O (Redis) is the host's; these are the events it feeds back. The governor's
+//! view of a backend's free slots is its cap less its own running requests less
+//! `elsewhere`, so each replica's decisions follow the global picture within one sync period.
+//!
+//! Slots would otherwise stick to the replica that frees them (it starts its next request
+//! before the others hear the slot is free). So while other replicas have requests waiting, a
+//! replica runs at most its share of each backend: the weight of the tenants it has waiting
+//! over everyone's (`replica_share`).
+
+use super::Governor;
+use crate::error::{PolicyError, PolicyResult};
+use crate::types::Outcome;
+
+impl Governor {
+    /// Record how many of `backend`'s slots other replicas hold now, and the weight of the
+    /// tenants other replicas have waiting.
+    pub fn set_elsewhere(&mut self, backend: u32, held: u32, waiting: f64) -> PolicyResult<()> {
+        let b = self
+            .backends
+            .get_mut(backend as usize)
+            .ok_or_else(|| PolicyError::UnknownBackend(backend.to_string()))?;
+        b.elsewhere = held;
+        b.waiting_elsewhere = if waiting.is_finite() {
+            waiting.max(0.0)
+        } else {
+            0.0
+        };
+        Ok(())
+    }
+
+    /// The weight of the tenants with requests waiting here (what other replicas are told).
+    pub fn waiting_weight(&self) -> f64 {
+        (0..self.config.tenants.len() as u32)
+            .filter(|&t| self.queue.tenant_len(t) > 0)
+            .map(|t| self.queue.weight(t))
+            .sum()
+    }
+
+    /// The most slots of backend `b` this replica may run while other replicas have requests
+    /// waiting: its share by waiting weight (at least one); `None` when none wait elsewhere or
+    /// none here.
+    pub(super) fn replica_share(&self, b: usize) -> Option<u32> {
+        let backend = &self.backends[b];
+        let elsewhere = backend.waiting_elsewhere;
+        if elsewhere <= 0.0 {
+            return None;
+        }
+        let here = self.waiting_weight();
+        if here <= 0.0 {
+            return None;
+        }
+        let slots = f64::from(backend.cap.min(backend.tpot_cap));
+        Some(((slots * here / (here + elsewhere)).ceil() as u32).max(1))
+    }
+
+    /// Charge `tenant` the service (weighted tokens) other replicas gave it since the last
+    /// sync, so this replica's fair order counts it (the Virtual Token Counter, shared).
+    pub fn charge_elsewhere(&mut self, tenant: u32, cost: f64) -> PolicyResult<()> {
+        if tenant as usize >= self.config.tenants.len() {
+            return Err(PolicyError::UnknownTenant(tenant.to_string()));
+        }
+        if cost.is_finite() && cost > 0.0 {
+            self.queue.charge_elsewhere(tenant, cost);
+        }
+        Ok(())
+    }
+
+    /// A started request whose slot lease the store refused: the slot was taken elsewhere
+    /// since the last sync, so count one more held elsewhere (until the next sync says
+    /// otherwise), end the start without charging it as served, and return what `submit`
+    /// needs to decide it again (tenant, prompt, max tokens). `None`: not running.
+    pub fn lease_denied(&mut self, id: u64, now_us: u64) -> Option<(u32, u64, u64)> {
+        let req = self.requests.get(&id)?;
+        let backend = req.running.as_ref()?.backend as usize;
+        let shape = (req.tenant, req.prompt, req.max_tokens);
+        let b = &mut self.backends[backend];
+        b.elsewhere = b.elsewhere.saturating_add(1).min(b.cap);
+        self.finish(id, Outcome::Cancelled, now_us);
+        Some(shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{governor, tenant};
+    use crate::types::Decision;
+
+    // Slots held elsewhere are not free here: a request queues behind them and starts when
+    // the store says they came back.
+    #[test]
+    fn elsewhere_takes_slots() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        let cap = g.backends[0].cap;
+        g.set_elsewhere(0, cap, 0.0).unwrap();
+        let d = g.submit(1, a, 10, 10, 0).unwrap();
+        assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
+        g.set_elsewhere(0, cap - 1, 0.0).unwrap();
+        let started = g.dispatch(1);
+        assert_eq!(started.len(), 1);
+        assert!(g.set_elsewhere(9, 0, 0.0).is_err());
+    }
+
+    // Service given elsewhere moves a tenant behind one that got none: the other goes first.
+    #[test]
+    fn elsewhere_service_orders_the_queue() {
+        let mut g = governor();
+        let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
+        for id in 1..=2 {
+            g.submit(id, a, 10, 10, 0).unwrap(); // both slots
+        }
+        g.submit(3, a, 10, 10, 0).unwrap();
+        g.submit(4, b, 10, 10, 0).unwrap();
+        g.charge_elsewhere(b, 1e6).unwrap();
+        g.finish(1, crate::types::Outcome::Completed, 1);
+        let next: Vec<u64> = g.dispatch(1).iter().map(|x| x.request_id).collect();
+        assert_eq!(next, vec![3]);
+        assert!(g.charge_elsewhere(99, 1.0).is_err());
+    }
+
+    // While another replica has a tenant waiting, this one runs at most its share by waiting
+    // weight; with nothing waiting elsewhere it may use every free slot again.
+    #[test]
+    fn waiting_elsewhere_caps_this_replica() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        for id in 1..=2 {
+            g.submit(id, a, 10, 10, 0).unwrap(); // both slots
+        }
+        g.submit(3, a, 10, 10, 0).unwrap(); // a waits here (weight 1)
+        g.set_elsewhere(0, 0, 3.0).unwrap(); // weight 3 waits elsewhere: our share is 1 slot
+        assert_eq!(g.replica_share(0), Some(1));
+        g.finish(1, crate::types::Outcome::Completed, 1);
+        assert!(g.dispatch(1).is_empty()); // one still runs: that is our share
+        g.set_elsewhere(0, 0, 0.0).unwrap();
+        assert_eq!(g.dispatch(2).len(), 1);
+    }
+
+    // A denied lease frees the local slot, counts one more elsewhere, and hands back the
+    // request's shape; a request not running is left alone.
+    #[test]
+    fn denied_lease_frees_and_counts() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        g.submit(1, a, 10, 20, 0).unwrap();
+        assert_eq!(g.running(), 1);
+        assert_eq!(g.lease_denied(1, 5), Some((a, 10, 20)));
+        assert_eq!((g.running(), g.live(), g.backends[0].elsewhere), (0, 0, 1));
+        assert_eq!(g.lease_denied(1, 6), None);
+    }
+}
