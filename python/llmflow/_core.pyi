@@ -30,6 +30,10 @@ class UnknownTenantError(PolicyError):
 class UnknownBackendError(PolicyError):
     """An observation named a backend the config does not declare."""
 
+class UnknownModelError(PolicyError):
+    """A request named a model no backend serves and no alias maps (or named none while the
+    backends serve several)."""
+
 class DuplicateRequestError(PolicyError):
     """`submit` reused the id of a request that is still live."""
 
@@ -146,6 +150,9 @@ class Governor:
         prompt_tokens: int,
         max_tokens: int,
         now_us: int,
+        *,
+        model: str | None = None,
+        prefix_hashes: list[int] | None = None,
     ) -> Decision:
         """Decide on a new request: admit it now, queue it, or reject it.
 
@@ -153,9 +160,17 @@ class Governor:
         start); other requests that this dispatch starts are returned by the next `dispatch`
         call, so call `dispatch` after `submit` as after any other event.
 
+        Args:
+            model: the model it names (a served name or an alias); only backends serving it
+                are candidates, and it waits in that model's own queue. None: the one pool
+                (an error when the backends serve several models).
+            prefix_hashes: its prompt's chained block hashes (each covers the one before it
+                and its own block; full blocks only), for a `prefix` routing pool.
+
         Raises:
             DuplicateRequestError: `request_id` is still live.
             UnknownTenantError: the tenant is not in the config.
+            UnknownModelError: no backend serves `model` (or none was named among several).
             InvalidArgumentError: negative token counts.
         """
     def dispatch(self, now_us: int) -> list[Admission]:
@@ -362,11 +377,29 @@ class Runtime:
     def __new__(cls, config: Mapping[str, Any], *, trace: bool = False) -> Runtime: ...
     def arrive(
         self, request_id: int, tenant: str, prompt_tokens: int, max_tokens: int, stream: bool,
-        now_us: int,
+        now_us: int, *, model: str | None = None, prefix_hashes: list[int] | None = None,
     ) -> list[Action]:
-        """A request arrived: it starts, waits, or gets its `Reply` at once."""
+        """A request arrived: it starts, waits, or gets its `Reply` at once.
+
+        `model` and `prefix_hashes` route it as `Governor.submit` says.
+
+        Raises:
+            UnknownModelError: no backend serves `model`; the request was not announced (the
+                gateway answers 404 `model_not_found` before this).
+        """
+    def models(self) -> list[tuple[str, str]]:
+        """Every model name a request may send, with the served model it routes to (a served
+        name maps to itself, an alias to its target); empty when no backend declares models."""
+    def resolve_model(self, model: str | None = None) -> str | None:
+        """The served model a request naming `model` goes to (aliases resolved); None when the
+        config declares no models.
+
+        Raises:
+            UnknownModelError: no backend serves it (or none named among several).
+        """
     def refusal(
-        self, tenant: str, prompt_tokens: int, max_tokens: int, now_us: int
+        self, tenant: str, prompt_tokens: int, max_tokens: int, now_us: int, *,
+        model: str | None = None,
     ) -> tuple[int, Reason, int] | None:
         """Whether `arrive` would refuse this request at once, asked without changing anything.
 

@@ -140,7 +140,7 @@ class Backend(_Section):
     name: str = Field(min_length=1)
     url: str | None = None  # None: the built-in simulated vLLM
     gpus: int = Field(1, ge=1)
-    models: list[str] = ["llmflow-sim"]
+    models: list[str] = Field(default_factory=lambda: ["llmflow-sim"], min_length=1)
     max_model_len: int = Field(8192, ge=1)
     kv_blocks: int = Field(0, ge=0)  # 0: learn it from vLLM's cache_config_info
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -211,6 +211,25 @@ class State(_Section):
         return self
 
 
+RoutePolicy = Literal["free_slots", "round_robin", "least_loaded", "prefix"]
+
+
+class Routing(_Section):
+    """How a model's pool picks among the backends that serve it (see `docs/gateway.md`).
+
+    `free_slots` (the default: the rule before pools existed) takes the backend with the most
+    free slots; `round_robin` takes each in turn; `least_loaded` ranks by headroom (free slots,
+    free KV blocks, the prefill work queued ahead at the measured rate); `prefix` prefers the
+    backend that most likely caches the prompt's leading blocks until it is loaded to
+    `prefix_load_bound` (running / slots), then falls back to `least_loaded`.
+    """
+
+    policy: RoutePolicy = "free_slots"
+    pools: dict[str, RoutePolicy] = {}  # served model name -> its own policy
+    prefix_load_bound: Fraction = 0.9
+    prefix_memory_blocks: int = Field(65_536, ge=1)  # per backend, when its KV size is unknown
+
+
 _DEFAULT_TIERS = (
     Tier(name="vip", shed_at=1.0, protected=True),
     Tier(name="normal", shed_at=0.8),
@@ -237,6 +256,8 @@ class Settings(_Section):
     limits: Limits = Limits()
     admin: Admin = Admin()
     state: State = State()
+    models: dict[str, str] = {}  # alias -> the served model (a backend's `models`) it routes to
+    routing: Routing = Routing()
 
     @model_validator(mode="after")
     def _check_references(self) -> Settings:
@@ -252,7 +273,13 @@ class Settings(_Section):
                 raise ValueError(
                     f"tenants[{tenant.name}].tier {tenant.tier!r} is not one of {tier_names}"
                 )
+        _check_models(self)
         return self
+
+    @property
+    def served_models(self) -> list[str]:
+        """Every model a backend serves, in first-declared order (each one a routing pool)."""
+        return list(dict.fromkeys(m for b in self.backends for m in b.models))
 
     @property
     def anonymous_tenant(self) -> str:
@@ -283,8 +310,11 @@ class Settings(_Section):
             tenants.append(anonymous)
         return {
             "backends": [
-                {"name": b.name, "gpus": b.gpus, "kv_blocks": b.kv_blocks} for b in self.backends
+                {"name": b.name, "gpus": b.gpus, "kv_blocks": b.kv_blocks, "models": b.models}
+                for b in self.backends
             ],
+            "models": dict(self.models),
+            "routing": self.routing.model_dump(),
             "block_size": self.kv.block_size,
             "max_concurrency_per_gpu": self.gate.max_concurrency_per_gpu,
             "max_waiting": self.gate.queue.max_waiting,
@@ -347,6 +377,29 @@ def _check_keys(settings: Settings) -> None:
         raise ValueError(
             f"admin.api_key is also an API key of tenant {seen[admin.api_key]!r}; use another"
         )
+
+
+def _check_models(settings: Settings) -> None:
+    served = settings.served_models
+    for backend in settings.backends:
+        _require_unique(f"backends[{backend.name}].models", backend.models)
+    for alias, target in settings.models.items():
+        if alias in served:
+            raise ValueError(
+                f"models.{alias}: {alias!r} is already a model a backend serves; "
+                "an alias must be a new name"
+            )
+        if target not in served:
+            raise ValueError(
+                f"models.{alias}: points at {target!r}, which no backend serves; "
+                f"served (each backend's `models`): {served}"
+            )
+    for model in settings.routing.pools:
+        if model not in served:
+            raise ValueError(
+                f"routing.pools.{model}: no backend serves {model!r} (pools are served model "
+                f"names, not aliases); served: {served}"
+            )
 
 
 def _require_unique(what: str, names: list[str]) -> None:

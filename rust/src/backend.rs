@@ -217,6 +217,7 @@ mod tests {
             name: "b".into(),
             gpus: 2,
             kv_blocks: 100,
+            models: vec![],
         };
         BackendState::new(&config, 16, 2, 1000.0)
     }

@@ -16,6 +16,58 @@ pub struct BackendConfig {
     /// KV blocks vLLM allocated; 0 when unknown (the ledger then cannot estimate usage itself).
     #[serde(default)]
     pub kv_blocks: u64,
+    /// Model names this backend serves (vLLM's `--served-model-name`s). Empty on every backend:
+    /// one pool that takes any model name (the core then does not check names).
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+/// How a pool picks among the backends that serve its model and have room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutePolicy {
+    /// The most free slots, the first on a tie (the rule before per-pool routing; the default,
+    /// so configs without `routing` decide exactly as before).
+    FreeSlots,
+    /// Each backend in turn.
+    RoundRobin,
+    /// The headroom score: free slots and free KV blocks, discounted by the prefill work queued
+    /// ahead at the backend's measured prefill rate (`routing::headroom_score`).
+    LeastLoaded,
+    /// The backend holding the longest prefix of the prompt's block hashes, unless it is loaded
+    /// past `prefix_load_bound`; else `least_loaded`.
+    Prefix,
+}
+
+/// Routing between the backends of a pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// The policy of every pool not named in `pools`.
+    #[serde(default = "default_route_policy")]
+    pub policy: RoutePolicy,
+    /// Per model (a served name, not an alias): its own policy.
+    #[serde(default)]
+    pub pools: std::collections::BTreeMap<String, RoutePolicy>,
+    /// Load (running / slots, 0..1] at which `prefix` stops preferring a backend for its cache,
+    /// so a hot prefix cannot pile onto one replica.
+    #[serde(default = "default_prefix_load_bound")]
+    pub prefix_load_bound: f64,
+    /// Block hashes remembered per backend when its KV capacity is unknown (with a known
+    /// capacity: one per KV block, as many as vLLM can cache).
+    #[serde(default = "default_prefix_memory")]
+    pub prefix_memory_blocks: u64,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            policy: default_route_policy(),
+            pools: std::collections::BTreeMap::new(),
+            prefix_load_bound: default_prefix_load_bound(),
+            prefix_memory_blocks: default_prefix_memory(),
+        }
+    }
 }
 
 /// A priority class. Tiers are listed from most to least important; that order is strict.
@@ -125,6 +177,11 @@ pub struct PolicyConfig {
     /// is well below. `None`: the cap alone.
     #[serde(default)]
     pub tpot_target_ms: Option<f64>,
+    /// Model aliases: a name clients may send -> the served model name whose pool takes it.
+    #[serde(default)]
+    pub models: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub routing: RoutingConfig,
 }
 
 fn one() -> u32 {
@@ -154,6 +211,15 @@ fn default_output_weight() -> f64 {
 fn default_headroom_wait() -> f64 {
     500.0
 }
+fn default_route_policy() -> RoutePolicy {
+    RoutePolicy::FreeSlots
+}
+fn default_prefix_load_bound() -> f64 {
+    0.9
+}
+fn default_prefix_memory() -> u64 {
+    65_536
+}
 
 impl PolicyConfig {
     /// Parse and validate a JSON document of this shape.
@@ -181,6 +247,7 @@ impl PolicyConfig {
                 ));
             }
         }
+        self.validate_models()?;
         positive_int("block_size", self.block_size)?;
         positive_int("max_concurrency_per_gpu", self.max_concurrency_per_gpu)?;
         self.validate_tiers()?;
@@ -249,6 +316,89 @@ impl PolicyConfig {
                     format!("must be >= 0, got {value}"),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Served model names (the pools), in first-declared order; empty when no backend
+    /// declares any (one pool that takes any name).
+    pub fn served_models(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for b in &self.backends {
+            for m in &b.models {
+                if !names.contains(&m.as_str()) {
+                    names.push(m);
+                }
+            }
+        }
+        names
+    }
+
+    fn validate_models(&self) -> PolicyResult<()> {
+        let declaring = self
+            .backends
+            .iter()
+            .filter(|b| !b.models.is_empty())
+            .count();
+        if declaring > 0 && declaring < self.backends.len() {
+            let i = self
+                .backends
+                .iter()
+                .position(|b| b.models.is_empty())
+                .unwrap_or(0);
+            return Err(PolicyError::config(
+                format!("backends[{i}].models"),
+                "is empty while other backends declare theirs; once one backend lists the \
+                 models it serves, every backend must (a request is routed only to backends \
+                 that serve its model)",
+            ));
+        }
+        for (i, b) in self.backends.iter().enumerate() {
+            unique(
+                &format!("backends[{i}].models"),
+                b.models.iter().map(String::as_str),
+            )?;
+        }
+        let served = self.served_models();
+        for (alias, target) in &self.models {
+            if alias.is_empty() {
+                return Err(PolicyError::config(
+                    "models",
+                    "alias names must not be empty",
+                ));
+            }
+            if served.contains(&alias.as_str()) {
+                return Err(PolicyError::config(
+                    format!("models.{alias}"),
+                    "is already a model a backend serves; an alias must be a new name",
+                ));
+            }
+            if !served.contains(&target.as_str()) {
+                let message = if served.is_empty() {
+                    format!(
+                        "points at {target:?}, but no backend declares its `models`; list the \
+                         served names under each backend's `models` to use aliases"
+                    )
+                } else {
+                    format!("points at {target:?}, which no backend serves; served: {served:?}")
+                };
+                return Err(PolicyError::config(format!("models.{alias}"), message));
+            }
+        }
+        for model in self.routing.pools.keys() {
+            if !served.contains(&model.as_str()) {
+                return Err(PolicyError::config(
+                    format!("routing.pools.{model}"),
+                    format!("names no served model (aliases are not pools); served: {served:?}"),
+                ));
+            }
+        }
+        fraction("routing.prefix_load_bound", self.routing.prefix_load_bound)?;
+        if self.routing.prefix_memory_blocks == 0 {
+            return Err(PolicyError::config(
+                "routing.prefix_memory_blocks",
+                "must be >= 1, got 0",
+            ));
         }
         Ok(())
     }
@@ -395,6 +545,32 @@ pub(crate) mod tests {
         );
         let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
         assert!(err.contains("tiers[1].shed_at"), "{err}");
+    }
+
+    // Backends must all declare their models or none; an alias must point at a served model.
+    #[test]
+    fn models_are_declared_consistently() {
+        let two = sample_json().replace(
+            r#"[{"name":"b0","gpus":1,"kv_blocks":1000}]"#,
+            r#"[{"name":"b0","models":["m"]},{"name":"b1"}]"#,
+        );
+        let err = PolicyConfig::from_json(&two).unwrap_err().to_string();
+        assert!(err.contains("backends[1].models"), "{err}");
+        let alias = sample_json().replace(
+            r#"[{"name":"b0","gpus":1,"kv_blocks":1000}]"#,
+            r#"[{"name":"b0","models":["m"]}],"models":{"fast":"n"}"#,
+        );
+        let err = PolicyConfig::from_json(&alias).unwrap_err().to_string();
+        assert!(
+            err.contains("models.fast") && err.contains(r#"["m"]"#),
+            "{err}"
+        );
+        let pool = sample_json().replace(
+            r#"[{"name":"b0","gpus":1,"kv_blocks":1000}]"#,
+            r#"[{"name":"b0","models":["m"]}],"routing":{"pools":{"x":"prefix"}}"#,
+        );
+        let err = PolicyConfig::from_json(&pool).unwrap_err().to_string();
+        assert!(err.contains("routing.pools.x"), "{err}");
     }
 
     // Thresholds outside (0, 1] are refused with the value.

@@ -13,6 +13,10 @@ pub enum PolicyError {
     },
     UnknownTenant(String),
     UnknownBackend(String),
+    /// A model no backend serves and no alias names, and the names that are served.
+    UnknownModel(String, Vec<String>),
+    /// No model named while several pools exist, and their names.
+    ModelRequired(Vec<String>),
     DuplicateRequest(u64),
     InvalidArgument(String),
 }
@@ -46,6 +50,18 @@ impl fmt::Display for PolicyError {
                 write!(
                     f,
                     "unknown backend {name:?}: declare it under `backends` in the config"
+                )
+            }
+            Self::UnknownModel(name, served) => {
+                write!(
+                    f,
+                    "The model `{name}` does not exist. Served models and aliases: {served:?}"
+                )
+            }
+            Self::ModelRequired(served) => {
+                write!(
+                    f,
+                    "this gateway serves several models; name one in `model`: {served:?}"
                 )
             }
             Self::DuplicateRequest(id) => {

@@ -10,6 +10,12 @@
 //!
 //! Every operation is O(log n): tenants are kept in a `BTreeSet` keyed by counter, a tenant's
 //! requests in a `BTreeMap` keyed by arrival number.
+//!
+//! Requests for different models wait in separate pools (one `PoolQueue` per model pool, each
+//! with its own tier order and tenant counters), so a request that waits for model A's busy
+//! backends never stands in front of one for model B, whose backends may be idle: dispatch
+//! takes each pool's head on its own, still O(log n), instead of scanning past entries whose
+//! pool has no room. Queries by tier or tenant add the pools up (there are few).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -45,18 +51,181 @@ struct TenantQueue {
     key: Option<u64>,
 }
 
+/// The waiting requests of all pools.
 #[derive(Debug, Clone)]
 pub struct FairQueue {
     strategy: Strategy,
-    tiers: Vec<TierQueue>,
-    tenants: Vec<TenantQueue>,
-    index: FxHashMap<u64, (u32, u64)>,
+    pools: Vec<PoolQueue>,
+    /// Request id -> its pool.
+    pool_of: FxHashMap<u64, u32>,
+    /// Arrival number across pools, so "newest of a tenant" compares pools.
     next_seq: u64,
 }
 
 impl FairQueue {
-    /// `tenants` gives each tenant's (tier index, weight).
+    /// One pool; `tenants` gives each tenant's (tier index, weight).
     pub fn new(strategy: Strategy, tiers: usize, tenants: &[(usize, f64)]) -> Self {
+        Self::pooled(strategy, tiers, tenants, 1)
+    }
+
+    /// `pools` independent queues of the same tiers and tenants.
+    pub fn pooled(
+        strategy: Strategy,
+        tiers: usize,
+        tenants: &[(usize, f64)],
+        pools: usize,
+    ) -> Self {
+        Self {
+            strategy,
+            pools: (0..pools.max(1))
+                .map(|_| PoolQueue::new(strategy, tiers, tenants))
+                .collect(),
+            pool_of: FxHashMap::default(),
+            next_seq: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.pool_of.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pool_of.is_empty()
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.pool_of.contains_key(&id)
+    }
+
+    /// The pool a queued request waits in.
+    pub fn pool_of(&self, id: u64) -> Option<u32> {
+        self.pool_of.get(&id).copied()
+    }
+
+    /// Waiting requests of a tier, over all pools.
+    pub fn tier_len(&self, tier: usize) -> usize {
+        self.pools.iter().map(|p| p.tier_len(tier)).sum()
+    }
+
+    /// Waiting requests of a tier in one pool.
+    pub fn pool_tier_len(&self, pool: u32, tier: usize) -> usize {
+        self.pools[pool as usize].tier_len(tier)
+    }
+
+    /// Prompt tokens waiting in one tier: the prefill work it will bring.
+    pub fn tier_prompt_tokens(&self, tier: usize) -> u64 {
+        self.pools.iter().map(|p| p.tier_prompt_tokens(tier)).sum()
+    }
+
+    /// A tenant's fairness counter in the first pool (tests).
+    #[cfg(test)]
+    pub fn counter(&self, tenant: u32) -> f64 {
+        self.pools[0].counter(tenant)
+    }
+
+    /// Weighted tokens charged to a tenant so far, over all pools.
+    pub fn service(&self, tenant: u32) -> f64 {
+        self.pools.iter().map(|p| p.service(tenant)).sum()
+    }
+
+    pub fn tenant_len(&self, tenant: u32) -> usize {
+        self.pools.iter().map(|p| p.tenant_len(tenant)).sum()
+    }
+
+    /// Queue a request at the back of its tenant's line in the first pool.
+    #[cfg(test)]
+    pub fn push(&mut self, tenant: u32, item: QueuedItem) {
+        self.push_to(0, tenant, item);
+    }
+
+    /// Queue a request at the back of its tenant's line in a pool.
+    pub fn push_to(&mut self, pool: u32, tenant: u32, item: QueuedItem) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.pool_of.insert(item.id, pool);
+        self.pools[pool as usize].push(tenant, item, seq);
+    }
+
+    /// Take the next request of a tier in the first pool.
+    #[cfg(test)]
+    pub fn pop(&mut self, tier: usize) -> Option<(u32, QueuedItem)> {
+        self.pop_from(0, tier)
+    }
+
+    /// Take the next request of a tier in a pool: the oldest of the tenant with the smallest
+    /// counter.
+    pub fn pop_from(&mut self, pool: u32, tier: usize) -> Option<(u32, QueuedItem)> {
+        let popped = self.pools[pool as usize].pop(tier)?;
+        self.pool_of.remove(&popped.1.id);
+        Some(popped)
+    }
+
+    /// The request `pop` would take next in the first pool, without taking it.
+    #[cfg(test)]
+    pub fn peek(&self, tier: usize) -> Option<QueuedItem> {
+        self.peek_in(0, tier)
+    }
+
+    /// The request `pop_from` would take next, without taking it.
+    pub fn peek_in(&self, pool: u32, tier: usize) -> Option<QueuedItem> {
+        self.pools[pool as usize].peek(tier)
+    }
+
+    /// The most recently queued request of a tenant, in any pool (the one to push out first).
+    pub fn newest(&self, tenant: u32) -> Option<QueuedItem> {
+        self.pools
+            .iter()
+            .filter_map(|p| p.newest(tenant))
+            .max_by_key(|&(seq, _)| seq)
+            .map(|(_, item)| item)
+    }
+
+    /// Prompt tokens a tenant has waiting, over all pools.
+    pub fn tenant_prompt_tokens(&self, tenant: u32) -> u64 {
+        self.pools
+            .iter()
+            .map(|p| p.tenant_prompt_tokens(tenant))
+            .sum()
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    pub fn weight(&self, tenant: u32) -> f64 {
+        self.pools[0].weight(tenant)
+    }
+
+    /// Take a request out wherever it is (cancelled or expired while waiting).
+    pub fn remove(&mut self, id: u64) -> Option<(u32, QueuedItem)> {
+        let pool = self.pool_of.remove(&id)?;
+        self.pools[pool as usize].remove(id)
+    }
+
+    /// Charge a tenant for service in the first pool.
+    #[cfg(test)]
+    pub fn charge(&mut self, tenant: u32, cost: f64) {
+        self.charge_in(0, tenant, cost);
+    }
+
+    /// Charge a tenant for service in a pool: `cost` weighted tokens, divided by its weight.
+    /// Fairness is kept per pool: service on model A earns no priority on model B.
+    pub fn charge_in(&mut self, pool: u32, tenant: u32, cost: f64) {
+        self.pools[pool as usize].charge(tenant, cost);
+    }
+}
+
+/// One pool's queue: tiers in strict order, tenants fairly within.
+#[derive(Debug, Clone)]
+struct PoolQueue {
+    strategy: Strategy,
+    tiers: Vec<TierQueue>,
+    tenants: Vec<TenantQueue>,
+    index: FxHashMap<u64, (u32, u64)>,
+}
+
+impl PoolQueue {
+    fn new(strategy: Strategy, tiers: usize, tenants: &[(usize, f64)]) -> Self {
         Self {
             strategy,
             tiers: vec![TierQueue::default(); tiers],
@@ -73,48 +242,33 @@ impl FairQueue {
                 })
                 .collect(),
             index: FxHashMap::default(),
-            next_seq: 0,
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.index.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
-    }
-
-    pub fn contains(&self, id: u64) -> bool {
-        self.index.contains_key(&id)
-    }
-
-    pub fn tier_len(&self, tier: usize) -> usize {
+    fn tier_len(&self, tier: usize) -> usize {
         self.tiers[tier].len
     }
 
     /// Prompt tokens waiting in one tier: the prefill work it will bring.
-    pub fn tier_prompt_tokens(&self, tier: usize) -> u64 {
+    fn tier_prompt_tokens(&self, tier: usize) -> u64 {
         self.tiers[tier].prompt_tokens
     }
 
-    pub fn counter(&self, tenant: u32) -> f64 {
+    #[cfg(test)]
+    fn counter(&self, tenant: u32) -> f64 {
         self.tenants[tenant as usize].counter
     }
 
     /// Weighted tokens charged to a tenant so far.
-    pub fn service(&self, tenant: u32) -> f64 {
+    fn service(&self, tenant: u32) -> f64 {
         self.tenants[tenant as usize].service
     }
 
-    pub fn tenant_len(&self, tenant: u32) -> usize {
+    fn tenant_len(&self, tenant: u32) -> usize {
         self.tenants[tenant as usize].items.len()
     }
 
-    /// Queue a request at the back of its tenant's line.
-    pub fn push(&mut self, tenant: u32, item: QueuedItem) {
-        let seq = self.next_seq;
-        self.next_seq += 1;
+    fn push(&mut self, tenant: u32, item: QueuedItem, seq: u64) {
         let t = tenant as usize;
         if self.tenants[t].items.is_empty() {
             self.lift(t);
@@ -149,7 +303,7 @@ impl FairQueue {
     }
 
     /// Take the next request of a tier: the oldest of the tenant with the smallest counter.
-    pub fn pop(&mut self, tier: usize) -> Option<(u32, QueuedItem)> {
+    fn pop(&mut self, tier: usize) -> Option<(u32, QueuedItem)> {
         let &(_, tenant) = self.tiers[tier].backlog.first()?;
         let t = tenant as usize;
         let (_, item) = self.tenants[t].items.pop_first()?;
@@ -161,7 +315,7 @@ impl FairQueue {
     }
 
     /// The request `pop` would take next, without taking it.
-    pub fn peek(&self, tier: usize) -> Option<QueuedItem> {
+    fn peek(&self, tier: usize) -> Option<QueuedItem> {
         let &(_, tenant) = self.tiers[tier].backlog.first()?;
         self.tenants[tenant as usize]
             .items
@@ -169,29 +323,25 @@ impl FairQueue {
             .map(|(_, &item)| item)
     }
 
-    /// The most recently queued request of a tenant (the one to push out first).
-    pub fn newest(&self, tenant: u32) -> Option<QueuedItem> {
+    /// The most recently queued request of a tenant, with its arrival number.
+    fn newest(&self, tenant: u32) -> Option<(u64, QueuedItem)> {
         self.tenants[tenant as usize]
             .items
             .last_key_value()
-            .map(|(_, &item)| item)
+            .map(|(&seq, &item)| (seq, item))
     }
 
     /// Prompt tokens a tenant has waiting.
-    pub fn tenant_prompt_tokens(&self, tenant: u32) -> u64 {
+    fn tenant_prompt_tokens(&self, tenant: u32) -> u64 {
         self.tenants[tenant as usize].prompt_tokens
     }
 
-    pub fn strategy(&self) -> Strategy {
-        self.strategy
-    }
-
-    pub fn weight(&self, tenant: u32) -> f64 {
+    fn weight(&self, tenant: u32) -> f64 {
         self.tenants[tenant as usize].weight
     }
 
     /// Take a request out wherever it is (cancelled or expired while waiting).
-    pub fn remove(&mut self, id: u64) -> Option<(u32, QueuedItem)> {
+    fn remove(&mut self, id: u64) -> Option<(u32, QueuedItem)> {
         let (tenant, seq) = self.index.remove(&id)?;
         let t = tenant as usize;
         let item = self.tenants[t].items.remove(&seq)?;
@@ -201,7 +351,7 @@ impl FairQueue {
     }
 
     /// Charge a tenant for service: `cost` weighted tokens, divided by its weight.
-    pub fn charge(&mut self, tenant: u32, cost: f64) {
+    fn charge(&mut self, tenant: u32, cost: f64) {
         let t = &mut self.tenants[tenant as usize];
         t.service += cost;
         t.counter += cost / t.weight;
@@ -351,6 +501,25 @@ mod tests {
         q.charge(0, 1e9);
         let order: Vec<u64> = std::iter::from_fn(|| q.pop(0).map(|(_, i)| i.id)).collect();
         assert_eq!(order, vec![1, 2, 3]);
+    }
+
+    // A pool's waiting head never blocks another pool's: each pops on its own, and queries by
+    // tier and tenant add the pools up; the newest of a tenant is compared across pools.
+    #[test]
+    fn pools_are_independent() {
+        let mut q = FairQueue::pooled(Strategy::Fair, 1, &[(0, 1.0)], 2);
+        q.push_to(0, 0, item(1));
+        q.push_to(1, 0, item(2));
+        q.push_to(0, 0, item(3));
+        assert_eq!(
+            (q.tier_len(0), q.pool_tier_len(1, 0), q.tenant_len(0)),
+            (3, 1, 3)
+        );
+        assert_eq!(q.newest(0).map(|i| i.id), Some(3));
+        assert_eq!(q.pop_from(1, 0).map(|(_, i)| i.id), Some(2));
+        assert!(q.pop_from(1, 0).is_none());
+        assert_eq!(q.remove(1).map(|(_, i)| i.id), Some(1));
+        assert_eq!((q.len(), q.pool_of(3)), (1, Some(0)));
     }
 
     // Removing from the middle keeps counts and prompt totals right.

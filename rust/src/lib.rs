@@ -12,6 +12,7 @@ pub mod governor;
 pub mod kv;
 #[cfg(feature = "relay")]
 pub mod relay;
+pub mod routing;
 pub mod runtime;
 pub mod snapshot;
 pub mod trace;
@@ -37,7 +38,7 @@ pub mod _core {
     use crate::py::{
         kv_bytes_per_token, kv_slots, ConfigError, DuplicateRequestError, InvalidArgumentError,
         PolicyError, PyAdmission, PyAdmitted, PyExpired, PyGovernor, PyQueued, PyRejected,
-        TraceMismatchError, UnknownBackendError, UnknownTenantError,
+        TraceMismatchError, UnknownBackendError, UnknownModelError, UnknownTenantError,
     };
     #[pymodule_export]
     use crate::py_runtime::{

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::capacity;
 use crate::error::PolicyError as CoreError;
-use crate::governor::Governor;
+use crate::governor::{Governor, Route};
 use crate::types::{Admission, Decision, Expired, Outcome, RejectReason};
 
 create_exception!(
@@ -39,6 +39,12 @@ create_exception!(
 );
 create_exception!(
     llmflow._core,
+    UnknownModelError,
+    PolicyError,
+    "No backend serves the model a request names (or none named where several are served)."
+);
+create_exception!(
+    llmflow._core,
     DuplicateRequestError,
     PolicyError,
     "Request id still live."
@@ -63,6 +69,9 @@ impl From<CoreError> for PyErr {
             CoreError::Config { .. } => ConfigError::new_err(message),
             CoreError::UnknownTenant(_) => UnknownTenantError::new_err(message),
             CoreError::UnknownBackend(_) => UnknownBackendError::new_err(message),
+            CoreError::UnknownModel(..) | CoreError::ModelRequired(_) => {
+                UnknownModelError::new_err(message)
+            }
             CoreError::DuplicateRequest(_) => DuplicateRequestError::new_err(message),
             CoreError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
         }
@@ -289,6 +298,9 @@ impl PyGovernor {
         })
     }
 
+    #[allow(clippy::too_many_arguments)] // the request's fields
+    #[pyo3(signature = (request_id, tenant, prompt_tokens, max_tokens, now_us, *, model=None,
+                        prefix_hashes=None))]
     fn submit<'py>(
         &mut self,
         py: Python<'py>,
@@ -297,13 +309,20 @@ impl PyGovernor {
         prompt_tokens: i64,
         max_tokens: i64,
         now_us: u64,
+        model: Option<&str>,
+        prefix_hashes: Option<Vec<u64>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tenant_id = self.inner.tenant_id(tenant)?;
         let prompt = non_negative("prompt_tokens", prompt_tokens)?;
         let max_tokens = non_negative("max_tokens", max_tokens)?;
+        let chain = prefix_hashes.unwrap_or_default();
+        let route = Route {
+            pool: self.inner.pool_of(model)?,
+            chain: &chain,
+        };
         let decision = self
             .inner
-            .submit(request_id, tenant_id, prompt, max_tokens, now_us)?;
+            .submit_routed(request_id, tenant_id, prompt, max_tokens, route, now_us)?;
         let out = match decision {
             Decision::Admitted { backend, priority } => PyAdmitted {
                 request_id,

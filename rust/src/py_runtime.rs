@@ -6,6 +6,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::governor::Route;
 use crate::py::{non_negative, InvalidArgumentError, TraceMismatchError};
 use crate::runtime::{Action, Event, Runtime};
 use crate::trace;
@@ -283,6 +284,8 @@ impl PyRuntime {
     }
 
     #[allow(clippy::too_many_arguments)] // one Python method per event, with its fields
+    #[pyo3(signature = (request_id, tenant, prompt_tokens, max_tokens, stream, now_us, *,
+                        model=None, prefix_hashes=None))]
     fn arrive(
         &mut self,
         py: Python<'_>,
@@ -292,6 +295,8 @@ impl PyRuntime {
         max_tokens: i64,
         stream: bool,
         now_us: u64,
+        model: Option<&str>,
+        prefix_hashes: Option<Vec<u64>>,
     ) -> PyResult<Py<PyAny>> {
         let event = Event::Arrive {
             id: request_id,
@@ -299,22 +304,49 @@ impl PyRuntime {
             prompt: non_negative("prompt_tokens", prompt_tokens)?,
             max_tokens: non_negative("max_tokens", max_tokens)?,
             stream,
+            pool: self.inner.governor().pool_of(model)?,
+            chain: prefix_hashes.unwrap_or_default(),
         };
         self.feed(py, now_us, &event)
     }
 
+    /// Every model name a request may send, with the served model its pool is named after
+    /// (a served name maps to itself, an alias to its target). Empty when no backend declares
+    /// its models (then any name is taken).
+    fn models(&self) -> Vec<(String, String)> {
+        self.inner.governor().pools().table()
+    }
+
+    /// The served model a request naming `model` is routed to (an alias resolved), or None
+    /// when the config names no models. Raises `UnknownModelError` for a name nobody serves.
+    #[pyo3(signature = (model=None))]
+    fn resolve_model(&self, model: Option<&str>) -> PyResult<Option<String>> {
+        let pools = self.inner.governor().pools();
+        let pool = pools.resolve(model)?;
+        let name = pools.name(pool);
+        Ok((!name.is_empty()).then(|| name.to_owned()))
+    }
+
     /// What `arrive` would answer now if it refused at once: (status, reason, Retry-After).
+    #[pyo3(signature = (tenant, prompt_tokens, max_tokens, now_us, *, model=None))]
     fn refusal(
         &self,
         tenant: &str,
         prompt_tokens: i64,
         max_tokens: i64,
         now_us: u64,
+        model: Option<&str>,
     ) -> PyResult<Option<(u16, &'static str, u32)>> {
+        let gov = self.inner.governor();
+        let route = Route {
+            pool: gov.pool_of(model)?,
+            chain: &[],
+        };
         let refused = self.inner.refusal(
-            self.inner.governor().tenant_id(tenant)?,
+            gov.tenant_id(tenant)?,
             non_negative("prompt_tokens", prompt_tokens)?,
             non_negative("max_tokens", max_tokens)?,
+            route,
             now_us,
         )?;
         Ok(refused.map(|r| (r.status, r.reason.as_str(), r.retry_after_s)))

@@ -20,6 +20,7 @@ use std::collections::BTreeSet;
 
 use crate::config::PolicyConfig;
 use crate::error::{PolicyError, PolicyResult};
+use crate::governor::Route;
 use crate::types::{Decision, Expired, ExpiryReason, Outcome, RejectReason};
 use crate::Governor;
 
@@ -76,13 +77,19 @@ pub struct RuntimeConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Event {
-    /// A request arrived (tenant index, prompt tokens, the most tokens it may generate).
+    /// A request arrived (tenant index, prompt tokens, the most tokens it may generate), for
+    /// a model pool (`Governor::pool_of`), with its prompt's chained block hashes (for prefix
+    /// routing). Both are left out of a trace line when default, so older traces still read.
     Arrive {
         id: u64,
         tenant: u32,
         prompt: u64,
         max_tokens: u64,
         stream: bool,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        pool: u32,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        chain: Vec<u64>,
     },
     /// The backend accepted the request (response headers came back).
     Started { id: u64 },
@@ -134,6 +141,11 @@ pub enum Event {
     SharedService { tenant: u32, cost: f64 },
     /// Stop admitting; cut what is still live after the drain timeout.
     Drain,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why a reply ended the way it did, as clients and metrics see it.
@@ -414,9 +426,12 @@ impl Runtime {
         tenant: u32,
         prompt: u64,
         max_tokens: u64,
+        route: Route<'_>,
         now_us: u64,
     ) -> PolicyResult<Option<Refusal>> {
-        let refused = self.gov.refusal(tenant, prompt, max_tokens, now_us)?;
+        let refused = self
+            .gov
+            .refusal_routed(tenant, prompt, max_tokens, route, now_us)?;
         Ok(refused.map(|(reason, seconds)| Refusal::of(reason, seconds)))
     }
 
@@ -466,8 +481,11 @@ impl Runtime {
                 prompt,
                 max_tokens,
                 stream,
+                pool,
+                ref chain,
             } => {
-                self.arrive(id, tenant, prompt, max_tokens, stream, now)?;
+                let route = Route { pool, chain };
+                self.arrive(id, tenant, (prompt, max_tokens), stream, route, now)?;
                 true
             }
             Event::Started { .. } => unreachable!("handled in `feed`"),
@@ -649,15 +667,17 @@ impl Runtime {
         &mut self,
         id: u64,
         tenant: u32,
-        prompt: u64,
-        max_tokens: u64,
+        (prompt, max_tokens): (u64, u64),
         stream: bool,
+        route: Route<'_>,
         now: u64,
     ) -> PolicyResult<()> {
         if self.sessions.contains_key(&id) {
             return Err(PolicyError::DuplicateRequest(id));
         }
-        let decision = self.gov.submit(id, tenant, prompt, max_tokens, now)?;
+        let decision = self
+            .gov
+            .submit_routed(id, tenant, prompt, max_tokens, route, now)?;
         let session = Session {
             stream,
             started: false,
@@ -898,6 +918,8 @@ mod tests {
             prompt: 10,
             max_tokens: 10,
             stream: true,
+            pool: 0,
+            chain: vec![],
         }
     }
 
@@ -1078,14 +1100,20 @@ mod tests {
     fn refusal_is_the_reply_arrive_sends() {
         let mut rt = runtime("{}");
         let v = rt.governor().tenant_id("v").unwrap();
-        assert_eq!(rt.refusal(v, 10, 10, 0).unwrap(), None);
+        assert_eq!(rt.refusal(v, 10, 10, Route::default(), 0).unwrap(), None);
         for id in 1..=8 {
             rt.handle(0, &arrive(id, v)).unwrap();
         }
         for (id, now) in [(9, 0), (10, 1), (11, 2)] {
-            let asked = rt.refusal(v, 10, 10, now).unwrap().unwrap();
+            let asked = rt
+                .refusal(v, 10, 10, Route::default(), now)
+                .unwrap()
+                .unwrap();
             let live = rt.live();
-            assert_eq!(rt.refusal(v, 10, 10, now).unwrap(), Some(asked));
+            assert_eq!(
+                rt.refusal(v, 10, 10, Route::default(), now).unwrap(),
+                Some(asked)
+            );
             assert_eq!(rt.live(), live);
             let acts = rt.handle(now, &arrive(id, v)).unwrap();
             let reply = Action::Reply {
@@ -1097,7 +1125,7 @@ mod tests {
             assert_eq!(terminal(&acts), [&reply]);
         }
         rt.handle(3, &Event::Drain).unwrap();
-        let asked = rt.refusal(v, 10, 10, 4).unwrap().unwrap();
+        let asked = rt.refusal(v, 10, 10, Route::default(), 4).unwrap().unwrap();
         assert_eq!((asked.status, asked.reason), (503, Reason::Draining));
     }
 

@@ -210,6 +210,10 @@ mod tests {
                         prompt: 100 * id,
                         max_tokens: 50,
                         stream: id % 2 == 0,
+                        pool: 0,
+                        // One request carries block hashes: they go into its trace line and
+                        // replay with it.
+                        chain: if id == 3 { vec![7, 8] } else { vec![] },
                     },
                 )
             })

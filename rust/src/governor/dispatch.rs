@@ -1,32 +1,108 @@
 //! Dispatch: which backend a request starts on, and moving queued requests onto free slots.
 
-use super::{us, Governor, Running};
+use super::{us, Governor, Route, Running};
+use crate::config::RoutePolicy;
+use crate::routing::headroom_score;
 use crate::types::{Admission, ExpiryReason};
 
 impl Governor {
-    /// The healthy backend with the most free slots for this tier whose KV can take the
-    /// request, or none. (A request that does not fit would only wait in vLLM's own FCFS queue
-    /// or be preempted there; waiting here keeps the fair queue in charge of who gets the freed
-    /// blocks.) `peak` is the context the request is expected to reach (prompt plus expected
-    /// output): with `kv_fit_target` the backend's committed blocks must leave room for it, so
-    /// the number of requests running follows the KV capacity, not a fixed count.
+    /// The backend a request starts on now, or none: among the healthy backends serving its
+    /// pool's model with a slot for its tier and KV that can take it (`eligible`), the one the
+    /// pool's routing policy ranks first.
     pub(super) fn pick_backend(
         &self,
         tier_idx: usize,
+        route: Route<'_>,
         prompt: u64,
         peak: u64,
         now_us: u64,
     ) -> Option<u32> {
-        let tier = &self.config.tiers[tier_idx];
         let peak_blocks = self.ledger.blocks_for(peak);
-        let mut best: Option<(u32, u32)> = None;
-        for (i, b) in self.backends.iter().enumerate() {
-            if !b.healthy {
-                continue;
+        let candidates = || self.eligible(tier_idx, route.pool, prompt, peak_blocks, now_us);
+        let least_loaded = |under_bound: bool| {
+            let mut best: Option<(f64, usize)> = None;
+            for (i, total) in candidates() {
+                if under_bound && self.past_prefix_bound(i) {
+                    continue;
+                }
+                let score = self.headroom(i, total, prompt, peak_blocks, now_us);
+                if best.is_none_or(|(s, _)| score > s) {
+                    best = Some((score, i));
+                }
+            }
+            best.map(|(_, i)| i as u32)
+        };
+        match self.pools.policy(route.pool) {
+            RoutePolicy::FreeSlots => {
+                let mut best: Option<(u32, usize)> = None;
+                for (i, total) in candidates() {
+                    let free = total - self.backends[i].running;
+                    if best.is_none_or(|(h, _)| free > h) {
+                        best = Some((free, i));
+                    }
+                }
+                best.map(|(_, i)| i as u32)
+            }
+            RoutePolicy::RoundRobin => {
+                // The first candidate at or after the pool's cursor, cyclically.
+                let from = self.pools.round_robin_next(route.pool) as usize;
+                let n = self.backends.len();
+                candidates()
+                    .map(|(i, _)| i)
+                    .min_by_key(|&i| (i + n - from % n) % n)
+                    .map(|i| i as u32)
+            }
+            RoutePolicy::LeastLoaded => least_loaded(false),
+            RoutePolicy::Prefix => {
+                // The longest cached prefix among the backends under the load bound (ties: the
+                // larger headroom); with no match there, the most headroom under the bound; with
+                // every candidate past it, the most headroom anywhere. So a hot prefix spills
+                // over once its replica is loaded, and a request never goes past the bound while
+                // a candidate under it exists.
+                let mut best: Option<(usize, f64, usize)> = None;
+                for (i, total) in candidates() {
+                    if self.past_prefix_bound(i) {
+                        continue;
+                    }
+                    let matched = self.prefix[i].matched(route.chain);
+                    if matched == 0 {
+                        continue;
+                    }
+                    let score = self.headroom(i, total, prompt, peak_blocks, now_us);
+                    if best.is_none_or(|(m, s, _)| (matched, score) > (m, s)) {
+                        best = Some((matched, score, i));
+                    }
+                }
+                best.map(|(_, _, i)| i as u32)
+                    .or_else(|| least_loaded(true))
+                    .or_else(|| least_loaded(false))
+            }
+        }
+    }
+
+    /// The backends a request of this tier and pool may start on now, with each one's slot
+    /// total for the tier. (A request that does not fit would only wait in vLLM's own FCFS
+    /// queue or be preempted there; waiting here keeps the fair queue in charge of who gets the
+    /// freed blocks.) `peak_blocks` is the context the request is expected to reach (prompt
+    /// plus expected output): with `kv_fit_target` the backend's committed blocks must leave
+    /// room for it, so the number of requests running follows the KV capacity, not a fixed
+    /// count.
+    fn eligible(
+        &self,
+        tier_idx: usize,
+        pool: u32,
+        prompt: u64,
+        peak_blocks: u64,
+        now_us: u64,
+    ) -> impl Iterator<Item = (usize, u32)> + '_ {
+        let tier = &self.config.tiers[tier_idx];
+        self.backends.iter().enumerate().filter_map(move |(i, b)| {
+            if !b.healthy || !self.pools.serves(pool, i) {
+                return None;
             }
             let (total, share) = self.limits(i, tier, now_us);
             if b.running >= total || b.running_by_tier[tier_idx] >= share {
-                continue;
+                return None;
             }
             if !tier.protected
                 && self
@@ -34,24 +110,52 @@ impl Governor {
                     .kv_pressure_threshold
                     .is_some_and(|t| self.backend_kv_usage(i, now_us) > t)
             {
-                continue;
+                return None;
             }
             // Protected tiers skip the fit check: vLLM's priority scheduling preempts lower
             // tiers to make room for them, and waiting here would only delay a VIP.
             if !tier.protected
                 && !(self.fits(i, prompt, peak_blocks, now_us) && self.prefill_paced(i, prompt))
             {
-                continue;
+                return None;
             }
             if tier.best_effort && !self.leaves_headroom(i, peak_blocks) {
-                continue;
+                return None;
             }
-            let headroom = total - b.running;
-            if best.is_none_or(|(h, _)| headroom > h) {
-                best = Some((headroom, i as u32));
-            }
-        }
-        best.map(|(_, i)| i)
+            Some((i, total))
+        })
+    }
+
+    /// `routing::headroom_score` of a backend for this request.
+    fn headroom(&self, b: usize, total: u32, prompt: u64, peak_blocks: u64, now_us: u64) -> f64 {
+        let backend = &self.backends[b];
+        let capacity = backend.kv_capacity_blocks;
+        let free_blocks = (capacity > 0).then(|| capacity.saturating_sub(self.kv_used(b, now_us)));
+        let waiting = backend.observed.and_then(|o| o.waiting).unwrap_or(0);
+        let queued = backend.prefill_pending + waiting * prompt;
+        headroom_score(
+            total.saturating_sub(backend.running),
+            free_blocks,
+            peak_blocks,
+            queued,
+            prompt,
+            backend.prefill_tps,
+        )
+    }
+
+    /// The backend's load (running over its usable slots) is at `routing.prefix_load_bound`
+    /// or beyond: cache affinity no longer draws requests to it.
+    pub(super) fn past_prefix_bound(&self, b: usize) -> bool {
+        let backend = &self.backends[b];
+        f64::from(backend.running)
+            >= self.config.routing.prefix_load_bound * f64::from(backend.slots())
+    }
+
+    /// KV blocks in use on a backend: the larger of its report and the ledger's count.
+    fn kv_used(&self, b: usize, now_us: u64) -> u64 {
+        let capacity = self.backends[b].kv_capacity_blocks;
+        let reported = (self.backend_kv_usage(b, now_us) * capacity as f64).ceil() as u64;
+        reported.max(self.ledger.backend_blocks(b as u32))
     }
 
     /// Whether a backend's free KV blocks hold a prompt plus one block of output and, with
@@ -63,8 +167,7 @@ impl Governor {
         if capacity == 0 || backend.running == 0 {
             return true;
         }
-        let reported = (self.backend_kv_usage(b, now_us) * capacity as f64).ceil() as u64;
-        let used = reported.max(self.ledger.backend_blocks(b as u32));
+        let used = self.kv_used(b, now_us);
         if self.ledger.blocks_for(prompt) >= capacity.saturating_sub(used) {
             return false;
         }
@@ -99,29 +202,40 @@ impl Governor {
         {
             return admitted;
         }
+        // Tiers in strict order within each pool; each pool takes its own head, so a pool
+        // whose backends are full never holds back another's.
         for tier_idx in 0..self.config.tiers.len() {
-            while self.queue.tier_len(tier_idx) > 0 {
-                let (prompt, peak) = self.queue.peek(tier_idx).map_or((0, 0), |item| {
+            for pool in 0..self.pools.len() as u32 {
+                while self.queue.pool_tier_len(pool, tier_idx) > 0 {
+                    let Some(item) = self.queue.peek_in(pool, tier_idx) else {
+                        break;
+                    };
                     let req = &self.requests[&item.id];
                     let out = self.expected_output(req.tenant, req.max_tokens);
-                    (item.prompt_tokens, item.prompt_tokens + out)
-                });
-                let Some(backend) = self.pick_backend(tier_idx, prompt, peak, now_us) else {
-                    break;
-                };
-                let Some((_, item)) = self.queue.pop(tier_idx) else {
-                    break;
-                };
-                let req = &self.requests[&item.id];
-                let (priority, waited) = (req.priority, now_us.saturating_sub(req.submitted_us));
-                self.clear_deadline(item.id, ExpiryReason::QueueTimeout);
-                self.start(item.id, backend, now_us);
-                admitted.push(Admission {
-                    request_id: item.id,
-                    backend,
-                    priority,
-                    queue_wait_us: waited,
-                });
+                    let (prompt, peak) = (item.prompt_tokens, item.prompt_tokens + out);
+                    let route = Route {
+                        pool,
+                        chain: &req.chain,
+                    };
+                    let Some(backend) = self.pick_backend(tier_idx, route, prompt, peak, now_us)
+                    else {
+                        break;
+                    };
+                    let Some((_, item)) = self.queue.pop_from(pool, tier_idx) else {
+                        break;
+                    };
+                    let req = &self.requests[&item.id];
+                    let (priority, waited) =
+                        (req.priority, now_us.saturating_sub(req.submitted_us));
+                    self.clear_deadline(item.id, ExpiryReason::QueueTimeout);
+                    self.start(item.id, backend, now_us);
+                    admitted.push(Admission {
+                        request_id: item.id,
+                        backend,
+                        priority,
+                        queue_wait_us: waited,
+                    });
+                }
             }
         }
         admitted
@@ -153,11 +267,15 @@ impl Governor {
             first_token: false,
             prefill_alone,
         });
-        let (tenant, prompt) = (req.tenant, req.prompt);
+        let (tenant, prompt, pool) = (req.tenant, req.prompt, req.pool);
+        if !req.chain.is_empty() {
+            self.prefix[backend as usize].remember(&req.chain);
+        }
+        self.pools.started(pool, backend);
         self.ledger.open(id, tenant, backend, prompt, now_us);
         self.queue.served(tenant);
         self.queue
-            .charge(tenant, self.config.input_token_weight * prompt as f64);
+            .charge_in(pool, tenant, self.config.input_token_weight * prompt as f64);
         if let Some(limit) = us(self.config.first_token_timeout_ms) {
             // The timeout guards against a backend that hangs, not against a long prompt: it
             // runs on top of the prompt's own prefill time at the configured prefill rate
@@ -173,6 +291,7 @@ impl Governor {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{governor, tenant, S};
+    use super::super::{Governor, Route};
     use crate::types::{Decision, Outcome};
 
     // A finished request frees its slot; dispatch hands it to the queue head.
@@ -244,5 +363,139 @@ mod tests {
         assert!(g.finish(2, Outcome::Completed, 3));
         let d = g.submit(4, vip, 2_000, 10, 4).unwrap();
         assert!(matches!(d, Decision::Admitted { .. }), "{d:?}");
+    }
+
+    fn routed(backends: &str, extra: &str) -> Governor {
+        let text = format!(
+            r#"{{"backends":{backends},"max_concurrency_per_gpu":2,"max_waiting":50,
+                "tiers":[{{"name":"t"}}],"tenants":[{{"name":"a","tier":"t"}}]{extra}}}"#
+        );
+        Governor::from_json(&text).unwrap()
+    }
+
+    fn backend_of(d: Decision) -> Option<u32> {
+        match d {
+            Decision::Admitted { backend, .. } => Some(backend),
+            _ => None,
+        }
+    }
+
+    // Only backends serving the model are candidates, an alias routes to its model's pool,
+    // and a request queued for a busy model never holds back one for an idle model.
+    #[test]
+    fn model_pools_route_and_queue_apart() {
+        let mut g = routed(
+            r#"[{"name":"x","models":["m1"]},{"name":"y","models":["m2"]}]"#,
+            r#","models":{"fast":"m2"}"#,
+        );
+        let (m1, m2) = (
+            g.pool_of(Some("m1")).unwrap(),
+            g.pool_of(Some("fast")).unwrap(),
+        );
+        let submit = |g: &mut Governor, id, pool| {
+            let route = Route { pool, chain: &[] };
+            g.submit_routed(id, 0, 10, 10, route, 0).unwrap()
+        };
+        assert_eq!(backend_of(submit(&mut g, 1, m1)), Some(0));
+        assert_eq!(backend_of(submit(&mut g, 2, m1)), Some(0));
+        assert!(matches!(
+            submit(&mut g, 3, m1),
+            Decision::Queued { position: 0, .. }
+        ));
+        // m1's queue head waits for x; m2 starts on y at once, and its own position is 0.
+        assert_eq!(backend_of(submit(&mut g, 4, m2)), Some(1));
+        assert_eq!(backend_of(submit(&mut g, 5, m2)), Some(1));
+        assert!(matches!(
+            submit(&mut g, 6, m2),
+            Decision::Queued { position: 0, .. }
+        ));
+        // A slot freed on y goes to m2's waiting request, not to m1's older one.
+        g.finish(4, Outcome::Completed, 1);
+        let placed: Vec<(u64, u32)> = g
+            .dispatch(1)
+            .iter()
+            .map(|a| (a.request_id, a.backend))
+            .collect();
+        assert_eq!(placed, vec![(6, 1)]);
+        assert!(g.pool_of(Some("m3")).is_err());
+        assert!(g.pool_of(None).is_err());
+    }
+
+    // Backends of unequal size: "small" (2 slots, listed first) and "big" (8 slots). First-fit
+    // would fill small first; free_slots and least_loaded send the first requests to big.
+    // With big's KV nearly full, least_loaded counts the room a request of this size has
+    // (free blocks over its peak) and picks small, where free_slots still picks big.
+    #[test]
+    fn headroom_differs_from_first_fit_and_free_slots() {
+        let backends = r#"[{"name":"small","gpus":1,"kv_blocks":1000},{"name":"big","gpus":4,"kv_blocks":1000}]"#;
+        for policy in ["free_slots", "least_loaded"] {
+            let mut g = routed(backends, &format!(r#","routing":{{"policy":"{policy}"}}"#));
+            assert_eq!(
+                backend_of(g.submit(1, 0, 100, 100, 0).unwrap()),
+                Some(1),
+                "{policy}"
+            );
+        }
+        let mut picks = vec![];
+        for policy in ["free_slots", "least_loaded"] {
+            let mut g = routed(backends, &format!(r#","routing":{{"policy":"{policy}"}}"#));
+            // big reports 97% of its cache in use: 30 blocks free; a request of 320 tokens
+            // (20 blocks) has room for 1.5 there, for 2 (the free slots) on small.
+            g.observe_backend(1, 0, Some(0.97), Some(0), Some(0), None)
+                .unwrap();
+            picks.push(backend_of(g.submit(1, 0, 160, 160, 0).unwrap()));
+        }
+        assert_eq!(picks, vec![Some(1), Some(0)]);
+    }
+
+    // least_loaded discounts a backend by the prefill work queued ahead at its measured rate.
+    #[test]
+    fn headroom_counts_the_prefill_queue() {
+        let mut g = routed(
+            r#"[{"name":"b0","gpus":4},{"name":"b1","gpus":2}]"#,
+            r#","routing":{"policy":"least_loaded"},"prefill_tokens_per_s":1000"#,
+        );
+        // b0 takes a 4,000-token prompt (4 s of prefill ahead); b1, idle, then ranks first
+        // although b0 still has more free slots (7 against 4).
+        assert_eq!(backend_of(g.submit(1, 0, 4000, 10, 0).unwrap()), Some(0));
+        assert_eq!(backend_of(g.submit(2, 0, 100, 10, 0).unwrap()), Some(1));
+    }
+
+    // Round robin takes each serving backend in turn.
+    #[test]
+    fn round_robin_turns() {
+        let mut g = routed(
+            r#"[{"name":"b0"},{"name":"b1"},{"name":"b2"}]"#,
+            r#","routing":{"policy":"round_robin"}"#,
+        );
+        let order: Vec<Option<u32>> = (1..=4)
+            .map(|id| backend_of(g.submit(id, 0, 10, 10, 0).unwrap()))
+            .collect();
+        assert_eq!(order, vec![Some(0), Some(1), Some(2), Some(0)]);
+    }
+
+    // Prefix: a request goes where its leading blocks went before, even when another backend
+    // has more headroom; once that backend is loaded to the bound, it spills to the headroom
+    // choice instead.
+    #[test]
+    fn prefix_affinity_until_the_bound() {
+        let mut g = routed(
+            r#"[{"name":"b0","gpus":2},{"name":"b1","gpus":2}]"#,
+            r#","routing":{"policy":"prefix","prefix_load_bound":0.75}"#,
+        );
+        let submit = |g: &mut Governor, id, chain: &[u64]| {
+            let route = Route { pool: 0, chain };
+            backend_of(g.submit_routed(id, 0, 64, 10, route, 0).unwrap())
+        };
+        assert_eq!(submit(&mut g, 1, &[1, 2, 3]), Some(0));
+        // Headroom alone would pick b1 (4 free slots against 3); the shared head wins.
+        assert_eq!(submit(&mut g, 2, &[1, 2, 9]), Some(0));
+        // The longest match wins among candidates.
+        assert_eq!(submit(&mut g, 3, &[5, 6]), Some(1));
+        assert_eq!(submit(&mut g, 4, &[5, 6, 7]), Some(1));
+        assert_eq!(submit(&mut g, 5, &[1, 2, 3, 4]), Some(0));
+        // b0 runs 3 of 4 slots: at the 0.75 bound, so the hot prefix spills to b1.
+        assert_eq!(submit(&mut g, 6, &[1, 2, 3, 4]), Some(1));
+        assert!(g.past_prefix_bound(0) && g.past_prefix_bound(1));
     }
 }

@@ -48,7 +48,7 @@ impl Governor {
             .expect("on_tokens: checked above");
         req.generated += n;
         let context = (req.prompt + req.generated) as f64;
-        let tenant = req.tenant;
+        let (tenant, pool) = (req.tenant, req.pool);
         if let Some(run) = req.running.as_ref() {
             self.backends[run.backend as usize].record_decoded(n);
         }
@@ -62,7 +62,7 @@ impl Governor {
         }
         let per_token =
             self.config.output_token_weight + self.config.kv_weight * context / KV_COST_TOKENS;
-        self.queue.charge(tenant, per_token * n as f64);
+        self.queue.charge_in(pool, tenant, per_token * n as f64);
         self.pay_tokens(tenant, n);
         true
     }

@@ -36,10 +36,11 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use crate::backend::{BackendState, EWMA_ALPHA};
-use crate::config::PolicyConfig;
+use crate::config::{PolicyConfig, RoutePolicy};
 use crate::error::{PolicyError, PolicyResult};
 use crate::fair_queue::{FairQueue, QueuedItem};
 use crate::kv::KvLedger;
+use crate::routing::{Pools, PrefixMemory};
 use crate::types::{Admission, Decision, ExpiryReason, Outcome, RejectReason};
 
 pub use headroom::servers_needed;
@@ -61,10 +62,23 @@ pub(crate) struct Running {
     prefill_alone: bool,
 }
 
+/// Where a request may go: its model's pool (`Pools::resolve`), and its prompt's chained block
+/// hashes (each covers its parent's hash and its own block's tokens; full blocks only), which
+/// a `prefix` pool routes on. The default: the first pool, no hashes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Route<'a> {
+    pub pool: u32,
+    pub chain: &'a [u64],
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct Request {
     pub tenant: u32,
     pub tier: usize,
+    /// The model pool it waits and runs in.
+    pub pool: u32,
+    /// Its block hashes, kept only in a `prefix` pool (remembered where it starts).
+    pub chain: Vec<u64>,
     pub prompt: u64,
     pub max_tokens: u64,
     pub generated: u64,
@@ -107,6 +121,10 @@ pub struct Governor {
     pub(crate) queue: FairQueue,
     pub(crate) ledger: KvLedger,
     pub(crate) backends: Vec<BackendState>,
+    /// The model pools and their routing.
+    pub(crate) pools: Pools,
+    /// Per backend: the block hashes of prompts routed there (its likely prefix cache).
+    pub(crate) prefix: Vec<PrefixMemory>,
     deadlines: BTreeSet<(u64, u64, ExpiryReason)>,
     pub(crate) shed_level: u8,
     breaker_until_us: u64,
@@ -162,6 +180,18 @@ impl Governor {
                 )
             })
             .collect();
+        let pools = Pools::new(&config);
+        let prefix = config
+            .backends
+            .iter()
+            .map(|b| {
+                PrefixMemory::new(if b.kv_blocks > 0 {
+                    b.kv_blocks
+                } else {
+                    config.routing.prefix_memory_blocks
+                })
+            })
+            .collect();
         let tier_tenants = (0..tiers)
             .map(|t| {
                 (0..tenant_tier.len() as u32)
@@ -177,7 +207,7 @@ impl Governor {
                 .enumerate()
                 .map(|(i, t)| (t.name.clone(), i as u32))
                 .collect(),
-            queue: FairQueue::new(config.strategy, tiers, &weights),
+            queue: FairQueue::pooled(config.strategy, tiers, &weights, pools.len()),
             ledger: KvLedger::new(
                 config.block_size,
                 config.tenants.len(),
@@ -186,6 +216,8 @@ impl Governor {
             tenant_tier,
             requests: FxHashMap::default(),
             backends,
+            pools,
+            prefix,
             deadlines: BTreeSet::new(),
             shed_level: 0,
             breaker_until_us: 0,
@@ -241,6 +273,19 @@ impl Governor {
             .ok_or_else(|| PolicyError::UnknownBackend(name.into()))
     }
 
+    /// The pool a request naming `model` goes to (see `Pools::resolve`).
+    ///
+    /// # Errors
+    /// `UnknownModel` or `ModelRequired`.
+    pub fn pool_of(&self, model: Option<&str>) -> PolicyResult<u32> {
+        self.pools.resolve(model)
+    }
+
+    /// The model pools: names clients may send and the served model each routes to.
+    pub fn pools(&self) -> &Pools {
+        &self.pools
+    }
+
     pub fn backend_name(&self, backend: u32) -> &str {
         &self.backends[backend as usize].name
     }
@@ -275,10 +320,12 @@ impl Governor {
         backend.kv_usage(self.ledger.backend_blocks(b as u32), stale)
     }
 
-    /// Queued requests of this tier and the more important ones: those a newcomer of the tier
-    /// waits behind.
-    fn waiting_ahead(&self, tier_idx: usize) -> usize {
-        (0..=tier_idx).map(|t| self.queue.tier_len(t)).sum()
+    /// Queued requests of this pool, of this tier and the more important ones: those a
+    /// newcomer of the tier waits behind.
+    fn waiting_ahead(&self, pool: u32, tier_idx: usize) -> usize {
+        (0..=tier_idx)
+            .map(|t| self.queue.pool_tier_len(pool, t))
+            .sum()
     }
 
     /// Output tokens a request of this tenant is expected to generate: the tenant's measured
@@ -318,6 +365,16 @@ impl Governor {
         }
     }
 
+    fn check_pool(&self, pool: u32) -> PolicyResult<()> {
+        if pool as usize >= self.pools.len() {
+            return Err(PolicyError::invalid(format!(
+                "pool index {pool} out of range (the config has {} model pools)",
+                self.pools.len()
+            )));
+        }
+        Ok(())
+    }
+
     fn note_brownout(&mut self, id: u64, asked: u64) {
         if let Some(req) = self.requests.get_mut(&id) {
             if req.max_tokens < asked {
@@ -347,6 +404,21 @@ impl Governor {
         max_tokens: u64,
         now_us: u64,
     ) -> PolicyResult<Decision> {
+        self.submit_routed(id, tenant, prompt, max_tokens, Route::default(), now_us)
+    }
+
+    /// `submit` for a request of a model pool, with its prompt's block hashes: only backends
+    /// serving the pool's model are candidates, and it waits in the pool's own queue.
+    pub fn submit_routed(
+        &mut self,
+        id: u64,
+        tenant: u32,
+        prompt: u64,
+        max_tokens: u64,
+        route: Route<'_>,
+        now_us: u64,
+    ) -> PolicyResult<Decision> {
+        self.check_pool(route.pool)?;
         if self.requests.contains_key(&id) {
             return Err(PolicyError::DuplicateRequest(id));
         }
@@ -360,7 +432,7 @@ impl Governor {
         self.update_headroom(now_us);
         let asked = max_tokens;
         self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
-        let (max_tokens, decision) = self.judge(tenant, tier_idx, prompt, asked, now_us);
+        let (max_tokens, decision) = self.judge(tenant, tier_idx, prompt, asked, route, now_us);
         if !matches!(decision, Decision::Rejected { .. }) {
             self.pay_request(tenant, prompt);
         }
@@ -374,7 +446,15 @@ impl Governor {
                 decision
             }
             Decision::Admitted { backend, priority } => {
-                self.insert(id, tenant, tier_idx, (prompt, max_tokens), priority, now_us);
+                self.insert(
+                    id,
+                    tenant,
+                    tier_idx,
+                    (prompt, max_tokens),
+                    priority,
+                    route,
+                    now_us,
+                );
                 self.note_brownout(id, asked);
                 self.start(id, backend, now_us);
                 self.counters.admitted += 1;
@@ -382,7 +462,7 @@ impl Governor {
             }
             Decision::Queued { .. } => {
                 let asked_then = (prompt, max_tokens, asked);
-                self.enqueue(id, tenant, tier_idx, asked_then, decision, now_us)
+                self.enqueue(id, tenant, tier_idx, asked_then, route, decision, now_us)
             }
         })
     }
@@ -390,12 +470,14 @@ impl Governor {
     /// Queue a request `decide` queued, then dispatch. The displacement `decide` chose is
     /// carried out only if dispatch made no room: when anything started, the queue is no longer
     /// than before this request came, and nobody needs to be pushed out.
+    #[allow(clippy::too_many_arguments)] // the request's fields, as `submit` got them
     fn enqueue(
         &mut self,
         id: u64,
         tenant: u32,
         tier_idx: usize,
         (prompt, max_tokens, asked): (u64, u64, u64),
+        route: Route<'_>,
         queued: Decision,
         now_us: u64,
     ) -> Decision {
@@ -407,9 +489,18 @@ impl Governor {
         else {
             unreachable!("enqueue takes a queued decision")
         };
-        self.insert(id, tenant, tier_idx, (prompt, max_tokens), priority, now_us);
+        self.insert(
+            id,
+            tenant,
+            tier_idx,
+            (prompt, max_tokens),
+            priority,
+            route,
+            now_us,
+        );
         self.note_brownout(id, asked);
-        self.queue.push(
+        self.queue.push_to(
+            route.pool,
             tenant,
             QueuedItem {
                 id,
@@ -436,7 +527,7 @@ impl Governor {
         }
         self.counters.queued += 1;
         if made_room {
-            let position = self.waiting_ahead(tier_idx) - 1;
+            let position = self.waiting_ahead(route.pool, tier_idx) - 1;
             return Decision::Queued {
                 position: position as u32,
                 estimated_wait_s: (position + 1) as f64 / self.drain_rate(),
@@ -462,6 +553,7 @@ impl Governor {
         tier_idx: usize,
         prompt: u64,
         max_tokens: u64,
+        route: Route<'_>,
         now_us: u64,
     ) -> (u64, Decision) {
         if !self.draining {
@@ -476,7 +568,7 @@ impl Governor {
         let max_tokens = self.brownout(tier_idx, max_tokens);
         (
             max_tokens,
-            self.decide(tenant, tier_idx, prompt, max_tokens, now_us),
+            self.decide(tenant, tier_idx, prompt, max_tokens, route, now_us),
         )
     }
 
@@ -486,6 +578,7 @@ impl Governor {
         tier_idx: usize,
         prompt: u64,
         max_tokens: u64,
+        route: Route<'_>,
         now_us: u64,
     ) -> Decision {
         let tier = &self.config.tiers[tier_idx];
@@ -508,7 +601,9 @@ impl Governor {
                 retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
             };
         }
-        if !self.backends.iter().any(|b| b.healthy) {
+        let pool = route.pool;
+        if !(0..self.backends.len()).any(|b| self.backends[b].healthy && self.pools.serves(pool, b))
+        {
             let wait = self
                 .stale_after_us()
                 .map_or(PRIOR_SERVICE_S, |u| u as f64 / 1e6);
@@ -520,7 +615,7 @@ impl Governor {
             }
         }
         let priority = self.priority(tier_idx, prompt + self.expected_output(tenant, max_tokens));
-        let ahead = self.waiting_ahead(tier_idx);
+        let ahead = self.waiting_ahead(pool, tier_idx);
         let sla_excess = if tier.protected || tier.best_effort {
             None
         } else {
@@ -528,7 +623,7 @@ impl Governor {
         };
         if ahead == 0 {
             let peak = prompt + self.expected_output(tenant, max_tokens);
-            if let Some(backend) = self.pick_backend(tier_idx, prompt, peak, now_us) {
+            if let Some(backend) = self.pick_backend(tier_idx, route, prompt, peak, now_us) {
                 if let Some(excess) = sla_excess {
                     return reject(RejectReason::TtftSla, excess);
                 }
@@ -576,6 +671,7 @@ impl Governor {
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // the request's fields, as `submit` got them
     fn insert(
         &mut self,
         id: u64,
@@ -583,11 +679,19 @@ impl Governor {
         tier: usize,
         (prompt, max_tokens): (u64, u64),
         priority: i64,
+        route: Route<'_>,
         now_us: u64,
     ) {
+        let keep_chain = self.pools.policy(route.pool) == RoutePolicy::Prefix;
         let request = Request {
             tenant,
             tier,
+            pool: route.pool,
+            chain: if keep_chain {
+                route.chain.to_vec()
+            } else {
+                Vec::new()
+            },
             prompt,
             max_tokens,
             generated: 0,

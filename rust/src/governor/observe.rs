@@ -62,6 +62,10 @@ impl Governor {
 
     pub fn set_kv_capacity(&mut self, backend: u32, blocks: u64) {
         self.backends[backend as usize].kv_capacity_blocks = blocks;
+        if blocks > 0 {
+            // The prefix memory holds about what the backend's cache can.
+            self.prefix[backend as usize].set_capacity(blocks);
+        }
     }
 
     pub fn set_backend_health(&mut self, backend: u32, healthy: bool) {

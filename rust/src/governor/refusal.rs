@@ -15,7 +15,7 @@
 //! request read before the first deferred one reaches `submit` down the ordinary path.)
 
 use super::headroom::RECOMPUTE_US;
-use super::{us, Governor};
+use super::{us, Governor, Route};
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::{Decision, RejectReason};
 
@@ -31,6 +31,19 @@ impl Governor {
         max_tokens: u64,
         now_us: u64,
     ) -> PolicyResult<Option<(RejectReason, f64)>> {
+        self.refusal_routed(tenant, prompt, max_tokens, Route::default(), now_us)
+    }
+
+    /// `refusal` for a request of a model pool (as `submit_routed` would get it).
+    pub fn refusal_routed(
+        &self,
+        tenant: u32,
+        prompt: u64,
+        max_tokens: u64,
+        route: Route<'_>,
+        now_us: u64,
+    ) -> PolicyResult<Option<(RejectReason, f64)>> {
+        self.check_pool(route.pool)?;
         let tier_idx = *self
             .tenant_tier
             .get(tenant as usize)
@@ -40,7 +53,10 @@ impl Governor {
             return Ok(None);
         }
         Ok(
-            match self.judge(tenant, tier_idx, prompt, max_tokens, now_us).1 {
+            match self
+                .judge(tenant, tier_idx, prompt, max_tokens, route, now_us)
+                .1
+            {
                 Decision::Rejected {
                     reason,
                     retry_after_s,
