@@ -74,9 +74,13 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
 
 
 def settings_for(
-    urls: dict[str, str], backend: dict[str, Any] | None = None, **sections: Any
+    urls: dict[str, str],
+    backend: dict[str, Any] | None = None,
+    per_backend: dict[str, dict[str, Any]] | None = None,
+    **sections: Any,
 ) -> Settings:
-    """Settings whose backends are `urls` (name -> URL, plus `backend` keys), and overrides."""
+    """Settings whose backends are `urls` (name -> URL, plus `backend` keys and that backend's
+    `per_backend` keys), and overrides."""
     data: dict[str, Any] = {
         "backends": [
             {
@@ -85,6 +89,7 @@ def settings_for(
                 "models": ["fake-model"],
                 "max_model_len": 4096,
                 **(backend or {}),
+                **(per_backend or {}).get(name, {}),
             }
             for name, url in urls.items()
         ],
@@ -154,6 +159,7 @@ async def start_gateway(
     check_idle: bool = True,
     configure: Callable[[dict[str, FakeVllm]], None] | None = None,
     backend: dict[str, Any] | None = None,
+    per_backend: dict[str, dict[str, Any]] | None = None,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
     """Fakes plus a gateway over them; on exit, asserts everything returned to zero."""
@@ -164,7 +170,7 @@ async def start_gateway(
         urls = {}
         for name, fake in fakes.items():
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
-        settings = settings_for(urls, backend, **sections)
+        settings = settings_for(urls, backend, per_backend, **sections)
         app = create_app(settings)
         url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings, app)))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))

@@ -77,6 +77,8 @@ class Gateway:
         for backend in settings.backends:
             for model in backend.models:
                 models[model] = min(models.get(model, backend.max_model_len), backend.max_model_len)
+        for alias, target in settings.models.items():
+            models[alias] = models[target]  # an alias has its model's context
         self.models = models
         self.scraper: Scraper | None = None
         if settings.state.backend == "redis":
@@ -122,8 +124,19 @@ class Gateway:
         if self.relay is not None:
             self.relay.start()
             self.metrics.relay = self.relay.relay
+        routing = s.routing
+        prefix_models = frozenset(
+            m for m in s.served_models if routing.pools.get(m, routing.policy) == "prefix"
+        )
         self.service = CompletionService(
-            self.ctx, self.models, s.server.bytes_per_token, s.streaming.enabled, s.limits
+            self.ctx,
+            self.models,
+            s.server.bytes_per_token,
+            s.streaming.enabled,
+            s.limits,
+            aliases=dict(s.models),
+            prefix_models=prefix_models,
+            block_size=s.kv.block_size,
         )
         if self.host.leases is not None:
             await self.host.leases.sync()

@@ -215,7 +215,9 @@ def _refused(service: CompletionService, prepared: Prepared) -> GatewayError | N
     party = _Refused(prepared.tier)
     p = prepared
     host = service.ctx.host
-    if not host.arrive_refused(party, p.tenant, p.prompt_tokens, p.max_tokens, p.options.stream):
+    if not host.arrive_refused(
+        party, p.tenant, p.prompt_tokens, p.max_tokens, p.options.stream, model=p.model
+    ):
         return None
     assert party.reply is not None  # a refused arrival's one action for its party
     error = reply_error(party.reply)

@@ -103,19 +103,48 @@ class Host:
     # ---- events ------------------------------------------------------------------------------
 
     def arrive(
-        self, party: Party, request_id: int, tenant: str, prompt: int, max_tokens: int, stream: bool
+        self,
+        party: Party,
+        request_id: int,
+        tenant: str,
+        prompt: int,
+        max_tokens: int,
+        stream: bool,
+        *,
+        model: str | None = None,
+        prefix_hashes: list[int] | None = None,
     ) -> None:
-        """A request arrived; its party hears `on_start` or `on_reply` (maybe at once)."""
+        """A request arrived; its party hears `on_start` or `on_reply` (maybe at once).
+
+        `model` picks its pool (only backends serving it are candidates), `prefix_hashes` feed
+        a `prefix` pool's routing; the runtime decides both.
+        """
         self.parties[request_id] = party
         try:
-            actions = self.runtime.arrive(request_id, tenant, prompt, max_tokens, stream, now_us())
+            actions = self.runtime.arrive(
+                request_id,
+                tenant,
+                prompt,
+                max_tokens,
+                stream,
+                now_us(),
+                model=model,
+                prefix_hashes=prefix_hashes,
+            )
         except BaseException:
             del self.parties[request_id]  # the runtime never took it: nothing to end
             raise
         self.carry(actions)
 
     def arrive_refused(
-        self, party: Party, tenant: str, prompt: int, max_tokens: int, stream: bool
+        self,
+        party: Party,
+        tenant: str,
+        prompt: int,
+        max_tokens: int,
+        stream: bool,
+        *,
+        model: str | None = None,
     ) -> bool:
         """Feed `arrive` only if the runtime says it refuses the request now.
 
@@ -128,12 +157,15 @@ class Host:
             queue it (or cannot tell without `arrive`).
         """
         now = now_us()
-        if self.runtime.refusal(tenant, prompt, max_tokens, now) is None:
+        if self.runtime.refusal(tenant, prompt, max_tokens, now, model=model) is None:
             return False
         request_id = self.new_id()
         self.parties[request_id] = party
         try:
-            actions = self.runtime.arrive(request_id, tenant, prompt, max_tokens, stream, now)
+            # A refused request starts nowhere: its block hashes would route nothing.
+            actions = self.runtime.arrive(
+                request_id, tenant, prompt, max_tokens, stream, now, model=model
+            )
         except BaseException:
             del self.parties[request_id]
             raise

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from llmflow.config import Limits
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.prefix import chat_prefix_hashes, completion_prefix_hashes
 from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest, decode_json
 from llmflow.gateway.relay import RelayedSession
 from llmflow.gateway.session import Prepared, StreamSession
@@ -56,6 +57,11 @@ class CompletionService:
         bytes_per_token: UTF-8 bytes per token for prompt estimates.
         streaming: whether clients may ask for `stream` (`streaming.enabled`).
         limits: what one request may ask for (`limits`).
+        aliases: alias -> the served model it routes to (`models` in the config); the body
+            vLLM gets names the served model.
+        prefix_models: served models whose pool routes by prefix: their requests carry the
+            prompt's block hashes (`gateway/prefix.py`).
+        block_size: tokens per KV block (`kv.block_size`), the unit of those hashes.
     """
 
     def __init__(
@@ -65,10 +71,17 @@ class CompletionService:
         bytes_per_token: float,
         streaming: bool = True,
         limits: Limits | None = None,
+        *,
+        aliases: dict[str, str] | None = None,
+        prefix_models: frozenset[str] = frozenset(),
+        block_size: int = 16,
     ) -> None:
         self.ctx, self.models, self.bytes_per_token = ctx, models, bytes_per_token
         self.streaming = streaming
         self.limits = limits or Limits()
+        self.aliases = aliases or {}
+        self.prefix_models = prefix_models
+        self.block_size = block_size
 
     def prepare(self, endpoint: Endpoint, identity: Identity, raw: bytes) -> Prepared:
         """Check a request body completely, without touching a backend.
@@ -99,13 +112,19 @@ class CompletionService:
                 "model_not_found",
                 param="model",
             )
+        model = self.aliases.get(request.model, request.model)
+        hashes = None
         if endpoint == "chat":
             prompt = chat_prompt_tokens(request, self.bytes_per_token)
             max_tokens = request.max_completion_tokens or request.max_tokens
+            if model in self.prefix_models:
+                hashes = chat_prefix_hashes(request, self.block_size, self.bytes_per_token)
         else:
             _require_single_prompt(request)
             prompt = completion_prompt_tokens(request, self.bytes_per_token)
             max_tokens = request.max_tokens
+            if model in self.prefix_models:
+                hashes = completion_prefix_hashes(request, self.block_size, self.bytes_per_token)
         _check_limits(request.n, max_tokens, self.limits)
         _check_context(prompt, max_tokens, context)
         options = request.stream_options
@@ -118,6 +137,7 @@ class CompletionService:
             bool(options and options.continuous_usage_stats),
         )
         upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
+        upstream["model"] = model  # an alias goes to vLLM as the name it serves
         upstream["stream"] = True
         upstream["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         cap = self.limits.max_tokens
@@ -132,6 +152,8 @@ class CompletionService:
             upstream,
             prompt,
             generated * request.n,
+            model,
+            hashes,
         )
 
     def admit(self, prepared: Prepared, relayed: bool = False) -> StreamSession:

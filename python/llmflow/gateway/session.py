@@ -68,6 +68,8 @@ class Prepared:
     body: Json
     prompt_tokens: int
     max_tokens: int
+    model: str | None = None  # the served model it routes to (an alias resolved)
+    prefix_hashes: list[int] | None = None  # its prompt's block hashes, for a `prefix` pool
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -185,7 +187,14 @@ class StreamSession:
         self._arriving = True
         try:
             self.ctx.host.arrive(
-                self, self.request_id, p.tenant, p.prompt_tokens, p.max_tokens, p.options.stream
+                self,
+                self.request_id,
+                p.tenant,
+                p.prompt_tokens,
+                p.max_tokens,
+                p.options.stream,
+                model=p.model,
+                prefix_hashes=p.prefix_hashes,
             )
         finally:
             self._arriving = False
