@@ -202,6 +202,28 @@ impl FairQueue {
         self.pools[pool as usize].remove(id)
     }
 
+    /// VTC's arrival rule in the first pool (tests).
+    #[cfg(test)]
+    pub fn arrive(&mut self, tenant: u32) {
+        self.arrive_in(0, tenant);
+    }
+
+    /// VTC's arrival rule, in the request's pool: see `PoolQueue::arrive`.
+    pub fn arrive_in(&mut self, pool: u32, tenant: u32) {
+        self.pools[pool as usize].arrive(tenant);
+    }
+
+    /// A start in the first pool (tests).
+    #[cfg(test)]
+    pub fn served(&mut self, tenant: u32) {
+        self.served_in(0, tenant);
+    }
+
+    /// A request of `tenant` started in `pool`: see `PoolQueue::served`.
+    pub fn served_in(&mut self, pool: u32, tenant: u32) {
+        self.pools[pool as usize].served(tenant);
+    }
+
     /// Charge a tenant for service in the first pool.
     #[cfg(test)]
     pub fn charge(&mut self, tenant: u32, cost: f64) {
@@ -288,7 +310,7 @@ impl PoolQueue {
     /// first request of a burst starts at once must not keep the credit of its idle time, or
     /// it takes every freed slot until its counter catches up with tenants that were served
     /// all along (the burst scenario starved its steady tenant for 7 s this way).
-    pub fn arrive(&mut self, tenant: u32) {
+    fn arrive(&mut self, tenant: u32) {
         let t = tenant as usize;
         if self.strategy == Strategy::Fair && self.tenants[t].items.is_empty() {
             self.lift(t);
@@ -297,7 +319,7 @@ impl PoolQueue {
 
     /// A request of `tenant` started (from the queue or at once): its counter is the lift for
     /// a tenant that arrives when nobody waits.
-    pub fn served(&mut self, tenant: u32) {
+    fn served(&mut self, tenant: u32) {
         let t = &self.tenants[tenant as usize];
         self.tiers[t.tier].last_served = t.counter;
     }

@@ -273,7 +273,7 @@ impl Governor {
         }
         self.pools.started(pool, backend);
         self.ledger.open(id, tenant, backend, prompt, now_us);
-        self.queue.served(tenant);
+        self.queue.served_in(pool, tenant);
         self.queue
             .charge_in(pool, tenant, self.config.input_token_weight * prompt as f64);
         if let Some(limit) = us(self.config.first_token_timeout_ms) {

@@ -428,7 +428,7 @@ impl Governor {
             .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
         self.tick(now_us);
         self.tier_load[tier_idx].arrive(now_us);
-        self.queue.arrive(tenant);
+        self.queue.arrive_in(route.pool, tenant);
         self.update_headroom(now_us);
         let asked = max_tokens;
         self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
