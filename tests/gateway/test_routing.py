@@ -11,15 +11,24 @@ one too); prefix routing sending a conversation back to the backend that served 
 from __future__ import annotations
 
 import asyncio
+import functools
+from typing import TYPE_CHECKING
 
 import pytest
 
 from .harness import start_gateway, until
 
+if TYPE_CHECKING:
+    from .fake_vllm import FakeVllm
+
 pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
 HELD = {"sla": {"ttft_ms": None}, "streaming": {"first_token_timeout_ms": None}}
+
+
+def _new_bodies_are(fakes: dict[str, FakeVllm], before: dict[str, int], n: int) -> bool:
+    return sum(len(f.bodies) - before[name] for name, f in fakes.items()) == n
 
 
 def chat(model: str, content: str = "hi", max_tokens: int = 2) -> dict[str, object]:
@@ -108,7 +117,7 @@ async def test_prefix_routing_returns_a_conversation_to_its_backend(policy: str)
             ]
             # The first turn's three run at once (step replies wait for permits); later turns
             # may find permits left over, and need not.
-            await until(lambda: sum(len(f.bodies) - before[n] for n, f in h.fakes.items()) == 3)
+            await until(functools.partial(_new_bodies_are, h.fakes, before, 3))
             for name, fake in h.fakes.items():
                 for body in fake.bodies[before[name] :]:
                     content = body["messages"][0]["content"]

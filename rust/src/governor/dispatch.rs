@@ -19,12 +19,9 @@ impl Governor {
     ) -> Option<u32> {
         let peak_blocks = self.ledger.blocks_for(peak);
         let candidates = || self.eligible(tier_idx, route.pool, prompt, peak_blocks, now_us);
-        let least_loaded = |under_bound: bool| {
+        let least_loaded = || {
             let mut best: Option<(f64, usize)> = None;
             for (i, total) in candidates() {
-                if under_bound && self.past_prefix_bound(i) {
-                    continue;
-                }
                 let score = self.headroom(i, total, prompt, peak_blocks, now_us);
                 if best.is_none_or(|(s, _)| score > s) {
                     best = Some((score, i));
@@ -52,31 +49,10 @@ impl Governor {
                     .min_by_key(|&i| (i + n - from % n) % n)
                     .map(|i| i as u32)
             }
-            RoutePolicy::LeastLoaded => least_loaded(false),
-            RoutePolicy::Prefix => {
-                // The longest cached prefix among the backends under the load bound (ties: the
-                // larger headroom); with no match there, the most headroom under the bound; with
-                // every candidate past it, the most headroom anywhere. So a hot prefix spills
-                // over once its replica is loaded, and a request never goes past the bound while
-                // a candidate under it exists.
-                let mut best: Option<(usize, f64, usize)> = None;
-                for (i, total) in candidates() {
-                    if self.past_prefix_bound(i) {
-                        continue;
-                    }
-                    let matched = self.prefix[i].matched(route.chain);
-                    if matched == 0 {
-                        continue;
-                    }
-                    let score = self.headroom(i, total, prompt, peak_blocks, now_us);
-                    if best.is_none_or(|(m, s, _)| (matched, score) > (m, s)) {
-                        best = Some((matched, score, i));
-                    }
-                }
-                best.map(|(_, _, i)| i as u32)
-                    .or_else(|| least_loaded(true))
-                    .or_else(|| least_loaded(false))
-            }
+            RoutePolicy::LeastLoaded => least_loaded(),
+            RoutePolicy::Prefix => self
+                .prefix_choice(candidates(), route.chain, (prompt, peak_blocks), now_us)
+                .or_else(least_loaded),
         }
     }
 
@@ -143,12 +119,52 @@ impl Governor {
         )
     }
 
-    /// The backend's load (running over its usable slots) is at `routing.prefix_load_bound`
-    /// or beyond: cache affinity no longer draws requests to it.
-    pub(super) fn past_prefix_bound(&self, b: usize) -> bool {
+    /// The `prefix` policy's pick among the candidates under the load bound (none when every
+    /// candidate is past it: the caller then takes the most headroom anywhere, so a request
+    /// never goes past the bound while a candidate under it exists).
+    ///
+    /// Each is scored by the share of the prompt's blocks it likely holds plus its headroom
+    /// relative to the roomiest candidate's (both 0..1; ties: the first). A chat's next turn,
+    /// which matches almost all its blocks, stays where its history is cached; a prompt that
+    /// shares only a system prompt goes where there is room, so one replica does not collect
+    /// every chat that opens alike (pure longest-match routing starves the replicas that
+    /// happen to hold no popular prefix). Past the bound a backend draws nothing by its cache:
+    /// a hot prefix fills its replica to the bound and then spills over.
+    fn prefix_choice(
+        &self,
+        candidates: impl Iterator<Item = (usize, u32)>,
+        chain: &[u64],
+        (prompt, peak_blocks): (u64, u64),
+        now_us: u64,
+    ) -> Option<u32> {
+        let under: Vec<(usize, f64, usize)> = candidates
+            .filter(|&(i, _)| !self.past_prefix_bound(i, now_us))
+            .map(|(i, total)| {
+                let room = self.headroom(i, total, prompt, peak_blocks, now_us);
+                (i, room, self.prefix[i].matched(chain))
+            })
+            .collect();
+        let roomiest = under.iter().map(|&(_, room, _)| room).fold(0.0, f64::max);
+        let blocks = chain.len().max(1) as f64;
+        let mut best: Option<(f64, usize)> = None;
+        for &(i, room, matched) in &under {
+            let load = if roomiest > 0.0 { room / roomiest } else { 0.0 };
+            let score = matched as f64 / blocks + load;
+            if best.is_none_or(|(s, _)| score > s) {
+                best = Some((score, i));
+            }
+        }
+        best.map(|(_, i)| i as u32)
+    }
+
+    /// The backend's load is at `routing.prefix_load_bound` or beyond, counted as running
+    /// over usable slots or as the share of its KV cache in use, whichever is higher: cache
+    /// affinity no longer draws requests to it.
+    pub(super) fn past_prefix_bound(&self, b: usize, now_us: u64) -> bool {
         let backend = &self.backends[b];
-        f64::from(backend.running)
-            >= self.config.routing.prefix_load_bound * f64::from(backend.slots())
+        let bound = self.config.routing.prefix_load_bound;
+        f64::from(backend.running) >= bound * f64::from(backend.slots())
+            || (backend.kv_capacity_blocks > 0 && self.backend_kv_usage(b, now_us) >= bound)
     }
 
     /// KV blocks in use on a backend: the larger of its report and the ledger's count.
@@ -496,6 +512,6 @@ mod tests {
         assert_eq!(submit(&mut g, 5, &[1, 2, 3, 4]), Some(0));
         // b0 runs 3 of 4 slots: at the 0.75 bound, so the hot prefix spills to b1.
         assert_eq!(submit(&mut g, 6, &[1, 2, 3, 4]), Some(1));
-        assert!(g.past_prefix_bound(0) && g.past_prefix_bound(1));
+        assert!(g.past_prefix_bound(0, 0) && g.past_prefix_bound(1, 0));
     }
 }
