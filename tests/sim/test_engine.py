@@ -228,3 +228,38 @@ def test_the_watermark_keeps_blocks_free_when_admitting() -> None:
     cost.steps.clear()
     _run(core2, [Seq(3, 36, 4), Seq(4, 36, 4)])  # 3 blocks kept free: b waits for a
     assert cost.steps[0] == (0, 36)
+
+
+def test_a_shared_prefix_is_not_prefilled_again() -> None:
+    # Blocks of 4 tokens, hash ids per block. a (30 tokens: 7 full blocks) runs first; b shares
+    # a's first 5 blocks and arrives once a's first token is out, so it prefills only its 10
+    # other tokens; c shares nothing and prefills all 30. A hit stops at the first missing hash.
+    cost = _Steps()
+    core = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+                                   max_model_len=80, num_gpu_blocks=40), cost)
+    shared = tuple(range(5))
+    a = Seq(1, 30, 2, hash_ids=(*shared, 5, 6), hash_block=4)
+    b = Seq(2, 30, 2, hash_ids=(*shared, 50, 60), hash_block=4)
+    c = Seq(3, 30, 2, hash_ids=(9, *shared[1:]), hash_block=4)
+    for seq in (a, b, c):
+        _run(core, [seq])
+    prefills = [p for _, p in cost.steps if p]
+    assert prefills == [30, 10, 30]
+    assert (core.prefix_query_tokens, core.prefix_hit_tokens) == (90, 20)
+
+
+def test_the_prefix_cache_evicts_the_least_recently_used() -> None:
+    # 10 blocks of 4 tokens hold 10 hash ids. a's 5, b's 5, then c's 5 evict a's (the oldest).
+    # b hits (all but its last token) and is refreshed, so a's return evicts c's, not b's: b
+    # hits again.
+    cost = _Steps()
+    core = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+                                   max_model_len=40, num_gpu_blocks=10), cost)
+
+    def seq(rid: int, first: int) -> Seq:
+        return Seq(rid, 21, 1, hash_ids=tuple(range(first, first + 5)), hash_block=4)
+
+    for rid, first in enumerate((0, 10, 20, 10, 0, 10)):
+        _run(core, [seq(rid, first)])
+    prefills = [p for _, p in cost.steps if p]
+    assert prefills == [21, 21, 21, 1, 21, 1]

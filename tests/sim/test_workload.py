@@ -81,3 +81,26 @@ def test_bad_scenarios_are_explained(tmp_path: Path) -> None:
         load_scenario(bad)
     with pytest.raises(ValueError, match="needs"):
         Dist(kind="lognormal", median=3)
+
+
+def test_prefix_workload_shares_system_prompts_and_chat_history() -> None:
+    """Every prompt opens with one of the system prompts' blocks; a chat's next turn resends
+    its history, so its prompt is the last one plus the answer and the new message, and its
+    hash ids extend the last turn's full blocks; a chat past `max_context` starts over."""
+    prefix = {"block_tokens": 16, "system_prompts": 2, "system_tokens": 64,
+              "conversations": 1, "max_context": 500}
+    r = build_requests(_scenario(
+        {"kind": "poisson", "rate_per_s": 1.0, "max_requests": 8},
+        prompt_tokens={"kind": "fixed", "value": 40}, output_tokens={"kind": "fixed", "value": 60},
+        prefix=prefix))
+    assert r.hash_ids is not None
+    prompts, ids = r.prompt.tolist(), list(r.hash_ids)
+    assert prompts[:3] == [64 + 40, 64 + 140, 64 + 240]  # system + history + new message
+    for turn in range(1, len(prompts)):
+        assert len(ids[turn]) == prompts[turn] // 16
+        if prompts[turn] > prompts[turn - 1]:
+            assert ids[turn][: len(ids[turn - 1])] == ids[turn - 1]  # the last turn's blocks
+        else:  # started over: the same system prompt, a new chat
+            assert ids[turn][:4] == ids[0][:4]
+            assert ids[turn][4] != ids[0][4]
+    assert any(p < q for p, q in zip(prompts[1:], prompts, strict=False))  # one start-over

@@ -37,14 +37,17 @@ REJECTED, BUSY, EXPIRED, ERROR = "rejected", "busy", "expired", "error"
 class RequestSpec:
     """What one user request asks for (shared by all its attempts)."""
 
-    __slots__ = ("cls", "eos", "hash_ids", "index", "max_tokens", "prompt", "tenant")
+    __slots__ = ("cls", "eos", "hash_block", "hash_ids", "index", "max_tokens", "prompt",
+                 "tenant")
 
     def __init__(self, cls: int, tenant: str, prompt: int, eos: int, max_tokens: int,
-                 index: int = 0, hash_ids: tuple[int, ...] | None = None):
+                 index: int = 0, hash_ids: tuple[int, ...] | None = None,
+                 hash_block: int = 512):
         self.cls, self.tenant, self.prompt, self.eos, self.max_tokens = (
             cls, tenant, prompt, eos, max_tokens)
         self.index = index  # its place in the run's requests (the per-request rows' id)
         self.hash_ids = hash_ids  # the prompt's prefix block hashes, from a trace
+        self.hash_block = hash_block  # tokens per hash id (Mooncake's traces: 512)
 
 
 class Gateway(Protocol):

@@ -16,6 +16,14 @@ returns its duration, `complete(now)` applies it. It follows vLLM V1's scheduler
    vLLM's default) plus the watermark, or, without that flag, its first chunk; the head that
    does not fit blocks the rest. The last one admitted may get a partial chunk.
 
+Prefix caching across requests (vLLM V1's default) applies to requests that carry block hash
+ids (`Seq.hash_ids`: a trace's, or a generated workload's): a new request skips the prefill of
+its leading blocks whose hashes the engine holds (never its last token), and its blocks join the
+cache once its first token is out. The cache is an LRU set of hashes as large as the KV cache;
+a hit refreshes it. Simplification: a hit block is counted as a block of its own for each
+request (vLLM shares one block between the requests that hit it), so the KV use of requests
+sharing a prefix reads high; the prefill work saved, which sets TTFT, is exact.
+
 The hot path is O(1) per step in the number of decoding requests: decoders are kept in
 aggregate. A decoder's computed-token count is `c = k + step`, so it needs a new block exactly
 when `(k + step) % block_size == 0`; counting decoders by `k % block_size` gives the number of
@@ -25,7 +33,7 @@ new blocks a step needs in one lookup, and a heap keyed by finishing step gives 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from llmflow.sim.blockpool import FreeBlockQueue
@@ -82,6 +90,10 @@ class EngineCore:
         self._watermark = int(config.watermark * self.num_blocks)
         self.free_q = FreeBlockQueue(self.num_blocks)  # free blocks in eviction order
         self.cache_hit_tokens = 0  # tokens a resumed request did not recompute
+        self._prefix: OrderedDict[int, None] = OrderedDict()  # cached hashes, LRU first
+        self.prefix_query_tokens = 0  # prompt tokens of new requests with hash ids
+        self.prefix_hit_tokens = 0  # of those, found cached (vLLM's prefix_cache_hits)
+        self.requests_added = 0
         self.step_budget_used = 0.0  # the planned step's share of `max_num_batched_tokens`
         self.step = 0  # engine steps completed
         self.used = 0  # GPU blocks held
@@ -128,6 +140,7 @@ class EngineCore:
                 f"{seq.max_tokens} in the completion)."
             )
         self._order += 1
+        self.requests_added += 1
         seq.order, seq.arrival, seq.state = self._order, now, WAITING
         self.waiting.push(seq)
 
@@ -267,6 +280,8 @@ class EngineCore:
                 seq.t_first = now
                 self.prompt_tokens_total += seq.prompt
                 first.append(seq)
+                if seq.hash_ids and self._cache:
+                    self._remember(seq)
             if seq.gen == seq.notify_at:
                 reached.append(seq)
             if seq.gen >= seq.stop:
@@ -313,6 +328,9 @@ class EngineCore:
                 continue
             run = seq.cached
             hits = min(run.n, (seq.num_tokens - 1) // bs) if run is not None else 0
+            shared = 0  # blocks found in the prefix cache (a new request's)
+            if run is None and seq.hash_ids and self._cache and seq.t_sched < 0:
+                shared = hits = min(self._matched(seq) // bs, (seq.num_tokens - 1) // bs)
             computed = hits * bs
             n = min(seq.num_tokens - computed, budget)
             if thr:
@@ -329,6 +347,10 @@ class EngineCore:
                 self.used += hits
                 seq.cached = None
                 self.cache_hit_tokens += computed
+            elif seq.hash_ids and self._cache and seq.t_sched < 0:
+                self.prefix_query_tokens += seq.prompt
+                self.prefix_hit_tokens += computed
+                self._alloc(shared)  # cached free blocks leave the queue for this request
             self._alloc(nb)
             seq.state, seq.computed, seq.blocks = PREFILL, computed, hits
             if seq.t_sched < 0:
@@ -337,6 +359,29 @@ class EngineCore:
             self.prefilling[seq.rid] = seq
             self._chunks.append((seq, n, nb))
             budget -= n
+
+    def _matched(self, seq: Seq) -> int:
+        """Leading prompt tokens whose blocks the prefix cache holds (refreshing them)."""
+        cache = self._prefix
+        ids = seq.hash_ids or ()
+        matched = 0
+        while matched < len(ids) and ids[matched] in cache:
+            matched += 1
+        for h in reversed(ids[:matched]):  # the head ends most recent, as in `_remember`
+            cache.move_to_end(h)
+        return matched * seq.hash_block
+
+    def _remember(self, seq: Seq) -> None:
+        """Cache the full blocks of a prompt whose prefill is done; evict the least recently
+        used beyond the KV cache's size (the tail of a prompt goes before its head)."""
+        cache = self._prefix
+        full = seq.prompt // seq.hash_block
+        for h in reversed((seq.hash_ids or ())[:full]):
+            cache[h] = None
+            cache.move_to_end(h)
+        room = self.num_blocks * self.block_size // max(1, seq.hash_block)
+        while len(cache) > room:
+            cache.popitem(last=False)
 
     def _swap_in(self, need: int) -> float:
         bs, moved = self.block_size, 0

@@ -117,7 +117,7 @@ class _Handler:
 def _start(policy: DirectPolicy | GatedPolicy, att: Attempt, backend: Backend, prio: int) -> bool:
     req = att.req
     seq = Seq(policy.next_id(), req.prompt, req.max_tokens, req.eos, prio,
-              _Handler(policy, att), att.stop_after)
+              _Handler(policy, att), att.stop_after, None, req.hash_ids, req.hash_block)
     att.seq, att.backend, att.t_admit = seq, backend, policy.env.now
     try:
         backend.submit(seq)
@@ -240,8 +240,9 @@ class GatedPolicy:
         rid = att.key = self.next_id()
         self._atts[rid] = att
         req = att.req
+        hashes = list(req.hash_ids) if req.hash_ids else None  # for a `prefix` routing pool
         self._carry(self.runtime.arrive(rid, req.tenant, req.prompt, req.max_tokens, att.stream,
-                                        self._now_us()))
+                                        self._now_us(), prefix_hashes=hashes))
         self.peak_queue = max(self.peak_queue, self.runtime.queued)
 
     def cancel(self, att: Attempt) -> None:
@@ -287,7 +288,7 @@ class GatedPolicy:
             max_tokens = a.max_tokens
             self.browned_out += 1
         seq = Seq(a.request_id, req.prompt, max_tokens, req.eos, a.priority,
-                  _Handler(self, att), att.stop_after, window)
+                  _Handler(self, att), att.stop_after, window, req.hash_ids, req.hash_block)
         att.seq, att.backend, att.t_admit = seq, b, self.env.now
         try:
             b.submit(seq)

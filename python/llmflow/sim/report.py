@@ -67,6 +67,7 @@ def render_table(report: dict[str, Any]) -> str:
                      _share(occ.get("busy")), _share(occ.get("reserved")), verdict])
     lines += _grid(head, rows)
     lines += _tpot_table(report)
+    lines += _prefix_lines(report)
     if "dominance" in report:
         lines += ["", f"dominance: {report['dominance']['summary']}"]
     return "\n".join(line.rstrip() for line in lines) + "\n"
@@ -96,6 +97,18 @@ def _ms(x: float | None) -> str:
 
 def _share(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
+
+
+def _prefix_lines(report: dict[str, Any]) -> list[str]:
+    """The routing table, for runs whose requests carried block hashes: each policy's
+    prefix-cache hit rate and how evenly its requests spread over the backends."""
+    pols = {name: pol["prefix"] for name, pol in report["policies"].items() if "prefix" in pol}
+    if not pols:
+        return []
+    head = ("policy", "prefix hit", "max/mean", "requests per backend")
+    rows = [[name, f"{p['hit_rate']:.1%}", f"{p['imbalance']:.3f}",
+             " ".join(str(n) for n in p["requests_per_backend"])] for name, p in pols.items()]
+    return ["", *_grid(head, rows)]
 
 
 def _inf(x: float | None) -> float:

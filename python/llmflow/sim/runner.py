@@ -63,7 +63,8 @@ def _arrivals(
             yield env.timeout(delay)
         c = cls[i]
         wc = classes[c]
-        spec = RequestSpec(c, wc.tenant, prompt[i], eos[i], max_tokens[i], i, hashes[i])
+        block = wc.prefix.block_tokens if wc.prefix is not None else 512
+        spec = RequestSpec(c, wc.tenant, prompt[i], eos[i], max_tokens[i], i, hashes[i], block)
         live[i] = (c, env.now, spec)
         proc = env.process(client(env, spec, gw, wc.client, rngs[c], rec))
         proc.callbacks.append(_forget(live, i))
@@ -238,12 +239,29 @@ def _summarise(
     }
     if isinstance(gw, ReplicatedPolicy):
         summary["lease_denials"] = gw.lease_denials
+    queried = sum(b.core.prefix_query_tokens for b in cluster.backends)
+    if queried:  # requests carried block hashes: how routing used the engines' prefix caches
+        summary["prefix"] = _prefix_summary(cluster, queried)
     arr = np.array(samples) if samples else np.zeros((0, 6))
     series = {"t": arr[:, 0], "queue": arr[:, 1], "running": arr[:, 2], "kv_usage": arr[:, 3]}
     ttft = {wc.name: cols["ttft"][cols["cls"] == i] for i, wc in enumerate(sc.workload)}
     names = [wc.name for wc in sc.workload]
     requests = [(r[0], names[r[1]], *r[2:]) for r in sorted(rec.requests, key=lambda r: r[0])]
     return PolicyRun(name, summary, series, ttft, requests=requests)
+
+
+def _prefix_summary(cluster: Cluster, queried: int) -> dict[str, Any]:
+    """Prefix-cache hit rate over all engines (hit prompt tokens over prompt tokens of requests
+    with hash ids, vLLM's `prefix_cache_hits / prefix_cache_queries`) and the balance of
+    requests over backends (the busiest one's count over the mean; 1.0 is even)."""
+    hits = sum(b.core.prefix_hit_tokens for b in cluster.backends)
+    added = [b.core.requests_added for b in cluster.backends]
+    mean = sum(added) / len(added)
+    return {
+        "hit_rate": round(hits / queried, 6),
+        "requests_per_backend": added,
+        "imbalance": round(max(added) / mean, 6) if mean else 1.0,
+    }
 
 
 def trace_paths(path: Path, gated: list[str]) -> dict[str, Path]:

@@ -135,6 +135,18 @@ class Slo(_Model):
     min_completed_frac: float | None = Field(None, ge=0, le=1)
 
 
+class PrefixSpec(_Model):
+    """Prompts that share prefixes, as block hash ids (`sim/prefixes.py`): each request opens
+    with one of `system_prompts` shared system prompts and continues one of `conversations`
+    multi-turn chats, resending its whole history; `prompt_tokens` is then the new message."""
+
+    block_tokens: int = Field(16, ge=1)  # tokens per hash id (the engine's block size)
+    system_prompts: int = Field(1, ge=1)  # distinct shared system prompts
+    system_tokens: int = Field(0, ge=0)  # tokens of each system prompt
+    conversations: int = Field(1, ge=1)  # chats in progress at once
+    max_context: int = Field(6000, ge=1)  # a chat whose next prompt would pass this starts over
+
+
 class WorkloadClass(_Model):
     """One class of traffic: who sends it, when, how long, and how the client behaves."""
 
@@ -147,6 +159,7 @@ class WorkloadClass(_Model):
     max_tokens: int | None = Field(None, ge=1)  # None: ask exactly output_tokens (ignore_eos)
     client: ClientSpec = ClientSpec()
     slo: Slo | None = None
+    prefix: PrefixSpec | None = None  # shared system prompts and multi-turn chats (hash ids)
 
     @model_validator(mode="after")
     def _check(self) -> WorkloadClass:

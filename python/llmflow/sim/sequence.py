@@ -69,19 +69,24 @@ class Seq:
         owner: notified of the first token and the end.
         stop_after: the client disconnects after this many tokens (`None`: never).
         notify_at: tell the owner when this many tokens are out (`None`: never).
+        hash_ids: its prompt's block hashes, one per `hash_block` tokens (prefix caching
+            across requests; `None`: none known, no cross-request hits).
+        hash_block: tokens per hash id.
     """
 
     __slots__ = (
-        "arrival", "blocks", "cached", "computed", "epoch", "finish_reason", "gen", "hold_kv", "k",
-        "max_tokens", "notify_at", "num_tokens", "order", "owner", "preemptions", "priority",
-        "prompt", "remote_kv", "rid", "state", "stop", "stop_reason", "t_end", "t_first",
+        "arrival", "blocks", "cached", "computed", "epoch", "finish_reason", "gen", "hash_block",
+        "hash_ids", "hold_kv", "k", "max_tokens", "notify_at", "num_tokens", "order", "owner",
+        "preemptions", "priority", "prompt", "remote_kv", "rid", "state", "stop", "stop_reason",
+        "t_end", "t_first",
         "t_sched",
     )
 
     def __init__(
         self, rid: int, prompt: int, max_tokens: int, eos_at: int | None = None,
         priority: int = 0, owner: SeqOwner | None = None, stop_after: int | None = None,
-        notify_at: int | None = None,
+        notify_at: int | None = None, hash_ids: tuple[int, ...] | None = None,
+        hash_block: int = 16,
     ):
         self.rid, self.prompt, self.max_tokens, self.priority = rid, prompt, max_tokens, priority
         self.owner, self.notify_at = owner, notify_at
@@ -100,6 +105,7 @@ class Seq:
         # its KV has been read (`hold_kv`); a decode gets its prompt's KV from a prefill
         # instance instead of computing it (`remote_kv`)
         self.hold_kv = self.remote_kv = False
+        self.hash_ids, self.hash_block = hash_ids, hash_block
 
 
 class WaitingQueue:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmflow.sim.prefixes import prefixed_prompts
 from llmflow.sim.traces import read_trace
 
 if TYPE_CHECKING:
@@ -149,6 +150,8 @@ def _class_requests(
     hash_ids = np.empty(n, dtype=object)  # None unless the trace has them
     if trace is not None and "hash_ids" in trace:
         hash_ids[:] = trace["hash_ids"][:n]
+    if wc.prefix is not None:  # shared prefixes: the prompt grows by the chat's history
+        prompt, hash_ids = prefixed_prompts(wc.prefix, prompt, eos, rng, (seed, idx))
     return t, np.full(n, idx, np.int64), prompt, eos, max_tokens, hash_ids
 
 
