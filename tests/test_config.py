@@ -73,6 +73,12 @@ def test_durations(text: object, expected: float) -> None:
         ("tenants:\n  - name: a\n    tier: gold\n", ["gold", "vip"]),
         ("- just\n- a list\n", ["top level must be a mapping"]),
         ("gate: [unclosed\n", ["not valid YAML"]),
+        ("models:\n  fast: nope\n", ["models.fast", "'nope'", "llmflow-sim"]),
+        ("models:\n  llmflow-sim: llmflow-sim\n", ["models.llmflow-sim", "new name"]),
+        ("routing:\n  pools:\n    x: prefix\n", ["routing.pools.x", "llmflow-sim"]),
+        ("routing:\n  policy: nearest\n", ["routing.policy", "'least_loaded'"]),
+        ("routing:\n  prefix_load_bound: 0\n", ["routing.prefix_load_bound"]),
+        ("backends:\n  - name: b\n    models: []\n", ["backends.0.models", "at least 1"]),
     ],
 )
 def test_bad_files_name_the_problem(tmp_path: Path, yaml_text: str, fragments: list[str]) -> None:
@@ -83,6 +89,24 @@ def test_bad_files_name_the_problem(tmp_path: Path, yaml_text: str, fragments: l
     for fragment in fragments:
         assert fragment in str(info.value)
     assert str(path) in str(info.value)
+
+
+def test_models_and_routing_reach_the_core() -> None:
+    """Backends' models, aliases and per-pool routing become the core's pools: a request for an
+    alias starts on the backend that serves its model, never on the other one."""
+    settings = load_settings(
+        data={
+            "backends": [{"name": "a", "models": ["m-a"]}, {"name": "b", "models": ["m-b"]}],
+            "models": {"fast": "m-b"},
+            "routing": {"policy": "least_loaded", "pools": {"m-a": "prefix"}},
+        }
+    )
+    core = settings.to_core()
+    assert core["models"] == {"fast": "m-b"}
+    assert core["routing"]["pools"] == {"m-a": "prefix"}
+    governor = Governor(core)
+    decision = governor.submit(1, "anonymous", 10, 10, 0, model="fast")
+    assert decision.backend == "b"  # type: ignore[union-attr]
 
 
 def test_missing_file(tmp_path: Path) -> None:
