@@ -252,6 +252,11 @@ class Governor:
     def __copy__(self) -> Governor:
         """An independent copy of the whole state, via `copy.copy` (for what-if checks)."""
 
+def prefix_hashes(data: bytes, chunk: int, max_blocks: int = 4096) -> list[int]:
+    """Chained hashes of `data`'s full chunks of `chunk` bytes, at most `max_blocks` (a partial
+    tail gets none): each covers its parent's hash and its chunk, as vLLM's block hashes do, and
+    is below 2**63. For `prefix_hashes=` when a host has the prompt's bytes, not its tokens."""
+
 def kv_slots(
     vram_bytes: float,
     weights_bytes: float,

@@ -36,9 +36,10 @@ pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReaso
 pub mod _core {
     #[pymodule_export]
     use crate::py::{
-        kv_bytes_per_token, kv_slots, ConfigError, DuplicateRequestError, InvalidArgumentError,
-        PolicyError, PyAdmission, PyAdmitted, PyExpired, PyGovernor, PyQueued, PyRejected,
-        TraceMismatchError, UnknownBackendError, UnknownModelError, UnknownTenantError,
+        kv_bytes_per_token, kv_slots, prefix_hashes, ConfigError, DuplicateRequestError,
+        InvalidArgumentError, PolicyError, PyAdmission, PyAdmitted, PyExpired, PyGovernor,
+        PyQueued, PyRejected, TraceMismatchError, UnknownBackendError, UnknownModelError,
+        UnknownTenantError,
     };
     #[pymodule_export]
     use crate::py_runtime::{

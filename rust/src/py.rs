@@ -553,6 +553,14 @@ fn pairs_to_dict(dict: &Bound<'_, PyDict>, key: &str) -> PyResult<()> {
     dict.set_item(key, out)
 }
 
+/// The chained block hashes of a prompt's bytes (`routing::chain_hashes`), for a host that has
+/// no tokens to hash. A per-request call: it keeps the GIL (microseconds for 100 KB).
+#[pyfunction]
+#[pyo3(signature = (data, chunk, max_blocks=4096))]
+pub fn prefix_hashes(data: &[u8], chunk: usize, max_blocks: usize) -> Vec<u64> {
+    crate::routing::chain_hashes(data, chunk, max_blocks)
+}
+
 #[pyfunction]
 pub fn kv_slots(
     vram_bytes: f64,

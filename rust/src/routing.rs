@@ -176,6 +176,26 @@ pub fn headroom_score(
     room / (1.0 + wait_s)
 }
 
+/// Chained hashes of `data`'s full chunks of `chunk` bytes (a partial tail gets none), at most
+/// `max_blocks`: each covers its parent's hash and its chunk, as vLLM's block hashes cover
+/// their parent's and their tokens. FxHash, not a cryptographic hash: a collision only misleads
+/// one routing guess. Each is below 2**63, so hosts in any language hold it as a plain integer.
+pub fn chain_hashes(data: &[u8], chunk: usize, max_blocks: usize) -> Vec<u64> {
+    use std::hash::Hasher;
+    let chunk = chunk.max(1);
+    let mut parent = 0u64;
+    data.chunks_exact(chunk)
+        .take(max_blocks)
+        .map(|block| {
+            let mut h = rustc_hash::FxHasher::default();
+            h.write_u64(parent);
+            h.write(block);
+            parent = h.finish() >> 1;
+            parent
+        })
+        .collect()
+}
+
 /// The block hashes recently routed to one backend: an LRU set standing in for the backend's
 /// prefix cache (vLLM keeps freed blocks cached and evicts the least recently used first).
 #[derive(Debug, Clone)]
@@ -292,6 +312,19 @@ mod tests {
         assert!((headroom_score(8, None, 10, 0, 0, 1000.0) - 8.0).abs() < 1e-9);
         assert!((headroom_score(8, Some(30), 10, 0, 0, 1000.0) - 3.0).abs() < 1e-9);
         assert!((headroom_score(8, Some(30), 10, 1000, 1000, 1000.0) - 1.0).abs() < 1e-9);
+    }
+
+    // A chain covers full chunks only; equal chunks at different places hash apart (each
+    // covers its parent); a shared head gives shared leading hashes.
+    #[test]
+    fn chained_hashes() {
+        let a = chain_hashes(b"abcdabcdab", 4, 100);
+        assert_eq!(a.len(), 2);
+        assert_ne!(a[0], a[1]);
+        assert_eq!(chain_hashes(b"abcdabcdxyzw", 4, 100)[..2], a[..]);
+        assert_ne!(chain_hashes(b"Xbcdabcd", 4, 100)[1], a[1]);
+        assert_eq!(chain_hashes(b"abcdabcd", 4, 1).len(), 1);
+        assert!(a.iter().all(|&h| h < 1 << 63));
     }
 
     // The match stops at the first block not held; the oldest blocks go first, tails before

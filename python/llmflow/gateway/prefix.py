@@ -12,9 +12,10 @@ hashed by their ids, a block of `block_size` ids at a time, as vLLM does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import TYPE_CHECKING, Any
+
+from llmflow._core import prefix_hashes
 
 if TYPE_CHECKING:
     from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,18 +26,10 @@ _MAX_BLOCKS = 4096  # a chain longer than any KV cache holds routes no better
 
 
 def chain_hashes(data: bytes, chunk: int) -> list[int]:
-    """Chained hashes of `data`'s full chunks of `chunk` bytes (a partial tail gets none).
-
-    Each is the first 8 bytes of BLAKE2b over the parent's hash and the chunk, as an int below
-    2**63 (it must fit the core's unsigned 64-bit ids and Python's signed conversions alike).
-    """
-    hashes: list[int] = []
-    parent = b""
-    for start in range(0, min(len(data) // chunk, _MAX_BLOCKS) * chunk, chunk):
-        digest = hashlib.blake2b(parent + data[start : start + chunk], digest_size=8).digest()
-        hashes.append(int.from_bytes(digest) >> 1)
-        parent = digest
-    return hashes
+    """Chained hashes of `data`'s full chunks of `chunk` bytes (a partial tail gets none), each
+    below 2**63; computed in the core (`llmflow._core.prefix_hashes`, FxHash: a collision only
+    misleads one routing guess)."""
+    return prefix_hashes(data, chunk, _MAX_BLOCKS)
 
 
 def chat_prefix_hashes(
