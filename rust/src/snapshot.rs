@@ -68,6 +68,12 @@ pub struct RequestSnapshot {
     pub kv_block_seconds: f64,
     pub priority: i64,
     pub age_s: f64,
+    /// The served model it routes to, when the backends serve more than one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// In a `prefix` pool: the prompt's leading blocks its backend likely held when it started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_hit_blocks: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -146,6 +152,8 @@ impl Governor {
                     kv_block_seconds: block_seconds,
                     priority: r.priority,
                     age_s: now_us.saturating_sub(r.submitted_us) as f64 / 1e6,
+                    model: (self.pools.len() > 1).then(|| self.pools.name(r.pool).to_owned()),
+                    prefix_hit_blocks: r.prefix_hits,
                 }
             })
             .collect();

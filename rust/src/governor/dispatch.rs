@@ -284,8 +284,10 @@ impl Governor {
             prefill_alone,
         });
         let (tenant, prompt, pool) = (req.tenant, req.prompt, req.pool);
-        if !req.chain.is_empty() {
-            self.prefix[backend as usize].remember(&req.chain);
+        if self.pools.policy(pool) == RoutePolicy::Prefix {
+            let memory = &mut self.prefix[backend as usize];
+            req.prefix_hits = Some(memory.matched(&req.chain) as u64);
+            memory.remember(&req.chain);
         }
         self.pools.started(pool, backend);
         self.ledger.open(id, tenant, backend, prompt, now_us);
@@ -504,8 +506,10 @@ mod tests {
             backend_of(g.submit_routed(id, 0, 64, 10, route, 0).unwrap())
         };
         assert_eq!(submit(&mut g, 1, &[1, 2, 3]), Some(0));
-        // Headroom alone would pick b1 (4 free slots against 3); the shared head wins.
+        // Headroom alone would pick b1 (4 free slots against 3); the shared head wins, and the
+        // request records the 2 blocks its backend held (the dashboard's prefix hits).
         assert_eq!(submit(&mut g, 2, &[1, 2, 9]), Some(0));
+        assert_eq!(g.requests[&2].prefix_hits, Some(2));
         // The longest match wins among candidates.
         assert_eq!(submit(&mut g, 3, &[5, 6]), Some(1));
         assert_eq!(submit(&mut g, 4, &[5, 6, 7]), Some(1));

@@ -79,6 +79,8 @@ pub(crate) struct Request {
     pub pool: u32,
     /// Its block hashes, kept only in a `prefix` pool (remembered where it starts).
     pub chain: Vec<u64>,
+    /// In a `prefix` pool, once started: the leading blocks its backend likely held then.
+    pub prefix_hits: Option<u64>,
     pub prompt: u64,
     pub max_tokens: u64,
     pub generated: u64,
@@ -687,6 +689,7 @@ impl Governor {
             tenant,
             tier,
             pool: route.pool,
+            prefix_hits: None,
             chain: if keep_chain {
                 route.chain.to_vec()
             } else {
