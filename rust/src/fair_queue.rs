@@ -180,6 +180,16 @@ impl FairQueue {
             .map(|(_, item)| item)
     }
 
+    /// Prompt tokens waiting in one tier of one pool (a per-pool TTFT estimate's work ahead).
+    pub fn pool_tier_prompt_tokens(&self, pool: u32, tier: usize) -> u64 {
+        self.pools[pool as usize].tier_prompt_tokens(tier)
+    }
+
+    /// Prompt tokens a tenant has waiting in one pool.
+    pub fn pool_tenant_prompt_tokens(&self, pool: u32, tenant: u32) -> u64 {
+        self.pools[pool as usize].tenant_prompt_tokens(tenant)
+    }
+
     /// Prompt tokens a tenant has waiting, over all pools.
     pub fn tenant_prompt_tokens(&self, tenant: u32) -> u64 {
         self.pools
@@ -542,6 +552,13 @@ mod tests {
         assert!(q.pop_from(1, 0).is_none());
         assert_eq!(q.remove(1).map(|(_, i)| i.id), Some(1));
         assert_eq!((q.len(), q.pool_of(3)), (1, Some(0)));
+        assert_eq!(
+            (
+                q.pool_tier_prompt_tokens(0, 0),
+                q.pool_tenant_prompt_tokens(1, 0)
+            ),
+            (10, 0)
+        );
     }
 
     // Removing from the middle keeps counts and prompt totals right.
