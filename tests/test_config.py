@@ -9,7 +9,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmflow import Governor
+from llmflow import Governor, Runtime, UnknownModelError
 from llmflow.config import ConfigFileError, load_settings, parse_duration_ms
 
 if TYPE_CHECKING:
@@ -107,6 +107,14 @@ def test_models_and_routing_reach_the_core() -> None:
     governor = Governor(core)
     decision = governor.submit(1, "anonymous", 10, 10, 0, model="fast")
     assert decision.backend == "b"  # type: ignore[union-attr]
+    runtime = Runtime(settings.to_runtime())
+    assert runtime.models() == [("m-a", "m-a"), ("m-b", "m-b"), ("fast", "m-b")]
+    assert runtime.resolve_model("fast") == "m-b"
+    with pytest.raises(UnknownModelError, match="`m-c` does not exist"):
+        runtime.resolve_model("m-c")
+    with pytest.raises(UnknownModelError, match="name one"):
+        runtime.arrive(1, "anonymous", 10, 10, True, 0)  # two models, none named
+    assert runtime.live == 0
 
 
 def test_missing_file(tmp_path: Path) -> None:
