@@ -234,6 +234,14 @@ impl FairQueue {
         self.pools[pool as usize].served(tenant);
     }
 
+    /// Service a tenant received from other gateway replicas (see `PoolQueue::charge_elsewhere`),
+    /// raised in every pool: the replicas share one counter per tenant, not one per model.
+    pub fn charge_elsewhere(&mut self, tenant: u32, cost: f64) {
+        for pool in &mut self.pools {
+            pool.charge_elsewhere(tenant, cost);
+        }
+    }
+
     /// Charge a tenant for service in the first pool.
     #[cfg(test)]
     pub fn charge(&mut self, tenant: u32, cost: f64) {
@@ -395,7 +403,7 @@ impl PoolQueue {
     /// Raise a tenant's counter by service it received from other gateway replicas (`cost`
     /// weighted tokens): the order between tenants then counts their service everywhere,
     /// while `service` stays what this queue charged.
-    pub fn charge_elsewhere(&mut self, tenant: u32, cost: f64) {
+    fn charge_elsewhere(&mut self, tenant: u32, cost: f64) {
         let t = &mut self.tenants[tenant as usize];
         t.counter += cost / t.weight;
         if self.strategy == Strategy::Fair {

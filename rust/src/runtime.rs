@@ -649,11 +649,15 @@ impl Runtime {
             return Ok(false);
         }
         let stream = s.stream;
-        let Some((tenant, prompt, max_tokens)) = self.gov.lease_denied(id, now) else {
+        let Some((tenant, prompt, max_tokens, pool, chain)) = self.gov.lease_denied(id, now) else {
             return Ok(false);
         };
         self.forget(id);
-        self.arrive(id, tenant, prompt, max_tokens, stream, now)?;
+        let route = Route {
+            pool,
+            chain: &chain,
+        };
+        self.arrive(id, tenant, (prompt, max_tokens), stream, route, now)?;
         Ok(true)
     }
 

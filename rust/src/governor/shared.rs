@@ -71,11 +71,13 @@ impl Governor {
     /// A started request whose slot lease the store refused: the slot was taken elsewhere
     /// since the last sync, so count one more held elsewhere (until the next sync says
     /// otherwise), end the start without charging it as served, and return what `submit`
-    /// needs to decide it again (tenant, prompt, max tokens). `None`: not running.
-    pub fn lease_denied(&mut self, id: u64, now_us: u64) -> Option<(u32, u64, u64)> {
-        let req = self.requests.get(&id)?;
+    /// needs to decide it again (tenant, prompt, max tokens, and its route: model pool and
+    /// block hashes). `None`: not running.
+    pub fn lease_denied(&mut self, id: u64, now_us: u64) -> Option<(u32, u64, u64, u32, Vec<u64>)> {
+        let req = self.requests.get_mut(&id)?;
         let backend = req.running.as_ref()?.backend as usize;
-        let shape = (req.tenant, req.prompt, req.max_tokens);
+        let chain = std::mem::take(&mut req.chain);
+        let shape = (req.tenant, req.prompt, req.max_tokens, req.pool, chain);
         let b = &mut self.backends[backend];
         b.elsewhere = b.elsewhere.saturating_add(1).min(b.cap);
         self.finish(id, Outcome::Cancelled, now_us);
@@ -147,7 +149,7 @@ mod tests {
         let a = tenant(&g, "a");
         g.submit(1, a, 10, 20, 0).unwrap();
         assert_eq!(g.running(), 1);
-        assert_eq!(g.lease_denied(1, 5), Some((a, 10, 20)));
+        assert_eq!(g.lease_denied(1, 5), Some((a, 10, 20, 0, vec![])));
         assert_eq!((g.running(), g.live(), g.backends[0].elsewhere), (0, 0, 1));
         assert_eq!(g.lease_denied(1, 6), None);
     }
