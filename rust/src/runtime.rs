@@ -490,13 +490,17 @@ impl Runtime {
             }
             Event::Started { .. } => unreachable!("handled in `feed`"),
             Event::Tokens { id, n } => {
+                // A first token means the request's prefill is done: a prompt held back by
+                // prefill pacing may start now, so the queue is looked at again.
+                let mut prefill_done = false;
                 if let Some(s) = self.sessions.get_mut(&id) {
                     if n > 0 && s.started && !s.upstream_done {
+                        prefill_done = !s.first_token;
                         s.first_token = true;
                         self.gov.on_tokens(id, n, now);
                     }
                 }
-                false
+                prefill_done && self.gov.queued() > 0
             }
             Event::Done { id } => {
                 self.done(id, now);
@@ -958,6 +962,48 @@ mod tests {
             assert!(terminal(&acts).is_empty(), "{ev:?}: {acts:?}");
         }
         assert_eq!((rt.live(), rt.governor().live()), (0, 0));
+    }
+
+    // A prompt held back by prefill pacing starts at the first token of the prompt ahead of
+    // it (the prefill cleared), not at some later event.
+    #[test]
+    fn first_token_dispatches_a_paced_prompt() {
+        let json = sample_json().replace(
+            r#""max_concurrency_per_gpu":2"#,
+            r#""max_concurrency_per_gpu":4,"headroom_quantile":0.999,"headroom_wait_ms":500,
+               "prefill_tokens_per_s":8000"#,
+        );
+        let mut rt =
+            Runtime::from_json(&format!(r#"{{"policy": {json}, "lifecycle": {{}}}}"#)).unwrap();
+        let a = rt.governor().tenant_id("a").unwrap();
+        let long = |id| Event::Arrive {
+            id,
+            tenant: a,
+            prompt: 3000,
+            max_tokens: 10,
+            stream: true,
+            pool: 0,
+            chain: vec![],
+        };
+        let acts = rt.handle(0, &long(1)).unwrap();
+        assert!(matches!(acts[0], Action::Start { id: 1, .. }), "{acts:?}");
+        rt.handle(1, &Event::Started { id: 1 }).unwrap();
+        // 3,000 + 3,000 tokens at 8,000/s clear in 0.75 s, past the 0.5 s budget: it waits.
+        let acts = rt.handle(2, &long(2)).unwrap();
+        assert!(
+            !acts.iter().any(|x| matches!(x, Action::Start { .. })),
+            "{acts:?}"
+        );
+        assert_eq!(rt.governor().queued(), 1);
+        let acts = rt.handle(S, &Event::Tokens { id: 1, n: 1 }).unwrap();
+        assert!(
+            acts.iter()
+                .any(|x| matches!(x, Action::Start { id: 2, .. })),
+            "{acts:?}"
+        );
+        // Later tokens of a request whose prefill is done do not look at the queue again.
+        let acts = rt.handle(S + 1, &Event::Tokens { id: 1, n: 1 }).unwrap();
+        assert!(acts.is_empty(), "{acts:?}");
     }
 
     // Freeing a slot starts the queue head in the same step: no separate dispatch call.
