@@ -85,6 +85,6 @@ def test_the_dashboard_has_the_panels_the_docs_promise() -> None:
         "Refusals by reason",
         "KV cache usage by backend",
         "Preemptions by backend",
-        "Prefix cache hit rate (pending)",
+        "Prefix cache hit rate per backend",
     ):
         assert wanted in titles

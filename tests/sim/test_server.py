@@ -146,3 +146,31 @@ async def test_closing_an_unstreamed_request_aborts_it_in_the_engine() -> None:
         server.should_exit = True
         await asyncio.wait([task], timeout=10)
         sock.close()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+def test_a_resent_history_hits_the_prefix_cache(client: TestClient) -> None:
+    # A chat's second turn resends the first: its leading blocks are found cached, as in
+    # vLLM (whose counters, in prompt tokens, the server exports); an unrelated prompt is not.
+    history = [{"role": "system", "content": "You are terse. " * 40},
+               {"role": "user", "content": "Summarise the ledger. " * 20}]
+    first = {"messages": history, "max_tokens": 4, "ignore_eos": True}
+    assert client.post("/v1/chat/completions", json=first).status_code == 200
+    text = client.get("/metrics").text
+    queried, hits = (_metric(text, "vllm:prefix_cache_queries_total"),
+                     _metric(text, "vllm:prefix_cache_hits_total"))
+    assert queried > 0 and hits == 0
+    second = {**first, "messages": [*history, {"role": "assistant", "content": "ok"},
+                                     {"role": "user", "content": "And the totals?"}]}
+    assert client.post("/v1/chat/completions", json=second).status_code == 200
+    text = client.get("/metrics").text
+    hits = _metric(text, "vllm:prefix_cache_hits_total")
+    assert hits >= 16 * 10, hits  # most of the ~260-token history
+    other = {"messages": [{"role": "user", "content": "Unrelated words here. " * 60}],
+             "max_tokens": 4, "ignore_eos": True}
+    assert client.post("/v1/chat/completions", json=other).status_code == 200
+    assert _metric(client.get("/metrics").text, "vllm:prefix_cache_hits_total") == hits

@@ -264,9 +264,25 @@ def _backend_gauges(scraper: Scraper) -> Iterator[Metric]:
         "Preemptions vLLM reports (its num_preemptions counter), last scrape",
         labels=["backend"],
     )
+    # vLLM counts its prefix cache in prompt tokens: looked up, and found cached. Their rates'
+    # ratio is the hit rate that prefix routing (`routing.policy: prefix`) is meant to raise.
+    prefix_queries = CounterMetricFamily(
+        "llmflow_backend_prefix_cache_queries",
+        "Prompt tokens vLLM looked up in its prefix cache (vllm:prefix_cache_queries), last scrape",
+        labels=["backend"],
+    )
+    prefix_hits = CounterMetricFamily(
+        "llmflow_backend_prefix_cache_hits",
+        "Of those, tokens found cached (vllm:prefix_cache_hits), last scrape",
+        labels=["backend"],
+    )
     now = time.monotonic()
     for name, state in scraper.states.items():
         families["healthy"].add_metric([name], int(state.healthy))
+        if state.prefix_queries_total is not None:
+            prefix_queries.add_metric([name], state.prefix_queries_total)
+        if state.prefix_hits_total is not None:
+            prefix_hits.add_metric([name], state.prefix_hits_total)
         if state.kv_usage is not None:
             families["kv_usage"].add_metric([name], state.kv_usage)
         if state.running is not None:
@@ -279,3 +295,5 @@ def _backend_gauges(scraper: Scraper) -> Iterator[Metric]:
             preemptions.add_metric([name], state.preemptions_total)
     yield from families.values()
     yield preemptions
+    yield prefix_queries
+    yield prefix_hits

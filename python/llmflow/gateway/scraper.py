@@ -35,6 +35,8 @@ _SUMMED = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_preemptions_total": "preemptions_total",
+    "vllm:prefix_cache_queries_total": "prefix_queries_total",
+    "vllm:prefix_cache_hits_total": "prefix_hits_total",
 }
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -51,6 +53,8 @@ class BackendState:
     running: int | None = None
     waiting: int | None = None
     preemptions_total: int | None = None
+    prefix_queries_total: int | None = None  # prompt tokens vLLM looked up in its prefix cache
+    prefix_hits_total: int | None = None  # of those, found cached
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     scraped_at: float | None = None
@@ -68,6 +72,8 @@ class BackendState:
             "running": self.running,
             "waiting": self.waiting,
             "preemptions_total": self.preemptions_total,
+            "prefix_queries_total": self.prefix_queries_total,
+            "prefix_hits_total": self.prefix_hits_total,
             "num_gpu_blocks": self.num_gpu_blocks,
             "block_size": self.block_size,
             "scrape_age_s": age,
@@ -184,6 +190,8 @@ class Scraper:
         state.running = _int(values.get("running"))
         state.waiting = _int(values.get("waiting"))
         state.preemptions_total = _int(values.get("preemptions_total"))
+        state.prefix_queries_total = _int(values.get("prefix_queries_total"))
+        state.prefix_hits_total = _int(values.get("prefix_hits_total"))
         state.num_gpu_blocks = _int(values.get("num_gpu_blocks"))
         state.block_size = _int(values.get("block_size"))
         self.host.scrape_ok(

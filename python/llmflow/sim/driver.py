@@ -137,14 +137,18 @@ class RealtimeEngine:
         for s in list(self.streams.values()):
             self.abort(s)
 
-    def submit(self, prompt: int, max_tokens: int, eos_at: int | None, priority: int = 0) -> Stream:
-        """Queue a request.
+    def submit(
+        self, prompt: int, max_tokens: int, eos_at: int | None, priority: int = 0,
+        hash_ids: tuple[int, ...] | None = None,
+    ) -> Stream:
+        """Queue a request (`hash_ids`: its prompt's block hashes, for the prefix cache).
 
         Raises:
             EngineError: longer than `max_model_len`, or empty.
         """
         self._ids += 1
-        seq = Seq(self._ids, prompt, max_tokens, eos_at, priority)
+        seq = Seq(self._ids, prompt, max_tokens, eos_at, priority, hash_ids=hash_ids,
+                  hash_block=self.core.block_size)
         now = self.now()
         self.core.add(seq, now)
         stream = Stream(seq, now)

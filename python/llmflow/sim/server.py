@@ -16,6 +16,7 @@ answer ends at a simulated EOS drawn deterministically from the seed and the req
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -76,6 +77,31 @@ def _chat_prompt(messages: Any) -> int:
             content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
         total += 4 + (estimate_tokens(content) if isinstance(content, str) and content else 0)
     return total
+
+
+def _block_hashes(body: dict[str, Any], chat: bool, block_size: int) -> tuple[int, ...]:
+    """The prompt's block hashes for the engine's prefix cache: chained, one per full block of
+    `block_size` tokens at this server's 4 characters a token, over the prompt as a chat
+    template lays it out (so a resent history shares its leading blocks, as in vLLM). An
+    approximation of vLLM's token blocks, on its own hash, independent of the gateway's."""
+    if chat:
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            role = m.get("role", "") if isinstance(m, dict) else ""
+            parts.append(f"<|{role}|>\n{content if isinstance(content, str) else ''}\n")
+        text = "".join(parts)
+    else:
+        prompt = body.get("prompt")
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    data, chunk = text.encode("utf-8"), 4 * block_size
+    out, parent = [], b""
+    for start in range(0, len(data) - chunk + 1, chunk):
+        parent = hashlib.blake2b(parent + data[start:start + chunk], digest_size=8).digest()
+        out.append(int.from_bytes(parent, "little") >> 1)
+    return tuple(out)
 
 
 def _completion_prompt(prompt: Any) -> int:
@@ -167,8 +193,10 @@ def create_app(
                              or default)
             priority = int(body.get("priority") or 0)
             engine: RealtimeEngine = state["engine"]
+            hashes = _block_hashes(body, chat, engine.core.block_size)
             stream = engine.submit(prompt, max_tokens, eos_for(bool(body.get("ignore_eos"))),
-                                   priority if scheduling_policy == "priority" else 0)
+                                   priority if scheduling_policy == "priority" else 0,
+                                   hash_ids=hashes or None)
         except (ValueError, TypeError, EngineError) as exc:
             return _error(400, str(exc))
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{stream.seq.rid}", "created":

@@ -3,7 +3,8 @@
 Gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
 (0..1; also under the older name `vllm:gpu_cache_usage_perc`), `vllm:cache_config_info`
 (`num_gpu_blocks`, `block_size` labels); counters `vllm:num_preemptions_total`,
-`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:request_success_total`
+`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:prefix_cache_queries_total`,
+`vllm:prefix_cache_hits_total` (tokens), `vllm:request_success_total`
 (`finished_reason`); histograms `vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
 `vllm:request_queue_time_seconds`. Labels `engine="0"` and `model_name`.
@@ -53,6 +54,10 @@ def render_metrics(engine: RealtimeEngine | None, model: str) -> str:
          core.prompt_tokens_total),
         ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
          core.generation_tokens_total),
+        ("vllm:prefix_cache_queries_total", "counter",
+         "Prefix cache queries, in terms of number of queried tokens.", core.prefix_query_tokens),
+        ("vllm:prefix_cache_hits_total", "counter",
+         "Prefix cache hits, in terms of number of cached tokens.", core.prefix_hit_tokens),
     ):
         _family(lines, name, kind, doc)
         lines.append(f"{name}{{{labels}}} {float(value)}")
