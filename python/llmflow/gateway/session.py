@@ -124,6 +124,8 @@ class StreamSession:
         prepared: the validated request.
     """
 
+    until_done = True  # upstream's stream ends with `data: [DONE]`
+
     def __init__(self, ctx: SessionContext, prepared: Prepared) -> None:
         self.ctx, self.prepared = ctx, prepared
         self.request_id = ctx.host.new_id()
@@ -325,7 +327,7 @@ class StreamSession:
             route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
         )
         host.started(rid)
-        async for data in self._stream.events():
+        async for data in self._stream.events(self.until_done):
             if self._stop:  # cut or aborted: events already read must not follow the tail
                 return
             chunk, new_tokens = self.parser.feed(data)
