@@ -1,4 +1,4 @@
-"""An independent reference of the runtime's rules, for `test_runtime_machine.py` only.
+"""An independent reference of the runtime's rules, for the state machine in `machine.py`.
 
 It is written from the config and the documented rules, never from the core's state: the host
 machine feeds it what it sent (arrivals, tokens, scrapes, window events, the drain) and what it
@@ -7,7 +7,8 @@ the preemption breaker's level, each backend's last scrape and KV estimate, whic
 where with how many tokens, and every pending deadline. It answers three questions: may a
 request of this tier start on this backend now (`allows`), could any waiting request have been
 started (`stranded`), and what ends a request at a given time (`due`). It keeps no fair order,
-no estimates and no Retry-After arithmetic. It is never used by the product.
+no estimates and no Retry-After arithmetic. It never serves a request: only the state machine
+(`llmflow config verify` and the property tests) runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 EXPIRIES = ("queue_timeout", "first_token_timeout", "deadline")  # the core's tie-break order
+DEFAULT_SCRAPE_FAILURES = 2  # the runtime's, when a config (the gateway's) does not set it
 MAX_SHED_LEVEL = 3  # each breaker level halves what non-protected tiers may hold
 
 
@@ -135,7 +137,8 @@ class RuntimeModel:
     def scrape_failed(self, name: str) -> list[tuple[str, bool]]:
         b = self.backends[name]
         b.failures += 1
-        enough = b.failures >= self.life["scrape_failures_before_down"] or not b.ever_scraped
+        before_down = self.life.get("scrape_failures_before_down", DEFAULT_SCRAPE_FAILURES)
+        enough = b.failures >= before_down or not b.ever_scraped
         if b.healthy and enough:
             b.healthy = False
             return [(name, False)]
@@ -222,6 +225,10 @@ class RuntimeModel:
     def stranded(self, now: int) -> tuple[int, str] | None:
         """A (tier, backend) where the head of the tier's queue, whichever it is, could start."""
         for tier in range(len(self.tiers)):
+            if self.tiers[tier].get("best_effort"):
+                # It may wait beside slots kept free as the latency tiers' headroom (Erlang C
+                # on measured rates, which this model does not compute): not work-conserving.
+                continue
             queued = self.waiting(tier)
             if not queued:
                 continue
