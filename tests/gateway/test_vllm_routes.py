@@ -228,3 +228,32 @@ async def test_a_client_leaving_a_light_request_frees_its_slot() -> None:
         assert h.sim.state.sim["light"] == 1
         r = await h.client.post("/tokenize", json={"model": MODEL, "prompt": "abcd"})
     assert r.status_code == 200
+
+
+async def test_a_browned_out_response_is_clamped_upstream_in_max_output_tokens() -> None:
+    """One slot, brownout from one waiting place in four: the third response is sent upstream
+    with `max_output_tokens` 7, and the simulated vLLM generates 7 tokens for it."""
+    tiers = [
+        {"name": "vip", "protected": True},
+        {"name": "normal", "shed_at": 1.0, "brownout_at": 0.25, "brownout_max_tokens": 7},
+    ]
+    async with start_sim_gateway(
+        tiers=tiers,
+        default_tier="normal",
+        gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 4}},
+    ) as h:
+        rt = h.gateway.runtime
+
+        def ask(tokens: int) -> asyncio.Task[httpx.Response]:
+            body = {"model": MODEL, "input": "hi", "max_output_tokens": tokens, "ignore_eos": True}
+            return asyncio.create_task(h.client.post("/v1/responses", json=body, timeout=30))
+
+        tasks = [ask(1500)]
+        await until(lambda: rt.running == 1)
+        tasks.append(ask(50))
+        await until(lambda: rt.queued == 1)
+        tasks.append(ask(50))
+        await until(lambda: rt.queued == 2)
+        replies = await asyncio.gather(*tasks)
+    assert [r.status_code for r in replies] == [200] * 3
+    assert [r.json()["usage"]["output_tokens"] for r in replies] == [1500, 50, 7]

@@ -49,6 +49,10 @@ _MESSAGES = {
 }
 
 
+# The body's output bound, by endpoint: Responses, chat (its newer name), else `max_tokens`.
+_OUTPUT_BOUNDS = ("max_output_tokens", "max_completion_tokens")
+
+
 @dataclass(frozen=True, slots=True)
 class BackendRoute:
     """Where and how to send a backend its requests."""
@@ -80,7 +84,7 @@ def upstream_body(prepared: Prepared, route: BackendRoute, start: Start | None) 
     if route.priority_scheduling:
         body = {**body, "priority": start.priority}
     if start.max_tokens is not None:
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        key = next((k for k in _OUTPUT_BOUNDS if k in body), "max_tokens")
         body = {**body, key: start.max_tokens}
     return body
 
