@@ -17,7 +17,7 @@ import pytest
 from llmflow.presets import model as model_preset
 
 from .harness import SIM_MODEL as MODEL
-from .harness import start_sim_gateway, until
+from .harness import start_gateway, start_sim_gateway, until
 
 pytestmark = pytest.mark.anyio
 
@@ -257,3 +257,13 @@ async def test_a_browned_out_response_is_clamped_upstream_in_max_output_tokens()
         replies = await asyncio.gather(*tasks)
     assert [r.status_code for r in replies] == [200] * 3
     assert [r.json()["usage"]["output_tokens"] for r in replies] == [1500, 50, 7]
+
+
+async def test_a_route_the_backend_lacks_is_its_404_in_openais_shape() -> None:
+    """vLLM registers the pooling routes only for pooling models; the fake has none at all."""
+    async with start_gateway() as h:
+        r = await h.client.post("/v1/embeddings", json={"model": "fake-model", "input": "x"})
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error["code"] == "backend_rejected"
+    assert error["message"].startswith("the backend answered 404 for /v1/embeddings")

@@ -26,6 +26,7 @@ from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.host import now_us
 from llmflow.gateway.protocol import decode_json
 from llmflow.gateway.serving import ClientGone, Departure
+from llmflow.gateway.upstream import _error_message
 
 if TYPE_CHECKING:
     from llmflow.config import Settings
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["LightReply", "LightService"]
 
 _FORWARDED = ("content-type", "accept")  # request headers the backend needs to read the body
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of a backend's error body worth reading
 _RETURNED = ("content-type", "content-encoding")  # response headers the client gets back
 _MESSAGES = {
     "light_lane_full": "too many embedding/rerank/score/tokenize/audio requests in flight on "
@@ -158,10 +160,28 @@ class LightService:
             watcher.cancel()
             await asyncio.wait([watcher])
         response = sent[0]
-        if response.status_code >= 500:
-            await response.aclose()
-            raise GatewayError(502, f"backend error {response.status_code}", "backend_error")
+        if response.status_code >= 400:
+            raise await _backend_error(response, path)
         return response
+
+
+async def _backend_error(response: httpx.Response, path: str) -> GatewayError:
+    """A backend's error answer, in OpenAI's shape: 4xx with its status and message, 5xx as 502."""
+    try:
+        raw = b""
+        async for chunk in response.aiter_raw():
+            raw += chunk
+            if len(raw) > _ERROR_BODY_LIMIT:
+                break
+    finally:
+        await response.aclose()
+    message = _error_message(raw[:_ERROR_BODY_LIMIT]) or f"answered {response.status_code}"
+    status = response.status_code
+    if status >= 500:
+        return GatewayError(502, f"backend error {status}: {message}", "backend_error")
+    if status == 404:  # vLLM registers a pooling route only when its model serves that task
+        message = f"the backend answered 404 for {path.split('?')[0]}: {message}"
+    return GatewayError(status, message, "backend_rejected")
 
 
 class _Release:

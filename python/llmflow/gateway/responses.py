@@ -19,10 +19,10 @@ import copy
 import json
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from llmflow.gateway.errors import GatewayError
-from llmflow.gateway.protocol import MAX_INT, _Open, decode_json
+from llmflow.gateway.protocol import ResponsesRequest, decode_json
 from llmflow.gateway.session import Prepared, StreamSession
 from llmflow.gateway.sse import SessionStream
 from llmflow.gateway.streaming import ClientOptions, notice_for
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ResponsesParser",
-    "ResponsesRequest",
     "ResponsesSession",
     "ResponsesStream",
     "prepare_response",
@@ -45,16 +44,6 @@ PATH = "/v1/responses"
 _PER_ITEM = 4  # role markers a chat template adds around each input message
 _FINAL = ("response.completed", "response.incomplete")
 _STRIPPED = ("priority", "background", "store")  # the core sets priority; no stored replies
-
-
-class ResponsesRequest(_Open):
-    """Body of `POST /v1/responses` (the fields the gateway reads; the rest pass through)."""
-
-    model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    stream: bool = False
 
 
 def prepare_response(

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.light import LightReply  # noqa: TC001 - FastAPI reads the return type
+from llmflow.gateway.protocol import ResponsesRequest, request_body
 from llmflow.gateway.responses import ResponsesSession, ResponsesStream, prepare_response
 from llmflow.gateway.routes.deps import gateway, identity, service
 
@@ -35,7 +36,7 @@ LIGHT_PATHS = (
 )
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
 async def responses(request: Request) -> Response:
     """Create a model response (streamed as SSE events when `stream` is true)."""
     gw, svc = gateway(request), service(request)
@@ -73,11 +74,25 @@ async def _light(request: Request) -> LightReply:
     return await gw.light.forward(path, headers, await request.body(), request.receive)
 
 
+_MODEL = {"model": {"type": "string", "minLength": 1}}  # the one field the gateway reads
+_JSON_BODY = {"application/json": {"schema": {"type": "object", "properties": _MODEL}}}
+_FORM_BODY = {
+    "multipart/form-data": {
+        "schema": {
+            "type": "object",
+            "required": ["file"],
+            "properties": {"file": {"type": "string", "format": "binary"}, **_MODEL},
+        }
+    }
+}
+
 for _path in LIGHT_PATHS:
+    _body = _FORM_BODY if _path.startswith("/v1/audio/") else _JSON_BODY
     router.add_api_route(
         _path,
         _light,
         methods=["POST"],
         response_model=None,
+        openapi_extra={"requestBody": {"required": True, "content": _body}},
         summary=f"{_path} (light: passed through under a cap)",
     )
