@@ -222,6 +222,18 @@ class RuntimeModel:
             return False
         return self.fits(name, prompt, now)
 
+    def fit_target_binds(self, backend: str) -> bool:
+        """With `kv_fit_target`, a busy backend of known size may decline a request whose
+        expected peak (prompt plus the tenant's learned output, which this model does not know)
+        does not fit what its running requests are expected to hold."""
+        if self.policy.get("kv_fit_target") is None:
+            return False
+        return bool(self.backends[backend].kv_capacity and self.running(backend))
+
+    def in_prefill(self, backend: str) -> bool:
+        """Whether a request started on `backend` still waits for its first token."""
+        return any(r.backend == backend and not r.first_token for r in self.live.values())
+
     def stranded(self, now: int) -> tuple[int, str] | None:
         """A (tier, backend) where the head of the tier's queue, whichever it is, could start."""
         for tier in range(len(self.tiers)):
@@ -232,8 +244,16 @@ class RuntimeModel:
             queued = self.waiting(tier)
             if not queued:
                 continue
+            # With headroom on, unprotected prompts join a backend's prefill only at the pace
+            # its measured prefill rate clears them (which this model does not know).
+            paced = self.policy.get("headroom_quantile") is not None
+            paced = paced and not self.tiers[tier]["protected"]
             biggest = max(r.prompt for r in queued)  # fits => every smaller prompt fits
             for name in self.backends:
+                if paced and self.in_prefill(name):
+                    continue
+                if self.fit_target_binds(name):
+                    continue
                 if self.allows(tier, biggest, name, now):
                     return tier, name
         return None
