@@ -31,6 +31,7 @@ pub struct PyLightLane {
 #[pymethods]
 impl PyLightLane {
     #[new]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
     fn new(backends: Vec<(String, u32)>) -> PyResult<Self> {
         Ok(Self {
             inner: LightLane::new(&backends)?,
@@ -38,6 +39,7 @@ impl PyLightLane {
     }
 
     #[pyo3(signature = (request_id, candidates, now_us))]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
     fn acquire(
         &mut self,
         py: Python<'_>,

@@ -172,7 +172,7 @@ class ResponsesParser:
 
     def partial(self, reason: str) -> Json:
         """The reply of a response the gateway cut: what came so far, marked incomplete."""
-        response = copy.deepcopy(self.response) if self.response else {"object": "response"}
+        response: Json = copy.deepcopy(self.response) if self.response else {"object": "response"}
         text = "".join(self.text) + notice_for(reason)
         response.update(
             status="incomplete",

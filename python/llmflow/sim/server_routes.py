@@ -211,13 +211,15 @@ def install(
             or not all(isinstance(d, str) for d in documents)
         ):
             return error(400, "send `query` (a string) and `documents` (a list of strings)")
-        ranked = sorted(
-            (
-                {"index": i, "document": {"text": d}, "relevance_score": _relevance(query, d)}
-                for i, d in enumerate(documents)
-            ),
-            key=lambda r: -r["relevance_score"],
-        )
+        order = sorted(range(len(documents)), key=lambda i: -_relevance(query, documents[i]))
+        ranked = [
+            {
+                "index": i,
+                "document": {"text": documents[i]},
+                "relevance_score": _relevance(query, documents[i]),
+            }
+            for i in order
+        ]
         top_n = body.get("top_n")
         if isinstance(top_n, int) and top_n > 0:
             ranked = ranked[:top_n]
@@ -302,7 +304,7 @@ def _texts(value: Any) -> list[tuple[str, list[int]]]:
 def _vector(text: str, hidden: int) -> list[float]:
     """A unit vector, the same for the same text."""
     seed = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    values = []
+    values: list[float] = []
     block = seed
     while len(values) < hidden:
         block = hashlib.blake2b(block, digest_size=64).digest()

@@ -97,7 +97,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.now, self.next_id = 0, 1
         self.armed: int | None = None  # the host's one timer
         self.arrived: set[int] = set()
-        self.started: set[int] = set()  # got `Start`
+        self.started_ids: set[int] = set()  # got `Start`
         self.headers: set[int] = set()  # the host told the runtime `started`
         self.ended: set[int] = set()
         self.preemptions = dict.fromkeys(self.model.backends, 0)
@@ -110,7 +110,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         self, name: str, kv_usage: float | None, total: int | None, blocks: int | None, lag: int
     ) -> None:
         began = max(self.now - lag, 0)
-        scrape = {"kv_usage": kv_usage, "preemptions_total": total, "kv_blocks": blocks}
+        scrape: dict[str, Any] = {
+            "kv_usage": kv_usage,
+            "preemptions_total": total,
+            "kv_blocks": blocks,
+        }
         health = self.model.scrape_ok(name, began, self.now, **scrape)
         self.feed("scrape_ok", name, began, expect={}, health=health, **scrape)
 
@@ -153,7 +157,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         """Send one event; carry out and check its actions; check the whole state."""
         assert self.rt is not None
         try:
-            actions = getattr(self.rt, method)(*args, self.now, **kwargs)
+            actions: list[Any] = getattr(self.rt, method)(*args, self.now, **kwargs)
             self.events.append((method, args, kwargs, self.now))
             self.log.append([repr(a) for a in actions])
             context = f"{method}{args} at {self.now}: {actions}"
@@ -190,18 +194,18 @@ class RuntimeMachine(RuleBasedStateMachine):
             assert rid not in self.ended, f"{a!r} after its terminal action; {context}"
             if isinstance(a, Start):
                 req = m.live[rid]
-                assert rid not in self.started, f"started twice; {context}"
+                assert rid not in self.started_ids, f"started twice; {context}"
                 assert m.allows(req.tier, req.prompt, a.backend, self.now), (
                     f"{a!r} breaks a rule: {req}; {context}"
                 )
-                self.started.add(rid)
+                self.started_ids.add(rid)
                 event("Start after Wait" if m.live[rid].waited else "Start")
                 m.start(rid, a.backend, self.now)
             elif isinstance(a, Wait):
                 assert rid == arrival, context
                 m.live[rid].waited = True
             elif isinstance(a, Abort):
-                assert rid in self.started, context
+                assert rid in self.started_ids, context
                 assert rid not in aborted, context
                 later = [b for b in actions[i + 1 :] if getattr(b, "request_id", None) == rid]
                 assert any(isinstance(b, Reply | Cut | End) for b in later), context
@@ -303,7 +307,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         for tenant in (name for name in self.tenants if name not in self.protected):
             what_if = copy.copy(before)
             assert not what_if.tracing
-            actions = what_if.arrive(PROBE_ID, tenant, *args, self.now)
+            actions = what_if.arrive(PROBE_ID, tenant, *args, self.now)  # type: ignore[call-arg]
             assert isinstance(own(actions, PROBE_ID), Reply), (
                 f"a VIP refused ({vip!r}) while {tenant} gets {actions}"
             )
@@ -314,7 +318,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(ids))) if ids else None
 
     def tenant(self, data: st.DataObject) -> str:
-        return data.draw(st.sampled_from(self.tenants), label="tenant")
+        name: str = data.draw(st.sampled_from(self.tenants), label="tenant")
+        return name
 
     @rule(
         data=st.data(),
@@ -334,13 +339,15 @@ class RuntimeMachine(RuleBasedStateMachine):
         """Identical requests at one instant: once refused, told to come back no sooner."""
         tenant = self.tenant(data)
         outcomes = [self.arrive_one(tenant, prompt, 64, True) for _ in range(count)]
-        retries = [a.retry_after_s for a in outcomes if isinstance(a, Reply) and a.status == 429]
+        retries = [
+            a.retry_after_s or 0 for a in outcomes if isinstance(a, Reply) and a.status == 429
+        ]  # a 429 always carries one (`check_retry_after`)
         assert retries == sorted(retries), outcomes
 
     @rule(data=st.data(), dt=STEPS)
     def started(self, data: st.DataObject, dt: int) -> None:
         self.advance(dt)
-        rid = self.pick(data, self.started - self.headers - self.ended)
+        rid = self.pick(data, self.started_ids - self.headers - self.ended)
         if rid is not None:
             self.headers.add(rid)
             self.feed("started", rid, expect={})
@@ -357,7 +364,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     def progress(self, n: int, dt: int) -> None:
         """Every backend makes progress: headers for what started, tokens for all of it."""
         self.advance(dt)
-        for rid in sorted(self.started - self.ended):  # neither event ends anything
+        for rid in sorted(self.started_ids - self.ended):  # neither event ends anything
             if rid not in self.headers:
                 self.headers.add(rid)
                 self.feed("started", rid, expect={})
@@ -388,7 +395,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     )
     def failed(self, data: st.DataObject, status: int, down: bool, dt: int) -> None:
         self.advance(dt)
-        rid = self.pick(data, self.started - self.ended)
+        rid = self.pick(data, self.started_ids - self.ended)
         if rid is None:
             return
         req = self.model.live[rid]

@@ -180,7 +180,7 @@ class RuntimeModel:
         return [r for r in self.live.values() if r.backend is None and tier in (None, r.tier)]
 
     def blocks(self, tokens: int) -> int:
-        return -(-tokens // self.policy["block_size"])
+        return -(-tokens // int(self.policy["block_size"]))
 
     def ledger(self, name: str | None = None) -> int:
         return sum(self.blocks(r.prompt + r.generated) for r in self.running(name))
