@@ -10,6 +10,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from llmflow.verify.machine import PROMPTS, STEPS
+
 TIERS = (  # name, shed_at, max_share, protected
     ("vip", 1.0, 1.0, True),
     ("gold", 0.9, 1.0, False),
@@ -23,8 +25,7 @@ TENANTS = (  # name, tier, weight
     ("b1", "batch", 1.0), ("b2", "batch", 2.0),
 )  # fmt: skip
 PROTECTED = {name for name, tier, _ in TENANTS if tier == "vip"}
-PROMPTS = st.one_of(st.integers(0, 200), st.integers(0, 2000))  # tokens; KV holds 320-4800
-STEPS = st.one_of(st.just(0), st.integers(1, 20_000), st.integers(20_000, 2_500_000))  # µs
+__all__ = ["PROMPTS", "PROTECTED", "STEPS", "TENANTS", "TIERS", "runtime_configs"]
 
 
 @st.composite

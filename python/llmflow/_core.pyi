@@ -517,6 +517,56 @@ def replay_trace(text: str) -> tuple[int, int]:
         InvalidArgumentError: the text is not a trace.
     """
 
+@final
+class LightRefusal:
+    """The light lane refused a request: answer with `status` (429 when every slot is taken,
+    503 when no candidate is healthy or the gateway drains) and `Retry-After` as sent (whole
+    seconds, at least 1, spread over the lane's drain time for a crowd)."""
+
+    status: int
+    reason: Literal["light_lane_full", "no_healthy_backend", "draining"]
+    retry_after_s: int
+
+@final
+class LightLane:
+    """Per-backend caps on the routes that generate no tokens (embeddings, rerank, score,
+    tokenize, detokenize, audio), apart from the governor's slots and queue. Sans-IO: time is
+    `now_us`.
+
+    Args:
+        backends: (backend name, cap) for every backend; each cap at least 1.
+
+    Raises:
+        ConfigError: no backend, a repeated name, or a cap of 0.
+    """
+
+    def __new__(cls, backends: list[tuple[str, int]]) -> LightLane: ...
+    def acquire(self, request_id: int, candidates: list[str], now_us: int) -> str | LightRefusal:
+        """Admit a request on the healthy candidate with the most free slots, or refuse it.
+
+        Args:
+            request_id: the caller's id, unique among those held.
+            candidates: the backends that serve it (empty: every backend).
+            now_us: the host's clock, microseconds.
+
+        Returns:
+            The backend's name (call `release` when the reply is over), or the refusal.
+
+        Raises:
+            DuplicateRequestError: `request_id` is still held.
+            UnknownBackendError: a candidate is not configured.
+        """
+    def release(self, request_id: int, now_us: int) -> bool:
+        """The reply is over; `False` for an id not held (a second release is a no-op)."""
+    def set_health(self, backend: str, healthy: bool) -> None:
+        """The runtime's `SetHealth` for a backend (unhealthy ones get no requests)."""
+    def start_draining(self) -> None:
+        """Refuse every newcomer with 503 from now on."""
+    def in_flight(self, backend: str) -> int:
+        """Light requests the backend holds now."""
+    def live(self) -> int:
+        """Light requests held on every backend together."""
+
 RelayEvent = tuple[Any, ...]
 """One relay event: `("started", id)`, `("first_token", id, n, template_json | None)`,
 `("tokens", [(id, n), ...])`, `("done", id)`,

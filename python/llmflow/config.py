@@ -144,6 +144,8 @@ class Backend(_Section):
     max_model_len: int = Field(8192, ge=1)
     kv_blocks: int = Field(0, ge=0)  # 0: learn it from vLLM's cache_config_info
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # embeddings, rerank, score, tokenize, audio in flight at once (the light lane's cap)
+    light_concurrency: int = Field(16, ge=1)
 
 
 class Server(_Section):

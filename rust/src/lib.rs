@@ -10,6 +10,7 @@ pub mod error;
 pub mod fair_queue;
 pub mod governor;
 pub mod kv;
+pub mod light;
 #[cfg(feature = "relay")]
 pub mod relay;
 pub mod routing;
@@ -22,6 +23,8 @@ pub mod types;
 mod py;
 #[cfg(all(feature = "python", feature = "relay"))]
 mod py_relay;
+#[cfg(feature = "python")]
+mod py_light;
 #[cfg(feature = "python")]
 mod py_runtime;
 
@@ -41,6 +44,8 @@ pub mod _core {
         PyQueued, PyRejected, TraceMismatchError, UnknownBackendError, UnknownModelError,
         UnknownTenantError,
     };
+    #[pymodule_export]
+    use crate::py_light::{PyLightLane, PyLightRefusal};
     #[pymodule_export]
     use crate::py_runtime::{
         replay_trace, PyAbort, PyArm, PyCut, PyEnd, PyReply, PyRuntime, PySetHealth, PyStart,

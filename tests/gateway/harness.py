@@ -113,6 +113,7 @@ class Harness:
     client: httpx.AsyncClient
     fakes: dict[str, FakeVllm]
     app: Any = None  # the FastAPI app (an admin app can be built over it)
+    sim: Any = None  # the simulated vLLM's app (`start_sim_gateway`): its state is ours to read
 
     def __repr__(self) -> str:
         return f"Harness({self.url})"
@@ -184,16 +185,24 @@ SIM_MODEL = "fake-model"  # the model name `settings_for` configures
 
 
 @contextlib.asynccontextmanager
-async def start_sim_gateway(**sections: Any) -> AsyncIterator[Harness]:
-    """A gateway (config `sections` over `settings_for`'s) in front of one simulated vLLM,
-    `sim0` (`llmflow.sim.server`: an H100 with Llama-3-8B at 5x real time); on exit, asserts
-    everything returned to zero."""
+async def start_sim_gateway(
+    sim_options: dict[str, Any] | None = None,
+    backend: dict[str, Any] | None = None,
+    **sections: Any,
+) -> AsyncIterator[Harness]:
+    """A gateway (config `sections` over `settings_for`'s, `backend` keys on its backend) in
+    front of one simulated vLLM, `sim0` (`llmflow.sim.server`: an H100 with Llama-3-8B at 5x
+    real time, plus `sim_options`); on exit, asserts everything returned to zero."""
     sim = sim_server.create_app(
-        preset="h100:llama-3-8b", speed=5.0, models=[SIM_MODEL], max_model_len=4096
+        preset="h100:llama-3-8b",
+        speed=5.0,
+        models=[SIM_MODEL],
+        max_model_len=4096,
+        **(sim_options or {}),
     )
     async with serve_asgi(sim) as (sim_url, _):
-        app = create_app(settings_for({"sim0": sim_url}, **sections))
+        app = create_app(settings_for({"sim0": sim_url}, backend, **sections))
         async with serve_asgi(app) as (url, _), httpx.AsyncClient(base_url=url) as client:
-            harness = Harness(url, app.state.gateway, client, {}, app)
+            harness = Harness(url, app.state.gateway, client, {}, app, sim)
             yield harness
             await assert_idle(harness)

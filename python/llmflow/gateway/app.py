@@ -26,11 +26,12 @@ from llmflow.gateway.auth import AdminGuard, KeyRing
 from llmflow.gateway.embedded import EmbeddedBackend
 from llmflow.gateway.errors import install_handlers
 from llmflow.gateway.host import Host, now_us
+from llmflow.gateway.light import LightService
 from llmflow.gateway.metrics import GatewayMetrics
 from llmflow.gateway.middleware import BodyLimit
 from llmflow.gateway.protocol import install_schemas
 from llmflow.gateway.relay import RelayHost
-from llmflow.gateway.routes import admin, openai, ops, websocket
+from llmflow.gateway.routes import admin, openai, ops, vllm, websocket
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import BackendRoute, SessionContext
@@ -88,6 +89,7 @@ class Gateway:
         self.relay = RelayHost(self.host, settings) if settings.server.relay else None
         self.ctx: SessionContext | None = None
         self.service: CompletionService | None = None
+        self.light: LightService | None = None
 
     async def start(self) -> None:
         """Start embedded backends, the scrape loop, and the service."""
@@ -108,6 +110,14 @@ class Gateway:
             from llmflow.gateway.shared_scrape import SharedScrapes
 
             self.scraper.shared = SharedScrapes(self.host.leases, s.metrics.scrape_interval_ms)
+        self.light = light = LightService(s, urls, self.upstream.client)
+        scraper_on_health = self.host.on_health
+
+        def on_health(backend: str, healthy: bool) -> None:  # the runtime's SetHealth, to both
+            scraper_on_health(backend, healthy)
+            light.on_health(backend, healthy)
+
+        self.host.on_health = on_health
         self.ctx = SessionContext(
             host=self.host,
             upstream=self.upstream,
@@ -167,6 +177,8 @@ class Gateway:
                 self.relay.draining = True  # connections close after their reply
             log.info("draining: %d live request(s)", len(self.ctx.sessions))
             self.host.drain()
+            if self.light is not None:
+                self.light.lane.start_draining()
         bound = time.monotonic() + self.settings.server.drain_timeout_ms / 1e3 + _CUT_GRACE_S
         while self.ctx.sessions and time.monotonic() < bound:
             await asyncio.sleep(0.01)
@@ -272,7 +284,7 @@ def create_app(settings: Settings | None = None, trace: TextIO | None = None) ->
     app.state.trace = trace
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
-    for module in (openai, ops, websocket):
+    for module in (openai, vllm, ops, websocket):
         app.include_router(module.router)
     if settings.admin.port is None:  # no admin listener: the admin routes stay here
         app.include_router(admin.router)

@@ -29,6 +29,7 @@ __all__ = [
     "CompletionRequest",
     "ModelCard",
     "ModelList",
+    "ResponsesRequest",
     "StreamOptions",
     "decode_json",
     "install_schemas",
@@ -175,6 +176,16 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class ResponsesRequest(_Open):
+    """Body of `POST /v1/responses` (the fields the gateway reads; the rest pass through)."""
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    stream: bool = False
+
+
 class ModelCard(BaseModel):
     """One entry of `/v1/models`."""
 
@@ -206,7 +217,11 @@ def install_schemas(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = build()
             _, defs = models_json_schema(
-                [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                [
+                    (ChatCompletionRequest, "validation"),
+                    (CompletionRequest, "validation"),
+                    (ResponsesRequest, "validation"),
+                ],
                 ref_template="#/components/schemas/{model}",
             )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])

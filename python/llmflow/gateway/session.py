@@ -49,6 +49,10 @@ _MESSAGES = {
 }
 
 
+# The body's output bound, by endpoint: Responses, chat (its newer name), else `max_tokens`.
+_OUTPUT_BOUNDS = ("max_output_tokens", "max_completion_tokens")
+
+
 @dataclass(frozen=True, slots=True)
 class BackendRoute:
     """Where and how to send a backend its requests."""
@@ -82,7 +86,7 @@ def upstream_body(prepared: Prepared, route: BackendRoute, start: Start | None) 
     if route.priority_scheduling:
         body = {**body, "priority": start.priority}
     if start.max_tokens is not None:
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        key = next((k for k in _OUTPUT_BOUNDS if k in body), "max_tokens")
         body = {**body, key: start.max_tokens}
     return body
 
@@ -125,6 +129,8 @@ class StreamSession:
         ctx: shared runtime.
         prepared: the validated request.
     """
+
+    until_done = True  # upstream's stream ends with `data: [DONE]`
 
     def __init__(self, ctx: SessionContext, prepared: Prepared) -> None:
         self.ctx, self.prepared = ctx, prepared
@@ -334,7 +340,7 @@ class StreamSession:
             route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
         )
         host.started(rid)
-        async for data in self._stream.events():
+        async for data in self._stream.events(self.until_done):
             if self._stop:  # cut or aborted: events already read must not follow the tail
                 return
             chunk, new_tokens = self.parser.feed(data)

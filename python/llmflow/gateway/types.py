@@ -20,7 +20,7 @@ __all__ = [
 Json = dict[str, Any]
 """A parsed JSON object (an OpenAI request body or chunk)."""
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses"]
 """Which OpenAI endpoint a request came in on."""
 
 Outcome = Literal["completed", "error", "timeout", "cancelled"]

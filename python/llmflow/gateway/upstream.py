@@ -59,8 +59,11 @@ class UpstreamStream:
         self.response = response
         self.closed = False
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self, until_done: bool = True) -> AsyncIterator[bytes]:
         """The `data:` payloads of the SSE stream, up to (not including) `[DONE]`.
+
+        `until_done` False: the body's clean end is the stream's end (vLLM's Responses API
+        sends no `[DONE]`).
 
         Raises:
             UpstreamError: the connection broke mid-stream (502).
@@ -87,7 +90,8 @@ class UpstreamStream:
             ) from exc
         except ProtocolError as exc:
             raise UpstreamError(502, "backend_error", f"backend stream broke: {exc!r}") from exc
-        raise UpstreamError(502, "backend_error", "backend stream ended without [DONE]")
+        if until_done or buffer.strip():
+            raise UpstreamError(502, "backend_error", "backend stream ended without [DONE]")
 
     async def aclose(self) -> None:
         """Close the connection (aborting the request upstream if it is still running)."""

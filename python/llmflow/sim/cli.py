@@ -106,8 +106,9 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "simserve", help="serve a simulated vLLM (OpenAI API) in real time",
         description="Run the engine model in real time behind vLLM's HTTP surface: "
         "/v1/completions, /v1/chat/completions (streaming or not, ignore_eos, priority), "
-        "/v1/models, /health and /metrics with vLLM's metric names. A client disconnect aborts "
-        "its request. No GPU needed.")
+        "/v1/responses, /v1/embeddings, /tokenize, /detokenize, /score, /rerank, "
+        "/v1/audio/transcriptions, /v1/models, /health and /metrics with vLLM's metric names. "
+        "A client disconnect aborts its request. No GPU needed.")
     serve.add_argument("--preset", default="h100:llama-3-8b", metavar="GPU:MODEL[:TP]",
                        help="hardware and model to imitate (default h100:llama-3-8b); GPUs: "
                        "a100-80g, h100, h200, l40s; models: llama-3-8b, llama-3-70b, "

@@ -2,15 +2,17 @@
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as SSE or not;
 `max_tokens`, `ignore_eos`, `priority`, `stream_options.include_usage`), `GET /v1/models`,
-`GET /health`, `GET /metrics` (vLLM's metric names). A client that disconnects aborts its request,
-queued or running, as vLLM does. This is the embedded backend the gateway starts when a backend
-has no URL, and what fast tests run against.
+`GET /health`, `GET /metrics` (vLLM's metric names), and in `server_routes.py` the Responses
+API, embeddings, tokenize/detokenize, score/rerank and audio. A client that disconnects aborts
+its request, queued or running, as vLLM does. This is the embedded backend the gateway starts
+when a backend has no URL, and what fast tests run against.
 
-Prompt tokens are estimated, not tokenized (`estimate_tokens`): one token per 4 ASCII characters
-(rounded up) plus one per other character (CJK text is about one token per character), plus 4 per
-chat message for the template. A token-id list counts its length. Unless `ignore_eos` is set, the
-answer ends at a simulated EOS drawn deterministically from the seed and the request number
-(lognormal, median 200 tokens), capped by `max_tokens`. Generated text is filler words.
+Prompt tokens are counted with the simulated tokenizer (`vocab.py`, `estimate_tokens`): one
+token per 4 ASCII characters of a run (rounded up) plus one per other character (CJK text is
+about one token per character), plus 4 per chat message for the template. A token-id list
+counts its length. Unless `ignore_eos` is set, the answer ends at a simulated EOS drawn
+deterministically from the seed and the request number (lognormal, median 200 tokens), capped
+by `max_tokens`. Generated text is filler words.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from llmflow.presets import model as model_preset
+from llmflow.sim import server_routes, vocab
 from llmflow.sim.costmodel import cost_model
 from llmflow.sim.driver import RealtimeEngine, Stream
 from llmflow.sim.engine import EngineConfig, EngineCore, EngineError
@@ -44,9 +48,9 @@ _EOS_SIGMA = 0.8
 
 
 def estimate_tokens(text: str) -> int:
-    """Deterministic token estimate: ceil(ASCII chars / 4) + one per non-ASCII char, at least 1."""
-    ascii_chars = sum(1 for ch in text if ord(ch) < 128)
-    return max(1, math.ceil(ascii_chars / 4) + (len(text) - ascii_chars))
+    """Deterministic token count, at least 1: `/tokenize`'s ids (`vocab.py`) for the same text,
+    one per 4 ASCII characters of a run (rounded up) plus one per other character."""
+    return vocab.count(text)
 
 
 def parse_preset(preset: str) -> tuple[str, str, int]:
@@ -126,6 +130,7 @@ def create_app(
     scheduling_policy: str = "fcfs",
     gpus: int | None = None,
     seed: int = 0,
+    light_hold_s: float = 0.0,
 ) -> FastAPI:
     """Build the simulated vLLM app; its lifespan starts and stops the real-time engine.
 
@@ -141,6 +146,7 @@ def create_app(
         scheduling_policy: "fcfs", or "priority" to honour the request's `priority`.
         gpus: tensor-parallel degree, when not given in the preset.
         seed: seeds the simulated EOS lengths.
+        light_hold_s: how long each embeddings/score/rerank/tokenize/audio request takes.
 
     Raises:
         KeyError: an unknown GPU or model preset.
@@ -220,6 +226,9 @@ def create_app(
         return {"object": "list", "data": [
             {"id": n, "object": "model", "created": 0, "owned_by": "vllm", "root": n,
              "parent": None, "max_model_len": max_model_len} for n in names]}
+
+    server_routes.install(app, names, model_preset(model_name).hidden, max_model_len, state,
+                          eos_for, _text, light_hold_s)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,4 +1,4 @@
-"""An independent reference of the runtime's rules, for `test_runtime_machine.py` only.
+"""An independent reference of the runtime's rules, for the state machine in `machine.py`.
 
 It is written from the config and the documented rules, never from the core's state: the host
 machine feeds it what it sent (arrivals, tokens, scrapes, window events, the drain) and what it
@@ -7,7 +7,8 @@ the preemption breaker's level, each backend's last scrape and KV estimate, whic
 where with how many tokens, and every pending deadline. It answers three questions: may a
 request of this tier start on this backend now (`allows`), could any waiting request have been
 started (`stranded`), and what ends a request at a given time (`due`). It keeps no fair order,
-no estimates and no Retry-After arithmetic. It is never used by the product.
+no estimates and no Retry-After arithmetic. It never serves a request: only the state machine
+(`llmflow config verify` and the property tests) runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 EXPIRIES = ("queue_timeout", "first_token_timeout", "deadline")  # the core's tie-break order
+DEFAULT_SCRAPE_FAILURES = 2  # the runtime's, when a config (the gateway's) does not set it
 MAX_SHED_LEVEL = 3  # each breaker level halves what non-protected tiers may hold
 
 
@@ -135,7 +137,8 @@ class RuntimeModel:
     def scrape_failed(self, name: str) -> list[tuple[str, bool]]:
         b = self.backends[name]
         b.failures += 1
-        enough = b.failures >= self.life["scrape_failures_before_down"] or not b.ever_scraped
+        before_down = self.life.get("scrape_failures_before_down", DEFAULT_SCRAPE_FAILURES)
+        enough = b.failures >= before_down or not b.ever_scraped
         if b.healthy and enough:
             b.healthy = False
             return [(name, False)]
@@ -177,7 +180,7 @@ class RuntimeModel:
         return [r for r in self.live.values() if r.backend is None and tier in (None, r.tier)]
 
     def blocks(self, tokens: int) -> int:
-        return -(-tokens // self.policy["block_size"])
+        return -(-tokens // int(self.policy["block_size"]))
 
     def ledger(self, name: str | None = None) -> int:
         return sum(self.blocks(r.prompt + r.generated) for r in self.running(name))
@@ -219,14 +222,38 @@ class RuntimeModel:
             return False
         return self.fits(name, prompt, now)
 
+    def fit_target_binds(self, backend: str) -> bool:
+        """With `kv_fit_target`, a busy backend of known size may decline a request whose
+        expected peak (prompt plus the tenant's learned output, which this model does not know)
+        does not fit what its running requests are expected to hold."""
+        if self.policy.get("kv_fit_target") is None:
+            return False
+        return bool(self.backends[backend].kv_capacity and self.running(backend))
+
+    def in_prefill(self, backend: str) -> bool:
+        """Whether a request started on `backend` still waits for its first token."""
+        return any(r.backend == backend and not r.first_token for r in self.live.values())
+
     def stranded(self, now: int) -> tuple[int, str] | None:
         """A (tier, backend) where the head of the tier's queue, whichever it is, could start."""
         for tier in range(len(self.tiers)):
+            if self.tiers[tier].get("best_effort"):
+                # It may wait beside slots kept free as the latency tiers' headroom (Erlang C
+                # on measured rates, which this model does not compute): not work-conserving.
+                continue
             queued = self.waiting(tier)
             if not queued:
                 continue
+            # With headroom on, unprotected prompts join a backend's prefill only at the pace
+            # its measured prefill rate clears them (which this model does not know).
+            paced = self.policy.get("headroom_quantile") is not None
+            paced = paced and not self.tiers[tier]["protected"]
             biggest = max(r.prompt for r in queued)  # fits => every smaller prompt fits
             for name in self.backends:
+                if paced and self.in_prefill(name):
+                    continue
+                if self.fit_target_binds(name):
+                    continue
                 if self.allows(tier, biggest, name, now):
                     return tier, name
         return None
