@@ -4,8 +4,8 @@
 gateway's answers are compared with vLLM's own, asked directly. For the pooling routes
 (`/v1/embeddings`, `/score`, `/rerank`), whatever this vLLM build says for a generative model
 (a vector, or its own error) must come back through the gateway unchanged in status and shape:
-the gateway passes them through (errors in OpenAI's shape), it does not serve them. vLLM's `/metrics` is the ground truth
-for tokens generated and for an abort.
+the gateway passes them through (errors in OpenAI's shape), it does not serve them. vLLM's
+`/metrics` is the ground truth for tokens generated and for an abort.
 """
 
 from __future__ import annotations

@@ -301,13 +301,15 @@ class RuntimeMachine(RuleBasedStateMachine):
             self.probe(before, first, prompt, max_tokens, stream)
         return first
 
-    def probe(self, before: Runtime, vip: Reply, *args: Any) -> None:
+    def probe(
+        self, before: Runtime, vip: Reply, prompt: int, max_tokens: int, stream: bool
+    ) -> None:
         """Refused VIP: each non-protected tenant, on a copy, at the same time, is refused too.
         (`Runtime.__copy__` clones the whole state, without the trace.)"""
         for tenant in (name for name in self.tenants if name not in self.protected):
             what_if = copy.copy(before)
             assert not what_if.tracing
-            actions = what_if.arrive(PROBE_ID, tenant, *args, self.now)  # type: ignore[call-arg]
+            actions = what_if.arrive(PROBE_ID, tenant, prompt, max_tokens, stream, self.now)
             assert isinstance(own(actions, PROBE_ID), Reply), (
                 f"a VIP refused ({vip!r}) while {tenant} gets {actions}"
             )
