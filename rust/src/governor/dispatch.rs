@@ -310,7 +310,7 @@ impl Governor {
 mod tests {
     use super::super::tests::{governor, tenant, S};
     use super::super::{Governor, Route};
-    use crate::types::{Decision, Outcome};
+    use crate::types::{Decision, Outcome, RejectReason};
 
     // A finished request frees its slot; dispatch hands it to the queue head.
     #[test]
@@ -437,6 +437,39 @@ mod tests {
         assert_eq!(placed, vec![(6, 1)]);
         assert!(g.pool_of(Some("m3")).is_err());
         assert!(g.pool_of(None).is_err());
+    }
+
+    // The TTFT-SLA estimate counts only the request's own pool: m1's prompts in prefill on x
+    // make m1 late, and do not refuse a request for m2, whose backend y is idle.
+    #[test]
+    fn ttft_sla_looks_at_the_own_pool_only() {
+        let mut g = routed(
+            r#"[{"name":"x","models":["m1"]},{"name":"y","models":["m2"]}]"#,
+            r#","ttft_sla_ms":1500,"prefill_tokens_per_s":1000"#,
+        );
+        let (m1, m2) = (
+            g.pool_of(Some("m1")).unwrap(),
+            g.pool_of(Some("m2")).unwrap(),
+        );
+        let submit = |g: &mut Governor, id, pool| {
+            let route = Route { pool, chain: &[] };
+            g.submit_routed(id, 0, 4_000, 10, route, 0).unwrap()
+        };
+        assert_eq!(backend_of(submit(&mut g, 1, m1)), Some(0));
+        // 4,000 tokens in prefill on x at 1,000/s: 4 s ahead of a second m1 request (over
+        // both backends' rates, as before pools counted apart, 2 s: late for m2 as well).
+        let late = submit(&mut g, 3, m1);
+        assert!(
+            matches!(
+                late,
+                Decision::Rejected {
+                    reason: RejectReason::TtftSla,
+                    ..
+                }
+            ),
+            "{late:?}"
+        );
+        assert_eq!(backend_of(submit(&mut g, 4, m2)), Some(1));
     }
 
     // Backends of unequal size: "small" (2 slots, listed first) and "big" (8 slots). First-fit

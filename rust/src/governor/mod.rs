@@ -621,7 +621,7 @@ impl Governor {
         let sla_excess = if tier.protected || tier.best_effort {
             None
         } else {
-            self.sla_excess(tenant, tier_idx, prompt)
+            self.sla_excess(tenant, tier_idx, prompt, pool)
         };
         if ahead == 0 {
             let peak = prompt + self.expected_output(tenant, max_tokens);

@@ -94,24 +94,39 @@ impl Governor {
     /// under fair order — its tenant's own queued prompts plus, from each other tenant, at most
     /// the weighted share that tenant gets served meanwhile. So a heavy tenant's backlog does
     /// not make a light tenant's requests look late.
-    pub(super) fn sla_excess(&self, tenant: u32, tier_idx: usize, prompt: u64) -> Option<f64> {
+    pub(super) fn sla_excess(
+        &self,
+        tenant: u32,
+        tier_idx: usize,
+        prompt: u64,
+        pool: u32,
+    ) -> Option<f64> {
         let sla_s = self.config.ttft_sla_ms? / 1000.0;
+        // Only the request's model pool: another model's backlog waits for other backends and
+        // does not delay this request's first token.
         let q = &self.queue;
-        let higher: u64 = (0..tier_idx).map(|t| q.tier_prompt_tokens(t)).sum();
+        let higher: u64 = (0..tier_idx)
+            .map(|t| q.pool_tier_prompt_tokens(pool, t))
+            .sum();
         let same = if q.strategy() == Strategy::Fair {
-            let own = q.tenant_prompt_tokens(tenant);
+            let own = q.pool_tenant_prompt_tokens(pool, tenant);
             let served = (own + prompt) as f64 / q.weight(tenant);
             let others: u64 = self.tier_tenants[tier_idx]
                 .iter()
                 .filter(|&&t| t != tenant)
-                .map(|&t| q.tenant_prompt_tokens(t).min((served * q.weight(t)) as u64))
+                .map(|&t| {
+                    q.pool_tenant_prompt_tokens(pool, t)
+                        .min((served * q.weight(t)) as u64)
+                })
                 .sum();
             own + others
         } else {
-            q.tier_prompt_tokens(tier_idx)
+            q.pool_tier_prompt_tokens(pool, tier_idx)
         };
-        let healthy = self.backends.iter().filter(|b| b.healthy);
-        let (pending, tps) = healthy.fold((0, 0.0), |(p, r), b| {
+        let serving = (0..self.backends.len())
+            .filter(|&b| self.backends[b].healthy && self.pools.serves(pool, b))
+            .map(|b| &self.backends[b]);
+        let (pending, tps) = serving.fold((0, 0.0), |(p, r), b| {
             (p + b.prefill_pending, r + b.prefill_tps)
         });
         let estimate = (higher + same + pending) as f64 / tps;
