@@ -219,7 +219,8 @@ def test_state_is_in_memory_unless_redis_is_named() -> None:
         load_settings(data={"state": {"backend": "redis", "url": "redis://h/0", "on_loss": "x"}})
 
 
-def test_shared_state_splits_each_rate_limit_over_the_replicas() -> None:
+def test_shared_state_gives_the_core_each_rate_limit_whole() -> None:
+    # Replicas exchange each tenant's use instead of splitting its limit N ways.
     tenant = {"name": "a", "tier": "normal", "requests_per_s": 9, "tokens_per_min": 900}
     alone = load_settings(data={"tenants": [tenant]}).to_core()["tenants"][0]
     shared = load_settings(
@@ -229,4 +230,4 @@ def test_shared_state_splits_each_rate_limit_over_the_replicas() -> None:
         }
     ).to_core()["tenants"][0]
     assert (alone["requests_per_s"], alone["tokens_per_min"]) == (9, 900)
-    assert (shared["requests_per_s"], shared["tokens_per_min"]) == (3, 300)
+    assert (shared["requests_per_s"], shared["tokens_per_min"]) == (9, 900)

@@ -470,6 +470,11 @@ class Runtime:
     def shared_service(self, tenant: str, cost: float, now_us: int) -> list[Action]:
         """Other gateway replicas gave `tenant` `cost` weighted tokens of service since the
         last sync: its fair-queue counter counts them (`tenant_service` does not)."""
+    def shared_usage(
+        self, tenant: str, requests: float, tokens: float, now_us: int
+    ) -> list[Action]:
+        """Other gateway replicas let `tenant` use `requests` and `tokens` since the last sync:
+        its rate-limit buckets pay for them (`tenant_usage` does not count them)."""
     def lease_denied(self, request_id: int, now_us: int) -> list[Action]:
         """The shared store refused the slot lease of a started request (it never reached the
         backend): the request is decided again, as an arrival (queued, started, or refused with
@@ -501,6 +506,8 @@ class Runtime:
         """Scrapes of `backend` failed in a row."""
     def request_kv(self, request_id: int, now_us: int) -> tuple[int, float] | None: ...
     def tenant_service(self, tenant: str) -> float: ...
+    def tenant_usage(self, tenant: str) -> tuple[float, float]:
+        """Requests and tokens this runtime let `tenant` use, ever (rate limits' payments)."""
     def snapshot(self, now_us: int) -> dict[str, Any]:
         """The governor's state, as `Governor.snapshot`."""
     def __copy__(self) -> Runtime:

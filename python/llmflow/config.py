@@ -201,7 +201,7 @@ class State(_Section):
     on_loss: Literal["fail_closed", "local_share"] = "fail_closed"
     lease_ttl_ms: DurationMs = Field(10_000.0, gt=0)  # a killed replica's slots return within
     sync_interval_ms: DurationMs = Field(100.0, gt=0)  # renew leases, read the global count
-    replicas: int = Field(1, ge=1)  # gateway replicas: local_share's divisor, and rate limits'
+    replicas: int = Field(1, ge=1)  # gateway replicas: local_share's divisor
     key_prefix: str = Field("llmflow", min_length=1)
 
     @model_validator(mode="after")
@@ -296,15 +296,13 @@ class Settings(_Section):
     def to_core(self) -> dict[str, Any]:
         """The mapping `llmflow._core.Governor` takes (its keys are the core's own names).
 
-        With shared state each of `state.replicas` replicas enforces 1/N of every tenant's
-        rate limit, so together they never pass it (a tenant whose traffic is spread unevenly
-        gets less than its limit: see `docs/scale.md`).
+        Rate limits go to the core whole: with shared state the replicas exchange what each
+        let a tenant use, and every replica's buckets pay for all of it (`docs/scale.md`).
         """
-        n = self.state.replicas if self.state.backend == "redis" else 1
         tenants = [
             {"name": t.name, "tier": t.tier, "weight": t.weight}
-            | ({"requests_per_s": t.requests_per_s / n} if t.requests_per_s is not None else {})
-            | ({"tokens_per_min": t.tokens_per_min / n} if t.tokens_per_min is not None else {})
+            | ({"requests_per_s": t.requests_per_s} if t.requests_per_s is not None else {})
+            | ({"tokens_per_min": t.tokens_per_min} if t.tokens_per_min is not None else {})
             for t in self.tenants
         ]
         if self.anonymous_tenant not in {t.name for t in self.tenants}:

@@ -491,6 +491,23 @@ impl PyRuntime {
         self.feed(py, now_us, &Event::SharedService { tenant, cost })
     }
 
+    fn shared_usage(
+        &mut self,
+        py: Python<'_>,
+        tenant: &str,
+        requests: f64,
+        tokens: f64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        let tenant = self.inner.governor().tenant_id(tenant)?;
+        let event = Event::SharedUsage {
+            tenant,
+            requests,
+            tokens,
+        };
+        self.feed(py, now_us, &event)
+    }
+
     fn lease_denied(
         &mut self,
         py: Python<'_>,
@@ -567,6 +584,11 @@ impl PyRuntime {
     fn tenant_service(&self, tenant: &str) -> PyResult<f64> {
         let gov = self.inner.governor();
         Ok(gov.tenant_service(gov.tenant_id(tenant)?))
+    }
+
+    fn tenant_usage(&self, tenant: &str) -> PyResult<(f64, f64)> {
+        let gov = self.inner.governor();
+        Ok(gov.tenant_usage(gov.tenant_id(tenant)?))
     }
 
     fn snapshot<'py>(&self, py: Python<'py>, now_us: u64) -> PyResult<Bound<'py, PyAny>> {

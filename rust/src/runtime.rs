@@ -139,6 +139,13 @@ pub enum Event {
     /// Other gateway replicas gave `tenant` `cost` weighted tokens of service since the last
     /// sync: its fair-queue counter counts them.
     SharedService { tenant: u32, cost: f64 },
+    /// Other gateway replicas let `tenant` use `requests` and `tokens` since the last sync:
+    /// its rate-limit buckets pay for them.
+    SharedUsage {
+        tenant: u32,
+        requests: f64,
+        tokens: f64,
+    },
     /// Stop admitting; cut what is still live after the drain timeout.
     Drain,
 }
@@ -577,6 +584,15 @@ impl Runtime {
             Event::LeaseDenied { id } => self.lease_denied(id, now)?,
             Event::SharedService { tenant, cost } => {
                 self.gov.charge_elsewhere(tenant, cost)?;
+                false
+            }
+            Event::SharedUsage {
+                tenant,
+                requests,
+                tokens,
+            } => {
+                self.gov
+                    .charge_usage_elsewhere(tenant, requests, tokens, now)?;
                 false
             }
             Event::Drain => {

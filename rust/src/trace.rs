@@ -250,6 +250,14 @@ mod tests {
                 cost: 40.0,
             },
         ));
+        evs.push((
+            650,
+            Event::SharedUsage {
+                tenant: 0,
+                requests: 2.0,
+                tokens: 300.0,
+            },
+        ));
         evs.push((700, Event::LeaseDenied { id: 2 }));
         evs.push((10_000_000, Event::Timer));
         // An unknown backend: an error, recorded and replayed as such.

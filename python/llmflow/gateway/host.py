@@ -221,6 +221,10 @@ class Host:
         """Other replicas gave `tenant` `cost` weighted tokens of service since the last sync."""
         self.carry(self.runtime.shared_service(tenant, cost, now_us()))
 
+    def shared_usage(self, tenant: str, requests: float, tokens: float) -> None:
+        """Other replicas let `tenant` use `requests` and `tokens` since the last sync."""
+        self.carry(self.runtime.shared_usage(tenant, requests, tokens, now_us()))
+
     def lease_denied(self, request_id: int) -> None:
         """The shared store refused a started request's slot lease."""
         self.carry(self.runtime.lease_denied(request_id, now_us()))

@@ -21,6 +21,12 @@ does the Redis I/O its decisions need, and feeds the results back as events:
   its fair queue charged) to the hash `{prefix}:service` and reads everyone's back; what other
   replicas gave each tenant since the last sync is fed as `Runtime.shared_service`, so the
   Virtual Token Counter orders this replica's queue by each tenant's service everywhere.
+- **Rate limits.** Each sync also adds what this replica let each tenant use (requests and
+  tokens) to `{prefix}:used-requests` / `{prefix}:used-tokens`; what the others let it use
+  since the last sync is fed as `Runtime.shared_usage`, and its buckets pay for it. So every
+  replica enforces the tenant's whole limit on the tenant's whole use, one sync late: in `T`
+  seconds a tenant gets at most its limit's `T` seconds, one bucket per replica, and what each
+  replica admits in one sync period.
 - **Loss of Redis.** A failed call marks the store lost: with `on_loss: fail_closed` the
   runtime is told every slot is held elsewhere (requests queue and are refused with a
   Retry-After when the queue fills or their wait expires; none starts without a lease); with
@@ -40,6 +46,8 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from llmflow._core import Start
     from llmflow.config import Settings
     from llmflow.gateway.host import Host
@@ -125,9 +133,24 @@ class SharedSlots:
         self.tenants = [t.name for t in settings.tenants]
         if settings.anonymous_tenant not in self.tenants:
             self.tenants.append(settings.anonymous_tenant)
-        self.service_key = f"{state.key_prefix}:service"
-        self._published = dict.fromkeys(self.tenants, 0.0)  # our service, as last added
-        self._seen: dict[str, float] | None = None  # everyone's, as last read
+        # The host's runtime is read at each sync (the app may replace it after this is made).
+        self.totals = {  # per-tenant counters shared through one hash each
+            "service": _Totals(
+                f"{state.key_prefix}:service",
+                self.tenants,
+                lambda t: self.host.runtime.tenant_service(t),
+            ),
+            "requests": _Totals(
+                f"{state.key_prefix}:used-requests",
+                self.tenants,
+                lambda t: self.host.runtime.tenant_usage(t)[0],
+            ),
+            "tokens": _Totals(
+                f"{state.key_prefix}:used-tokens",
+                self.tenants,
+                lambda t: self.host.runtime.tenant_usage(t)[1],
+            ),
+        }
         self.lost = False
         self._acquire = self.client.register_script(_ACQUIRE)
         self._sync = self.client.register_script(_SYNC)
@@ -208,7 +231,11 @@ class SharedSlots:
                 counts[backend] = int(
                     await self._sync(keys=[key], args=[int(self.state.lease_ttl_ms), *leases])
                 )
-            mine, everyone = await self._exchange_service()
+            async with self.client.pipeline(transaction=False) as pipe:
+                for totals in self.totals.values():
+                    totals.publish(pipe)
+                replies = await pipe.execute()
+            elsewhere = {name: totals.read(replies) for name, totals in self.totals.items()}
             ttl = int(3 * self.state.sync_interval_ms) + 1
             weight = self.host.runtime.waiting_weight
             waiting = float(
@@ -222,33 +249,13 @@ class SharedSlots:
             self.lost = False
         for backend, count in counts.items():
             self.host.shared_load(backend, max(count - len(self.held[backend]), 0), waiting)
-        self._feed_service(mine, everyone)
-
-    async def _exchange_service(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Add our per-tenant service since the last sync; read everyone's totals."""
-        mine = {}
-        async with self.client.pipeline(transaction=False) as pipe:
-            for tenant in self.tenants:
-                now = self.host.runtime.tenant_service(tenant)
-                mine[tenant] = now - self._published[tenant]
-                if mine[tenant] > 0:
-                    pipe.hincrbyfloat(self.service_key, tenant, mine[tenant])
-            pipe.hgetall(self.service_key)
-            replies = await pipe.execute()
-        for tenant, delta in mine.items():
-            self._published[tenant] += delta
-        everyone = {k.decode(): float(v) for k, v in replies[-1].items()}
-        return mine, everyone
-
-    def _feed_service(self, mine: dict[str, float], everyone: dict[str, float]) -> None:
-        seen, self._seen = self._seen, everyone
-        if seen is None:
-            return  # the first read: what came before does not count
+        for tenant, cost in elsewhere["service"].items():
+            self.host.shared_service(tenant, cost)
         for tenant in self.tenants:
-            total = everyone.get(tenant, 0.0)
-            elsewhere = total - seen.get(tenant, 0.0) - mine.get(tenant, 0.0)
-            if elsewhere > 0 and total >= seen.get(tenant, 0.0):  # not a restarted Redis
-                self.host.shared_service(tenant, elsewhere)
+            requests = elsewhere["requests"].get(tenant, 0.0)
+            tokens = elsewhere["tokens"].get(tenant, 0.0)
+            if requests > 0 or tokens > 0:
+                self.host.shared_usage(tenant, requests, tokens)
 
     def _lose(self, exc: BaseException) -> None:
         if not self.lost:
@@ -279,3 +286,44 @@ class SharedSlots:
                 if leases:
                     await self.client.zrem(self.keys[backend], *leases.values())
         await self.client.aclose()
+
+
+class _Totals:
+    """One per-tenant counter shared through a Redis hash: each replica adds what it counted
+    since its last sync and reads everyone's totals; what the others added since this
+    replica's last read is theirs. The first read sets the baseline (what came before does
+    not count), and a total that went down (a restarted Redis) counts nothing."""
+
+    def __init__(self, key: str, tenants: list[str], count: Callable[[str], float]) -> None:
+        self.key, self.tenants, self.count = key, tenants, count
+        self._published = dict.fromkeys(tenants, 0.0)  # ours, as last added
+        self._mine: dict[str, float] = {}  # ours added in the pending exchange
+        self._seen: dict[str, float] | None = None  # everyone's, as last read
+        self._at = -1  # this counter's reply in the pipeline
+
+    def publish(self, pipe: Any) -> None:
+        """Queue our increments and the read of everyone's totals on `pipe`."""
+        self._mine = {}
+        for tenant in self.tenants:
+            delta = self.count(tenant) - self._published[tenant]
+            self._mine[tenant] = delta
+            if delta > 0:
+                pipe.hincrbyfloat(self.key, tenant, delta)
+        pipe.hgetall(self.key)
+        self._at = len(pipe.command_stack) - 1
+
+    def read(self, replies: list[Any]) -> dict[str, float]:
+        """What other replicas added for each tenant since the last read."""
+        for tenant, delta in self._mine.items():
+            self._published[tenant] += delta
+        everyone = {k.decode(): float(v) for k, v in replies[self._at].items()}
+        seen, self._seen = self._seen, everyone
+        if seen is None:
+            return {}
+        out = {}
+        for tenant in self.tenants:
+            total, before = everyone.get(tenant, 0.0), seen.get(tenant, 0.0)
+            elsewhere = total - before - self._mine.get(tenant, 0.0)
+            if elsewhere > 0 and total >= before:
+                out[tenant] = elsewhere
+        return out

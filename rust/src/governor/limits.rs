@@ -17,6 +17,10 @@ pub(crate) struct Buckets {
     requests: f64,
     tokens: f64,
     at_us: u64,
+    /// What this replica let the tenant use, ever: requests and tokens (published to the
+    /// other replicas when they share state).
+    used_requests: f64,
+    used_tokens: f64,
 }
 
 impl Governor {
@@ -83,11 +87,47 @@ impl Governor {
         let b = &mut self.buckets[tenant as usize];
         b.requests -= 1.0;
         b.tokens -= prompt as f64;
+        b.used_requests += 1.0;
+        b.used_tokens += prompt as f64;
     }
 
     /// Output tokens streamed for the tenant.
     pub(super) fn pay_tokens(&mut self, tenant: u32, n: u64) {
-        self.buckets[tenant as usize].tokens -= n as f64;
+        let b = &mut self.buckets[tenant as usize];
+        b.tokens -= n as f64;
+        b.used_tokens += n as f64;
+    }
+
+    /// Requests and tokens this governor let `tenant` use, ever (not what other replicas did).
+    pub fn tenant_usage(&self, tenant: u32) -> (f64, f64) {
+        let b = &self.buckets[tenant as usize];
+        (b.used_requests, b.used_tokens)
+    }
+
+    /// Other gateway replicas let `tenant` use `requests` and `tokens` since the last sync:
+    /// its buckets pay for them too, so the limit holds over all replicas together (each
+    /// replica's buckets then see the tenant's whole use, one sync period late).
+    pub fn charge_usage_elsewhere(
+        &mut self,
+        tenant: u32,
+        requests: f64,
+        tokens: f64,
+        now_us: u64,
+    ) -> crate::error::PolicyResult<()> {
+        if tenant as usize >= self.buckets.len() {
+            return Err(crate::error::PolicyError::invalid(format!(
+                "tenant index {tenant} out of range"
+            )));
+        }
+        self.refill(tenant, now_us);
+        let b = &mut self.buckets[tenant as usize];
+        if requests.is_finite() && requests > 0.0 {
+            b.requests -= requests;
+        }
+        if tokens.is_finite() && tokens > 0.0 {
+            b.tokens -= tokens;
+        }
+        Ok(())
     }
 
     /// Buckets start full.
@@ -99,6 +139,8 @@ impl Governor {
                 requests: t.requests_per_s.map_or(0.0, |r| r.max(1.0)),
                 tokens: t.tokens_per_min.unwrap_or(0.0),
                 at_us: 0,
+                used_requests: 0.0,
+                used_tokens: 0.0,
             })
             .collect()
     }
@@ -127,6 +169,25 @@ mod tests {
             } => retry_after_s,
             other => panic!("{other:?}"),
         }
+    }
+
+    // What other replicas let the tenant use is paid from this replica's buckets too: two
+    // requests used elsewhere leave none here, until they refill; this replica publishes
+    // only its own use.
+    #[test]
+    fn usage_elsewhere_is_paid_here() {
+        let mut g = limited(r#""requests_per_s":2"#);
+        let a = tenant(&g, "a");
+        g.config.ttft_sla_ms = None;
+        g.charge_usage_elsewhere(a, 2.0, 20.0, 0).unwrap();
+        assert!((refused(g.submit(1, a, 10, 10, 0).unwrap()) - 0.5).abs() < 1e-9);
+        assert_eq!(g.tenant_usage(a), (0.0, 0.0));
+        assert!(!matches!(
+            g.submit(2, a, 10, 10, S / 2).unwrap(),
+            Decision::Rejected { .. }
+        ));
+        assert_eq!(g.tenant_usage(a), (1.0, 10.0));
+        assert!(g.charge_usage_elsewhere(99, 1.0, 1.0, S).is_err());
     }
 
     // 2 requests/s: a burst of two, then one every half second; the refusal says when.
