@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     import simpy
 
+    from llmflow._core import Runtime
     from llmflow.config import Settings
     from llmflow.sim.clients import Attempt
     from llmflow.sim.cluster import Cluster
@@ -35,13 +36,23 @@ if TYPE_CHECKING:
 __all__ = ["ReplicatedPolicy", "SimRedis"]
 
 
+# The per-tenant counters replicas share, as the gateway does (`gateway/shared_state.py`):
+# fair-queue service, and the requests and tokens rate limits charged.
+_COUNTERS: dict[str, Callable[[Runtime, str], float]] = {
+    "service": lambda rt, t: rt.tenant_service(t),
+    "requests": lambda rt, t: rt.tenant_usage(t)[0],
+    "tokens": lambda rt, t: rt.tenant_usage(t)[1],
+}
+
+
 class SimRedis:
-    """The leases and the service hash, as Redis holds them."""
+    """The leases and the per-tenant counter hashes (service, requests, tokens), as Redis
+    holds them."""
 
     def __init__(self, env: simpy.Environment) -> None:
         self.env = env
         self.leases: dict[str, dict[str, float]] = {}  # backend -> lease -> expiry (sim s)
-        self.service: dict[str, float] = {}
+        self.totals: dict[str, dict[str, float]] = {name: {} for name in _COUNTERS}
         self.waiting: dict[int, tuple[float, float]] = {}  # replica -> (weight, expiry)
 
     def _live(self, backend: str) -> dict[str, float]:
@@ -106,8 +117,11 @@ class ReplicatedPolicy:
         self.routing = [t.name for t in settings.tenants]  # by_tenant: i-th tenant -> replica i
         self.tenants = [*self.routing, settings.anonymous_tenant]
         self.held: list[dict[int, tuple[str, str]]] = [{} for _ in self.replicas]
-        self.published = [dict.fromkeys(self.tenants, 0.0) for _ in self.replicas]
-        self.seen: list[dict[str, float] | None] = [None for _ in self.replicas]
+        # per replica, per shared counter: ours as last added, and everyone's as last read
+        self.published = [
+            {name: dict.fromkeys(self.tenants, 0.0) for name in _COUNTERS} for _ in self.replicas
+        ]
+        self.seen: list[dict[str, dict[str, float]] | None] = [None for _ in self.replicas]
         self.owner: dict[int, tuple[int, Attempt]] = {}
         self.dead: set[int] = set()
         self.lease_denials = 0
@@ -225,12 +239,16 @@ class ReplicatedPolicy:
             for backend in self.caps:
                 mine = [lease for b, lease in self.held[k].values() if b == backend]
                 counts[backend] = self.redis.sync(backend, mine, ttl_s)
-            delta = {}
-            for tenant in self.tenants:
-                delta[tenant] = gp.runtime.tenant_service(tenant) - self.published[k][tenant]
-                self.published[k][tenant] += delta[tenant]
-                self.redis.service[tenant] = self.redis.service.get(tenant, 0.0) + delta[tenant]
-            everyone = dict(self.redis.service)
+            delta: dict[str, dict[str, float]] = {}
+            for name, counter in _COUNTERS.items():
+                delta[name] = {}
+                for tenant in self.tenants:
+                    d = counter(gp.runtime, tenant) - self.published[k][name][tenant]
+                    delta[name][tenant] = d
+                    self.published[k][name][tenant] += d
+                    total = self.redis.totals[name]
+                    total[tenant] = total.get(tenant, 0.0) + d
+            everyone = {name: dict(total) for name, total in self.redis.totals.items()}
             waiting = self.redis.waiting_elsewhere(
                 k, gp.runtime.waiting_weight, 3 * self.spec.sync_ms / 1e3
             )
@@ -243,10 +261,20 @@ class ReplicatedPolicy:
             seen, self.seen[k] = self.seen[k], everyone
             if seen is None:
                 continue
+            given = {
+                name: {
+                    t: everyone[name].get(t, 0.0) - seen[name].get(t, 0.0) - delta[name][t]
+                    for t in self.tenants
+                }
+                for name in _COUNTERS
+            }
             for tenant in self.tenants:
-                given = everyone.get(tenant, 0.0) - seen.get(tenant, 0.0) - delta[tenant]
-                if given > 0:
-                    gp._carry(gp.runtime.shared_service(tenant, given, now))
+                if given["service"][tenant] > 0:
+                    gp._carry(gp.runtime.shared_service(tenant, given["service"][tenant], now))
+                requests = max(given["requests"][tenant], 0.0)
+                tokens = max(given["tokens"][tenant], 0.0)
+                if requests > 0 or tokens > 0:
+                    gp._carry(gp.runtime.shared_usage(tenant, requests, tokens, now))
 
     def _crash_at(self, k: int, at_s: float) -> Generator[Any, Any, None]:
         yield self.env.timeout(at_s)
