@@ -38,11 +38,14 @@ def _tune(out: Path) -> Path:
         "tune",
         str(SCENARIO),
         "--constraint",
-        "chat.ttft_p99<=1.0",
+        # Loose enough that several of the 8 trials meet it (the defaults give ~2.9 s on the
+        # worst seed), and one worker, so the seeded sampler draws the same trials every run:
+        # with 4 trials in 2 processes, one clean-clone run found none feasible.
+        "chat.ttft_p99<=2.0",
         "--trials",
-        "4",
+        "8",
         "--jobs",
-        "2",
+        "1",
         "--holdout-seeds",
         "0",
         "--out",
