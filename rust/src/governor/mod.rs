@@ -441,35 +441,30 @@ impl Governor {
         if max_tokens < asked && !matches!(decision, Decision::Rejected { .. }) {
             self.counters.browned_out += 1;
         }
+        // A request let in (started or queued) becomes live the same way either way.
+        if let Decision::Admitted { priority, .. } | Decision::Queued { priority, .. } = decision {
+            let tokens = (prompt, max_tokens);
+            self.insert(id, tenant, tier_idx, tokens, priority, route, now_us);
+            self.note_brownout(id, asked);
+        }
         Ok(match decision {
             Decision::Rejected { reason, .. } => {
                 self.counters.rejected[reason as usize] += 1;
                 self.note_refusal(reason, tier_idx, now_us);
                 decision
             }
-            Decision::Admitted { backend, priority } => {
-                self.insert(
-                    id,
-                    tenant,
-                    tier_idx,
-                    (prompt, max_tokens),
-                    priority,
-                    route,
-                    now_us,
-                );
-                self.note_brownout(id, asked);
+            Decision::Admitted { backend, .. } => {
                 self.start(id, backend, now_us);
                 self.counters.admitted += 1;
                 decision
             }
             Decision::Queued { .. } => {
-                let asked_then = (prompt, max_tokens, asked);
-                self.enqueue(id, tenant, tier_idx, asked_then, route, decision, now_us)
+                self.enqueue(id, tenant, tier_idx, prompt, route, decision, now_us)
             }
         })
     }
 
-    /// Queue a request `decide` queued, then dispatch. The displacement `decide` chose is
+    /// Queue a request `decide` queued (`submit` made it live), then dispatch. The displacement `decide` chose is
     /// carried out only if dispatch made no room: when anything started, the queue is no longer
     /// than before this request came, and nobody needs to be pushed out.
     #[allow(clippy::too_many_arguments)] // the request's fields, as `submit` got them
@@ -478,7 +473,7 @@ impl Governor {
         id: u64,
         tenant: u32,
         tier_idx: usize,
-        (prompt, max_tokens, asked): (u64, u64, u64),
+        prompt: u64,
         route: Route<'_>,
         queued: Decision,
         now_us: u64,
@@ -491,16 +486,6 @@ impl Governor {
         else {
             unreachable!("enqueue takes a queued decision")
         };
-        self.insert(
-            id,
-            tenant,
-            tier_idx,
-            (prompt, max_tokens),
-            priority,
-            route,
-            now_us,
-        );
-        self.note_brownout(id, asked);
         self.queue.push_to(
             route.pool,
             tenant,
