@@ -219,8 +219,12 @@ STARVED_SWEEP = {"prompt_lengths": (16, 128, 384, 768), "repeats": 2, "concurren
 PREEMPTION_TARGET = math.log(1.25)
 PREEMPTION_LIMIT = math.log(1.5)
 STARVED_REPLAYS = 3
+# TTFT: the goal is within 15% (reported). Asserted as in the test above: the p50 within
+# MEDIAN_LIMIT, the p99 (the slowest one of 36 requests) within P99_LIMIT, and profiles with
+# every cost tripled or divided by three must miss the p50 bound on the same real runs. On 2
+# shared cores the simulator under-predicts both by x0.6-0.7 (seven runs; docs/fidelity.md).
 STARVED_TTFT_TARGET = math.log(1.15)  # reported
-STARVED_TTFT_LIMIT = MEDIAN_LIMIT  # asserted
+P50, P99 = "starved.ttft_p50_s", "starved.ttft_p99_s"
 
 
 def _preemptions(server: VllmServer) -> float:
@@ -242,21 +246,23 @@ def test_simulator_predicts_kv_starvation(
         wait_vllm_idle(server)
         cal = Calibration(server.url, engine=dict(ENGINE), **STARVED_SWEEP)  # type: ignore[arg-type]
         profile = asyncio.run(calibrate(cal))
-        # vLLM's preemption count for the same burst varies run to run on shared cores (12 to
-        # 18 in five runs): the median of three replays is the real figure compared.
-        counts, outcomes = [], []
+        # vLLM's preemption count and the clients' TTFT tail for the same burst vary run to run
+        # on shared cores (12 to 18 preemptions in five runs; a p99 of 36 requests is their
+        # slowest): each real figure compared is the median of three replays.
+        counts, reals = [], []
         for _ in range(STARVED_REPLAYS):
             wait_vllm_idle(server)
             before = _preemptions(server)
             run = asyncio.run(fidelity.replay(sc, server.url))
             counts.append(_preemptions(server) - before)
-            outcomes = outcomes or run  # the clients' TTFT: the first replay's
+            failed = [o for o in run if o.status != "completed"]
+            assert not failed, failed[:5]
+            reals.append(fidelity.summarise(run))
         real_preemptions = statistics.median(counts)
-    failed = [o for o in outcomes if o.status != "completed"]
-    assert not failed, failed[:5]
     profile.dump(tmp_path / "profile.yaml")
     sim_outcomes, cluster = fidelity.simulate_with_engine(sc)
-    sim, real = fidelity.summarise(sim_outcomes), fidelity.summarise(outcomes)
+    sim = fidelity.summarise(sim_outcomes)
+    real = {key: statistics.median(r[key] for r in reals) for key in reals[0]}
     rows = [row for row in fidelity.compare(sim, real) if "ttft" in row[0]]
     rows.append(("preemptions", cluster.preemptions, real_preemptions,
                  math.log(max(cluster.preemptions, 1) / max(real_preemptions, 1))))
@@ -265,12 +271,21 @@ def test_simulator_predicts_kv_starvation(
         f"num_gpu_blocks {profile.engine.get('num_gpu_blocks')}, block size "
         f"{profile.engine.get('block_size')}; prefix-cache hits on resume in the simulator: "
         f"{sum(b.core.cache_hit_tokens for b in cluster.backends)} tokens; real preemptions "
-        f"per replay {counts}; preemptions target |ln| <= {PREEMPTION_TARGET:.3f}, asserted "
+        f"per replay {counts}; real TTFT p50/p99 per replay "
+        f"{', '.join(f'{r[P50]:.3f}/{r[P99]:.3f} s' for r in reals)}; preemptions target "
+        f"|ln| <= {PREEMPTION_TARGET:.3f}, asserted "
         f"{PREEMPTION_LIMIT:.3f}; TTFT target "
-        f"|ln| <= {STARVED_TTFT_TARGET:.3f}, asserted bound {STARVED_TTFT_LIMIT:.3f}",
+        f"|ln| <= {STARVED_TTFT_TARGET:.3f}, asserted p50 {MEDIAN_LIMIT:.3f}, p99 {P99_LIMIT:.3f}",
     ])
     print("\n" + report)
     assert real_preemptions >= 10, report  # the workload does starve vLLM
     assert abs(rows[-1][3]) <= PREEMPTION_LIMIT, report
-    for name, *_, err in rows[:-1]:
-        assert abs(err) <= STARVED_TTFT_LIMIT, (name, report)
+    errors = {name: err for name, *_, err in rows[:-1]}
+    assert abs(errors[P50]) <= MEDIAN_LIMIT, report
+    assert abs(errors[P99]) <= P99_LIMIT, report
+    for factor in WRONG:  # the check can fail: a wrong profile fails it on the same real runs
+        wrong = fidelity.load(_dump(_scaled(profile, factor), tmp_path / f"x{factor:.2f}.yaml"),
+                              fidelity.STARVED)
+        wrong_p50 = fidelity.compare(fidelity.summarise(fidelity.simulate(wrong)), real)
+        err = next(e for name, *_, e in wrong_p50 if name == P50)
+        assert abs(err) > MEDIAN_LIMIT, (factor, err, report)
