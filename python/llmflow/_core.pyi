@@ -458,12 +458,21 @@ class Runtime:
     def scrape_failed(self, backend: str, now_us: int) -> list[Action]:
         """A scrape of `backend` failed."""
     def shared_load(
-        self, backend: str, elsewhere: int, now_us: int, *, waiting: float = 0.0
+        self,
+        backend: str,
+        elsewhere: int,
+        now_us: int,
+        *,
+        waiting: float = 0.0,
+        waiting_before: float = 0.0,
     ) -> list[Action]:
         """Other gateway replicas hold `elsewhere` of `backend`'s slots and have tenants of
-        total weight `waiting` waiting (the shared store's figures): this runtime's free slots
-        are its cap less its own running less `elsewhere`, and while others wait it runs at
-        most its share of the cap by waiting weight (`waiting_weight` against `waiting`)."""
+        total weight `waiting` waiting (the shared store's figures), `waiting_before` of it on
+        the replicas ordered before this one (every replica must use the same order, e.g. by
+        replica id): this runtime's free slots are its cap less its own running less
+        `elsewhere`, and while others wait it runs at most its share of the cap by waiting
+        weight (`waiting_weight` against `waiting`), rounded so that the replicas' shares add
+        up to the cap."""
     @property
     def waiting_weight(self) -> float:
         """The weight of the tenants with requests waiting here (for the other replicas)."""

@@ -33,6 +33,8 @@ pub struct BackendState {
     pub elsewhere: u32,
     /// Weight of the tenants other replicas have waiting (0 with one replica).
     pub waiting_elsewhere: f64,
+    /// The part of `waiting_elsewhere` on the replicas ordered before this one.
+    pub waiting_before: f64,
     pub running_by_tier: Vec<u32>,
     /// Prompt tokens of running requests still waiting for their first token.
     pub prefill_pending: u64,
@@ -73,6 +75,7 @@ impl BackendState {
             running: 0,
             elsewhere: 0,
             waiting_elsewhere: 0.0,
+            waiting_before: 0.0,
             running_by_tier: vec![0; tiers],
             prefill_pending: 0,
             committed_blocks: 0,

@@ -457,7 +457,7 @@ impl PyRuntime {
         self.feed(py, now_us, &event)
     }
 
-    #[pyo3(signature = (backend, elsewhere, now_us, *, waiting=0.0))]
+    #[pyo3(signature = (backend, elsewhere, now_us, *, waiting=0.0, waiting_before=0.0))]
     fn shared_load(
         &mut self,
         py: Python<'_>,
@@ -465,11 +465,13 @@ impl PyRuntime {
         elsewhere: u32,
         now_us: u64,
         waiting: f64,
+        waiting_before: f64,
     ) -> PyResult<Py<PyAny>> {
         let event = Event::SharedLoad {
             backend: self.backend(backend)?,
             elsewhere,
             waiting,
+            waiting_before,
         };
         self.feed(py, now_us, &event)
     }

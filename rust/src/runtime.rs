@@ -125,13 +125,15 @@ pub enum Event {
     /// A scrape of a backend failed.
     ScrapeFailed { backend: u32 },
     /// Other gateway replicas hold `elsewhere` of the backend's slots and have tenants of
-    /// total weight `waiting` waiting (the shared store's figures, fed each sync; see
-    /// `governor/shared.rs`).
+    /// total weight `waiting` waiting, `waiting_before` of it on the replicas ordered before
+    /// this one (the shared store's figures, fed each sync; see `governor/shared.rs`).
     SharedLoad {
         backend: u32,
         elsewhere: u32,
         #[serde(default)]
         waiting: f64,
+        #[serde(default)]
+        waiting_before: f64,
     },
     /// The shared store refused a started request's slot lease (the global cap was reached
     /// elsewhere first): the request never reached the backend and is decided again.
@@ -580,7 +582,8 @@ impl Runtime {
                 backend,
                 elsewhere,
                 waiting,
-            } => self.shared_load(backend, elsewhere, waiting)?,
+                waiting_before,
+            } => self.shared_load(backend, elsewhere, (waiting, waiting_before))?,
             Event::LeaseDenied { id } => self.lease_denied(id, now)?,
             Event::SharedService { tenant, cost } => {
                 self.gov.charge_elsewhere(tenant, cost)?;
@@ -682,8 +685,14 @@ impl Runtime {
     }
 
     /// Other replicas' share of a backend changed: room may have freed.
-    fn shared_load(&mut self, backend: u32, elsewhere: u32, waiting: f64) -> PolicyResult<bool> {
-        self.gov.set_elsewhere(backend, elsewhere, waiting)?;
+    fn shared_load(
+        &mut self,
+        backend: u32,
+        elsewhere: u32,
+        (waiting, waiting_before): (f64, f64),
+    ) -> PolicyResult<bool> {
+        self.gov
+            .set_elsewhere(backend, elsewhere, waiting, waiting_before)?;
         Ok(true)
     }
 
@@ -1050,6 +1059,7 @@ mod tests {
             backend: 0,
             elsewhere,
             waiting: 0.0,
+            waiting_before: 0.0,
         };
         rt.handle(1, &shared(1)).unwrap(); // 2 slots: 1 held elsewhere, 1 by request 1
         let acts = rt.handle(2, &Event::LeaseDenied { id: 1 }).unwrap();

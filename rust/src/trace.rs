@@ -241,6 +241,7 @@ mod tests {
                 backend: 0,
                 elsewhere: 1,
                 waiting: 2.5,
+                waiting_before: 1.0,
             },
         ));
         evs.push((

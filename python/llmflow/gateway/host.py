@@ -212,10 +212,16 @@ class Host:
     def scrape_failed(self, backend: str) -> None:
         self.carry(self.runtime.scrape_failed(backend, now_us()))
 
-    def shared_load(self, backend: str, elsewhere: int, waiting: float = 0.0) -> None:
+    def shared_load(
+        self, backend: str, elsewhere: int, waiting: float = 0.0, before: float = 0.0
+    ) -> None:
         """Other replicas hold `elsewhere` of `backend`'s slots and have tenants of total
-        weight `waiting` waiting."""
-        self.carry(self.runtime.shared_load(backend, elsewhere, now_us(), waiting=waiting))
+        weight `waiting` waiting, `before` of it on the replicas ordered before this one."""
+        now = now_us()
+        actions = self.runtime.shared_load(
+            backend, elsewhere, now, waiting=waiting, waiting_before=before
+        )
+        self.carry(actions)
 
     def shared_service(self, tenant: str, cost: float) -> None:
         """Other replicas gave `tenant` `cost` weighted tokens of service since the last sync."""

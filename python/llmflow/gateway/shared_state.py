@@ -15,8 +15,10 @@ does the Redis I/O its decisions need, and feeds the results back as events:
   `Runtime.shared_load`, so the runtime's free slots reflect other replicas' requests.
 - **Fair split between replicas.** Each sync also publishes the weight of the tenants this
   replica has waiting (`{prefix}:waiting`, expiring after three syncs) and reads the others'
-  sum; it goes with `shared_load`, and while others wait the core runs at most its share of
-  each backend by that weight, so slots do not stick to the replica that frees them.
+  sum, and the part of it on replicas whose ids sort before ours; both go with
+  `shared_load`, and while others wait the core runs at most its share of each backend by
+  that weight (the order lets the core round the shares so they add up to the cap), so slots
+  do not stick to the replica that frees them.
 - **Fair order.** Each sync also adds this replica's per-tenant service (the weighted tokens
   its fair queue charged) to the hash `{prefix}:service` and reads everyone's back; what other
   replicas gave each tenant since the last sync is fed as `Runtime.shared_service`, so the
@@ -81,7 +83,8 @@ return redis.call('ZCARD', KEYS[1])
 
 
 # KEYS: the replicas' expiry set and their weights; ARGV: replica, its waiting weight, ttl ms.
-# Records ours, forgets replicas that stopped syncing, returns the others' summed weight.
+# Records ours, forgets replicas that stopped syncing, returns the others' summed weight and
+# the part of it on replicas whose ids sort before ours (the order every replica agrees on).
 _WAITING = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -91,12 +94,15 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-local sum = 0
+local sum, before = 0, 0
 local all = redis.call('HGETALL', KEYS[2])
 for i = 1, #all, 2 do
-  if all[i] ~= ARGV[1] then sum = sum + tonumber(all[i + 1]) end
+  if all[i] ~= ARGV[1] then
+    sum = sum + tonumber(all[i + 1])
+    if all[i] < ARGV[1] then before = before + tonumber(all[i + 1]) end
+  end
 end
-return tostring(sum)
+return {tostring(sum), tostring(before)}
 """
 
 
@@ -238,8 +244,9 @@ class SharedSlots:
             elsewhere = {name: totals.read(replies) for name, totals in self.totals.items()}
             ttl = int(3 * self.state.sync_interval_ms) + 1
             weight = self.host.runtime.waiting_weight
-            waiting = float(
-                await self._waiting(keys=self.waiting_keys, args=[self.replica, weight, ttl])
+            waiting, before = map(
+                float,
+                await self._waiting(keys=self.waiting_keys, args=[self.replica, weight, ttl]),
             )
         except Exception as exc:
             self._lose(exc)
@@ -248,7 +255,8 @@ class SharedSlots:
             log.warning("shared state: Redis back at %s", self.state.url)
             self.lost = False
         for backend, count in counts.items():
-            self.host.shared_load(backend, max(count - len(self.held[backend]), 0), waiting)
+            elsewhere_n = max(count - len(self.held[backend]), 0)
+            self.host.shared_load(backend, elsewhere_n, waiting, before)
         for tenant, cost in elsewhere["service"].items():
             self.host.shared_service(tenant, cost)
         for tenant in self.tenants:

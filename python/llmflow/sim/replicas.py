@@ -74,9 +74,13 @@ class SimRedis:
             leases[lease] = self.env.now + ttl_s
         return len(leases)
 
-    def waiting_elsewhere(self, replica: int, weight: float, ttl_s: float) -> float:
+    def waiting_elsewhere(self, replica: int, weight: float, ttl_s: float) -> tuple[float, float]:
+        """The other replicas' summed waiting weight, and the part of it on replicas numbered
+        before `replica` (the order every replica agrees on, as the gateway's ids)."""
         self.waiting[replica] = (weight, self.env.now + ttl_s)
-        return sum(w for r, (w, exp) in self.waiting.items() if r != replica and exp > self.env.now)
+        live = [(r, w) for r, (w, exp) in self.waiting.items() if exp > self.env.now]
+        others = sum(w for r, w in live if r != replica)
+        return others, sum(w for r, w in live if r < replica)
 
     def release(self, backend: str, lease: str) -> None:
         self.leases.get(backend, {}).pop(lease, None)
@@ -249,7 +253,7 @@ class ReplicatedPolicy:
                     total = self.redis.totals[name]
                     total[tenant] = total.get(tenant, 0.0) + d
             everyone = {name: dict(total) for name, total in self.redis.totals.items()}
-            waiting = self.redis.waiting_elsewhere(
+            waiting, before = self.redis.waiting_elsewhere(
                 k, gp.runtime.waiting_weight, 3 * self.spec.sync_ms / 1e3
             )
             yield self._half()
@@ -257,7 +261,11 @@ class ReplicatedPolicy:
             for backend, count in counts.items():
                 mine_n = sum(1 for b, _ in self.held[k].values() if b == backend)
                 elsewhere = max(count - mine_n, 0)
-                gp._carry(gp.runtime.shared_load(backend, elsewhere, now, waiting=waiting))
+                gp._carry(
+                    gp.runtime.shared_load(
+                        backend, elsewhere, now, waiting=waiting, waiting_before=before
+                    )
+                )
             seen, self.seen[k] = self.seen[k], everyone
             if seen is None:
                 continue

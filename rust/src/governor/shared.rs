@@ -8,26 +8,31 @@
 //! Slots would otherwise stick to the replica that frees them (it starts its next request
 //! before the others hear the slot is free). So while other replicas have requests waiting, a
 //! replica runs at most its share of each backend: the weight of the tenants it has waiting
-//! over everyone's (`replica_share`).
+//! over everyone's (`replica_share`), rounded so that the replicas' shares add up to the cap.
 
 use super::Governor;
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::Outcome;
 
 impl Governor {
-    /// Record how many of `backend`'s slots other replicas hold now, and the weight of the
-    /// tenants other replicas have waiting.
-    pub fn set_elsewhere(&mut self, backend: u32, held: u32, waiting: f64) -> PolicyResult<()> {
+    /// Record how many of `backend`'s slots other replicas hold now, the weight of the
+    /// tenants other replicas have waiting, and the part of that weight on the replicas
+    /// ordered before this one (the replicas agree on an order: the host sorts them by id).
+    pub fn set_elsewhere(
+        &mut self,
+        backend: u32,
+        held: u32,
+        waiting: f64,
+        waiting_before: f64,
+    ) -> PolicyResult<()> {
         let b = self
             .backends
             .get_mut(backend as usize)
             .ok_or_else(|| PolicyError::UnknownBackend(backend.to_string()))?;
+        let weight = |w: f64| if w.is_finite() { w.max(0.0) } else { 0.0 };
         b.elsewhere = held;
-        b.waiting_elsewhere = if waiting.is_finite() {
-            waiting.max(0.0)
-        } else {
-            0.0
-        };
+        b.waiting_elsewhere = weight(waiting);
+        b.waiting_before = weight(waiting_before).min(b.waiting_elsewhere);
         Ok(())
     }
 
@@ -42,6 +47,13 @@ impl Governor {
     /// The most slots of backend `b` this replica may run while other replicas have requests
     /// waiting: its share by waiting weight (at least one); `None` when none wait elsewhere or
     /// none here.
+    ///
+    /// The replicas lay their weights end to end in their agreed order, and each takes the
+    /// slots between its two boundaries, each boundary rounded to the nearest slot. The
+    /// shares then add up to the cap exactly, each within one slot of its weighted share.
+    /// Rounding each share up on its own gave more than the cap in all (2 + 2 + 3 of 6 for
+    /// weights 1, 1, 2), and the replicas that freed slots first kept the surplus: the
+    /// heaviest replica was held to a third where its share was a half.
     pub(super) fn replica_share(&self, b: usize) -> Option<u32> {
         let backend = &self.backends[b];
         let elsewhere = backend.waiting_elsewhere;
@@ -52,8 +64,8 @@ impl Governor {
         if here <= 0.0 {
             return None;
         }
-        let slots = f64::from(backend.cap.min(backend.tpot_cap));
-        Some(((slots * here / (here + elsewhere)).ceil() as u32).max(1))
+        let slots = backend.cap.min(backend.tpot_cap);
+        Some(slots_between(slots, backend.waiting_before, here, here + elsewhere).max(1))
     }
 
     /// Charge `tenant` the service (weighted tokens) other replicas gave it since the last
@@ -85,10 +97,54 @@ impl Governor {
     }
 }
 
+/// The slots of `slots` between the rounded boundaries `before` and `before + here` of
+/// weights laid end to end over `total` (see `Governor::replica_share`).
+fn slots_between(slots: u32, before: f64, here: f64, total: f64) -> u32 {
+    let boundary = |weight: f64| (f64::from(slots) * weight / total + 0.5).floor();
+    (boundary(before + here) - boundary(before)).max(0.0) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::{governor, tenant};
+    use super::slots_between;
     use crate::types::Decision;
+
+    // Whatever the weights, the replicas' shares add up to the cap, and each is within one
+    // slot of its weighted share: 1, 1, 2 of 6 gives 2 + 1 + 3 or the like (rounding each up
+    // gave 2 + 2 + 3, past the cap).
+    #[test]
+    fn shares_add_up_to_the_cap() {
+        let mut seed = 7_u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (seed >> 33) as f64 / f64::from(1_u32 << 31)
+        };
+        for slots in [1, 2, 6, 7, 256] {
+            for replicas in 1..=5 {
+                let weights: Vec<f64> = (0..replicas).map(|_| (next() * 8.0).round()).collect();
+                let total: f64 = weights.iter().sum();
+                if total == 0.0 {
+                    continue;
+                }
+                let mut before = 0.0;
+                let mut sum = 0;
+                for &w in &weights {
+                    let share = slots_between(slots, before, w, total);
+                    let exact = f64::from(slots) * w / total;
+                    assert!((f64::from(share) - exact).abs() < 1.0, "{weights:?} {slots}");
+                    sum += share;
+                    before += w;
+                }
+                assert_eq!(sum, slots, "{weights:?}");
+            }
+        }
+        assert_eq!(
+            [0.0, 1.0, 2.0].map(|before| slots_between(6, before, 1.0, 4.0)),
+            [2, 1, 2]
+        );
+        assert_eq!(slots_between(6, 2.0, 2.0, 4.0), 3);
+    }
 
     // Slots held elsewhere are not free here: a request queues behind them and starts when
     // the store says they came back.
@@ -97,13 +153,13 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         let cap = g.backends[0].cap;
-        g.set_elsewhere(0, cap, 0.0).unwrap();
+        g.set_elsewhere(0, cap, 0.0, 0.0).unwrap();
         let d = g.submit(1, a, 10, 10, 0).unwrap();
         assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
-        g.set_elsewhere(0, cap - 1, 0.0).unwrap();
+        g.set_elsewhere(0, cap - 1, 0.0, 0.0).unwrap();
         let started = g.dispatch(1);
         assert_eq!(started.len(), 1);
-        assert!(g.set_elsewhere(9, 0, 0.0).is_err());
+        assert!(g.set_elsewhere(9, 0, 0.0, 0.0).is_err());
     }
 
     // Service given elsewhere moves a tenant behind one that got none: the other goes first.
@@ -133,11 +189,11 @@ mod tests {
             g.submit(id, a, 10, 10, 0).unwrap(); // both slots
         }
         g.submit(3, a, 10, 10, 0).unwrap(); // a waits here (weight 1)
-        g.set_elsewhere(0, 0, 3.0).unwrap(); // weight 3 waits elsewhere: our share is 1 slot
+        g.set_elsewhere(0, 0, 3.0, 0.0).unwrap(); // weight 3 waits elsewhere: our share is 1 slot
         assert_eq!(g.replica_share(0), Some(1));
         g.finish(1, crate::types::Outcome::Completed, 1);
         assert!(g.dispatch(1).is_empty()); // one still runs: that is our share
-        g.set_elsewhere(0, 0, 0.0).unwrap();
+        g.set_elsewhere(0, 0, 0.0, 0.0).unwrap();
         assert_eq!(g.dispatch(2).len(), 1);
     }
 
