@@ -21,10 +21,10 @@ pub mod types;
 
 #[cfg(feature = "python")]
 mod py;
-#[cfg(all(feature = "python", feature = "relay"))]
-mod py_relay;
 #[cfg(feature = "python")]
 mod py_light;
+#[cfg(all(feature = "python", feature = "relay"))]
+mod py_relay;
 #[cfg(feature = "python")]
 mod py_runtime;
 

@@ -286,7 +286,8 @@ async def test_a_tenant_on_one_replica_gets_its_weighted_share(
     orders its queue by each tenant's service everywhere
     (shared VTC), so b, served by the other replicas, waits there behind a. Without the
     shared counters replica 0 would split its slots evenly (a got 0.17); with each share
-    rounded up on its own (2 + 2 + 3 of 6) the other two replicas kept 4 slots in 1 run of 5 (a: 0.33)."""
+    rounded up on its own (2 + 2 + 3 of 6) the other two replicas kept 4 slots in 1 run of 5
+    (a: 0.33)."""
     with SimServeProcess(tmp_path, "--model-name", MODEL, "--max-num-seqs", "256") as backend:
         config = _config(backend.url, redis_server.url)
         config["gate"]["max_concurrency_per_gpu"] = FAIR_CAP

@@ -132,7 +132,10 @@ mod tests {
                 for &w in &weights {
                     let share = slots_between(slots, before, w, total);
                     let exact = f64::from(slots) * w / total;
-                    assert!((f64::from(share) - exact).abs() < 1.0, "{weights:?} {slots}");
+                    assert!(
+                        (f64::from(share) - exact).abs() < 1.0,
+                        "{weights:?} {slots}"
+                    );
                     sum += share;
                     before += w;
                 }
