@@ -110,7 +110,7 @@ impl BackendState {
             if elapsed < SAMPLE_US {
                 return None;
             }
-            let decoding = (self.decoding_at_sample + self.decoding) as f64 / 2.0;
+            let decoding = f64::from(self.decoding_at_sample + self.decoding) / 2.0;
             if self.decoding_at_sample > 0 && self.decoding > 0 && self.decoded > 0 {
                 let sample = decoding * (elapsed as f64 / 1e6) / self.decoded as f64;
                 let tpot = self

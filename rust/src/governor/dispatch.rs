@@ -91,7 +91,7 @@ impl Governor {
             // Protected tiers skip the fit check: vLLM's priority scheduling preempts lower
             // tiers to make room for them, and waiting here would only delay a VIP.
             if !tier.protected
-                && !(self.fits(i, prompt, peak_blocks, now_us) && self.prefill_paced(i, prompt))
+                && (!self.fits(i, prompt, peak_blocks, now_us) || !self.prefill_paced(i, prompt))
             {
                 return None;
             }

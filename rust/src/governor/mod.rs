@@ -307,7 +307,7 @@ impl Governor {
             .backends
             .iter()
             .filter(|b| b.healthy)
-            .map(|b| b.slots())
+            .map(BackendState::slots)
             .sum();
         f64::from(slots.max(1)) / self.service_s.unwrap_or(PRIOR_SERVICE_S)
     }
