@@ -455,8 +455,13 @@ class Runtime:
         preemptions_total: int | None = None, kv_blocks: int | None = None,
     ) -> list[Action]:
         """A scrape of `backend` begun at `began_us` answered (KV usage is clamped to 0..1)."""
-    def scrape_failed(self, backend: str, now_us: int) -> list[Action]:
-        """A scrape of `backend` failed."""
+    def scrape_failed(
+        self, backend: str, now_us: int, *, reachable: bool = False
+    ) -> list[Action]:
+        """A scrape of `backend` failed. `reachable`: the backend answered (an error status,
+        not vLLM's metrics, too slowly), so it stays up and the stale-metrics rule halves its
+        slots; else nothing answered, and `scrape_failures_before_down` such scrapes in a row
+        mark it down. A backend never scraped is down on any failure."""
     def shared_load(
         self,
         backend: str,

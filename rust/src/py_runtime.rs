@@ -450,9 +450,17 @@ impl PyRuntime {
         self.feed(py, now_us, &event)
     }
 
-    fn scrape_failed(&mut self, py: Python<'_>, backend: &str, now_us: u64) -> PyResult<Py<PyAny>> {
+    #[pyo3(signature = (backend, now_us, *, reachable=false))]
+    fn scrape_failed(
+        &mut self,
+        py: Python<'_>,
+        backend: &str,
+        now_us: u64,
+        reachable: bool,
+    ) -> PyResult<Py<PyAny>> {
         let event = Event::ScrapeFailed {
             backend: self.backend(backend)?,
+            reachable,
         };
         self.feed(py, now_us, &event)
     }

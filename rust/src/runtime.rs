@@ -122,8 +122,14 @@ pub enum Event {
         preemptions_total: Option<u64>,
         kv_blocks: Option<u64>,
     },
-    /// A scrape of a backend failed.
-    ScrapeFailed { backend: u32 },
+    /// A scrape of a backend failed. `reachable`: the backend answered (an error status,
+    /// something that is not vLLM's metrics, or too slowly), so it is alive and only its
+    /// metrics are missing; else nothing answered (no connection, or a proxy's 502-504).
+    ScrapeFailed {
+        backend: u32,
+        #[serde(default)]
+        reachable: bool,
+    },
     /// Other gateway replicas hold `elsewhere` of the backend's slots and have tenants of
     /// total weight `waiting` waiting, `waiting_before` of it on the replicas ordered before
     /// this one (the shared store's figures, fed each sync; see `governor/shared.rs`).
@@ -329,7 +335,10 @@ struct Scrape {
 struct Health {
     healthy: bool,
     ever_scraped: bool,
+    /// Consecutive failed scrapes, of any kind.
     failures: u32,
+    /// Consecutive scrapes nothing answered.
+    unreachable: u32,
     /// When a request last found the backend unreachable: a scrape begun before proves nothing.
     down_at: Option<u64>,
 }
@@ -576,8 +585,8 @@ impl Runtime {
                 self.scraped(backend, began_us, &scrape, now)?;
                 true
             }
-            Event::ScrapeFailed { backend } => {
-                self.scrape_failed(backend)?;
+            Event::ScrapeFailed { backend, reachable } => {
+                self.scrape_failed(backend, reachable)?;
                 false
             }
             Event::SharedLoad {
@@ -644,6 +653,7 @@ impl Runtime {
             .observe_backend(backend, now, kv, m.running, m.waiting, m.preemptions_total)?;
         let h = &mut self.health[backend as usize];
         h.failures = 0;
+        h.unreachable = 0;
         h.ever_scraped = true;
         if !h.healthy && h.down_at.is_none_or(|down| began_us > down) {
             self.set_health(backend, true);
@@ -651,12 +661,19 @@ impl Runtime {
         Ok(())
     }
 
-    fn scrape_failed(&mut self, backend: u32) -> PolicyResult<()> {
+    /// A backend nothing answers is marked down after `scrape_failures_before_down` scrapes
+    /// in a row. One that answers without usable metrics stays up: its last scrape ages, so
+    /// the stale-metrics rule halves its slots (conservative, not an outage: vLLM's
+    /// `/metrics` can be slow exactly when the server is busiest, and a request that fails
+    /// still marks it down at once). A backend never scraped is down on any failure: nothing
+    /// is known of its KV.
+    fn scrape_failed(&mut self, backend: u32, reachable: bool) -> PolicyResult<()> {
         self.check_backend(backend)?;
         let h = &mut self.health[backend as usize];
         h.failures += 1;
-        let enough = h.failures >= self.life.scrape_failures_before_down || !h.ever_scraped;
-        if h.healthy && enough {
+        h.unreachable = if reachable { 0 } else { h.unreachable + 1 };
+        let enough = h.unreachable >= self.life.scrape_failures_before_down;
+        if h.healthy && (enough || !h.ever_scraped) {
             self.set_health(backend, false);
         }
         Ok(())
@@ -1207,8 +1224,9 @@ mod tests {
         assert_eq!((asked.status, asked.reason), (503, Reason::Draining));
     }
 
-    // Two failed scrapes mark a backend down; a request that finds it unreachable marks it down
-    // at once, and only a scrape begun after that brings it back.
+    // Two scrapes in a row that nothing answers mark a backend down (ones it answers without
+    // metrics do not); a request that finds it unreachable marks it down at once, and only a
+    // scrape begun after that brings it back.
     #[test]
     fn backend_health() {
         let mut rt = runtime("{}");
@@ -1222,9 +1240,17 @@ mod tests {
             kv_blocks: None,
         };
         rt.handle(0, &ok(0)).unwrap();
-        let acts = rt.handle(1, &Event::ScrapeFailed { backend: 0 }).unwrap();
+        let failed = |reachable| Event::ScrapeFailed {
+            backend: 0,
+            reachable,
+        };
+        for t in 1..=3 {
+            // it answers, without metrics: up (stale, so at half its slots)
+            assert!(rt.handle(t, &failed(true)).unwrap().is_empty());
+        }
+        let acts = rt.handle(4, &failed(false)).unwrap();
         assert!(acts.is_empty(), "{acts:?}");
-        let acts = rt.handle(2, &Event::ScrapeFailed { backend: 0 }).unwrap();
+        let acts = rt.handle(5, &failed(false)).unwrap();
         assert_eq!(
             acts,
             [Action::Backend {
@@ -1232,7 +1258,7 @@ mod tests {
                 healthy: false
             }]
         );
-        let acts = rt.handle(3, &ok(3)).unwrap();
+        let acts = rt.handle(6, &ok(6)).unwrap();
         assert!(acts.contains(&Action::Backend {
             backend: 0,
             healthy: true

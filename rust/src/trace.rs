@@ -262,7 +262,13 @@ mod tests {
         evs.push((700, Event::LeaseDenied { id: 2 }));
         evs.push((10_000_000, Event::Timer));
         // An unknown backend: an error, recorded and replayed as such.
-        evs.push((10_000_001, Event::ScrapeFailed { backend: 9 }));
+        evs.push((
+            10_000_001,
+            Event::ScrapeFailed {
+                backend: 9,
+                reachable: false,
+            },
+        ));
         evs
     }
 

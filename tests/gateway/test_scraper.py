@@ -65,20 +65,24 @@ async def test_scrapes_feed_the_core_and_the_old_kv_name_works() -> None:
         assert backend["kv_capacity_blocks"] == 1000  # learned from cache_config_info
 
 
-async def test_a_failing_backend_is_marked_down_and_traffic_goes_to_the_other() -> None:
+async def test_a_backend_whose_metrics_fail_stays_up_and_says_why() -> None:
+    """A 500 from `/metrics` comes from a live server: the backend stays up (the stale rule,
+    tested in tests/reliability/test_broken_metrics.py, holds it to half its slots) and
+    `/api/state` shows the failure; only a backend nothing answers is taken down
+    (tests/reliability/test_backend_killed.py)."""
     async with start_gateway(n_backends=2) as h:
         b0, b1 = h.fakes["b0"], h.fakes["b1"]
         b0.metrics_status = 500
-        await until(lambda: not h.gateway.scraper.states["b0"].healthy)  # type: ignore[union-attr]
+        await until(lambda: h.gateway.scraper.states["b0"].failures >= 3)  # type: ignore[union-attr]
         results = await asyncio.gather(*(h.client.post(CHAT, json=BODY) for _ in range(6)))
         assert [r.status_code for r in results] == [200] * 6
-        assert (b0.seen, b1.seen) == (0, 6)
+        assert b0.seen + b1.seen == 6
         state = (await h.client.get("/api/state")).json()["backends"]
-        assert state["b0"]["healthy"] is False
+        assert state["b0"]["healthy"] is True
         assert "500" in state["b0"]["last_error"]
-        b0.metrics_status = 200
-        await until(lambda: h.gateway.scraper.states["b0"].healthy)  # type: ignore[union-attr]
         assert (await h.client.get("/readyz")).json()["healthy_backends"] == ["b0", "b1"]
+        b0.metrics_status = 200
+        await until(lambda: h.gateway.scraper.states["b0"].failures == 0)  # type: ignore[union-attr]
 
 
 async def test_stale_metrics_halve_the_slots_until_a_fresh_scrape() -> None:

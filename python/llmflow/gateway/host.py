@@ -209,8 +209,8 @@ class Host:
     def scrape_ok(self, backend: str, began_us: int, **values: Any) -> None:
         self.carry(self.runtime.scrape_ok(backend, began_us, now_us(), **values))
 
-    def scrape_failed(self, backend: str) -> None:
-        self.carry(self.runtime.scrape_failed(backend, now_us()))
+    def scrape_failed(self, backend: str, reachable: bool = False) -> None:
+        self.carry(self.runtime.scrape_failed(backend, now_us(), reachable=reachable))
 
     def shared_load(
         self, backend: str, elsewhere: int, waiting: float = 0.0, before: float = 0.0

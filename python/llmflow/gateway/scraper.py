@@ -3,8 +3,9 @@
 Reads KV usage (`vllm:kv_cache_usage_perc`, or `vllm:gpu_cache_usage_perc` from older vLLM),
 running and waiting counts, and the preemption counter, and reports each scrape (or its failure)
 to the runtime. Health and staleness are the runtime's call: it marks a backend down after
-failed scrapes or a request that could not reach it, and up again after a good scrape begun
-later; this module only shows what it said.
+scrapes that nothing answered or a request that could not reach it, and up again after a good
+scrape begun later; a backend that answers without usable metrics stays up, at the stale rule's
+half of its slots. This module only says which failure it was, and shows what the runtime said.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from llmflow.gateway.host import now_us
-from llmflow.gateway.shared_scrape import ScrapedElsewhereError
+from llmflow.gateway.shared_scrape import ScrapedElsewhereError, answered
 
 if TYPE_CHECKING:
     from llmflow.gateway.host import Host
@@ -169,7 +170,7 @@ class Scraper:
                 began -= round(age_s * 1e6)  # read by another replica that long ago
         except (httpx.HTTPError, NotMetricsError, ScrapedElsewhereError) as exc:
             state.last_error = repr(exc)
-            self.host.scrape_failed(name)
+            self.host.scrape_failed(name, reachable=answered(exc))
             state.failures = self.host.runtime.scrape_failures(name)
             return False
         self._record(state, values, began)

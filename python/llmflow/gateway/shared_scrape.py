@@ -15,18 +15,44 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from llmflow.gateway.shared_state import SharedSlots
 
-__all__ = ["ScrapedElsewhereError", "SharedScrapes"]
+__all__ = ["ScrapedElsewhereError", "SharedScrapes", "answered"]
 
 log = logging.getLogger("llmflow.gateway")
 
 
 class ScrapedElsewhereError(Exception):
-    """The replica holding the scrape lock could not scrape the backend."""
+    """The replica holding the scrape lock could not scrape the backend.
+
+    Args:
+        message: its error.
+        reachable: whether the backend answered it (see `answered`).
+    """
+
+    def __init__(self, message: str, reachable: bool) -> None:
+        super().__init__(message)
+        self.reachable = reachable
+
+
+_AWAY = (502, 503, 504)  # a proxy saying the server behind it is away, or the server itself
+
+
+def answered(exc: BaseException) -> bool:
+    """Whether a failed scrape reached a live server: anything but a connection that could
+    not be made or a 502/503/504 (an error status such as 500, a reply that is not metrics,
+    a read that timed out, a connection dropped mid-reply). The runtime keeps such a backend
+    up, at the stale rule's half of its slots, and takes down only one that nothing answers."""
+    if isinstance(exc, ScrapedElsewhereError):
+        return exc.reachable
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code not in _AWAY
+    return not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
 class SharedScrapes:
@@ -67,12 +93,13 @@ class SharedScrapes:
         if not mine and raw is not None:
             data = json.loads(raw)
             if "error" in data:
-                raise ScrapedElsewhereError(data["error"])
+                raise ScrapedElsewhereError(data["error"], bool(data.get("reachable")))
             return data["values"], max(now_ms - data["at_ms"], 0) / 1e3
         try:
             values = await scrape()
         except Exception as exc:
-            await self._store(record, {"error": repr(exc), "at_ms": now_ms})
+            failure = {"error": repr(exc), "reachable": answered(exc), "at_ms": now_ms}
+            await self._store(record, failure)
             raise
         await self._store(record, {"values": values, "at_ms": now_ms})
         return values, 0.0

@@ -494,12 +494,13 @@ class RuntimeMachine(RuleBasedStateMachine):
             total = self.preemptions[name] = 0 if bump < 0 else self.preemptions[name] + bump
         self.scrape(name, kv_usage, total, kv_blocks, lag)
 
-    @rule(backend=st.integers(0, 2), dt=STEPS)
-    def scrape_failed(self, backend: int, dt: int) -> None:
+    @rule(backend=st.integers(0, 2), reachable=st.booleans(), dt=STEPS)
+    def scrape_failed(self, backend: int, reachable: bool, dt: int) -> None:
         self.advance(dt)
         names = list(self.model.backends)
         name = names[backend % len(names)]
-        self.feed("scrape_failed", name, expect={}, health=self.model.scrape_failed(name))
+        health = self.model.scrape_failed(name, reachable)
+        self.feed("scrape_failed", name, expect={}, health=health, reachable=reachable)
 
     @rule(dt=STEPS)
     def drain(self, dt: int) -> None:

@@ -49,6 +49,7 @@ class Backend:
     healthy: bool = True
     ever_scraped: bool = False
     failures: int = 0
+    unreachable: int = 0  # scrapes in a row nothing answered
     down_at: int | None = None  # a request found it unreachable then
     scraped_at: int | None = None
     kv_usage: float | None = None
@@ -128,17 +129,20 @@ class RuntimeModel:
         if total is not None and seen is not None and total > seen and cooldown:
             self.level = min(self.level + 1, MAX_SHED_LEVEL)
             self.level_until = now + us(cooldown)
-        b.failures, b.ever_scraped = 0, True
+        b.failures, b.unreachable, b.ever_scraped = 0, 0, True
         if not b.healthy and (b.down_at is None or began > b.down_at):
             b.healthy = True
             return [(name, True)]
         return []
 
-    def scrape_failed(self, name: str) -> list[tuple[str, bool]]:
+    def scrape_failed(self, name: str, reachable: bool = False) -> list[tuple[str, bool]]:
+        """Only scrapes nothing answered count towards down; one it answered without metrics
+        leaves it up, its metrics ageing into the stale rule (unless it was never scraped)."""
         b = self.backends[name]
         b.failures += 1
+        b.unreachable = 0 if reachable else b.unreachable + 1
         before_down = self.life.get("scrape_failures_before_down", DEFAULT_SCRAPE_FAILURES)
-        enough = b.failures >= before_down or not b.ever_scraped
+        enough = b.unreachable >= before_down or not b.ever_scraped
         if b.healthy and enough:
             b.healthy = False
             return [(name, False)]
