@@ -23,6 +23,7 @@ import pytest
 
 from processes import GatewayProcess, SimServeProcess
 
+from .flood import burst, chat_request, open_conns, percentile
 from .zero import assert_back_to_zero, vllm_running
 
 if TYPE_CHECKING:
@@ -54,57 +55,12 @@ def _config(url: str) -> dict[str, Any]:
     }
 
 
-def _request(key: str) -> bytes:
-    body = json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    ).encode()
-    return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer " + key.encode() + b"\r\n"
-        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-    )
-
-
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status", encoding="ascii") as status:
         for line in status:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
-
-
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-class Conn:
-    """One raw client connection: send a request, read one response."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    async def ask(self, request: bytes) -> tuple[int, float]:
-        start = time.perf_counter()
-        self.writer.write(request)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        await self.reader.readexactly(length)
-        return status, time.perf_counter() - start
-
-
-async def _open(port: int, n: int) -> list[Conn]:
-    conns: list[Conn] = []
-    for start in range(0, n, 500):  # in batches: the listen backlog is finite
-        pairs = await asyncio.gather(
-            *(asyncio.open_connection("127.0.0.1", port) for _ in range(min(500, n - start)))
-        )
-        conns += [Conn(r, w) for r, w in pairs]
-    return conns
 
 
 async def _vip(client: httpx.AsyncClient) -> list[float]:
@@ -118,17 +74,6 @@ async def _vip(client: httpx.AsyncClient) -> list[float]:
         assert r.status_code == 200, r.text
         out.append(time.perf_counter() - start)
     return out
-
-
-async def _burst(conns: list[Conn], per_s: float | None) -> list[tuple[int, float]]:
-    request = _request("k-crowd")
-
-    async def one(i: int, conn: Conn) -> tuple[int, float]:
-        if per_s:
-            await asyncio.sleep(i / per_s)
-        return await conn.ask(request)
-
-    return await asyncio.gather(*(one(i, c) for i, c in enumerate(conns)))
 
 
 async def _sample_rss(pid: int, peak: list[float], stop: asyncio.Event) -> None:
@@ -153,7 +98,7 @@ async def test_a_flood_of_connections_and_requests(tmp_path: Path) -> None:
             async with httpx.AsyncClient(base_url=gw.url, timeout=60) as client:
                 figures["rss_idle_mb"] = round(_rss_mb(pid), 1)
                 baseline = await _vip(client)
-                conns = await _open(gw.port, CONNECTIONS)
+                conns = await open_conns(gw.port, CONNECTIONS)
                 assert (await client.get("/healthz")).status_code == 200
                 figures["rss_10k_connections_mb"] = round(_rss_mb(pid), 1)
                 peak, stop = [0.0], asyncio.Event()
@@ -164,8 +109,10 @@ async def test_a_flood_of_connections_and_requests(tmp_path: Path) -> None:
                     ("all_at_once", None, conns[:BURST]),
                     ("paced", PACED_PER_S, conns[BURST : 2 * BURST]),
                 ):
-                    burst, vip = await asyncio.gather(_burst(part, per_s), _vip(client))
-                    results[name] = burst
+                    answers, vip = await asyncio.gather(
+                        burst(part, chat_request("k-crowd", MODEL), per_s), _vip(client)
+                    )
+                    results[name] = answers
                     vip_during += vip
                     assert (await client.get("/healthz")).status_code == 200  # still up
                 stop.set()
@@ -178,16 +125,16 @@ async def test_a_flood_of_connections_and_requests(tmp_path: Path) -> None:
             assert gw.stop() == 0
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    for name, burst in results.items():
-        statuses = [s for s, _ in burst]
-        refused = [t for s, t in burst if s == 429]
+    for name, answers in results.items():
+        statuses = [s for s, _ in answers]
+        refused = [t for s, t in answers if s == 429]
         assert set(statuses) <= {200, 429}, sorted(set(statuses))
         figures[name] = {
-            "requests": len(burst),
+            "requests": len(answers),
             "served_200": statuses.count(200),
             "refused_429": len(refused),
-            "p50_429_ms": round(_p(refused, 0.50) * 1e3, 1),
-            "p99_429_ms": round(_p(refused, 0.99) * 1e3, 1),
+            "p50_429_ms": round(percentile(refused, 0.50) * 1e3, 1),
+            "p99_429_ms": round(percentile(refused, 0.99) * 1e3, 1),
         }
     figures["vip_p50_ms"] = {
         "before": round(statistics.median(baseline) * 1e3, 1),
@@ -210,9 +157,10 @@ async def test_out_of_file_descriptors_refuses_politely_and_recovers(tmp_path: P
         SimServeProcess(tmp_path, "--model-name", MODEL, "--speed", "4") as backend,
         GatewayProcess(_config(backend.url), tmp_path, max_open_files=256) as gw,
     ):
-        conns = await _open(gw.port, 400)
+        conns = await open_conns(gw.port, 400)
+        request = chat_request("k-crowd", MODEL)
         results = await asyncio.wait_for(
-            asyncio.gather(*(c.ask(_request("k-crowd")) for c in conns), return_exceptions=True),
+            asyncio.gather(*(c.ask(request) for c in conns), return_exceptions=True),
             timeout=60,
         )
         statuses = [r[0] if isinstance(r, tuple) else type(r).__name__ for r in results]
