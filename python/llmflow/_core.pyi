@@ -595,6 +595,7 @@ RelayEvent = tuple[Any, ...]
 `("window_drained", id)`, `("client_gone", id)`, `("closed", id, socket_fd | None,
 upstream_complete, completion_tokens)`."""
 
+@final
 class Relay:
     """Relays streamed completions from vLLM to clients on threads of its own (tokio).
 
@@ -612,8 +613,8 @@ class Relay:
         connect_timeout_ms: giving up on connecting to a backend (it is then down).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         notify_fd: int,
         *,
         threads: int = 1,
@@ -622,7 +623,7 @@ class Relay:
         flush_interval_ms: float = 0.0,
         token_flush_ms: float = 20.0,
         connect_timeout_ms: float = 5000.0,
-    ) -> None: ...
+    ) -> Relay: ...
     def open(
         self,
         request_id: int,
