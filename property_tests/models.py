@@ -2,8 +2,9 @@
 
 It restates, from the config alone, the rules the Rust core must follow: who may start where (the
 cap, halved by stale metrics and, for unprotected tiers, per breaker level; `max_share`; KV
-pressure and KV fit for unprotected tiers), what `submit` decides (tier limits, displacement,
-the TTFT SLA estimate, the breaker), the fair order inside a tier (the Virtual Token Counter),
+pressure and KV fit for unprotected tiers), what `submit` decides (tier limits and the room a
+tier drains within the queue's wait limit, displacement, the TTFT SLA estimate while a tier's
+arrivals outpace its drain, the breaker), the fair order inside a tier (the Virtual Token Counter),
 the KV ledger and every request's deadlines. It is never used by the product, and it dispatches
 nothing itself: the state machine applies the core's admissions to it after checking each one.
 """
@@ -17,7 +18,9 @@ from typing import Any
 EXPIRY_REASONS = ("queue_timeout", "first_token_timeout", "deadline")  # same-instant order
 KV_COST_TOKENS = 1024.0  # context tokens per extra unit of output cost (times kv_weight)
 MAX_SHED_LEVEL = 3  # the preemption breaker's highest level
-EWMA_ALPHA = 0.2  # weight of a new prefill-throughput sample
+EWMA_ALPHA = 0.2  # weight of a new prefill-throughput, hold-time or service-time sample
+ARRIVAL_WINDOW_S = 60.0  # time constant of a tier's arrival rate
+PRIOR_HOLD_S = 10.0  # a tier's hold time, and the mean service time, until one completes
 PREFILL_SAMPLE_US = 500_000  # shortest interval of a prefill-throughput sample
 
 
@@ -89,6 +92,10 @@ class ReferenceGovernor:
         self.mean_output: dict[str, float] = {}
         self.tier_output: dict[int, float] = {}
         self.all_output: list[float] = []
+        # per tier: arrivals decaying over a minute (and as of when), completed hold times
+        self.arrivals = [(0.0, 0)] * len(tiers)
+        self.hold: dict[int, float] = {}
+        self.service: float | None = None  # completed requests' time on a slot, smoothed
 
     def expected_output(self, tenant: str, max_tokens: int) -> int:
         tier = self.tenants[tenant].tier
@@ -209,6 +216,45 @@ class ReferenceGovernor:
             return None
         return self.tenants[heaviest].queue[-1]
 
+    def decayed(self, tier: int, now: int) -> float:
+        """The tier's arrivals, each weighing less by a factor e per minute since."""
+        count, at = self.arrivals[tier]
+        return count * math.exp(-(max(now - at, 0) / 1e6) / ARRIVAL_WINDOW_S)
+
+    def rate(self, tier: int, now: int) -> float:
+        """The tier's arrivals per second over the last minute."""
+        return self.decayed(tier, now) / ARRIVAL_WINDOW_S
+
+    def drain(self, tier: int) -> float:
+        """Requests of the tier that leave per second: its running ones on healthy backends over
+        its hold time; with none running, every healthy slot over the mean service time."""
+        healthy = [n for n, b in self.backends.items() if b.healthy]
+        running = sum(len(self.running(n, tier)) for n in healthy)
+        if running:
+            return running / self.hold.get(tier, PRIOR_HOLD_S)
+        slots = max(sum(self.backends[n].cap for n in healthy), 1)
+        return slots / (self.service if self.service is not None else PRIOR_HOLD_S)
+
+    def sustained(self, tier: int, now: int) -> bool:
+        """Arrivals outpace the drain: only then does the TTFT SLA refuse."""
+        return self.rate(tier, now) > self.drain(tier)
+
+    def room(self, tier: int) -> tuple[int, int]:
+        """(the tier's waiting places, the queue's) for a newcomer of the tier: the configured
+        ones, or what a latency tier at or below it drains within the queue's wait limit (once
+        one of its requests completed: the prior hold is a guess)."""
+        c, t = self.config, self.tier(tier)
+        most, limit = c["max_waiting"], c["queue_timeout_ms"]
+        latency = [
+            u
+            for u in range(tier, len(c["tiers"]))
+            if not self.tier(u).get("best_effort") and u in self.hold
+        ]
+        drained = 0
+        if limit is not None:
+            drained = max((int(self.drain(u) * limit / 1000.0) for u in latency), default=0)
+        return max(math.floor(t["shed_at"] * most), drained), max(most, drained)
+
     def late(self, tenant: str, prompt: int) -> bool:
         """The prefill ahead of a new request (fair share of its tier) overshoots the SLA."""
         sla = self.config["ttft_sla_ms"]
@@ -246,17 +292,17 @@ class ReferenceGovernor:
         threshold = c["kv_pressure_threshold"]
         if unprotected and threshold is not None and lowest > threshold:
             return "rejected", "kv_pressure"
-        late = unprotected and self.late(tenant, prompt)
+        late = unprotected and self.late(tenant, prompt) and self.sustained(tier, now)
         where = self.placeable(tier, prompt, now)
         if not self.queued(tier) and where:
             return ("rejected", "ttft_sla") if late else ("admitted", where[0])
-        queued, most = len(self.queued()), c["max_waiting"]
+        queued, (tier_room, most) = len(self.queued()), self.room(tier)
         victim = None
-        if queued >= min(math.floor(t["shed_at"] * most), most):
+        if queued >= min(tier_room, most):
             victim = self.victim(tenant)
             if victim is None:
                 return "rejected", "queue_full" if queued >= most else "tier_shed"
-        breaker_limit = math.floor(t["shed_at"] * 0.5**self.shed_level * most)
+        breaker_limit = math.floor(t["shed_at"] * 0.5**self.shed_level * c["max_waiting"])
         if unprotected and self.shed_level and queued >= breaker_limit:
             return "rejected", "preemption_breaker"
         return ("rejected", "ttft_sla") if late else ("queued", victim)
@@ -272,6 +318,11 @@ class ReferenceGovernor:
             return
         self.arrive(tenant)
         t.queue.append(rid)
+
+    def count(self, tenant: str, now: int) -> None:
+        """Every submit counts toward its tier's arrival rate, refused or not."""
+        tier = self.tenants[tenant].tier
+        self.arrivals[tier] = (self.decayed(tier, now) + 1.0, max(self.arrivals[tier][1], now))
 
     def arrive(self, tenant: str) -> None:
         """VTC lift at every arrival of a tenant with nothing waiting: idling earns no credit."""
@@ -336,11 +387,12 @@ class ReferenceGovernor:
         )
         self.charge(req.tenant, per_token * n)
 
-    def finish(self, rid: int, outcome: str | None = None) -> bool:
+    def finish(self, rid: int, outcome: str | None = None, now: int = 0) -> bool:
         req = self.live.pop(rid, None)
         if req is not None and req.backend is None:
             self.tenants[req.tenant].queue.remove(rid)
         if req is not None and req.backend is not None and outcome == "completed":
+            self.record_hold(req, now)
             g = float(req.generated)
 
             def fold(mean: float | None) -> float:
@@ -350,6 +402,13 @@ class ReferenceGovernor:
             self.tier_output[req.tier] = fold(self.tier_output.get(req.tier))
             self.all_output = [fold(self.all_output[0] if self.all_output else None)]
         return req is not None
+
+    def record_hold(self, req: Req, now: int) -> None:
+        """A completed request's time on its slot: its tier's hold time, the service time."""
+        took = max(now - req.started, 0) / 1e6
+        sample, held, mean = max(took, 1e-3), self.hold.get(req.tier), self.service
+        self.hold[req.tier] = sample if held is None else held + EWMA_ALPHA * (sample - held)
+        self.service = max(took if mean is None else mean + EWMA_ALPHA * (took - mean), 1e-3)
 
     def deadlines(self, req: Req) -> list[tuple[int, int]]:
         """(µs, index in EXPIRY_REASONS) of each deadline a request has now."""

@@ -63,6 +63,8 @@ class Backpressure(_Section):
 
 
 class Queue(_Section):
+    # A latency tier may also hold what it is measured to drain within `max_wait_ms` (those
+    # requests are served before their queue deadline): the places absorb a burst.
     max_waiting: int = Field(200, ge=0)
     strategy: Literal["fair", "fifo"] = "fair"
     max_wait_ms: DurationMs | None = 30_000.0
@@ -123,6 +125,8 @@ class Kv(_Section):
 
 
 class Sla(_Section):
+    # Refuse a request whose prefill work ahead exceeds this, while its tier is in a sustained
+    # overload (arrivals over the last minute above its drain); a burst is left to the queue.
     ttft_ms: DurationMs | None = 1500.0
     prefill_tokens_per_s: float = Field(8000.0, gt=0)  # prior until measured online
 

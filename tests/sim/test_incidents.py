@@ -100,11 +100,8 @@ SCENARIOS = sorted(
 # Where another policy still wins, and why (xfail is strict: fixing one fails the test until
 # the mark is removed).
 KNOWN_LOSSES = {
-    "azure-code": "4x overload no policy can serve within the SLO: llmflow's TTFT-SLA refusals "
-    "add client backoff to the tail (p99 ~31 s) where vLLM's own queue gives ~20 s; llmflow's "
-    "goodput is 1.5x direct's",
     "brownout": "a 2.6x overload with long answers: direct times out 37% of requests, which "
-    "sheds its load, and serves 283 within the SLO against llmflow's 206 (llmflow's KV fit "
+    "sheds its load, and serves 283 within the SLO against llmflow's 205 (llmflow's KV fit "
     "keeps ~half the cache for the running answers' growth; the shorter answers of the "
     "scenario's own llmflow-brownout also beat the defaults, by the operator's choice)",
     "rate-limits": "a rate limit is a contract, not an optimisation: the crawler is held to its "

@@ -308,7 +308,7 @@ impl Governor {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{governor, tenant, S};
+    use super::super::tests::{governor, sustained, tenant, S};
     use super::super::{Governor, Route};
     use crate::types::{Decision, Outcome, RejectReason};
 
@@ -455,6 +455,7 @@ mod tests {
             let route = Route { pool, chain: &[] };
             g.submit_routed(id, 0, 4_000, 10, route, 0).unwrap()
         };
+        sustained(&mut g, 0, 0);
         assert_eq!(backend_of(submit(&mut g, 1, m1)), Some(0));
         // 4,000 tokens in prefill on x at 1,000/s: 4 s ahead of a second m1 request (over
         // both backends' rates, as before pools counted apart, 2 s: late for m2 as well).

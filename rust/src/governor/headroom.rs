@@ -52,6 +52,12 @@ impl TierLoad {
         self.decayed(now_us) / ARRIVAL_WINDOW_S
     }
 
+    /// `rate` once one more request arrives at `now_us` (what `arrive` then makes it, to the
+    /// bit: `arrive` leaves no time to decay over).
+    pub fn rate_with_arrival(&self, now_us: u64) -> f64 {
+        (self.decayed(now_us) + 1.0) / ARRIVAL_WINDOW_S
+    }
+
     pub fn arrive(&mut self, now_us: u64) {
         self.arrivals = self.decayed(now_us) + 1.0;
         self.arrivals_at_us = self.arrivals_at_us.max(now_us);
@@ -67,6 +73,11 @@ impl TierLoad {
     pub fn committed(&mut self, blocks: u64) {
         let b = blocks as f64;
         self.blocks = Some(self.blocks.map_or(b, |m| m + EWMA_ALPHA * (b - m)));
+    }
+
+    /// Whether a request of the tier has completed: its hold time is measured, not the prior.
+    pub fn measured(&self) -> bool {
+        self.hold_s.is_some()
     }
 
     pub fn hold(&self) -> f64 {

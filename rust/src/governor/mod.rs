@@ -607,6 +607,7 @@ impl Governor {
             None
         } else {
             self.sla_excess(tenant, tier_idx, prompt, pool)
+                .filter(|_| self.sustained_overload(tier_idx, now_us))
         };
         if ahead == 0 {
             let peak = prompt + self.expected_output(tenant, max_tokens);
@@ -618,9 +619,8 @@ impl Governor {
             }
         }
         let queued = self.queue.len();
-        let max_waiting = self.config.max_waiting as usize;
         let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / tier_drain;
-        let tier_limit = (tier.shed_at * max_waiting as f64).floor() as usize;
+        let (tier_limit, max_waiting) = self.waiting_room(tier_idx);
         let mut displaced = None;
         // A victim of the newcomer's own tier was counted in `ahead`; one of a lower tier not.
         let mut counted_victim = false;
@@ -640,7 +640,10 @@ impl Governor {
         }
         if !tier.protected && self.shed_level > 0 {
             let scale = 0.5_f64.powi(i32::from(self.shed_level));
-            let limit = (tier.shed_at * scale * max_waiting as f64).floor() as usize;
+            // The configured places, not the drained room: preemptions mean the measured drain
+            // no longer holds.
+            let configured = f64::from(self.config.max_waiting);
+            let limit = (tier.shed_at * scale * configured).floor() as usize;
             if queued >= limit {
                 let cooldown = self.breaker_until_us.saturating_sub(now_us) as f64 / 1e6;
                 return reject(RejectReason::PreemptionBreaker, cooldown.max(over(limit)));
@@ -712,6 +715,14 @@ pub(crate) mod tests {
 
     pub(crate) fn tenant(g: &Governor, name: &str) -> u32 {
         g.tenant_id(name).unwrap()
+    }
+
+    /// A minute in which the tier's requests arrived far faster than it drains (sixty at
+    /// `now_us`, against the prior hold's 0.1/s per request running), so the TTFT SLA may refuse.
+    pub(crate) fn sustained(g: &mut Governor, tier: usize, now_us: u64) {
+        for _ in 0..60 {
+            g.tier_load[tier].arrive(now_us);
+        }
     }
 
     // Below the cap requests are admitted at once; beyond it they queue, in order.

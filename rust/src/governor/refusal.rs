@@ -8,9 +8,11 @@
 //! `submit` does some bookkeeping before it decides: a breaker level may cool down (`tick`), and
 //! the headroom may be recomputed with this arrival counted (every `RECOMPUTE_US`). When that
 //! could change what `decide` reads, the query says "not refused" (`None`) and the host takes
-//! its ordinary path: while a cool-down is due, and while a recompute is due for a best-effort
-//! tier (the headroom is read only when a best-effort request looks for a slot). Otherwise the
-//! bookkeeping changes nothing `decide` reads, and the query's refusal is exactly `submit`'s.
+//! its ordinary path: while a cool-down is due, while a recompute is due for a best-effort tier
+//! (the headroom is read only when a best-effort request looks for a slot), and while counting
+//! this arrival would tip its tier into a sustained overload (the TTFT SLA refuses only then).
+//! Otherwise the bookkeeping changes nothing `decide` reads, and the query's refusal is exactly
+//! `submit`'s.
 //! (A recompute falls due every 100 ms under a flood; deferring every tier then would send each
 //! request read before the first deferred one reaches `submit` down the ordinary path.)
 
@@ -49,7 +51,8 @@ impl Governor {
             .get(tenant as usize)
             .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
         let best_effort = self.config.tiers[tier_idx].best_effort;
-        if self.cooldown_due(now_us) || (best_effort && self.headroom_due(now_us)) {
+        let due = self.cooldown_due(now_us) || (best_effort && self.headroom_due(now_us));
+        if due || self.overload_due(tenant, prompt, route, now_us) {
             return Ok(None);
         }
         Ok(
@@ -71,6 +74,20 @@ impl Governor {
         us(self.config.preemption_cooldown_ms).is_some()
             && self.shed_level > 0
             && now_us >= self.breaker_until_us
+    }
+
+    /// Counting this arrival would tip its tier into a sustained overload while the request
+    /// overshoots the TTFT SLA (so the SLA would refuse it): `submit` counts it before it decides.
+    fn overload_due(&self, tenant: u32, prompt: u64, route: Route<'_>, now_us: u64) -> bool {
+        let tier_idx = self.tenant_tier[tenant as usize];
+        let tier = &self.config.tiers[tier_idx];
+        let (load, drain) = (&self.tier_load[tier_idx], self.tier_drain(tier_idx));
+        let tips = (load.rate(now_us) > drain) != (load.rate_with_arrival(now_us) > drain);
+        tips && !tier.protected
+            && !tier.best_effort
+            && self
+                .sla_excess(tenant, tier_idx, prompt, route.pool)
+                .is_some()
     }
 
     /// `update_headroom` would recompute the headroom at `now_us`.
@@ -165,6 +182,23 @@ mod tests {
         assert_eq!(g.refusal(a, 10, 10, 2 * S).unwrap(), None);
     }
 
+    // When this very arrival tips its tier into a sustained overload (six arrivals in the
+    // minute: 0.1/s, as fast as one request running drains at the prior 10 s hold; a seventh
+    // is faster) and it is late for the SLA, the query defers to submit, which refuses it.
+    #[test]
+    fn arrival_tipping_into_overload_defers() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        g.submit(1, a, 13_000, 10, 0).unwrap();
+        for _ in 0..5 {
+            g.tier_load[1].arrive(0);
+        }
+        assert!(g.overload_due(a, 10, Route::default(), 0));
+        assert_eq!(g.refusal(a, 10, 10, 0).unwrap(), None);
+        let got = rejected(g.submit(2, a, 10, 10, 0).unwrap());
+        assert_eq!(got.map(|(reason, _)| reason), Some(RejectReason::TtftSla));
+    }
+
     // An unknown tenant index is an error, as in submit.
     #[test]
     fn unknown_tenant() {
@@ -212,7 +246,9 @@ mod tests {
                 _ => {
                     let t = tenants[next(4) as usize];
                     let (prompt, max_tokens) = (1 + next(4000), 1 + next(500));
-                    let due = g.cooldown_due(now) || (t == tenants[3] && g.headroom_due(now));
+                    let due = g.cooldown_due(now)
+                        || (t == tenants[3] && g.headroom_due(now))
+                        || g.overload_due(t, prompt, Route::default(), now);
                     let asked = g.refusal(t, prompt, max_tokens, now).unwrap();
                     let got = rejected(g.submit(id, t, prompt, max_tokens, now).unwrap());
                     if asked.is_some() {
