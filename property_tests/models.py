@@ -245,6 +245,8 @@ class ReferenceGovernor:
         one of its requests completed: the prior hold is a guess)."""
         c, t = self.config, self.tier(tier)
         most, limit = c["max_waiting"], c["queue_timeout_ms"]
+        if not c.get("queue_follows_drain", True):
+            limit = None  # max_waiting is a hard bound
         latency = [
             u
             for u in range(tier, len(c["tiers"]))

@@ -51,6 +51,7 @@ def runtime_configs(draw: st.DrawFn) -> dict[str, Any]:
         "prefill_tokens_per_s": ms(2000.0, 8000.0),
         "preemption_cooldown_ms": ms(700.0, 2500.0),
         "queue_timeout_ms": ms(800.0, 3000.0, 12_000.0),
+        "queue_follows_drain": draw(st.booleans()),
         "first_token_timeout_ms": ms(1000.0, 3000.0),
         "request_timeout_ms": ms(3000.0, 9000.0),
         "stale_after_ms": ms(1500.0, 4000.0),

@@ -44,6 +44,7 @@ def policy_config(
         "ttft_sla_ms": None,
         "preemption_cooldown_ms": None,
         "queue_timeout_ms": 2000.0,
+        "queue_follows_drain": True,
         "first_token_timeout_ms": 3000.0,
         "request_timeout_ms": 10000.0,
         "stale_after_ms": None,
@@ -70,6 +71,7 @@ _sizes = {
 }
 _deadlines = {  # whole milliseconds, so the µs deadlines are exact
     "queue_timeout_ms": st.none() | st.integers(300, 4000).map(float),
+    "queue_follows_drain": st.booleans(),
     "first_token_timeout_ms": st.none() | st.integers(300, 4000).map(float),
     "request_timeout_ms": st.none() | st.integers(1000, 15000).map(float),
 }

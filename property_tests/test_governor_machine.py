@@ -336,9 +336,12 @@ class GovernorMachine(RuleBasedStateMachine):
             assert b["stale"] == m.stale(name, self.now)
             assert b["kv_usage"] == m.usage(name, self.now)
             assert math.isclose(b["prefill_tokens_per_s"], m.backends[name].prefill_tps)
-        # (no bound of max_waiting: a tier may hold what it drains within the queue's wait
-        # limit; each newcomer's room is checked where its decision is compared)
+        # max_waiting bounds the queue unless a tier may hold what it drains within the queue's
+        # wait limit (each newcomer's room is checked where its decision is compared)
         assert snap["queued"] == len(m.queued())
+        follows = self.config.get("queue_follows_drain", True)
+        if self.config["queue_timeout_ms"] is None or not follows:
+            assert snap["queued"] <= self.config["max_waiting"]
         assert self.core.live == len(m.live)
         assert self.core.kv_blocks_in_use == m.ledger()
         assert self.core.next_deadline_us() == m.next_deadline()

@@ -63,11 +63,13 @@ class Backpressure(_Section):
 
 
 class Queue(_Section):
-    # A latency tier may also hold what it is measured to drain within `max_wait_ms` (those
-    # requests are served before their queue deadline): the places absorb a burst.
     max_waiting: int = Field(200, ge=0)
     strategy: Literal["fair", "fifo"] = "fair"
     max_wait_ms: DurationMs | None = 30_000.0
+    # A latency tier may also hold what it is measured to drain within `max_wait_ms` (those
+    # requests are served before their queue deadline): the places absorb a burst. False:
+    # `max_waiting` is a hard bound on the queue.
+    follow_drain: bool = True
 
 
 class Gate(_Section):
@@ -330,6 +332,7 @@ class Settings(_Section):
             "prefill_tokens_per_s": self.sla.prefill_tokens_per_s,
             "preemption_cooldown_ms": self.preemption.cooldown_ms,
             "queue_timeout_ms": self.gate.queue.max_wait_ms,
+            "queue_follows_drain": self.gate.queue.follow_drain,
             "first_token_timeout_ms": self.streaming.first_token_timeout_ms,
             "request_timeout_ms": self.timeouts.total_ms,
             "stale_after_ms": self.metrics.stale_after_ms,

@@ -148,6 +148,10 @@ pub struct PolicyConfig {
     pub preemption_cooldown_ms: Option<f64>,
     #[serde(default)]
     pub queue_timeout_ms: Option<f64>,
+    /// A latency tier may also hold what it drains within `queue_timeout_ms`, beyond
+    /// `max_waiting` (see `Governor::waiting_room`); false: `max_waiting` is a hard bound.
+    #[serde(default = "default_true")]
+    pub queue_follows_drain: bool,
     #[serde(default)]
     pub first_token_timeout_ms: Option<f64>,
     #[serde(default)]
@@ -198,6 +202,9 @@ fn default_concurrency() -> u32 {
 }
 fn default_waiting() -> u32 {
     200
+}
+fn default_true() -> bool {
+    true
 }
 fn default_strategy() -> Strategy {
     Strategy::Fair

@@ -259,10 +259,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         assert rt is not None
         counts = (len(m.live), len(m.running()), len(m.waiting()))
         assert (rt.live, rt.running, rt.queued) == counts, context
-        # max_waiting bounds the queue only without a queue wait limit: with one, a latency tier
-        # may also hold what it drains within it (a measured rate this model does not compute;
-        # property_tests' governor machine checks that room exactly)
-        if self.config["policy"]["queue_timeout_ms"] is None:
+        # max_waiting bounds the queue unless a latency tier may also hold what it drains within
+        # the queue's wait limit (a measured rate this model does not compute; property_tests'
+        # governor machine checks that room exactly)
+        policy = self.config["policy"]
+        if policy["queue_timeout_ms"] is None or not policy.get("queue_follows_drain", True):
             assert len(m.waiting()) <= self.config["policy"]["max_waiting"], context
         assert rt.kv_blocks_in_use == m.ledger(), context
         if m.waiting() and any(len(m.running(n)) < b.cap for n, b in m.backends.items()):

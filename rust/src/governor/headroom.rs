@@ -9,7 +9,7 @@
 //! everything else. The estimates move only with `now_us`, like the rest of the core.
 
 use super::Governor;
-use crate::backend::EWMA_ALPHA;
+use crate::backend::{BackendState, EWMA_ALPHA};
 
 /// Time constant of the arrival-rate estimate (s): long enough to smooth a Poisson stream of a
 /// few requests per second, short enough to follow a shift within a minute.
@@ -103,7 +103,7 @@ impl TierLoad {
 /// Erlang C by the Erlang B recursion (stable for any load): `B(k) = a·B(k-1) / (k + a·B(k-1))`,
 /// `C(c) = c·B(c) / (c - a·(1 - B(c)))`, and `P(wait > t) = C(c)·exp(-(c - a)·t / hold)`.
 pub fn servers_needed(load: f64, hold_s: f64, wait_s: f64, quantile: f64, limit: u32) -> u32 {
-    if !(load > 0.0) {
+    if load.is_nan() || load <= 0.0 {
         return 0;
     }
     let miss = 1.0 - quantile;
@@ -160,7 +160,7 @@ impl Governor {
             .backends
             .iter()
             .filter(|b| b.healthy)
-            .map(|b| b.slots())
+            .map(BackendState::slots)
             .sum();
         let hold = if rate > 0.0 {
             load / rate

@@ -72,7 +72,8 @@ impl Governor {
     /// The waiting places a newcomer of the tier may fill: (its tier's, the whole queue's).
     ///
     /// Configured, they are `shed_at` of `max_waiting` and `max_waiting`. A latency tier may
-    /// also hold what it drains within the queue's own wait limit (`queue_timeout_ms`), as in
+    /// also hold (unless `queue_follows_drain` is off, which makes `max_waiting` a hard bound)
+    /// what it drains within the queue's own wait limit (`queue_timeout_ms`), as in
     /// Little's law: a request queued there is served before its queue deadline, so refusing
     /// it for room would only add a client's backoff to its wait, while a burst beyond that
     /// room would wait past the deadline anyway. Best-effort tiers get no such room (their
@@ -85,7 +86,11 @@ impl Governor {
         let tier = &self.config.tiers[tier_idx];
         let max_waiting = self.config.max_waiting as usize;
         let shed = (tier.shed_at * max_waiting as f64).floor() as usize;
-        let drained = self.config.queue_timeout_ms.map_or(0, |ms| {
+        let limit = self
+            .config
+            .queue_timeout_ms
+            .filter(|_| self.config.queue_follows_drain);
+        let drained = limit.map_or(0, |ms| {
             (tier_idx..self.config.tiers.len())
                 .filter(|&t| !self.config.tiers[t].best_effort && self.tier_load[t].measured())
                 .map(|t| (self.tier_drain(t) * ms / 1000.0) as usize)
@@ -347,6 +352,9 @@ mod tests {
         assert_eq!(g.waiting_room(1), (1000, 1000));
         assert_eq!(g.waiting_room(0), (1000, 1000));
         assert_eq!(g.waiting_room(2), (2, 4));
+        g.config.queue_follows_drain = false; // max_waiting as a hard bound
+        assert_eq!(g.waiting_room(1), (2, 4));
+        g.config.queue_follows_drain = true;
         for id in 3..=12 {
             let d = g.submit(id, a, 10, 10, 0).unwrap();
             assert!(matches!(d, Decision::Queued { .. }), "{id}: {d:?}");
