@@ -42,7 +42,12 @@ RSS_LIMIT_MB = 1024
 
 def _config(url: str) -> dict[str, Any]:
     return {
-        "gate": {"max_concurrency_per_gpu": 4, "queue": {"max_waiting": 32}},
+        # A hard bound of 32 waiting places: the flood is a flood of refusals (following the
+        # drain, the queue would take most of the paced burst from the fast simulated vLLM).
+        "gate": {
+            "max_concurrency_per_gpu": 4,
+            "queue": {"max_waiting": 32, "follow_drain": False},
+        },
         "sla": {"ttft_ms": None},
         "metrics": {"scrape_interval_ms": 200},
         "streaming": {"sse_flush_interval": 0},
