@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 
-from llmflow.gateway.scraper import parse_vllm_metrics
+from llmflow.gateway.scraper import NotMetricsError, parse_vllm_metrics
+from llmflow.gateway.shared_scrape import ScrapedElsewhereError, answered
 
 from .harness import start_gateway, until
 
@@ -151,3 +153,22 @@ async def test_all_backends_down_fails_fast_with_503() -> None:
         assert r.json()["error"]["code"] == "no_healthy_backend"
         assert (await h.client.get("/readyz")).status_code == 503
         assert h.fake.seen == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "reachable"), [(500, True), (404, True), (502, False), (503, False), (504, False)]
+)
+def test_a_failed_scrape_is_judged_by_whether_the_server_answered(
+    status: int, reachable: bool
+) -> None:
+    """An error status from vLLM itself means it is alive (up, at the stale rule's half);
+    a proxy's 502-504 or no connection at all means nothing answered (towards down)."""
+    request = httpx.Request("GET", "http://b0/metrics")
+    response = httpx.Response(status, request=request)
+    error = httpx.HTTPStatusError("scrape", request=request, response=response)
+    assert answered(error) is reachable
+    assert answered(httpx.ConnectError("refused", request=request)) is False
+    assert answered(httpx.ConnectTimeout("no answer", request=request)) is False
+    assert answered(httpx.ReadTimeout("slow", request=request)) is True
+    assert answered(NotMetricsError("<html>")) is True
+    assert answered(ScrapedElsewhereError("elsewhere", reachable)) is reachable
