@@ -35,7 +35,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -120,7 +123,7 @@ async def _flood(port: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _pinned(cpus: set[int]):  # type: ignore[no-untyped-def]
+def _pinned(cpus: set[int]) -> Iterator[None]:
     """Children started inside inherit `cpus`; this process goes back to the client's CPU."""
     os.sched_setaffinity(0, cpus)
     try:
@@ -130,7 +133,7 @@ def _pinned(cpus: set[int]):  # type: ignore[no-untyped-def]
 
 
 @contextlib.contextmanager
-def _nginx(workdir: Path, body: bytes, retry_after: str):  # type: ignore[no-untyped-def]
+def _nginx(workdir: Path, body: bytes, retry_after: str) -> Iterator[int]:
     port = free_port()
     conf = workdir / "nginx.conf"
     escaped = body.decode().replace("\\", "\\\\").replace("'", "\\'")

@@ -594,7 +594,7 @@ impl Runtime {
                 elsewhere,
                 waiting,
                 waiting_before,
-            } => self.shared_load(backend, elsewhere, (waiting, waiting_before))?,
+            } => self.shared_load(backend, elsewhere, waiting, waiting_before)?,
             Event::LeaseDenied { id } => self.lease_denied(id, now)?,
             Event::SharedService { tenant, cost } => {
                 self.gov.charge_elsewhere(tenant, cost)?;
@@ -708,7 +708,8 @@ impl Runtime {
         &mut self,
         backend: u32,
         elsewhere: u32,
-        (waiting, waiting_before): (f64, f64),
+        waiting: f64,
+        waiting_before: f64,
     ) -> PolicyResult<bool> {
         self.gov
             .set_elsewhere(backend, elsewhere, waiting, waiting_before)?;
