@@ -4,7 +4,8 @@ It restates, from the config alone, the rules the Rust core must follow: who may
 cap, halved by stale metrics and, for unprotected tiers, per breaker level; `max_share`; KV
 pressure and KV fit for unprotected tiers), what `submit` decides (tier limits and the room a
 tier drains within the queue's wait limit, displacement, the TTFT SLA estimate while a tier's
-arrivals outpace its drain, the breaker), the fair order inside a tier (the Virtual Token Counter),
+arrivals outpace its drain, the breaker), the fair order inside a tier (the Virtual Token Counter,
+with the requests past their TTFT SLA in an overload behind the rest),
 the KV ledger and every request's deadlines. It is never used by the product, and it dispatches
 nothing itself: the state machine applies the core's admissions to it after checking each one.
 """
@@ -41,6 +42,8 @@ class Req:
     first_token: bool = False
     own_prefill_us: int = 0  # its prompt's prefill time at the configured rate
     prefill_alone: bool = False  # nothing else was in prefill on its backend when it started
+    lapses: bool = False  # queued, and will be looked at once its TTFT SLA has passed
+    late: bool = False  # it was past its SLA while its tier was overloaded: behind the rest
 
 
 @dataclass
@@ -177,14 +180,42 @@ class ReferenceGovernor:
                 room[name] = total - running
         return sorted(room, key=lambda name: -room[name])  # ties: config order
 
+    def line(self, t: Tenant) -> list[int]:
+        """A tenant's queued requests in the order they start: those that can still be on
+        time, oldest first, then the late ones, oldest first."""
+        return [r for r in t.queue if not self.live[r].late] + [
+            r for r in t.queue if self.live[r].late
+        ]
+
     def head(self, tier: int) -> int | None:
-        """The queued request a tier starts next: the oldest of its smallest counter's tenant."""
+        """The queued request a tier starts next: the first in line of the tenant with the
+        smallest counter, among tenants whose first is on time, else among the rest."""
         backlogged = [
-            (t.counter, i, t.queue[0])
+            (self.live[first].late, t.counter, i, first)
             for i, t in enumerate(self.tenants.values())
             if t.tier == tier and t.queue
+            for first in self.line(t)[:1]
         ]
-        return min(backlogged)[2] if backlogged else None
+        return min(backlogged)[3] if backlogged else None
+
+    def ahead(self, tier: int) -> int:
+        """Queued requests a new one of the tier waits behind: every one of a more important
+        tier, and its own tier's that are not late."""
+        return sum(
+            1 for r in self.live.values()
+            if r.backend is None and (r.tier < tier or (r.tier == tier and not r.late))
+        )
+
+    def lapse(self, now: int) -> None:
+        """What `submit` and `dispatch` do first: each queued request whose TTFT SLA passed is
+        looked at once, and goes behind the rest of its tier if the tier is overwhelmed then."""
+        sla = us(self.config["ttft_sla_ms"])
+        if sla is None:
+            return
+        for r in self.live.values():
+            if r.lapses and now >= r.submitted + sla:
+                r.lapses = False
+                r.late = self.overwhelmed(r.tier, now)
 
     def stuck(self, now: int) -> list[tuple[int, str]]:
         """Queued requests that could start now: each tier's head, where it has a place."""
@@ -214,7 +245,7 @@ class ReferenceGovernor:
         own = (len(self.tenants[tenant].queue) + 1) / self.tenants[tenant].weight
         if tier == mine and load[heaviest] <= own:
             return None
-        return self.tenants[heaviest].queue[-1]
+        return self.line(self.tenants[heaviest])[-1]
 
     def decayed(self, tier: int, now: int) -> float:
         """The tier's arrivals, each weighing less by a factor e per minute since."""
@@ -238,6 +269,12 @@ class ReferenceGovernor:
     def sustained(self, tier: int, now: int) -> bool:
         """Arrivals outpace the drain: only then does the TTFT SLA refuse."""
         return self.rate(tier, now) > self.drain(tier)
+
+    def overwhelmed(self, tier: int, now: int) -> bool:
+        """A minute's excess of arrivals over the drain is more than the queue's wait limit
+        drains: only then do requests past the SLA go behind the rest."""
+        wait_s = (self.config["queue_timeout_ms"] or 0.0) / 1000.0
+        return self.rate(tier, now) > self.drain(tier) * (1.0 + wait_s / ARRIVAL_WINDOW_S)
 
     def room(self, tier: int) -> tuple[int, int]:
         """(the tier's waiting places, the queue's) for a newcomer of the tier: the configured
@@ -265,9 +302,13 @@ class ReferenceGovernor:
         me = self.tenants[tenant]
 
         def waiting(t: Tenant) -> int:
-            return sum(self.live[rid].prompt for rid in t.queue)
+            return sum(self.live[rid].prompt for rid in t.queue if not self.live[rid].late)
 
-        higher = sum(waiting(t) for t in self.tenants.values() if t.tier < me.tier)
+        higher = sum(
+            self.live[rid].prompt
+            for t in self.tenants.values() if t.tier < me.tier
+            for rid in t.queue
+        )
         own = waiting(me)
         served = (own + prompt) / me.weight
         others = sum(
@@ -296,7 +337,7 @@ class ReferenceGovernor:
             return "rejected", "kv_pressure"
         late = unprotected and self.late(tenant, prompt) and self.sustained(tier, now)
         where = self.placeable(tier, prompt, now)
-        if not self.queued(tier) and where:
+        if not self.ahead(tier) and where:
             return ("rejected", "ttft_sla") if late else ("admitted", where[0])
         queued, (tier_room, most) = len(self.queued()), self.room(tier)
         victim = None
@@ -320,6 +361,9 @@ class ReferenceGovernor:
             return
         self.arrive(tenant)
         t.queue.append(rid)
+        c = self.config
+        yields = c.get("late_yields", True) and not self.tier(t.tier).get("best_effort")
+        self.live[rid].lapses = yields and c["ttft_sla_ms"] is not None
 
     def count(self, tenant: str, now: int) -> None:
         """Every submit counts toward its tier's arrival rate, refused or not."""
@@ -338,6 +382,7 @@ class ReferenceGovernor:
         req, t = self.live[rid], self.tenants[self.live[rid].tenant]
         if rid in t.queue:
             t.queue.remove(rid)
+        req.lapses = req.late = False
         self.last_served[t.tier] = t.counter
         # the core's own test: no prompt tokens in prefill there (a 0-token prompt adds none)
         req.prefill_alone = not sum(r.prompt for r in self.running(backend) if not r.first_token)

@@ -90,6 +90,7 @@ class GovernorMachine(RuleBasedStateMachine):
     def submit_now(self, tenant: str, prompt: int, max_tokens: int) -> int:
         m = self.model
         m.tick(self.now)
+        m.lapse(self.now)
         m.arrive(tenant)
         m.count(tenant, self.now)
         kind, detail = m.decide(tenant, prompt, max_tokens, self.now)
@@ -133,7 +134,7 @@ class GovernorMachine(RuleBasedStateMachine):
                     assert retry is not None
                     assert retry > 0
                     m.finish(victim)
-                assert position == len(m.queued(tier)) - 1, (decision, m.queued(tier))
+                assert position == m.ahead(tier) - 1, (decision, m.queued(tier))
         return rid
 
     @precondition(lambda self: self.fit_blocked())
@@ -283,6 +284,7 @@ class GovernorMachine(RuleBasedStateMachine):
     def settle(self) -> None:
         """The dispatch a host makes after every event."""
         self.model.tick(self.now)
+        self.model.lapse(self.now)
         self.follow(self.call("dispatch", self.now))
 
     def follow(self, admissions: list[Any], own: tuple[int, str] | None = None) -> None:

@@ -383,10 +383,13 @@ class Runtime:
     def arrive(
         self, request_id: int, tenant: str, prompt_tokens: int, max_tokens: int, stream: bool,
         now_us: int, *, model: str | None = None, prefix_hashes: list[int] | None = None,
+        fingerprint: int = 0,
     ) -> list[Action]:
         """A request arrived: it starts, waits, or gets its `Reply` at once.
 
-        `model` and `prefix_hashes` route it as `Governor.submit` says.
+        `model` and `prefix_hashes` route it as `Governor.submit` says. `fingerprint` (0:
+        none) identifies the request across a client's retries (the gateway: a hash of its
+        body): a retry of a request that ended unserved is judged from its first arrival.
 
         Raises:
             UnknownModelError: no backend serves `model`; the request was not announced (the
@@ -404,7 +407,7 @@ class Runtime:
         """
     def refusal(
         self, tenant: str, prompt_tokens: int, max_tokens: int, now_us: int, *,
-        model: str | None = None,
+        model: str | None = None, fingerprint: int = 0,
     ) -> tuple[int, Reason, int] | None:
         """Whether `arrive` would refuse this request at once, asked without changing anything.
 

@@ -131,6 +131,10 @@ class Sla(_Section):
     # overload (arrivals over the last minute above its drain); a burst is left to the queue.
     ttft_ms: DurationMs | None = 1500.0
     prefill_tokens_per_s: float = Field(8000.0, gt=0)  # prior until measured online
+    # A queued request past ttft_ms, or a client's retry of a request refused longer ago than
+    # that (known by its body), waits behind every request of its tier that can still be on
+    # time, in the order its client first came. False: one queue, in arrival order.
+    late_requests_yield: bool = True
 
 
 class Preemption(_Section):
@@ -333,6 +337,7 @@ class Settings(_Section):
             "preemption_cooldown_ms": self.preemption.cooldown_ms,
             "queue_timeout_ms": self.gate.queue.max_wait_ms,
             "queue_follows_drain": self.gate.queue.follow_drain,
+            "late_yields": self.sla.late_requests_yield,
             "first_token_timeout_ms": self.streaming.first_token_timeout_ms,
             "request_timeout_ms": self.timeouts.total_ms,
             "stale_after_ms": self.metrics.stale_after_ms,

@@ -152,6 +152,10 @@ pub struct PolicyConfig {
     /// `max_waiting` (see `Governor::waiting_room`); false: `max_waiting` is a hard bound.
     #[serde(default = "default_true")]
     pub queue_follows_drain: bool,
+    /// A queued request past its TTFT SLA, or a retry whose client first came longer ago than
+    /// that, waits in its tier's late lane behind the fresh (see `fair_queue`); false: one lane.
+    #[serde(default = "default_true")]
+    pub late_yields: bool,
     #[serde(default)]
     pub first_token_timeout_ms: Option<f64>,
     #[serde(default)]

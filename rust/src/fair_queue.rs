@@ -8,8 +8,19 @@
 //! charges the admission controller makes), so one tenant's 1,500 long requests cannot starve
 //! another's short ones. Inside one tenant, requests keep arrival order.
 //!
-//! Every operation is O(log n): tenants are kept in a `BTreeSet` keyed by counter, a tenant's
-//! requests in a `BTreeMap` keyed by arrival number.
+//! Each tier has two lanes. A request that can still meet its first-token SLA waits in the
+//! *fresh* lane; one that cannot any more (it waited past the SLA, or it is a client's retry of
+//! a request refused longer ago than that) moves to the *late* lane (`lapse`), behind every
+//! fresh request of its tier, in the order its client first came. Under an overload that no
+//! order keeps on time, serving the late first only makes the fresh late too (the brownout
+//! scenario served 205 requests on time this way against vLLM's 283); serving the fresh first
+//! keeps them on time, and the late, whose SLA is lost either way, are served oldest first as
+//! soon as the fresh leave room (as in Facebook's adaptive LIFO, "Fail at Scale", 2015, with
+//! the late kept in order rather than dropped). Between tenants, a tenant whose next request is
+//! fresh goes before one whose next is late; VTC orders each group.
+//!
+//! Every operation is O(log n): tenants are kept in a `BTreeSet` keyed by (lane, counter), a
+//! tenant's requests in a `BTreeMap` keyed by (lane, arrival number).
 //!
 //! Requests for different models wait in separate pools (one `PoolQueue` per model pool, each
 //! with its own tier order and tenant counters), so a request that waits for model A's busy
@@ -29,12 +40,27 @@ pub struct QueuedItem {
     pub prompt_tokens: u64,
 }
 
+/// Where a request waits inside its tenant's line: its lane, then the µs its client first
+/// came (a retry keeps the place of its first attempt), then its arrival number
+/// (`FairQueue::push_to`): first come, first served in each lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Place {
+    late: bool,
+    since: u64,
+    seq: u64,
+}
+
+/// A backlogged tenant's key in its tier: (its head is late, the VTC counter's bits or, for
+/// FIFO, the head's place). Non-negative floats order like their bit patterns.
+type BacklogKey = (bool, u64, u64);
+
 #[derive(Debug, Clone, Default)]
 struct TierQueue {
-    /// Backlogged tenants by (ordering key, tenant index); the key is the VTC counter's bits
-    /// (non-negative floats order like their bit patterns) or, for FIFO, the head's arrival.
-    backlog: BTreeSet<(u64, u32)>,
+    /// Backlogged tenants by (ordering key, tenant index).
+    backlog: BTreeSet<(BacklogKey, u32)>,
     len: usize,
+    /// Requests in the late lane.
+    late: usize,
     prompt_tokens: u64,
     /// Counter of the tenant served last: the lift for a tenant arriving to an idle tier.
     last_served: f64,
@@ -46,9 +72,11 @@ struct TenantQueue {
     weight: f64,
     counter: f64,
     service: f64,
-    items: BTreeMap<u64, QueuedItem>,
+    items: BTreeMap<Place, QueuedItem>,
     prompt_tokens: u64,
-    key: Option<u64>,
+    /// Prompt tokens of its requests in the fresh lane.
+    fresh_prompt_tokens: u64,
+    key: Option<BacklogKey>,
 }
 
 /// The waiting requests of all pools.
@@ -112,6 +140,22 @@ impl FairQueue {
         self.pools[pool as usize].tier_len(tier)
     }
 
+    /// Waiting requests of a tier's fresh lane in one pool: those a fresh newcomer waits behind.
+    pub fn pool_tier_fresh_len(&self, pool: u32, tier: usize) -> usize {
+        let tq = &self.pools[pool as usize].tiers[tier];
+        tq.len - tq.late
+    }
+
+    /// Whether a queued request waits in the late lane.
+    pub fn is_late(&self, id: u64) -> bool {
+        self.pool_of(id).is_some_and(|pool| {
+            self.pools[pool as usize]
+                .index
+                .get(&id)
+                .is_some_and(|&(_, place)| place.late)
+        })
+    }
+
     /// Prompt tokens waiting in one tier: the prefill work it will bring.
     pub fn tier_prompt_tokens(&self, tier: usize) -> u64 {
         self.pools.iter().map(|p| p.tier_prompt_tokens(tier)).sum()
@@ -135,15 +179,31 @@ impl FairQueue {
     /// Queue a request at the back of its tenant's line in the first pool.
     #[cfg(test)]
     pub fn push(&mut self, tenant: u32, item: QueuedItem) {
-        self.push_to(0, tenant, item);
+        let since = self.next_seq; // tests: arrival numbers stand for times
+        self.push_to(0, tenant, item, since, false);
     }
 
-    /// Queue a request at the back of its tenant's line in a pool.
-    pub fn push_to(&mut self, pool: u32, tenant: u32, item: QueuedItem) {
+    /// Queue a request in its tenant's line in a pool, in the fresh or the `late` lane, by
+    /// `since_us`, the µs its client first came (now, but for a retry), then by arrival.
+    pub fn push_to(&mut self, pool: u32, tenant: u32, item: QueuedItem, since_us: u64, late: bool) {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.pool_of.insert(item.id, pool);
-        self.pools[pool as usize].push(tenant, item, seq);
+        let place = Place {
+            late,
+            since: since_us,
+            seq,
+        };
+        self.pools[pool as usize].push(tenant, item, place);
+    }
+
+    /// Move a queued request of the fresh lane to the late lane, keeping its order. False when
+    /// it is not queued or already late.
+    pub fn lapse(&mut self, id: u64) -> bool {
+        let Some(&pool) = self.pool_of.get(&id) else {
+            return false;
+        };
+        self.pools[pool as usize].lapse(id)
     }
 
     /// Take the next request of a tier in the first pool.
@@ -176,7 +236,7 @@ impl FairQueue {
         self.pools
             .iter()
             .filter_map(|p| p.newest(tenant))
-            .max_by_key(|&(seq, _)| seq)
+            .max_by_key(|&(place, _)| place)
             .map(|(_, item)| item)
     }
 
@@ -188,6 +248,11 @@ impl FairQueue {
     /// Prompt tokens a tenant has waiting in one pool.
     pub fn pool_tenant_prompt_tokens(&self, pool: u32, tenant: u32) -> u64 {
         self.pools[pool as usize].tenant_prompt_tokens(tenant)
+    }
+
+    /// Prompt tokens a tenant has waiting in one pool's fresh lane.
+    pub fn pool_tenant_fresh_prompt_tokens(&self, pool: u32, tenant: u32) -> u64 {
+        self.pools[pool as usize].tenants[tenant as usize].fresh_prompt_tokens
     }
 
     /// Prompt tokens a tenant has waiting, over all pools.
@@ -261,7 +326,7 @@ struct PoolQueue {
     strategy: Strategy,
     tiers: Vec<TierQueue>,
     tenants: Vec<TenantQueue>,
-    index: FxHashMap<u64, (u32, u64)>,
+    index: FxHashMap<u64, (u32, Place)>,
 }
 
 impl PoolQueue {
@@ -278,6 +343,7 @@ impl PoolQueue {
                     service: 0.0,
                     items: BTreeMap::new(),
                     prompt_tokens: 0,
+                    fresh_prompt_tokens: 0,
                     key: None,
                 })
                 .collect(),
@@ -308,18 +374,49 @@ impl PoolQueue {
         self.tenants[tenant as usize].items.len()
     }
 
-    fn push(&mut self, tenant: u32, item: QueuedItem, seq: u64) {
+    fn push(&mut self, tenant: u32, item: QueuedItem, place: Place) {
         let t = tenant as usize;
         if self.tenants[t].items.is_empty() {
             self.lift(t);
         }
-        self.tenants[t].items.insert(seq, item);
-        self.tenants[t].prompt_tokens += item.prompt_tokens;
-        self.index.insert(item.id, (tenant, seq));
+        self.place(tenant, item, place);
         let tier = &mut self.tiers[self.tenants[t].tier];
         tier.len += 1;
         tier.prompt_tokens += item.prompt_tokens;
         self.rekey(t);
+    }
+
+    /// Put an item in its tenant's line at `place` (the tier's length is the caller's).
+    fn place(&mut self, tenant: u32, item: QueuedItem, place: Place) {
+        let t = &mut self.tenants[tenant as usize];
+        t.items.insert(place, item);
+        t.prompt_tokens += item.prompt_tokens;
+        if place.late {
+            self.tiers[t.tier].late += 1;
+        } else {
+            t.fresh_prompt_tokens += item.prompt_tokens;
+        }
+        self.index.insert(item.id, (tenant, place));
+    }
+
+    fn lapse(&mut self, id: u64) -> bool {
+        let Some(&(tenant, place)) = self.index.get(&id) else {
+            return false;
+        };
+        if place.late {
+            return false;
+        }
+        let t = tenant as usize;
+        let item = self.tenants[t].items.remove(&place).expect("indexed");
+        self.tenants[t].prompt_tokens -= item.prompt_tokens;
+        self.tenants[t].fresh_prompt_tokens -= item.prompt_tokens;
+        let late = Place {
+            late: true,
+            ..place
+        };
+        self.place(tenant, item, late);
+        self.rekey(t);
+        true
     }
 
     /// VTC's arrival rule: a tenant that has nothing waiting is lifted to the smallest
@@ -346,9 +443,9 @@ impl PoolQueue {
     fn pop(&mut self, tier: usize) -> Option<(u32, QueuedItem)> {
         let &(_, tenant) = self.tiers[tier].backlog.first()?;
         let t = tenant as usize;
-        let (_, item) = self.tenants[t].items.pop_first()?;
+        let (place, item) = self.tenants[t].items.pop_first()?;
         self.index.remove(&item.id);
-        self.forget(t, item);
+        self.forget(t, item, place);
         self.tiers[tier].last_served = self.tenants[t].counter;
         self.rekey(t);
         Some((tenant, item))
@@ -363,12 +460,13 @@ impl PoolQueue {
             .map(|(_, &item)| item)
     }
 
-    /// The most recently queued request of a tenant, with its arrival number.
-    fn newest(&self, tenant: u32) -> Option<(u64, QueuedItem)> {
+    /// The request at the back of a tenant's line, with its place: the latest-come of its
+    /// late lane, else the newest of its fresh lane.
+    fn newest(&self, tenant: u32) -> Option<(Place, QueuedItem)> {
         self.tenants[tenant as usize]
             .items
             .last_key_value()
-            .map(|(&seq, &item)| (seq, item))
+            .map(|(&place, &item)| (place, item))
     }
 
     /// Prompt tokens a tenant has waiting.
@@ -382,10 +480,10 @@ impl PoolQueue {
 
     /// Take a request out wherever it is (cancelled or expired while waiting).
     fn remove(&mut self, id: u64) -> Option<(u32, QueuedItem)> {
-        let (tenant, seq) = self.index.remove(&id)?;
+        let (tenant, place) = self.index.remove(&id)?;
         let t = tenant as usize;
-        let item = self.tenants[t].items.remove(&seq)?;
-        self.forget(t, item);
+        let item = self.tenants[t].items.remove(&place)?;
+        self.forget(t, item, place);
         self.rekey(t);
         Some((tenant, item))
     }
@@ -411,20 +509,30 @@ impl PoolQueue {
         }
     }
 
-    fn forget(&mut self, t: usize, item: QueuedItem) {
-        self.tenants[t].prompt_tokens -= item.prompt_tokens;
-        let tier = &mut self.tiers[self.tenants[t].tier];
+    fn forget(&mut self, t: usize, item: QueuedItem, place: Place) {
+        let tenant = &mut self.tenants[t];
+        tenant.prompt_tokens -= item.prompt_tokens;
+        if !place.late {
+            tenant.fresh_prompt_tokens -= item.prompt_tokens;
+        }
+        let tier = &mut self.tiers[tenant.tier];
         tier.len -= 1;
+        tier.late -= usize::from(place.late);
         tier.prompt_tokens -= item.prompt_tokens;
     }
 
-    /// VTC's counter lift for a tenant that becomes backlogged.
+    /// VTC's counter lift for a tenant that becomes backlogged: to the smallest counter of a
+    /// backlogged tenant (the first of each lane group holds its group's smallest).
     fn lift(&mut self, t: usize) {
         let tier = &self.tiers[self.tenants[t].tier];
-        let floor = match tier.backlog.first() {
-            Some(&(_, other)) => self.tenants[other as usize].counter,
-            None => tier.last_served,
-        };
+        let fresh = tier.backlog.first();
+        let late = tier.backlog.range(((true, 0, 0), 0)..).next();
+        let floor = [fresh, late]
+            .into_iter()
+            .flatten()
+            .map(|&(_, other)| self.tenants[other as usize].counter)
+            .reduce(f64::min)
+            .unwrap_or(tier.last_served);
         let tenant = &mut self.tenants[t];
         tenant.counter = tenant.counter.max(floor);
     }
@@ -435,9 +543,9 @@ impl PoolQueue {
         let new_key = tenant
             .items
             .first_key_value()
-            .map(|(&seq, _)| match self.strategy {
-                Strategy::Fair => tenant.counter.to_bits(),
-                Strategy::Fifo => seq,
+            .map(|(&place, _)| match self.strategy {
+                Strategy::Fair => (place.late, tenant.counter.to_bits(), 0),
+                Strategy::Fifo => (place.late, place.since, place.seq),
             });
         if new_key == tenant.key {
             return;
@@ -548,9 +656,9 @@ mod tests {
     #[test]
     fn pools_are_independent() {
         let mut q = FairQueue::pooled(Strategy::Fair, 1, &[(0, 1.0)], 2);
-        q.push_to(0, 0, item(1));
-        q.push_to(1, 0, item(2));
-        q.push_to(0, 0, item(3));
+        q.push_to(0, 0, item(1), 0, false);
+        q.push_to(1, 0, item(2), 1, false);
+        q.push_to(0, 0, item(3), 2, false);
         assert_eq!(
             (q.tier_len(0), q.pool_tier_len(1, 0), q.tenant_len(0)),
             (3, 1, 3)
@@ -586,5 +694,44 @@ mod tests {
         assert!(q.pop(0).is_none());
         assert_eq!(q.pop(1).map(|(_, i)| i.id), Some(3));
         assert!(q.is_empty());
+    }
+
+    // The late lane: behind every fresh request of the tier, whatever the tenants' counters,
+    // in the order their clients first came; counts and prompt totals follow the moves.
+    #[test]
+    fn late_lane_yields_to_fresh() {
+        for strategy in [Strategy::Fair, Strategy::Fifo] {
+            let mut q = FairQueue::new(strategy, 1, &[(0, 1.0), (0, 1.0)]);
+            q.push_to(0, 0, item(1), 900, false);
+            q.push_to(0, 0, item(2), 950, false);
+            q.push_to(0, 1, item(3), 500, true); // a retry whose client first came at 500
+            q.push_to(0, 1, item(4), 990, false);
+            q.push_to(0, 1, item(5), 400, false); // a retry, not late: ahead of its tenant's 4
+            q.charge(1, 1.0e6); // tenant 1 far over its share: its fresh ones still go first
+            assert!(q.lapse(1));
+            assert!(!q.lapse(1) && q.is_late(1) && q.is_late(3) && !q.is_late(2));
+            assert_eq!((q.pool_tier_fresh_len(0, 0), q.tier_len(0)), (3, 5));
+            assert_eq!(
+                (
+                    q.pool_tenant_fresh_prompt_tokens(0, 0),
+                    q.pool_tenant_prompt_tokens(0, 0)
+                ),
+                (10, 20)
+            );
+            // the back of tenant 0's line is now its late request
+            assert_eq!(q.newest(0).map(|i| i.id), Some(1));
+            let order: Vec<u64> = std::iter::from_fn(|| q.pop(0).map(|(_, i)| i.id)).collect();
+            let want = match strategy {
+                // fresh: tenant 0 (smaller counter), then 1's by first come; late: VTC again
+                Strategy::Fair => vec![2, 5, 4, 1, 3],
+                // fresh by first come (400, 950, 990); late by first come (500 before 900)
+                Strategy::Fifo => vec![5, 2, 4, 3, 1],
+            };
+            assert_eq!(order, want, "{strategy:?}");
+            assert_eq!(
+                (q.pool_tier_fresh_len(0, 0), q.tier_prompt_tokens(0)),
+                (0, 0)
+            );
+        }
     }
 }

@@ -319,6 +319,7 @@ impl PyGovernor {
         let route = Route {
             pool: self.inner.pool_of(model)?,
             chain: &chain,
+            fingerprint: 0,
         };
         let decision = self
             .inner

@@ -285,7 +285,7 @@ impl PyRuntime {
 
     #[allow(clippy::too_many_arguments)] // one Python method per event, with its fields
     #[pyo3(signature = (request_id, tenant, prompt_tokens, max_tokens, stream, now_us, *,
-                        model=None, prefix_hashes=None))]
+                        model=None, prefix_hashes=None, fingerprint=0))]
     fn arrive(
         &mut self,
         py: Python<'_>,
@@ -297,6 +297,7 @@ impl PyRuntime {
         now_us: u64,
         model: Option<&str>,
         prefix_hashes: Option<Vec<u64>>,
+        fingerprint: u64,
     ) -> PyResult<Py<PyAny>> {
         let event = Event::Arrive {
             id: request_id,
@@ -306,6 +307,7 @@ impl PyRuntime {
             stream,
             pool: self.inner.governor().pool_of(model)?,
             chain: prefix_hashes.unwrap_or_default(),
+            fingerprint,
         };
         self.feed(py, now_us, &event)
     }
@@ -328,7 +330,7 @@ impl PyRuntime {
     }
 
     /// What `arrive` would answer now if it refused at once: (status, reason, Retry-After).
-    #[pyo3(signature = (tenant, prompt_tokens, max_tokens, now_us, *, model=None))]
+    #[pyo3(signature = (tenant, prompt_tokens, max_tokens, now_us, *, model=None, fingerprint=0))]
     fn refusal(
         &self,
         tenant: &str,
@@ -336,11 +338,13 @@ impl PyRuntime {
         max_tokens: i64,
         now_us: u64,
         model: Option<&str>,
+        fingerprint: u64,
     ) -> PyResult<Option<(u16, &'static str, u32)>> {
         let gov = self.inner.governor();
         let route = Route {
             pool: gov.pool_of(model)?,
             chain: &[],
+            fingerprint,
         };
         let refused = self.inner.refusal(
             gov.tenant_id(tenant)?,

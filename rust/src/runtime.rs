@@ -90,6 +90,9 @@ pub enum Event {
         pool: u32,
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         chain: Vec<u64>,
+        /// The host's fingerprint of the request (0: none), by which a retry is known.
+        #[serde(default, skip_serializing_if = "is_zero_u64")]
+        fingerprint: u64,
     },
     /// The backend accepted the request (response headers came back).
     Started { id: u64 },
@@ -160,6 +163,11 @@ pub enum Event {
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
 fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_zero_u64(n: &u64) -> bool {
     *n == 0
 }
 
@@ -503,8 +511,13 @@ impl Runtime {
                 stream,
                 pool,
                 ref chain,
+                fingerprint,
             } => {
-                let route = Route { pool, chain };
+                let route = Route {
+                    pool,
+                    chain,
+                    fingerprint,
+                };
                 self.arrive(id, tenant, (prompt, max_tokens), stream, route, now)?;
                 true
             }
@@ -691,13 +704,16 @@ impl Runtime {
             return Ok(false);
         }
         let stream = s.stream;
-        let Some((tenant, prompt, max_tokens, pool, chain)) = self.gov.lease_denied(id, now) else {
+        let Some((tenant, prompt, max_tokens, pool, chain, fingerprint)) =
+            self.gov.lease_denied(id, now)
+        else {
             return Ok(false);
         };
         self.forget(id);
         let route = Route {
             pool,
             chain: &chain,
+            fingerprint,
         };
         self.arrive(id, tenant, (prompt, max_tokens), stream, route, now)?;
         Ok(true)
@@ -973,6 +989,7 @@ mod tests {
             stream: true,
             pool: 0,
             chain: vec![],
+            fingerprint: 0,
         }
     }
 
@@ -1029,6 +1046,7 @@ mod tests {
             stream: true,
             pool: 0,
             chain: vec![],
+            fingerprint: 0,
         };
         let acts = rt.handle(0, &long(1)).unwrap();
         assert!(matches!(acts[0], Action::Start { id: 1, .. }), "{acts:?}");

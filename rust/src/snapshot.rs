@@ -82,6 +82,8 @@ pub struct CounterSnapshot {
     pub queued: u64,
     pub dispatched: u64,
     pub browned_out: u64,
+    pub retries_known: u64,
+    pub late: u64,
     pub rejected: Vec<(RejectReason, u64)>,
     pub finished: Vec<(&'static str, u64)>,
     pub expired: Vec<(&'static str, u64)>,
@@ -183,6 +185,8 @@ impl Governor {
                 queued: c.queued,
                 dispatched: c.dispatched,
                 browned_out: c.browned_out,
+                retries_known: c.retries_known,
+                late: c.late,
                 rejected: RejectReason::ALL
                     .iter()
                     .map(|&r| (r, c.rejected[r as usize]))

@@ -214,6 +214,7 @@ mod tests {
                         // One request carries block hashes: they go into its trace line and
                         // replay with it.
                         chain: if id == 3 { vec![7, 8] } else { vec![] },
+                        fingerprint: id,
                     },
                 )
             })

@@ -99,14 +99,7 @@ SCENARIOS = sorted(
 )
 # Where another policy still wins, and why (xfail is strict: fixing one fails the test until
 # the mark is removed).
-KNOWN_LOSSES = {
-    "brownout": "a 2.6x overload with long answers: direct times out 37% of requests, which "
-    "sheds its load, and serves 283 within the SLO against llmflow's 205 (llmflow's KV fit "
-    "keeps ~half the cache for the running answers' growth; the shorter answers of the "
-    "scenario's own llmflow-brownout also beat the defaults, by the operator's choice)",
-    "rate-limits": "a rate limit is a contract, not an optimisation: the crawler is held to its "
-    "150k tokens/min on purpose, so every unlimited policy finishes it sooner",
-}
+KNOWN_LOSSES: dict[str, str] = {}  # none left: brownout and rate-limits now dominate too
 
 
 @functools.cache

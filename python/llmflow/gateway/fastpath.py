@@ -216,7 +216,8 @@ def _refused(service: CompletionService, prepared: Prepared) -> GatewayError | N
     p = prepared
     host = service.ctx.host
     if not host.arrive_refused(
-        party, p.tenant, p.prompt_tokens, p.max_tokens, p.options.stream, model=p.model
+        party, p.tenant, p.prompt_tokens, p.max_tokens, p.options.stream, model=p.model,
+        fingerprint=p.fingerprint,
     ):
         return None
     assert party.reply is not None  # a refused arrival's one action for its party

@@ -113,11 +113,13 @@ class Host:
         *,
         model: str | None = None,
         prefix_hashes: list[int] | None = None,
+        fingerprint: int = 0,
     ) -> None:
         """A request arrived; its party hears `on_start` or `on_reply` (maybe at once).
 
         `model` picks its pool (only backends serving it are candidates), `prefix_hashes` feed
-        a `prefix` pool's routing; the runtime decides both.
+        a `prefix` pool's routing; the runtime decides both. `fingerprint` (of its body) lets
+        the runtime know a client's retry of a request it refused.
         """
         self.parties[request_id] = party
         try:
@@ -130,6 +132,7 @@ class Host:
                 now_us(),
                 model=model,
                 prefix_hashes=prefix_hashes,
+                fingerprint=fingerprint,
             )
         except BaseException:
             del self.parties[request_id]  # the runtime never took it: nothing to end
@@ -145,6 +148,7 @@ class Host:
         stream: bool,
         *,
         model: str | None = None,
+        fingerprint: int = 0,
     ) -> bool:
         """Feed `arrive` only if the runtime says it refuses the request now.
 
@@ -157,14 +161,18 @@ class Host:
             queue it (or cannot tell without `arrive`).
         """
         now = now_us()
-        if self.runtime.refusal(tenant, prompt, max_tokens, now, model=model) is None:
+        refused = self.runtime.refusal(
+            tenant, prompt, max_tokens, now, model=model, fingerprint=fingerprint
+        )
+        if refused is None:
             return False
         request_id = self.new_id()
         self.parties[request_id] = party
         try:
             # A refused request starts nowhere: its block hashes would route nothing.
             actions = self.runtime.arrive(
-                request_id, tenant, prompt, max_tokens, stream, now, model=model
+                request_id, tenant, prompt, max_tokens, stream, now, model=model,
+                fingerprint=fingerprint,
             )
         except BaseException:
             del self.parties[request_id]

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.protocol import ResponsesRequest, decode_json
-from llmflow.gateway.session import Prepared, StreamSession
+from llmflow.gateway.session import Prepared, StreamSession, body_fingerprint
 from llmflow.gateway.sse import SessionStream
 from llmflow.gateway.streaming import ClientOptions, notice_for
 from llmflow.gateway.tokens import text_tokens
@@ -107,7 +107,8 @@ def prepare_response(
     upstream["stream"] = True
     upstream["max_output_tokens"] = generated  # the bound the core planned with holds upstream
     options = ClientOptions("responses", request.model, request.stream)
-    return Prepared(options, identity.tenant, identity.tier, PATH, upstream, prompt, generated)
+    return Prepared(options, identity.tenant, identity.tier, PATH, upstream, prompt, generated,
+                    fingerprint=body_fingerprint(raw))
 
 
 def _input_tokens(request: ResponsesRequest, bytes_per_token: float) -> int:

@@ -21,7 +21,7 @@ from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.prefix import chat_prefix_hashes, completion_prefix_hashes
 from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest, decode_json
 from llmflow.gateway.relay import RelayedSession
-from llmflow.gateway.session import Prepared, StreamSession
+from llmflow.gateway.session import Prepared, StreamSession, body_fingerprint
 from llmflow.gateway.streaming import ClientOptions
 from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompt_tokens
 
@@ -154,6 +154,7 @@ class CompletionService:
             generated * request.n,
             model,
             hashes,
+            body_fingerprint(raw),
         )
 
     def admit(self, prepared: Prepared, relayed: bool = False) -> StreamSession:

@@ -12,6 +12,7 @@ The session decides nothing itself: every status, Retry-After and cut is the run
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -74,7 +75,15 @@ class Prepared:
     max_tokens: int
     model: str | None = None  # the served model it routes to (an alias resolved)
     prefix_hashes: list[int] | None = None  # its prompt's block hashes, for a `prefix` pool
+    # The body's fingerprint (`body_fingerprint`), by which the core knows a client's retry.
+    fingerprint: int = 0
     arrived: float = field(default_factory=time.monotonic)
+
+
+def body_fingerprint(raw: bytes) -> int:
+    """A request body's fingerprint for the core's retry memory: 64 bits of its BLAKE2b hash
+    (never 0, which means none). A client that retries sends the same bytes."""
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") or 1
 
 
 def upstream_body(prepared: Prepared, route: BackendRoute, start: Start | None) -> Json:
@@ -201,6 +210,7 @@ class StreamSession:
                 p.options.stream,
                 model=p.model,
                 prefix_hashes=p.prefix_hashes,
+                fingerprint=p.fingerprint,
             )
         finally:
             self._arriving = False

@@ -241,8 +241,10 @@ class GatedPolicy:
         self._atts[rid] = att
         req = att.req
         hashes = list(req.hash_ids) if req.hash_ids else None  # for a `prefix` routing pool
+        # a retry re-sends the same body: the user request's index is its fingerprint
         self._carry(self.runtime.arrive(rid, req.tenant, req.prompt, req.max_tokens, att.stream,
-                                        self._now_us(), prefix_hashes=hashes))
+                                        self._now_us(), prefix_hashes=hashes,
+                                        fingerprint=req.index + 1))
         self.peak_queue = max(self.peak_queue, self.runtime.queued)
 
     def cancel(self, att: Attempt) -> None:

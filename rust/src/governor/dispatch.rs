@@ -198,6 +198,7 @@ impl Governor {
     /// (they already hold their slots), then the new ones, each exactly once.
     pub fn dispatch(&mut self, now_us: u64) -> Vec<Admission> {
         self.tick(now_us);
+        self.lapse(now_us);
         self.update_headroom(now_us);
         let mut admitted = std::mem::take(&mut self.pending);
         let placed = self.place_queued(now_us);
@@ -232,6 +233,7 @@ impl Governor {
                     let route = Route {
                         pool,
                         chain: &req.chain,
+                        fingerprint: req.fingerprint,
                     };
                     let Some(backend) = self.pick_backend(tier_idx, route, prompt, peak, now_us)
                     else {
@@ -244,6 +246,7 @@ impl Governor {
                     let (priority, waited) =
                         (req.priority, now_us.saturating_sub(req.submitted_us));
                     self.clear_deadline(item.id, ExpiryReason::QueueTimeout);
+                    self.clear_lapse(item.id);
                     self.start(item.id, backend, now_us);
                     admitted.push(Admission {
                         request_id: item.id,
@@ -411,7 +414,10 @@ mod tests {
             g.pool_of(Some("fast")).unwrap(),
         );
         let submit = |g: &mut Governor, id, pool| {
-            let route = Route { pool, chain: &[] };
+            let route = Route {
+                pool,
+                ..Route::default()
+            };
             g.submit_routed(id, 0, 10, 10, route, 0).unwrap()
         };
         assert_eq!(backend_of(submit(&mut g, 1, m1)), Some(0));
@@ -452,7 +458,10 @@ mod tests {
             g.pool_of(Some("m2")).unwrap(),
         );
         let submit = |g: &mut Governor, id, pool| {
-            let route = Route { pool, chain: &[] };
+            let route = Route {
+                pool,
+                ..Route::default()
+            };
             g.submit_routed(id, 0, 4_000, 10, route, 0).unwrap()
         };
         sustained(&mut g, 0, 0);
@@ -536,7 +545,10 @@ mod tests {
             r#","routing":{"policy":"prefix","prefix_load_bound":0.75}"#,
         );
         let submit = |g: &mut Governor, id, chain: &[u64]| {
-            let route = Route { pool: 0, chain };
+            let route = Route {
+                chain,
+                ..Route::default()
+            };
             backend_of(g.submit_routed(id, 0, 64, 10, route, 0).unwrap())
         };
         assert_eq!(submit(&mut g, 1, &[1, 2, 3]), Some(0));

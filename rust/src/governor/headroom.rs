@@ -13,7 +13,7 @@ use crate::backend::{BackendState, EWMA_ALPHA};
 
 /// Time constant of the arrival-rate estimate (s): long enough to smooth a Poisson stream of a
 /// few requests per second, short enough to follow a shift within a minute.
-const ARRIVAL_WINDOW_S: f64 = 60.0;
+pub(super) const ARRIVAL_WINDOW_S: f64 = 60.0;
 /// Hold time assumed for a tier until one of its requests has completed (s).
 const PRIOR_HOLD_S: f64 = 10.0;
 /// How long a refusal keeps counting toward later Retry-Afters (s, exponential decay). (A

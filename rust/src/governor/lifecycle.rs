@@ -21,6 +21,9 @@ impl Governor {
             return true;
         }
         run.first_token = true;
+        if req.fingerprint != 0 {
+            self.retries.forget(req.tenant, req.fingerprint);
+        }
         let b = &mut self.backends[run.backend as usize];
         // Only a prompt that had the backend's prefill to itself bounds its throughput: under a
         // burst each prompt shares the steps, and its own time says little.
@@ -78,6 +81,15 @@ impl Governor {
             return false;
         };
         self.clear_deadlines(id, &req.deadlines);
+        if let Some(at) = req.lapse_at {
+            self.lapses.remove(&(at, id));
+        }
+        let served = req.running.as_ref().is_some_and(|r| r.first_token);
+        if req.fingerprint != 0 && !served && outcome != Some(Outcome::Completed) {
+            // Refused, timed out or given up before its first token: its client comes back.
+            self.retries
+                .remember(req.tenant, req.fingerprint, req.first_seen_us, now_us);
+        }
         if !self.pending.is_empty() {
             // Ended before the host collected its admission: it must not be handed out.
             self.pending.retain(|a| a.request_id != id);

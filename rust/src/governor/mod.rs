@@ -28,6 +28,7 @@ mod lifecycle;
 mod limits;
 mod observe;
 mod refusal;
+mod retries;
 mod shared;
 mod shedding;
 
@@ -64,11 +65,14 @@ pub(crate) struct Running {
 
 /// Where a request may go: its model's pool (`Pools::resolve`), and its prompt's chained block
 /// hashes (each covers its parent's hash and its own block's tokens; full blocks only), which
-/// a `prefix` pool routes on. The default: the first pool, no hashes.
+/// a `prefix` pool routes on; and who it is: the host's fingerprint of the request (0: none),
+/// by which a client's retry is known (`retries`). The default: the first pool, no hashes, no
+/// fingerprint.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Route<'a> {
     pub pool: u32,
     pub chain: &'a [u64],
+    pub fingerprint: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -91,6 +95,11 @@ pub(crate) struct Request {
     pub browned_out: Option<u64>,
     pub priority: i64,
     pub submitted_us: u64,
+    /// When its client first came: `submitted_us`, or earlier for a known retry.
+    first_seen_us: u64,
+    fingerprint: u64,
+    /// While queued in the fresh lane: when it moves to the late lane.
+    lapse_at: Option<u64>,
     pub running: Option<Running>,
     deadlines: [Option<u64>; 3],
 }
@@ -107,6 +116,10 @@ pub struct Counters {
     pub dispatched: u64,
     /// Requests admitted or queued with `max_tokens` clamped by a brownout.
     pub browned_out: u64,
+    /// Arrivals known as a client's retry of a request that ended unserved (`retries`).
+    pub retries_known: u64,
+    /// Queued requests that went to their tier's late lane (moved there, or arrived late).
+    pub late: u64,
     pub rejected: [u64; RejectReason::ALL.len()],
     pub finished: [u64; Outcome::ALL.len()],
     pub expired: [u64; ExpiryReason::ALL.len()],
@@ -128,6 +141,10 @@ pub struct Governor {
     /// Per backend: the block hashes of prompts routed there (its likely prefix cache).
     pub(crate) prefix: Vec<PrefixMemory>,
     deadlines: BTreeSet<(u64, u64, ExpiryReason)>,
+    /// Queued requests of the fresh lanes by the time they move to the late lane.
+    lapses: BTreeSet<(u64, u64)>,
+    /// When the clients of requests that ended unserved first came, by fingerprint.
+    retries: retries::RetryMemory,
     pub(crate) shed_level: u8,
     breaker_until_us: u64,
     service_s: Option<f64>,
@@ -221,6 +238,8 @@ impl Governor {
             pools,
             prefix,
             deadlines: BTreeSet::new(),
+            lapses: BTreeSet::new(),
+            retries: retries::RetryMemory::default(),
             shed_level: 0,
             breaker_until_us: 0,
             service_s: None,
@@ -330,6 +349,79 @@ impl Governor {
             .sum()
     }
 
+    /// Those a fresh newcomer of the tier waits behind: the more important tiers, and its own
+    /// tier's fresh lane.
+    fn fresh_ahead(&self, pool: u32, tier_idx: usize) -> usize {
+        (0..tier_idx)
+            .map(|t| self.queue.pool_tier_len(pool, t))
+            .sum::<usize>()
+            + self.queue.pool_tier_fresh_len(pool, tier_idx)
+    }
+
+    /// When a request of the tier whose client first came at `first_seen_us` can no longer
+    /// meet its TTFT SLA and moves to the late lane; `None` where the tier has one lane (no
+    /// SLA, `late_yields` off, or a best-effort tier, which has no latency target).
+    fn lapse_time(&self, tier_idx: usize, first_seen_us: u64) -> Option<u64> {
+        if !self.config.late_yields || self.config.tiers[tier_idx].best_effort {
+            return None;
+        }
+        us(self.config.ttft_sla_ms).map(|sla| first_seen_us + sla)
+    }
+
+    /// When the client of a request arriving now first came: earlier than now for a retry of
+    /// one that ended unserved (`retries`).
+    fn first_seen(&self, tenant: u32, fingerprint: u64, now_us: u64) -> u64 {
+        if fingerprint == 0 {
+            return now_us;
+        }
+        self.retries
+            .first_seen(tenant, fingerprint, now_us)
+            .map_or(now_us, |at| at.min(now_us))
+    }
+
+    /// A request arriving now is late at once: a retry whose SLA has already passed, while its
+    /// tier is overwhelmed (see `lapse`).
+    fn arrives_late(&self, tenant: u32, tier_idx: usize, fingerprint: u64, now_us: u64) -> bool {
+        self.lapse_time(tier_idx, self.first_seen(tenant, fingerprint, now_us))
+            .is_some_and(|at| at <= now_us)
+            && self.overwhelmed(tier_idx, now_us)
+    }
+
+    /// A lapse is due: a fresh-lane request is past its SLA and not yet moved.
+    pub(super) fn lapse_due(&self, now_us: u64) -> bool {
+        self.lapses.first().is_some_and(|&(at, _)| at <= now_us)
+    }
+
+    /// Move every queued request past its SLA to its tier's late lane, where the tier is
+    /// overwhelmed (`overwhelmed`). In a burst, or an overload the queue absorbs, first come,
+    /// first served keeps the worst wait shortest (azure-code's TTFT p99: 19.9 s in one lane,
+    /// 20.6 s with lanes from any sustained overload); only an overload whose excess the queue
+    /// cannot hold is worth reordering for the requests that can still be on time. A request
+    /// past its SLA while its tier is not overwhelmed stays where it is.
+    pub(super) fn lapse(&mut self, now_us: u64) {
+        while let Some(&(at, id)) = self.lapses.first() {
+            if at > now_us {
+                break;
+            }
+            self.lapses.pop_first();
+            let Some(req) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            req.lapse_at = None;
+            let tier = req.tier;
+            if self.overwhelmed(tier, now_us) && self.queue.lapse(id) {
+                self.counters.late += 1;
+            }
+        }
+    }
+
+    /// A request leaves the queue: it no longer lapses.
+    pub(super) fn clear_lapse(&mut self, id: u64) {
+        if let Some(at) = self.requests.get_mut(&id).and_then(|r| r.lapse_at.take()) {
+            self.lapses.remove(&(at, id));
+        }
+    }
+
     /// Output tokens a request of this tenant is expected to generate: the tenant's measured
     /// mean; for a tenant with no completed request yet, its tier's, else everyone's (a new
     /// tenant's requests are expected to look like the others'); never above the request's own
@@ -429,10 +521,14 @@ impl Governor {
             .get(tenant as usize)
             .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
         self.tick(now_us);
+        self.lapse(now_us);
         self.tier_load[tier_idx].arrive(now_us);
         self.queue.arrive_in(route.pool, tenant);
         self.update_headroom(now_us);
         let asked = max_tokens;
+        if route.fingerprint != 0 && self.first_seen(tenant, route.fingerprint, now_us) < now_us {
+            self.counters.retries_known += 1;
+        }
         self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
         let (max_tokens, decision) = self.judge(tenant, tier_idx, prompt, asked, route, now_us);
         if !matches!(decision, Decision::Rejected { .. }) {
@@ -451,6 +547,11 @@ impl Governor {
             Decision::Rejected { reason, .. } => {
                 self.counters.rejected[reason as usize] += 1;
                 self.note_refusal(reason, tier_idx, now_us);
+                if route.fingerprint != 0 {
+                    let since = self.first_seen(tenant, route.fingerprint, now_us);
+                    self.retries
+                        .remember(tenant, route.fingerprint, since, now_us);
+                }
                 decision
             }
             Decision::Admitted { backend, .. } => {
@@ -486,6 +587,9 @@ impl Governor {
         else {
             unreachable!("enqueue takes a queued decision")
         };
+        let first_seen = self.requests[&id].first_seen_us;
+        let lapse_at = self.lapse_time(tier_idx, first_seen);
+        let late = self.arrives_late(tenant, tier_idx, route.fingerprint, now_us);
         self.queue.push_to(
             route.pool,
             tenant,
@@ -493,7 +597,14 @@ impl Governor {
                 id,
                 prompt_tokens: prompt,
             },
+            first_seen,
+            late,
         );
+        self.counters.late += u64::from(late);
+        if let Some(at) = lapse_at.filter(|_| !late) {
+            self.lapses.insert((at, id));
+            self.requests.get_mut(&id).expect("live").lapse_at = Some(at);
+        }
         if let Some(ms) = us(self.config.queue_timeout_ms) {
             self.set_deadline(id, ExpiryReason::QueueTimeout, now_us + ms);
         }
@@ -514,7 +625,12 @@ impl Governor {
         }
         self.counters.queued += 1;
         if made_room {
-            let position = self.waiting_ahead(route.pool, tier_idx) - 1;
+            let ahead = if late {
+                self.waiting_ahead(route.pool, tier_idx)
+            } else {
+                self.fresh_ahead(route.pool, tier_idx)
+            };
+            let position = ahead - 1;
             return Decision::Queued {
                 position: position as u32,
                 estimated_wait_s: (position + 1) as f64 / self.drain_rate(),
@@ -602,8 +718,15 @@ impl Governor {
             }
         }
         let priority = self.priority(tier_idx, prompt + self.expected_output(tenant, max_tokens));
-        let ahead = self.waiting_ahead(pool, tier_idx);
-        let sla_excess = if tier.protected || tier.best_effort {
+        // A retry already past its SLA waits behind its whole tier and is never refused for the
+        // SLA again: no refusal can make it on time, and each one only adds a backoff.
+        let late = self.arrives_late(tenant, tier_idx, route.fingerprint, now_us);
+        let ahead = if late {
+            self.waiting_ahead(pool, tier_idx)
+        } else {
+            self.fresh_ahead(pool, tier_idx)
+        };
+        let sla_excess = if tier.protected || tier.best_effort || late {
             None
         } else {
             self.sla_excess(tenant, tier_idx, prompt, pool)
@@ -622,7 +745,8 @@ impl Governor {
         let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / tier_drain;
         let (tier_limit, max_waiting) = self.waiting_room(tier_idx);
         let mut displaced = None;
-        // A victim of the newcomer's own tier was counted in `ahead`; one of a lower tier not.
+        // A victim of the newcomer's own tier was counted in `ahead` (if in the lanes counted
+        // there); one of a lower tier not.
         let mut counted_victim = false;
         if queued >= tier_limit.min(max_waiting) {
             let (reason, limit) = if queued >= max_waiting {
@@ -633,7 +757,8 @@ impl Governor {
             match self.displacement_victim(tenant, tier_idx) {
                 Some((victim, victim_tier)) => {
                     displaced = Some((victim, retry(over(limit))));
-                    counted_victim = victim_tier == tier_idx;
+                    counted_victim =
+                        victim_tier == tier_idx && (late || !self.queue.is_late(victim));
                 }
                 None => return reject(reason, over(limit)),
             }
@@ -690,6 +815,9 @@ impl Governor {
             browned_out: None,
             priority,
             submitted_us: now_us,
+            first_seen_us: self.first_seen(tenant, route.fingerprint, now_us),
+            fingerprint: route.fingerprint,
+            lapse_at: None,
             running: None,
             deadlines: [None; 3],
         };

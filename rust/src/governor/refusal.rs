@@ -51,7 +51,9 @@ impl Governor {
             .get(tenant as usize)
             .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
         let best_effort = self.config.tiers[tier_idx].best_effort;
-        let due = self.cooldown_due(now_us) || (best_effort && self.headroom_due(now_us));
+        let due = self.cooldown_due(now_us)
+            || self.lapse_due(now_us)
+            || (best_effort && self.headroom_due(now_us));
         if due || self.overload_due(tenant, prompt, route, now_us) {
             return Ok(None);
         }
@@ -206,8 +208,8 @@ mod tests {
         assert!(g.refusal(99, 10, 10, 0).is_err());
     }
 
-    // Random traffic (arrivals of every tier, completions, scrapes with KV pressure and
-    // preemptions, time moving on, headroom on): before every arrival, whenever the query says
+    // Random traffic (arrivals of every tier, some of them retries, completions, scrapes with
+    // KV pressure and preemptions, time moving on, headroom on): before every arrival, whenever the query says
     // refused, submit refuses the same way; and whenever submit refuses while no bookkeeping
     // was due, the query had said so.
     #[test]
@@ -246,11 +248,18 @@ mod tests {
                 _ => {
                     let t = tenants[next(4) as usize];
                     let (prompt, max_tokens) = (1 + next(4000), 1 + next(500));
+                    // a few bodies sent again and again: retries the core may know
+                    let route = Route {
+                        fingerprint: next(40),
+                        ..Route::default()
+                    };
                     let due = g.cooldown_due(now)
+                        || g.lapse_due(now)
                         || (t == tenants[3] && g.headroom_due(now))
-                        || g.overload_due(t, prompt, Route::default(), now);
-                    let asked = g.refusal(t, prompt, max_tokens, now).unwrap();
-                    let got = rejected(g.submit(id, t, prompt, max_tokens, now).unwrap());
+                        || g.overload_due(t, prompt, route, now);
+                    let asked = g.refusal_routed(t, prompt, max_tokens, route, now).unwrap();
+                    let decision = g.submit_routed(id, t, prompt, max_tokens, route, now);
+                    let got = rejected(decision.unwrap());
                     if asked.is_some() {
                         assert_eq!(asked, got, "request {id} at {now}");
                         refused += 1;

@@ -85,11 +85,23 @@ impl Governor {
     /// otherwise), end the start without charging it as served, and return what `submit`
     /// needs to decide it again (tenant, prompt, max tokens, and its route: model pool and
     /// block hashes). `None`: not running.
-    pub fn lease_denied(&mut self, id: u64, now_us: u64) -> Option<(u32, u64, u64, u32, Vec<u64>)> {
+    #[allow(clippy::type_complexity)] // the request's fields, as `submit_routed` takes them
+    pub fn lease_denied(
+        &mut self,
+        id: u64,
+        now_us: u64,
+    ) -> Option<(u32, u64, u64, u32, Vec<u64>, u64)> {
         let req = self.requests.get_mut(&id)?;
         let backend = req.running.as_ref()?.backend as usize;
         let chain = std::mem::take(&mut req.chain);
-        let shape = (req.tenant, req.prompt, req.max_tokens, req.pool, chain);
+        let shape = (
+            req.tenant,
+            req.prompt,
+            req.max_tokens,
+            req.pool,
+            chain,
+            req.fingerprint,
+        );
         let b = &mut self.backends[backend];
         b.elsewhere = b.elsewhere.saturating_add(1).min(b.cap);
         self.finish(id, Outcome::Cancelled, now_us);
@@ -208,7 +220,7 @@ mod tests {
         let a = tenant(&g, "a");
         g.submit(1, a, 10, 20, 0).unwrap();
         assert_eq!(g.running(), 1);
-        assert_eq!(g.lease_denied(1, 5), Some((a, 10, 20, 0, vec![])));
+        assert_eq!(g.lease_denied(1, 5), Some((a, 10, 20, 0, vec![], 0)));
         assert_eq!((g.running(), g.live(), g.backends[0].elsewhere), (0, 0, 1));
         assert_eq!(g.lease_denied(1, 6), None);
     }

@@ -65,8 +65,8 @@ _Entry = tuple[str, str, str, "Callable[[dict[str, Any]], float | None]"]
 # fmt: off
 # name: (direction, unit, what it is, reader of a policy's report block)
 POLICY_METRICS: dict[str, _Entry] = {
-    "goodput": ("maximize", "req/s", "requests completed within their class SLO per simulated "
-                "second, until the last one ended", _at("goodput_rps")),
+    "goodput": ("maximize", "req/s", "requests completed within their class SLO per second of "
+                "the arrival window (duration_s)", _at("goodput_rps")),
     "makespan": ("minimize", "s", "simulated time until the last request ended (sim s)",
                  _at("sim_s")),
     "lost": ("minimize", "requests", "requests rejected, timed out, truncated, failed or "
