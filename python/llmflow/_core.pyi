@@ -517,6 +517,10 @@ class Runtime:
     @property
     def shed_level(self) -> int: ...
     @property
+    def late_counts(self) -> tuple[int, int]:
+        """(arrivals known, by their fingerprint, as a client's retry of a request that ended
+        unserved; queued requests that went to their tier's late lane), so far."""
+    @property
     def draining(self) -> bool: ...
     def backend_healthy(self, backend: str) -> bool: ...
     def scrape_failures(self, backend: str) -> int:

@@ -578,6 +578,13 @@ impl PyRuntime {
         self.inner.governor().shed_level
     }
 
+    /// (arrivals known as a client's retry, requests that went to a late lane), so far.
+    #[getter]
+    fn late_counts(&self) -> (u64, u64) {
+        let c = &self.inner.governor().counters;
+        (c.retries_known, c.late)
+    }
+
     #[getter]
     fn draining(&self) -> bool {
         self.inner.governor().draining

@@ -189,6 +189,18 @@ class _StateCollector:
             "llmflow_kv_blocks_in_use", "KV blocks the ledger holds", governor.kv_blocks_in_use
         )
         yield _gauge("llmflow_shed_level", "Preemption-breaker shed level", governor.shed_level)
+        retries, late = governor.late_counts
+        yield CounterMetricFamily(
+            "llmflow_retries_known",
+            "Arrivals known by their body as a client's retry of a request that ended unserved",
+            value=retries,
+        )
+        yield CounterMetricFamily(
+            "llmflow_late_requests",
+            "Queued requests sent behind those still on time: past the TTFT SLA in an overload "
+            "the queue cannot hold",
+            value=late,
+        )
         yield _gauge(
             "llmflow_draining", "1 while the gateway drains for shutdown", int(self.m.draining())
         )

@@ -103,3 +103,99 @@ mod tests {
         assert!(m.len() < CAPACITY); // everything older than the TTL went at once
     }
 }
+
+#[cfg(test)]
+mod governor_tests {
+    use super::super::tests::{governor, sustained, tenant, S};
+    use super::super::Route;
+    use crate::types::{Decision, ExpiryReason, Outcome, RejectReason};
+
+    fn with(fingerprint: u64) -> Route<'static> {
+        Route {
+            fingerprint,
+            ..Route::default()
+        }
+    }
+
+    fn started(d: &Decision) -> bool {
+        matches!(d, Decision::Admitted { .. })
+    }
+
+    /// Both slots busy, then request 3 queues at 0 and request 4 at 2 s, past 3's 1.5 s SLA;
+    /// returns the order they start in as slots free.
+    fn order_after_sla(overwhelmed: bool) -> Vec<u64> {
+        let mut g = governor();
+        let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
+        if overwhelmed {
+            sustained(&mut g, 1, 0); // 1 arrival/s against a 0.2/s drain
+        }
+        for id in 1..=2 {
+            assert!(started(&g.submit(id, a, 10, 10, 0).unwrap()));
+        }
+        assert!(matches!(g.submit(3, a, 10, 10, 0).unwrap(), Decision::Queued { .. }));
+        assert!(matches!(g.submit(4, b, 10, 10, 2 * S).unwrap(), Decision::Queued { .. }));
+        let mut order = Vec::new();
+        for (id, at) in [(1, 2 * S + 1), (2, 2 * S + 2)] {
+            g.finish(id, Outcome::Completed, at);
+            order.extend(g.dispatch(at).iter().map(|a| a.request_id));
+        }
+        order
+    }
+
+    // In an overload the queue cannot hold, the request past its SLA yields to the one that
+    // can still be on time; otherwise first come, first served.
+    #[test]
+    fn late_requests_yield_only_when_overwhelmed() {
+        assert_eq!(order_after_sla(true), vec![4, 3]);
+        assert_eq!(order_after_sla(false), vec![3, 4]);
+    }
+
+    // A client's retry, known by its fingerprint, is judged from its first arrival: past the
+    // SLA in an overload, it is never refused for the SLA again (a fresh request still is),
+    // and once it gets its first token its client is forgotten.
+    #[test]
+    fn a_known_retry_is_not_refused_for_the_sla_again() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        sustained(&mut g, 1, 0);
+        // 13,000 prompt tokens in prefill: a newcomer waits 1.6 s for its first token
+        assert!(started(&g.submit(1, a, 13_000, 10, 0).unwrap()));
+        let refused = |d: Decision| match d {
+            Decision::Rejected { reason, .. } => Some(reason),
+            _ => None,
+        };
+        let first = g.submit_routed(2, a, 10, 10, with(77), 0).unwrap();
+        assert_eq!(refused(first), Some(RejectReason::TtftSla));
+        let fresh = g.submit_routed(3, a, 10, 10, with(88), 2 * S).unwrap();
+        assert_eq!(refused(fresh), Some(RejectReason::TtftSla));
+        let retry = g.submit_routed(4, a, 10, 10, with(77), 2 * S).unwrap();
+        assert!(started(&retry), "{retry:?}");
+        assert_eq!(g.counters.retries_known, 1);
+        assert!(g.on_first_token(4, 3 * S));
+        assert_eq!(g.retries.first_seen(a, 77, 3 * S), None);
+        assert_eq!(g.retries.first_seen(a, 88, 3 * S), Some(2 * S));
+    }
+
+    // A request that times out in the queue, or whose client leaves before its first token,
+    // is remembered from when it first came; a served one is not.
+    #[test]
+    fn unserved_ends_are_remembered() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        for id in 1..=2 {
+            g.submit_routed(id, a, 10, 10, with(id), 0).unwrap();
+            assert!(g.on_first_token(id, S / 2));
+        }
+        g.submit_routed(3, a, 10, 10, with(3), S).unwrap();
+        let expired = g.expire(6 * S + 1); // the sample's 5 s queue limit
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].reason, ExpiryReason::QueueTimeout);
+        assert_eq!(g.retries.first_seen(a, 3, 7 * S), Some(S));
+        g.finish(1, Outcome::Completed, 8 * S);
+        assert!(started(&g.submit_routed(4, a, 10, 10, with(4), 8 * S).unwrap()));
+        g.finish(4, Outcome::Cancelled, 9 * S); // its client left before the first token
+        assert_eq!(g.retries.first_seen(a, 1, 9 * S), None);
+        assert_eq!(g.retries.first_seen(a, 4, 9 * S), Some(8 * S));
+    }
+}
+
