@@ -132,8 +132,14 @@ mod governor_tests {
         for id in 1..=2 {
             assert!(started(&g.submit(id, a, 10, 10, 0).unwrap()));
         }
-        assert!(matches!(g.submit(3, a, 10, 10, 0).unwrap(), Decision::Queued { .. }));
-        assert!(matches!(g.submit(4, b, 10, 10, 2 * S).unwrap(), Decision::Queued { .. }));
+        assert!(matches!(
+            g.submit(3, a, 10, 10, 0).unwrap(),
+            Decision::Queued { .. }
+        ));
+        assert!(matches!(
+            g.submit(4, b, 10, 10, 2 * S).unwrap(),
+            Decision::Queued { .. }
+        ));
         let mut order = Vec::new();
         for (id, at) in [(1, 2 * S + 1), (2, 2 * S + 2)] {
             g.finish(id, Outcome::Completed, at);
@@ -192,10 +198,11 @@ mod governor_tests {
         assert_eq!(expired[0].reason, ExpiryReason::QueueTimeout);
         assert_eq!(g.retries.first_seen(a, 3, 7 * S), Some(S));
         g.finish(1, Outcome::Completed, 8 * S);
-        assert!(started(&g.submit_routed(4, a, 10, 10, with(4), 8 * S).unwrap()));
+        assert!(started(
+            &g.submit_routed(4, a, 10, 10, with(4), 8 * S).unwrap()
+        ));
         g.finish(4, Outcome::Cancelled, 9 * S); // its client left before the first token
         assert_eq!(g.retries.first_seen(a, 1, 9 * S), None);
         assert_eq!(g.retries.first_seen(a, 4, 9 * S), Some(8 * S));
     }
 }
-
