@@ -133,7 +133,8 @@ class Sla(_Section):
     prefill_tokens_per_s: float = Field(8000.0, gt=0)  # prior until measured online
     # A queued request past ttft_ms, or a client's retry of a request refused longer ago than
     # that (known by its body), waits behind every request of its tier that can still be on
-    # time, in the order its client first came. False: one queue, in arrival order.
+    # time, in the order its client first came, in an overload the queue cannot hold. False:
+    # one queue, in arrival order, and a retry is a new arrival.
     late_requests_yield: bool = True
 
 

@@ -153,7 +153,8 @@ pub struct PolicyConfig {
     #[serde(default = "default_true")]
     pub queue_follows_drain: bool,
     /// A queued request past its TTFT SLA, or a retry whose client first came longer ago than
-    /// that, waits in its tier's late lane behind the fresh (see `fair_queue`); false: one lane.
+    /// that, waits in its tier's late lane behind the fresh (see `fair_queue`), and a retry
+    /// keeps the place of its first arrival; false: one lane, and retries are not told apart.
     #[serde(default = "default_true")]
     pub late_yields: bool,
     #[serde(default)]

@@ -43,7 +43,8 @@ PRESETS: dict[str, tuple[dict[str, Any], str, str | None]] = {
             "tiers": [{"name": "all"}],
             "default_tier": "all",
             "kv": {"pressure_threshold": None, "fit_target": None},
-            "sla": {"ttft_ms": None},
+            # the seed's gate: no SLA, and no retry memory (a retry is a new arrival)
+            "sla": {"ttft_ms": None, "late_requests_yield": False},
             "preemption": {"cooldown_ms": None},
             "timeouts": {"total_ms": None},
             "streaming": {"first_token_timeout_ms": None},

@@ -85,7 +85,7 @@ impl Governor {
             self.lapses.remove(&(at, id));
         }
         let served = req.running.as_ref().is_some_and(|r| r.first_token);
-        if req.fingerprint != 0 && !served && outcome != Some(Outcome::Completed) {
+        if self.remembers(req.fingerprint) && !served && outcome != Some(Outcome::Completed) {
             // Refused, timed out or given up before its first token: its client comes back.
             self.retries
                 .remember(req.tenant, req.fingerprint, req.first_seen_us, now_us);

@@ -368,10 +368,16 @@ impl Governor {
         us(self.config.ttft_sla_ms).map(|sla| first_seen_us + sla)
     }
 
+    /// Whether a request of this fingerprint is remembered when it ends unserved: it has one,
+    /// and `late_yields` is on (off, retries are not told apart, as before either existed).
+    pub(super) fn remembers(&self, fingerprint: u64) -> bool {
+        fingerprint != 0 && self.config.late_yields
+    }
+
     /// When the client of a request arriving now first came: earlier than now for a retry of
     /// one that ended unserved (`retries`).
     fn first_seen(&self, tenant: u32, fingerprint: u64, now_us: u64) -> u64 {
-        if fingerprint == 0 {
+        if !self.remembers(fingerprint) {
             return now_us;
         }
         self.retries
@@ -526,7 +532,7 @@ impl Governor {
         self.queue.arrive_in(route.pool, tenant);
         self.update_headroom(now_us);
         let asked = max_tokens;
-        if route.fingerprint != 0 && self.first_seen(tenant, route.fingerprint, now_us) < now_us {
+        if self.first_seen(tenant, route.fingerprint, now_us) < now_us {
             self.counters.retries_known += 1;
         }
         self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
@@ -547,7 +553,7 @@ impl Governor {
             Decision::Rejected { reason, .. } => {
                 self.counters.rejected[reason as usize] += 1;
                 self.note_refusal(reason, tier_idx, now_us);
-                if route.fingerprint != 0 {
+                if self.remembers(route.fingerprint) {
                     let since = self.first_seen(tenant, route.fingerprint, now_us);
                     self.retries
                         .remember(tenant, route.fingerprint, since, now_us);
