@@ -128,7 +128,9 @@ def test_disconnect_mid_stream_aborts_in_vllm(
                 chunks += line.startswith("data: {")
                 if chunks >= 20 and (path == "relay" or _tokens(line) >= 20):
                     break
-            assert vllm.metrics(m)[RUNNING] == 1
+            # vLLM's gauge follows its engine's steps; once in a full suite on a loaded machine it
+            # still read 0 twenty tokens in, so it gets a moment to show the request running
+            poll(lambda: vllm.metrics(m)[RUNNING] == 1, 2.0)
         took = poll(lambda: vllm.metrics(m)[RUNNING] == 0, ABORT_WITHIN_S)
         after = vllm.metrics(m)[GENERATED]
         time.sleep(0.5)
