@@ -233,7 +233,7 @@ impl Governor {
                     let route = Route {
                         pool,
                         chain: &req.chain,
-                        fingerprint: req.fingerprint,
+                        ..Route::default()
                     };
                     let Some(backend) = self.pick_backend(tier_idx, route, prompt, peak, now_us)
                     else {

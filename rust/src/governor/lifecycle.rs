@@ -81,9 +81,6 @@ impl Governor {
             return false;
         };
         self.clear_deadlines(id, &req.deadlines);
-        if let Some(at) = req.lapse_at {
-            self.lapses.remove(&(at, id));
-        }
         let served = req.running.as_ref().is_some_and(|r| r.first_token);
         if self.remembers(req.fingerprint) && !served && outcome != Some(Outcome::Completed) {
             // Refused, timed out or given up before its first token: its client comes back.
@@ -97,6 +94,9 @@ impl Governor {
         match req.running {
             None => {
                 self.queue.remove(id);
+                if let Some(at) = self.lapse_time(req.tier, req.first_seen_us) {
+                    self.lapses.remove(&(at, id)); // see `clear_lapse`
+                }
             }
             Some(run) => {
                 let b = &mut self.backends[run.backend as usize];

@@ -98,8 +98,6 @@ pub(crate) struct Request {
     /// When its client first came: `submitted_us`, or earlier for a known retry.
     first_seen_us: u64,
     fingerprint: u64,
-    /// While queued in the fresh lane: when it moves to the late lane.
-    lapse_at: Option<u64>,
     pub running: Option<Running>,
     deadlines: [Option<u64>; 3],
 }
@@ -385,10 +383,10 @@ impl Governor {
             .map_or(now_us, |at| at.min(now_us))
     }
 
-    /// A request arriving now is late at once: a retry whose SLA has already passed, while its
-    /// tier is overwhelmed (see `lapse`).
-    fn arrives_late(&self, tenant: u32, tier_idx: usize, fingerprint: u64, now_us: u64) -> bool {
-        self.lapse_time(tier_idx, self.first_seen(tenant, fingerprint, now_us))
+    /// A request of the tier whose client first came at `first_seen_us` is late now: its SLA
+    /// has passed while its tier is overwhelmed (see `lapse`).
+    fn is_late(&self, tier_idx: usize, first_seen_us: u64, now_us: u64) -> bool {
+        self.lapse_time(tier_idx, first_seen_us)
             .is_some_and(|at| at <= now_us)
             && self.overwhelmed(tier_idx, now_us)
     }
@@ -410,20 +408,20 @@ impl Governor {
                 break;
             }
             self.lapses.pop_first();
-            let Some(req) = self.requests.get_mut(&id) else {
+            let Some(req) = self.requests.get(&id) else {
                 continue;
             };
-            req.lapse_at = None;
-            let tier = req.tier;
-            if self.overwhelmed(tier, now_us) && self.queue.lapse(id) {
+            if self.overwhelmed(req.tier, now_us) && self.queue.lapse(id) {
                 self.counters.late += 1;
             }
         }
     }
 
-    /// A request leaves the queue: it no longer lapses.
+    /// A request leaves the queue: it no longer lapses (its entry, if it had one, is at its
+    /// `lapse_time`; one that queued late or has lapsed already has none).
     pub(super) fn clear_lapse(&mut self, id: u64) {
-        if let Some(at) = self.requests.get_mut(&id).and_then(|r| r.lapse_at.take()) {
+        let req = self.requests.get(&id);
+        if let Some(at) = req.and_then(|r| self.lapse_time(r.tier, r.first_seen_us)) {
             self.lapses.remove(&(at, id));
         }
     }
@@ -532,9 +530,8 @@ impl Governor {
         self.queue.arrive_in(route.pool, tenant);
         self.update_headroom(now_us);
         let asked = max_tokens;
-        if self.first_seen(tenant, route.fingerprint, now_us) < now_us {
-            self.counters.retries_known += 1;
-        }
+        let first_seen = self.first_seen(tenant, route.fingerprint, now_us);
+        self.counters.retries_known += u64::from(first_seen < now_us);
         self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
         let (max_tokens, decision) = self.judge(tenant, tier_idx, prompt, asked, route, now_us);
         if !matches!(decision, Decision::Rejected { .. }) {
@@ -546,7 +543,15 @@ impl Governor {
         // A request let in (started or queued) becomes live the same way either way.
         if let Decision::Admitted { priority, .. } | Decision::Queued { priority, .. } = decision {
             let tokens = (prompt, max_tokens);
-            self.insert(id, tenant, tier_idx, tokens, priority, route, now_us);
+            self.insert(
+                id,
+                tenant,
+                tier_idx,
+                tokens,
+                priority,
+                route,
+                (first_seen, now_us),
+            );
             self.note_brownout(id, asked);
         }
         Ok(match decision {
@@ -554,9 +559,8 @@ impl Governor {
                 self.counters.rejected[reason as usize] += 1;
                 self.note_refusal(reason, tier_idx, now_us);
                 if self.remembers(route.fingerprint) {
-                    let since = self.first_seen(tenant, route.fingerprint, now_us);
                     self.retries
-                        .remember(tenant, route.fingerprint, since, now_us);
+                        .remember(tenant, route.fingerprint, first_seen, now_us);
                 }
                 decision
             }
@@ -594,8 +598,7 @@ impl Governor {
             unreachable!("enqueue takes a queued decision")
         };
         let first_seen = self.requests[&id].first_seen_us;
-        let lapse_at = self.lapse_time(tier_idx, first_seen);
-        let late = self.arrives_late(tenant, tier_idx, route.fingerprint, now_us);
+        let late = self.is_late(tier_idx, first_seen, now_us);
         self.queue.push_to(
             route.pool,
             tenant,
@@ -607,9 +610,8 @@ impl Governor {
             late,
         );
         self.counters.late += u64::from(late);
-        if let Some(at) = lapse_at.filter(|_| !late) {
+        if let Some(at) = self.lapse_time(tier_idx, first_seen).filter(|_| !late) {
             self.lapses.insert((at, id));
-            self.requests.get_mut(&id).expect("live").lapse_at = Some(at);
         }
         if let Some(ms) = us(self.config.queue_timeout_ms) {
             self.set_deadline(id, ExpiryReason::QueueTimeout, now_us + ms);
@@ -726,7 +728,11 @@ impl Governor {
         let priority = self.priority(tier_idx, prompt + self.expected_output(tenant, max_tokens));
         // A retry already past its SLA waits behind its whole tier and is never refused for the
         // SLA again: no refusal can make it on time, and each one only adds a backoff.
-        let late = self.arrives_late(tenant, tier_idx, route.fingerprint, now_us);
+        let late = self.is_late(
+            tier_idx,
+            self.first_seen(tenant, route.fingerprint, now_us),
+            now_us,
+        );
         let ahead = if late {
             self.waiting_ahead(pool, tier_idx)
         } else {
@@ -801,7 +807,7 @@ impl Governor {
         (prompt, max_tokens): (u64, u64),
         priority: i64,
         route: Route<'_>,
-        now_us: u64,
+        (first_seen_us, now_us): (u64, u64),
     ) {
         let keep_chain = self.pools.policy(route.pool) == RoutePolicy::Prefix;
         let request = Request {
@@ -821,9 +827,8 @@ impl Governor {
             browned_out: None,
             priority,
             submitted_us: now_us,
-            first_seen_us: self.first_seen(tenant, route.fingerprint, now_us),
+            first_seen_us,
             fingerprint: route.fingerprint,
-            lapse_at: None,
             running: None,
             deadlines: [None; 3],
         };

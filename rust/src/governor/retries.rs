@@ -145,6 +145,8 @@ mod governor_tests {
             g.finish(id, Outcome::Completed, at);
             order.extend(g.dispatch(at).iter().map(|a| a.request_id));
         }
+        // Nothing left behind: no lapse entry for a request that started
+        assert!(g.lapses.is_empty() && g.queue.is_empty());
         order
     }
 
@@ -204,5 +206,6 @@ mod governor_tests {
         g.finish(4, Outcome::Cancelled, 9 * S); // its client left before the first token
         assert_eq!(g.retries.first_seen(a, 1, 9 * S), None);
         assert_eq!(g.retries.first_seen(a, 4, 9 * S), Some(8 * S));
+        assert!(g.lapses.is_empty()); // the expired one's entry went with it
     }
 }
