@@ -55,7 +55,12 @@ class Admitted:
     """Backend the request runs on."""
     priority: int
     """Integer for vLLM's `--scheduling-policy priority` (lower runs first)."""
-    def __new__(cls, request_id: int, backend: str, priority: int) -> Admitted: ...
+    prefill_backend: str | None
+    """In a split (prefill/decode) pool: the prefill instance the prompt goes to first;
+    `backend` then decodes. It holds a slot there until `Governor.prefilled`."""
+    def __new__(
+        cls, request_id: int, backend: str, priority: int, prefill_backend: str | None = None
+    ) -> Admitted: ...
 
 @final
 class Queued:
@@ -118,6 +123,8 @@ class Admission:
     backend: str
     priority: int
     queue_wait_s: float
+    prefill_backend: str | None
+    """In a split pool: the prefill instance the prompt goes to first."""
 
 @final
 class Expired:
@@ -179,6 +186,12 @@ class Governor:
         Returns:
             First the admissions an earlier `submit` made for other requests, then new ones;
             each admission is returned exactly once.
+        """
+    def prefilled(self, request_id: int, now_us: int) -> bool:
+        """A split request's prefill hop answered: its prefill instance's slot is free.
+
+        Returns:
+            False when the request has no prefill hop running (answered already, or ended).
         """
     def on_first_token(self, request_id: int, now_us: int) -> None:
         """Record the first token of a running request (feeds the prefill-throughput estimate)."""
@@ -297,6 +310,11 @@ class Start:
 
     `max_tokens` is set when a brownout clamped the request (its tier's `brownout_max_tokens`,
     once the queue is `brownout_at` full): send it upstream in place of the client's.
+
+    `prefill_backend` is set in a split (prefill/decode) pool: send the request there first as
+    vLLM's prefill hop (`max_tokens` 1, not streamed, `kv_transfer_params` asking for a remote
+    decode), feed `Runtime.prefilled`, then send it to `backend` with the `kv_transfer_params`
+    the prefill answered, and relay that answer.
     """
 
     request_id: int
@@ -304,6 +322,7 @@ class Start:
     priority: int
     queue_wait_s: float
     max_tokens: int | None
+    prefill_backend: str | None
 
 @final
 class Wait:
@@ -434,6 +453,9 @@ class Runtime:
         """
     def started(self, request_id: int, now_us: int) -> list[Action]:
         """The backend accepted the request (its response headers came back)."""
+    def prefilled(self, request_id: int, now_us: int) -> list[Action]:
+        """A split request's prefill hop answered: its prefill instance's slot is free (a
+        waiting request may start on it)."""
     def tokens(self, request_id: int, n: int, now_us: int) -> list[Action]:
         """`n` more tokens were generated; the first ones are the first token."""
     def tokens_many(self, counts: list[tuple[int, int]], now_us: int) -> list[Action]:

@@ -155,6 +155,9 @@ class Backend(_Section):
     max_model_len: int = Field(8192, ge=1)
     kv_blocks: int = Field(0, ge=0)  # 0: learn it from vLLM's cache_config_info
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # prefill/decode disaggregation (experimental): a model's backends are all `both`, or split
+    # into `prefill` and `decode` instances behind a KV connector (docs/gateway.md)
+    role: Literal["both", "prefill", "decode"] = "both"
     # embeddings, rerank, score, tokenize, audio in flight at once (the light lane's cap)
     light_concurrency: int = Field(16, ge=1)
 
@@ -321,7 +324,8 @@ class Settings(_Section):
             tenants.append(anonymous)
         return {
             "backends": [
-                {"name": b.name, "gpus": b.gpus, "kv_blocks": b.kv_blocks, "models": b.models}
+                {"name": b.name, "gpus": b.gpus, "kv_blocks": b.kv_blocks, "models": b.models,
+                 "role": b.role}
                 for b in self.backends
             ],
             "models": dict(self.models),

@@ -56,6 +56,9 @@ fn runtime_cycles(n: u64) -> f64 {
             prompt: 512,
             max_tokens: 256,
             stream: true,
+            pool: 0,
+            chain: vec![],
+            fingerprint: 0,
         };
         rt.feed(now, &arrive).unwrap();
         black_box(rt.actions());

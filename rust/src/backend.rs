@@ -186,6 +186,14 @@ impl BackendState {
         self.sample_prefill(now_us);
     }
 
+    /// A split request's prefill hop on this prefill instance is over (answered, or the
+    /// request ended first): its slot and its prompt's prefill work leave.
+    pub fn prefill_hop_ended(&mut self, tier: usize, prompt: u64) {
+        self.running -= 1;
+        self.running_by_tier[tier] -= 1;
+        self.prefill_pending -= prompt;
+    }
+
     /// Take a prefill-throughput sample if one is due (also called on every scrape).
     pub fn sample_prefill(&mut self, now_us: u64) {
         let Some(at) = self.sample_at_us else {
@@ -221,6 +229,7 @@ mod tests {
             gpus: 2,
             kv_blocks: 100,
             models: vec![],
+            role: crate::config::BackendRole::Both,
         };
         BackendState::new(&config, 16, 2, 1000.0)
     }

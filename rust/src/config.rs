@@ -2,7 +2,7 @@
 //! and what is allowed. The user-facing YAML lives in Python (`llmflow.config`); it produces this
 //! shape, which is also what Rust benchmarks and tests build directly.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{PolicyError, PolicyResult};
 
@@ -20,6 +20,33 @@ pub struct BackendConfig {
     /// one pool that takes any model name (the core then does not check names).
     #[serde(default)]
     pub models: Vec<String>,
+    /// Its part in prefill/decode disaggregation (`both`: co-located serving, the default).
+    #[serde(default)]
+    pub role: BackendRole,
+}
+
+/// What a backend does with a request (vLLM's disaggregated serving with a KV connector).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendRole {
+    /// Prefill and decode on the same instance.
+    #[default]
+    Both,
+    /// Prefill only: it computes the prompt's KV (a request with `max_tokens` 1) and keeps it
+    /// until a decode instance has read it.
+    Prefill,
+    /// Decode only: it reads a prompt's KV from the prefill instance and generates.
+    Decode,
+}
+
+impl BackendRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
 }
 
 /// How a pool picks among the backends that serve its model and have room.
@@ -405,12 +432,69 @@ impl PolicyConfig {
                 ));
             }
         }
+        self.validate_roles()?;
         fraction("routing.prefix_load_bound", self.routing.prefix_load_bound)?;
         if self.routing.prefix_memory_blocks == 0 {
             return Err(PolicyError::config(
                 "routing.prefix_memory_blocks",
                 "must be >= 1, got 0",
             ));
+        }
+        Ok(())
+    }
+
+    /// Each model pool is co-located (every backend `both`) or split (`prefill` and `decode`
+    /// backends, at least one of each): a request of a split pool needs one of each.
+    fn validate_roles(&self) -> PolicyResult<()> {
+        let served = self.served_models();
+        let pools: Vec<Option<&str>> = if served.is_empty() {
+            vec![None]
+        } else {
+            served.into_iter().map(Some).collect()
+        };
+        for model in pools {
+            let members: Vec<(usize, BackendRole)> = self
+                .backends
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| model.is_none_or(|m| b.models.iter().any(|x| x == m)))
+                .map(|(i, b)| (i, b.role))
+                .collect();
+            let has = |r: BackendRole| members.iter().any(|&(_, x)| x == r);
+            if !has(BackendRole::Prefill) && !has(BackendRole::Decode) {
+                continue;
+            }
+            let pool = model.map_or_else(|| "the backends".to_owned(), |m| format!("model {m:?}"));
+            if let Some(&(i, _)) = members.iter().find(|&&(_, r)| r == BackendRole::Both) {
+                return Err(PolicyError::config(
+                    format!("backends[{i}].role"),
+                    format!(
+                        "is \"both\" while other backends of {pool} are split into prefill and \
+                         decode; a pool is co-located or split: give every backend of it a \
+                         role of \"prefill\" or \"decode\", or none"
+                    ),
+                ));
+            }
+            for (need, other) in [
+                (BackendRole::Prefill, BackendRole::Decode),
+                (BackendRole::Decode, BackendRole::Prefill),
+            ] {
+                if !has(need) {
+                    let i = members
+                        .iter()
+                        .find(|&&(_, r)| r == other)
+                        .map_or(0, |m| m.0);
+                    return Err(PolicyError::config(
+                        format!("backends[{i}].role"),
+                        format!(
+                            "is {:?} but {pool} has no {:?} backend; a split pool needs at \
+                             least one of each",
+                            other.as_str(),
+                            need.as_str()
+                        ),
+                    ));
+                }
+            }
         }
         Ok(())
     }

@@ -94,16 +94,25 @@ pub struct PyAdmitted {
     request_id: u64,
     backend: String,
     priority: i64,
+    /// In a split pool: the prefill instance the request goes to first.
+    prefill_backend: Option<String>,
 }
 
 #[pymethods]
 impl PyAdmitted {
     #[new]
-    fn new(request_id: u64, backend: String, priority: i64) -> Self {
+    #[pyo3(signature = (request_id, backend, priority, prefill_backend=None))]
+    fn new(
+        request_id: u64,
+        backend: String,
+        priority: i64,
+        prefill_backend: Option<String>,
+    ) -> Self {
         Self {
             request_id,
             backend,
             priority,
+            prefill_backend,
         }
     }
 
@@ -113,8 +122,12 @@ impl PyAdmitted {
     }
 
     fn __repr__(&self) -> String {
+        let prefill = self
+            .prefill_backend
+            .as_ref()
+            .map_or_else(String::new, |p| format!(", prefill_backend='{p}'"));
         format!(
-            "Admitted(request_id={}, backend='{}', priority={})",
+            "Admitted(request_id={}, backend='{}', priority={}{prefill})",
             self.request_id, self.backend, self.priority
         )
     }
@@ -239,6 +252,8 @@ pub struct PyAdmission {
     backend: String,
     priority: i64,
     queue_wait_s: f64,
+    /// In a split pool: the prefill instance the request goes to first.
+    prefill_backend: Option<String>,
 }
 
 #[pymethods]
@@ -325,10 +340,15 @@ impl PyGovernor {
             .inner
             .submit_routed(request_id, tenant_id, prompt, max_tokens, route, now_us)?;
         let out = match decision {
-            Decision::Admitted { backend, priority } => PyAdmitted {
+            Decision::Admitted {
+                backend,
+                priority,
+                prefill,
+            } => PyAdmitted {
                 request_id,
                 backend: self.backend_name(backend),
                 priority,
+                prefill_backend: prefill.map(|p| self.backend_name(p)),
             }
             .into_pyobject(py)?
             .into_any(),
@@ -370,8 +390,13 @@ impl PyGovernor {
                 backend: self.backend_name(a.backend),
                 priority: a.priority,
                 queue_wait_s: a.queue_wait_us as f64 / 1e6,
+                prefill_backend: a.prefill.map(|p| self.backend_name(p)),
             })
             .collect()
+    }
+
+    fn prefilled(&mut self, request_id: u64, now_us: u64) -> bool {
+        self.inner.prefilled(request_id, now_us)
     }
 
     fn on_first_token(&mut self, request_id: u64, now_us: u64) {

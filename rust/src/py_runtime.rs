@@ -19,6 +19,8 @@ pub struct PyStart {
     priority: i64,
     queue_wait_s: f64,
     max_tokens: Option<u64>,
+    /// In a split pool: the prefill instance the request goes to first.
+    prefill_backend: Option<String>,
 }
 
 /// The request waits in the gateway's queue.
@@ -138,7 +140,7 @@ macro_rules! reprs {
 }
 
 reprs! {
-    PyStart => "Start": request_id, backend, priority, queue_wait_s, max_tokens;
+    PyStart => "Start": request_id, backend, priority, queue_wait_s, max_tokens, prefill_backend;
     PyWait => "Wait": request_id, position, estimated_wait_s;
     PyAbort => "Abort": request_id;
     PyReply => "Reply": request_id, status, reason, retry_after_s;
@@ -185,6 +187,7 @@ impl PyRuntime {
                     priority,
                     queue_wait_us,
                     max_tokens,
+                    prefill,
                 } => Py::new(
                     py,
                     PyStart {
@@ -193,6 +196,7 @@ impl PyRuntime {
                         priority,
                         queue_wait_s: queue_wait_us as f64 / 1e6,
                         max_tokens,
+                        prefill_backend: prefill.map(|p| gov.backend_name(p).to_owned()),
                     },
                 )?
                 .into_any(),
@@ -358,6 +362,10 @@ impl PyRuntime {
 
     fn started(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {
         self.feed(py, now_us, &Event::Started { id: request_id })
+    }
+
+    fn prefilled(&mut self, py: Python<'_>, request_id: u64, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::Prefilled { id: request_id })
     }
 
     fn tokens(

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use crate::config::{PolicyConfig, RoutePolicy};
+use crate::config::{BackendRole, PolicyConfig, RoutePolicy};
 use crate::error::{PolicyError, PolicyResult};
 
 /// The model pools: one per served model name, each the backends that serve it.
@@ -21,6 +21,10 @@ pub struct Pools {
     /// Per pool, per backend: whether the backend serves the pool's model.
     members: Vec<Vec<bool>>,
     policies: Vec<RoutePolicy>,
+    /// Per pool: its backends are split into prefill and decode instances.
+    split: Vec<bool>,
+    /// Per backend: its role (`both` unless the config splits its pool).
+    roles: Vec<BackendRole>,
     /// Per pool: the backend round robin tries first.
     next: Vec<u32>,
     aliases: BTreeMap<String, String>,
@@ -73,8 +77,15 @@ impl Pools {
                 })
                 .collect()
         };
+        let roles: Vec<BackendRole> = config.backends.iter().map(|b| b.role).collect();
+        let split = members
+            .iter()
+            .map(|m| (0..backends).any(|i| m[i] && roles[i] != BackendRole::Both))
+            .collect();
         Self {
             next: vec![0; members.len()],
+            split,
+            roles,
             names,
             lookup,
             members,
@@ -134,6 +145,15 @@ impl Pools {
 
     pub fn serves(&self, pool: u32, backend: usize) -> bool {
         self.members[pool as usize][backend]
+    }
+
+    /// Whether a pool's requests prefill on one backend and decode on another.
+    pub fn is_split(&self, pool: u32) -> bool {
+        self.split[pool as usize]
+    }
+
+    pub fn role(&self, backend: usize) -> BackendRole {
+        self.roles[backend]
     }
 
     pub fn policy(&self, pool: u32) -> RoutePolicy {

@@ -96,6 +96,9 @@ pub enum Event {
     },
     /// The backend accepted the request (response headers came back).
     Started { id: u64 },
+    /// A split request's prefill hop answered (its prefill instance returned the KV transfer
+    /// parameters): that instance's slot is free; the host now sends the decode hop.
+    Prefilled { id: u64 },
     /// `n` more tokens were generated (the first ones count as the first token).
     Tokens { id: u64, n: u64 },
     /// Upstream finished the request.
@@ -241,7 +244,10 @@ impl Reason {
 #[serde(rename_all = "snake_case")]
 pub enum Action {
     /// Send the request to `backend` with vLLM priority `priority` (and, after a brownout,
-    /// with `max_tokens` clamped to this).
+    /// with `max_tokens` clamped to this). With `prefill` (a split pool), send it there
+    /// first as vLLM's prefill hop (`max_tokens` 1, asking for remote decode), report
+    /// `Prefilled`, then send it to `backend` with the KV transfer parameters the prefill
+    /// answered.
     Start {
         id: u64,
         backend: u32,
@@ -249,6 +255,8 @@ pub enum Action {
         queue_wait_us: u64,
         #[serde(skip_serializing_if = "Option::is_none")]
         max_tokens: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        prefill: Option<u32>,
     },
     /// The request waits in the gateway's queue (informational: keep the client waiting).
     Queued {
@@ -539,6 +547,13 @@ impl Runtime {
                 self.done(id, now);
                 true
             }
+            Event::Prefilled { id } => {
+                let live = self
+                    .sessions
+                    .get(&id)
+                    .is_some_and(|s| s.started && !s.upstream_done);
+                live && self.gov.prefilled(id, now)
+            }
             Event::Failed {
                 id,
                 status,
@@ -755,9 +770,13 @@ impl Runtime {
             upstream_done: false,
         };
         match decision {
-            Decision::Admitted { backend, priority } => {
+            Decision::Admitted {
+                backend,
+                priority,
+                prefill,
+            } => {
                 self.sessions.insert(id, session);
-                self.start(id, backend, priority, 0);
+                self.start(id, (backend, prefill), priority, 0);
             }
             Decision::Queued {
                 position,
@@ -797,7 +816,13 @@ impl Runtime {
         Ok(())
     }
 
-    fn start(&mut self, id: u64, backend: u32, priority: i64, queue_wait_us: u64) {
+    fn start(
+        &mut self,
+        id: u64,
+        (backend, prefill): (u32, Option<u32>),
+        priority: i64,
+        queue_wait_us: u64,
+    ) {
         if let Some(s) = self.sessions.get_mut(&id) {
             s.started = true;
         }
@@ -808,12 +833,14 @@ impl Runtime {
             priority,
             queue_wait_us,
             max_tokens,
+            prefill,
         });
     }
 
     fn dispatch(&mut self, now: u64) {
         for a in self.gov.dispatch(now) {
-            self.start(a.request_id, a.backend, a.priority, a.queue_wait_us);
+            let to = (a.backend, a.prefill);
+            self.start(a.request_id, to, a.priority, a.queue_wait_us);
         }
     }
 
@@ -1408,5 +1435,72 @@ mod tests {
             matches!(acts[..], [Action::Arm { at_us: later }] if later == at_us + 10),
             "{acts:?}"
         );
+    }
+
+    // P/D: `Start` names the prefill instance; `Prefilled` frees its slot, which starts the
+    // next prompt waiting for one; a prefill instance that fails during its hop is the one
+    // marked down.
+    #[test]
+    fn split_pool_prefill_hop() {
+        let policy = r#"{"backends":[{"name":"p","role":"prefill"},
+                {"name":"d","gpus":4,"role":"decode"}],"max_concurrency_per_gpu":1,
+                "max_waiting":10,"tiers":[{"name":"t"}],"tenants":[{"name":"a","tier":"t"}]}"#;
+        let mut rt =
+            Runtime::from_json(&format!(r#"{{"policy": {policy}, "lifecycle": {{}}}}"#)).unwrap();
+        let acts = rt.handle(0, &arrive(1, 0)).unwrap();
+        assert!(
+            matches!(
+                acts[0],
+                Action::Start {
+                    id: 1,
+                    backend: 1,
+                    prefill: Some(0),
+                    ..
+                }
+            ),
+            "{acts:?}"
+        );
+        // One prefill slot: the second waits for it although the decode instance has room.
+        let acts = rt.handle(1, &arrive(2, 0)).unwrap();
+        assert!(matches!(acts[0], Action::Queued { id: 2, .. }), "{acts:?}");
+        let acts = rt.handle(2, &Event::Prefilled { id: 1 }).unwrap();
+        assert!(
+            matches!(
+                acts[0],
+                Action::Start {
+                    id: 2,
+                    prefill: Some(0),
+                    ..
+                }
+            ),
+            "{acts:?}"
+        );
+        assert!(rt
+            .handle(3, &Event::Prefilled { id: 1 })
+            .unwrap()
+            .iter()
+            .all(|a| !matches!(a, Action::Start { .. })));
+        // Request 2's hop fails with the prefill instance unreachable: it is marked down.
+        let acts = rt
+            .handle(
+                4,
+                &Event::Failed {
+                    id: 2,
+                    status: 0,
+                    backend_down: true,
+                },
+            )
+            .unwrap();
+        assert!(
+            acts.contains(&Action::Backend {
+                backend: 0,
+                healthy: false
+            }),
+            "{acts:?}"
+        );
+        assert!(rt.backend_healthy(1));
+        let acts = rt.handle(5, &Event::Done { id: 1 }).unwrap();
+        assert_eq!(terminal(&acts).len(), 1);
+        assert_eq!((rt.live(), rt.governor().live()), (0, 0));
     }
 }

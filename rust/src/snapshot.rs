@@ -26,6 +26,8 @@ pub struct Snapshot {
 #[derive(Debug, Serialize)]
 pub struct BackendSnapshot {
     pub name: String,
+    /// `both`, or `prefill` / `decode` in a split pool.
+    pub role: &'static str,
     pub healthy: bool,
     pub stale: bool,
     pub cap: u32,
@@ -101,6 +103,7 @@ impl Governor {
             .enumerate()
             .map(|(i, b)| BackendSnapshot {
                 name: b.name.clone(),
+                role: self.pools.role(i).as_str(),
                 healthy: b.healthy,
                 stale: b.is_stale(now_us, stale_after),
                 cap: b.cap,

@@ -56,6 +56,9 @@ pub enum Decision {
     Admitted {
         backend: u32,
         priority: i64,
+        /// In a split pool: the prefill instance its prompt goes to first (`backend` decodes).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        prefill: Option<u32>,
     },
     Queued {
         position: u32,
@@ -77,6 +80,8 @@ pub enum Decision {
 pub struct Admission {
     pub request_id: u64,
     pub backend: u32,
+    /// In a split pool: the prefill instance its prompt goes to first.
+    pub prefill: Option<u32>,
     pub priority: i64,
     pub queue_wait_us: u64,
 }

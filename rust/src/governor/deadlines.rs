@@ -21,9 +21,14 @@ impl Governor {
             .min()
     }
 
-    /// The backend a running request holds, if it is running.
+    /// The backend a running request is at upstream, if it is running: its prefill instance
+    /// while a split request's prefill hop runs, else the backend it holds.
     pub fn request_backend(&self, id: u64) -> Option<u32> {
-        self.requests.get(&id)?.running.as_ref().map(|r| r.backend)
+        self.requests
+            .get(&id)?
+            .running
+            .as_ref()
+            .map(|r| r.prefill.unwrap_or(r.backend))
     }
 
     /// End every request whose deadline has passed, reporting which and why.
@@ -34,7 +39,7 @@ impl Governor {
                 break;
             }
             let req = &self.requests[&id];
-            let (backend, tier) = (req.running.as_ref().map(|r| r.backend), req.tier);
+            let (backend, tier) = (self.request_backend(id), req.tier);
             self.finish(id, Outcome::Timeout, now_us);
             self.counters.expired[reason as usize] += 1;
             let wait = (self.queue.len() + 1) as f64 / self.drain_rate();

@@ -1,11 +1,69 @@
 //! Dispatch: which backend a request starts on, and moving queued requests onto free slots.
 
 use super::{us, Governor, Route, Running};
-use crate::config::RoutePolicy;
+use crate::config::{BackendRole, RoutePolicy};
 use crate::routing::headroom_score;
 use crate::types::{Admission, ExpiryReason};
 
 impl Governor {
+    /// Where a request starts now, or none: its backend and, in a split pool, the prefill
+    /// instance its prompt goes to first (both must have room).
+    pub(super) fn pick(
+        &self,
+        tier_idx: usize,
+        route: Route<'_>,
+        prompt: u64,
+        peak: u64,
+        now_us: u64,
+    ) -> Option<(u32, Option<u32>)> {
+        let prefill = if self.pools.is_split(route.pool) {
+            Some(self.pick_prefill(tier_idx, route.pool, prompt, now_us)?)
+        } else {
+            None
+        };
+        let backend = self.pick_backend(tier_idx, route, prompt, peak, now_us)?;
+        Some((backend, prefill))
+    }
+
+    /// The prefill instance of a split pool a prompt goes to now, or none: among the healthy
+    /// ones with a slot for its tier, free KV blocks for the prompt and (unprotected tiers)
+    /// room under prefill pacing, the one whose queued prefill work clears first at its
+    /// measured rate (its own prompt included; ties: the most free slots, then the first).
+    /// TTFT is what a prefill instance decides, so the soonest finish is the rank, whatever
+    /// the pool's policy for its decode instances.
+    fn pick_prefill(&self, tier_idx: usize, pool: u32, prompt: u64, now_us: u64) -> Option<u32> {
+        let tier = &self.config.tiers[tier_idx];
+        let blocks = self.ledger.blocks_for(prompt);
+        let mut best: Option<(f64, u32, usize)> = None;
+        for (i, b) in self.backends.iter().enumerate() {
+            if !b.healthy || !self.pools.serves(pool, i) {
+                continue;
+            }
+            if self.pools.role(i) != BackendRole::Prefill {
+                continue;
+            }
+            let (total, share) = self.limits(i, tier, now_us);
+            if b.running >= total || b.running_by_tier[tier_idx] >= share {
+                continue;
+            }
+            let capacity = b.kv_capacity_blocks;
+            let fits = capacity == 0
+                || b.running == 0
+                || blocks < capacity.saturating_sub(self.kv_used(i, now_us));
+            if !tier.protected && (!fits || !self.prefill_paced(i, prompt)) {
+                continue;
+            }
+            let waiting = b.observed.and_then(|o| o.waiting).unwrap_or(0);
+            let queued = b.prefill_pending + waiting * prompt + prompt;
+            let wait_s = queued as f64 / b.prefill_tps.max(1.0);
+            let free = total - b.running;
+            if best.is_none_or(|(w, f, _)| wait_s < w || (wait_s == w && free > f)) {
+                best = Some((wait_s, free, i));
+            }
+        }
+        best.map(|(_, _, i)| i as u32)
+    }
+
     /// The backend a request starts on now, or none: among the healthy backends serving its
     /// pool's model with a slot for its tier and KV that can take it (`eligible`), the one the
     /// pool's routing policy ranks first.
@@ -72,8 +130,14 @@ impl Governor {
         now_us: u64,
     ) -> impl Iterator<Item = (usize, u32)> + '_ {
         let tier = &self.config.tiers[tier_idx];
+        // In a split pool a request's home is a decode instance: its prompt is computed on a
+        // prefill instance (`pick_prefill`), so prefill pacing does not apply here.
+        let split = self.pools.is_split(pool);
         self.backends.iter().enumerate().filter_map(move |(i, b)| {
             if !b.healthy || !self.pools.serves(pool, i) {
+                return None;
+            }
+            if split && self.pools.role(i) != BackendRole::Decode {
                 return None;
             }
             let (total, share) = self.limits(i, tier, now_us);
@@ -91,7 +155,8 @@ impl Governor {
             // Protected tiers skip the fit check: vLLM's priority scheduling preempts lower
             // tiers to make room for them, and waiting here would only delay a VIP.
             if !tier.protected
-                && (!self.fits(i, prompt, peak_blocks, now_us) || !self.prefill_paced(i, prompt))
+                && (!self.fits(i, prompt, peak_blocks, now_us)
+                    || (!split && !self.prefill_paced(i, prompt)))
             {
                 return None;
             }
@@ -235,7 +300,7 @@ impl Governor {
                         chain: &req.chain,
                         ..Route::default()
                     };
-                    let Some(backend) = self.pick_backend(tier_idx, route, prompt, peak, now_us)
+                    let Some((backend, prefill)) = self.pick(tier_idx, route, prompt, peak, now_us)
                     else {
                         break;
                     };
@@ -247,10 +312,11 @@ impl Governor {
                         (req.priority, now_us.saturating_sub(req.submitted_us));
                     self.clear_deadline(item.id, ExpiryReason::QueueTimeout);
                     self.clear_lapse(item.id);
-                    self.start(item.id, backend, now_us);
+                    self.start(item.id, backend, prefill, now_us);
                     admitted.push(Admission {
                         request_id: item.id,
                         backend,
+                        prefill,
                         priority,
                         queue_wait_us: waited,
                     });
@@ -261,8 +327,9 @@ impl Governor {
     }
 
     /// Give a request its slot: count it on the backend, open its KV entry, commit its expected
-    /// peak, charge its prompt.
-    pub(super) fn start(&mut self, id: u64, backend: u32, now_us: u64) {
+    /// peak, charge its prompt. With `prefill` (a split pool) it also holds a slot on that
+    /// prefill instance, where its prompt counts as prefill work, until the hop answers.
+    pub(super) fn start(&mut self, id: u64, backend: u32, prefill: Option<u32>, now_us: u64) {
         let (tenant, max_tokens) = {
             let req = &self.requests[&id];
             (req.tenant, req.max_tokens)
@@ -278,10 +345,21 @@ impl Governor {
         }
         b.running += 1;
         b.running_by_tier[req.tier] += 1;
-        let prefill_alone = b.prefill_pending == 0;
-        b.prefill_pending += req.prompt;
+        let computes = match prefill {
+            Some(p) => {
+                let p = &mut self.backends[p as usize];
+                p.running += 1;
+                p.running_by_tier[req.tier] += 1;
+                p
+            }
+            None => b,
+        };
+        let prefill_alone = computes.prefill_pending == 0;
+        computes.prefill_pending += req.prompt;
         req.running = Some(Running {
             backend,
+            prefill,
+            split: prefill.is_some(),
             admitted_us: now_us,
             first_token: false,
             prefill_alone,
@@ -563,5 +641,150 @@ mod tests {
         // b0 runs 3 of 4 slots: at the 0.75 bound, so the hot prefix spills to b1.
         assert_eq!(submit(&mut g, 6, &[1, 2, 3, 4]), Some(1));
         assert!(g.past_prefix_bound(0, 0) && g.past_prefix_bound(1, 0));
+    }
+
+    fn split_pool() -> Governor {
+        // Two prefill instances of one GPU (2 slots each), one decode instance of two (4).
+        routed(
+            r#"[{"name":"p0","role":"prefill"},{"name":"p1","role":"prefill"},
+                {"name":"d","gpus":2,"role":"decode"}]"#,
+            "",
+        )
+    }
+
+    fn running(g: &Governor) -> Vec<u32> {
+        g.backends.iter().map(|b| b.running).collect()
+    }
+
+    // In a split pool a request decodes on a decode instance and goes first to a prefill
+    // instance, whose slot it holds only until its prefill hop answers.
+    #[test]
+    fn split_pool_picks_prefill_and_decode() {
+        let mut g = split_pool();
+        let d = g.submit(1, 0, 100, 10, 0).unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Admitted {
+                    backend: 2,
+                    prefill: Some(0),
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        assert_eq!(g.request_backend(1), Some(0)); // upstream at the prefill instance now
+        assert_eq!(g.backends[0].prefill_pending, 100);
+        assert_eq!(g.backends[2].prefill_pending, 0);
+        // The second goes to the prefill instance with less prefill work queued.
+        let d = g.submit(2, 0, 100, 10, 0).unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Admitted {
+                    prefill: Some(1),
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        assert_eq!(running(&g), [1, 1, 2]);
+        assert!(g.prefilled(1, 10));
+        assert!(!g.prefilled(1, 11), "a hop answers once");
+        assert_eq!(running(&g), [0, 1, 2]);
+        assert_eq!(g.request_backend(1), Some(2));
+        assert_eq!(g.backends[0].prefill_pending, 0);
+        // A first token without a reported hop still frees the prefill instance.
+        assert!(g.on_tokens(2, 1, 20));
+        assert_eq!(running(&g), [0, 0, 2]);
+        assert_eq!(g.backends[2].decoding, 1);
+        assert!(g.finish(1, Outcome::Completed, 30) && g.finish(2, Outcome::Completed, 30));
+        assert_eq!(running(&g), [0, 0, 0]);
+        assert_eq!(g.backends[2].decoding, 0);
+    }
+
+    // The decode instance's slots bound the requests in flight; prefill slots bound the
+    // prefill hops. A request ending during its hop frees both sides.
+    #[test]
+    fn split_pool_needs_both_slots() {
+        let mut g = split_pool();
+        for id in 1..=4 {
+            let d = g.submit(id, 0, 100, 10, 0).unwrap();
+            assert!(matches!(d, Decision::Admitted { .. }), "{id}: {d:?}");
+        }
+        // Prefill and decode slots are all busy; the hops answer and free the prefill side.
+        for id in 1..=4 {
+            g.prefilled(id, 1);
+        }
+        assert_eq!(running(&g), [0, 0, 4]);
+        let d = g.submit(5, 0, 100, 10, 2).unwrap();
+        assert!(
+            matches!(d, Decision::Queued { .. }),
+            "decode is full: {d:?}"
+        );
+        g.finish(1, Outcome::Cancelled, 3);
+        let placed = g.dispatch(3);
+        assert_eq!((placed[0].request_id, placed[0].backend), (5, 2));
+        assert!(placed[0].prefill.is_some());
+        // Decode room but no prefill room: the prefill slots hold new requests back.
+        let mut g = split_pool();
+        g.backends[0].healthy = false;
+        g.backends[1].healthy = false;
+        let d = g.submit(1, 0, 100, 10, 0).unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Rejected {
+                    reason: RejectReason::NoHealthyBackend,
+                    ..
+                }
+            ),
+            "no prefill instance is up: {d:?}"
+        );
+        // Ending during the hop frees both sides and leaves nothing behind.
+        let mut g = split_pool();
+        g.submit(1, 0, 100, 10, 0).unwrap();
+        assert!(g.finish(1, Outcome::Cancelled, 1));
+        assert_eq!(running(&g), [0, 0, 0]);
+        assert!(g
+            .backends
+            .iter()
+            .all(|b| b.prefill_pending == 0 && b.committed_blocks == 0));
+    }
+
+    // A pool is co-located or split, and a split pool has both kinds; the message names the
+    // backend to fix. Other models' pools are independent.
+    #[test]
+    fn split_pool_config_is_checked() {
+        let text = |backends: &str| {
+            format!(
+                r#"{{"backends":{backends},"tiers":[{{"name":"t"}}],
+                    "tenants":[{{"name":"a","tier":"t"}}]}}"#
+            )
+        };
+        let err = Governor::from_json(&text(r#"[{"name":"p","role":"prefill"},{"name":"x"}]"#))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("backends[1].role") && err.contains("co-located or split"),
+            "{err}"
+        );
+        let err = Governor::from_json(&text(r#"[{"name":"p","role":"prefill"}]"#))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("backends[0].role") && err.contains("no \"decode\""),
+            "{err}"
+        );
+        let err = Governor::from_json(&text(r#"[{"name":"p","role":"pre"}]"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("prefill"), "{err}");
+        let ok = text(
+            r#"[{"name":"p","role":"prefill","models":["m"]},
+                {"name":"d","role":"decode","models":["m"]},{"name":"x","models":["n"]}]"#,
+        );
+        let g = Governor::from_json(&ok).unwrap();
+        assert!(g.pools.is_split(0) && !g.pools.is_split(1));
     }
 }

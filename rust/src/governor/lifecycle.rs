@@ -24,7 +24,6 @@ impl Governor {
         if req.fingerprint != 0 {
             self.retries.forget(req.tenant, req.fingerprint);
         }
-        let b = &mut self.backends[run.backend as usize];
         // Only a prompt that had the backend's prefill to itself bounds its throughput: under a
         // burst each prompt shares the steps, and its own time says little.
         let alone = if run.prefill_alone {
@@ -32,10 +31,44 @@ impl Governor {
         } else {
             0
         };
-        b.record_prefill(req.prompt, alone, now_us);
-        b.prefill_pending -= req.prompt;
+        if let Some(p) = run.prefill.take() {
+            // A first token proves the prefill hop over, reported or not.
+            let p = &mut self.backends[p as usize];
+            p.record_prefill(req.prompt, alone, now_us);
+            p.prefill_hop_ended(req.tier, req.prompt);
+        }
+        let b = &mut self.backends[run.backend as usize];
+        if !run.split {
+            b.record_prefill(req.prompt, alone, now_us);
+            b.prefill_pending -= req.prompt;
+        }
         b.decoding += 1;
         self.clear_deadline(id, crate::types::ExpiryReason::FirstTokenTimeout);
+        true
+    }
+
+    /// A split request's prefill hop answered: its prompt's KV is on its prefill instance, and
+    /// that instance's slot is free (vLLM's connector keeps the blocks until the decode
+    /// instance has read them; they are not counted here). Returns false if the request has
+    /// no prefill hop running.
+    pub fn prefilled(&mut self, id: u64, now_us: u64) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        let Some(run) = req.running.as_mut() else {
+            return false;
+        };
+        let Some(p) = run.prefill.take() else {
+            return false;
+        };
+        let alone = if run.prefill_alone {
+            now_us.saturating_sub(run.admitted_us)
+        } else {
+            0
+        };
+        let p = &mut self.backends[p as usize];
+        p.record_prefill(req.prompt, alone, now_us);
+        p.prefill_hop_ended(req.tier, req.prompt);
         true
     }
 
@@ -99,13 +132,16 @@ impl Governor {
                 }
             }
             Some(run) => {
+                if let Some(p) = run.prefill {
+                    self.backends[p as usize].prefill_hop_ended(req.tier, req.prompt);
+                }
                 let b = &mut self.backends[run.backend as usize];
                 b.running -= 1;
                 b.running_by_tier[req.tier] -= 1;
                 b.committed_blocks -= req.committed;
                 if run.first_token {
                     b.decoding -= 1;
-                } else {
+                } else if !run.split {
                     b.prefill_pending -= req.prompt;
                 }
                 self.ledger.close(id, now_us);

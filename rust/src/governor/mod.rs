@@ -37,7 +37,7 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use crate::backend::{BackendState, EWMA_ALPHA};
-use crate::config::{PolicyConfig, RoutePolicy};
+use crate::config::{BackendRole, PolicyConfig, RoutePolicy};
 use crate::error::{PolicyError, PolicyResult};
 use crate::fair_queue::{FairQueue, QueuedItem};
 use crate::kv::KvLedger;
@@ -55,7 +55,13 @@ const RETRY_AFTER_RANGE: (f64, f64) = (0.05, 3600.0);
 
 #[derive(Debug, Clone)]
 pub(crate) struct Running {
+    /// Where it holds its slot and KV and decodes.
     pub backend: u32,
+    /// In a split pool, while its prefill hop runs: the prefill instance (its slot there is
+    /// held until the hop answers, `Governor::prefilled`, or the request ends).
+    pub prefill: Option<u32>,
+    /// Its pool is split: its prompt's prefill was counted on the prefill instance.
+    split: bool,
     admitted_us: u64,
     pub first_token: bool,
     /// Nothing else was in prefill on its backend when it started: its own time to first
@@ -296,6 +302,23 @@ impl Governor {
     ///
     /// # Errors
     /// `UnknownModel` or `ModelRequired`.
+    /// Whether a pool has a healthy backend to serve a request: in a split pool, a healthy
+    /// prefill and a healthy decode instance.
+    fn pool_can_serve(&self, pool: u32) -> bool {
+        let healthy = |role: Option<BackendRole>| {
+            (0..self.backends.len()).any(|b| {
+                self.backends[b].healthy
+                    && self.pools.serves(pool, b)
+                    && role.is_none_or(|r| self.pools.role(b) == r)
+            })
+        };
+        if self.pools.is_split(pool) {
+            healthy(Some(BackendRole::Prefill)) && healthy(Some(BackendRole::Decode))
+        } else {
+            healthy(None)
+        }
+    }
+
     pub fn pool_of(&self, model: Option<&str>) -> PolicyResult<u32> {
         self.pools.resolve(model)
     }
@@ -564,8 +587,10 @@ impl Governor {
                 }
                 decision
             }
-            Decision::Admitted { backend, .. } => {
-                self.start(id, backend, now_us);
+            Decision::Admitted {
+                backend, prefill, ..
+            } => {
+                self.start(id, backend, prefill, now_us);
                 self.counters.admitted += 1;
                 decision
             }
@@ -629,6 +654,7 @@ impl Governor {
             return Decision::Admitted {
                 backend: own.backend,
                 priority,
+                prefill: own.prefill,
             };
         }
         self.counters.queued += 1;
@@ -713,8 +739,7 @@ impl Governor {
             };
         }
         let pool = route.pool;
-        if !(0..self.backends.len()).any(|b| self.backends[b].healthy && self.pools.serves(pool, b))
-        {
+        if !self.pool_can_serve(pool) {
             let wait = self
                 .stale_after_us()
                 .map_or(PRIOR_SERVICE_S, |u| u as f64 / 1e6);
@@ -746,11 +771,15 @@ impl Governor {
         };
         if ahead == 0 {
             let peak = prompt + self.expected_output(tenant, max_tokens);
-            if let Some(backend) = self.pick_backend(tier_idx, route, prompt, peak, now_us) {
+            if let Some((backend, prefill)) = self.pick(tier_idx, route, prompt, peak, now_us) {
                 if let Some(excess) = sla_excess {
                     return reject(RejectReason::TtftSla, excess);
                 }
-                return Decision::Admitted { backend, priority };
+                return Decision::Admitted {
+                    backend,
+                    priority,
+                    prefill,
+                };
             }
         }
         let queued = self.queue.len();
