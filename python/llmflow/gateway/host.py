@@ -187,6 +187,10 @@ class Host:
     def started(self, request_id: int) -> None:
         self.carry(self.runtime.started(request_id, now_us()))
 
+    def prefilled(self, request_id: int) -> None:
+        """A split request's prefill hop answered (`disagg.py`)."""
+        self.carry(self.runtime.prefilled(request_id, now_us()))
+
     def tokens(self, request_id: int, n: int) -> None:
         # The per-chunk path: the runtime answers tokens with no action unless it must.
         actions = self.runtime.tokens(request_id, n, now_us())

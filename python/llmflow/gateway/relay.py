@@ -166,9 +166,12 @@ class RelayedSession(StreamSession):
 
     def _begin(self) -> None:
         route = self.ctx.routes[self.backend or ""]
-        # Cut between admission and now, or a backend the relay cannot speak to (https): the
-        # Python path serves it (and writes the end of a reply that never started).
-        if self._stop or not route.url.startswith("http://"):
+        # Cut between admission and now, a backend the relay cannot speak to (https), or a
+        # split request, whose prefill hop comes first (P/D is experimental; its decode hop
+        # streams through Python): the Python path serves it (and writes the end of a reply
+        # that never started).
+        split = self.start_action is not None and self.start_action.prefill_backend is not None
+        if self._stop or split or not route.url.startswith("http://"):
             super()._begin()
             return
         body = upstream_body(self.prepared, route, self.start_action)

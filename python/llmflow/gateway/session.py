@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from llmflow.gateway.backpressure import ChunkWindow
+from llmflow.gateway.disagg import decode_body, prefill_hop
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.streaming import Accumulator, ChunkParser, parse_item, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
@@ -348,6 +349,11 @@ class StreamSession:
         route = self.ctx.routes[self.backend or ""]
         body = upstream_body(self.prepared, route, self.start_action)
         host, rid = self.ctx.host, self.request_id
+        start = self.start_action
+        if start is not None and start.prefill_backend is not None:
+            body = await self._prefill_hop(start.prefill_backend, body)
+            if self._stop:
+                return
         self._stream = await self.ctx.upstream.open(
             route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
         )
@@ -367,6 +373,18 @@ class StreamSession:
             if chunk is not None:
                 await self._emit(chunk)
         self._upstream_complete = True
+
+    async def _prefill_hop(self, prefill_backend: str, body: Json) -> Json:
+        """P/D: send the prefill hop (`disagg.py`), tell the runtime it answered, and return
+        the decode hop's body."""
+        route = self.ctx.routes[prefill_backend]
+        params = await prefill_hop(
+            self.ctx.upstream, route.url, self.prepared.path, body,
+            self.id_header["X-Request-Id"], self._on_conn,
+        )
+        self._conn = None  # back in the pool: an abort from now on is the decode's to close
+        self.ctx.host.prefilled(self.request_id)
+        return decode_body(body, params)
 
     def _on_conn(self, conn: Connection) -> None:
         self._conn = conn

@@ -33,6 +33,7 @@ _WRITE_TIMEOUT_S = 30.0  # sending one request body
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body worth reading
 _DONE = b"[DONE]"
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)  # a failed connect that says nothing of the backend
+_ANSWER_LIMIT = 16 * 1024 * 1024  # bytes of a JSON answer read whole (P/D's prefill hop)
 _TAIL_WAIT_S = 0.05  # after [DONE], how long the body's end may take before we drop the link
 
 
@@ -159,10 +160,21 @@ class Upstream:
             b"content-type: application/json\r\naccept: text/event-stream\r\n"
             b"x-request-id: " + request_id.encode() + b"\r\n"
         )
+        response = await self._request(base_url + path, head, body, on_connection)
+        if response.status != 200:
+            raise await _status_error(response)
+        return UpstreamStream(response)
+
+    async def _request(
+        self,
+        url: str,
+        head: bytes,
+        body: Json,
+        on_connection: Callable[[Connection], None] | None,
+    ) -> HttpResponse:
+        """Send one request on the pool; its failures as `UpstreamError`s."""
         try:
-            response = await self.pool.request(
-                base_url + path, head, json.dumps(body).encode(), on_connection
-            )
+            return await self.pool.request(url, head, json.dumps(body).encode(), on_connection)
         except OSError as exc:
             if exc.errno in _OUT_OF_FDS:  # the gateway's own shortage: the backend is fine
                 raise UpstreamError(
@@ -177,9 +189,36 @@ class Upstream:
             ) from exc
         except ProtocolError as exc:
             raise UpstreamError(502, "backend_error", f"backend failed: {exc}") from exc
+
+    async def post_json(
+        self,
+        base_url: str,
+        path: str,
+        body: Json,
+        request_id: str,
+        on_connection: Callable[[Connection], None] | None = None,
+    ) -> Json:
+        """Send a request that is not streamed and return its JSON answer (P/D's prefill hop).
+
+        Raises:
+            UpstreamError: as `open`, or a body that is not JSON (502).
+        """
+        head = (
+            b"content-type: application/json\r\naccept: application/json\r\n"
+            b"x-request-id: " + request_id.encode() + b"\r\n"
+        )
+        response = await self._request(base_url + path, head, body, on_connection)
         if response.status != 200:
             raise await _status_error(response)
-        return UpstreamStream(response)
+        try:
+            raw = await response.read_all(_ANSWER_LIMIT)
+        finally:
+            response.release()  # pooled when read to its end, else closed (also when cancelled)
+        try:
+            answer: Json = json.loads(raw)
+        except ValueError as exc:
+            raise UpstreamError(502, "backend_error", f"backend sent bad JSON: {exc}") from exc
+        return answer
 
     async def get(self, url: str, timeout_s: float) -> httpx.Response:
         """A plain GET (metrics scrapes), with its own timeout."""
