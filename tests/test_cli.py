@@ -81,6 +81,21 @@ def test_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "-1" in err
 
 
+def test_config_check_names_a_split_pool_missing_a_role(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "split.yaml"
+    bad.write_text(
+        "backends:\n"
+        "  - {name: p0, url: 'http://p0:8000', models: [m], role: prefill}\n"
+        "  - {name: p1, url: 'http://p1:8000', models: [m], role: prefill}\n"
+    )
+    assert main(["config", "check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "backends[0].role" in err
+    assert 'no "decode" backend' in err
+
+
 def test_console_script_runs() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "llmflow.cli", "capacity", "--avg-context", "2048"],

@@ -231,6 +231,8 @@ mod tests {
                 kv_blocks: Some(1000),
             },
         ));
+        // P/D's hop event (a no-op on this co-located pool): it goes into a line and back.
+        evs.push((150, Event::Prefilled { id: 2 }));
         evs.push((200, Event::Tokens { id: 1, n: 7 }));
         evs.push((300, Event::Done { id: 1 }));
         evs.push((400, Event::ClientGone { id: 3 }));

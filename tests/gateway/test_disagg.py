@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
 from llmflow.gateway.handoff import server_options
 from llmflow.sim import server as sim_server
@@ -225,3 +226,29 @@ async def test_a_first_token_streams_after_the_transfer() -> None:
         assert rest
         moved = prompt * 128 * 1024 / 0.05e9 / 5.0  # wall seconds on the link
         assert first >= 0.8 * moved, (first, moved)
+
+
+async def test_built_in_backends_can_be_split() -> None:
+    # Backends without a URL run the simulated vLLM in the gateway's process; with roles they
+    # run its KV connector too, so a split config works on a bare machine.
+    settings = load_settings(data={"backends": [
+        {"name": "p", "models": [SIM_MODEL], "role": "prefill"},
+        {"name": "d", "models": [SIM_MODEL], "role": "decode"},
+    ]})
+    app = create_app(settings)
+    async with serve_asgi(app, **server_options(settings, app)) as (url, _), httpx.AsyncClient(
+        base_url=url, timeout=30
+    ) as client:
+        body = {"model": SIM_MODEL, "prompt": "hello " * 50, "max_tokens": 8, "ignore_eos": True}
+        reply = await client.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 8
+        state = (await client.get("/api/state")).json()
+        roles = {b["name"]: b["role"] for b in state["core"]["backends"]}
+        assert roles == {"p": "prefill", "d": "decode"}
+        d_url = app.state.gateway.scraper.states["d"].url
+        text = (await client.get(d_url + "/metrics")).text
+        pulled = [line for line in text.splitlines()
+                  if line.startswith("llmflow_sim_prefill_computed_tokens_total")]
+        assert pulled
+        assert float(pulled[0].rsplit(" ", 1)[1]) <= 16  # the KV came from p

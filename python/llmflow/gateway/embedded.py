@@ -95,5 +95,10 @@ def _sim_arguments(factory: Any, backend: Backend) -> dict[str, Any]:
     }
     if backend.kv_blocks:
         offered["num_gpu_blocks"] = backend.kv_blocks
+    if backend.role != "both":
+        # A split pool's instances hand prompts' KV over (the simulated NIXL connector).
+        from llmflow.sim.server_pd import KvTransfer  # type: ignore[import-not-found,unused-ignore]
+
+        offered["kv_transfer"] = KvTransfer()
     accepted = inspect.signature(factory).parameters
     return {k: v for k, v in offered.items() if k in accepted}
