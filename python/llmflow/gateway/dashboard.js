@@ -367,7 +367,8 @@ function renderCards(s) {
   $("backends").innerHTML = Object.entries(s.backends || {}).map(
     ([name, b]) => { const l = ledger[name] || {}; const cap = l.kv_capacity_blocks || 0;
       const held = l.kv_blocks_reserved || 0;
-      return `<div class="card"><b>${esc(name)}</b> <span class="${b.healthy ? "ok" : "bad"}">` +
+      const role = l.role && l.role !== "both" ? ` <span class="muted">${esc(l.role)}</span>` : "";
+      return `<div class="card"><b>${esc(name)}</b>${role} <span class="${b.healthy ? "ok" : "bad"}">` +
         `${b.healthy ? "healthy" : "unhealthy"}</span><div class="muted">${esc(b.url)}</div>` +
         `vLLM KV usage ${b.kv_usage == null ? "?" : (100 * b.kv_usage).toFixed(1) + "%"}` +
         bar(b.kv_usage) + `ledger ${held}${cap ? " / " + cap : ""} blocks` +
