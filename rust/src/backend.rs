@@ -28,7 +28,12 @@ pub struct BackendState {
     /// Seconds per output token while decoding, smoothed; `None` until measured.
     pub tpot_s: Option<f64>,
     pub kv_capacity_blocks: u64,
+    /// Requests holding a slot here (on a prefill instance: prefill hops).
     pub running: u32,
+    /// A prefill instance of a split pool: its slots hold prefill hops of requests that run
+    /// on a decode instance, so it adds nothing to the requests running or the slots serving
+    /// them (`Governor::running`, `drain_rate`, the headroom pool).
+    pub prefill_only: bool,
     /// Slots other gateway replicas hold (their shared store's count; 0 with one replica).
     pub elsewhere: u32,
     /// Weight of the tenants other replicas have waiting (0 with one replica).
@@ -73,6 +78,7 @@ impl BackendState {
             tpot_s: None,
             kv_capacity_blocks: config.kv_blocks,
             running: 0,
+            prefill_only: config.role == crate::config::BackendRole::Prefill,
             elsewhere: 0,
             waiting_elsewhere: 0.0,
             waiting_before: 0.0,

@@ -150,15 +150,10 @@ impl Governor {
             let r = l.rate(now_us);
             rate += r;
             load += r * l.hold();
-            running += self
-                .backends
-                .iter()
-                .map(|b| b.running_by_tier[t])
-                .sum::<u32>();
+            running += self.serving().map(|b| b.running_by_tier[t]).sum::<u32>();
         }
         let pool: u32 = self
-            .backends
-            .iter()
+            .serving()
             .filter(|b| b.healthy)
             .map(BackendState::slots)
             .sum();
@@ -179,7 +174,7 @@ impl Governor {
         if headroom == 0 {
             return true;
         }
-        let healthy = self.backends.iter().filter(|x| x.healthy);
+        let healthy = self.serving().filter(|x| x.healthy);
         let (pool, running) = healthy.fold((0, 0), |(p, r), x| (p + x.slots(), r + x.running));
         if running + headroom >= pool {
             return false;

@@ -267,8 +267,14 @@ impl Governor {
 
     // ---- queries -------------------------------------------------------------------------
 
+    /// Requests running (each holds one slot on a backend that is not a prefill instance).
     pub fn running(&self) -> u32 {
-        self.backends.iter().map(|b| b.running).sum()
+        self.serving().map(|b| b.running).sum()
+    }
+
+    /// The backends requests run on: all but a split pool's prefill instances.
+    pub(crate) fn serving(&self) -> impl Iterator<Item = &BackendState> + '_ {
+        self.backends.iter().filter(|b| !b.prefill_only)
     }
 
     pub fn queued(&self) -> usize {
@@ -344,8 +350,7 @@ impl Governor {
     /// Requests per second the backends drain when saturated: slots / mean service time.
     pub fn drain_rate(&self) -> f64 {
         let slots: u32 = self
-            .backends
-            .iter()
+            .serving()
             .filter(|b| b.healthy)
             .map(BackendState::slots)
             .sum();

@@ -47,8 +47,7 @@ impl Governor {
     /// business calls finish would come back far too soon). With none running: `drain_rate`.
     pub(super) fn tier_drain(&self, tier_idx: usize) -> f64 {
         let running: u32 = self
-            .backends
-            .iter()
+            .serving()
             .filter(|b| b.healthy)
             .map(|b| b.running_by_tier[tier_idx])
             .sum();
