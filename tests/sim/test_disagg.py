@@ -1,4 +1,5 @@
-"""P/D disaggregation: the KV link's timing, decode admission by blocks, nothing lost."""
+"""P/D disaggregation: the KV link's timing, decode admission by blocks, nothing lost, and the
+core's own choice of both instances (a gated policy on a split cluster)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import numpy as np
 import pytest
 import simpy
 
+from llmflow.config import load_settings
 from llmflow.sim.clients import RequestSpec, client
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.costmodel import cost_model
-from llmflow.sim.disagg import PdProxy
+from llmflow.sim.disagg import Hop, PdProxy
 from llmflow.sim.metrics import Recorder, tpot
+from llmflow.sim.policies import GatedPolicy
 from llmflow.sim.scenario import BackendGroup, ClientSpec, ScenarioError, load_scenario
-from llmflow.sim.sequence import DECODE, LOADING
+from llmflow.sim.sequence import DECODE, LOADING, STATE_NAMES
 
 from .invariants import check_engine
 
@@ -168,6 +171,137 @@ def test_clients_that_leave_mid_way_leave_no_blocks_behind(
         assert b.core.free_q.free == b.core.num_blocks
 
 
+SLOTS = 4  # the gate's slots per instance (one GPU each)
+
+
+def _gated(
+    groups: list[BackendGroup],
+    reqs: list[tuple[float, int, int]],
+    spec: ClientSpec | None = None,
+    watch: Any = None,
+) -> tuple[Cluster, GatedPolicy, Recorder, list[tuple[str, str, int]]]:
+    """Run the requests through the core on a split cluster; also returns what each engine was
+    sent: (backend, role, request id), counted at the engines' door."""
+    env = simpy.Environment()
+    cluster = Cluster(env, groups, "priority")
+    sent: list[tuple[str, str, int]] = []
+    for b in cluster.backends:
+        add = b.core.add
+
+        def counted(seq: Any, now: float, b: Any = b, add: Any = add) -> None:
+            sent.append((b.name, b.role, seq.rid))
+            add(seq, now)
+
+        b.core.add = counted  # type: ignore[method-assign]
+    backends = [
+        {"name": b.name, "role": b.role, "kv_blocks": b.core.num_blocks,
+         "max_model_len": b.core.config.max_model_len, "scheduling_policy": "priority"}
+        for b in cluster.backends
+    ]
+    settings = load_settings(data={
+        "backends": backends, "gate": {"max_concurrency_per_gpu": SLOTS},
+        "tiers": [{"name": "t"}], "default_tier": "t", "tenants": [{"name": "t", "tier": "t"}]})
+    gw = GatedPolicy(env, cluster, settings)
+    rec = Recorder(env)
+    rng = random.Random(0)
+
+    def arrivals() -> Any:
+        for i, (t, prompt, out) in enumerate(reqs):
+            yield env.timeout(max(0.0, t - env.now))
+            req = RequestSpec(0, "t", prompt, out, out, i)
+            env.process(client(env, req, gw, spec or ClientSpec(), rng, rec))
+
+    env.process(arrivals())
+    if watch is not None:
+        env.process(watch(env, cluster))
+    env.run(until=600)
+    return cluster, gw, rec, sent
+
+
+def _no_leak(cluster: Cluster, gw: GatedPolicy) -> None:
+    for b in cluster.backends:  # every block back on both sides, nothing half-way
+        check_engine(b.core)
+        assert _recount(b.core) == 0
+        assert not b.core.loading
+        assert not b.core.kv_held
+        assert b.core.free_q.free == b.core.num_blocks
+    assert gw.runtime.live == 0
+    snap = gw.runtime.snapshot(round(cluster.backends[0].env.now * 1e6))
+    assert [b["running"] for b in snap["backends"]] == [0] * len(cluster.backends)
+
+
+def test_the_core_runs_each_prompt_on_a_prefill_then_a_decode_instance_within_its_slots() -> None:
+    # 60 prompts at once into 2 prefill + 2 decode instances of 4 slots each: each engine sees
+    # at most 4 of them at a time (a decode's slot is held from the start, its prefill's until
+    # the prefill answers), each request prefills on a prefill instance (one token, its KV
+    # kept) and decodes on a decode instance (its KV read), and every prefill's blocks are
+    # freed once read
+    peak: dict[str, int] = {}
+
+    def watch(env: simpy.Environment, cluster: Cluster) -> Any:
+        while True:
+            for b in cluster.backends:
+                c = b.core
+                peak[b.name] = max(peak.get(b.name, 0), c.num_running + c.num_waiting)
+            yield env.timeout(0.001)
+
+    reqs = [(0.0, 1000 + 50 * i, 30) for i in range(60)]
+    cluster, gw, rec, sent = _gated(_groups(2, 2, 50.0, 1.0), reqs, watch=watch)
+    assert [r[4] for r in rec.rows] == ["completed"] * 60
+    assert all(r[7] == 30 for r in rec.rows)  # every output token came
+    assert max(peak.values()) == SLOTS  # the cap was reached, never passed
+    by_role = {"prefill": [], "decode": []}  # type: dict[str, list[int]]
+    for _, role, rid in sent:
+        by_role[role].append(rid)
+    assert sorted(by_role["prefill"]) == sorted(by_role["decode"]) == list(range(1, 61))
+    assert {name for name, _, _ in sent} == {"p-0", "p-1", "d-0", "d-1"}  # all four used
+    _no_leak(cluster, gw)
+
+
+@pytest.mark.parametrize(("bw", "timeout_s"), [(1.0, 0.3), (5.0, 0.2)])
+def test_a_client_that_leaves_during_the_prefill_or_the_transfer_frees_both_sides(
+    bw: float, timeout_s: float
+) -> None:
+    # timeouts fire while requests wait in the gateway, prefill, or move their KV over a slow
+    # link: each abort gives every block back at once, on both sides, and frees its slots
+    reqs = [(0.005 * i, 1500 + 37 * i, 200) for i in range(60)]
+    where: list[str] = []
+
+    def watch(env: simpy.Environment, cluster: Cluster) -> Any:
+        while True:
+            for b in cluster.backends:
+                assert _recount(b.core) == b.core.used <= b.core.num_blocks
+            yield env.timeout(0.001)
+
+    def note(gw: GatedPolicy) -> None:
+        cancel = gw.cancel
+
+        def noted(att: Any) -> None:
+            hop = att.handler
+            if isinstance(hop, Hop):
+                where.append("prefill" if hop.dseq is None else STATE_NAMES[hop.dseq.state])
+            cancel(att)
+
+        gw.cancel = noted  # type: ignore[method-assign]
+
+    groups = _groups(1, 1, bw, 5.0, engine={"num_gpu_blocks": 600, "max_model_len": 4096})
+    spec = ClientSpec(timeout_s=timeout_s)
+    orig = GatedPolicy.__init__
+
+    def init(self: GatedPolicy, *a: Any, **k: Any) -> None:
+        orig(self, *a, **k)
+        note(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GatedPolicy, "__init__", init)
+        cluster, gw, rec, _ = _gated(groups, reqs, spec, watch)
+    states = [r[4] for r in rec.rows]
+    assert len(states) == 60
+    assert "timed_out" in states
+    assert {"prefill", "loading"} <= set(where)  # left during the prefill and the transfer
+    _no_leak(cluster, gw)
+
+
 def _scenario_file(tmp_path: Path, cluster: str, policies: str) -> Path:
     path = tmp_path / "s.yaml"
     path.write_text(
@@ -187,17 +321,11 @@ SPLIT = (
 )
 
 
-def test_a_gated_policy_on_a_split_cluster_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ScenarioError, match="core does not pick prefill and decode"):
-        load_scenario(_scenario_file(tmp_path, SPLIT, "  llmflow: {}\n"))
-    # a gated policy may run its own co-located cluster next to a split one
-    colocated = "{name: h, count: 2, gpu: h100, model: llama-3-8b}"
-    sc = load_scenario(
-        _scenario_file(
-            tmp_path, SPLIT, f"  pd: {{kind: direct}}\n  llmflow: {{cluster: [{colocated}]}}\n"
-        )
-    )
-    assert sc.policies["llmflow"].cluster is not None
+def test_a_gated_policy_may_run_a_split_cluster_but_not_its_replicas(tmp_path: Path) -> None:
+    sc = load_scenario(_scenario_file(tmp_path, SPLIT, "  llmflow: {}\n"))
+    assert sc.policies["llmflow"].cluster is None
+    with pytest.raises(ScenarioError, match="lease covers one backend per request"):
+        load_scenario(_scenario_file(tmp_path, SPLIT, "  llmflow: {replicas: {n: 2}}\n"))
 
 
 @pytest.mark.parametrize(

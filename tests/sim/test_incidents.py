@@ -91,15 +91,28 @@ def test_llmflow_beats_the_seed_gate_on_every_figure(flood: dict[str, Any]) -> N
     assert ours["peak_kv_usage"] < 0.95
 
 
-# Every scenario that runs llmflow (pd-split compares P/D layouts under vLLM's own proxy only:
-# the core does not route prefill/decode pools yet).
+# Every scenario that runs llmflow.
 SCENARIOS = sorted(
     p for p in [*INCIDENTS.glob("*.yaml"), *(INCIDENTS.parent / "scenarios").glob("*.yaml")]
     if "llmflow" in load_scenario(p).policies
 )
 # Where another policy still wins, and why (xfail is strict: fixing one fails the test until
 # the mark is removed).
-KNOWN_LOSSES: dict[str, str] = {}  # none left: brownout and rate-limits now dominate too
+KNOWN_LOSSES: dict[str, str] = {
+    # llmflow runs 2P:2D there. Co-located direct wins by its layout (four GPUs decode the
+    # chat); direct 2P:2D wins RAG TTFT p99 (0.966 vs 1.004 s) and goodput (17.1 vs 16.5/s):
+    # prefill pacing holds RAG prompts in the gateway (wait p99 0.47 s) though the prefill
+    # pool's step budget is ~30% free, and in the chat phase a queued request takes its decode
+    # slot first and only then prefills, where vLLM's proxy prefills ahead of the decode queue
+    # (chat TTFT within 0.25 s: 72% vs 76%)
+    "pd-split": "the core paces prefills that had room; a decode slot is taken before the prefill",
+}
+# Where llmflow keeps work waiting with the engines' binding resource free, and why.
+KNOWN_IDLE: dict[str, str] = {
+    # the occupancy is cluster-wide: the decode pool idles while RAG prompts wait for the
+    # prefill pool, and prefill pacing holds prompts the prefill pool had room for
+    "pd-split": "cluster-wide occupancy counts the idle decode pool; prefill pacing holds back",
+}
 
 
 @functools.cache
@@ -117,7 +130,11 @@ def test_no_policy_beats_llmflow(path: Path, request: pytest.FixtureRequest) -> 
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
-def test_llmflow_leaves_no_engine_idle_while_work_waits(path: Path) -> None:
+def test_llmflow_leaves_no_engine_idle_while_work_waits(
+    path: Path, request: pytest.FixtureRequest
+) -> None:
+    if path.stem in KNOWN_IDLE:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_IDLE[path.stem], strict=True))
     # Whenever work waits (in the gateway's queue or vLLM's), the engines are busy on their
     # binding resource (sequences, KV or the step's token budget, from the simulated engine's
     # own gauges), apart from what the policy keeps free on purpose (the latency tiers'

@@ -5,8 +5,9 @@ unbounded queue. `GatedPolicy` is a host of `llmflow._core.Runtime`, as the gate
 engine callbacks (first token, end, a stalled client's full window), client disconnects, scrapes
 and the one timer go in as events; the actions that come out (start, abort, reply, cut, end,
 re-arm) are carried out. Every rule (admission, order, priority, deadlines, stall, Retry-After,
-dispatch) lives in the runtime; this module holds none. `seed-gate` and `llmflow` are two configs
-of the same core (`PRESETS`).
+dispatch) lives in the runtime; this module holds none. On a split (prefill/decode) cluster a
+`Start` names both instances, and the hand-off between them is `sim/disagg.py`'s. `seed-gate`
+and `llmflow` are two configs of the same core (`PRESETS`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from llmflow._core import Abort, Arm, Cut, End, Reply, Runtime, SetHealth, Start, Wait
 from llmflow.config import Settings, load_settings
 from llmflow.sim.clients import BUSY, CANCELLED, COMPLETED, ERROR, EXPIRED, REJECTED, TRUNCATED
+from llmflow.sim.disagg import Handoff
 from llmflow.sim.engine import EngineError, Seq
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from llmflow._core import Action
     from llmflow.sim.clients import Attempt
     from llmflow.sim.cluster import Backend, Cluster
+    from llmflow.sim.disagg import Hop
     from llmflow.sim.scenario import PolicySpec, Scenario
 
 __all__ = ["PRESETS", "DirectPolicy", "GatedPolicy", "policy_config", "policy_settings"]
@@ -90,7 +93,7 @@ def policy_settings(name: str, spec: PolicySpec, sc: Scenario, cluster: Cluster)
     data["backends"] = [
         {"name": b.name, "gpus": b.gpus, "kv_blocks": b.core.num_blocks,
          "max_model_len": b.core.config.max_model_len,
-         "scheduling_policy": spec.scheduling_policy or scheduling}
+         "scheduling_policy": spec.scheduling_policy or scheduling, "role": b.role}
         for b in cluster.backends
     ]
     data.setdefault("kv", {})["block_size"] = cluster.backends[0].core.block_size
@@ -178,12 +181,13 @@ class DirectPolicy:
 
 
 class _Upstream:
-    """A request running on a backend, and the tokens reported to the runtime so far."""
+    """A request running on a backend, and the tokens reported to the runtime so far; split,
+    its decode (sent once `hop`'s prefill has answered)."""
 
-    __slots__ = ("att", "backend", "sent", "seq")
+    __slots__ = ("att", "backend", "hop", "sent", "seq")
 
-    def __init__(self, att: Attempt, backend: Backend, seq: Seq):
-        self.att, self.backend, self.seq, self.sent = att, backend, seq, 0
+    def __init__(self, att: Attempt, backend: Backend, seq: Seq, hop: Hop | None = None):
+        self.att, self.backend, self.seq, self.sent, self.hop = att, backend, seq, 0, hop
 
 
 class GatedPolicy:
@@ -217,6 +221,7 @@ class GatedPolicy:
             Start: self._start, Wait: _ignore, Abort: self._abort, Reply: self._reply,
             Cut: self._cut, End: self._end, Arm: self._arm, SetHealth: _ignore,
         }
+        self._handoff = Handoff(env, cluster) if cluster.disaggregated else None
         env.process(self._scrape(settings.metrics.scrape_interval_ms / 1000.0))
 
     def next_id(self) -> int:
@@ -263,7 +268,8 @@ class GatedPolicy:
         """Engine callback."""
         up = self._up.get(att.key)
         if up is not None:
-            att.t_sched = up.seq.t_sched
+            if up.hop is None:  # split: the hop set it (the prefill's admission)
+                att.t_sched = up.seq.t_sched
             self._report(up, up.backend.core.generated(up.seq))
             att.got_first(now)
 
@@ -280,6 +286,20 @@ class GatedPolicy:
         if att.key in self._up:
             self._carry(self.runtime.window_full(att.key, self._now_us()))
 
+    def prefilled(self, hop: Hop, now: float) -> None:
+        """Engine callback (split): the prefill answered; the decode goes to the instance the
+        runtime chose, and the prefill's slot is free."""
+        up = self._up.get(hop.att.key)
+        assert self._handoff is not None
+        if up is None or up.hop is not hop:  # it ended without an abort: no decode follows
+            self._handoff.drop(hop)
+            return
+        try:
+            self._handoff.decode(hop, up.backend, up.seq)
+        except EngineError:
+            self._refused.append(hop.att.key)
+        self._carry(self.runtime.prefilled(hop.att.key, self._now_us()))
+
     # ---- actions ----------------------------------------------------------------------------
 
     def _start(self, a: Start) -> None:
@@ -293,17 +313,29 @@ class GatedPolicy:
         seq = Seq(a.request_id, req.prompt, max_tokens, req.eos, a.priority,
                   _Handler(self, att), att.stop_after, window, req.hash_ids, req.hash_block)
         att.seq, att.backend, att.t_admit = seq, b, self.env.now
+        hop = None
         try:
-            b.submit(seq)
+            if a.prefill_backend is None:
+                b.submit(seq)
+            else:  # split: the prompt goes to its prefill instance first, `seq` after it
+                assert self._handoff is not None
+                pseq = Seq(a.request_id, req.prompt, 1, None, a.priority)
+                p = self.cluster.by_name[a.prefill_backend]
+                hop = att.handler = self._handoff.prefill(self, att, p, pseq)
         except EngineError:
             self._refused.append(a.request_id)
             return
-        self._up[a.request_id] = _Upstream(att, b, seq)
+        self._up[a.request_id] = _Upstream(att, b, seq, hop)
 
     def _abort(self, a: Abort) -> None:
         up = self._up.pop(a.request_id, None)
-        if up is not None:
+        if up is None:
+            return
+        if up.hop is None:
             up.backend.abort(up.seq)
+        else:
+            assert self._handoff is not None
+            self._handoff.abort(up.hop)
 
     def _close(self, rid: int) -> Attempt | None:
         self._up.pop(rid, None)

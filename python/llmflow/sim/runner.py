@@ -151,7 +151,7 @@ def run_policy(
         spec.scheduling_policy or PRESETS[spec.preset_for(name)][1])
     cluster = Cluster(env, spec.cluster or sc.cluster, sched, spec.engine)
     gw: DirectPolicy | GatedPolicy | ReplicatedPolicy | PdProxy
-    if cluster.disaggregated:  # scenario validation keeps gated policies off such a cluster
+    if spec.kind == "direct" and cluster.disaggregated:
         gw = PdProxy(env, cluster, spec.propagate_disconnect)
     elif spec.kind == "direct":
         gw = DirectPolicy(env, cluster, spec.propagate_disconnect)

@@ -301,18 +301,12 @@ class Scenario(_Model):
             if len({g.name for g in groups}) != len(groups):
                 raise ValueError(f"{where}: group names must be unique")
             _check_roles(where, groups)
-            if spec is not None and spec.kind == "gated" and any(g.role != "both" for g in groups):
+        for name, spec in self.policies.items():
+            split = any(g.role != "both" for g in spec.cluster or self.cluster)
+            if split and spec.replicas is not None:
                 raise ValueError(
-                    f"policy {name} is gated but its cluster has prefill/decode roles: the core "
-                    "does not pick prefill and decode backends yet; use `kind: direct` (a P/D "
-                    "proxy) for it, or give it a co-located `cluster:`")
-        if any(g.role != "both" for g in self.cluster):
-            for name, spec in self.policies.items():
-                if spec.kind == "gated" and spec.cluster is None:
-                    raise ValueError(
-                        f"policy {name} is gated but the cluster has prefill/decode roles: the "
-                        "core does not pick prefill and decode backends yet; use `kind: "
-                        "direct` (a P/D proxy), or give the policy a co-located `cluster:`")
+                    f"policy {name} has `replicas:` on a split (prefill/decode) cluster: a "
+                    "replica's lease covers one backend per request, not a prefill and a decode")
         return self
 
     @property
