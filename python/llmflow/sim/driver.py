@@ -3,7 +3,9 @@
 `RealtimeEngine` runs `EngineCore` steps as an asyncio task, sleeping each step's simulated
 duration divided by `speed`. Requests are `Stream`s: after every step each live stream receives
 its new tokens (its `generated` count), so a consumer sees tokens at the pace a GPU would emit
-them. It also keeps the counters and histograms vLLM exports on `/metrics`.
+them. It also keeps the counters and histograms vLLM exports on `/metrics`, and tells an
+`on_end` hook of each sequence that ends or is aborted (`server_pd.py` keeps a P/D
+prefill's blocks there).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 from llmflow.sim.engine import DONE, EngineCore, Seq
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
 __all__ = ["Histogram", "RealtimeEngine", "Stream"]
 
@@ -117,6 +119,8 @@ class RealtimeEngine:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
         self.queue_time = Histogram(E2E_BUCKETS)
+        self.prefill_tokens = 0  # tokens the steps prefilled (recomputes in, cache hits out)
+        self.on_end: Callable[[Seq], None] | None = None  # told as a stream ends or aborts
 
     def now(self) -> float:
         """Simulated seconds since start."""
@@ -139,9 +143,11 @@ class RealtimeEngine:
 
     def submit(
         self, prompt: int, max_tokens: int, eos_at: int | None, priority: int = 0,
-        hash_ids: tuple[int, ...] | None = None,
+        hash_ids: tuple[int, ...] | None = None, hold_kv: bool = False,
+        remote_kv: bool = False,
     ) -> Stream:
-        """Queue a request (`hash_ids`: its prompt's block hashes, for the prefix cache).
+        """Queue a request (`hash_ids`: its prompt's block hashes, for the prefix cache;
+        `hold_kv`, `remote_kv`: a P/D prefill's or decode's, as `Seq` has them).
 
         Raises:
             EngineError: longer than `max_model_len`, or empty.
@@ -149,6 +155,7 @@ class RealtimeEngine:
         self._ids += 1
         seq = Seq(self._ids, prompt, max_tokens, eos_at, priority, hash_ids=hash_ids,
                   hash_block=self.core.block_size)
+        seq.hold_kv, seq.remote_kv = hold_kv, remote_kv
         now = self.now()
         self.core.add(seq, now)
         stream = Stream(seq, now)
@@ -156,10 +163,16 @@ class RealtimeEngine:
         self._wake.set()
         return stream
 
+    def kick(self) -> None:
+        """Plan a step now: blocks were freed or a remote KV arrived outside a step."""
+        self._wake.set()
+
     def abort(self, stream: Stream) -> None:
         """Abort a request (its client went away): frees its KV blocks."""
         if self.core.abort(stream.seq, self.now()):
             self.streams.pop(stream.seq.rid, None)
+            if self.on_end is not None:
+                self.on_end(stream.seq)
             stream._finish("abort")
 
     async def _run(self) -> None:
@@ -170,6 +183,7 @@ class RealtimeEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self.prefill_tokens += core.step_prefill_tokens
             await asyncio.sleep(dt / self.speed)
             now = self.now()
             first, ended = core.complete(now)
@@ -188,4 +202,6 @@ class RealtimeEngine:
                     reason = seq.finish_reason
                     self.requests_success[reason] = self.requests_success.get(reason, 0) + 1
                     self.e2e.observe(now - s.arrival)
+                    if self.on_end is not None:
+                        self.on_end(seq)
                     s._finish(reason)

@@ -183,6 +183,11 @@ class EngineCore:
         return seq.gen
 
     @property
+    def step_prefill_tokens(self) -> int:
+        """Prompt tokens the planned step prefills (its chunks: recomputes in, hits out)."""
+        return sum(n for _, n, _ in self._chunks)
+
+    @property
     def n_waiting(self) -> int:
         """Requests in the waiting queue (swapped ones not included)."""
         return self.waiting.n

@@ -8,6 +8,11 @@ Gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_
 (`finished_reason`); histograms `vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
 `vllm:request_queue_time_seconds`. Labels `engine="0"` and `model_name`.
+
+One llmflow-only counter, `llmflow_sim_prefill_computed_tokens_total`: the prompt tokens the
+simulated GPU actually prefilled (recomputes after preemption counted again, prefix-cache hits
+and KV pulled from a P/D prefill server not at all), which `vllm:prompt_tokens_total` (every
+prompt's length once) cannot tell apart.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ def render_metrics(engine: RealtimeEngine | None, model: str) -> str:
          "Prefix cache queries, in terms of number of queried tokens.", core.prefix_query_tokens),
         ("vllm:prefix_cache_hits_total", "counter",
          "Prefix cache hits, in terms of number of cached tokens.", core.prefix_hit_tokens),
+        ("llmflow_sim_prefill_computed_tokens_total", "counter",
+         "Prompt tokens the engine's steps prefilled (recomputes in; cache hits, pulled KV out).",
+         engine.prefill_tokens),
     ):
         _family(lines, name, kind, doc)
         lines.append(f"{name}{{{labels}}} {float(value)}")
