@@ -125,6 +125,28 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     serve.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                        help="vLLM's scheduling policy")
     serve.add_argument("--seed", type=int, default=0, help="seed of the simulated EOS lengths")
+    kv = serve.add_argument_group(
+        "P/D disaggregation", "Act as vLLM with the NIXL KV connector (kv_role kv_both): a "
+        "request with kv_transfer_params.do_remote_decode keeps its KV blocks after it ends and "
+        "answers the kv_transfer_params a decode needs; one with do_remote_prefill pulls the "
+        "prompt's KV from that server (POST /_sim/kv/pull on its HTTP port) over this server's "
+        "inbound link, and recomputes the prompt if the pull fails. Without --kv-transfer, "
+        "kv_transfer_params are ignored (answered null).")
+    kv.add_argument("--kv-transfer", action="store_true",
+                    help="enable the KV connector (both the prefill and the decode side)")
+    kv.add_argument("--kv-link-gb-s", type=float, default=25.0, metavar="GB_S",
+                    help="inbound KV link bandwidth, GB/s (decimal; default 25, a 200 Gb/s "
+                    "NIC); transfers share it one after another")
+    kv.add_argument("--kv-link-latency-ms", type=float, default=1.0, metavar="MS",
+                    help="added to each KV transfer (default 1)")
+    kv.add_argument("--kv-hold-timeout-s", type=float, default=480.0, metavar="S",
+                    help="simulated seconds a prefill keeps KV nobody pulls before freeing it "
+                    "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, default 480)")
+    kv.add_argument("--kv-side-channel-host", metavar="HOST",
+                    help="remote_host to answer (default: the address each request came in "
+                    "on; vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST)")
+    kv.add_argument("--kv-engine-id", metavar="ID",
+                    help="remote_engine_id to answer (default: a fresh UUID)")
     serve.set_defaults(func=_serve)
 
 
@@ -184,13 +206,18 @@ def _list(_args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from llmflow.sim.server import create_app
+    from llmflow.sim.server import KvTransfer, create_app
 
     try:
+        kv = KvTransfer(bandwidth_gb_s=args.kv_link_gb_s, latency_ms=args.kv_link_latency_ms,
+                        hold_timeout_s=args.kv_hold_timeout_s,
+                        side_channel_host=args.kv_side_channel_host,
+                        engine_id=args.kv_engine_id) if args.kv_transfer else None
         app = create_app(preset=args.preset, speed=args.speed, model=args.model_name,
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          num_gpu_blocks=args.num_gpu_blocks,
-                         scheduling_policy=args.scheduling_policy, seed=args.seed)
+                         scheduling_policy=args.scheduling_policy, seed=args.seed,
+                         kv_transfer=kv)
     except (KeyError, ValueError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,10 @@ about one token per character), plus 4 per chat message for the template. A toke
 counts its length. Unless `ignore_eos` is set, the answer ends at a simulated EOS drawn
 deterministically from the seed and the request number (lognormal, median 200 tokens), capped
 by `max_tokens`. Generated text is filler words.
+
+With `kv_transfer` set it also plays either side of vLLM's prefill/decode hand-off (the NIXL
+connector's `kv_transfer_params`, a side channel at `/_sim/kv/*`; see `server_pd.py`). Without
+it, `kv_transfer_params` is ignored and answered `null`, as vLLM without a KV connector does.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ from llmflow.sim import server_routes, vocab
 from llmflow.sim.costmodel import cost_model
 from llmflow.sim.driver import RealtimeEngine, Stream
 from llmflow.sim.engine import EngineConfig, EngineCore, EngineError
+from llmflow.sim.server_pd import KvConnector, KvTransfer
 from llmflow.sim.servermetrics import render_metrics
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
-__all__ = ["create_app", "estimate_tokens", "parse_preset"]
+    from llmflow.sim.engine import Seq
+
+__all__ = ["KvTransfer", "create_app", "estimate_tokens", "parse_preset"]
 
 _WORDS = ("the", "flow", "of", "tokens", "keeps", "moving", "while", "queues", "stay", "short",
           "and", "every", "request", "gets", "its", "turn", "in", "time", "with", "care")
@@ -131,6 +138,7 @@ def create_app(
     gpus: int | None = None,
     seed: int = 0,
     light_hold_s: float = 0.0,
+    kv_transfer: KvTransfer | None = None,
 ) -> FastAPI:
     """Build the simulated vLLM app; its lifespan starts and stops the real-time engine.
 
@@ -147,6 +155,7 @@ def create_app(
         gpus: tensor-parallel degree, when not given in the preset.
         seed: seeds the simulated EOS lengths.
         light_hold_s: how long each embeddings/score/rerank/tokenize/audio request takes.
+        kv_transfer: act as vLLM with a NIXL KV connector (P/D disaggregation) over this link.
 
     Raises:
         KeyError: an unknown GPU or model preset.
@@ -160,16 +169,21 @@ def create_app(
                           scheduling_policy=scheduling_policy)  # type: ignore[arg-type]
     core = EngineCore(config, cost_model(gpu_name, model_name, tp))
     state: dict[str, Any] = {"engine": None, "n": 0}
+    kv = KvConnector(kv_transfer, state, tp) if kv_transfer is not None else None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         engine = RealtimeEngine(core, speed)
         state["engine"] = engine
+        if kv is not None:
+            kv.start(engine)
         await engine.start()
         try:
             yield
         finally:
             await engine.stop()
+            if kv is not None:
+                await kv.close()  # after the engine's aborts, which may start notifications
 
     app = FastAPI(title="llmflow simulated vLLM", lifespan=lifespan)
     app.state.sim = state
@@ -200,9 +214,13 @@ def create_app(
             priority = int(body.get("priority") or 0)
             engine: RealtimeEngine = state["engine"]
             hashes = _block_hashes(body, chat, engine.core.block_size)
+            hold, remote = kv.parse(body) if kv is not None else (False, None)
             stream = engine.submit(prompt, max_tokens, eos_for(bool(body.get("ignore_eos"))),
                                    priority if scheduling_policy == "priority" else 0,
-                                   hash_ids=hashes or None)
+                                   hash_ids=hashes or None, hold_kv=hold,
+                                   remote_kv=remote is not None)
+            if kv is not None and remote is not None:
+                kv.expect(stream.seq, remote)
         except (ValueError, TypeError, EngineError) as exc:
             return _error(400, str(exc))
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{stream.seq.rid}", "created":
@@ -211,7 +229,8 @@ def create_app(
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_sse(engine, stream, meta, usage),
                                      media_type="text/event-stream")
-        return await _whole(engine, stream, meta, request)
+        params = (lambda seq: kv.answer(seq, request)) if kv is not None else None
+        return await _whole(engine, stream, meta, request, params)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -227,6 +246,8 @@ def create_app(
             {"id": n, "object": "model", "created": 0, "owned_by": "vllm", "root": n,
              "parent": None, "max_model_len": max_model_len} for n in names]}
 
+    if kv is not None:
+        kv.install(app)
     server_routes.install(app, names, model_preset(model_name).hidden, max_model_len, state,
                           eos_for, _text, light_hold_s)
 
@@ -236,8 +257,10 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(state["engine"], names[0]),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = render_metrics(state["engine"], names[0])
+        if kv is not None and state["engine"] is not None:
+            text += kv.render(f'engine="0",model_name="{names[0]}"')
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
@@ -286,7 +309,7 @@ async def _sse(engine: RealtimeEngine, stream: Stream, meta: dict[str, Any], usa
 
 
 async def _whole(engine: RealtimeEngine, stream: Stream, meta: dict[str, Any], request: Request,
-                 ) -> Response:
+                 kv_params: Callable[[Seq], dict[str, Any] | None] | None = None) -> Response:
     async def consume() -> None:
         async for _ in stream:
             pass
@@ -304,4 +327,5 @@ async def _whole(engine: RealtimeEngine, stream: Stream, meta: dict[str, Any], r
     finish = "length" if stream.finish_reason == "length" else "stop"
     text = _text(stream.seq.rid, 0, stream.sent)
     return JSONResponse({**_envelope(meta, False), "choices": [_choice(meta, text, finish, False)],
-                         "usage": _usage(meta, stream.sent)})
+                         "usage": _usage(meta, stream.sent),
+                         "kv_transfer_params": kv_params(stream.seq) if kv_params else None})
