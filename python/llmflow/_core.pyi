@@ -323,6 +323,8 @@ class Start:
     queue_wait_s: float
     max_tokens: int | None
     prefill_backend: str | None
+    prefill_priority: int | None
+    """The prefill hop's vLLM priority (its tier alone: first come, first served there)."""
 
 @final
 class Wait:

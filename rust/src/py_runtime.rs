@@ -19,8 +19,10 @@ pub struct PyStart {
     priority: i64,
     queue_wait_s: f64,
     max_tokens: Option<u64>,
-    /// In a split pool: the prefill instance the request goes to first.
+    /// In a split pool: the prefill instance the request goes to first, and the vLLM
+    /// priority of that hop.
     prefill_backend: Option<String>,
+    prefill_priority: Option<i64>,
 }
 
 /// The request waits in the gateway's queue.
@@ -140,7 +142,8 @@ macro_rules! reprs {
 }
 
 reprs! {
-    PyStart => "Start": request_id, backend, priority, queue_wait_s, max_tokens, prefill_backend;
+    PyStart => "Start": request_id, backend, priority, queue_wait_s, max_tokens, prefill_backend,
+        prefill_priority;
     PyWait => "Wait": request_id, position, estimated_wait_s;
     PyAbort => "Abort": request_id;
     PyReply => "Reply": request_id, status, reason, retry_after_s;
@@ -196,7 +199,8 @@ impl PyRuntime {
                         priority,
                         queue_wait_s: queue_wait_us as f64 / 1e6,
                         max_tokens,
-                        prefill_backend: prefill.map(|p| gov.backend_name(p).to_owned()),
+                        prefill_backend: prefill.map(|p| gov.backend_name(p.backend).to_owned()),
+                        prefill_priority: prefill.map(|p| p.priority),
                     },
                 )?
                 .into_any(),

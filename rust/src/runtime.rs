@@ -256,7 +256,7 @@ pub enum Action {
         #[serde(skip_serializing_if = "Option::is_none")]
         max_tokens: Option<u64>,
         #[serde(skip_serializing_if = "Option::is_none")]
-        prefill: Option<u32>,
+        prefill: Option<PrefillHop>,
     },
     /// The request waits in the gateway's queue (informational: keep the client waiting).
     Queued {
@@ -283,6 +283,13 @@ pub enum Action {
     Arm { at_us: u64 },
     /// A backend went down or came back.
     Backend { backend: u32, healthy: bool },
+}
+
+/// A split request's prefill hop: where it goes first, and with which vLLM priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PrefillHop {
+    pub backend: u32,
+    pub priority: i64,
 }
 
 impl Action {
@@ -827,6 +834,10 @@ impl Runtime {
             s.started = true;
         }
         let max_tokens = self.gov.browned_out(id);
+        let prefill = prefill.map(|backend| PrefillHop {
+            backend,
+            priority: self.gov.hop_priority(id),
+        });
         self.out.push(Action::Start {
             id,
             backend,
@@ -1454,7 +1465,7 @@ mod tests {
                 Action::Start {
                     id: 1,
                     backend: 1,
-                    prefill: Some(0),
+                    prefill: Some(PrefillHop { backend: 0, .. }),
                     ..
                 }
             ),
@@ -1469,7 +1480,7 @@ mod tests {
                 acts[0],
                 Action::Start {
                     id: 2,
-                    prefill: Some(0),
+                    prefill: Some(PrefillHop { backend: 0, .. }),
                     ..
                 }
             ),

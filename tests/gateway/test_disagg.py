@@ -95,7 +95,8 @@ class Split:
 
 @contextlib.asynccontextmanager
 async def split_gateway(
-    link_gb_s: float = 50.0, speed: float = 5.0, **sections: Any
+    link_gb_s: float = 50.0, speed: float = 5.0, backend: dict[str, Any] | None = None,
+    **sections: Any,
 ) -> AsyncIterator[Split]:
     """p0, p1 (prefill, one slot each) and d0 (decode, four slots) behind a gateway: H100s
     with Llama-3-8B at `speed` times real time."""
@@ -109,7 +110,7 @@ async def split_gateway(
             "d0": {"role": "decode", "gpus": 4},
         }
         settings = settings_for(
-            urls, per_backend=per_backend, **{"gate": {"max_concurrency_per_gpu": 1}, **sections}
+            urls, backend, per_backend, **{"gate": {"max_concurrency_per_gpu": 1}, **sections}
         )
         app = create_app(settings)
         url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings, app)))
@@ -120,7 +121,7 @@ async def split_gateway(
 
 
 async def test_a_split_request_prefills_on_one_instance_and_decodes_on_another() -> None:
-    async with split_gateway() as s:
+    async with split_gateway(backend={"scheduling_policy": "priority"}) as s:
         prompt = "word " * 600  # ~600 tokens: 38 blocks to move
         async with openai.AsyncOpenAI(
             base_url=s.harness.url + "/v1", api_key="k", max_retries=0
@@ -143,6 +144,10 @@ async def test_a_split_request_prefills_on_one_instance_and_decodes_on_another()
         assert (hop["stream"], hop["max_tokens"]) == (False, 1)
         assert hop["kv_transfer_params"]["do_remote_decode"] is True
         assert not {"stream_options", "min_tokens"} & hop.keys()
+        # Priorities: the hop's is its tier's alone (first come, first served on the prefill
+        # instance); the decode's adds the request's KV footprint.
+        assert hop["priority"] % 1000 == 0
+        assert d0.bodies[0]["priority"] > hop["priority"]
         # The decode hop: the client's body plus what the prefill answered.
         decode = d0.bodies[0]
         assert (decode["stream"], decode["max_tokens"], decode["min_tokens"]) == (True, 20, 5)

@@ -1,9 +1,10 @@
 """P/D disaggregation as it runs in production: `llmflow serve --trace` in front of three
 `llmflow simserve --kv-transfer` processes (two prefill instances, one decode instance).
 
-Streams go through the two hops; a client with a long prompt leaves at once; a prefill instance is killed, and the
-next requests prefill on the one left. The trace must replay bit for bit, and it must hold the
-hand-off: every start names a prefill instance, every hop that answered a `prefilled` event.
+Streams go through the two hops; a client with a long prompt leaves at once; a prefill
+instance is killed, and the next requests prefill on the one left. The trace must replay bit
+for bit, and it must hold the hand-off: every start names a prefill instance, every hop that
+answered a `prefilled` event.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ async def test_split_serving_through_processes_replays_from_its_trace(tmp_path: 
     assert len(starts) >= 11, starts
     names = ["p0", "p1", "d0"]
     assert all(names[s["backend"]] == "d0" for s in starts), starts
-    assert all(names[s["prefill"]] in ("p0", "p1") for s in starts), starts
-    assert all(names[s["prefill"]] == "p0" for s in starts[-4:]), starts[-4:]
+    assert all(names[s["prefill"]["backend"]] in ("p0", "p1") for s in starts), starts
+    assert all(names[s["prefill"]["backend"]] == "p0" for s in starts[-4:]), starts[-4:]
     events = [line["ev"] for line in lines if isinstance(line.get("ev"), dict)]
     prefilled = [ev for ev in events if "prefilled" in ev]
     assert len(prefilled) >= 10, len(prefilled)

@@ -351,7 +351,7 @@ class StreamSession:
         host, rid = self.ctx.host, self.request_id
         start = self.start_action
         if start is not None and start.prefill_backend is not None:
-            body = await self._prefill_hop(start.prefill_backend, body)
+            body = await self._prefill_hop(start, body)
             if self._stop:
                 return
         self._stream = await self.ctx.upstream.open(
@@ -374,12 +374,17 @@ class StreamSession:
                 await self._emit(chunk)
         self._upstream_complete = True
 
-    async def _prefill_hop(self, prefill_backend: str, body: Json) -> Json:
-        """P/D: send the prefill hop (`disagg.py`), tell the runtime it answered, and return
-        the decode hop's body."""
-        route = self.ctx.routes[prefill_backend]
+    async def _prefill_hop(self, start: Start, body: Json) -> Json:
+        """P/D: send the prefill hop (`disagg.py`; the client's body, with the hop's own
+        priority where its instance schedules by priority), tell the runtime it answered, and
+        return the decode hop's body (`body`, the decode's, with the KV transfer parameters)."""
+        assert start.prefill_backend is not None
+        route = self.ctx.routes[start.prefill_backend]
+        hop = self.prepared.body
+        if route.priority_scheduling:
+            hop = {**hop, "priority": start.prefill_priority}
         params = await prefill_hop(
-            self.ctx.upstream, route.url, self.prepared.path, body,
+            self.ctx.upstream, route.url, self.prepared.path, hop,
             self.id_header["X-Request-Id"], self._on_conn,
         )
         self._conn = None  # back in the pool: an abort from now on is the decode's to close

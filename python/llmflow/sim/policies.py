@@ -319,7 +319,7 @@ class GatedPolicy:
                 b.submit(seq)
             else:  # split: the prompt goes to its prefill instance first, `seq` after it
                 assert self._handoff is not None
-                pseq = Seq(a.request_id, req.prompt, 1, None, a.priority)
+                pseq = Seq(a.request_id, req.prompt, 1, None, a.prefill_priority or 0)
                 p = self.cluster.by_name[a.prefill_backend]
                 hop = att.handler = self._handoff.prefill(self, att, p, pseq)
         except EngineError:

@@ -140,8 +140,11 @@ def dominance(sc: Scenario, report: dict[str, Any], ours: str = "llmflow") -> No
     policy of `ours`' own preset with other settings (`llmflow-brownout`: answers clamped to
     300 tokens) is the operator's variant of the same policy, a trade the operator makes (the
     tuner's job, `llmflow sim tune`); where it beats the defaults is listed apart, under
-    `variants`. The makespan of a class whose tenant `ours` holds to a rate limit is not
-    compared: the contract sets its pace, and finishing it sooner means breaking it.
+    `variants`. A policy that runs on other hardware (its own `cluster:`, e.g. the same GPUs
+    split into prefill and decode instances) is another deployment, not a rival: no policy
+    turns two decode GPUs into four, so where it wins it is listed apart, under `layouts`. The
+    makespan of a class whose tenant `ours` holds to a rate limit is not compared: the
+    contract sets its pace, and finishing it sooner means breaking it.
     """
     pols = report["policies"]
     if ours not in pols or len(pols) < 2:
@@ -170,26 +173,35 @@ def dominance(sc: Scenario, report: dict[str, Any], ours: str = "llmflow") -> No
     mine = metrics(pols[ours])
     beaten: list[str] = []
     variants: list[str] = []
+    layouts: list[str] = []
     preset = sc.policies[ours].preset_for(ours) if ours in sc.policies else ours
+
+    def hardware(name: str) -> list[Any]:
+        spec = sc.policies.get(name)
+        groups = spec.cluster if spec is not None and spec.cluster is not None else sc.cluster
+        return [g.model_dump() for g in groups]
+
     for name, pol in pols.items():
         if name == ours:
             continue
         spec = sc.policies.get(name)
         variant = spec is not None and spec.kind == "gated" and spec.preset_for(name) == preset
+        apart = layouts if hardware(name) != hardware(ours) else variants if variant else beaten
         for (metric, v_ours, higher), (_, v_them, _) in zip(mine, metrics(pol), strict=True):
             margin = DOMINANCE_TOLERANCE * (abs(v_ours) if math.isfinite(v_ours) else 1.0)
             better = v_them > v_ours + margin if higher else v_them < v_ours - margin
             if better:
-                (variants if variant else beaten).append(
-                    f"{name} {metric} {_fmt(v_them)} vs {_fmt(v_ours)}")
+                apart.append(f"{name} {metric} {_fmt(v_them)} vs {_fmt(v_ours)}")
     summary = f"{ours} dominates" if not beaten else f"{ours} beaten {len(beaten)}x: " + "; ".join(
         beaten)
     if contracted:
         summary += f" (makespan of {', '.join(sorted(contracted))} set by its rate limit)"
     if variants:
         summary += f"; its own variants win {len(variants)}x: " + "; ".join(variants)
+    if layouts:
+        summary += f"; other hardware layouts win {len(layouts)}x: " + "; ".join(layouts)
     report["dominance"] = {"policy": ours, "summary": summary, "beaten": beaten,
-                           "variants": variants}
+                           "variants": variants, "layouts": layouts}
 
 
 def _fmt(x: float) -> str:

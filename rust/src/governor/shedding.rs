@@ -199,6 +199,15 @@ impl Governor {
         tier_idx as i64 * 1000 + kv_rank
     }
 
+    /// The vLLM priority of a split request's prefill hop: its tier alone. A prefill instance
+    /// holds a prompt's KV only until the decode instance reads it, so the footprint that
+    /// orders requests on the instance they live on buys nothing there; first come, first
+    /// served within a tier keeps the tail of the time to first token short (smallest first
+    /// would starve the longest prompts of a loaded prefill pool).
+    pub fn hop_priority(&self, id: u64) -> i64 {
+        self.requests.get(&id).map_or(0, |r| r.tier as i64 * 1000)
+    }
+
     /// Slots a tier may hold on a backend now. Stale metrics halve everything (we are flying
     /// blind); the preemption breaker halves non-protected tiers per level; `max_share` caps
     /// a tier's own use.
