@@ -52,6 +52,19 @@ def _serve(
     env = simpy.Environment()
     cluster = Cluster(env, groups, None)
     proxy = PdProxy(env, cluster)
+    return cluster, _drive(env, cluster, proxy, reqs, spec, watch)
+
+
+def _drive(
+    env: simpy.Environment,
+    cluster: Cluster,
+    policy: Any,
+    reqs: list[tuple[float, int, int]],
+    spec: ClientSpec | None,
+    watch: Any,
+) -> Recorder:
+    """Send (arrival s, prompt, output) requests to `policy`, each from a client of its own,
+    and run until all have ended (600 simulated s at most)."""
     rec = Recorder(env)
     rng = random.Random(0)
 
@@ -59,13 +72,13 @@ def _serve(
         for i, (t, prompt, out) in enumerate(reqs):
             yield env.timeout(max(0.0, t - env.now))
             req = RequestSpec(0, "t", prompt, out, out, i)
-            env.process(client(env, req, proxy, spec or ClientSpec(), rng, rec))
+            env.process(client(env, req, policy, spec or ClientSpec(), rng, rec))
 
     env.process(arrivals())
     if watch is not None:
         env.process(watch(env, cluster))
     env.run(until=600)
-    return cluster, rec
+    return rec
 
 
 def _step(prefill: int, done: int = 0) -> float:
@@ -202,20 +215,7 @@ def _gated(
         "backends": backends, "gate": {"max_concurrency_per_gpu": SLOTS},
         "tiers": [{"name": "t"}], "default_tier": "t", "tenants": [{"name": "t", "tier": "t"}]})
     gw = GatedPolicy(env, cluster, settings)
-    rec = Recorder(env)
-    rng = random.Random(0)
-
-    def arrivals() -> Any:
-        for i, (t, prompt, out) in enumerate(reqs):
-            yield env.timeout(max(0.0, t - env.now))
-            req = RequestSpec(0, "t", prompt, out, out, i)
-            env.process(client(env, req, gw, spec or ClientSpec(), rng, rec))
-
-    env.process(arrivals())
-    if watch is not None:
-        env.process(watch(env, cluster))
-    env.run(until=600)
-    return cluster, gw, rec, sent
+    return cluster, gw, _drive(env, cluster, gw, reqs, spec, watch), sent
 
 
 def _no_leak(cluster: Cluster, gw: GatedPolicy) -> None:

@@ -156,10 +156,7 @@ class Upstream:
             UpstreamError: unreachable (502, `backend_down`), or an error status (4xx passed
                 through with the backend's message, 5xx as 502).
         """
-        head = (
-            b"content-type: application/json\r\naccept: text/event-stream\r\n"
-            b"x-request-id: " + request_id.encode() + b"\r\n"
-        )
+        head = _head(b"text/event-stream", request_id)
         response = await self._request(base_url + path, head, body, on_connection)
         if response.status != 200:
             raise await _status_error(response)
@@ -203,10 +200,7 @@ class Upstream:
         Raises:
             UpstreamError: as `open`, or a body that is not JSON (502).
         """
-        head = (
-            b"content-type: application/json\r\naccept: application/json\r\n"
-            b"x-request-id: " + request_id.encode() + b"\r\n"
-        )
+        head = _head(b"application/json", request_id)
         response = await self._request(base_url + path, head, body, on_connection)
         if response.status != 200:
             raise await _status_error(response)
@@ -228,6 +222,14 @@ class Upstream:
         """Close every pooled connection."""
         self.pool.close()
         await self.client.aclose()
+
+
+def _head(accept: bytes, request_id: str) -> bytes:
+    """The headers of a JSON request to vLLM (after the request line and host)."""
+    return (
+        b"content-type: application/json\r\naccept: " + accept + b"\r\n"
+        b"x-request-id: " + request_id.encode() + b"\r\n"
+    )
 
 
 async def _status_error(response: HttpResponse) -> UpstreamError:

@@ -762,23 +762,22 @@ mod tests {
                     "tenants":[{{"name":"a","tier":"t"}}]}}"#
             )
         };
-        let err = Governor::from_json(&text(r#"[{"name":"p","role":"prefill"},{"name":"x"}]"#))
-            .unwrap_err()
-            .to_string();
+        let error = |backends: &str| {
+            Governor::from_json(&text(backends))
+                .unwrap_err()
+                .to_string()
+        };
+        let err = error(r#"[{"name":"p","role":"prefill"},{"name":"x"}]"#);
         assert!(
             err.contains("backends[1].role") && err.contains("co-located or split"),
             "{err}"
         );
-        let err = Governor::from_json(&text(r#"[{"name":"p","role":"prefill"}]"#))
-            .unwrap_err()
-            .to_string();
+        let err = error(r#"[{"name":"p","role":"prefill"}]"#);
         assert!(
             err.contains("backends[0].role") && err.contains("no \"decode\""),
             "{err}"
         );
-        let err = Governor::from_json(&text(r#"[{"name":"p","role":"pre"}]"#))
-            .unwrap_err()
-            .to_string();
+        let err = error(r#"[{"name":"p","role":"pre"}]"#);
         assert!(err.contains("prefill"), "{err}");
         let ok = text(
             r#"[{"name":"p","role":"prefill","models":["m"]},
