@@ -72,9 +72,9 @@ class Recorder:
             self.in_flight -= 1
 
 
-def sim_app(link_gb_s: float, speed: float) -> Any:
+def sim_app(link_gb_s: float, speed: float, max_model_len: int = 4096) -> Any:
     return sim_server.create_app(
-        preset="h100:llama-3-8b", speed=speed, models=[SIM_MODEL], max_model_len=4096,
+        preset="h100:llama-3-8b", speed=speed, models=[SIM_MODEL], max_model_len=max_model_len,
         kv_transfer=KvTransfer(bandwidth_gb_s=link_gb_s, latency_ms=1.0),
     )
 
@@ -96,11 +96,14 @@ class Split:
 @contextlib.asynccontextmanager
 async def split_gateway(
     link_gb_s: float = 50.0, speed: float = 5.0, backend: dict[str, Any] | None = None,
-    **sections: Any,
+    prefill_max_model_len: int = 4096, **sections: Any,
 ) -> AsyncIterator[Split]:
     """p0, p1 (prefill, one slot each) and d0 (decode, four slots) behind a gateway: H100s
     with Llama-3-8B at `speed` times real time."""
-    recorders = {name: Recorder(sim_app(link_gb_s, speed)) for name in ("p0", "p1", "d0")}
+    recorders = {
+        name: Recorder(sim_app(link_gb_s, speed, prefill_max_model_len if name[0] == "p" else 4096))
+        for name in ("p0", "p1", "d0")
+    }
     async with contextlib.AsyncExitStack() as stack:
         urls = {}
         for name, recorder in recorders.items():
@@ -257,3 +260,20 @@ async def test_built_in_backends_can_be_split() -> None:
                   if line.startswith("llmflow_sim_prefill_computed_tokens_total")]
         assert pulled
         assert float(pulled[0].rsplit(" ", 1)[1]) <= 16  # the KV came from p
+
+
+async def test_a_prefill_hop_refused_by_vllm_reaches_the_client_and_leaks_nothing() -> None:
+    # The prefill instances run with a shorter context than the gateway was told: vLLM's 400
+    # for the prompt comes back on the hop, passes through with its message, the decode is
+    # never sent, and no slot stays held (`split_gateway` asserts the gateway idle at exit).
+    async with split_gateway(prefill_max_model_len=1024) as s:
+        body = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "word " * 1200}],
+                "max_tokens": 10, "stream": True}
+        reply = await s.harness.client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400, reply.text
+        assert "1024" in reply.json()["error"]["message"]
+        assert s.recorders["d0"].bodies == []
+        ok = await s.harness.client.post("/v1/chat/completions", json={
+            **body, "messages": [{"role": "user", "content": "hello"}], "stream": False})
+        assert ok.status_code == 200, ok.text
+        assert all(b.healthy for b in s.harness.gateway.scraper.states.values())
