@@ -137,6 +137,11 @@ async def test_a_split_request_prefills_on_one_instance_and_decodes_on_another()
             chunks = [chunk async for chunk in stream]
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert len(text.split()) == 20
+        # The decode hop streamed through the Rust relay, not per chunk in Python.
+        metrics = s.harness.gateway.metrics
+        assert metrics.relay is not None
+        assert sum(metrics.relay.inter_chunk()[1]) > 0
+        assert sum(metrics.inter_chunk.counts) == 0
         usage = chunks[-1].usage
         assert usage is not None
         assert usage.completion_tokens == 20

@@ -15,7 +15,8 @@ itself to the runtime and carries out its actions; what changes is where the byt
   are rendered here, in Python, from the same helpers as before).
 
 A session that is cut before its relay stream opens falls back to the Python path, which
-knows how to end a reply that never started.
+knows how to end a reply that never started. A split (P/D) request's reader task sends its
+prefill hop first and then hands the decode hop to the relay (`RelayedSession._pump`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ if TYPE_CHECKING:
     from llmflow.config import Settings
     from llmflow.gateway.handoff import TakenSocket
     from llmflow.gateway.host import Host
-    from llmflow.gateway.session import Prepared, SessionContext
-    from llmflow.gateway.types import Receive, Scope, Send
+    from llmflow.gateway.session import BackendRoute, Prepared, SessionContext
+    from llmflow.gateway.types import Json, Receive, Scope, Send
 
 __all__ = ["RelayHost", "RelayStream", "RelayedSession"]
 
@@ -161,20 +162,29 @@ class RelayedSession(StreamSession):
         self.taken: TakenSocket | None = None
         self._template: str | None = None
         self._upstream_started = False
+        self._relay_after_hop = False  # split: the reader task runs the prefill hop first
 
     # ---- the runtime's actions ---------------------------------------------------------------
 
     def _begin(self) -> None:
         route = self.ctx.routes[self.backend or ""]
-        # Cut between admission and now, a backend the relay cannot speak to (https), or a
-        # split request, whose prefill hop comes first (P/D is experimental; its decode hop
-        # streams through Python): the Python path serves it (and writes the end of a reply
-        # that never started).
-        split = self.start_action is not None and self.start_action.prefill_backend is not None
-        if self._stop or split or not route.url.startswith("http://"):
+        # Cut between admission and now, or a backend the relay cannot speak to (https): the
+        # Python path serves it (and writes the end of a reply that never started).
+        if self._stop or not route.url.startswith("http://"):
             super()._begin()
             return
-        body = upstream_body(self.prepared, route, self.start_action)
+        start = self.start_action
+        if start is not None and start.prefill_backend is not None:
+            # Split: the Python reader task sends the prefill hop (one request, not per
+            # chunk), then hands the decode hop to the relay (`_pump`).
+            self._relay_after_hop = True
+            super()._begin()
+            return
+        if not self._open_relay(route, upstream_body(self.prepared, route, start)):
+            super()._begin()
+
+    def _open_relay(self, route: BackendRoute, body: Json) -> bool:
+        """Send the request upstream through the relay; False if the relay cannot."""
         url = route.url + self.prepared.path
         try:
             self.relay_host.open(self, url, json.dumps(body).encode())
@@ -182,9 +192,22 @@ class RelayedSession(StreamSession):
             log.warning(
                 "relay cannot open %s; streaming request %d through Python", url, self.request_id
             )
-            super()._begin()
-            return
+            return False
         self.opened = True
+        return True
+
+    async def _pump(self) -> None:
+        if not self._relay_after_hop:
+            await super()._pump()
+            return
+        route = self.ctx.routes[self.backend or ""]
+        body = await self._upstream_request(route)
+        if self._stop:
+            return
+        if self._open_relay(route, body):
+            self._handed_over = True  # the relay's events end it from now on
+            return
+        await self._stream_from(route, body)
 
     def on_abort(self) -> None:
         if not self.opened:

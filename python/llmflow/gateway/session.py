@@ -171,6 +171,7 @@ class StreamSession:
         self._reader: asyncio.Task[None] | None = None
         self._upstream_complete = False
         self._upstream_error: UpstreamError | None = None
+        self._handed_over = False  # the read went on in the Rust relay (`relay.py`)
         ctx.sessions.add(self)
         self.window.on_full = self.window_full
         self.window.on_drained = self.window_drained
@@ -341,19 +342,28 @@ class StreamSession:
             host.failed(self.request_id, 502, False)
         finally:
             await self._close_upstream()
-            if not self._ended and not self._upstream_complete:  # the task was cancelled
-                host.client_gone(self.request_id)
-            self._done()
+            if not self._handed_over:
+                if not self._ended and not self._upstream_complete:  # the task was cancelled
+                    host.client_gone(self.request_id)
+                self._done()
 
     async def _pump(self) -> None:
         route = self.ctx.routes[self.backend or ""]
-        body = upstream_body(self.prepared, route, self.start_action)
-        host, rid = self.ctx.host, self.request_id
+        body = await self._upstream_request(route)
+        if not self._stop:
+            await self._stream_from(route, body)
+
+    async def _upstream_request(self, route: BackendRoute) -> Json:
+        """The body to send `route`: after the prefill hop, for a split request."""
         start = self.start_action
+        body = upstream_body(self.prepared, route, start)
         if start is not None and start.prefill_backend is not None:
             body = await self._prefill_hop(start, body)
-            if self._stop:
-                return
+        return body
+
+    async def _stream_from(self, route: BackendRoute, body: Json) -> None:
+        """Send the request to `route` and read its stream into the sink."""
+        host, rid = self.ctx.host, self.request_id
         self._stream = await self.ctx.upstream.open(
             route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
         )
