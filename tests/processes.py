@@ -31,6 +31,7 @@ __all__ = [
     "SimServeProcess",
     "free_port",
     "own_process_group",
+    "replays_exactly",
     "tail",
     "wait_ready",
 ]
@@ -55,6 +56,17 @@ def tail(path: Path, lines: int = 60) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"<could not read {path}: {exc}>"
+
+
+def replays_exactly(trace_path: Path) -> None:
+    """Assert that `llmflow trace replay` (the CLI, in a process of its own) finds every
+    action of the trace again."""
+    replay = subprocess.run(
+        [sys.executable, "-m", "llmflow.cli", "trace", "replay", str(trace_path)],
+        capture_output=True, text=True, check=False,
+    )
+    assert replay.returncode == 0, replay.stderr
+    assert "every action matches" in replay.stdout
 
 
 def wait_ready(

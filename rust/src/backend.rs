@@ -192,6 +192,13 @@ impl BackendState {
         self.sample_prefill(now_us);
     }
 
+    /// A split request's prefill hop here answered (or its first token came): its prompt
+    /// counts as prefilled (`record_prefill`), and its slot and prefill work leave.
+    pub fn prefill_hop_answered(&mut self, tier: usize, prompt: u64, alone_us: u64, now_us: u64) {
+        self.record_prefill(prompt, alone_us, now_us);
+        self.prefill_hop_ended(tier, prompt);
+    }
+
     /// A split request's prefill hop on this prefill instance is over (answered, or the
     /// request ended first): its slot and its prompt's prefill work leave.
     pub fn prefill_hop_ended(&mut self, tier: usize, prompt: u64) {

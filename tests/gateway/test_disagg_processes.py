@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
 import pytest
 
-from processes import GatewayProcess, SimServeProcess
+from processes import GatewayProcess, SimServeProcess, replays_exactly
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -94,12 +92,7 @@ async def test_split_serving_through_processes_replays_from_its_trace(tmp_path: 
             assert gateway.stop() == 0
         trace = trace_path.read_text(encoding="utf-8")
 
-    replay = subprocess.run(
-        [sys.executable, "-m", "llmflow.cli", "trace", "replay", str(trace_path)],
-        capture_output=True, text=True, check=False,
-    )
-    assert replay.returncode == 0, replay.stderr
-    assert "every action matches" in replay.stdout
+    replays_exactly(trace_path)
     lines = _lines(trace)
     starts = [a["start"] for line in lines for a in line.get("act") or [] if "start" in a]
     assert len(starts) >= 11, starts

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 import websockets
 
-from processes import GatewayProcess, SimServeProcess
+from processes import GatewayProcess, SimServeProcess, replays_exactly
 
 from .sse_client import frames
 
@@ -168,12 +166,7 @@ async def test_a_gateway_trace_replays_and_matches_what_clients_saw(tmp_path: Pa
             assert gateway.stop() == 0  # SIGTERM: drained, exit 0
         trace = trace_path.read_text(encoding="utf-8")
 
-    replay = subprocess.run(
-        [sys.executable, "-m", "llmflow.cli", "trace", "replay", str(trace_path)],
-        capture_output=True, text=True, check=False,
-    )
-    assert replay.returncode == 0, replay.stderr
-    assert "every action matches" in replay.stdout
+    replays_exactly(trace_path)
 
     terminals = _terminals(trace)
     kinds = {(t["kind"], t.get("reason") or t.get("outcome")) for t in terminals.values()}

@@ -16,7 +16,7 @@ itself to the runtime and carries out its actions; what changes is where the byt
 
 A session that is cut before its relay stream opens falls back to the Python path, which
 knows how to end a reply that never started. A split (P/D) request's reader task sends its
-prefill hop first and then hands the decode hop to the relay (`RelayedSession._pump`).
+prefill hop first and then hands the decode hop to the relay (`RelayedSession._hand_over`).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class RelayedSession(StreamSession):
         start = self.start_action
         if start is not None and start.prefill_backend is not None:
             # Split: the Python reader task sends the prefill hop (one request, not per
-            # chunk), then hands the decode hop to the relay (`_pump`).
+            # chunk), then hands the decode hop to the relay (`_hand_over`).
             self._relay_after_hop = True
             super()._begin()
             return
@@ -196,18 +196,9 @@ class RelayedSession(StreamSession):
         self.opened = True
         return True
 
-    async def _pump(self) -> None:
-        if not self._relay_after_hop:
-            await super()._pump()
-            return
-        route = self.ctx.routes[self.backend or ""]
-        body = await self._upstream_request(route)
-        if self._stop:
-            return
-        if self._open_relay(route, body):
-            self._handed_over = True  # the relay's events end it from now on
-            return
-        await self._stream_from(route, body)
+    def _hand_over(self, route: BackendRoute, body: Json) -> bool:
+        # Split: the prefill hop has answered; the relay's events end the request from now on.
+        return self._relay_after_hop and self._open_relay(route, body)
 
     def on_abort(self) -> None:
         if not self.opened:

@@ -171,7 +171,6 @@ class StreamSession:
         self._reader: asyncio.Task[None] | None = None
         self._upstream_complete = False
         self._upstream_error: UpstreamError | None = None
-        self._handed_over = False  # the read went on in the Rust relay (`relay.py`)
         ctx.sessions.add(self)
         self.window.on_full = self.window_full
         self.window.on_drained = self.window_drained
@@ -323,12 +322,13 @@ class StreamSession:
 
     async def _read(self) -> None:
         host = self.ctx.host
+        handed_over = False  # the read goes on in the Rust relay, which ends the request
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
                 if self._stop:  # cut between admission and this task's start
                     scope.cancel()
-                await self._pump()
+                handed_over = await self._pump()
             if not self._ended and self._upstream_complete:
                 self.end = "completed"
                 host.done(self.request_id)  # may linger in the runtime while the client owes
@@ -342,16 +342,25 @@ class StreamSession:
             host.failed(self.request_id, 502, False)
         finally:
             await self._close_upstream()
-            if not self._handed_over:
+            if not handed_over:
                 if not self._ended and not self._upstream_complete:  # the task was cancelled
                     host.client_gone(self.request_id)
                 self._done()
 
-    async def _pump(self) -> None:
+    async def _pump(self) -> bool:
+        """Send the request and read its stream; True if the relay took the read over."""
         route = self.ctx.routes[self.backend or ""]
         body = await self._upstream_request(route)
-        if not self._stop:
-            await self._stream_from(route, body)
+        if self._stop:
+            return False
+        if self._hand_over(route, body):
+            return True
+        await self._stream_from(route, body)
+        return False
+
+    def _hand_over(self, route: BackendRoute, body: Json) -> bool:
+        """Give the request's read to another mover of bytes (`RelayedSession`); here none."""
+        return False
 
     async def _upstream_request(self, route: BackendRoute) -> Json:
         """The body to send `route`: after the prefill hop, for a split request."""

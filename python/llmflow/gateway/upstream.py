@@ -156,22 +156,29 @@ class Upstream:
             UpstreamError: unreachable (502, `backend_down`), or an error status (4xx passed
                 through with the backend's message, 5xx as 502).
         """
-        head = _head(b"text/event-stream", request_id)
-        response = await self._request(base_url + path, head, body, on_connection)
-        if response.status != 200:
-            raise await _status_error(response)
+        response = await self._request(
+            base_url + path, b"text/event-stream", body, request_id, on_connection
+        )
         return UpstreamStream(response)
 
     async def _request(
         self,
         url: str,
-        head: bytes,
+        accept: bytes,
         body: Json,
+        request_id: str,
         on_connection: Callable[[Connection], None] | None,
     ) -> HttpResponse:
-        """Send one request on the pool; its failures as `UpstreamError`s."""
+        """Send one JSON request on the pool and wait for a 200's headers; every failure,
+        an error status included, as an `UpstreamError`."""
+        head = (
+            b"content-type: application/json\r\naccept: " + accept + b"\r\n"
+            b"x-request-id: " + request_id.encode() + b"\r\n"
+        )
         try:
-            return await self.pool.request(url, head, json.dumps(body).encode(), on_connection)
+            response = await self.pool.request(
+                url, head, json.dumps(body).encode(), on_connection
+            )
         except OSError as exc:
             if exc.errno in _OUT_OF_FDS:  # the gateway's own shortage: the backend is fine
                 raise UpstreamError(
@@ -186,6 +193,9 @@ class Upstream:
             ) from exc
         except ProtocolError as exc:
             raise UpstreamError(502, "backend_error", f"backend failed: {exc}") from exc
+        if response.status != 200:
+            raise await _status_error(response)
+        return response
 
     async def post_json(
         self,
@@ -200,10 +210,9 @@ class Upstream:
         Raises:
             UpstreamError: as `open`, or a body that is not JSON (502).
         """
-        head = _head(b"application/json", request_id)
-        response = await self._request(base_url + path, head, body, on_connection)
-        if response.status != 200:
-            raise await _status_error(response)
+        response = await self._request(
+            base_url + path, b"application/json", body, request_id, on_connection
+        )
         try:
             raw = await response.read_all(_ANSWER_LIMIT)
         finally:
@@ -222,14 +231,6 @@ class Upstream:
         """Close every pooled connection."""
         self.pool.close()
         await self.client.aclose()
-
-
-def _head(accept: bytes, request_id: str) -> bytes:
-    """The headers of a JSON request to vLLM (after the request line and host)."""
-    return (
-        b"content-type: application/json\r\naccept: " + accept + b"\r\n"
-        b"x-request-id: " + request_id.encode() + b"\r\n"
-    )
 
 
 async def _status_error(response: HttpResponse) -> UpstreamError:

@@ -24,18 +24,10 @@ impl Governor {
         if req.fingerprint != 0 {
             self.retries.forget(req.tenant, req.fingerprint);
         }
-        // Only a prompt that had the backend's prefill to itself bounds its throughput: under a
-        // burst each prompt shares the steps, and its own time says little.
-        let alone = if run.prefill_alone {
-            now_us.saturating_sub(run.admitted_us)
-        } else {
-            0
-        };
+        let alone = run.alone_us(now_us);
         if let Some(p) = run.prefill.take() {
             // A first token proves the prefill hop over, reported or not.
-            let p = &mut self.backends[p as usize];
-            p.record_prefill(req.prompt, alone, now_us);
-            p.prefill_hop_ended(req.tier, req.prompt);
+            self.backends[p as usize].prefill_hop_answered(req.tier, req.prompt, alone, now_us);
         }
         let b = &mut self.backends[run.backend as usize];
         if !run.split {
@@ -61,14 +53,8 @@ impl Governor {
         let Some(p) = run.prefill.take() else {
             return false;
         };
-        let alone = if run.prefill_alone {
-            now_us.saturating_sub(run.admitted_us)
-        } else {
-            0
-        };
-        let p = &mut self.backends[p as usize];
-        p.record_prefill(req.prompt, alone, now_us);
-        p.prefill_hop_ended(req.tier, req.prompt);
+        let alone = run.alone_us(now_us);
+        self.backends[p as usize].prefill_hop_answered(req.tier, req.prompt, alone, now_us);
         true
     }
 

@@ -69,6 +69,20 @@ pub(crate) struct Running {
     prefill_alone: bool,
 }
 
+impl Running {
+    /// How long its prompt took to its first token (or its prefill hop's answer) if nothing
+    /// else was in prefill on its backend when it started, else 0. Only such a prompt bounds
+    /// the backend's prefill throughput: under a burst each prompt shares the steps, and its
+    /// own time says little.
+    pub(crate) fn alone_us(&self, now_us: u64) -> u64 {
+        if self.prefill_alone {
+            now_us.saturating_sub(self.admitted_us)
+        } else {
+            0
+        }
+    }
+}
+
 /// Where a request may go: its model's pool (`Pools::resolve`), and its prompt's chained block
 /// hashes (each covers its parent's hash and its own block's tokens; full blocks only), which
 /// a `prefix` pool routes on; and who it is: the host's fingerprint of the request (0: none),
