@@ -88,3 +88,15 @@ def test_the_dashboard_has_the_panels_the_docs_promise() -> None:
         "Prefix cache hit rate per backend",
     ):
         assert wanted in titles
+
+
+async def test_an_idle_gateway_exports_every_tier_at_zero() -> None:
+    # The "Queue by tier" and "In flight by tier" panels show "no data" rather than 0 unless
+    # each configured tier has a sample while nothing waits or runs.
+    async with start_sim_gateway() as h:
+        text = (await h.client.get("/metrics")).text
+        tiers = [t.name for t in h.gateway.settings.tiers]
+    assert len(tiers) >= 2
+    for family in ("llmflow_queue_length", "llmflow_tier_in_flight"):
+        samples = dict(re.findall(rf'^{family}\{{tier="([^"]+)"\}} (\S+)$', text, re.M))
+        assert samples == dict.fromkeys(tiers, "0.0"), family

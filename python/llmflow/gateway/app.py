@@ -68,7 +68,7 @@ class Gateway:
         self.runtime = Runtime(settings.to_runtime(), trace=trace is not None)
         self.host = Host(self.runtime, trace)
         self.upstream = Upstream()
-        self.metrics = GatewayMetrics(self.host)
+        self.metrics = GatewayMetrics(self.host, [t.name for t in settings.tiers])
         self.metrics.draining = lambda: self.draining
         log_path = settings.server.access_log
         self.access_log = AccessLog(Path(log_path)) if log_path else None

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
 
     from prometheus_client.metrics_core import Metric
 
@@ -50,11 +50,15 @@ class GatewayMetrics:
 
     Args:
         host: the runtime host (read at scrape time).
+        tiers: every configured tier, most important first. The per-tier gauges export each
+            of them, 0 while it has nothing waiting or running, so a dashboard panel over an
+            idle gateway shows zeros rather than "no data".
     """
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, tiers: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.host = host
+        self.tiers = tuple(tiers)
         self.scraper: Scraper | None = None
         self.relay: Relay | None = None  # relayed streams' write gaps live in the relay
         self.draining: Callable[[], bool] = lambda: False
@@ -167,20 +171,20 @@ class _StateCollector:
 
     def collect(self) -> Iterator[Metric]:
         host, governor = self.m.host, self.m.host.runtime
-        queued: Tally[str] = Tally()
-        running: Tally[str] = Tally()
+        queued: Tally[str] = Tally(dict.fromkeys(self.m.tiers, 0))
+        running: Tally[str] = Tally(dict.fromkeys(self.m.tiers, 0))
         for party in host.parties.values():
             (queued if party.queued else running)[party.tier] += 1
         by_tier = GaugeMetricFamily(
             "llmflow_queue_length", "Requests waiting, by tier", labels=["tier"]
         )
-        for tier, count in sorted(queued.items()):
+        for tier, count in queued.items():
             by_tier.add_metric([tier], count)
         yield by_tier
         in_flight = GaugeMetricFamily(
             "llmflow_tier_in_flight", "Requests holding a backend slot, by tier", labels=["tier"]
         )
-        for tier, count in sorted(running.items()):
+        for tier, count in running.items():
             in_flight.add_metric([tier], count)
         yield in_flight
         yield _gauge("llmflow_queue_total", "Requests in the core's waiting queue", governor.queued)
