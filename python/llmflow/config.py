@@ -86,6 +86,9 @@ class Gate(_Section):
     # per-token latency target: a backend whose measured time per output token is above it
     # runs fewer requests (down to one), more again once well below; None: the bound alone
     tpot_target_ms: DurationMs | None = None
+    # `shadow`: forward every request as `direct` would (no cap, queue, refusal or cut) while
+    # the runtime decides as usual and records what it would have done (docs/gateway.md)
+    mode: Literal["enforce", "shadow"] = "enforce"
 
 
 class Tier(_Section):
@@ -176,6 +179,26 @@ class Server(_Section):
     workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
     # one CSV row per request at its end, in the simulator's `--requests-out` columns
     access_log: str | None = None
+
+
+class Telemetry(_Section):
+    """OpenTelemetry traces over OTLP/HTTP (`pip install 'llmflow[otel]'`): a span per governed
+    request with the runtime's decision, and W3C `traceparent` carried to vLLM. Off while
+    `otlp_endpoint` is unset."""
+
+    otlp_endpoint: str | None = None  # http://collector:4318 (`/v1/traces` added if missing)
+    service_name: str = Field("llmflow", min_length=1)
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0  # of traces the gateway starts
+
+    @model_validator(mode="after")
+    def _check_endpoint(self) -> Telemetry:
+        scheme = (self.otlp_endpoint or "http://").partition("://")[0]
+        if scheme not in ("http", "https"):
+            raise ValueError(
+                "telemetry.otlp_endpoint: expected an OTLP/HTTP URL such as "
+                "http://collector:4318"
+            )
+        return self
 
 
 class Limits(_Section):
@@ -274,6 +297,7 @@ class Settings(_Section):
     state: State = State()
     models: dict[str, str] = {}  # alias -> the served model (a backend's `models`) it routes to
     routing: Routing = Routing()
+    telemetry: Telemetry = Telemetry()
 
     @model_validator(mode="after")
     def _check_references(self) -> Settings:
@@ -290,6 +314,7 @@ class Settings(_Section):
                     f"tenants[{tenant.name}].tier {tenant.tier!r} is not one of {tier_names}"
                 )
         _check_models(self)
+        _check_shadow(self)
         return self
 
     @property
@@ -417,6 +442,22 @@ def _check_models(settings: Settings) -> None:
                 f"routing.pools.{model}: no backend serves {model!r} (pools are served model "
                 f"names, not aliases); served: {served}"
             )
+
+
+def _check_shadow(settings: Settings) -> None:
+    if settings.gate.mode != "shadow":
+        return
+    if settings.state.backend != "memory":
+        raise ValueError(
+            "gate.mode: shadow runs on one gateway alone; remove the `state` section (Redis "
+            "replicas) or use gate.mode: enforce"
+        )
+    split = [b.name for b in settings.backends if b.role != "both"]
+    if split:
+        raise ValueError(
+            f"gate.mode: shadow forwards as `direct`, which has no prefill/decode proxy; "
+            f"backends {split} have a role: use gate.mode: enforce on a split pool"
+        )
 
 
 def _require_unique(what: str, names: list[str]) -> None:
