@@ -44,7 +44,14 @@ async def _drain_window(ws: ClientConnection, timeout: float = 0.2) -> list[dict
 async def test_server_never_exceeds_the_window_and_resumes_on_ack() -> None:
     async with start_gateway(backpressure={"client_window": 3}) as h, connect(_ws_url(h)) as ws:
         await ws.send(_request(tokens=30))
-        assert (await _recv(ws)) == {"type": "start", "id": "r1", "window": 3}
+        start = await _recv(ws)
+        (session,) = h.gateway.ctx.sessions  # type: ignore[union-attr]
+        assert start == {  # request_id: the gateway's id, its row in /api/state
+            "type": "start",
+            "id": "r1",
+            "window": 3,
+            "request_id": session.request_id,
+        }
         got = await _drain_window(ws, 0.6)
         assert [m["seq"] for m in got] == [1, 2, 3]  # then silence: no acks yet
         text = ""
@@ -133,3 +140,7 @@ async def test_a_silent_client_is_aborted_after_the_stall_timeout() -> None:
         await h.settle()
         assert h.fake.aborted == 1
         assert h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1
+        # what waited in the socket, then the end, for a client that reads again
+        got = await _drain_window(ws)
+        assert [m["type"] for m in got] == ["chunk", "chunk", "end"]
+        assert (got[-1]["reason"], got[-1]["sent"]) == ("client_stall", 2)

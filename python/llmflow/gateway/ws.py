@@ -207,10 +207,13 @@ async def _one_request(
         await channel.departure.run(session.start())
         if session.error is not None:
             raise session.error
-        await _send(websocket, {"type": "start", "id": request_id, "window": window})
+        start = {"type": "start", "id": request_id, "window": window}
+        await _send(websocket, {**start, "request_id": session.request_id})  # /api/state's id
         carry: list[Item] = []  # taken from the session but not yet sent: at most 2 windows
         while carry or (carry := await session.window.take()):
             if not await channel.room(sent, window, session):
+                if channel.stalled:  # cut for owing acks too long: it reads this once it renders
+                    await _send(websocket, _end(request_id, session.end, sent))
                 return
             carry = merge_chunks(carry + session.window.take_nowait())
             allowed = window - (sent - channel.acked)
@@ -221,9 +224,7 @@ async def _one_request(
                     {"type": "chunk", "id": request_id, "seq": sent, "data": parse_item(chunk)},
                 )
             carry = carry[allowed:]
-        await _send(
-            websocket, {"type": "end", "id": request_id, "reason": session.end, "sent": sent}
-        )
+        await _send(websocket, _end(request_id, session.end, sent))
     except ClientGone:
         return
     except GatewayError as exc:
@@ -238,6 +239,10 @@ async def _one_request(
 def _identity(keyring: KeyRing, header: str | None, message: Json) -> Identity:
     key = message.get("api_key")
     return keyring.authenticate(header or (f"Bearer {key}" if isinstance(key, str) else None))
+
+
+def _end(request_id: Any, reason: str, sent: int) -> Json:
+    return {"type": "end", "id": request_id, "reason": reason, "sent": sent}
 
 
 def _error_message(request_id: Any, exc: GatewayError) -> Json:
