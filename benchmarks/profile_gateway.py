@@ -208,7 +208,7 @@ def _wait_port(port: int, path: bytes, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1) as s:
-            s.sendall(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            s.sendall(b"GET " + path + b" HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
             if s.recv(64).startswith(b"HTTP/1.1 200"):
                 return
         time.sleep(0.05)

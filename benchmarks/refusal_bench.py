@@ -93,7 +93,8 @@ def _request() -> bytes:
         {"model": _MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     ).encode()
     return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\n"
+        b"host: localhost\r\ncontent-type: application/json\r\n"
         b"authorization: Bearer k-crowd\r\ncontent-length: %d\r\n\r\n" % len(body) + body
     )
 

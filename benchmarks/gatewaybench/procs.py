@@ -92,7 +92,7 @@ def free_port() -> int:
 def wait_http(proc: Proc, path: str, timeout: float = 60.0) -> None:
     """Wait until `proc` answers `GET path` with 200; raise with its log tail if it does not."""
     deadline = time.monotonic() + timeout
-    request = f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode()
+    request = f"GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n".encode()
     while time.monotonic() < deadline:
         if proc.popen.poll() is not None:
             break

@@ -179,6 +179,11 @@ class Server(_Section):
     workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
     # one CSV row per request at its end, in the simulator's `--requests-out` columns
     access_log: str | None = None
+    # A WebSocket with no request live that sends nothing this long is closed (code 1000).
+    ws_idle_timeout_ms: DurationMs = Field(300_000.0, gt=0)
+    # Host names a keyless gateway answers besides IP literals, `localhost` and `host`: any
+    # other Host (DNS rebinding) or a cross-origin Origin gets 403 (docs/reliability.md).
+    allowed_hosts: list[str] = []
 
 
 class Telemetry(_Section):

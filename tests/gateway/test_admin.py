@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 import yaml
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from llmflow.gateway.app import create_admin_app
+from llmflow.gateway.ws import PROTOCOL, key_subprotocol
 from processes import free_port
 
 from .harness import Harness, serve_asgi, start_gateway
@@ -98,6 +100,9 @@ def _serve(config: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
+_LAST = ("end", "error")
+
+
 def test_no_key_comes_out_of_a_run(tmp_path: Path) -> None:
     """Serve with keys at debug level with a trace; use, misuse and probe; grep everything."""
     wrong = "wk-5d0c7e9a1b3f2468ac9e"  # a client's wrong key must not be echoed either
@@ -118,13 +123,20 @@ def test_no_key_comes_out_of_a_run(tmp_path: Path) -> None:
                 outputs.append(c.get("/v1/models", headers=headers).text)
             outputs.append(c.post(CHAT, json=BODY, headers={"authorization": wrong}).text)
         url = g.url.replace("http://", "ws://") + "/v1/ws"
-        for key in (TENANT_KEY, wrong):
-            with connect(url) as ws:
-                request = {"type": "request", "id": 1, "endpoint": "chat", "body": BODY}
-                ws.send(json.dumps({**request, "api_key": key}))
-                while (reply := json.loads(ws.recv(timeout=10)))["type"] not in ("end", "error"):
+        for key in (TENANT_KEY, wrong):  # the upgrade's header, then a browser's subprotocol
+            for how in ({"additional_headers": {"authorization": f"Bearer {key}"}},
+                        {"subprotocols": [PROTOCOL, key_subprotocol(key)]}):  # fmt: skip
+                try:
+                    ws = connect(url, **how)  # type: ignore[arg-type]
+                except InvalidStatus as refused:  # the wrong key: refused before the upgrade
+                    outputs.append(refused.response.body.decode())
+                    continue
+                with ws:
+                    request = {"type": "request", "id": 1, "endpoint": "chat", "body": BODY}
+                    ws.send(json.dumps(request))
+                    while (reply := json.loads(ws.recv(timeout=10)))["type"] not in _LAST:
+                        outputs.append(json.dumps(reply))
                     outputs.append(json.dumps(reply))
-                outputs.append(json.dumps(reply))
         admin = httpx.Client(
             base_url=f"http://127.0.0.1:{port}", headers={"authorization": f"Bearer {ADMIN_KEY}"}
         )
@@ -142,7 +154,8 @@ def test_no_key_comes_out_of_a_run(tmp_path: Path) -> None:
     everything = "\n".join(outputs)
     assert "acme" in everything  # tenants do appear, as they should
     for secret in (TENANT_KEY, ADMIN_KEY, wrong):
-        for part in (secret, secret[3:15]):  # not even in part
+        encoded = key_subprotocol(secret).removeprefix("llmflow.key.")  # a browser's form
+        for part in (secret, secret[3:15], encoded[4:20]):  # not even in part
             at = everything.find(part)
             assert at < 0, everything[max(at - 400, 0) : at + 100]
 

@@ -106,7 +106,7 @@ def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
     sock.connect((host, int(port)))
     payload = json.dumps(body).encode()
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: "
         b"application/json\r\ncontent-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
     )
     return sock

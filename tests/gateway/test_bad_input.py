@@ -83,7 +83,6 @@ def _chat(content: str = "hi", **extra: object) -> dict[str, object]:
         (_chat(temperature=-1), "temperature", "greater than or equal to 0"),
         ({"model": "fake-model", "prompt": [5, -1]}, "prompt", "token ids (integers from 0"),
         ({"model": "fake-model", "prompt": {"a": 1}}, "prompt", "send text, or token ids"),
-        ({"model": "fake-model", "prompt": [[1], [2]]}, "prompt", "one prompt per request"),
     ],
 )
 async def test_out_of_range_fields_are_400_naming_the_field(
@@ -163,7 +162,8 @@ async def test_headers_over_the_limit_are_431_before_the_app(header_bytes: int) 
     async with start_gateway(limits={"max_header_bytes": 32_768}) as h:
         body = json.dumps(_chat(max_tokens=1)).encode()
         request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\n"
+            b"host: localhost\r\ncontent-type: application/json\r\n"
             b"x-big: " + b"a" * header_bytes + b"\r\n"
             b"content-length: %d\r\n\r\n" % len(body) + body
         )

@@ -207,7 +207,8 @@ async def test_requests_the_runtime_admits_go_on_unchanged_on_the_same_connectio
         reader, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
         body = json.dumps(REFUSED[0][1]).encode()
         request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k-crowd\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\n"
+            b"host: localhost\r\nauthorization: Bearer k-crowd\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
         )
         for _ in range(3):
@@ -237,7 +238,8 @@ async def test_a_queued_request_whose_client_leaves_frees_its_place() -> None:
         _, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
         body = json.dumps({**REFUSED[0][1], "max_tokens": 4}).encode()
         writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k-crowd\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\n"
+            b"host: localhost\r\nauthorization: Bearer k-crowd\r\n"
             b"content-length: %d\r\n\r\n" % len(body) + body
         )
         await until(lambda: gw.counted.requests == 2)  # the route has it
@@ -262,7 +264,7 @@ async def test_http_1_0_and_connection_close_get_their_refusal_then_eof() -> Non
             writer.write(
                 b"POST /v1/chat/completions "
                 + first_line
-                + b"\r\nhost: x\r\n"
+                + b"\r\nhost: localhost\r\n"
                 + extra
                 + b"authorization: Bearer k-crowd\r\ncontent-length: %d\r\n\r\n" % len(body)
                 + body

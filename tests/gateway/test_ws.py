@@ -8,6 +8,9 @@ from typing import Any
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import InvalidStatus
+
+from llmflow.gateway.ws import PROTOCOL, key_subprotocol
 
 from .harness import Harness, start_gateway
 
@@ -107,19 +110,44 @@ async def test_errors_come_as_messages_with_status(gw: Harness) -> None:
         assert (await _recv(ws))["type"] == "start"
 
 
-async def test_keys_are_required_on_the_socket_too() -> None:
+async def test_keys_are_checked_on_the_upgrade_before_it_is_accepted() -> None:
     tenants = [{"name": "t", "tier": "vip", "api_keys": ["k1"]}]
     async with start_gateway(tenants=tenants) as h:
-        async with connect(_ws_url(h)) as ws:
-            await ws.send(_request())
-            assert (await _recv(ws))["status"] == 401
-            await ws.send(json.dumps({**json.loads(_request("r2", tokens=2)), "api_key": "k1"}))
-            assert (await _recv(ws))["type"] == "start"
-            msgs = [await _recv(ws) for _ in range(2)]
-            assert msgs[-1]["type"] in {"chunk", "end"}
+        for headers, protocols in (
+            ({}, None),  # no key at all
+            ({"authorization": "Bearer nope"}, None),
+            ({}, [PROTOCOL, key_subprotocol("nope")]),
+            ({}, [PROTOCOL, "llmflow.key.!!!"]),  # not base64url
+        ):
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(_ws_url(h), additional_headers=headers, subprotocols=protocols)
+            response = refused.value.response
+            assert response.status_code == 401
+            assert json.loads(response.body)["error"]["code"] == "invalid_api_key"
+        assert h.fake.seen == 0
         async with connect(_ws_url(h), additional_headers={"authorization": "Bearer k1"}) as ws:
+            assert ws.subprotocol is None
             await ws.send(_request(tokens=1))
             assert (await _recv(ws))["type"] == "start"
+        # a browser: the key in a subprotocol, accepted as llmflow.v1 (never echoing the key)
+        async with connect(_ws_url(h), subprotocols=[PROTOCOL, key_subprotocol("k1")]) as ws:
+            assert ws.subprotocol == PROTOCOL
+            await ws.send(_request("r2", tokens=2))
+            assert (await _recv(ws))["type"] == "start"
+            # the per-message key is no longer read: it is refused, saying where the key goes
+            await _drain_window(ws)
+            await ws.send(json.dumps({**json.loads(_request("r3", tokens=2)), "api_key": "k1"}))
+            error = await _recv(ws)
+            assert (error["status"], error["error"]["param"]) == (400, "api_key")
+
+
+async def test_a_keyless_gateway_accepts_with_or_without_the_subprotocol(gw: Harness) -> None:
+    async with connect(_ws_url(gw), subprotocols=[PROTOCOL]) as ws:
+        assert ws.subprotocol == PROTOCOL
+        await ws.send(_request(tokens=1))
+        assert (await _recv(ws))["type"] == "start"
+    async with connect(_ws_url(gw)) as ws:
+        assert ws.subprotocol is None
 
 
 async def test_closing_the_socket_mid_stream_aborts_upstream(gw: Harness) -> None:

@@ -171,7 +171,7 @@ async def _one(
         "ignore_eos": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: "
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
     try:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))

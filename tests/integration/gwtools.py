@@ -195,7 +195,7 @@ async def flood(host: str, port: int, path: str, payloads: list[dict[str, Any]],
 
 def _request(method: str, path: str, payload: dict[str, Any] | None) -> bytes:
     data = b"" if payload is None else json.dumps(payload).encode()
-    head = (f"{method} {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+    head = (f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n\r\n")
     return head.encode() + data
 

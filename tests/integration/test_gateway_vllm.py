@@ -155,7 +155,8 @@ def test_a_client_that_stops_reading_is_cut_and_aborted_in_vllm(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", gw.port))
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\n"
+            b"host: localhost\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
         )
         poll(lambda: vllm.metrics(m)[RUNNING] == 1, 10.0)

@@ -18,7 +18,8 @@ def chat_request(key: str, model: str) -> bytes:
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     ).encode()
     return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\n"
+        b"host: localhost\r\ncontent-type: application/json\r\n"
         b"authorization: Bearer " + key.encode() + b"\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )

@@ -39,7 +39,8 @@ def _connect(url: str, rcvbuf: int = 4096) -> socket.socket:
 def _request(body: dict[str, Any]) -> bytes:
     payload = json.dumps(body).encode()
     return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\n"
+        b"host: localhost\r\ncontent-type: application/json\r\n"
         b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
     )
 

@@ -28,7 +28,7 @@ from llmflow.gateway.errors import install_handlers
 from llmflow.gateway.host import Host, now_us
 from llmflow.gateway.light import LightService
 from llmflow.gateway.metrics import GatewayMetrics
-from llmflow.gateway.middleware import BodyLimit
+from llmflow.gateway.middleware import BodyLimit, HostGuard, allowed_host_names
 from llmflow.gateway.protocol import install_schemas
 from llmflow.gateway.relay import RelayHost
 from llmflow.gateway.routes import admin, openai, ops, vllm, websocket
@@ -284,6 +284,11 @@ def create_app(settings: Settings | None = None, trace: TextIO | None = None) ->
     app.state.trace = trace
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+    app.state.own_hosts = None
+    if not settings.auth_enabled:  # anyone who reaches the port may use it: only our own names
+        names = allowed_host_names([settings.server.host, *settings.server.allowed_hosts])
+        app.state.own_hosts = names  # the fast path checks them too (`fastpath.py`)
+        app.add_middleware(HostGuard, allowed=names)
     for module in (openai, vllm, ops, websocket):
         app.include_router(module.router)
     if settings.admin.port is None:  # no admin listener: the admin routes stay here

@@ -39,6 +39,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.middleware import foreign_request
 from llmflow.gateway.relay import relayable
 from llmflow.gateway.session import reply_error
 
@@ -121,8 +122,13 @@ class RefusalDesk:
             return None
         length: int | None = None
         authorization: str | None = None
+        host = origin = None
         for name, value in protocol.headers:
-            if name == b"content-length":
+            if name == b"host" and host is None:
+                host = value
+            elif name == b"origin" and origin is None:
+                origin = value
+            elif name == b"content-length":
                 if length is not None or not value.isdigit():
                     return None
                 length = int(value)
@@ -134,6 +140,9 @@ class RefusalDesk:
                 return None
         if length is None or length > self.max_body:
             return None
+        own = getattr(self.app.state, "own_hosts", None)
+        if own is not None and foreign_request(host, origin, own) is not None:
+            return None  # `HostGuard` refuses it on the ordinary path
         version = parser.get_http_version()
         return Held(
             endpoint, authorization, version, version != "1.0" and parser.should_keep_alive()

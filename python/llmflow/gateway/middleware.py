@@ -1,15 +1,105 @@
-"""Plain ASGI middleware: the request body's size and encoding, refused as OpenAI-style errors."""
+"""Plain ASGI middleware: the request body's size and encoding, and a keyless gateway's Host and
+Origin, refused as OpenAI-style errors."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from llmflow.gateway.errors import GatewayError, error_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from llmflow.gateway.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimit"]
+__all__ = ["BodyLimit", "HostGuard", "foreign_request"]
+
+
+def foreign_request(
+    host: bytes | None, origin: bytes | None, allowed: frozenset[str]
+) -> str | None:
+    """Why a keyless gateway must not answer a request with this Host and Origin, or None.
+
+    With no key, anything that can reach the port may use it, and a browser will reach a
+    loopback port for any page it shows. DNS rebinding points a page's own name at 127.0.0.1:
+    its requests then carry that name as Host, so a Host that is neither an IP literal nor a
+    name the gateway is known by (`allowed`) is refused. A cross-site page sends its own
+    Origin with a POST or a WebSocket upgrade, so an Origin whose host and port are not the
+    request's Host is refused. Same-origin pages (the dashboard, the playground) send an
+    Origin equal to their Host, and tools send none.
+    """
+    if host is not None:
+        name = _host_name(host.decode("latin-1")).lower()
+        if name and not _is_ip(name) and name not in allowed:
+            return (
+                f"Host {name!r} is not a name this gateway answers on: add it to "
+                "server.allowed_hosts, or configure API keys"
+            )
+    if origin is not None:
+        parts = urlsplit(origin.decode("latin-1").strip())
+        if not parts.netloc or parts.netloc.lower() != (host or b"").decode("latin-1").lower():
+            text = origin.decode("latin-1")[:100]
+            return f"cross-origin request from {text!r} refused by a gateway without API keys"
+    return None
+
+
+def _host_name(host: str) -> str:
+    if host.startswith("["):  # [::1]:8080
+        return host[1 : host.find("]")] if "]" in host else host
+    name, _, port = host.rpartition(":")
+    return name if name and port.isdigit() else host
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def allowed_host_names(configured: Iterable[str]) -> frozenset[str]:
+    """The names a keyless gateway answers on: `localhost`, its listen host, the configured."""
+    return frozenset(n.lower() for n in ("localhost", *configured) if n)
+
+
+class HostGuard:
+    """A keyless gateway answers only its own Host and same-origin pages (403 otherwise).
+
+    Applies to HTTP requests and WebSocket upgrades alike; a gateway with API keys is left
+    alone (a page cannot send the key cross-site). See `foreign_request`.
+
+    Args:
+        app: the wrapped ASGI app.
+        allowed: host names answered besides IP literals (`allowed_host_names`).
+    """
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Refuse a foreign Host or Origin; pass everything else on."""
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = origin = None
+        for name, value in scope["headers"]:
+            if name == b"host" and host is None:
+                host = value
+            elif name == b"origin" and origin is None:
+                origin = value
+        reason = foreign_request(host, origin, self.allowed)
+        if reason is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await _send_error(send, 403, reason, "forbidden_origin")
+        elif "websocket.http.response" in (scope.get("extensions") or {}):
+            await _send_error(send, 403, reason, "forbidden_origin", "websocket.http.response")
+        else:
+            await send({"type": "websocket.close", "code": 1008})
 
 
 class BodyLimit:
@@ -61,11 +151,13 @@ def _message(limit: int) -> str:
     return f"request body is larger than the gateway's limit of {limit} bytes"
 
 
-async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+async def _send_error(
+    send: Send, status: int, message: str, code: str, kind: str = "http.response"
+) -> None:
     body = error_bytes(status, message, code)
     await send(
         {
-            "type": "http.response.start",
+            "type": f"{kind}.start",
             "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
@@ -74,4 +166,4 @@ async def _send_error(send: Send, status: int, message: str, code: str) -> None:
             ],
         }
     )
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": f"{kind}.body", "body": body})

@@ -11,11 +11,14 @@ stays full for the stall timeout is cut by the runtime's stall timer. The wire f
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
 from llmflow.gateway.errors import GatewayError
@@ -32,23 +35,43 @@ if TYPE_CHECKING:
     from llmflow.gateway.streaming import Item
     from llmflow.gateway.types import Json
 
-__all__ = ["AckChannel", "FrameRedactor", "serve_websocket"]
+__all__ = ["PROTOCOL", "AckChannel", "FrameRedactor", "key_subprotocol", "serve_websocket"]
 
 _ENDPOINTS = ("chat", "completions")
+PROTOCOL = "llmflow.v1"  # the subprotocol a browser offers, and the server accepts with
+_KEY_PREFIX = "llmflow.key."  # a browser's key: "llmflow.key." + base64url(KEY), no padding
+MAX_PENDING = 2  # requests a socket may send ahead of the one being streamed
+MAX_ID_CHARS = 128  # a request id is echoed in every frame: a string of at most this, or an int
+# Headers the websockets library logs at DEBUG during the handshake that carry a secret.
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie"})
+
+
+def key_subprotocol(key: str) -> str:
+    """The subprotocol that carries `key` for a browser (which cannot set headers)."""
+    return _KEY_PREFIX + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
 
 
 class FrameRedactor(logging.Filter):
-    """Keep WebSocket payloads out of debug logs: a request message may carry an API key.
+    """Keep WebSocket payloads and handshake secrets out of debug logs.
 
-    The `websockets` library logs every frame it sends and receives (`< TEXT '...'`) at DEBUG
-    on the logger uvicorn gives it; this keeps the frame's kind and size and drops its data.
-    `llmflow serve` installs it on that logger.
+    The `websockets` library logs every frame it sends and receives (`< TEXT '...'`) and every
+    handshake header (`< authorization: Bearer ...`) at DEBUG on the logger uvicorn gives it.
+    This keeps a frame's kind and size and drops its data, and replaces the value of a header
+    that carries a key (`Authorization`, cookies, and `Sec-WebSocket-Protocol`, where a browser
+    puts its key) with its length. `llmflow serve` installs it on that logger.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Rewrite a frame record's arguments to their kind and size; keep every record."""
-        if record.msg in ("< %s", "> %s") and isinstance(record.args, tuple):
+        """Rewrite a frame or secret header record's arguments; keep every record."""
+        if not isinstance(record.args, tuple):
+            return True
+        if record.msg in ("< %s", "> %s"):
             record.args = tuple(_frame_summary(arg) for arg in record.args)
+        elif record.msg in ("< %s: %s", "> %s: %s") and len(record.args) == 2:
+            name, value = record.args
+            lowered = str(name).lower()
+            if lowered in _SECRET_HEADERS or lowered == "sec-websocket-protocol":
+                record.args = (name, f"[{len(str(value))} characters, not logged]")
         return True
 
 
@@ -63,15 +86,18 @@ class AckChannel:
 
     Args:
         websocket: an accepted socket.
+        idle_s: how long a socket with no request live may stay silent before it is closed.
     """
 
-    def __init__(self, websocket: WebSocket) -> None:
+    def __init__(self, websocket: WebSocket, idle_s: float) -> None:
         self.websocket = websocket
+        self.idle_s = idle_s
+        self.busy = False  # a request is being served: silence is the client rendering
         self.acked = 0  # highest sequence number the client has acknowledged
         self.current: Any = None  # id of the request being streamed
         self.departure = Departure()  # the socket closed, or the client cancelled
         self.closed = False
-        self.requests: asyncio.Queue[Json] = asyncio.Queue()
+        self.requests: asyncio.Queue[Json] = asyncio.Queue(MAX_PENDING)
         self.stalled = False  # the runtime cut the current request: the client owes too much
         self._progress = asyncio.Event()
 
@@ -83,7 +109,13 @@ class AckChannel:
         """
         try:
             while True:
-                frame = await self.websocket.receive()
+                try:
+                    frame = await asyncio.wait_for(self.websocket.receive(), self.idle_s)
+                except TimeoutError:
+                    if self.busy or not self.requests.empty():
+                        continue
+                    await self.websocket.close(code=1000, reason="idle")
+                    break
                 if frame["type"] == "websocket.disconnect":
                     break
                 text = frame.get("text")
@@ -94,14 +126,14 @@ class AckChannel:
                     await _send(self.websocket, _error_message(None, exc))
                     await self.websocket.close(code=1003)
                     break
-                self._on(message)
+                await self._on(message)
         except (WebSocketDisconnect, RuntimeError, ClientGone):
             pass
         self.closed = True
         self.departure.leave()
         self._progress.set()
 
-    def _on(self, message: Json) -> None:
+    async def _on(self, message: Json) -> None:
         kind = message.get("type")
         if kind == "ack" and isinstance(message.get("seq"), int):
             if message.get("id", self.current) != self.current:
@@ -112,7 +144,10 @@ class AckChannel:
             self.departure.leave()
             self._progress.set()
         elif kind == "request":
-            self.requests.put_nowait(message)
+            try:
+                self.requests.put_nowait(message)
+            except asyncio.QueueFull:  # a bounded socket: the client sends ahead, not floods
+                await _send(self.websocket, _error_message(_echo_id(message), _busy()))
 
     def stall(self) -> None:
         """The runtime cut the current request for a stalled client: stop waiting for acks."""
@@ -143,19 +178,30 @@ async def serve_websocket(
     service: CompletionService,
     keyring: KeyRing,
     window: int,
+    idle_s: float,
 ) -> None:
     """Serve one socket: requests one at a time, each streamed under the ack window.
+
+    The key is checked on the upgrade, before it is accepted: a refused socket gets an HTTP
+    401 with an OpenAI-style body and never opens.
 
     Args:
         websocket: the socket (not yet accepted).
         service: the completion service.
-        keyring: resolves API keys (header, or `api_key` in the request message).
+        keyring: resolves API keys (the upgrade's `Authorization`, or its key subprotocol).
         window: the most unacknowledged chunks (`backpressure.client_window`).
+        idle_s: how long a socket with no request live may stay silent
+            (`server.ws_idle_timeout_ms`).
     """
-    await websocket.accept()
-    channel = AckChannel(websocket)
+    offered = list(websocket.scope.get("subprotocols") or ())
+    try:
+        identity = keyring.authenticate(_upgrade_authorization(websocket, offered))
+    except GatewayError as exc:
+        await _deny(websocket, exc)
+        return
+    await websocket.accept(subprotocol=PROTOCOL if PROTOCOL in offered else None)
+    channel = AckChannel(websocket, idle_s)
     reader = asyncio.create_task(channel.run())
-    header = websocket.headers.get("authorization")
     try:
         while not channel.closed:
             getter = asyncio.create_task(channel.requests.get())
@@ -163,15 +209,11 @@ async def serve_websocket(
             if not getter.done():
                 getter.cancel()
                 break
-            await _one_request(
-                websocket,
-                channel,
-                service,
-                keyring,
-                header,
-                window,
-                getter.result(),
-            )
+            channel.busy = True
+            try:
+                await _one_request(websocket, channel, service, identity, window, getter.result())
+            finally:
+                channel.busy = False
     finally:
         reader.cancel()
         await asyncio.wait([reader])
@@ -181,18 +223,17 @@ async def _one_request(
     websocket: WebSocket,
     channel: AckChannel,
     service: CompletionService,
-    keyring: KeyRing,
-    header: str | None,
+    identity: Identity,
     window: int,
     message: Json,
 ) -> None:
-    request_id = message.get("id")
+    request_id = _echo_id(message)
     channel.acked, sent, channel.current, channel.stalled = 0, 0, request_id, False
     if not channel.closed:
         channel.departure = Departure()
     session: StreamSession | None = None
     try:
-        identity = _identity(keyring, header, message)
+        _check_request(message)
         endpoint = message.get("endpoint", "chat")
         if endpoint not in _ENDPOINTS or not isinstance(message.get("body"), dict):
             raise GatewayError(
@@ -236,9 +277,72 @@ async def _one_request(
             await session.close()
 
 
-def _identity(keyring: KeyRing, header: str | None, message: Json) -> Identity:
-    key = message.get("api_key")
-    return keyring.authenticate(header or (f"Bearer {key}" if isinstance(key, str) else None))
+def _upgrade_authorization(websocket: WebSocket, offered: list[str]) -> str | None:
+    """The upgrade's `Authorization`, or the key a browser put in a subprotocol, as a header."""
+    header = websocket.headers.get("authorization")
+    if header is not None:
+        return header
+    tokens = [p for p in offered if p.startswith(_KEY_PREFIX)]
+    if not tokens:
+        return None
+    encoded = tokens[0][len(_KEY_PREFIX) :]
+    try:
+        key = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (binascii.Error, ValueError):
+        raise GatewayError(
+            401,
+            f"the {_KEY_PREFIX}* subprotocol must carry base64url(KEY) without padding",
+            "invalid_api_key",
+        ) from None
+    return f"Bearer {key}"
+
+
+async def _deny(websocket: WebSocket, exc: GatewayError) -> None:
+    """Refuse the upgrade with an HTTP response (or a bare 403 on a server without that)."""
+    if "websocket.http.response" in (websocket.scope.get("extensions") or {}):
+        response = JSONResponse(exc.body, exc.status, headers=exc.headers)
+        await websocket.send_denial_response(response)
+    else:
+        await websocket.close(code=1008)
+
+
+def _echo_id(message: Json) -> Any:
+    """The request's id, when it is one the protocol echoes (see `_check_request`)."""
+    rid = message.get("id")
+    if rid is None or (isinstance(rid, int) and not isinstance(rid, bool)):
+        return rid
+    if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS:
+        return rid
+    return None
+
+
+def _check_request(message: Json) -> None:
+    rid = message.get("id")
+    if rid is not None and _echo_id(message) is None:
+        raise GatewayError(
+            400,
+            f"a request 'id' is a string of at most {MAX_ID_CHARS} characters or an integer",
+            "invalid_request",
+            param="id",
+        )
+    if "api_key" in message:
+        raise GatewayError(
+            400,
+            "'api_key' in a request message is not read: authenticate the upgrade instead "
+            f"('Authorization: Bearer KEY', or the subprotocols {PROTOCOL!r} and "
+            f"'{_KEY_PREFIX}' + base64url(KEY))",
+            "invalid_request",
+            param="api_key",
+        )
+
+
+def _busy() -> GatewayError:
+    return GatewayError(
+        429,
+        f"this socket already has {MAX_PENDING} requests waiting behind the one being "
+        "streamed: wait for an 'end' before sending more, or open another socket",
+        "too_many_pending_requests",
+    )
 
 
 def _end(request_id: Any, reason: str, sent: int) -> Json:

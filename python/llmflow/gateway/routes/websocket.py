@@ -17,5 +17,9 @@ async def stream_ws(websocket: WebSocket) -> None:
     gw = websocket.app.state.gateway
     settings = gw.settings
     await serve_websocket(
-        websocket, gw.service, gw.keyring, settings.backpressure.client_window
+        websocket,
+        gw.service,
+        gw.keyring,
+        settings.backpressure.client_window,
+        settings.server.ws_idle_timeout_ms / 1e3,
     )
