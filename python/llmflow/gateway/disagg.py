@@ -56,10 +56,15 @@ def prefill_body(body: Json) -> Json:
 
 def decode_body(body: Json, kv_transfer_params: Json | None) -> Json:
     """The decode hop's body: the client's, with the prefill's KV transfer parameters (none:
-    the prefill instance has no KV connector, and the decode instance computes the prompt)."""
-    if kv_transfer_params is None:
-        return body
-    return {**body, "kv_transfer_params": kv_transfer_params}
+    the prefill instance has no KV connector, and the decode instance computes the prompt).
+
+    Only the prefill instance's answer sets them, never the client: a client's own would
+    name the blocks and the host the decode instance's connector reads from.
+    """
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = kv_transfer_params
+    return out
 
 
 async def prefill_hop(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 from typing import TYPE_CHECKING
 
 import anyio
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LightReply", "LightService"]
 
+_STRIPPED = ("priority", "kv_transfer_params")  # the gateway's to set, never the client's
 _FORWARDED = ("content-type", "accept")  # request headers the backend needs to read the body
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of a backend's error body worth reading
 _RETURNED = ("content-type", "content-encoding")  # response headers the client gets back
@@ -68,18 +70,22 @@ class LightService:
         """The runtime's `SetHealth`, for the lane."""
         self.lane.set_health(backend, healthy)
 
-    def candidates(self, content_type: str, raw: bytes) -> list[str]:
-        """The backends that may serve this body (all of them when it names no model).
+    def candidates(self, content_type: str, raw: bytes) -> tuple[list[str], bytes]:
+        """The backends that may serve this body (all of them when it names no model), and the
+        body to send: the client's bytes, less the fields that steer the engine (`priority`:
+        a low tier would jump vLLM's queue on a priority-scheduling backend).
 
         Raises:
             GatewayError: 400 for a JSON route's bad body, 404 for a model nobody serves.
         """
         if not content_type.startswith("application/json"):
-            return []  # multipart audio: vLLM reads its form; any backend may answer
+            return [], raw  # multipart audio: vLLM reads its form; any backend may answer
         body = decode_json(raw)
+        if any(field in body for field in _STRIPPED):
+            raw = json.dumps({k: v for k, v in body.items() if k not in _STRIPPED}).encode()
         model = body.get("model")
         if model is None:
-            return []
+            return [], raw
         if not isinstance(model, str) or not model:
             raise GatewayError(
                 400, "model: must be a non-empty string", "invalid_request", param="model"
@@ -89,7 +95,7 @@ class LightService:
             raise GatewayError(
                 404, f"The model `{model}` does not exist.", "model_not_found", param="model"
             )
-        return backends
+        return backends, raw
 
     async def forward(
         self, path: str, headers: dict[str, str], raw: bytes, receive: Receive
@@ -107,7 +113,7 @@ class LightService:
                 502 when the backend is unreachable or fails; `ClientGone` when the client left.
         """
         content_type = headers.get("content-type", "application/json")
-        candidates = self.candidates(content_type, raw)
+        candidates, raw = self.candidates(content_type, raw)
         request_id = next(self._ids)
         decision = self.lane.acquire(request_id, candidates, now_us())
         if isinstance(decision, LightRefusal):

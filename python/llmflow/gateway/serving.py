@@ -35,7 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["ClientGone", "CompletionService", "Departure"]
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-_STRIPPED = ("priority",)  # fields a client may not set: the core computes them
+# Fields a client may not set, as they steer the engine: the core computes the priority, and
+# kv_transfer_params would let a tenant pin KV blocks past its request's end (the ledger
+# counting them free) or name a host for the KV connector to reach (`disagg.py` sets them).
+_STRIPPED = ("priority", "kv_transfer_params")
 _PROMPT_SHAPES = (  # a union's first error ("should be a valid string") would mislead
     "send text, or token ids (integers from 0 to 2147483647), or a list of one of either"
 )

@@ -1,0 +1,216 @@
+"""Hostile inputs (issue 26): what a tenant, a backend, Redis or a metrics page sends to break the
+gateway, and the bound that contains it. Each case is read from outside the code under test:
+what the backend itself received (its own record of bodies, its own `/metrics`, connections a
+listener of ours accepted), the bytes on the client's wire, /proc.
+
+The WebSocket cases are in `test_hostile_ws.py`, the parsers' fuzz targets in
+`test_parser_fuzz.py` (and `rust/src/relay/sse.rs`'s proptests). The table of what was tried is
+in `docs/reliability.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from gateway.harness import SIM_MODEL, start_gateway, start_sim_gateway
+from llmflow.sim.server_pd import KvTransfer
+
+from .replies import CHAT, chat
+from .wire import exchange, post_bytes
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+pytestmark = pytest.mark.anyio
+CLOSE = "connection: close\r\n\r\n"
+
+
+@contextlib.asynccontextmanager
+async def listener() -> AsyncIterator[tuple[int, list[int]]]:
+    """A TCP port of ours that counts who connects to it: (port, [connections])."""
+    accepted = [0]
+
+    async def on_connect(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted[0] += 1
+        w.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], accepted
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _sim_metric(h: Any, name: str) -> float:
+    """A value from the simulated vLLM's own /metrics (summed over its label sets)."""
+    text = (await h.client.get(h.sim_url + "/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+# -- 1. kv_transfer_params are the gateway's to set ------------------------------------------
+
+
+async def test_a_clients_kv_transfer_params_never_reach_the_backend() -> None:
+    """A tenant asking a KV-connector backend to hold its KV after the reply (do_remote_decode)
+    or to pull KV from a host it names (do_remote_prefill at our listener): on main the
+    simulated vLLM kept the blocks (KV usage > 0 after the reply, the gateway's ledger at 0)
+    and connected to the named host. Now the fields are stripped: nothing held, nobody called."""
+    kv = {"kv_transfer": KvTransfer(bandwidth_gb_s=50.0, latency_ms=1.0)}
+    async with listener() as (port, accepted), start_sim_gateway(sim_options=kv) as h:
+        h.sim_url = _sim_url(h)
+        pin = {"do_remote_decode": True, "do_remote_prefill": False}
+        reach = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+            "remote_block_ids": [0, 1, 2], "remote_host": "127.0.0.1", "remote_port": port,
+        }  # fmt: skip
+        body = {"model": SIM_MODEL, "prompt": "word " * 120, "max_tokens": 4}
+        for params in (pin, reach):
+            for stream in (False, True):
+                r = await h.client.post(
+                    "/v1/completions",
+                    json={**body, "stream": stream, "kv_transfer_params": params},
+                    timeout=30,
+                )
+                assert r.status_code == 200, r.text
+                if not stream:
+                    assert r.json().get("kv_transfer_params") is None
+        await asyncio.sleep(0.2)
+        assert await _sim_metric(h, "vllm:kv_cache_usage_perc") == 0  # no block left pinned
+        assert accepted == [0]  # the backend never dialled the host the client named
+
+
+def _sim_url(h: Any) -> str:
+    return next(iter(h.gateway.scraper.states.values())).url
+
+
+async def test_the_decode_hop_carries_only_what_the_prefill_answered() -> None:
+    """A split pool whose prefill instance answers no kv_transfer_params (no connector): on
+    main the decode hop sent the client's own; now it sends none."""
+    async with start_gateway(
+        n_backends=2,
+        per_backend={"b0": {"role": "prefill"}, "b1": {"role": "decode"}},
+        configure=_prefill_answers_json,
+    ) as h:
+        params = {"do_remote_prefill": True, "remote_host": "10.255.0.1", "remote_port": 9}
+        r = await h.client.post(
+            CHAT, json=chat(stream=True, max_tokens=3, kv_transfer_params=params)
+        )
+        assert r.status_code == 200
+        prefill, decode = h.fakes["b0"], h.fakes["b1"]
+        assert prefill.bodies[-1]["kv_transfer_params"]["do_remote_decode"] is True
+        assert "kv_transfer_params" not in decode.bodies[-1]
+
+
+def _prefill_answers_json(fakes: dict[str, Any]) -> None:
+    """The fake streams every reply; a prefill hop (stream false) needs JSON, as vLLM's."""
+    fakes["b0"].app = JsonPrefill(fakes["b0"], fakes["b0"].app)
+
+
+class JsonPrefill:
+    """ASGI wrapper: answers an unstreamed completion as vLLM without a KV connector does."""
+
+    def __init__(self, fake: Any, app: Any) -> None:
+        self.fake, self.app = fake, app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("completions"):
+            await self.app(scope, receive, send)
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        body = json.loads(raw)
+        if body.get("stream") is not False:
+            replayed = False
+
+            async def replay() -> Any:
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+
+            await self.app(scope, replay, send)
+            return
+        self.fake.seen += 1
+        self.fake.bodies.append(body)
+        answer = json.dumps({"choices": [{"index": 0, "text": "x"}], "kv_transfer_params": None})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": answer.encode()})
+
+
+# -- 5. priority on the light routes ---------------------------------------------------------
+
+
+async def test_a_light_request_cannot_set_its_own_priority() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def configure(fakes: dict[str, Any]) -> None:
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def embeddings(request: Any) -> Any:
+            seen.append(await request.json())
+            return JSONResponse({"object": "list", "data": []})
+
+        fakes["b0"].app.router.routes.append(Route("/v1/embeddings", embeddings, methods=["POST"]))
+
+    async with start_gateway(configure=configure, backend={"scheduling_policy": "priority"}) as h:
+        body = {"model": "fake-model", "input": "x", "priority": -1000, "kv_transfer_params": {}}
+        r = await h.client.post("/v1/embeddings", json=body)
+        assert r.status_code == 200, r.text
+        assert seen == [{"model": "fake-model", "input": "x"}]
+
+
+# -- 10. a keyless gateway answers only its own Host and Origin ------------------------------
+
+
+async def test_a_keyless_gateway_refuses_rebinding_and_cross_site_posts() -> None:
+    async with start_gateway() as h:
+        # DNS rebinding: the attacker's name resolves to us, so the page's Host is its own
+        for path in ("/api/state", "/v1/models"):
+            raw = f"GET {path} HTTP/1.1\r\nhost: rebind.evil.example:8080\r\n{CLOSE}"
+            reply = await exchange(h.url, raw.encode())
+            assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
+            assert b'"core"' not in reply
+        # a cross-site "simple" POST (text/plain, no preflight), on the fast path's size too
+        body = json.dumps(chat(stream=False, max_tokens=2)).encode()
+        for origin in ("https://evil.example", "null"):
+            raw = post_bytes(CHAT, body, f"origin: {origin}\r\nconnection: close\r\n")
+            raw = raw.replace(b"application/json", b"text/plain")
+            reply = await exchange(h.url, raw)
+            assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
+            assert b"forbidden_origin" in reply
+        assert h.fake.seen == 0  # nothing reached the backend
+        # same-origin pages and tools are served
+        own = h.url
+        r = await h.client.post(
+            CHAT, json=chat(stream=False, max_tokens=2), headers={"origin": own}
+        )
+        assert r.status_code == 200
+        async with httpx.AsyncClient(base_url=h.url.replace("127.0.0.1", "localhost")) as c:
+            assert (await c.get("/v1/models")).status_code == 200
+        assert h.fake.seen == 1
+
+
+async def test_a_gateway_with_keys_serves_any_host() -> None:
+    tenants = [{"name": "t", "tier": "normal", "api_keys": ["k-any-host-0123"]}]
+    async with start_gateway(tenants=tenants) as h:
+        raw = "GET /v1/models HTTP/1.1\r\nhost: llmflow.internal\r\n"
+        raw += f"authorization: Bearer k-any-host-0123\r\n{CLOSE}"
+        assert (await exchange(h.url, raw.encode())).startswith(b"HTTP/1.1 200")
