@@ -622,7 +622,8 @@ class LightLane:
 RelayEvent = tuple[Any, ...]
 """One relay event: `("started", id)`, `("first_token", id, n, template_json | None)`,
 `("tokens", [(id, n), ...])`, `("done", id)`,
-`("failed", id, status, code, message, backend_down)`, `("window_full", id)`,
+`("failed", id, status, code, message, backend_down, error_json | None)` (`error_json`: the
+error object of a backend's 4xx, passed to the client as it is), `("window_full", id)`,
 `("window_drained", id)`, `("client_gone", id)`, `("closed", id, socket_fd | None,
 upstream_complete, completion_tokens)`."""
 

@@ -180,6 +180,7 @@ impl PyRelay {
                     f.code,
                     f.message,
                     f.backend_down,
+                    f.error,
                 )
                     .into_pyobject(py)?,
                 RelayEvent::WindowFull(id) => (intern!(py, "window_full"), id).into_pyobject(py)?,

@@ -13,7 +13,9 @@ Each request may carry a `fake` object (the gateway passes unknown fields throug
 - `malformed_after` (int): after that many tokens send a `data:` frame that is not JSON;
 - `error_after` (int): after that many tokens send vLLM's in-band error event (a 500 in the
   middle of a stream: `data: {"error": {..., "code": 500}}`, then `[DONE]`), as vLLM does
-  when the engine fails under a started stream;
+  when the engine fails under a started stream; with `error_param` (str) the event is vLLM's
+  refusal of a parameter instead (`"code": 400`, that `param`), as vLLM sends one it checks
+  only once the stream has begun (`logprobs` over its maximum);
 - `close_after` (int): after that many tokens end the body cleanly, without `[DONE]`.
 
 `/metrics` misbehaves on request too: `metrics_status` (answer that status), `metrics_delay`
@@ -209,7 +211,10 @@ class FakeVllm:
                     yield b'data: {"id": "broken", "choices": [{"delta": \n\n'
                     await asyncio.Event().wait()  # the gateway must not wait for more
                 if _due(plan, "error_after", i):
-                    yield b"data: " + json.dumps({"error": _ENGINE_ERROR}).encode() + b"\n\n"
+                    error = _ENGINE_ERROR
+                    if plan.get("error_param"):
+                        error = _refusal(str(plan["error_param"]))
+                    yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
                     yield b"data: [DONE]\n\n"
                     finished = None
                     return
@@ -239,6 +244,15 @@ _ENGINE_ERROR = {
     "param": None,
     "code": 500,
 }
+
+
+def _refusal(param: str) -> dict[str, Any]:
+    return {
+        "message": f"{param} is over the maximum (parameter={param})",
+        "type": "BadRequestError",
+        "param": param,
+        "code": 400,
+    }
 
 
 def _due(plan: dict[str, Any], key: str, i: int) -> bool:

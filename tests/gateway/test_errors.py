@@ -126,8 +126,16 @@ async def test_backend_500_is_502_and_frees_the_slot(gw: Harness) -> None:
 
 
 async def test_backend_4xx_passes_through(gw: Harness) -> None:
+    # vLLM's refusal is the client's answer: its status and its error object, as it wrote them
     r = await gw.client.post(CHAT, json=_chat(fake={"status": 400}))
-    _error(r, 400, "backend_rejected")
+    assert r.status_code == 400, r.text
+    assert r.json() == {
+        "error": {
+            "message": "injected failure",
+            "type": "server_error",
+            "code": 400,
+        }
+    }
 
 
 async def test_unreachable_backend_is_502_then_503_once_marked_down() -> None:

@@ -46,6 +46,9 @@ class GatewayError(Exception):
         code: machine-readable reason (`queue_full`, `context_length_exceeded`, ...).
         param: the request field to blame, if any.
         headers: extra response headers (`Retry-After`, `WWW-Authenticate`).
+        upstream: the backend's own error object, when vLLM refused the request (its 4xx):
+            the body is that object as vLLM wrote it (`message`, `type`, `param`, `code`),
+            so the client hears its mistake as it would from vLLM directly.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class GatewayError(Exception):
         *,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        upstream: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -63,10 +67,13 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        self.upstream = upstream
 
     @property
     def body(self) -> dict[str, Any]:
         """The JSON body: `{"error": {...}}`."""
+        if self.upstream is not None:
+            return {"error": self.upstream}
         return error_body(self.status, self.message, self.code, self.param)
 
     def response(self) -> JSONResponse:

@@ -150,16 +150,21 @@ class ChatMessage(_Open):
 
 
 class _Sampling(_Open):
+    # Nullable where vLLM's own models are (`"stream": null` is `false`, as there).
     model: str = Field(min_length=1)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    n: int = Field(1, ge=1, le=MAX_INT)  # the gateway's own bound is `limits.max_n`
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the client asked for SSE (`null` is no)."""
+        return bool(self.stream)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -167,13 +172,27 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    n: int | None = Field(1, ge=1, le=MAX_INT)  # the gateway's own bound is `limits.max_n`
 
 
 class CompletionRequest(_Sampling):
-    """Body of `POST /v1/completions`: one prompt, as text or token ids."""
+    """Body of `POST /v1/completions`: a prompt as text or token ids, or a batch of either.
+
+    `max_tokens` may be 0 with `echo` (vLLM then returns the prompt alone, as scorers ask).
+    """
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT)
+    n: int = Field(1, ge=1, le=MAX_INT)
+    echo: bool | None = False
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts of the request: one, or each of a batch."""
+        prompt: Any = self.prompt
+        if isinstance(prompt, str) or not (prompt and isinstance(prompt[0], str | list)):
+            return [prompt]  # one prompt: text, or token ids
+        return list(prompt)
 
 
 class ResponsesRequest(_Open):
@@ -183,7 +202,7 @@ class ResponsesRequest(_Open):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    stream: bool = False
+    stream: bool | None = False
 
 
 class ModelCard(BaseModel):

@@ -89,7 +89,7 @@ class RelayHost:
             "started": lambda e: self._session(e).relay_started(),
             "first_token": lambda e: self._session(e).relay_first_token(e[2], e[3]),
             "done": lambda e: self._session(e).relay_done(),
-            "failed": lambda e: self._session(e).relay_failed(e[2], e[3], e[4], e[5]),
+            "failed": lambda e: self._session(e).relay_failed(e[2], e[3], e[4], e[5], e[6]),
             "window_full": lambda e: self._session(e).window_full(),
             "window_drained": lambda e: self._session(e).window_drained(),
             "client_gone": lambda e: self._session(e).relay_client_gone(),
@@ -273,8 +273,16 @@ class RelayedSession(StreamSession):
             self.end = "completed"
             self.ctx.host.done(self.request_id)
 
-    def relay_failed(self, status: int, code: str, message: str, backend_down: bool) -> None:
-        self._upstream_error = UpstreamError(status, code, message, backend_down=backend_down)
+    def relay_failed(
+        self, status: int, code: str, message: str, backend_down: bool, error: str | None
+    ) -> None:
+        self._upstream_error = UpstreamError(
+            status,
+            code,
+            message,
+            backend_down=backend_down,
+            error=json.loads(error) if error is not None else None,
+        )
         if not self._ended:
             self.ctx.host.failed(self.request_id, status, backend_down)
 

@@ -106,7 +106,7 @@ def prepare_response(
     upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
     upstream["stream"] = True
     upstream["max_output_tokens"] = generated  # the bound the core planned with holds upstream
-    options = ClientOptions("responses", request.model, request.stream)
+    options = ClientOptions("responses", request.model, bool(request.stream))
     return Prepared(options, identity.tenant, identity.tier, PATH, upstream, prompt, generated,
                     fingerprint=body_fingerprint(raw))
 

@@ -23,7 +23,7 @@ from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest, d
 from llmflow.gateway.relay import RelayedSession
 from llmflow.gateway.session import Prepared, StreamSession, body_fingerprint
 from llmflow.gateway.streaming import ClientOptions
-from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompt_tokens
+from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompts_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -100,7 +100,15 @@ class CompletionService:
             request: Any = model_cls.model_validate(body)
         except ValidationError as exc:
             raise _invalid(exc) from None
-        if request.stream and not self.streaming:
+        stream = request.streamed
+        if body.get("stream_options") and not stream:  # vLLM's own check: `{}` passes
+            raise GatewayError(
+                400,
+                "Stream options can only be defined when `stream=True`.",
+                "invalid_request",
+                param="stream_options",
+            )
+        if stream and not self.streaming:
             raise GatewayError(
                 400,
                 "streaming is disabled on this gateway (streaming.enabled)",
@@ -117,47 +125,61 @@ class CompletionService:
             )
         model = self.aliases.get(request.model, request.model)
         hashes = None
+        n = request.n or 1  # chat's `n` is nullable
         if endpoint == "chat":
-            prompt = chat_prompt_tokens(request, self.bytes_per_token)
+            prompts = [chat_prompt_tokens(request, self.bytes_per_token)]
             max_tokens = request.max_completion_tokens or request.max_tokens
             if model in self.prefix_models:
                 hashes = chat_prefix_hashes(request, self.block_size, self.bytes_per_token)
         else:
-            _require_single_prompt(request)
-            prompt = completion_prompt_tokens(request, self.bytes_per_token)
+            prompts = completion_prompts_tokens(request, self.bytes_per_token)
             max_tokens = request.max_tokens
+            _check_zero_tokens(max_tokens, bool(request.echo))
             if model in self.prefix_models:
                 hashes = completion_prefix_hashes(request, self.block_size, self.bytes_per_token)
-        _check_limits(request.n, max_tokens, self.limits)
-        _check_context(prompt, max_tokens, context)
+        # A batch is `n` choices per prompt, indexed prompt by prompt as vLLM does
+        # (`prompt * n + choice`); the limit counts them all.
+        choices = n * len(prompts)
+        _check_limits(choices, len(prompts), max_tokens, self.limits)
+        longest = max(prompts, default=0)
+        _check_context(longest, max_tokens, context)
         options = request.stream_options
         client = ClientOptions(
             endpoint,
             request.model,
-            request.stream,
-            request.n,
+            stream,
+            choices,
             bool(options and options.include_usage),
             bool(options and options.continuous_usage_stats),
         )
         upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
         upstream["model"] = model  # an alias goes to vLLM as the name it serves
-        upstream["stream"] = True
-        upstream["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        # vLLM computes prompt logprobs only for a reply it does not stream: such a request
+        # goes upstream as the client sent it (`Prepared.unstreamed`); every other one streams.
+        unstreamed = not stream and _wants_prompt_logprobs(body)
+        if not unstreamed:
+            upstream["stream"] = True
+            upstream["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         cap = self.limits.max_tokens
-        if max_tokens is None and cap is not None and cap < context - prompt:
+        if max_tokens is None and cap is not None and cap < context - longest:
             max_tokens = upstream["max_tokens"] = cap  # the gateway's bound holds upstream too
-        generated = max_tokens if max_tokens is not None else context - prompt
+        # The core plans KV for what the batch may hold at its peak: every prompt, and each
+        # prompt's `n` choices up to their bound (the rest of the context when unbounded).
+        generated = sum(
+            n * max(max_tokens if max_tokens is not None else context - p, 1) for p in prompts
+        )
         return Prepared(
             client,
             identity.tenant,
             identity.tier,
             _PATHS[endpoint],
             upstream,
-            prompt,
-            generated * request.n,
+            sum(prompts),
+            generated,
             model,
             hashes,
             body_fingerprint(raw),
+            unstreamed=unstreamed,
         )
 
     def admit(self, prepared: Prepared, relayed: bool = False) -> StreamSession:
@@ -285,11 +307,16 @@ def _check_messages(body: dict[str, Any], limit: int) -> None:
         )
 
 
-def _check_limits(n: int, max_tokens: int | None, limits: Limits) -> None:
-    if n > limits.max_n:
+def _check_limits(choices: int, prompts: int, max_tokens: int | None, limits: Limits) -> None:
+    if choices > limits.max_n:
+        asked = (
+            f"n is {choices}"
+            if prompts == 1
+            else (f"{prompts} prompts x n {choices // prompts} make {choices} choices")
+        )
         raise GatewayError(
             400,
-            f"n is {n}, over this gateway's limit of {limits.max_n} choices per request "
+            f"{asked}, over this gateway's limit of {limits.max_n} choices per request "
             "(limits.max_n): ask for fewer, or send several requests",
             "n_too_large",
             param="n",
@@ -315,22 +342,20 @@ def _invalid(exc: ValidationError) -> GatewayError:
     return GatewayError(400, f"{message}{got}", "invalid_request", param=param)
 
 
-def _require_single_prompt(request: CompletionRequest) -> None:
-    prompt = request.prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and isinstance(prompt[0], str | list)
-        and len(prompt) != 1
-    ):
+def _check_zero_tokens(max_tokens: int | None, echo: bool) -> None:
+    # vLLM's rule: no output tokens is a request for the echoed prompt alone.
+    if max_tokens == 0 and not echo:
         raise GatewayError(
             400,
-            "batched prompts are not supported: send one prompt per request",
-            "batch_not_supported",
-            param="prompt",
+            "max_tokens must be at least 1, got 0 (0 is allowed only with echo)",
+            "invalid_request",
+            param="max_tokens",
         )
-    if isinstance(prompt, list) and not prompt:
-        raise GatewayError(400, "prompt must not be empty", "invalid_request", param="prompt")
+
+
+def _wants_prompt_logprobs(body: dict[str, Any]) -> bool:
+    value = body.get("prompt_logprobs")
+    return value is not None and value is not False and value != 0
 
 
 def _check_context(prompt: int, max_tokens: int | None, context: int) -> None:

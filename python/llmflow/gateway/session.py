@@ -78,6 +78,9 @@ class Prepared:
     prefix_hashes: list[int] | None = None  # its prompt's block hashes, for a `prefix` pool
     # The body's fingerprint (`body_fingerprint`), by which the core knows a client's retry.
     fingerprint: int = 0
+    # Sent upstream as the client sent it, not streamed (what vLLM computes only for a reply
+    # it does not stream: prompt logprobs); its answer goes to the client as vLLM wrote it.
+    unstreamed: bool = False
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -129,7 +132,10 @@ def reply_error(reply: Reply, upstream: UpstreamError | None = None) -> GatewayE
     if reply.retry_after_s is not None:
         headers["Retry-After"] = str(reply.retry_after_s)
     if reply.reason == "upstream_error" and upstream is not None:
-        return GatewayError(reply.status, upstream.message, upstream.code, headers=headers)
+        own = upstream.error if reply.status == upstream.status else None  # vLLM's refusal
+        return GatewayError(
+            reply.status, upstream.message, upstream.code, headers=headers, upstream=own
+        )
     message = _MESSAGES.get(reply.reason) or f"request refused: {reply.reason.replace('_', ' ')}"
     return GatewayError(reply.status, message, reply.reason, headers=headers)
 
@@ -162,6 +168,7 @@ class StreamSession:
         self.queue_wait_s = 0.0
         self.first_token_at: float | None = None
         self.cancel_writer: Any = None  # set by the writer: called when the client stalls
+        self.answer: Json | None = None  # vLLM's whole answer to an unstreamed request
         self._ended = False  # the runtime sent this request's terminal action
         self._arriving = False  # inside `arrive`: a refusal now is counted as a rejection
         self._stream: UpstreamStream | None = None
@@ -372,6 +379,9 @@ class StreamSession:
 
     async def _stream_from(self, route: BackendRoute, body: Json) -> None:
         """Send the request to `route` and read its stream into the sink."""
+        if self.prepared.unstreamed:
+            await self._answer_from(route, body)
+            return
         host, rid = self.ctx.host, self.request_id
         self._stream = await self.ctx.upstream.open(
             route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
@@ -391,6 +401,28 @@ class StreamSession:
                 host.tokens(rid, new_tokens)
             if chunk is not None:
                 await self._emit(chunk)
+        self._upstream_complete = True
+
+    async def _answer_from(self, route: BackendRoute, body: Json) -> None:
+        """Send an unstreamed request (`Prepared.unstreamed`) and keep vLLM's answer whole.
+
+        The runtime hears its tokens all at once, from the answer's usage, when it comes: a
+        cut before then (a deadline, the first-token timeout, the drain) has no partial text
+        to return, only the notice."""
+        host, rid = self.ctx.host, self.request_id
+        answer = await self.ctx.upstream.post_json(
+            route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
+        )
+        if self._stop:
+            return
+        host.started(rid)
+        usage = answer.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        self.parser.usage = usage if isinstance(usage, dict) else None
+        if isinstance(tokens, int) and tokens > 0:
+            self.parser.completion_tokens = tokens
+            host.tokens(rid, tokens)
+        self.answer = answer
         self._upstream_complete = True
 
     async def _prefill_hop(self, start: Start, body: Json) -> Json:
@@ -440,17 +472,30 @@ class StreamSession:
 
     def response(self) -> Json:
         """The non-streaming reply, once `done` (partial text and notice when cut)."""
+        if self.answer is not None:
+            return self.answer
         return self.accumulator.response(self.parser.usage)
 
 
 def error_event(chunk: Json) -> UpstreamError:
     """The failure a backend reports in-band (vLLM's `data: {"error": ...}` under a started
-    stream, followed by `[DONE]`): the request failed, whatever the `[DONE]` says."""
+    stream, followed by `[DONE]`): the request failed, whatever the `[DONE]` says.
+
+    A 4xx `code` is vLLM refusing the request (a parameter it checks only once the stream has
+    begun, e.g. `logprobs` over its maximum): the client's error, with vLLM's object, which the
+    runtime answers with that status before the first token. Anything else is the backend
+    failing (502). The relay's twin is `in_band_failure` in `rust/src/relay/chunk.rs`."""
     error = chunk["error"]
     message = error.get("message") if isinstance(error, dict) else error
+    status = error.get("code") if isinstance(error, dict) else None
+    if isinstance(status, int) and 400 <= status < 500:
+        return UpstreamError(status, "backend_rejected", str(message), error=error)
     return UpstreamError(502, "backend_error", f"backend failed mid-stream: {message}")
 
 
 def in_band_error(exc: UpstreamError) -> Json:
-    """The in-band error object for a stream that already started."""
+    """The in-band error object for a stream that already started (vLLM's own, when it
+    refused the request)."""
+    if exc.error is not None:
+        return exc.error
     return {"message": exc.message, "type": "bad_gateway", "code": exc.code}

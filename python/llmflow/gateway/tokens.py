@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["chat_prompt_tokens", "completion_prompt_tokens", "text_tokens"]
+__all__ = [
+    "chat_prompt_tokens",
+    "completion_prompt_tokens",
+    "completion_prompts_tokens",
+    "text_tokens",
+]
 
 _PER_MESSAGE = 4  # role markers and separators a chat template adds around each message
 _PER_CHAT = 3  # the assistant header that primes the reply
@@ -35,15 +40,16 @@ def chat_prompt_tokens(request: ChatCompletionRequest, bytes_per_token: float) -
 
 
 def completion_prompt_tokens(request: CompletionRequest, bytes_per_token: float) -> int:
-    """Prompt tokens of a completion request: exact for token ids, estimated for text."""
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return text_tokens(prompt, bytes_per_token)
-    if prompt and isinstance(prompt[0], list):
-        return len(prompt[0])
-    if prompt and isinstance(prompt[0], str):
-        return text_tokens(str(prompt[0]), bytes_per_token)
-    return len(prompt)
+    """Prompt tokens of a completion request, every prompt of a batch together."""
+    return sum(completion_prompts_tokens(request, bytes_per_token))
+
+
+def completion_prompts_tokens(request: CompletionRequest, bytes_per_token: float) -> list[int]:
+    """Prompt tokens of each prompt of a completion request (one, or each of a batch): exact
+    for token ids, estimated for text."""
+    return [
+        text_tokens(p, bytes_per_token) if isinstance(p, str) else len(p) for p in request.prompts
+    ]
 
 
 def _content_tokens(content: str | list[dict[str, Any]] | None, bytes_per_token: float) -> int:

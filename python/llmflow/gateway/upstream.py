@@ -45,12 +45,23 @@ class UpstreamError(Exception):
         code: machine-readable reason (`backend_unavailable`, `backend_error`, ...).
         message: what happened.
         backend_down: True when the backend could not be reached at all.
+        error: the error object of a backend's 4xx (`{"message", "type", "param", "code"}`):
+            the client's mistake, passed to it in vLLM's own words.
     """
 
-    def __init__(self, status: int, code: str, message: str, *, backend_down: bool = False):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        backend_down: bool = False,
+        error: Json | None = None,
+    ):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.backend_down = backend_down
+        self.error = error
 
 
 class UpstreamStream:
@@ -238,8 +249,19 @@ async def _status_error(response: HttpResponse) -> UpstreamError:
     response.release()
     message = _error_message(raw) or f"backend answered {response.status}"
     if 400 <= response.status < 500:
-        return UpstreamError(response.status, "backend_rejected", message)
+        return UpstreamError(
+            response.status, "backend_rejected", message, error=_error_object(raw)
+        )
     return UpstreamError(502, "backend_error", f"backend error {response.status}: {message}")
+
+
+def _error_object(raw: bytes) -> Json | None:
+    try:
+        body: Any = json.loads(raw)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else None
 
 
 def _error_message(raw: bytes) -> str:

@@ -5,6 +5,8 @@
 
 use serde_json::{Map, Value};
 
+use super::events::Failure;
+
 /// What one upstream payload becomes.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Shaped {
@@ -51,25 +53,26 @@ impl ChunkShaper {
     /// Read one `data:` payload.
     ///
     /// # Errors
-    /// The payload is not JSON: the message says what the backend sent.
-    pub fn feed(&mut self, data: &[u8]) -> Result<Shaped, String> {
+    /// The payload is not JSON (502, the message says what the backend sent), or it is
+    /// vLLM's in-band error event (`in_band_failure`).
+    pub fn feed(&mut self, data: &[u8]) -> Result<Shaped, Failure> {
         if self.template.is_some() {
             if let Some(shaped) = self.passthrough(data) {
                 return Ok(shaped);
             }
         }
-        let value: Value =
-            serde_json::from_slice(data).map_err(|e| format!("backend sent bad data: {e}"))?;
+        let value: Value = serde_json::from_slice(data).map_err(|e| {
+            Failure::backend(
+                "backend_error",
+                format!("backend sent bad data: {e}"),
+                false,
+            )
+        })?;
         let Value::Object(mut chunk) = value else {
             return Ok(Shaped::default());
         };
         if let Some(error) = chunk.get("error") {
-            // vLLM's in-band 500 under a started stream (then `[DONE]`): the request failed.
-            let message = error
-                .get("message")
-                .and_then(Value::as_str)
-                .map_or_else(|| error.to_string(), str::to_owned);
-            return Err(format!("backend failed mid-stream: {message}"));
+            return Err(in_band_failure(error));
         }
         if self.template.is_none() && chunk.contains_key("id") {
             let mut t = Map::new();
@@ -178,6 +181,32 @@ fn has_text(choice: &Value) -> bool {
         .get("text")
         .and_then(Value::as_str)
         .is_some_and(|s| !s.is_empty())
+}
+
+/// vLLM's in-band error event (`data: {"error": {...}}`, then `[DONE]`): the request failed.
+/// A 4xx `code` is vLLM refusing the request (a parameter it checks only once the stream has
+/// begun, e.g. `logprobs` over its maximum): the client's error, with vLLM's object; anything
+/// else is the backend failing (502).
+fn in_band_failure(error: &Value) -> Failure {
+    let message = error
+        .get("message")
+        .and_then(Value::as_str)
+        .map_or_else(|| error.to_string(), str::to_owned);
+    let status = error.get("code").and_then(Value::as_u64).unwrap_or(500);
+    if (400..500).contains(&status) && error.is_object() {
+        return Failure {
+            status: u16::try_from(status).expect("checked range"),
+            code: "backend_rejected",
+            message,
+            backend_down: false,
+            error: Some(error.to_string()),
+        };
+    }
+    Failure::backend(
+        "backend_error",
+        format!("backend failed mid-stream: {message}"),
+        false,
+    )
 }
 
 /// `data: {json}\n\n`, compact.
@@ -417,7 +446,20 @@ mod tests {
         let err = s
             .feed(br#"{"error":{"message":"engine died","code":500}}"#)
             .unwrap_err();
-        assert!(err.contains("engine died"), "{err}");
+        assert!(err.message.contains("engine died"), "{err:?}");
+        assert_eq!((err.status, err.error), (502, None));
+    }
+
+    // A 4xx in-band error is vLLM refusing the request: its status and object go on.
+    #[test]
+    fn an_in_band_4xx_is_the_backends_refusal_with_its_object() {
+        let mut s = ChunkShaper::new(false);
+        let raw = br#"{"error":{"message":"too many logprobs","type":"BadRequestError","param":"logprobs","code":400}}"#;
+        let err = s.feed(raw).unwrap_err();
+        assert_eq!((err.status, err.code), (400, "backend_rejected"));
+        assert_eq!(err.message, "too many logprobs");
+        let object: Value = serde_json::from_str(&err.error.unwrap()).unwrap();
+        assert_eq!(object["param"], "logprobs");
     }
 
     #[test]
@@ -428,7 +470,11 @@ mod tests {
         assert_eq!(s.feed(role).unwrap().new_tokens, 0);
         let text = br#"{"id":"x","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#;
         assert_eq!(s.feed(text).unwrap().new_tokens, 1);
-        assert!(s.feed(b"{not json").unwrap_err().contains("bad data"));
+        assert!(s
+            .feed(b"{not json")
+            .unwrap_err()
+            .message
+            .contains("bad data"));
     }
 
     #[test]

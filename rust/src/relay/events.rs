@@ -25,6 +25,22 @@ pub struct Failure {
     pub message: String,
     /// The backend could not be reached at all.
     pub backend_down: bool,
+    /// The error object a backend's 4xx carried (`{"message","type","param","code"}`, as
+    /// JSON): the client's mistake, which it hears in vLLM's own words.
+    pub error: Option<String>,
+}
+
+impl Failure {
+    /// A failure of the backend's own (502), with no error object to pass on.
+    pub fn backend(code: &'static str, message: String, backend_down: bool) -> Self {
+        Self {
+            status: 502,
+            code,
+            message,
+            backend_down,
+            error: None,
+        }
+    }
 }
 
 /// One thing that happened to a relayed stream.

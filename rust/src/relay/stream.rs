@@ -264,18 +264,17 @@ impl Task {
             Err(e) => {
                 self.push(RelayEvent::Failed(
                     self.id,
-                    Failure {
-                        status: 502,
-                        code: "backend_unavailable",
-                        message: format!("backend unreachable: {e}"),
-                        backend_down: true,
-                    },
+                    Failure::backend(
+                        "backend_unavailable",
+                        format!("backend unreachable: {e}"),
+                        true,
+                    ),
                 ));
                 return Step::Go;
             }
         };
         let o = &self.open;
-        let request = hyper::Request::post(o.path.as_str())
+        let mut request = hyper::Request::post(o.path.as_str())
             .header("host", o.authority.as_str())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream")
@@ -302,12 +301,11 @@ impl Task {
                 }
                 self.push(RelayEvent::Failed(
                     self.id,
-                    Failure {
-                        status: 502,
-                        code: "backend_error",
-                        message: format!("backend failed: {}", source_chain(&e)),
-                        backend_down: false,
-                    },
+                    Failure::backend(
+                        "backend_error",
+                        format!("backend failed: {}", source_chain(&e)),
+                        false,
+                    ),
                 ));
                 return Step::Go;
             }
@@ -329,14 +327,14 @@ impl Task {
                     code: "backend_rejected",
                     message,
                     backend_down: false,
+                    error: error_object(&raw),
                 }
             } else {
-                Failure {
-                    status: 502,
-                    code: "backend_error",
-                    message: format!("backend error {status}: {message}"),
-                    backend_down: false,
-                }
+                Failure::backend(
+                    "backend_error",
+                    format!("backend error {status}: {message}"),
+                    false,
+                )
             };
             self.push(RelayEvent::Failed(self.id, failure));
             return Step::Go;
@@ -389,7 +387,7 @@ impl Task {
                         self.add_frame(frame, now);
                     }
                 }
-                Err(message) => return self.fail(message, false),
+                Err(failure) => return self.fail_with(failure),
             }
         }
         if decoded.done {
@@ -404,17 +402,13 @@ impl Task {
     }
 
     fn fail(&mut self, message: String, backend_down: bool) -> Step {
+        self.fail_with(Failure::backend("backend_error", message, backend_down))
+    }
+
+    fn fail_with(&mut self, failure: Failure) -> Step {
         self.body = None;
         self.conn = None;
-        self.push(RelayEvent::Failed(
-            self.id,
-            Failure {
-                status: 502,
-                code: "backend_error",
-                message,
-                backend_down,
-            },
-        ));
+        self.push(RelayEvent::Failed(self.id, failure));
         Step::Go
     }
 
@@ -728,6 +722,14 @@ fn error_message(raw: &[u8]) -> Option<String> {
             .to_owned(),
     };
     (!text.is_empty()).then_some(text)
+}
+
+/// The `error` object of an OpenAI-style error body, as JSON text (what vLLM's 4xx says).
+fn error_object(raw: &[u8]) -> Option<String> {
+    let body = serde_json::from_slice::<serde_json::Value>(raw).ok()?;
+    body.get("error")
+        .filter(|e| e.is_object())
+        .map(serde_json::Value::to_string)
 }
 
 fn value_text(v: &serde_json::Value) -> String {
