@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from gateway.harness import SIM_MODEL, start_gateway, start_sim_gateway
+from gateway.harness import SIM_MODEL, start_gateway, start_sim_gateway, until
 from llmflow.sim.server_pd import KvTransfer
 
 from .replies import CHAT, chat
@@ -214,3 +214,68 @@ async def test_a_gateway_with_keys_serves_any_host() -> None:
         raw = "GET /v1/models HTTP/1.1\r\nhost: llmflow.internal\r\n"
         raw += f"authorization: Bearer k-any-host-0123\r\n{CLOSE}"
         assert (await exchange(h.url, raw.encode())).startswith(b"HTTP/1.1 200")
+
+
+# -- 2. a bad scrape is that scrape's, never the loop's --------------------------------------
+
+
+async def test_nan_negative_and_huge_metrics_never_stop_the_scrape_loop() -> None:
+    """On main the first NaN (or -1, or 2^64) raised out of the scrape loop: the fake's own
+    count of /metrics requests stopped growing and the backend's health froze. Now each bad
+    value is dropped and the loop goes on: the fake keeps being scraped, and a backend taken
+    down meanwhile comes back."""
+    async with start_gateway() as h:
+        fake = h.fake
+        for kv, preemptions in ((float("nan"), 0), (0.1, -1), (float("inf"), 2**64), (2.0, 0)):
+            fake.kv_usage, fake.preemptions = kv, preemptions
+            before = fake.metrics_scrapes
+            await until(lambda b=before: fake.metrics_scrapes >= b + 3, 3.0)
+        fake.metrics_status = 503  # now it goes away: the runtime marks it down ...
+        await until(lambda: not _healthy(h), 5.0)
+        fake.kv_usage, fake.preemptions, fake.metrics_status = 0.0, 0, 200
+        await until(lambda: _healthy(h), 5.0)  # ... and back up: the loop still runs
+        r = await h.client.post(CHAT, json=chat(stream=False, max_tokens=2))
+        assert r.status_code == 200
+        state = (await h.client.get("/api/state")).json()
+        assert state["backends"]["b0"]["scrape_age_s"] < 1.0
+
+
+def _healthy(h: Any) -> bool:
+    return all(s.healthy for s in h.gateway.scraper.states.values())
+
+
+# -- 6. a bad record in Redis is that record's -----------------------------------------------
+
+
+async def test_garbage_in_the_shared_redis_hashes_and_scrape_record_is_contained(
+    redis_server: Any,
+) -> None:
+    """One string where a number goes in each shared hash, and a scrape record that is not
+    JSON: on main every sync failed (Redis taken as lost, fail_closed: every request a 503)
+    and the bad field stayed. Now requests are served, the fields are purged (read back
+    from Redis by our own client) and the scrape record is replaced by a sound one."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(redis_server.url)
+    try:
+        for key in ("service", "used-requests", "used-tokens"):
+            await r.hset(f"llmflow:{key}", mapping={"anonymous": "garbage", "other": "nan"})
+        await r.hset("llmflow:waiting-weight", mapping={"ghost": "not-a-weight"})
+        await r.set("llmflow:scrape:b0", b"\xff{not json")
+        state = {"backend": "redis", "url": redis_server.url, "sync_interval_ms": 50}
+        async with start_gateway(state=state, gate={"queue": {"max_wait_ms": 2000}}) as h:
+            replies = [
+                await h.client.post(CHAT, json=chat(stream=False, max_tokens=2)) for _ in range(3)
+            ]
+            assert [x.status_code for x in replies] == [200, 200, 200], replies[-1].text
+            assert h.fake.seen == 3
+            await asyncio.sleep(0.3)  # a few syncs
+            for key in ("service", "used-requests", "used-tokens"):
+                values = await r.hgetall(f"llmflow:{key}")
+                assert b"other" not in values
+                assert float(values.get(b"anonymous", b"0")) >= 0
+            assert await r.hget("llmflow:waiting-weight", "ghost") is None
+            record = json.loads(await r.get("llmflow:scrape:b0") or b"{}")
+            assert "values" in record
+    finally:
+        await r.aclose()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.shared_scrape import SharedScrapes
     from llmflow.gateway.upstream import Upstream
 
-__all__ = ["BackendState", "NotMetricsError", "Scraper", "parse_vllm_metrics"]
+__all__ = ["BackendState", "NotMetricsError", "Scraper", "parse_vllm_metrics", "sane_metrics"]
 
 log = logging.getLogger("llmflow.gateway")
 
@@ -40,6 +41,8 @@ _SUMMED = {
     "vllm:prefix_cache_hits_total": "prefix_hits_total",
 }
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_KNOWN = ("kv_usage", *_SUMMED.values(), "num_gpu_blocks", "block_size")
+_MAX_COUNT = 2.0**53  # past this a float no longer counts whole requests, tokens or blocks
 
 
 @dataclass(slots=True)
@@ -119,6 +122,25 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def sane_metrics(values: object) -> dict[str, float]:
+    """The values a runtime may be fed: each known one finite, a count in [0, 2^53], KV usage
+    in [0, 1]; anything else (NaN, a negative gauge, 1e300, a string from a garbage Redis
+    record) is dropped as if the page had not said it, so one bad line costs that line only.
+    """
+    if not isinstance(values, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key in _KNOWN:
+        value = values.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        value = float(value)
+        top = 1.0 if key == "kv_usage" else _MAX_COUNT
+        if math.isfinite(value) and 0.0 <= value <= top:
+            out[key] = value
+    return out
+
+
 class NotMetricsError(Exception):
     """A `/metrics` reply without a single vLLM metric in it (a proxy's page, garbage)."""
 
@@ -168,13 +190,23 @@ class Scraper:
             else:
                 values, age_s = await self.shared.fetch(name, lambda: self._read(state))
                 began -= round(age_s * 1e6)  # read by another replica that long ago
+            values = sane_metrics(values)
+            if not values:
+                raise NotMetricsError("no value a runtime can use (NaN, negative, too large)")
         except (httpx.HTTPError, NotMetricsError, ScrapedElsewhereError) as exc:
-            state.last_error = repr(exc)
-            self.host.scrape_failed(name, reachable=answered(exc))
-            state.failures = self.host.runtime.scrape_failures(name)
+            self._failed(state, exc, answered(exc))
+            return False
+        except Exception as exc:  # contained to this backend's scrape: the loop goes on
+            log.exception("scrape of %s at %s failed", name, state.url)
+            self._failed(state, exc, reachable=True)
             return False
         self._record(state, values, began)
         return True
+
+    def _failed(self, state: BackendState, exc: BaseException, reachable: bool) -> None:
+        state.last_error = repr(exc)[:200]
+        self.host.scrape_failed(state.name, reachable=reachable)
+        state.failures = self.host.runtime.scrape_failures(state.name)
 
     async def _read(self, state: BackendState) -> dict[str, float]:
         response = await self.upstream.get(state.url + "/metrics", self.timeout_s)
@@ -230,7 +262,10 @@ class Scraper:
     async def _run(self) -> None:
         while True:
             started = time.monotonic()
-            await self.scrape_all()
+            try:
+                await self.scrape_all()
+            except Exception:  # never the loop: health and staleness must keep moving
+                log.exception("scrape round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
 

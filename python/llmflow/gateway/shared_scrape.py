@@ -90,10 +90,10 @@ class SharedScrapes:
         except Exception:  # Redis away: scrape ourselves (the leases report the loss)
             return await scrape(), 0.0
         now_ms = secs * 1000 + micros // 1000
-        if not mine and raw is not None:
-            data = json.loads(raw)
+        data = _record_of(raw) if not mine and raw is not None else None
+        if data is not None:
             if "error" in data:
-                raise ScrapedElsewhereError(data["error"], bool(data.get("reachable")))
+                raise ScrapedElsewhereError(str(data["error"])[:200], data["reachable"] is True)
             return data["values"], max(now_ms - data["at_ms"], 0) / 1e3
         try:
             values = await scrape()
@@ -105,7 +105,27 @@ class SharedScrapes:
         return values, 0.0
 
     async def _store(self, record: str, data: dict[str, Any]) -> None:
+        """Write a record (ours replaces a garbage one: the next reader finds it sound)."""
         try:
             await self.client.set(record, json.dumps(data), px=self.keep_ms)
         except Exception as exc:  # the others scrape for themselves meanwhile
             log.debug("shared scrape: could not store %s: %s", record, exc)
+
+
+def _record_of(raw: Any) -> dict[str, Any] | None:
+    """A record as another replica stores it, or None for anything else (garbage in Redis is
+    no record: this replica scrapes the backend itself, and stores a sound one over it)."""
+    try:
+        data = json.loads(raw)
+    except (TypeError, ValueError, UnicodeDecodeError):
+        data = None
+    at = data.get("at_ms") if isinstance(data, dict) else None
+    if isinstance(at, bool) or not isinstance(at, int):
+        log.warning("shared scrape: ignored a record that is not one: %.80r", raw)
+        return None
+    if "error" in data:
+        return {"error": data["error"], "reachable": data.get("reachable"), "at_ms": at}
+    if not isinstance(data.get("values"), dict):
+        log.warning("shared scrape: ignored a record without values: %.80r", raw)
+        return None
+    return {"values": data["values"], "at_ms": at}

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,7 @@ return redis.call('ZCARD', KEYS[1])
 # KEYS: the replicas' expiry set and their weights; ARGV: replica, its waiting weight, ttl ms.
 # Records ours, forgets replicas that stopped syncing, returns the others' summed weight and
 # the part of it on replicas whose ids sort before ours (the order every replica agrees on).
+# A field that is not a finite weight >= 0 is deleted: one bad record never fails a sync.
 _WAITING = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -97,9 +99,12 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 local sum, before = 0, 0
 local all = redis.call('HGETALL', KEYS[2])
 for i = 1, #all, 2 do
-  if all[i] ~= ARGV[1] then
-    sum = sum + tonumber(all[i + 1])
-    if all[i] < ARGV[1] then before = before + tonumber(all[i + 1]) end
+  local w = tonumber(all[i + 1])
+  if w == nil or w ~= w or w < 0 or w == math.huge then
+    redis.call('HDEL', KEYS[2], all[i])  -- not a weight (a stray write): purged, not summed
+  elseif all[i] ~= ARGV[1] then
+    sum = sum + w
+    if all[i] < ARGV[1] then before = before + w end
   end
 end
 return {tostring(sum), tostring(before)}
@@ -240,7 +245,9 @@ class SharedSlots:
             async with self.client.pipeline(transaction=False) as pipe:
                 for totals in self.totals.values():
                     totals.publish(pipe)
-                replies = await pipe.execute()
+                # A command refused for its record (a field that is not a number) comes back
+                # as that reply's error, for `_Totals.read` to contain; a lost connection raises.
+                replies = await pipe.execute(raise_on_error=False)
             elsewhere = {name: totals.read(replies) for name, totals in self.totals.items()}
             ttl = int(3 * self.state.sync_interval_ms) + 1
             weight = self.host.runtime.waiting_weight
@@ -300,7 +307,12 @@ class _Totals:
     """One per-tenant counter shared through a Redis hash: each replica adds what it counted
     since its last sync and reads everyone's totals; what the others added since this
     replica's last read is theirs. The first read sets the baseline (what came before does
-    not count), and a total that went down (a restarted Redis) counts nothing."""
+    not count), and a total that went down (a restarted Redis) counts nothing.
+
+    A field that is not a finite number >= 0 (a stray write, another program's key) is read
+    as absent and deleted at the next sync, and a key that is not a hash is deleted: one bad
+    record costs that record, never the sync (which would mark Redis lost for the fleet).
+    """
 
     def __init__(self, key: str, tenants: list[str], count: Callable[[str], float]) -> None:
         self.key, self.tenants, self.count = key, tenants, count
@@ -308,23 +320,50 @@ class _Totals:
         self._mine: dict[str, float] = {}  # ours added in the pending exchange
         self._seen: dict[str, float] | None = None  # everyone's, as last read
         self._at = -1  # this counter's reply in the pipeline
+        self._added: dict[str, int] = {}  # tenant -> its HINCRBYFLOAT's reply in the pipeline
+        self._bad: set[bytes] = set()  # fields to delete at the next sync
+        self._bad_key = False  # the key is not a hash: delete it at the next sync
 
     def publish(self, pipe: Any) -> None:
         """Queue our increments and the read of everyone's totals on `pipe`."""
-        self._mine = {}
+        if self._bad_key:
+            pipe.delete(self.key)
+        elif self._bad:
+            pipe.hdel(self.key, *self._bad)
+        self._bad, self._bad_key = set(), False
+        self._mine, self._added = {}, {}
         for tenant in self.tenants:
             delta = self.count(tenant) - self._published[tenant]
             self._mine[tenant] = delta
             if delta > 0:
                 pipe.hincrbyfloat(self.key, tenant, delta)
+                self._added[tenant] = len(pipe.command_stack) - 1
         pipe.hgetall(self.key)
         self._at = len(pipe.command_stack) - 1
 
     def read(self, replies: list[Any]) -> dict[str, float]:
         """What other replicas added for each tenant since the last read."""
         for tenant, delta in self._mine.items():
-            self._published[tenant] += delta
-        everyone = {k.decode(): float(v) for k, v in replies[self._at].items()}
+            at = self._added.get(tenant)
+            if at is not None and isinstance(replies[at], Exception):
+                self._mine[tenant] = 0.0  # not added (the field held garbage): next time
+                self._bad.add(tenant.encode())
+            else:
+                self._published[tenant] += delta
+        reply = replies[self._at]
+        if isinstance(reply, Exception):  # WRONGTYPE: the key is not ours to read
+            log.warning("shared state: %s is not a hash (%s): deleting it", self.key, reply)
+            self._bad_key = True
+            return {}
+        everyone: dict[str, float] = {}
+        for field, raw in reply.items():
+            value = _count(raw)
+            if value is None:
+                log.warning("shared state: %s[%r] = %.40r is not a count: deleting it",
+                            self.key, field, raw)  # fmt: skip
+                self._bad.add(field)
+            else:
+                everyone[field.decode("utf-8", "replace")] = value
         seen, self._seen = self._seen, everyone
         if seen is None:
             return {}
@@ -335,3 +374,12 @@ class _Totals:
             if elsewhere > 0 and total >= before:
                 out[tenant] = elsewhere
         return out
+
+
+def _count(raw: Any) -> float | None:
+    """A hash field's value as a finite count >= 0, or None."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
