@@ -7,7 +7,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use _core::{Event, Governor, Outcome, Runtime};
+use _core::{Arrival, Event, Governor, Outcome, Runtime};
 
 fn config(max_waiting: u32, sla: &str) -> String {
     format!(
@@ -28,7 +28,10 @@ fn cycles(n: u64) -> f64 {
     let mut now = 0;
     for id in 0..n {
         now += 10;
-        black_box(g.submit(id, (id % 3) as u32, 512, 256, now).unwrap());
+        black_box(
+            g.submit(id, Arrival::new((id % 3) as u32, 512, 256), now)
+                .unwrap(),
+        );
         g.on_first_token(id, now + 1);
         for _ in 0..10 {
             g.on_tokens(id, 1, now + 2);
@@ -79,13 +82,16 @@ fn decision_ns(depth: u64, reps: u64) -> (f64, f64) {
     // and this measures the cost of queueing, not of refusing.
     let mut g = Governor::from_json(&config(u32::MAX, "null")).unwrap();
     for id in 0..depth + 16 {
-        g.submit(id, (id % 3) as u32, 512, 256, 0).unwrap();
+        g.submit(id, Arrival::new((id % 3) as u32, 512, 256), 0)
+            .unwrap();
     }
     assert_eq!(g.queued() as u64, depth);
     let start = Instant::now();
     for i in 0..reps {
         let id = 1_000_000_000 + i;
-        let decision = g.submit(id, (i % 3) as u32, 512, 256, 1).unwrap();
+        let decision = g
+            .submit(id, Arrival::new((i % 3) as u32, 512, 256), 1)
+            .unwrap();
         assert!(matches!(decision, _core::Decision::Queued { .. }));
         black_box(decision);
         g.finish(id, Outcome::Cancelled, 1);
@@ -100,7 +106,8 @@ fn decision_ns(depth: u64, reps: u64) -> (f64, f64) {
         g.finish(victim, Outcome::Completed, 2);
         let admitted = g.dispatch(2);
         live[(i % 16) as usize] = admitted[0].request_id;
-        g.submit(next, (i % 3) as u32, 512, 256, 2).unwrap();
+        g.submit(next, Arrival::new((i % 3) as u32, 512, 256), 2)
+            .unwrap();
     }
     let dispatch_ns = start.elapsed().as_nanos() as f64 / reps as f64;
     (submit_ns, dispatch_ns)

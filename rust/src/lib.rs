@@ -30,7 +30,7 @@ mod py_runtime;
 
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};
-pub use governor::Governor;
+pub use governor::{Arrival, Governor, Route};
 pub use runtime::{Action, Event, Runtime};
 pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};
 

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::capacity;
 use crate::error::PolicyError as CoreError;
-use crate::governor::{Governor, Route};
+use crate::governor::{Arrival, Governor, Route};
 use crate::types::{Admission, Decision, Expired, Outcome, RejectReason};
 
 create_exception!(
@@ -336,9 +336,11 @@ impl PyGovernor {
             chain: &chain,
             fingerprint: 0,
         };
-        let decision = self
-            .inner
-            .submit_routed(request_id, tenant_id, prompt, max_tokens, route, now_us)?;
+        let decision = self.inner.submit(
+            request_id,
+            Arrival::new(tenant_id, prompt, max_tokens).with_route(route),
+            now_us,
+        )?;
         let out = match decision {
             Decision::Admitted {
                 backend,

@@ -6,7 +6,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::governor::Route;
+use crate::governor::{Arrival, Route};
 use crate::py::{non_negative, InvalidArgumentError, TraceMismatchError};
 use crate::runtime::{Action, Event, Runtime};
 use crate::trace;
@@ -354,13 +354,12 @@ impl PyRuntime {
             chain: &[],
             fingerprint,
         };
-        let refused = self.inner.refusal(
+        let arrival = Arrival::new(
             gov.tenant_id(tenant)?,
             non_negative("prompt_tokens", prompt_tokens)?,
             non_negative("max_tokens", max_tokens)?,
-            route,
-            now_us,
-        )?;
+        );
+        let refused = self.inner.refusal(arrival.with_route(route), now_us)?;
         Ok(refused.map(|r| (r.status, r.reason.as_str(), r.retry_after_s)))
     }
 

@@ -83,6 +83,7 @@ impl Governor {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{governor, tenant, S};
+    use crate::governor::Arrival;
     use crate::types::ExpiryReason;
 
     // Deadlines: queue wait, first token and total, each reported once with its reason.
@@ -91,7 +92,7 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         for id in 1..=3 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
         g.on_first_token(1, S);
         let expired = g.expire(4 * S);

@@ -391,6 +391,7 @@ impl Governor {
 mod tests {
     use super::super::tests::{governor, sustained, tenant, S};
     use super::super::{Governor, Route};
+    use crate::governor::Arrival;
     use crate::types::{Decision, Outcome, RejectReason};
 
     // A finished request frees its slot; dispatch hands it to the queue head.
@@ -399,7 +400,7 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         for id in 1..=3 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
         assert!(g.dispatch(0).is_empty());
         assert!(g.finish(1, Outcome::Completed, S));
@@ -414,9 +415,9 @@ mod tests {
         let mut g = governor();
         let (a, v) = (tenant(&g, "a"), tenant(&g, "v"));
         for id in 1..=3 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
-        g.submit(9, v, 10, 10, 1).unwrap();
+        g.submit(9, Arrival::new(v, 10, 10), 1).unwrap();
         g.finish(1, Outcome::Completed, 2);
         assert_eq!(g.dispatch(2)[0].request_id, 9);
     }
@@ -427,15 +428,15 @@ mod tests {
         let mut g = governor();
         let (z, a) = (tenant(&g, "z"), tenant(&g, "a"));
         assert!(matches!(
-            g.submit(1, z, 10, 10, 0).unwrap(),
+            g.submit(1, Arrival::new(z, 10, 10), 0).unwrap(),
             Decision::Admitted { .. }
         ));
         assert!(matches!(
-            g.submit(2, z, 10, 10, 0).unwrap(),
+            g.submit(2, Arrival::new(z, 10, 10), 0).unwrap(),
             Decision::Queued { .. }
         ));
         assert!(matches!(
-            g.submit(3, a, 10, 10, 0).unwrap(),
+            g.submit(3, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Admitted { .. }
         ));
     }
@@ -449,18 +450,18 @@ mod tests {
         g.config.ttft_sla_ms = None;
         let (normal, vip) = (tenant(&g, "a"), tenant(&g, "v"));
         // 1000 blocks of 16 tokens: 15,000 tokens hold 938 blocks, leaving 62.
-        let d = g.submit(1, normal, 15_000, 10, 0).unwrap();
+        let d = g.submit(1, Arrival::new(normal, 15_000, 10), 0).unwrap();
         assert!(matches!(d, Decision::Admitted { .. }), "{d:?}");
-        let d = g.submit(2, normal, 2_000, 10, 0).unwrap();
+        let d = g.submit(2, Arrival::new(normal, 2_000, 10), 0).unwrap();
         assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
         assert!(g.dispatch(1).is_empty());
         g.finish(1, Outcome::Completed, 2);
         assert_eq!(g.dispatch(2)[0].request_id, 2);
-        let d = g.submit(3, vip, 15_000, 10, 3).unwrap();
+        let d = g.submit(3, Arrival::new(vip, 15_000, 10), 3).unwrap();
         assert!(matches!(d, Decision::Admitted { .. }), "{d:?}");
         // Slots are full now (2 of 2); free one, then a VIP that does not fit still starts.
         assert!(g.finish(2, Outcome::Completed, 3));
-        let d = g.submit(4, vip, 2_000, 10, 4).unwrap();
+        let d = g.submit(4, Arrival::new(vip, 2_000, 10), 4).unwrap();
         assert!(matches!(d, Decision::Admitted { .. }), "{d:?}");
     }
 
@@ -496,7 +497,8 @@ mod tests {
                 pool,
                 ..Route::default()
             };
-            g.submit_routed(id, 0, 10, 10, route, 0).unwrap()
+            g.submit(id, Arrival::new(0, 10, 10).with_route(route), 0)
+                .unwrap()
         };
         assert_eq!(backend_of(submit(&mut g, 1, m1)), Some(0));
         assert_eq!(backend_of(submit(&mut g, 2, m1)), Some(0));
@@ -540,7 +542,8 @@ mod tests {
                 pool,
                 ..Route::default()
             };
-            g.submit_routed(id, 0, 4_000, 10, route, 0).unwrap()
+            g.submit(id, Arrival::new(0, 4_000, 10).with_route(route), 0)
+                .unwrap()
         };
         sustained(&mut g, 0, 0);
         assert_eq!(backend_of(submit(&mut g, 1, m1)), Some(0));
@@ -570,7 +573,7 @@ mod tests {
         for policy in ["free_slots", "least_loaded"] {
             let mut g = routed(backends, &format!(r#","routing":{{"policy":"{policy}"}}"#));
             assert_eq!(
-                backend_of(g.submit(1, 0, 100, 100, 0).unwrap()),
+                backend_of(g.submit(1, Arrival::new(0, 100, 100), 0).unwrap()),
                 Some(1),
                 "{policy}"
             );
@@ -582,7 +585,9 @@ mod tests {
             // (20 blocks) has room for 1.5 there, for 2 (the free slots) on small.
             g.observe_backend(1, 0, Some(0.97), Some(0), Some(0), None)
                 .unwrap();
-            picks.push(backend_of(g.submit(1, 0, 160, 160, 0).unwrap()));
+            picks.push(backend_of(
+                g.submit(1, Arrival::new(0, 160, 160), 0).unwrap(),
+            ));
         }
         assert_eq!(picks, vec![Some(1), Some(0)]);
     }
@@ -596,8 +601,14 @@ mod tests {
         );
         // b0 takes a 4,000-token prompt (4 s of prefill ahead); b1, idle, then ranks first
         // although b0 still has more free slots (7 against 4).
-        assert_eq!(backend_of(g.submit(1, 0, 4000, 10, 0).unwrap()), Some(0));
-        assert_eq!(backend_of(g.submit(2, 0, 100, 10, 0).unwrap()), Some(1));
+        assert_eq!(
+            backend_of(g.submit(1, Arrival::new(0, 4000, 10), 0).unwrap()),
+            Some(0)
+        );
+        assert_eq!(
+            backend_of(g.submit(2, Arrival::new(0, 100, 10), 0).unwrap()),
+            Some(1)
+        );
     }
 
     // Round robin takes each serving backend in turn.
@@ -608,7 +619,7 @@ mod tests {
             r#","routing":{"policy":"round_robin"}"#,
         );
         let order: Vec<Option<u32>> = (1..=4)
-            .map(|id| backend_of(g.submit(id, 0, 10, 10, 0).unwrap()))
+            .map(|id| backend_of(g.submit(id, Arrival::new(0, 10, 10), 0).unwrap()))
             .collect();
         assert_eq!(order, vec![Some(0), Some(1), Some(2), Some(0)]);
     }
@@ -627,7 +638,10 @@ mod tests {
                 chain,
                 ..Route::default()
             };
-            backend_of(g.submit_routed(id, 0, 64, 10, route, 0).unwrap())
+            backend_of(
+                g.submit(id, Arrival::new(0, 64, 10).with_route(route), 0)
+                    .unwrap(),
+            )
         };
         assert_eq!(submit(&mut g, 1, &[1, 2, 3]), Some(0));
         // Headroom alone would pick b1 (4 free slots against 3); the shared head wins, and the
@@ -661,7 +675,7 @@ mod tests {
     #[test]
     fn split_pool_picks_prefill_and_decode() {
         let mut g = split_pool();
-        let d = g.submit(1, 0, 100, 10, 0).unwrap();
+        let d = g.submit(1, Arrival::new(0, 100, 10), 0).unwrap();
         assert!(
             matches!(
                 d,
@@ -677,7 +691,7 @@ mod tests {
         assert_eq!(g.backends[0].prefill_pending, 100);
         assert_eq!(g.backends[2].prefill_pending, 0);
         // The second goes to the prefill instance with less prefill work queued.
-        let d = g.submit(2, 0, 100, 10, 0).unwrap();
+        let d = g.submit(2, Arrival::new(0, 100, 10), 0).unwrap();
         assert!(
             matches!(
                 d,
@@ -709,7 +723,7 @@ mod tests {
     fn split_pool_needs_both_slots() {
         let mut g = split_pool();
         for id in 1..=4 {
-            let d = g.submit(id, 0, 100, 10, 0).unwrap();
+            let d = g.submit(id, Arrival::new(0, 100, 10), 0).unwrap();
             assert!(matches!(d, Decision::Admitted { .. }), "{id}: {d:?}");
         }
         // Prefill and decode slots are all busy; the hops answer and free the prefill side.
@@ -717,7 +731,7 @@ mod tests {
             g.prefilled(id, 1);
         }
         assert_eq!(running(&g), [0, 0, 4]);
-        let d = g.submit(5, 0, 100, 10, 2).unwrap();
+        let d = g.submit(5, Arrival::new(0, 100, 10), 2).unwrap();
         assert!(
             matches!(d, Decision::Queued { .. }),
             "decode is full: {d:?}"
@@ -730,7 +744,7 @@ mod tests {
         let mut g = split_pool();
         g.backends[0].healthy = false;
         g.backends[1].healthy = false;
-        let d = g.submit(1, 0, 100, 10, 0).unwrap();
+        let d = g.submit(1, Arrival::new(0, 100, 10), 0).unwrap();
         assert!(
             matches!(
                 d,
@@ -743,7 +757,7 @@ mod tests {
         );
         // Ending during the hop frees both sides and leaves nothing behind.
         let mut g = split_pool();
-        g.submit(1, 0, 100, 10, 0).unwrap();
+        g.submit(1, Arrival::new(0, 100, 10), 0).unwrap();
         assert!(g.finish(1, Outcome::Cancelled, 1));
         assert_eq!(running(&g), [0, 0, 0]);
         assert!(g

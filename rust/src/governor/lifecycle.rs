@@ -150,6 +150,7 @@ impl Governor {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{governor, tenant};
+    use crate::governor::Arrival;
     use crate::types::Outcome;
 
     // KV grows with tokens and everything returns to zero when work ends; ending twice is a
@@ -158,7 +159,7 @@ mod tests {
     fn ledger_returns_to_zero() {
         let mut g = governor();
         let a = tenant(&g, "a");
-        g.submit(1, a, 20, 100, 0).unwrap();
+        g.submit(1, Arrival::new(a, 20, 100), 0).unwrap();
         g.on_tokens(1, 30, 10);
         assert_eq!(g.ledger.total_blocks(), 4);
         assert!(g.finish(1, Outcome::Completed, 20));
@@ -173,7 +174,7 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         for id in 1..=3 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
         assert!(g.on_tokens(1, 0, 1));
         assert!(!g.on_tokens(3, 5, 1));

@@ -151,6 +151,7 @@ mod tests {
     use super::super::tests::{tenant, S};
     use super::super::Governor;
     use crate::config::tests::sample_json;
+    use crate::governor::Arrival;
     use crate::types::{Decision, RejectReason};
 
     fn limited(extra: &str) -> Governor {
@@ -180,10 +181,10 @@ mod tests {
         let a = tenant(&g, "a");
         g.config.ttft_sla_ms = None;
         g.charge_usage_elsewhere(a, 2.0, 20.0, 0).unwrap();
-        assert!((refused(g.submit(1, a, 10, 10, 0).unwrap()) - 0.5).abs() < 1e-9);
+        assert!((refused(g.submit(1, Arrival::new(a, 10, 10), 0).unwrap()) - 0.5).abs() < 1e-9);
         assert_eq!(g.tenant_usage(a), (0.0, 0.0));
         assert!(!matches!(
-            g.submit(2, a, 10, 10, S / 2).unwrap(),
+            g.submit(2, Arrival::new(a, 10, 10), S / 2).unwrap(),
             Decision::Rejected { .. }
         ));
         assert_eq!(g.tenant_usage(a), (1.0, 10.0));
@@ -197,22 +198,22 @@ mod tests {
         let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
         g.config.ttft_sla_ms = None;
         assert!(!matches!(
-            g.submit(1, a, 10, 10, 0).unwrap(),
+            g.submit(1, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Rejected { .. }
         ));
         assert!(!matches!(
-            g.submit(2, a, 10, 10, 0).unwrap(),
+            g.submit(2, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Rejected { .. }
         ));
-        let wait = refused(g.submit(3, a, 10, 10, 0).unwrap());
+        let wait = refused(g.submit(3, Arrival::new(a, 10, 10), 0).unwrap());
         assert!((wait - 0.5).abs() < 1e-9, "{wait}");
         // another tenant is not limited by a's bucket
         assert!(!matches!(
-            g.submit(4, b, 10, 10, 0).unwrap(),
+            g.submit(4, Arrival::new(b, 10, 10), 0).unwrap(),
             Decision::Rejected { .. }
         ));
         assert!(!matches!(
-            g.submit(5, a, 10, 10, S / 2).unwrap(),
+            g.submit(5, Arrival::new(a, 10, 10), S / 2).unwrap(),
             Decision::Rejected { .. }
         ));
         assert_eq!(g.counters.rejected[RejectReason::RateLimited as usize], 1);
@@ -226,14 +227,14 @@ mod tests {
         g.config.ttft_sla_ms = None;
         let a = tenant(&g, "a");
         assert!(!matches!(
-            g.submit(1, a, 500, 10, 0).unwrap(),
+            g.submit(1, Arrival::new(a, 500, 10), 0).unwrap(),
             Decision::Rejected { .. }
         ));
         g.on_tokens(1, 150, 1); // 600 - 500 - 150 = -50 tokens
-        let wait = refused(g.submit(2, a, 100, 10, 1).unwrap());
+        let wait = refused(g.submit(2, Arrival::new(a, 100, 10), 1).unwrap());
         assert!((wait - 15.0).abs() < 1e-3, "{wait}"); // (100 + 50) / 10 per s
         assert!(!matches!(
-            g.submit(3, a, 100, 10, 16 * S).unwrap(),
+            g.submit(3, Arrival::new(a, 100, 10), 16 * S).unwrap(),
             Decision::Rejected { .. }
         ));
     }

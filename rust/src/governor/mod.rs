@@ -21,6 +21,7 @@
 //! `dispatch`, `deadlines`, `shedding`, `lifecycle` (tokens and `finish`) and `observe`
 //! (backend scrapes and health) hold the rest.
 
+mod arrival;
 mod deadlines;
 mod dispatch;
 mod headroom;
@@ -44,6 +45,7 @@ use crate::kv::KvLedger;
 use crate::routing::{Pools, PrefixMemory};
 use crate::types::{Admission, Decision, ExpiryReason, Outcome, RejectReason};
 
+pub use arrival::{Arrival, OwnedArrival, Route};
 pub use headroom::servers_needed;
 use headroom::TierLoad;
 
@@ -81,18 +83,6 @@ impl Running {
             0
         }
     }
-}
-
-/// Where a request may go: its model's pool (`Pools::resolve`), and its prompt's chained block
-/// hashes (each covers its parent's hash and its own block's tokens; full blocks only), which
-/// a `prefix` pool routes on; and who it is: the host's fingerprint of the request (0: none),
-/// by which a client's retry is known (`retries`). The default: the first pool, no hashes, no
-/// fingerprint.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Route<'a> {
-    pub pool: u32,
-    pub chain: &'a [u64],
-    pub fingerprint: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -530,34 +520,20 @@ impl Governor {
 
     // ---- the request lifecycle ---------------------------------------------------------------
 
-    /// Decide on a new request: admit it now, queue it, or reject it.
+    /// Decide on a new request: admit it now, queue it, or reject it. Only backends serving
+    /// its pool's model are candidates, and it waits in the pool's own queue.
     ///
     /// A request that queues is dispatched at once: when it can start (the requests ahead of it
     /// are held back, e.g. by KV fit) the decision is `Admitted`. Other requests that this
     /// dispatch starts are handed out by the next `dispatch` call, so a host that calls
     /// `dispatch` after every event misses none.
-    pub fn submit(
-        &mut self,
-        id: u64,
-        tenant: u32,
-        prompt: u64,
-        max_tokens: u64,
-        now_us: u64,
-    ) -> PolicyResult<Decision> {
-        self.submit_routed(id, tenant, prompt, max_tokens, Route::default(), now_us)
-    }
-
-    /// `submit` for a request of a model pool, with its prompt's block hashes: only backends
-    /// serving the pool's model are candidates, and it waits in the pool's own queue.
-    pub fn submit_routed(
-        &mut self,
-        id: u64,
-        tenant: u32,
-        prompt: u64,
-        max_tokens: u64,
-        route: Route<'_>,
-        now_us: u64,
-    ) -> PolicyResult<Decision> {
+    pub fn submit(&mut self, id: u64, arrival: Arrival<'_>, now_us: u64) -> PolicyResult<Decision> {
+        let Arrival {
+            tenant,
+            prompt,
+            max_tokens,
+            route,
+        } = arrival;
         self.check_pool(route.pool)?;
         if self.requests.contains_key(&id) {
             return Err(PolicyError::DuplicateRequest(id));
@@ -575,7 +551,7 @@ impl Governor {
         let first_seen = self.first_seen(tenant, route.fingerprint, now_us);
         self.counters.retries_known += u64::from(first_seen < now_us);
         self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
-        let (max_tokens, decision) = self.judge(tenant, tier_idx, prompt, asked, route, now_us);
+        let (max_tokens, decision) = self.judge(arrival, tier_idx, now_us);
         if !matches!(decision, Decision::Rejected { .. }) {
             self.pay_request(tenant, prompt);
         }
@@ -584,16 +560,8 @@ impl Governor {
         }
         // A request let in (started or queued) becomes live the same way either way.
         if let Decision::Admitted { priority, .. } | Decision::Queued { priority, .. } = decision {
-            let tokens = (prompt, max_tokens);
-            self.insert(
-                id,
-                tenant,
-                tier_idx,
-                tokens,
-                priority,
-                route,
-                (first_seen, now_us),
-            );
+            let kept = arrival.clamped(max_tokens);
+            self.insert(id, kept, tier_idx, priority, first_seen, now_us);
             self.note_brownout(id, asked);
         }
         Ok(match decision {
@@ -613,26 +581,27 @@ impl Governor {
                 self.counters.admitted += 1;
                 decision
             }
-            Decision::Queued { .. } => {
-                self.enqueue(id, tenant, tier_idx, prompt, route, decision, now_us)
-            }
+            Decision::Queued { .. } => self.enqueue(id, arrival, tier_idx, decision, now_us),
         })
     }
 
     /// Queue a request `decide` queued (`submit` made it live), then dispatch. The displacement `decide` chose is
     /// carried out only if dispatch made no room: when anything started, the queue is no longer
     /// than before this request came, and nobody needs to be pushed out.
-    #[allow(clippy::too_many_arguments)] // the request's fields, as `submit` got them
     fn enqueue(
         &mut self,
         id: u64,
-        tenant: u32,
+        arrival: Arrival<'_>,
         tier_idx: usize,
-        prompt: u64,
-        route: Route<'_>,
         queued: Decision,
         now_us: u64,
     ) -> Decision {
+        let Arrival {
+            tenant,
+            prompt,
+            route,
+            ..
+        } = arrival;
         let Decision::Queued {
             priority,
             displaced,
@@ -705,15 +674,13 @@ impl Governor {
     /// `decide`. Pure, so the refusal query asks the very same thing.
     pub(super) fn judge(
         &self,
-        tenant: u32,
+        arrival: Arrival<'_>,
         tier_idx: usize,
-        prompt: u64,
-        max_tokens: u64,
-        route: Route<'_>,
         now_us: u64,
     ) -> (u64, Decision) {
+        let max_tokens = arrival.max_tokens;
         if !self.draining {
-            if let Some(wait) = self.rate_wait(tenant, prompt, now_us) {
+            if let Some(wait) = self.rate_wait(arrival.tenant, arrival.prompt, now_us) {
                 let refused = Decision::Rejected {
                     reason: RejectReason::RateLimited,
                     retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
@@ -722,21 +689,13 @@ impl Governor {
             }
         }
         let max_tokens = self.brownout(tier_idx, max_tokens);
-        (
-            max_tokens,
-            self.decide(tenant, tier_idx, prompt, max_tokens, route, now_us),
-        )
+        let arrival = arrival.clamped(max_tokens);
+        (max_tokens, self.decide(arrival, tier_idx, now_us))
     }
 
-    fn decide(
-        &self,
-        tenant: u32,
-        tier_idx: usize,
-        prompt: u64,
-        max_tokens: u64,
-        route: Route<'_>,
-        now_us: u64,
-    ) -> Decision {
+    fn decide(&self, arrival: Arrival<'_>, tier_idx: usize, now_us: u64) -> Decision {
+        let (tenant, prompt, route) = (arrival.tenant, arrival.prompt, arrival.route);
+        let max_tokens = arrival.max_tokens;
         let tier = &self.config.tiers[tier_idx];
         let drain = self.drain_rate();
         // Refusals for load add the tier's refused clients still away, so a crowd refused
@@ -846,17 +805,23 @@ impl Governor {
         }
     }
 
-    #[allow(clippy::too_many_arguments)] // the request's fields, as `submit` got them
+    /// Make a request `submit` let in live (started or queued): `arrival` as it is kept (after
+    /// a brownout's clamp), when its client first came and now.
     fn insert(
         &mut self,
         id: u64,
-        tenant: u32,
+        arrival: Arrival<'_>,
         tier: usize,
-        (prompt, max_tokens): (u64, u64),
         priority: i64,
-        route: Route<'_>,
-        (first_seen_us, now_us): (u64, u64),
+        first_seen_us: u64,
+        now_us: u64,
     ) {
+        let Arrival {
+            tenant,
+            prompt,
+            max_tokens,
+            route,
+        } = arrival;
         let keep_chain = self.pools.policy(route.pool) == RoutePolicy::Prefix;
         let request = Request {
             tenant,
@@ -918,14 +883,14 @@ pub(crate) mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         assert!(matches!(
-            g.submit(1, a, 10, 10, 0).unwrap(),
+            g.submit(1, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Admitted { .. }
         ));
         assert!(matches!(
-            g.submit(2, a, 10, 10, 0).unwrap(),
+            g.submit(2, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Admitted { .. }
         ));
-        let third = g.submit(3, a, 10, 10, 0).unwrap();
+        let third = g.submit(3, Arrival::new(a, 10, 10), 0).unwrap();
         assert!(
             matches!(third, Decision::Queued { position: 0, .. }),
             "{third:?}"
@@ -939,13 +904,13 @@ pub(crate) mod tests {
     fn duplicate_ids() {
         let mut g = governor();
         let a = tenant(&g, "a");
-        g.submit(1, a, 10, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
         assert_eq!(
-            g.submit(1, a, 10, 10, 0),
+            g.submit(1, Arrival::new(a, 10, 10), 0),
             Err(PolicyError::DuplicateRequest(1))
         );
         g.finish(1, Outcome::Cancelled, 0);
-        assert!(g.submit(1, a, 10, 10, 0).is_ok());
+        assert!(g.submit(1, Arrival::new(a, 10, 10), 0).is_ok());
     }
 
     // A request that queues behind one held back by KV fit starts at once when it fits: the
@@ -956,14 +921,14 @@ pub(crate) mod tests {
         g.config.kv_pressure_threshold = None;
         g.config.ttft_sla_ms = None;
         let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
-        g.submit(1, a, 15_000, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 15_000, 10), 0).unwrap();
         // 2,000 tokens do not fit in the 62 free blocks: normal's head waits.
         assert!(matches!(
-            g.submit(2, a, 2_000, 10, 0).unwrap(),
+            g.submit(2, Arrival::new(a, 2_000, 10), 0).unwrap(),
             Decision::Queued { .. }
         ));
         // A small batch request has normal's request ahead of it, yet fits the free slot.
-        let decision = g.submit(3, z, 10, 10, 1).unwrap();
+        let decision = g.submit(3, Arrival::new(z, 10, 10), 1).unwrap();
         assert!(
             matches!(decision, Decision::Admitted { backend: 0, .. }),
             "{decision:?}"
@@ -988,14 +953,14 @@ pub(crate) mod tests {
         g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
         assert_eq!(g.shed_level, 1);
         // Level 1 leaves normal one slot: the second request waits.
-        g.submit(1, a, 10, 10, 20).unwrap();
+        g.submit(1, Arrival::new(a, 10, 10), 20).unwrap();
         assert!(matches!(
-            g.submit(2, a, 10, 10, 20).unwrap(),
+            g.submit(2, Arrival::new(a, 10, 10), 20).unwrap(),
             Decision::Queued { .. }
         ));
         // After the cool-down a batch request queues behind it; its dispatch starts request 2
         // on the freed level and leaves the batch request first in line.
-        let decision = g.submit(3, z, 10, 10, 2 * S).unwrap();
+        let decision = g.submit(3, Arrival::new(z, 10, 10), 2 * S).unwrap();
         assert!(
             matches!(
                 decision,
@@ -1029,9 +994,9 @@ pub(crate) mod tests {
         let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
         g.observe_backend(0, 0, None, None, None, Some(1)).unwrap();
         g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
-        g.submit(1, a, 10, 10, 20).unwrap();
-        g.submit(2, a, 10, 10, 20).unwrap();
-        g.submit(3, z, 10, 10, 2 * S).unwrap();
+        g.submit(1, Arrival::new(a, 10, 10), 20).unwrap();
+        g.submit(2, Arrival::new(a, 10, 10), 20).unwrap();
+        g.submit(3, Arrival::new(z, 10, 10), 2 * S).unwrap();
         assert!(g.finish(2, Outcome::Cancelled, 2 * S));
         let handed: Vec<u64> = g.dispatch(2 * S).iter().map(|a| a.request_id).collect();
         assert_eq!(handed, vec![3]);

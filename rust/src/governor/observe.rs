@@ -81,6 +81,7 @@ impl Governor {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{governor, tenant};
+    use crate::governor::Arrival;
     use crate::types::{Decision, Outcome, RejectReason};
 
     // Draining refuses new work but lets live requests finish.
@@ -88,9 +89,9 @@ mod tests {
     fn draining() {
         let mut g = governor();
         let a = tenant(&g, "a");
-        g.submit(1, a, 10, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
         g.start_draining();
-        let d = g.submit(2, a, 10, 10, 0).unwrap();
+        let d = g.submit(2, Arrival::new(a, 10, 10), 0).unwrap();
         assert!(matches!(
             d,
             Decision::Rejected {
@@ -107,7 +108,7 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         g.set_backend_health(0, false);
-        let d = g.submit(1, a, 10, 10, 0).unwrap();
+        let d = g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
         assert!(matches!(
             d,
             Decision::Rejected {
@@ -117,7 +118,7 @@ mod tests {
         ));
         g.set_backend_health(0, true);
         assert!(matches!(
-            g.submit(2, a, 10, 10, 0).unwrap(),
+            g.submit(2, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Admitted { .. }
         ));
     }

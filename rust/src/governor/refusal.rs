@@ -17,7 +17,7 @@
 //! request read before the first deferred one reaches `submit` down the ordinary path.)
 
 use super::headroom::RECOMPUTE_US;
-use super::{us, Governor, Route};
+use super::{us, Arrival, Governor, Route};
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::{Decision, RejectReason};
 
@@ -28,23 +28,15 @@ impl Governor {
     /// best-effort tier).
     pub fn refusal(
         &self,
-        tenant: u32,
-        prompt: u64,
-        max_tokens: u64,
+        arrival: Arrival<'_>,
         now_us: u64,
     ) -> PolicyResult<Option<(RejectReason, f64)>> {
-        self.refusal_routed(tenant, prompt, max_tokens, Route::default(), now_us)
-    }
-
-    /// `refusal` for a request of a model pool (as `submit_routed` would get it).
-    pub fn refusal_routed(
-        &self,
-        tenant: u32,
-        prompt: u64,
-        max_tokens: u64,
-        route: Route<'_>,
-        now_us: u64,
-    ) -> PolicyResult<Option<(RejectReason, f64)>> {
+        let Arrival {
+            tenant,
+            prompt,
+            route,
+            ..
+        } = arrival;
         self.check_pool(route.pool)?;
         let tier_idx = *self
             .tenant_tier
@@ -57,18 +49,13 @@ impl Governor {
         if due || self.overload_due(tenant, prompt, route, now_us) {
             return Ok(None);
         }
-        Ok(
-            match self
-                .judge(tenant, tier_idx, prompt, max_tokens, route, now_us)
-                .1
-            {
-                Decision::Rejected {
-                    reason,
-                    retry_after_s,
-                } => Some((reason, retry_after_s)),
-                Decision::Admitted { .. } | Decision::Queued { .. } => None,
-            },
-        )
+        Ok(match self.judge(arrival, tier_idx, now_us).1 {
+            Decision::Rejected {
+                reason,
+                retry_after_s,
+            } => Some((reason, retry_after_s)),
+            Decision::Admitted { .. } | Decision::Queued { .. } => None,
+        })
     }
 
     /// `tick` would lower the breaker's level at `now_us`.
@@ -124,16 +111,16 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         for id in 1..=4 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
         for id in 10..20 {
             let now = id * 1000;
             let memory = |g: &Governor| g.tier_load[1].recent_refusals(now);
             let (counters, before) = (g.counters.rejected, memory(&g));
-            let asked = g.refusal(a, 10, 10, now).unwrap();
-            assert_eq!(g.refusal(a, 10, 10, now).unwrap(), asked);
+            let asked = g.refusal(Arrival::new(a, 10, 10), now).unwrap();
+            assert_eq!(g.refusal(Arrival::new(a, 10, 10), now).unwrap(), asked);
             assert_eq!((g.counters.rejected, memory(&g)), (counters, before));
-            let got = rejected(g.submit(id, a, 10, 10, now).unwrap());
+            let got = rejected(g.submit(id, Arrival::new(a, 10, 10), now).unwrap());
             assert!(asked.is_some());
             assert_eq!(asked, got, "request {id}");
         }
@@ -144,14 +131,14 @@ mod tests {
     fn admitted_and_queued_are_not_refusals() {
         let mut g = governor();
         let (a, v) = (tenant(&g, "a"), tenant(&g, "v"));
-        assert_eq!(g.refusal(a, 10, 10, 0).unwrap(), None);
+        assert_eq!(g.refusal(Arrival::new(a, 10, 10), 0).unwrap(), None);
         for id in 1..=4 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
-        assert!(g.refusal(a, 10, 10, 0).unwrap().is_some());
-        assert_eq!(g.refusal(v, 10, 10, 0).unwrap(), None);
+        assert!(g.refusal(Arrival::new(a, 10, 10), 0).unwrap().is_some());
+        assert_eq!(g.refusal(Arrival::new(v, 10, 10), 0).unwrap(), None);
         assert!(matches!(
-            g.submit(5, v, 10, 10, 0).unwrap(),
+            g.submit(5, Arrival::new(v, 10, 10), 0).unwrap(),
             Decision::Queued { .. }
         ));
     }
@@ -162,11 +149,11 @@ mod tests {
         let mut g = governor();
         let v = tenant(&g, "v");
         g.set_backend_health(0, false);
-        let (reason, _) = g.refusal(v, 10, 10, 0).unwrap().unwrap();
+        let (reason, _) = g.refusal(Arrival::new(v, 10, 10), 0).unwrap().unwrap();
         assert_eq!(reason, RejectReason::NoHealthyBackend);
         g.set_backend_health(0, true);
         g.start_draining();
-        let (reason, _) = g.refusal(v, 10, 10, 0).unwrap().unwrap();
+        let (reason, _) = g.refusal(Arrival::new(v, 10, 10), 0).unwrap().unwrap();
         assert_eq!(reason, RejectReason::Draining);
     }
 
@@ -178,10 +165,10 @@ mod tests {
         g.observe_backend(0, 0, None, None, None, Some(1)).unwrap();
         g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
         assert_eq!(g.shed_level, 1);
-        g.submit(1, a, 10, 10, 20).unwrap();
-        g.submit(2, a, 10, 10, 20).unwrap();
-        assert!(g.refusal(a, 10, 10, 30).unwrap().is_some());
-        assert_eq!(g.refusal(a, 10, 10, 2 * S).unwrap(), None);
+        g.submit(1, Arrival::new(a, 10, 10), 20).unwrap();
+        g.submit(2, Arrival::new(a, 10, 10), 20).unwrap();
+        assert!(g.refusal(Arrival::new(a, 10, 10), 30).unwrap().is_some());
+        assert_eq!(g.refusal(Arrival::new(a, 10, 10), 2 * S).unwrap(), None);
     }
 
     // When this very arrival tips its tier into a sustained overload (six arrivals in the
@@ -191,13 +178,13 @@ mod tests {
     fn arrival_tipping_into_overload_defers() {
         let mut g = governor();
         let a = tenant(&g, "a");
-        g.submit(1, a, 13_000, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 13_000, 10), 0).unwrap();
         for _ in 0..5 {
             g.tier_load[1].arrive(0);
         }
         assert!(g.overload_due(a, 10, Route::default(), 0));
-        assert_eq!(g.refusal(a, 10, 10, 0).unwrap(), None);
-        let got = rejected(g.submit(2, a, 10, 10, 0).unwrap());
+        assert_eq!(g.refusal(Arrival::new(a, 10, 10), 0).unwrap(), None);
+        let got = rejected(g.submit(2, Arrival::new(a, 10, 10), 0).unwrap());
         assert_eq!(got.map(|(reason, _)| reason), Some(RejectReason::TtftSla));
     }
 
@@ -205,7 +192,7 @@ mod tests {
     #[test]
     fn unknown_tenant() {
         let g = governor();
-        assert!(g.refusal(99, 10, 10, 0).is_err());
+        assert!(g.refusal(Arrival::new(99, 10, 10), 0).is_err());
     }
 
     // Random traffic (arrivals of every tier, some of them retries, completions, scrapes with
@@ -257,8 +244,14 @@ mod tests {
                         || g.lapse_due(now)
                         || (t == tenants[3] && g.headroom_due(now))
                         || g.overload_due(t, prompt, route, now);
-                    let asked = g.refusal_routed(t, prompt, max_tokens, route, now).unwrap();
-                    let decision = g.submit_routed(id, t, prompt, max_tokens, route, now);
+                    let asked = g
+                        .refusal(Arrival::new(t, prompt, max_tokens).with_route(route), now)
+                        .unwrap();
+                    let decision = g.submit(
+                        id,
+                        Arrival::new(t, prompt, max_tokens).with_route(route),
+                        now,
+                    );
                     let got = rejected(decision.unwrap());
                     if asked.is_some() {
                         assert_eq!(asked, got, "request {id} at {now}");

@@ -107,7 +107,7 @@ mod tests {
 #[cfg(test)]
 mod governor_tests {
     use super::super::tests::{governor, sustained, tenant, S};
-    use super::super::Route;
+    use super::super::{Arrival, Route};
     use crate::types::{Decision, ExpiryReason, Outcome, RejectReason};
 
     fn with(fingerprint: u64) -> Route<'static> {
@@ -130,14 +130,14 @@ mod governor_tests {
             sustained(&mut g, 1, 0); // 1 arrival/s against a 0.2/s drain
         }
         for id in 1..=2 {
-            assert!(started(&g.submit(id, a, 10, 10, 0).unwrap()));
+            assert!(started(&g.submit(id, Arrival::new(a, 10, 10), 0).unwrap()));
         }
         assert!(matches!(
-            g.submit(3, a, 10, 10, 0).unwrap(),
+            g.submit(3, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Queued { .. }
         ));
         assert!(matches!(
-            g.submit(4, b, 10, 10, 2 * S).unwrap(),
+            g.submit(4, Arrival::new(b, 10, 10), 2 * S).unwrap(),
             Decision::Queued { .. }
         ));
         let mut order = Vec::new();
@@ -167,16 +167,24 @@ mod governor_tests {
         let a = tenant(&g, "a");
         sustained(&mut g, 1, 0);
         // 13,000 prompt tokens in prefill: a newcomer waits 1.6 s for its first token
-        assert!(started(&g.submit(1, a, 13_000, 10, 0).unwrap()));
+        assert!(started(
+            &g.submit(1, Arrival::new(a, 13_000, 10), 0).unwrap()
+        ));
         let refused = |d: Decision| match d {
             Decision::Rejected { reason, .. } => Some(reason),
             _ => None,
         };
-        let first = g.submit_routed(2, a, 10, 10, with(77), 0).unwrap();
+        let first = g
+            .submit(2, Arrival::new(a, 10, 10).with_route(with(77)), 0)
+            .unwrap();
         assert_eq!(refused(first), Some(RejectReason::TtftSla));
-        let fresh = g.submit_routed(3, a, 10, 10, with(88), 2 * S).unwrap();
+        let fresh = g
+            .submit(3, Arrival::new(a, 10, 10).with_route(with(88)), 2 * S)
+            .unwrap();
         assert_eq!(refused(fresh), Some(RejectReason::TtftSla));
-        let retry = g.submit_routed(4, a, 10, 10, with(77), 2 * S).unwrap();
+        let retry = g
+            .submit(4, Arrival::new(a, 10, 10).with_route(with(77)), 2 * S)
+            .unwrap();
         assert!(started(&retry), "{retry:?}");
         assert_eq!(g.counters.retries_known, 1);
         assert!(g.on_first_token(4, 3 * S));
@@ -191,17 +199,20 @@ mod governor_tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         for id in 1..=2 {
-            g.submit_routed(id, a, 10, 10, with(id), 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10).with_route(with(id)), 0)
+                .unwrap();
             assert!(g.on_first_token(id, S / 2));
         }
-        g.submit_routed(3, a, 10, 10, with(3), S).unwrap();
+        g.submit(3, Arrival::new(a, 10, 10).with_route(with(3)), S)
+            .unwrap();
         let expired = g.expire(6 * S + 1); // the sample's 5 s queue limit
         assert_eq!(expired.len(), 1);
         assert_eq!(expired[0].reason, ExpiryReason::QueueTimeout);
         assert_eq!(g.retries.first_seen(a, 3, 7 * S), Some(S));
         g.finish(1, Outcome::Completed, 8 * S);
         assert!(started(
-            &g.submit_routed(4, a, 10, 10, with(4), 8 * S).unwrap()
+            &g.submit(4, Arrival::new(a, 10, 10).with_route(with(4)), 8 * S)
+                .unwrap()
         ));
         g.finish(4, Outcome::Cancelled, 9 * S); // its client left before the first token
         assert_eq!(g.retries.first_seen(a, 1, 9 * S), None);

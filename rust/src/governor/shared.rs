@@ -10,7 +10,7 @@
 //! replica runs at most its share of each backend: the weight of the tenants it has waiting
 //! over everyone's (`replica_share`), rounded so that the replicas' shares add up to the cap.
 
-use super::Governor;
+use super::{Governor, OwnedArrival};
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::Outcome;
 
@@ -83,25 +83,19 @@ impl Governor {
     /// A started request whose slot lease the store refused: the slot was taken elsewhere
     /// since the last sync, so count one more held elsewhere (until the next sync says
     /// otherwise), end the start without charging it as served, and return what `submit`
-    /// needs to decide it again (tenant, prompt, max tokens, and its route: model pool and
-    /// block hashes). `None`: not running.
-    #[allow(clippy::type_complexity)] // the request's fields, as `submit_routed` takes them
-    pub fn lease_denied(
-        &mut self,
-        id: u64,
-        now_us: u64,
-    ) -> Option<(u32, u64, u64, u32, Vec<u64>, u64)> {
+    /// needs to decide it again (tenant, prompt, max tokens, and its route: model pool, block
+    /// hashes and fingerprint). `None`: not running.
+    pub fn lease_denied(&mut self, id: u64, now_us: u64) -> Option<OwnedArrival> {
         let req = self.requests.get_mut(&id)?;
         let backend = req.running.as_ref()?.backend as usize;
-        let chain = std::mem::take(&mut req.chain);
-        let shape = (
-            req.tenant,
-            req.prompt,
-            req.max_tokens,
-            req.pool,
-            chain,
-            req.fingerprint,
-        );
+        let shape = OwnedArrival {
+            tenant: req.tenant,
+            prompt: req.prompt,
+            max_tokens: req.max_tokens,
+            pool: req.pool,
+            chain: std::mem::take(&mut req.chain),
+            fingerprint: req.fingerprint,
+        };
         let b = &mut self.backends[backend];
         b.elsewhere = b.elsewhere.saturating_add(1).min(b.cap);
         self.finish(id, Outcome::Cancelled, now_us);
@@ -120,6 +114,7 @@ fn slots_between(slots: u32, before: f64, here: f64, total: f64) -> u32 {
 mod tests {
     use super::super::tests::{governor, tenant};
     use super::slots_between;
+    use crate::governor::Arrival;
     use crate::types::Decision;
 
     // Whatever the weights, the replicas' shares add up to the cap, and each is within one
@@ -169,7 +164,7 @@ mod tests {
         let a = tenant(&g, "a");
         let cap = g.backends[0].cap;
         g.set_elsewhere(0, cap, 0.0, 0.0).unwrap();
-        let d = g.submit(1, a, 10, 10, 0).unwrap();
+        let d = g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
         assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
         g.set_elsewhere(0, cap - 1, 0.0, 0.0).unwrap();
         let started = g.dispatch(1);
@@ -183,10 +178,10 @@ mod tests {
         let mut g = governor();
         let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
         for id in 1..=2 {
-            g.submit(id, a, 10, 10, 0).unwrap(); // both slots
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap(); // both slots
         }
-        g.submit(3, a, 10, 10, 0).unwrap();
-        g.submit(4, b, 10, 10, 0).unwrap();
+        g.submit(3, Arrival::new(a, 10, 10), 0).unwrap();
+        g.submit(4, Arrival::new(b, 10, 10), 0).unwrap();
         g.charge_elsewhere(b, 1e6).unwrap();
         g.finish(1, crate::types::Outcome::Completed, 1);
         let next: Vec<u64> = g.dispatch(1).iter().map(|x| x.request_id).collect();
@@ -201,9 +196,9 @@ mod tests {
         let mut g = governor();
         let a = tenant(&g, "a");
         for id in 1..=2 {
-            g.submit(id, a, 10, 10, 0).unwrap(); // both slots
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap(); // both slots
         }
-        g.submit(3, a, 10, 10, 0).unwrap(); // a waits here (weight 1)
+        g.submit(3, Arrival::new(a, 10, 10), 0).unwrap(); // a waits here (weight 1)
         g.set_elsewhere(0, 0, 3.0, 0.0).unwrap(); // weight 3 waits elsewhere: our share is 1 slot
         assert_eq!(g.replica_share(0), Some(1));
         g.finish(1, crate::types::Outcome::Completed, 1);
@@ -218,9 +213,10 @@ mod tests {
     fn denied_lease_frees_and_counts() {
         let mut g = governor();
         let a = tenant(&g, "a");
-        g.submit(1, a, 10, 20, 0).unwrap();
+        g.submit(1, Arrival::new(a, 10, 20), 0).unwrap();
         assert_eq!(g.running(), 1);
-        assert_eq!(g.lease_denied(1, 5), Some((a, 10, 20, 0, vec![], 0)));
+        let back = g.lease_denied(1, 5).unwrap();
+        assert_eq!(back.arrival(), Arrival::new(a, 10, 20));
         assert_eq!((g.running(), g.live(), g.backends[0].elsewhere), (0, 0, 1));
         assert_eq!(g.lease_denied(1, 6), None);
     }

@@ -245,6 +245,7 @@ impl Governor {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{governor, sustained, tenant};
+    use crate::governor::Arrival;
     use crate::types::{Decision, RejectReason};
 
     // Normal traffic is shed at its threshold (50% of 4 = 2 queued) while VIP may still queue,
@@ -254,9 +255,9 @@ mod tests {
         let mut g = governor();
         let (a, v) = (tenant(&g, "a"), tenant(&g, "v"));
         for id in 1..=4 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
-        let shed = g.submit(5, a, 10, 10, 0).unwrap();
+        let shed = g.submit(5, Arrival::new(a, 10, 10), 0).unwrap();
         let Decision::Rejected {
             reason,
             retry_after_s,
@@ -267,7 +268,7 @@ mod tests {
         assert_eq!(reason, RejectReason::TierShed);
         assert!(retry_after_s > 0.0);
         assert!(matches!(
-            g.submit(6, v, 10, 10, 0).unwrap(),
+            g.submit(6, Arrival::new(v, 10, 10), 0).unwrap(),
             Decision::Queued { .. }
         ));
     }
@@ -278,9 +279,9 @@ mod tests {
         let mut g = governor();
         let v = tenant(&g, "v");
         for id in 1..=6 {
-            g.submit(id, v, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(v, 10, 10), 0).unwrap();
         }
-        let d = g.submit(7, v, 10, 10, 0).unwrap();
+        let d = g.submit(7, Arrival::new(v, 10, 10), 0).unwrap();
         assert!(
             matches!(
                 d,
@@ -299,7 +300,9 @@ mod tests {
         let mut g = governor();
         g.observe_backend(0, 0, Some(0.9), None, None, None)
             .unwrap();
-        let d = g.submit(1, tenant(&g, "a"), 10, 10, 0).unwrap();
+        let d = g
+            .submit(1, Arrival::new(tenant(&g, "a"), 10, 10), 0)
+            .unwrap();
         assert!(
             matches!(
                 d,
@@ -311,7 +314,8 @@ mod tests {
             "{d:?}"
         );
         assert!(matches!(
-            g.submit(2, tenant(&g, "v"), 10, 10, 0).unwrap(),
+            g.submit(2, Arrival::new(tenant(&g, "v"), 10, 10), 0)
+                .unwrap(),
             Decision::Admitted { .. }
         ));
     }
@@ -324,10 +328,10 @@ mod tests {
         let a = tenant(&g, "a");
         sustained(&mut g, 1, 0);
         assert!(matches!(
-            g.submit(1, a, 13_000, 10, 0).unwrap(),
+            g.submit(1, Arrival::new(a, 13_000, 10), 0).unwrap(),
             Decision::Admitted { .. }
         ));
-        let d = g.submit(2, a, 10, 10, 0).unwrap();
+        let d = g.submit(2, Arrival::new(a, 10, 10), 0).unwrap();
         let Decision::Rejected {
             reason,
             retry_after_s,
@@ -339,7 +343,7 @@ mod tests {
         assert!((retry_after_s - 0.125).abs() < 1e-9, "{retry_after_s}");
         g.on_first_token(1, 1_000);
         assert!(matches!(
-            g.submit(3, a, 10, 10, 2_000).unwrap(),
+            g.submit(3, Arrival::new(a, 10, 10), 2_000).unwrap(),
             Decision::Admitted { .. }
         ));
     }
@@ -351,11 +355,11 @@ mod tests {
     fn ttft_sla_leaves_a_burst_to_the_queue() {
         let mut g = governor();
         let a = tenant(&g, "a");
-        g.submit(1, a, 13_000, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 13_000, 10), 0).unwrap();
         assert!(g.sla_excess(a, 1, 10, 0).is_some());
         assert!(!g.sustained_overload(1, 0));
         assert!(matches!(
-            g.submit(2, a, 10, 10, 0).unwrap(),
+            g.submit(2, Arrival::new(a, 10, 10), 0).unwrap(),
             Decision::Admitted { .. }
         ));
     }
@@ -371,8 +375,8 @@ mod tests {
         g.config.tiers[2].best_effort = true;
         let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
         assert_eq!(g.waiting_room(1), (2, 4));
-        g.submit(1, a, 10, 10, 0).unwrap();
-        g.submit(2, a, 10, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
+        g.submit(2, Arrival::new(a, 10, 10), 0).unwrap();
         g.tier_load[1].held(0.01);
         assert_eq!(g.waiting_room(1), (1000, 1000));
         assert_eq!(g.waiting_room(0), (1000, 1000));
@@ -381,10 +385,10 @@ mod tests {
         assert_eq!(g.waiting_room(1), (2, 4));
         g.config.queue_follows_drain = true;
         for id in 3..=12 {
-            let d = g.submit(id, a, 10, 10, 0).unwrap();
+            let d = g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
             assert!(matches!(d, Decision::Queued { .. }), "{id}: {d:?}");
         }
-        let d = g.submit(13, z, 10, 10, 0).unwrap();
+        let d = g.submit(13, Arrival::new(z, 10, 10), 0).unwrap();
         assert!(
             matches!(
                 d,
@@ -406,12 +410,12 @@ mod tests {
         sustained(&mut g, 1, 0);
         // Fill both slots with VIP work (20 prompt tokens still in prefill).
         for id in 1..=2 {
-            g.submit(id, vip, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(vip, 10, 10), 0).unwrap();
         }
         // The heavy tenant queues 13,000 prompt tokens (1.625 s at 8000 tok/s).
-        g.submit(3, heavy, 13_000, 10, 2).unwrap();
+        g.submit(3, Arrival::new(heavy, 13_000, 10), 2).unwrap();
         // Its next request would wait behind all of them: refused.
-        let d = g.submit(4, heavy, 100, 10, 3).unwrap();
+        let d = g.submit(4, Arrival::new(heavy, 100, 10), 3).unwrap();
         assert!(
             matches!(
                 d,
@@ -423,7 +427,7 @@ mod tests {
             "{d:?}"
         );
         // The light tenant waits only for the heavy one's equal share (100 tokens): queued.
-        let d = g.submit(5, light, 100, 10, 3).unwrap();
+        let d = g.submit(5, Arrival::new(light, 100, 10), 3).unwrap();
         assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
     }
 
@@ -433,13 +437,15 @@ mod tests {
         let mut g = governor();
         let v = tenant(&g, "v");
         for id in 1..=6 {
-            g.submit(id, v, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(v, 10, 10), 0).unwrap();
         }
         let retries: Vec<f64> = (10..14)
-            .map(|id| match g.submit(id, v, 10, 10, 0).unwrap() {
-                Decision::Rejected { retry_after_s, .. } => retry_after_s,
-                other => panic!("{other:?}"),
-            })
+            .map(
+                |id| match g.submit(id, Arrival::new(v, 10, 10), 0).unwrap() {
+                    Decision::Rejected { retry_after_s, .. } => retry_after_s,
+                    other => panic!("{other:?}"),
+                },
+            )
             .collect();
         let step = 1.0 / g.drain_rate();
         for pair in retries.windows(2) {
@@ -454,9 +460,9 @@ mod tests {
         let mut g = governor();
         let (a, b) = (tenant(&g, "a"), tenant(&g, "b"));
         for id in 1..=4 {
-            g.submit(id, a, 10, 10, 0).unwrap();
+            g.submit(id, Arrival::new(a, 10, 10), 0).unwrap();
         }
-        let d = g.submit(5, b, 10, 10, 0).unwrap();
+        let d = g.submit(5, Arrival::new(b, 10, 10), 0).unwrap();
         let Decision::Queued {
             displaced: Some((victim, retry)),
             position,
@@ -470,7 +476,7 @@ mod tests {
         assert!(!g.is_live(4));
         assert_eq!(g.queued(), 2);
         assert_eq!(g.counters.rejected[RejectReason::Displaced as usize], 1);
-        let again = g.submit(6, a, 10, 10, 0).unwrap();
+        let again = g.submit(6, Arrival::new(a, 10, 10), 0).unwrap();
         assert!(matches!(
             again,
             Decision::Rejected {
@@ -486,12 +492,12 @@ mod tests {
     fn lower_tier_victim_keeps_position() {
         let mut g = governor();
         let (a, b, z) = (tenant(&g, "a"), tenant(&g, "b"), tenant(&g, "z"));
-        g.submit(1, a, 10, 10, 0).unwrap();
-        g.submit(2, z, 10, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
+        g.submit(2, Arrival::new(z, 10, 10), 0).unwrap();
         // Slots full; one normal and one batch request wait: normal's 2 places are taken.
-        g.submit(3, a, 10, 10, 0).unwrap();
-        g.submit(4, z, 10, 10, 0).unwrap();
-        let decision = g.submit(5, b, 10, 10, 0).unwrap();
+        g.submit(3, Arrival::new(a, 10, 10), 0).unwrap();
+        g.submit(4, Arrival::new(z, 10, 10), 0).unwrap();
+        let decision = g.submit(5, Arrival::new(b, 10, 10), 0).unwrap();
         let Decision::Queued {
             position,
             estimated_wait_s,
@@ -511,11 +517,11 @@ mod tests {
     fn displacing_into_an_empty_tier_is_position_zero() {
         let mut g = governor();
         let (a, b, z) = (tenant(&g, "a"), tenant(&g, "b"), tenant(&g, "z"));
-        g.submit(1, a, 10, 10, 0).unwrap();
-        g.submit(2, z, 10, 10, 0).unwrap();
-        g.submit(3, z, 10, 10, 0).unwrap();
-        g.submit(4, z, 10, 10, 0).unwrap();
-        let decision = g.submit(5, b, 10, 10, 0).unwrap();
+        g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
+        g.submit(2, Arrival::new(z, 10, 10), 0).unwrap();
+        g.submit(3, Arrival::new(z, 10, 10), 0).unwrap();
+        g.submit(4, Arrival::new(z, 10, 10), 0).unwrap();
+        let decision = g.submit(5, Arrival::new(b, 10, 10), 0).unwrap();
         assert!(
             matches!(
                 decision,
@@ -541,14 +547,14 @@ mod tests {
         // Level 1 halves normal's slots (2 -> 1) and its queue room (2 -> 1).
         let a = tenant(&g, "a");
         assert!(matches!(
-            g.submit(1, a, 10, 10, 20).unwrap(),
+            g.submit(1, Arrival::new(a, 10, 10), 20).unwrap(),
             Decision::Admitted { .. }
         ));
         assert!(matches!(
-            g.submit(2, a, 10, 10, 20).unwrap(),
+            g.submit(2, Arrival::new(a, 10, 10), 20).unwrap(),
             Decision::Queued { .. }
         ));
-        let d = g.submit(3, a, 10, 10, 20).unwrap();
+        let d = g.submit(3, Arrival::new(a, 10, 10), 20).unwrap();
         assert!(matches!(
             d,
             Decision::Rejected {
@@ -569,17 +575,17 @@ mod tests {
         g.config.tiers[1].brownout_max_tokens = Some(64);
         let a = tenant(&g, "a");
         for id in 1..=2 {
-            g.submit(id, a, 10, 500, 0).unwrap(); // the two slots
+            g.submit(id, Arrival::new(a, 10, 500), 0).unwrap(); // the two slots
         }
-        g.submit(3, a, 10, 500, 0).unwrap(); // queued, the queue was empty: as asked
+        g.submit(3, Arrival::new(a, 10, 500), 0).unwrap(); // queued, the queue was empty: as asked
         assert_eq!(g.browned_out(3), None);
-        let d = g.submit(4, a, 10, 500, 0).unwrap(); // 1 of 4 waiting: clamped
+        let d = g.submit(4, Arrival::new(a, 10, 500), 0).unwrap(); // 1 of 4 waiting: clamped
         assert!(matches!(d, Decision::Queued { .. }), "{d:?}");
         assert_eq!(g.browned_out(4), Some(64));
         assert_eq!(g.requests[&4].max_tokens, 64);
         assert_eq!(g.counters.browned_out, 1);
         let v = tenant(&g, "v");
-        g.submit(5, v, 10, 500, 0).unwrap(); // VIP has no clamp
+        g.submit(5, Arrival::new(v, 10, 500), 0).unwrap(); // VIP has no clamp
         assert_eq!(g.browned_out(5), None);
     }
 
