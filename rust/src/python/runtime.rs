@@ -1,157 +1,15 @@
-//! The PyO3 seam of the runtime: one method per event, actions as small frozen classes.
-//!
-//! Hosts dispatch on `type(action)`; every class is immutable and carries names (backends,
-//! tenants) rather than the core's indexes.
+//! The PyO3 seam of the runtime: one method per event; the actions it answers are the small
+//! frozen classes of `actions`.
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::actions::action_to_py;
+use super::convert::snapshot_to_py;
+use super::errors::{non_negative, ConfigError, InvalidArgumentError, TraceMismatchError};
 use crate::governor::{Arrival, Route};
-use crate::py::{non_negative, InvalidArgumentError, TraceMismatchError};
-use crate::runtime::{Action, Event, Runtime};
+use crate::runtime::{Event, Runtime};
 use crate::trace;
-
-/// Send the request upstream.
-#[pyclass(name = "Start", module = "llmflow._core", frozen, get_all)]
-pub struct PyStart {
-    request_id: u64,
-    backend: String,
-    priority: i64,
-    queue_wait_s: f64,
-    max_tokens: Option<u64>,
-    /// In a split pool: the prefill instance the request goes to first, and the vLLM
-    /// priority of that hop.
-    prefill_backend: Option<String>,
-    prefill_priority: Option<i64>,
-}
-
-/// The request waits in the gateway's queue.
-#[pyclass(name = "Wait", module = "llmflow._core", frozen, get_all)]
-pub struct PyWait {
-    request_id: u64,
-    position: u32,
-    estimated_wait_s: f64,
-}
-
-/// Close the upstream request now (vLLM aborts it and frees its KV).
-#[pyclass(name = "Abort", module = "llmflow._core", frozen, get_all)]
-pub struct PyAbort {
-    request_id: u64,
-}
-
-/// Terminal: answer with this status and Retry-After.
-#[pyclass(name = "Reply", module = "llmflow._core", frozen, get_all)]
-pub struct PyReply {
-    request_id: u64,
-    status: u16,
-    reason: &'static str,
-    retry_after_s: Option<u32>,
-}
-
-/// Terminal: end the reply now with its partial text and a visible notice.
-#[pyclass(name = "Cut", module = "llmflow._core", frozen, get_all)]
-pub struct PyCut {
-    request_id: u64,
-    reason: &'static str,
-}
-
-/// Terminal: the request is over.
-#[pyclass(name = "End", module = "llmflow._core", frozen, get_all)]
-pub struct PyEnd {
-    request_id: u64,
-    outcome: &'static str,
-}
-
-/// (Re)set the host's one timer.
-#[pyclass(name = "Arm", module = "llmflow._core", frozen, get_all)]
-pub struct PyArm {
-    at_us: u64,
-}
-
-/// A backend went down or came back.
-#[pyclass(name = "SetHealth", module = "llmflow._core", frozen, get_all)]
-pub struct PySetHealth {
-    backend: String,
-    healthy: bool,
-}
-
-/// Python's spelling of a value, for `__repr__`.
-trait PyRepr {
-    fn py_repr(&self) -> String;
-}
-
-impl PyRepr for u64 {
-    fn py_repr(&self) -> String {
-        self.to_string()
-    }
-}
-impl PyRepr for u32 {
-    fn py_repr(&self) -> String {
-        self.to_string()
-    }
-}
-impl PyRepr for u16 {
-    fn py_repr(&self) -> String {
-        self.to_string()
-    }
-}
-impl PyRepr for i64 {
-    fn py_repr(&self) -> String {
-        self.to_string()
-    }
-}
-impl PyRepr for f64 {
-    fn py_repr(&self) -> String {
-        format!("{self:?}") // always with a decimal point, as Python prints floats
-    }
-}
-impl PyRepr for bool {
-    fn py_repr(&self) -> String {
-        (if *self { "True" } else { "False" }).to_owned()
-    }
-}
-impl PyRepr for &str {
-    fn py_repr(&self) -> String {
-        format!("'{self}'")
-    }
-}
-impl PyRepr for String {
-    fn py_repr(&self) -> String {
-        self.as_str().py_repr()
-    }
-}
-impl<T: PyRepr> PyRepr for Option<T> {
-    fn py_repr(&self) -> String {
-        self.as_ref()
-            .map_or_else(|| "None".to_owned(), PyRepr::py_repr)
-    }
-}
-
-macro_rules! reprs {
-    ($($ty:ident => $name:literal: $($field:ident),*;)*) => {$(
-        #[pymethods]
-        impl $ty {
-            fn __repr__(&self) -> String {
-                let fields: Vec<String> = vec![
-                    $(format!("{}={}", stringify!($field), self.$field.py_repr())),*
-                ];
-                format!("{}({})", $name, fields.join(", "))
-            }
-        }
-    )*};
-}
-
-reprs! {
-    PyStart => "Start": request_id, backend, priority, queue_wait_s, max_tokens, prefill_backend,
-        prefill_priority;
-    PyWait => "Wait": request_id, position, estimated_wait_s;
-    PyAbort => "Abort": request_id;
-    PyReply => "Reply": request_id, status, reason, retry_after_s;
-    PyCut => "Cut": request_id, reason;
-    PyEnd => "End": request_id, outcome;
-    PyArm => "Arm": at_us;
-    PySetHealth => "SetHealth": backend, healthy;
-}
 
 /// The request lifecycle around the governor; see `llmflow._core.pyi`.
 #[pyclass(name = "Runtime", module = "llmflow._core")]
@@ -182,84 +40,8 @@ impl PyRuntime {
         }
         result?;
         let gov = self.inner.governor();
-        for action in self.inner.actions().iter().cloned() {
-            let obj: Py<PyAny> = match action {
-                Action::Start {
-                    id,
-                    backend,
-                    priority,
-                    queue_wait_us,
-                    max_tokens,
-                    prefill,
-                } => Py::new(
-                    py,
-                    PyStart {
-                        request_id: id,
-                        backend: gov.backend_name(backend).to_owned(),
-                        priority,
-                        queue_wait_s: queue_wait_us as f64 / 1e6,
-                        max_tokens,
-                        prefill_backend: prefill.map(|p| gov.backend_name(p.backend).to_owned()),
-                        prefill_priority: prefill.map(|p| p.priority),
-                    },
-                )?
-                .into_any(),
-                Action::Queued {
-                    id,
-                    position,
-                    estimated_wait_s,
-                } => Py::new(
-                    py,
-                    PyWait {
-                        request_id: id,
-                        position,
-                        estimated_wait_s,
-                    },
-                )?
-                .into_any(),
-                Action::Abort { id } => Py::new(py, PyAbort { request_id: id })?.into_any(),
-                Action::Reply {
-                    id,
-                    status,
-                    reason,
-                    retry_after_s,
-                } => Py::new(
-                    py,
-                    PyReply {
-                        request_id: id,
-                        status,
-                        reason: reason.as_str(),
-                        retry_after_s,
-                    },
-                )?
-                .into_any(),
-                Action::Cut { id, reason } => Py::new(
-                    py,
-                    PyCut {
-                        request_id: id,
-                        reason: reason.as_str(),
-                    },
-                )?
-                .into_any(),
-                Action::End { id, outcome } => Py::new(
-                    py,
-                    PyEnd {
-                        request_id: id,
-                        outcome: outcome.as_str(),
-                    },
-                )?
-                .into_any(),
-                Action::Arm { at_us } => Py::new(py, PyArm { at_us })?.into_any(),
-                Action::Backend { backend, healthy } => Py::new(
-                    py,
-                    PySetHealth {
-                        backend: gov.backend_name(backend).to_owned(),
-                        healthy,
-                    },
-                )?
-                .into_any(),
-            };
-            list.append(obj)?;
+        for action in self.inner.actions() {
+            list.append(action_to_py(py, gov, action)?)?;
         }
         Ok(())
     }
@@ -275,7 +57,7 @@ impl PyRuntime {
     #[pyo3(signature = (config, *, trace=false))]
     fn new(py: Python<'_>, config: &Bound<'_, PyAny>, trace: bool) -> PyResult<Self> {
         if !config.is_instance_of::<PyDict>() {
-            return Err(crate::py::ConfigError::new_err(format!(
+            return Err(ConfigError::new_err(format!(
                 "config must be a mapping (dict), got {}",
                 config.get_type().name()?
             )));
@@ -624,7 +406,7 @@ impl PyRuntime {
     }
 
     fn snapshot<'py>(&self, py: Python<'py>, now_us: u64) -> PyResult<Bound<'py, PyAny>> {
-        crate::py::snapshot_to_py(py, &self.inner.governor().snapshot(now_us))
+        snapshot_to_py(py, &self.inner.governor().snapshot(now_us))
     }
 
     fn __copy__(&self) -> Self {

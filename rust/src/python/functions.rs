@@ -1,0 +1,48 @@
+//! The module's free functions: prefix hashes and the capacity formulas.
+
+use pyo3::prelude::*;
+
+use crate::capacity;
+
+/// The chained block hashes of a prompt's bytes (`routing::chain_hashes`), for a host that has
+/// no tokens to hash. A per-request call: it keeps the GIL (microseconds for 100 KB).
+#[pyfunction]
+#[pyo3(signature = (data, chunk, max_blocks=4096))]
+pub fn prefix_hashes(data: &[u8], chunk: usize, max_blocks: usize) -> Vec<u64> {
+    crate::routing::chain_hashes(data, chunk, max_blocks)
+}
+
+#[pyfunction]
+pub fn kv_slots(
+    vram_bytes: f64,
+    weights_bytes: f64,
+    activations_bytes: f64,
+    avg_context_tokens: f64,
+    kv_bytes_per_token: f64,
+) -> PyResult<f64> {
+    Ok(capacity::kv_slots(
+        vram_bytes,
+        weights_bytes,
+        activations_bytes,
+        avg_context_tokens,
+        kv_bytes_per_token,
+    )?)
+}
+
+#[pyfunction]
+#[pyo3(signature = (layers, kv_heads, head_dim, dtype_bytes, tp=1))]
+pub fn kv_bytes_per_token(
+    layers: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    dtype_bytes: u64,
+    tp: u64,
+) -> PyResult<u64> {
+    Ok(capacity::kv_bytes_per_token(
+        layers,
+        kv_heads,
+        head_dim,
+        dtype_bytes,
+        tp,
+    )?)
+}

@@ -1,0 +1,50 @@
+//! The PyO3 seam, `llmflow._core`: thin wrappers that convert arguments and delegate to the
+//! domain types; the only code in the crate that knows Python.
+//!
+//! Per-request calls take microseconds and keep the GIL; only construction parses JSON.
+//! `governor` wraps the `Governor` (its answers in `decisions`), `runtime` the sans-IO
+//! `Runtime` (its actions in `actions`), `light` the light lane (the per-chunk relay's seam
+//! is `py_relay.rs` for now); `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
+//! Python objects, and `functions` holds the module's free functions.
+
+mod actions;
+mod convert;
+mod decisions;
+mod errors;
+mod functions;
+mod governor;
+mod light;
+mod runtime;
+
+pub(crate) use errors::*;
+
+#[pyo3::pymodule(gil_used = true)]
+pub mod _core {
+    #[pymodule_export]
+    use super::actions::{PyAbort, PyArm, PyCut, PyEnd, PyReply, PySetHealth, PyStart, PyWait};
+    #[pymodule_export]
+    use super::decisions::{PyAdmission, PyAdmitted, PyExpired, PyQueued, PyRejected};
+    #[pymodule_export]
+    use super::errors::{
+        ConfigError, DuplicateRequestError, InvalidArgumentError, PolicyError, TraceMismatchError,
+        UnknownBackendError, UnknownModelError, UnknownTenantError,
+    };
+    #[pymodule_export]
+    use super::functions::{kv_bytes_per_token, kv_slots, prefix_hashes};
+    #[pymodule_export]
+    use super::governor::PyGovernor;
+    #[pymodule_export]
+    use super::light::{PyLightLane, PyLightRefusal};
+    #[pymodule_export]
+    use super::runtime::{replay_trace, PyRuntime};
+
+    #[cfg(feature = "relay")]
+    #[pymodule_export]
+    use crate::py_relay::PyRelay;
+
+    #[pymodule_init]
+    fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        use pyo3::types::PyModuleMethods;
+        m.add("__version__", env!("CARGO_PKG_VERSION"))
+    }
+}
