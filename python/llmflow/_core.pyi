@@ -664,10 +664,12 @@ class Relay:
         x_request_id: str,
         include_usage: bool,
         deferred: bool = False,
+        traceparent: str | None = None,
     ) -> None:
         """Send a streamed completion to `url` and relay it; the client attaches later.
 
-        With `deferred`, the stream exists at once (controls apply) but sends on `go`."""
+        With `deferred`, the stream exists at once (controls apply) but sends on `go`.
+        `traceparent` is sent upstream as W3C `traceparent` beside `X-Request-Id`."""
     def go(self, request_id: int) -> bool:
         """Send a deferred stream's request upstream now."""
     def attach(self, request_id: int, fd: int, head: bytes, keep_alive: bool) -> bool:

@@ -74,7 +74,10 @@ impl PyRelay {
 
     /// Send a streamed completion to `url` and relay it; the client attaches later. With
     /// `deferred`, the stream exists at once (controls apply) but waits for `go` to send.
-    #[pyo3(signature = (request_id, url, body, x_request_id, include_usage, deferred=false))]
+    /// `traceparent` goes upstream as W3C `traceparent` (OpenTelemetry), beside `X-Request-Id`.
+    #[pyo3(signature = (request_id, url, body, x_request_id, include_usage, deferred=false,
+                        traceparent=None))]
+    #[allow(clippy::too_many_arguments)] // one Python method, with its keywords
     fn open(
         &self,
         request_id: u64,
@@ -83,6 +86,7 @@ impl PyRelay {
         x_request_id: &str,
         include_usage: bool,
         deferred: bool,
+        traceparent: Option<&str>,
     ) -> PyResult<()> {
         self.inner
             .open(
@@ -90,6 +94,7 @@ impl PyRelay {
                 url,
                 body.to_vec(),
                 x_request_id,
+                traceparent,
                 include_usage,
                 deferred,
             )

@@ -66,6 +66,7 @@ class FakeVllm:
     broken: int = 0  # replies the fake itself broke off (error event, early close)
     tokens_sent: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # each request's, lower-case
     metrics_scrapes: int = 0
 
     def __repr__(self) -> str:
@@ -129,6 +130,7 @@ class FakeVllm:
         body = await request.json()
         self.seen += 1
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         plan = {**self.default, **(body.get("fake") or {})}
         if plan.get("status"):
             return JSONResponse(

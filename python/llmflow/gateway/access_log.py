@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from llmflow.gateway.session import Prepared, StreamSession
 
-__all__ = ["AccessLog"]
+__all__ = ["AccessLog", "outcome_of"]
 
 _TIMED_OUT = frozenset(("deadline", "first_token_timeout", "queue_timeout", "timeout"))
 _REFUSED_503 = frozenset(("draining", "no_healthy_backend"))  # refusals, not waits that expired
@@ -34,15 +34,18 @@ class AccessLog:
 
     Args:
         path: the file (`server.access_log`).
+        shadow: shadow mode (`gate.mode: shadow`): a last column, `shadow`, says what the
+            policy would have done (`Verdict.summary`: `queue>start`, `refuse:queue_full`...).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, shadow: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # line-buffered: a row is in the file when its request has ended (a crash loses none)
         self._file = path.open("a", buffering=1, newline="", encoding="utf-8")
         self._csv = csv.writer(self._file)
+        self._shadow = shadow
         if self._file.tell() == 0:
-            self._csv.writerow(COLUMNS)
+            self._csv.writerow((*COLUMNS, "shadow") if shadow else COLUMNS)
         # monotonic stamps (the sessions') to Unix time
         self._epoch = time.time() - time.monotonic()
 
@@ -65,7 +68,8 @@ class AccessLog:
                 _by_status(error.status, error.code),
                 error.code,
                 None,
-            )
+            ),
+            None,
         )
 
     def ended(self, session: StreamSession) -> None:
@@ -90,11 +94,15 @@ class AccessLog:
                 outcome,
                 reason,
                 session.backend,
-            )
+            ),
+            session.shadow.summary() if session.shadow is not None else None,
         )
 
-    def _write(self, row: tuple[object, ...]) -> None:
-        self._csv.writerow(format_row(row))  # line-buffered: one write per request, no timer
+    def _write(self, row: tuple[object, ...], shadow: str | None) -> None:
+        cells = format_row(row)
+        if self._shadow:
+            cells.append(shadow or "")
+        self._csv.writerow(cells)  # line-buffered: one write per request, no timer
 
     def close(self) -> None:
         """Close the file."""
@@ -107,6 +115,12 @@ def _by_status(status: int, reason: str) -> str:
     if status in (503, 504):
         return "timed_out"
     return "failed"
+
+
+def outcome_of(session: StreamSession) -> tuple[str, str | None]:
+    """A session's outcome in the simulator's words (`completed`, `rejected`, `timed_out`,
+    `truncated`, `cancelled`, `failed`) and its reason (the access log's, the span's)."""
+    return _outcome(session)
 
 
 def _outcome(session: StreamSession) -> tuple[str, str | None]:

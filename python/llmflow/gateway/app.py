@@ -35,6 +35,8 @@ from llmflow.gateway.routes import admin, openai, ops, vllm, websocket
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import BackendRoute, SessionContext
+from llmflow.gateway.shadow import ShadowHost
+from llmflow.gateway.telemetry import Tracing
 from llmflow.gateway.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -65,14 +67,25 @@ class Gateway:
         self.embedded: list[EmbeddedBackend] = []
         self.started_at = time.monotonic()
         self.draining = False
-        self.runtime = Runtime(settings.to_runtime(), trace=trace is not None)
-        self.host = Host(self.runtime, trace)
+        self.shadow: ShadowHost | None = None
+        self.host: Host
+        if settings.gate.mode == "shadow":  # forwarded as direct; the policy only records
+            self.host = self.shadow = ShadowHost(settings, trace)
+            self.runtime = self.host.runtime  # the forwarding runtime: what really runs
+        else:
+            self.runtime = Runtime(settings.to_runtime(), trace=trace is not None)
+            self.host = Host(self.runtime, trace)
         self.upstream = Upstream()
         self.metrics = GatewayMetrics(self.host, [t.name for t in settings.tiers])
         self.metrics.draining = lambda: self.draining
+        if self.shadow is not None:
+            self.shadow.record = self.metrics.shadow_mode(self.shadow.policy.runtime)
         log_path = settings.server.access_log
-        self.access_log = AccessLog(Path(log_path)) if log_path else None
+        self.access_log = AccessLog(Path(log_path), self.shadow is not None) if log_path else None
         self.metrics.access_log = self.access_log
+        telemetry = settings.telemetry
+        self.tracing = Tracing(telemetry) if telemetry.otlp_endpoint is not None else None
+        self.metrics.tracing = self.tracing
         self.tasks: set[asyncio.Task[Any]] = set()
         models: dict[str, int] = {}
         for backend in settings.backends:
@@ -122,14 +135,17 @@ class Gateway:
             host=self.host,
             upstream=self.upstream,
             metrics=self.metrics,
-            routes={
-                b.name: BackendRoute(urls[b.name], b.scheduling_policy == "priority")
+            routes={  # shadow mode sends no priority, as direct sends none
+                b.name: BackendRoute(
+                    urls[b.name], b.scheduling_policy == "priority" and self.shadow is None
+                )
                 for b in s.backends
             },
             client_window=s.backpressure.client_window,
             pause_when_full=s.backpressure.pause_when_full,
             relay=self.relay,
             tasks=self.tasks,
+            tracing=self.tracing,
         )
         if self.relay is not None:
             self.relay.start()
@@ -202,6 +218,8 @@ class Gateway:
             await embedded.stop()
         if self.access_log is not None:
             self.access_log.close()
+        if self.tracing is not None:  # the last spans go out (blocking: off the loop)
+            await asyncio.to_thread(self.tracing.close)
 
     def state(self) -> dict[str, Any]:
         """The JSON snapshot behind `/api/state` and the dashboard."""

@@ -58,7 +58,8 @@ _ENDPOINTS: dict[bytes, Endpoint] = {
     b"/v1/chat/completions": "chat",
     b"/v1/completions": "completions",
 }
-_NOT_PLAIN = (b"transfer-encoding", b"expect", b"upgrade")  # left to uvicorn and the app
+# left to uvicorn and the app (a client's `traceparent`: the route reads it for its span)
+_NOT_PLAIN = (b"transfer-encoding", b"expect", b"upgrade", b"traceparent")
 _IDENTITY = (b"", b"identity")
 ADMITTED = "llmflow.admitted"  # scope extension: a request the runtime took below FastAPI
 log = logging.getLogger("llmflow.gateway")

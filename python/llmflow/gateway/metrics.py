@@ -20,12 +20,13 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from llmflow._core import Relay
+    from llmflow._core import Relay, Runtime
     from llmflow.gateway.access_log import AccessLog
     from llmflow.gateway.errors import GatewayError
     from llmflow.gateway.host import Host
     from llmflow.gateway.scraper import Scraper
     from llmflow.gateway.session import Prepared, StreamSession
+    from llmflow.gateway.telemetry import Tracing
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
@@ -64,6 +65,8 @@ class GatewayMetrics:
         self.draining: Callable[[], bool] = lambda: False
         self.access_log: AccessLog | None = None  # `server.access_log`
         self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
+        self.tracing: Tracing | None = None  # OpenTelemetry spans (`telemetry`), when configured
+        self.shadow_runtime: Runtime | None = None  # shadow mode's policy runtime (gauges)
         r = self.registry
         self.requests = Counter(
             "llmflow_requests",
@@ -113,6 +116,8 @@ class GatewayMetrics:
         self.outcomes["rejected", error.code] += 1
         if self.access_log is not None:
             self.access_log.refused(prepared, error)
+        if self.tracing is not None:
+            self.tracing.refused(prepared, error, error.headers.get("X-Request-Id"))
 
     def first_token(self, session: StreamSession) -> None:
         """Record a session's time to first token."""
@@ -134,6 +139,53 @@ class GatewayMetrics:
             self.e2e.labels(tier).observe(time.monotonic() - session.prepared.arrived)
         if self.access_log is not None:
             self.access_log.ended(session)
+        if self.tracing is not None:
+            self.tracing.ended(session)
+
+    def shadow_mode(self, policy: Runtime) -> Callable[[str, str, str | None], None]:
+        """Export what shadow mode's policy runtime would have done (`llmflow_shadow_*`).
+
+        Returns:
+            The recorder `ShadowHost.record` calls: (what, tier, reason), `what` one of
+            `refused`, `queued`, `cut`, `brownout`.
+        """
+        self.shadow_runtime = policy
+        r = self.registry
+        refused = Counter(
+            "llmflow_shadow_refused",
+            "Requests the policy would have refused (shadow mode), by tier and reason",
+            ["tier", "reason"],
+            registry=r,
+        )
+        cut = Counter(
+            "llmflow_shadow_cut",
+            "Replies the policy would have cut with a notice (shadow mode), by tier and reason",
+            ["tier", "reason"],
+            registry=r,
+        )
+        queued = Counter(
+            "llmflow_shadow_queued",
+            "Arrivals the policy would have queued (shadow mode), by tier",
+            ["tier"],
+            registry=r,
+        )
+        brownout = Counter(
+            "llmflow_shadow_brownout",
+            "Starts the policy would have browned out, max_tokens clamped (shadow mode)",
+            ["tier"],
+            registry=r,
+        )
+        for tier in self.tiers:  # a zero per tier, not "no data", while nothing would wait
+            queued.labels(tier)
+        by_reason = {"refused": refused, "cut": cut}
+
+        def record(what: str, tier: str, reason: str | None) -> None:
+            if reason is not None:
+                by_reason[what].labels(tier, reason).inc()
+            else:
+                (queued if what == "queued" else brownout).labels(tier).inc()
+
+        return record
 
     def truncated(self, reason: str) -> None:
         """Count a reply cut with a visible notice."""
@@ -208,6 +260,18 @@ class _StateCollector:
         yield _gauge(
             "llmflow_draining", "1 while the gateway drains for shutdown", int(self.m.draining())
         )
+        shadow = self.m.shadow_runtime
+        if shadow is not None:
+            yield _gauge(
+                "llmflow_shadow_in_flight",
+                "Requests the policy would have running now (shadow mode)",
+                shadow.running,
+            )
+            yield _gauge(
+                "llmflow_shadow_queue_total",
+                "Requests the policy would have waiting now (shadow mode)",
+                shadow.queued,
+            )
         if self.m.scraper is not None:
             yield from _backend_gauges(self.m.scraper)
         yield _gaps(self.m.inter_chunk, self.m.relay)

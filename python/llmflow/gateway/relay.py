@@ -113,7 +113,10 @@ class RelayHost:
         """Send a session's request upstream through the relay."""
         rid = session.request_id
         include_usage = session.prepared.options.include_usage
-        self.relay.open(rid, url, body, f"llmflow-{rid}", include_usage, deferred=True)
+        self.relay.open(
+            rid, url, body, f"llmflow-{rid}", include_usage, deferred=True,
+            traceparent=session.traceparent(),
+        )
         self.sessions[rid] = session
         # Sent on the loop's next turn, as a Python reader task would send it: what this turn
         # closed (the abort that freed the slot it takes) reaches the backend first.

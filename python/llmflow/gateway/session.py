@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from llmflow.gateway.http1 import Connection
     from llmflow.gateway.metrics import GatewayMetrics
     from llmflow.gateway.relay import RelayHost
+    from llmflow.gateway.shadow import Verdict
     from llmflow.gateway.streaming import ClientOptions, Item
+    from llmflow.gateway.telemetry import Tracing
     from llmflow.gateway.types import Json
     from llmflow.gateway.upstream import Upstream, UpstreamStream
 
@@ -78,6 +80,7 @@ class Prepared:
     prefix_hashes: list[int] | None = None  # its prompt's block hashes, for a `prefix` pool
     # The body's fingerprint (`body_fingerprint`), by which the core knows a client's retry.
     fingerprint: int = 0
+    traceparent: str | None = None  # the client's W3C `traceparent`: its span continues it
     # Sent upstream as the client sent it, not streamed (what vLLM computes only for a reply
     # it does not stream: prompt logprobs); its answer goes to the client as vLLM wrote it.
     unstreamed: bool = False
@@ -117,6 +120,7 @@ class SessionContext:
     client_window: int
     pause_when_full: bool
     relay: RelayHost | None = None  # the Rust relay, when streams may use it
+    tracing: Tracing | None = None  # OpenTelemetry spans (`telemetry.py`), when configured
     sessions: set[StreamSession] = field(default_factory=set)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -168,6 +172,7 @@ class StreamSession:
         self.queue_wait_s = 0.0
         self.first_token_at: float | None = None
         self.cancel_writer: Any = None  # set by the writer: called when the client stalls
+        self.shadow: Verdict | None = None  # shadow mode: what the policy runtime did with it
         self.answer: Json | None = None  # vLLM's whole answer to an unstreamed request
         self._ended = False  # the runtime sent this request's terminal action
         self._arriving = False  # inside `arrive`: a refusal now is counted as a rejection
@@ -186,6 +191,11 @@ class StreamSession:
     def id_header(self) -> dict[str, str]:
         """`X-Request-Id` for the reply: the id upstream and the trace know it by."""
         return request_id_header(self.request_id)
+
+    def traceparent(self) -> str | None:
+        """W3C `traceparent` for the upstream request (it opens the upstream span), if tracing."""
+        tracing = self.ctx.tracing
+        return tracing.upstream_began(self) if tracing is not None else None
 
     @property
     def streaming(self) -> bool:
@@ -384,7 +394,8 @@ class StreamSession:
             return
         host, rid = self.ctx.host, self.request_id
         self._stream = await self.ctx.upstream.open(
-            route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn
+            route.url, self.prepared.path, body, self.id_header["X-Request-Id"], self._on_conn,
+            traceparent=self.traceparent(),
         )
         host.started(rid)
         async for data in self._stream.events(self.until_done):

@@ -150,6 +150,7 @@ class Upstream:
         body: Json,
         request_id: str,
         on_connection: Callable[[Connection], None] | None = None,
+        traceparent: str | None = None,
     ) -> UpstreamStream:
         """Send a streamed completion and wait for the backend's response headers.
 
@@ -159,6 +160,7 @@ class Upstream:
             body: the JSON body (already rewritten for streaming).
             request_id: sent as `X-Request-Id`, so backend logs name the gateway's request.
             on_connection: told the connection before the request goes out on it.
+            traceparent: sent as W3C `traceparent` (the request's upstream span), if tracing.
 
         Returns:
             The open stream (status 200).
@@ -168,7 +170,7 @@ class Upstream:
                 through with the backend's message, 5xx as 502).
         """
         response = await self._request(
-            base_url + path, b"text/event-stream", body, request_id, on_connection
+            base_url + path, b"text/event-stream", body, request_id, on_connection, traceparent
         )
         return UpstreamStream(response)
 
@@ -179,6 +181,7 @@ class Upstream:
         body: Json,
         request_id: str,
         on_connection: Callable[[Connection], None] | None,
+        traceparent: str | None = None,
     ) -> HttpResponse:
         """Send one JSON request on the pool and wait for a 200's headers; every failure,
         an error status included, as an `UpstreamError`."""
@@ -186,6 +189,8 @@ class Upstream:
             b"content-type: application/json\r\naccept: " + accept + b"\r\n"
             b"x-request-id: " + request_id.encode() + b"\r\n"
         )
+        if traceparent is not None:
+            head += b"traceparent: " + traceparent.encode("ascii") + b"\r\n"
         try:
             response = await self.pool.request(
                 url, head, json.dumps(body).encode(), on_connection

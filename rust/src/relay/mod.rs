@@ -135,12 +135,14 @@ impl Relay {
     ///
     /// # Errors
     /// The URL or a header is malformed, or `id` is already live.
+    #[allow(clippy::too_many_arguments)] // the request's head and how to relay it
     pub fn open(
         &self,
         id: u64,
         url: &str,
         body: Vec<u8>,
         request_id: &str,
+        traceparent: Option<&str>,
         include_usage: bool,
         deferred: bool,
     ) -> Result<(), String> {
@@ -160,6 +162,10 @@ impl Relay {
         let port = authority.port_u16().unwrap_or(80);
         hyper::header::HeaderValue::from_str(request_id)
             .map_err(|e| format!("bad request id {request_id:?}: {e}"))?;
+        if let Some(traceparent) = traceparent {
+            hyper::header::HeaderValue::from_str(traceparent)
+                .map_err(|e| format!("bad traceparent {traceparent:?}: {e}"))?;
+        }
         let (tx, rx) = unbounded_channel();
         {
             let mut streams = self.streams.lock().unwrap();
@@ -176,6 +182,7 @@ impl Relay {
             path: path.as_str().to_owned(),
             body: Bytes::from(body),
             request_id: request_id.to_owned(),
+            traceparent: traceparent.map(str::to_owned),
             include_usage,
             deferred,
         };

@@ -65,6 +65,8 @@ pub struct Open {
     pub body: Bytes,
     /// Sent as `X-Request-Id`.
     pub request_id: String,
+    /// Sent as W3C `traceparent` (the gateway's upstream span), when tracing.
+    pub traceparent: Option<String>,
     pub include_usage: bool,
     /// Wait for `Control::Go` before connecting (controls that come first still apply).
     pub deferred: bool,
@@ -278,7 +280,11 @@ impl Task {
             .header("host", o.authority.as_str())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream")
-            .header("x-request-id", o.request_id.as_str())
+            .header("x-request-id", o.request_id.as_str());
+        if let Some(traceparent) = &o.traceparent {
+            request = request.header("traceparent", traceparent.as_str());
+        }
+        let request = request
             .body(Full::new(o.body.clone()))
             .expect("checked when the stream was opened");
         self.response = Some(Box::pin(conn.sender.send_request(request)));

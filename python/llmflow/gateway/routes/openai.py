@@ -59,6 +59,7 @@ async def _complete(endpoint: Endpoint, request: Request) -> Response:
     admitted = admitted_of(request.scope)  # checked and fed to the runtime below FastAPI
     if admitted is None:
         prepared = svc.prepare(endpoint, identity(request), await request.body())
+        prepared.traceparent = request.headers.get("traceparent")  # continued by its span
         session = await svc.serve(prepared, request.receive, relayable(request.scope, prepared))
     else:
         prepared = admitted.prepared

@@ -1,0 +1,254 @@
+"""OpenTelemetry traces (`telemetry: {otlp_endpoint: ...}`): one span per governed request.
+
+Each request the runtime governs gets a `llmflow.request` span (kind SERVER) from its arrival
+to its end, with the runtime's decision as attributes (tenant, tier, queued time, reason,
+Retry-After, backend, truncation, outcome; in shadow mode what the policy would have done), and
+two children: `llmflow.queue` (arrival to start, or to the refusal of a request that waited)
+and `llmflow.upstream` (kind CLIENT, from the request going out to vLLM to the reply's end). The
+upstream span's context goes to vLLM as W3C `traceparent`, by the Python reader or by the Rust
+relay (`Relay.open(traceparent=...)`), so vLLM's own spans (`--otlp-traces-endpoint`) are its
+children; a client's incoming `traceparent` is continued (the request span is its child).
+
+Spans are built from the session's own timestamps when the request ends, except the upstream
+span, which exists from the moment its `traceparent` is sent. Nothing of the prompt, the reply
+or the API key is an attribute. The SDK's batch processor exports over OTLP/HTTP (protobuf) in a
+thread of its own; the event loop only queues finished spans. Sampling is the parent's choice
+when a client sent one, else `sample_ratio` of the trace ids.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from llmflow.gateway.access_log import outcome_of
+from llmflow.gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+    from llmflow.config import Telemetry
+    from llmflow.gateway.session import Prepared, StreamSession
+
+__all__ = ["Tracing", "otlp_traces_url"]
+
+_TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces
+_CUT_OUTCOMES = frozenset(("completed", "error", "timeout", "cancelled", "running"))
+_MISSING_EXTRA = (
+    "telemetry.otlp_endpoint is set but OpenTelemetry is not installed: "
+    "pip install 'llmflow[otel]' (opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)"
+)
+
+
+def otlp_traces_url(endpoint: str) -> str:
+    """The collector's traces URL: `endpoint` as given when it names `/v1/traces`, else with it."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint if endpoint.endswith(_TRACES_PATH) else endpoint + _TRACES_PATH
+
+
+class Tracing:
+    """The gateway's tracer: spans for sessions and refusals, exported over OTLP/HTTP.
+
+    Args:
+        config: the `telemetry` section (its `otlp_endpoint` set).
+
+    Raises:
+        RuntimeError: OpenTelemetry is not installed (the message says which extra).
+    """
+
+    def __init__(self, config: Telemetry) -> None:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+            from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+        except ImportError as exc:
+            raise RuntimeError(_MISSING_EXTRA) from exc
+        assert config.otlp_endpoint is not None
+        self._provider = TracerProvider(
+            resource=Resource.create({"service.name": config.service_name}),
+            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+        )
+        exporter = OTLPSpanExporter(endpoint=otlp_traces_url(config.otlp_endpoint))
+        self._provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._tracer = self._provider.get_tracer("llmflow.gateway")
+        self._propagator = TraceContextTextMapPropagator()
+        self._kind, self._status, self._code = SpanKind, Status, StatusCode
+        self._in_context = set_span_in_context
+        self._live: dict[int, _Spans] = {}  # request id -> its spans, until it ends
+        self._epoch_ns = time.time_ns() - time.monotonic_ns()  # the sessions' clock to Unix
+
+    def _ns(self, monotonic_s: float) -> int:
+        return self._epoch_ns + int(monotonic_s * 1e9)
+
+    def _parent(self, prepared: Prepared) -> Context | None:
+        if prepared.traceparent is None:
+            return None
+        return self._propagator.extract({"traceparent": prepared.traceparent})
+
+    def _spans(self, session: StreamSession) -> _Spans:
+        spans = self._live.get(session.request_id)
+        if spans is None:
+            p = session.prepared
+            root = self._tracer.start_span(
+                "llmflow.request",
+                context=self._parent(p),
+                kind=self._kind.SERVER,
+                start_time=self._ns(p.arrived),
+            )
+            spans = self._live[session.request_id] = _Spans(root)
+        return spans
+
+    def upstream_began(self, session: StreamSession) -> str | None:
+        """The request is going out to vLLM now: open its upstream span.
+
+        Returns:
+            Its W3C `traceparent`, for the upstream request's head (None when not sampled).
+        """
+        spans = self._spans(session)
+        if spans.upstream is None:
+            spans.upstream = self._tracer.start_span(
+                "llmflow.upstream",
+                context=self._in_context(spans.root),
+                kind=self._kind.CLIENT,
+                attributes={"llmflow.backend": session.backend or ""},
+            )
+        if not spans.upstream.get_span_context().is_valid:
+            return None
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=self._in_context(spans.upstream))
+        return carrier.get("traceparent")
+
+    def ended(self, session: StreamSession) -> None:
+        """A session is over: its spans get their attributes and end."""
+        spans = self._spans(session)
+        del self._live[session.request_id]
+        now = time.monotonic()
+        p = session.prepared
+        started = session.backend is not None
+        queue_end = p.arrived + session.queue_wait_s if started else now
+        if not started or session.queue_wait_s > 0:
+            self._queue_span(spans.root, p.arrived, queue_end)
+        if spans.upstream is not None:
+            spans.upstream.end(end_time=self._ns(now))
+        root = spans.root
+        root.set_attributes(_request_attributes(session))
+        error = session.error or _refusal_of(session)
+        if error is not None:
+            root.set_attributes(_error_attributes(error))
+        elif session.end not in _CUT_OUTCOMES:
+            root.set_attribute("llmflow.truncated", session.end)  # a cut, with its notice
+        root.set_attribute("http.response.status_code", error.status if error else 200)
+        outcome = outcome_of(session)[0]
+        root.set_attribute("llmflow.outcome", outcome)
+        if outcome == "failed" or (error is not None and error.status >= 500):
+            root.set_status(self._status(self._code.ERROR, session.end))
+        _shadow_attributes(root, session)
+        root.end(end_time=self._ns(now))
+
+    def refused(self, prepared: Prepared, error: GatewayError, request_id: str | None) -> None:
+        """A request refused as it arrived (no session; the fast path's refusals too)."""
+        now = time.monotonic()
+        root = self._tracer.start_span(
+            "llmflow.request",
+            context=self._parent(prepared),
+            kind=self._kind.SERVER,
+            start_time=self._ns(prepared.arrived),
+        )
+        root.set_attributes(_prepared_attributes(prepared))
+        if request_id is not None:
+            root.set_attribute("llmflow.request_id", request_id)
+        root.set_attributes(_error_attributes(error))
+        root.set_attribute("http.response.status_code", error.status)
+        root.set_attribute("llmflow.outcome", "rejected")
+        root.end(end_time=self._ns(now))
+
+    def _queue_span(self, root: Span, began: float, ended: float) -> None:
+        span = self._tracer.start_span(
+            "llmflow.queue", context=self._in_context(root), start_time=self._ns(began)
+        )
+        span.end(end_time=self._ns(ended))
+
+    def close(self) -> None:
+        """Export what is left and stop (blocking: run it off the event loop)."""
+        for spans in list(self._live.values()):  # requests cut off by the shutdown
+            if spans.upstream is not None:
+                spans.upstream.end()
+            spans.root.end()
+        self._live.clear()
+        self._provider.shutdown()
+
+
+class _Spans:
+    __slots__ = ("root", "upstream")
+
+    def __init__(self, root: Span) -> None:
+        self.root = root
+        self.upstream: Span | None = None
+
+
+def _prepared_attributes(p: Prepared) -> dict[str, Any]:
+    # Counts and names only: never the prompt, the reply or the API key.
+    attributes: dict[str, Any] = {
+        "llmflow.tenant": p.tenant,
+        "llmflow.tier": p.tier,
+        "llmflow.endpoint": p.path,
+        "llmflow.stream": p.options.stream,
+        "llmflow.prompt_tokens": p.prompt_tokens,
+        "llmflow.max_tokens": p.max_tokens,
+    }
+    if p.model is not None:
+        attributes["llmflow.model"] = p.model
+    return attributes
+
+
+def _request_attributes(session: StreamSession) -> dict[str, Any]:
+    attributes = _prepared_attributes(session.prepared)
+    attributes["llmflow.request_id"] = f"llmflow-{session.request_id}"
+    attributes["llmflow.reason"] = session.end
+    attributes["llmflow.output_tokens"] = session.parser.completion_tokens
+    if session.backend is not None:
+        attributes["llmflow.backend"] = session.backend
+        attributes["llmflow.queued_s"] = session.queue_wait_s
+        start = session.start_action
+        if start is not None and start.max_tokens is not None:
+            attributes["llmflow.brownout_max_tokens"] = start.max_tokens
+    return attributes
+
+
+def _error_attributes(error: GatewayError) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"llmflow.reason": error.code}
+    retry_after = error.headers.get("Retry-After")
+    if retry_after is not None:
+        attributes["llmflow.retry_after_s"] = int(retry_after)
+    return attributes
+
+
+def _refusal_of(session: StreamSession) -> GatewayError | None:
+    """The runtime's `Reply` to a request that waited (refused from the queue), if any."""
+    admitted = session.admitted
+    if not admitted.done() or admitted.cancelled():
+        return None
+    exc = admitted.exception()
+    return exc if isinstance(exc, GatewayError) else None
+
+
+def _shadow_attributes(root: Span, session: StreamSession) -> None:
+    verdict = session.shadow
+    if verdict is None:
+        return
+    root.set_attribute("llmflow.shadow.verdict", verdict.summary())
+    if verdict.reason is not None:
+        root.set_attribute("llmflow.shadow.reason", verdict.reason)
+    if verdict.retry_after_s is not None:
+        root.set_attribute("llmflow.shadow.retry_after_s", verdict.retry_after_s)
+    if verdict.status is not None:
+        root.set_attribute("llmflow.shadow.status", verdict.status)
+    if verdict.backend is not None:
+        root.set_attribute("llmflow.shadow.backend", verdict.backend)

@@ -1,0 +1,269 @@
+"""Shadow mode, checked from outside: clients get what vLLM answers, and the would-have counts
+equal what enforce mode does to the same traffic.
+
+One scripted traffic (`_replay`) runs twice against a deterministic fake vLLM: once under
+`gate.mode: enforce`, where what the policy did is read off the wire (statuses, error codes,
+the truncation marker, requests that reached vLLM late), and once under `gate.mode: shadow`,
+where every reply must be vLLM's own and `/metrics`' `llmflow_shadow_*` must say the same as
+the enforce run's wire. The script paces itself on events, not clocks: replies the fake holds
+(`step`) until the test releases them, and one total deadline that both runs cross. A
+deterministic fake (not the simulator) keeps the two runs' event sequences identical, which is
+what makes equal counts a fair expectation; docs/gateway.md says where real traffic departs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmflow._core import replay_trace
+from llmflow.config import load_settings
+from llmflow.gateway.app import create_app
+from llmflow.gateway.handoff import server_options
+from llmflow.gateway.shadow import forwarding_config
+
+from .fake_vllm import FakeVllm
+from .harness import serve_asgi, settings_for, start_gateway, until
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .harness import Harness
+
+pytestmark = pytest.mark.anyio
+
+ALPHA_KEY = "ak-shadow-alpha-0000001"
+BETA_KEY = "ak-shadow-beta-00000002"
+SECTIONS: dict[str, Any] = {
+    "tiers": [{"name": "normal"}],
+    "default_tier": "normal",
+    "tenants": [
+        {"name": "alpha", "tier": "normal", "api_keys": [ALPHA_KEY]},
+        # one request, then 429 rate_limited for a hundred seconds
+        {"name": "beta", "tier": "normal", "api_keys": [BETA_KEY], "requests_per_s": 0.01},
+    ],
+    # two run, one waits, the rest are refused: queue_full
+    "gate": {
+        "max_concurrency_per_gpu": 2,
+        "headroom_quantile": None,
+        "queue": {"max_waiting": 1, "follow_drain": False, "max_wait_ms": None},
+    },
+    "streaming": {"first_token_timeout_ms": None},
+    "sla": {"ttft_ms": None},
+    "timeouts": {"total_ms": 1500},  # held replies are cut here (enforce)
+}
+TOKENS = 8  # each request's max_tokens: what vLLM generates for it
+
+
+@dataclass
+class Seen:
+    """What one run's clients saw, per request, and what the fake vLLM saw."""
+
+    replies: dict[str, tuple[int, Any]] = field(default_factory=dict)  # name -> status, answer
+    held_back: int = 0  # requests the gateway had not sent to vLLM while others ran
+    peak_running: int = 0
+
+
+def _body(stream: bool, **fake: Any) -> dict[str, Any]:
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": TOKENS,
+        "stream": stream,
+        "fake": fake,
+    }
+
+
+async def _ask(client: httpx.AsyncClient, key: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """One request: (status, the answer as the client read it: the streamed text, the chunks'
+    finish reasons and truncation marker, or the JSON body)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        raw = (await r.aread()).decode()
+    if r.status_code != 200 or not body["stream"]:
+        answer = json.loads(raw)
+        if r.status_code == 200:
+            choice = answer["choices"][0]
+            return 200, (choice["message"]["content"], choice["finish_reason"],
+                         answer.get("llmflow"))
+        return r.status_code, (answer["error"]["code"], answer["error"]["message"])
+    text, finish, marker = "", None, None
+    for line in raw.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        marker = chunk.get("llmflow") or marker
+        for choice in chunk.get("choices", []):
+            text += choice.get("delta", {}).get("content") or ""
+            finish = choice.get("finish_reason") or finish
+    return 200, (text, finish, marker)
+
+
+async def _replay(h: Harness, shadow: bool) -> Seen:
+    """The traffic, the same in both modes; returns what was seen of it."""
+    seen, c, fake = Seen(), h.client, h.fake
+    sessions = h.gateway.ctx.sessions if h.gateway.ctx else set()
+    seen.replies["r1"] = await _ask(c, BETA_KEY, _body(False))
+    seen.replies["r2"] = await _ask(c, BETA_KEY, _body(False))  # over beta's rate
+    held = {name: asyncio.create_task(_ask(c, ALPHA_KEY, _body(True, step=True)))
+            for name in ("a1", "a2")}
+    await until(lambda: fake.running == 2)
+    held["a3"] = asyncio.create_task(_ask(c, ALPHA_KEY, _body(True, step=True)))
+    await until(lambda: len(sessions) == 3)
+    for name in ("a4", "a5"):  # no place left to wait in
+        held[name] = asyncio.create_task(_ask(c, ALPHA_KEY, _body(False, step=True)))
+    await until(lambda: len(sessions) + held["a4"].done() + held["a5"].done() == 5)
+    if shadow:  # nothing is held back: all five reach vLLM (fails here on timeout if not)
+        await until(lambda: fake.running == 5)
+    seen.held_back = len(sessions) - fake.running  # live here, not yet at vLLM
+    if shadow:  # past every total deadline: the policy runtime has cut what it would have
+        assert h.gateway.shadow is not None
+        policy = h.gateway.shadow.policy.runtime
+        await until(lambda: policy.live == 0, timeout_s=10)
+        fake.release(5 * TOKENS)
+    await asyncio.wait(held.values())
+    seen.replies |= {name: task.result() for name, task in held.items()}
+    seen.replies["e1"] = await _ask(c, ALPHA_KEY, _body(False, status=400))  # vLLM refuses it
+    seen.peak_running = fake.peak_running
+    return seen
+
+
+def _enforced(seen: Seen) -> tuple[Counter[str], Counter[str]]:
+    """What enforce mode did, read off the wire: refusals and cuts by reason."""
+    refused: Counter[str] = Counter()
+    cut: Counter[str] = Counter()
+    for name, (status, answer) in seen.replies.items():
+        if name == "e1":
+            continue  # vLLM's own refusal, not the policy's
+        if status != 200:
+            refused[answer[0]] += 1
+        elif answer[2] is not None:
+            cut[answer[2]["reason"]] += 1
+    return refused, cut
+
+
+def _shadow_counts(text: str) -> dict[str, Counter[str]]:
+    counts: dict[str, Counter[str]] = {"refused": Counter(), "cut": Counter(), "queued": Counter()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for what, tally in counts.items():
+                if sample.name == f"llmflow_shadow_{what}_total" and sample.value:
+                    assert sample.labels["tier"] == "normal"
+                    tally[sample.labels.get("reason", "")] += int(sample.value)
+    return counts
+
+
+async def _direct_answer(body: dict[str, Any]) -> tuple[int, Any]:
+    """What the fake vLLM answers to `body` with no gateway in between."""
+    fake = FakeVllm()
+    async with serve_asgi(fake.app) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        status, answer = await _ask(client, "none", {**body, "stream": True})  # it streams
+    return status, answer
+
+
+async def test_shadow_answers_as_direct_and_counts_what_enforce_does(tmp_path: Path) -> None:
+    async with start_gateway(**SECTIONS) as h:
+        enforce = await _replay(h, shadow=False)
+    log = tmp_path / "access.csv"
+    sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
+                "server": {"access_log": str(log)}}
+    async with start_gateway(**sections) as h:
+        shadow = await _replay(h, shadow=True)
+        metrics = (await h.client.get("/metrics")).text
+        policy = h.gateway.shadow.policy.runtime if h.gateway.shadow else None
+        assert policy is not None
+        assert (policy.live, policy.running, policy.queued) == (0, 0, 0)
+
+    # Enforce mode governed: two ran at once, one waited, the rest were refused or cut.
+    refused, cut = _enforced(enforce)
+    assert refused == {"rate_limited": 1, "queue_full": 2}
+    assert cut == {"deadline": 3}
+    assert (enforce.held_back, enforce.peak_running) == (1, 2)
+
+    # Shadow mode forwarded everything at once, and every reply is vLLM's own.
+    assert (shadow.held_back, shadow.peak_running) == (0, 5)
+    whole = ("".join(f"t{i} " for i in range(TOKENS)), "length", None)
+    assert {n: r for n, r in shadow.replies.items() if n != "e1"} == {
+        n: (200, whole) for n in ("r1", "r2", "a1", "a2", "a3", "a4", "a5")
+    }
+    direct = await _direct_answer(_body(False, status=400))
+    assert direct == (400, (400, "injected failure"))  # the fake's own error object
+    for run in (shadow, enforce):
+        status, (_code, message) = run.replies["e1"]
+        assert (status, message) == (400, "injected failure")
+    assert (await _direct_answer(_body(True)))[1] == whole
+
+    # ... while it counted exactly what enforce mode did.
+    counts = _shadow_counts(metrics)
+    assert counts["refused"] == refused
+    assert counts["cut"] == cut
+    assert counts["queued"] == {"": enforce.held_back}
+
+    # The access log says it per request, in its `shadow` column.
+    with log.open() as f:
+        rows = {row["request"]: row for row in csv.DictReader(f)}
+    verdicts = Counter(row["shadow"] for row in rows.values())
+    assert verdicts == {
+        "start": 2,  # r1, and e1 (vLLM's 400 is not the policy's)
+        "refuse:rate_limited": 1,
+        "refuse:queue_full": 2,
+        "start>cut:deadline": 2,
+        "queue>start>cut:deadline": 1,
+    }
+    assert {row["outcome"] for row in rows.values()} == {"completed", "failed"}
+
+
+async def test_the_policy_runtime_trace_replays(tmp_path: Path) -> None:
+    """`llmflow serve --trace` in shadow mode records the policy runtime: it replays exactly,
+    refusals and the queue included."""
+    path = tmp_path / "shadow.jsonl"
+    fake = FakeVllm()
+    async with serve_asgi(fake.app) as (backend, _):
+        settings = settings_for({"b0": backend}, **{
+            **SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}, "timeouts": {}})
+        with path.open("w") as trace:
+            app = create_app(settings, trace)
+            async with serve_asgi(app, **server_options(settings, app)) as (url, _), \
+                    httpx.AsyncClient(base_url=url, timeout=30) as c:
+                held = [asyncio.create_task(_ask(c, ALPHA_KEY, _body(True, step=True)))
+                        for _ in range(5)]
+                await until(lambda: fake.running == 5)
+                fake.release(5 * TOKENS)
+                replies = await asyncio.gather(*held)
+    assert [status for status, _ in replies] == [200] * 5
+    text = path.read_text()
+    assert '"queue_full"' in text  # the policy refused two, and the trace says so
+    events, actions = replay_trace(text)
+    assert events > 5 * 4
+    assert actions > 5
+
+
+def test_the_forwarding_runtime_holds_nothing_back() -> None:
+    """The forwarding config keeps the backends, tiers and tenants, and drops every limit."""
+    settings = load_settings(data={**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}})
+    config = forwarding_config(settings)
+    policy = config["policy"]
+    assert policy["max_concurrency_per_gpu"] >= 100_000
+    assert [t["name"] for t in policy["tenants"]] == ["alpha", "beta", "anonymous"]
+    assert all("requests_per_s" not in t for t in policy["tenants"])
+    assert policy["routing"]["policy"] == "round_robin"
+    assert config["lifecycle"]["stall_timeout_ms"] is None
+
+
+def test_shadow_mode_refuses_what_it_cannot_shadow() -> None:
+    from llmflow.config import ConfigFileError
+
+    with pytest.raises(ConfigFileError, match="shadow runs on one gateway alone"):
+        load_settings(data={"gate": {"mode": "shadow"},
+                            "state": {"backend": "redis", "url": "redis://127.0.0.1:1/0"}})
+    with pytest.raises(ConfigFileError, match="no prefill/decode proxy"):
+        load_settings(data={"gate": {"mode": "shadow"}, "backends": [
+            {"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]})
