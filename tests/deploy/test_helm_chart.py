@@ -266,7 +266,9 @@ def test_shadow_mode_and_traces_reach_the_config(tmp_path: Path) -> None:
         ({"secrets": {"tenantApiKeys": {"ghost": ["k"]}}}, "no tenant ghost in config.tenants"),
         ({"redis": {"mode": "external"}}, "secrets.redisUrl"),
         ({"gate": {"mode": "shadow"}, "redis": {"mode": "bundled"}}, "shadow runs on one gateway"),
-        ({"gate": {"mode": "dry-run"}}, "not one of enforce, shadow"),
+        ({"gate": {"mode": "dry-run"}}, "at '/gate/mode': value must be one of"),  # the schema
+        ({"replicaCount": "three"}, "at '/replicaCount': got string, want integer"),
+        ({"secrets": {"adminKey": "x" * 20}}, "additional properties 'adminKey' not allowed"),
     ],
     ids=[
         "replicas-without-redis",
@@ -276,6 +278,8 @@ def test_shadow_mode_and_traces_reach_the_config(tmp_path: Path) -> None:
         "no-url",
         "shadow-with-replicas",
         "unknown-mode",
+        "replicas-not-a-number",
+        "misspelt-secret-value",
     ],
 )
 def test_values_that_would_misconfigure_the_gateway_stop_the_render(
