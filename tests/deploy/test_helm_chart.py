@@ -56,24 +56,32 @@ def rendered(request: pytest.FixtureRequest) -> Rendered:
 
 def assembled(rendered: Rendered, workdir: Path) -> Path:
     """Run the rendered init step on the rendered ConfigMap and Secret; the config it wrote."""
+    done, out = init_step(rendered, rendered.secret, workdir)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def init_step(
+    rendered: Rendered, secret: dict[str, str], workdir: Path
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The init container's command on these files, paths moved under `workdir`."""
     chart, secrets = workdir / "chart", workdir / "secrets"
     chart.mkdir(parents=True)
     for key, text in rendered.configmap.items():
         (chart / key).write_text(text)
     # a Secret volume as the kubelet lays it out: a timestamped dir, ..data, links to it
     (secrets / "..2026_12_02_00_00_00.1").mkdir(parents=True)
-    for key, text in rendered.secret.items():
+    for key, text in secret.items():
         (secrets / "..2026_12_02_00_00_00.1" / key).write_text(text)
         (secrets / key).symlink_to(Path("..data") / key)
     (secrets / "..data").symlink_to("..2026_12_02_00_00_00.1")
-    out = workdir / "config.yaml"
     init = container(rendered.gateway, "config")
     args = [a.replace("/etc/llmflow/chart", str(chart)) for a in init["command"][1:]]
     args = [a.replace("/etc/llmflow/secrets", str(secrets)) for a in args]
     args = [a.replace("/run/llmflow", str(workdir)) for a in args]
+    out = Path(next(a for a in args if a.startswith("--out=")).removeprefix("--out="))
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return out
+    return done, out
 
 
 def test_every_manifest_validates_against_the_kubernetes_schemas(rendered: Rendered) -> None:
@@ -117,6 +125,27 @@ def test_the_configmap_config_loads_once_the_init_step_adds_the_secret(
     ports = {p["name"]: p["containerPort"] for p in container(rendered.gateway, "llmflow")["ports"]}
     assert (settings.server.host, settings.server.port) == ("0.0.0.0", ports["http"])
     assert (settings.admin.host, settings.admin.port) == ("0.0.0.0", ports["admin"])
+
+
+@pytest.mark.parametrize(
+    ("tamper", "says"),
+    [
+        ({"tenant.ghost": "sk-ghost-key-1"}, "Secret key 'tenant.ghost': no tenant 'ghost'"),
+        ({"redis-url": None}, "the Secret has no 'redis-url' key"),
+        ({"tenant.shop": "sk-acme-1"}, "share a key"),  # llmflow's own check
+    ],
+    ids=["unknown-tenant", "no-redis-url", "shared-key"],
+)
+def test_the_init_step_stops_on_an_existing_secret_that_does_not_fit(
+    tamper: dict[str, str | None], says: str, tmp_path: Path
+) -> None:
+    rendered = render(values("replicas-redis"))
+    secret = {**rendered.secret, **tamper}
+    done, out = init_step(rendered, {k: v for k, v in secret.items() if v is not None}, tmp_path)
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert "sk-" not in done.stderr  # no key in the pod's log
+    assert not out.exists()
 
 
 def test_no_key_is_inlined_outside_the_secret(rendered: Rendered) -> None:
