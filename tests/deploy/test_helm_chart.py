@@ -1,7 +1,7 @@
 """The Helm chart (deploy/helm/llmflow), rendered by Helm's engine and checked from outside.
 
-Two value sets: the chart's defaults (one pod), and `examples/replicas-redis.yaml` (three pods
-sharing the chart's Redis, a ServiceMonitor). Every manifest is validated against the
+Three value sets: the chart's defaults (one pod), `examples/replicas-redis.yaml` (three pods
+sharing the chart's Redis, a ServiceMonitor) and `examples/replicas-external-redis.yaml`. Every manifest is validated against the
 Kubernetes API's own schemas (`kubernetes-validate`, strict: no unknown field), at the oldest
 and newest version it knows. The config is assembled as the pod's init container does it (the
 ConfigMap's script run on the ConfigMap and the Secret's files) and loaded by `llmflow config
@@ -44,7 +44,7 @@ from .chart import (
 if TYPE_CHECKING:
     from llmflow.config import Settings
 
-VALUE_SETS = ["default", "replicas-redis"]
+VALUE_SETS = ["default", "replicas-redis", "replicas-external-redis"]
 K8S_VERSIONS = [all_versions()[0], all_versions()[-1]]  # 1.25 (the chart's floor) .. newest
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # no schema in kubernetes-validate
 
@@ -153,8 +153,9 @@ def test_no_key_is_inlined_outside_the_secret(rendered: Rendered) -> None:
     keys = [secret["admin-api-key"]] + [
         k for name, text in secret.items() if name.startswith("tenant.") for k in text.split()
     ]
-    if "redis-password" in secret:
-        keys.append(secret["redis-password"])
+    if "redis-url" in secret:
+        keys.append(urlsplit(secret["redis-url"]).password or "")
+        assert keys[-1], "the test's Redis URLs carry a password"
     assert len(keys[0]) >= 16
     elsewhere = [m for m in rendered.manifests if m["kind"] != "Secret"]
     text = yaml.safe_dump_all(elsewhere)
