@@ -643,6 +643,8 @@ class Relay:
         flush_interval_ms: coalescing interval; 0 writes each chunk at once.
         token_flush_ms: how often batched token counts are reported.
         connect_timeout_ms: giving up on connecting to a backend (it is then down).
+        max_event_bytes: the largest SSE event a backend may send; a longer one fails the
+            stream (`failed`, a 502, the backend not marked down), holding no more than this.
     """
 
     def __new__(
@@ -655,6 +657,7 @@ class Relay:
         flush_interval_ms: float = 0.0,
         token_flush_ms: float = 20.0,
         connect_timeout_ms: float = 5000.0,
+        max_event_bytes: int = 16777216,
     ) -> Relay: ...
     def open(
         self,

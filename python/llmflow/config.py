@@ -179,6 +179,9 @@ class Server(_Section):
     workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
     # one CSV row per request at its end, in the simulator's `--requests-out` columns
     access_log: str | None = None
+    # The largest SSE event a backend may send (an `echo` with `logprobs` can be large); past
+    # it the stream fails with a 502 and no more than this was held (relay and Python path).
+    max_event_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024)
     # A WebSocket with no request live that sends nothing this long is closed (code 1000).
     ws_idle_timeout_ms: DurationMs = Field(300_000.0, gt=0)
     # Host names a keyless gateway answers besides IP literals, `localhost` and `host`: any

@@ -38,7 +38,9 @@ fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {
 impl PyRelay {
     #[new]
     #[pyo3(signature = (notify_fd, *, threads=1, client_window=8, pause_when_full=true,
-        flush_interval_ms=0.0, token_flush_ms=20.0, connect_timeout_ms=5000.0))]
+        flush_interval_ms=0.0, token_flush_ms=20.0, connect_timeout_ms=5000.0,
+        max_event_bytes=crate::relay::DEFAULT_MAX_EVENT_BYTES))]
+    #[allow(clippy::too_many_arguments)] // keyword arguments from Python, one per setting
     fn new(
         notify_fd: i32,
         threads: usize,
@@ -47,6 +49,7 @@ impl PyRelay {
         flush_interval_ms: f64,
         token_flush_ms: f64,
         connect_timeout_ms: f64,
+        max_event_bytes: usize,
     ) -> PyResult<Self> {
         if threads == 0 || client_window == 0 {
             return Err(InvalidArgumentError::new_err(
@@ -64,6 +67,7 @@ impl PyRelay {
             flush_interval: duration_ms("flush_interval_ms", flush_interval_ms)?,
             token_flush,
             connect_timeout: duration_ms("connect_timeout_ms", connect_timeout_ms)?,
+            max_event_bytes,
         };
         // SAFETY: the caller hands over the write end of its wake-up pipe; the relay owns it.
         let notify = unsafe { File::from_raw_fd(notify_fd) };

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ import pytest
 from gateway.harness import SIM_MODEL, start_gateway, start_sim_gateway, until
 from llmflow.sim.server_pd import KvTransfer
 
+from .hostile import chunk_event, install
 from .replies import CHAT, chat
 from .wire import exchange, post_bytes
 
@@ -279,3 +281,92 @@ async def test_garbage_in_the_shared_redis_hashes_and_scrape_record_is_contained
             assert "values" in record
     finally:
         await r.aclose()
+
+
+# -- 4. an SSE event without end is bounded, on the relay and on the Python path -------------
+
+EVENT_LIMIT = 1 << 20  # server.max_event_bytes in these cases
+HUGE_EVENT = 48 << 20  # what the backend sends without ever ending the event
+
+
+def _peak_rss_reset() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; return that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def _peak_rss() -> int:
+    return _status_kb("VmHWM") * 1024
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(field)
+
+
+async def _endless_event(_body: dict[str, Any]) -> AsyncIterator[bytes]:
+    yield chunk_event("first ")
+    yield b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"'
+    piece = b"x" * 65536
+    for _ in range(HUGE_EVENT // len(piece)):
+        yield piece
+
+
+@pytest.mark.parametrize(
+    ("relay", "stream"),
+    [(True, True), (False, True), (True, False)],
+    ids=["relay", "python", "unstreamed"],
+)
+async def test_an_sse_event_that_never_ends_is_bounded(relay: bool, stream: bool) -> None:
+    """A backend sends 48 MiB of one event with no end. On main it was all buffered and
+    rescanned from its start on every read (the relay's thread stalled; RSS grew by the
+    event). Now the stream fails with a 502 once the event passes server.max_event_bytes
+    (1 MiB here): this process's peak RSS (gateway, backend and client together, from /proc)
+    grows by a few MiB, and the next request is served."""
+    server = {"max_event_bytes": EVENT_LIMIT, "relay": relay}
+    async with start_gateway(configure=install, server=server) as h:
+        backend = h.fake.app
+        backend.script = _endless_event
+        gc.collect()
+        before = _peak_rss_reset()
+        r = await h.client.post(CHAT, json=chat(stream=stream, max_tokens=5), timeout=20)
+        growth = _peak_rss() - before
+        if stream:
+            assert r.status_code == 200  # the first token was out: the error comes in-band
+            assert b'"error"' in r.content, r.content[-300:]
+            assert not r.content.rstrip().endswith(b"data: [DONE]") or b"error" in r.content
+        else:
+            assert r.status_code == 502, r.text
+        assert growth < 12 * EVENT_LIMIT, f"peak RSS grew by {growth / 2**20:.1f} MiB"
+        backend.script = None
+        ok = await h.client.post(CHAT, json=chat(stream=stream, max_tokens=3))
+        assert ok.status_code == 200
+        assert _healthy(h)  # the backend is not taken down for one bad event
+
+
+# -- 13. a CRLF split between reads ends its event -------------------------------------------
+
+
+async def test_a_crlf_split_between_reads_never_merges_two_events() -> None:
+    """On main the Python path normalised CRLF per read, so `...\\r\\n\\r` + `\\n` left a `\\r`
+    between the two newlines and the event ran on into the next: two chunks joined into one
+    payload that is not JSON (a 502), or text lost."""
+
+    async def split(_body: dict[str, Any]) -> AsyncIterator[bytes]:
+        for word in ("one ", "two ", "three "):
+            event = chunk_event(word).replace(b"\n\n", b"\r\n\r\n")
+            yield event[:-1]  # ...\r\n\r  |  \n
+            await asyncio.sleep(0.02)  # its own read
+            yield event[-1:]
+            await asyncio.sleep(0.02)
+        yield b"data: [DONE]\r\n\r\n"
+
+    async with start_gateway(configure=install, server={"relay": False}) as h:
+        h.fake.app.script = split
+        r = await h.client.post(CHAT, json=chat(stream=False, max_tokens=5))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "one two three "

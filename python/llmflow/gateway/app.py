@@ -75,7 +75,7 @@ class Gateway:
         else:
             self.runtime = Runtime(settings.to_runtime(), trace=trace is not None)
             self.host = Host(self.runtime, trace)
-        self.upstream = Upstream()
+        self.upstream = Upstream(max_event_bytes=settings.server.max_event_bytes)
         self.metrics = GatewayMetrics(self.host, [t.name for t in settings.tiers])
         self.metrics.draining = lambda: self.draining
         if self.shadow is not None:

@@ -80,6 +80,7 @@ class RelayHost:
             pause_when_full=settings.backpressure.pause_when_full,
             flush_interval_ms=settings.streaming.sse_flush_interval,
             token_flush_ms=_TOKEN_FLUSH_MS,
+            max_event_bytes=settings.server.max_event_bytes,
         )
         self.sessions: dict[int, RelayedSession] = {}
         self.draining = False

@@ -19,6 +19,7 @@ import anyio
 import httpx
 
 from llmflow.gateway.http1 import ConnectionLost, ConnectionPool, HttpResponse, ProtocolError
+from llmflow.gateway.sse_decode import EventTooLarge, SseDecoder
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ __all__ = ["Upstream", "UpstreamError", "UpstreamStream"]
 _CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treated as down
 _WRITE_TIMEOUT_S = 30.0  # sending one request body
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body worth reading
-_DONE = b"[DONE]"
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # `server.max_event_bytes`' default
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)  # a failed connect that says nothing of the backend
 _ANSWER_LIMIT = 16 * 1024 * 1024  # bytes of a JSON answer read whole (P/D's prefill hop)
 _TAIL_WAIT_S = 0.05  # after [DONE], how long the body's end may take before we drop the link
@@ -65,10 +66,16 @@ class UpstreamError(Exception):
 
 
 class UpstreamStream:
-    """One streamed completion from a backend; iterate `events()`, always `aclose()`."""
+    """One streamed completion from a backend; iterate `events()`, always `aclose()`.
 
-    def __init__(self, response: HttpResponse) -> None:
+    Args:
+        response: the backend's 200, its body unread.
+        max_event_bytes: the largest SSE event accepted (`server.max_event_bytes`).
+    """
+
+    def __init__(self, response: HttpResponse, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self.response = response
+        self.max_event_bytes = max_event_bytes
         self.closed = False
 
     async def events(self, until_done: bool = True) -> AsyncIterator[bytes]:
@@ -78,22 +85,19 @@ class UpstreamStream:
         sends no `[DONE]`).
 
         Raises:
-            UpstreamError: the connection broke mid-stream (502).
+            UpstreamError: the connection broke mid-stream, or an event passed the limit (502).
         """
-        buffer = b""
+        decoder = SseDecoder(self.max_event_bytes)
         body = self.response.iter_body()
         try:
             async for piece in body:
-                buffer += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
-                while (end := buffer.find(b"\n\n")) >= 0:
-                    block, buffer = buffer[:end], buffer[end + 2 :]
-                    data = _data_of(block)
-                    if data is None:
-                        continue
-                    if data == _DONE:
-                        await _finish(body)
-                        return
+                for data in decoder.feed(piece):
                     yield data
+                if decoder.done:
+                    await _finish(body)
+                    return
+        except EventTooLarge as exc:  # the backend is fine; this stream cannot go on
+            raise UpstreamError(502, "backend_error", str(exc)) from exc
         except (ConnectionLost, OSError) as exc:
             # The connection died under a started reply: the backend is down until a scrape
             # begun after this says otherwise (new requests go elsewhere at once).
@@ -102,7 +106,7 @@ class UpstreamStream:
             ) from exc
         except ProtocolError as exc:
             raise UpstreamError(502, "backend_error", f"backend stream broke: {exc!r}") from exc
-        if until_done or buffer.strip():
+        if until_done or decoder.pending.strip():
             raise UpstreamError(502, "backend_error", "backend stream ended without [DONE]")
 
     async def aclose(self) -> None:
@@ -119,21 +123,16 @@ async def _finish(body: AsyncIterator[bytes]) -> None:
             pass
 
 
-def _data_of(block: bytes) -> bytes | None:
-    if block.startswith(b"data:") and b"\n" not in block:
-        return block[5:].strip()
-    lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
-
-
 class Upstream:
     """The backends' HTTP clients: a keep-alive pool for completions, httpx for the rest.
 
     Args:
         max_connections: httpx pool size, for scrapes.
+        max_event_bytes: the largest SSE event a backend may send (`server.max_event_bytes`).
     """
 
-    def __init__(self, max_connections: int = 64) -> None:
+    def __init__(self, max_connections: int = 64, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
         self.pool = ConnectionPool(_CONNECT_TIMEOUT_S)
         limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
@@ -172,7 +171,7 @@ class Upstream:
         response = await self._request(
             base_url + path, b"text/event-stream", body, request_id, on_connection, traceparent
         )
-        return UpstreamStream(response)
+        return UpstreamStream(response, self.max_event_bytes)
 
     async def _request(
         self,

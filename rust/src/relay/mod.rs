@@ -30,6 +30,7 @@ use rustc_hash::FxHashMap;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
 pub use events::{Failure, RelayEvent};
+pub use sse::DEFAULT_MAX_EVENT_BYTES;
 pub use stream::Control;
 
 /// How streams are relayed (the gateway's `backpressure` and `streaming` settings).
@@ -47,6 +48,9 @@ pub struct RelayConfig {
     pub token_flush: Duration,
     /// Giving up on connecting to a backend.
     pub connect_timeout: Duration,
+    /// The largest SSE event a backend may send (`server.max_event_bytes`); past it the
+    /// stream fails (502), holding no more than this.
+    pub max_event_bytes: usize,
 }
 
 /// Gaps between writes to a client, as a Prometheus histogram (the bounds of

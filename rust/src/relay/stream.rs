@@ -129,6 +129,7 @@ pub async fn run(
     mut ctrl: UnboundedReceiver<Control>,
 ) -> RelayEvent {
     let connecting = (!open.deferred).then(|| connect(&shared, &open.authority));
+    let max_event_bytes = shared.config.max_event_bytes;
     let mut task = Task {
         waiting_go: open.deferred,
         id: open.id,
@@ -142,7 +143,7 @@ pub async fn run(
         draining_body: false,
         drain_until: None,
         retried: false,
-        decoder: super::sse::SseDecoder::new(),
+        decoder: super::sse::SseDecoder::with_limit(max_event_bytes),
         first_sent: false,
         upstream_complete: false,
         client: None,
@@ -395,6 +396,13 @@ impl Task {
                 }
                 Err(failure) => return self.fail_with(failure),
             }
+        }
+        if decoded.too_large {
+            let limit = self.shared.config.max_event_bytes;
+            return self.fail(
+                format!("backend sent an SSE event over {limit} bytes"),
+                false,
+            );
         }
         if decoded.done {
             self.draining_body = true;
