@@ -67,13 +67,17 @@ async def test_prompt_longer_than_the_context_is_400_before_the_backend(gw: Harn
     assert "maximum context length is 4096" in str(
         _error(r, 400, "context_length_exceeded")["message"]
     )
-    r = await gw.client.post(CHAT, json=_chat("x" * 4000, max_tokens=3500))  # 1,000 + 3,500
-    _error(r, 400, "context_length_exceeded")
+    r = await gw.client.post(CHAT, json=_chat("x", max_tokens=5000))  # over the context alone
+    assert _error(r, 400, "context_length_exceeded")["param"] == "max_tokens"
     r = await gw.client.post(
         "/v1/completions", json={"model": "fake-model", "prompt": list(range(5000))}
     )
-    _error(r, 400, "context_length_exceeded")
+    assert _error(r, 400, "context_length_exceeded")["param"] == "input_tokens"
     assert gw.fake.seen == 0
+    # vLLM's rule: a max_tokens past what the prompt leaves is clamped, not refused
+    r = await gw.client.post(CHAT, json=_chat("x" * 4000, max_tokens=3500))  # 1,000 + 3,500
+    assert r.status_code == 200, r.text
+    assert gw.fake.bodies[-1]["max_tokens"] == 3500  # vLLM clamps it
 
 
 async def test_unknown_model_is_404(gw: Harness) -> None:

@@ -138,8 +138,8 @@ class _Open(BaseModel):
 class StreamOptions(_Open):
     """`stream_options`: whether the client wants token usage in the stream."""
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class ChatMessage(_Open):
@@ -157,7 +157,7 @@ class _Sampling(_Open):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # vLLM's bound
     seed: int | None = None
     user: str | None = None
 

@@ -143,6 +143,10 @@ class ResponsesParser:
         self.response: Json | None = None  # the latest full response object seen
         self.text: list[str] = []  # output text so far (for a cut non-streaming reply)
 
+    def take_held(self, *, every: bool = False) -> list[Json]:
+        """Nothing is held: Responses events go on as they come (`ChunkParser.take_held`)."""
+        return []
+
     def feed(self, data: bytes) -> tuple[Item | None, int]:
         """Read one `data:` payload: (its SSE frame, or an `{"error"}` item; new tokens)."""
         event: Any = json.loads(data)

@@ -154,7 +154,8 @@ class CompletionService:
         )
         upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
         upstream["model"] = model  # an alias goes to vLLM as the name it serves
-        # vLLM computes prompt logprobs only for a reply it does not stream: such a request
+        # vLLM computes prompt logprobs only for a reply it does not stream (its stream refuses
+        # `prompt_logprobs`, and fails on an echo with `logprobs` and n > 1): such a request
         # goes upstream as the client sent it (`Prepared.unstreamed`); every other one streams.
         unstreamed = not stream and _wants_prompt_logprobs(body)
         if not unstreamed:
@@ -165,9 +166,7 @@ class CompletionService:
             max_tokens = upstream["max_tokens"] = cap  # the gateway's bound holds upstream too
         # The core plans KV for what the batch may hold at its peak: every prompt, and each
         # prompt's `n` choices up to their bound (the rest of the context when unbounded).
-        generated = sum(
-            n * max(max_tokens if max_tokens is not None else context - p, 1) for p in prompts
-        )
+        generated = sum(n * _planned_output(max_tokens, p, context) for p in prompts)
         return Prepared(
             client,
             identity.tenant,
@@ -334,12 +333,19 @@ def _check_limits(choices: int, prompts: int, max_tokens: int | None, limits: Li
 
 def _invalid(exc: ValidationError) -> GatewayError:
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    # The field's path, without pydantic's union-member tags (`stop.list[str]`, `...str`).
+    param = ".".join(str(p) for p in first["loc"] if not _is_tag(p)) or None
     got = "" if first["type"] == "missing" else f" (got {first.get('input')!r:.80})"
     message = f"{param}: {first['msg']}"
     if first["loc"][:1] == ("prompt",) and len(first["loc"]) > 1:  # a union member's error
         param, message = "prompt", f"prompt: {_PROMPT_SHAPES}"
     return GatewayError(400, f"{message}{got}", "invalid_request", param=param)
+
+
+def _is_tag(part: int | str) -> bool:
+    return isinstance(part, str) and (
+        "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
+    )
 
 
 def _check_zero_tokens(max_tokens: int | None, echo: bool) -> None:
@@ -355,17 +361,34 @@ def _check_zero_tokens(max_tokens: int | None, echo: bool) -> None:
 
 def _wants_prompt_logprobs(body: dict[str, Any]) -> bool:
     value = body.get("prompt_logprobs")
-    return value is not None and value is not False and value != 0
+    echoed = bool(body.get("echo")) and body.get("logprobs") is not None  # the prompt's own
+    return echoed or (value is not None and value is not False and value != 0)
 
 
 def _check_context(prompt: int, max_tokens: int | None, context: int) -> None:
-    wanted = prompt + (max_tokens or 0)
-    if prompt >= context or wanted > context:
+    # vLLM's rule: a prompt must leave room for one token, and `max_tokens` may not pass the
+    # context; a `max_tokens` past what the prompt leaves is clamped to it (`_planned_output`).
+    if prompt >= context:
         raise GatewayError(
             400,
-            f"This model's maximum context length is {context} tokens. However, you "
-            f"requested {wanted} tokens ({prompt} in the messages, {max_tokens or 0} in the "
-            "completion). Please reduce the length of the messages or completion.",
+            f"This model's maximum context length is {context} tokens. However, your prompt "
+            f"contains about {prompt} tokens, which leaves no room for output. Please reduce "
+            "the length of the input prompt.",
             "context_length_exceeded",
-            param="messages",
+            param="input_tokens",
         )
+    if max_tokens is not None and max_tokens > context:
+        raise GatewayError(
+            400,
+            f"max_tokens={max_tokens} cannot be greater than this model's maximum context "
+            f"length of {context} tokens. Please request fewer output tokens.",
+            "context_length_exceeded",
+            param="max_tokens",
+        )
+
+
+def _planned_output(max_tokens: int | None, prompt: int, context: int) -> int:
+    """What one choice may generate after `prompt`: its bound, clamped to the context left (as
+    vLLM clamps it), at least the one token vLLM counts for an echo alone."""
+    left = context - prompt
+    return max(min(max_tokens, left) if max_tokens is not None else left, 1)

@@ -300,6 +300,8 @@ class StreamSession:
             self.window.put_final({"error": in_band_error(self._upstream_error)})
             return
         options = self.prepared.options
+        for held in self.parser.take_held(every=True):  # finished choices' last chunks
+            self._emit_final(held)
         open_choices = [i for i in range(options.n) if i not in self.parser.finished]
         if open_choices:
             tail = tail_chunk(options, self.parser.template, open_choices, reason, self.request_id)
@@ -404,6 +406,8 @@ class StreamSession:
             chunk, new_tokens = self.parser.feed(data)
             if isinstance(chunk, dict) and "error" in chunk:
                 raise error_event(chunk)  # vLLM's in-band 500: a failure, not a chunk
+            for held in self.parser.take_held():  # a last chunk, stamped with the fingerprint
+                await self._emit(held)
             if new_tokens:
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
@@ -412,6 +416,8 @@ class StreamSession:
                 host.tokens(rid, new_tokens)
             if chunk is not None:
                 await self._emit(chunk)
+        for held in self.parser.take_held(every=True):
+            await self._emit(held)
         self._upstream_complete = True
 
     async def _answer_from(self, route: BackendRoute, body: Json) -> None:
@@ -457,6 +463,12 @@ class StreamSession:
         self._conn = conn
         if self._stop:  # stopped while connecting: the request must not reach the backend
             conn.shut_down_now()
+
+    def _emit_final(self, chunk: Json) -> None:
+        if self.streaming:
+            self.window.put_final(chunk)
+        else:
+            self.accumulator.add(chunk)
 
     async def _emit(self, chunk: Item) -> None:
         if self.streaming:

@@ -93,7 +93,12 @@ class ChunkParser:
         self.finished: set[int] = set()  # indexes of choices that sent a finish_reason
         # Byte-level passthrough: one-choice streams whose usage need not reach the client.
         self._fast = options.stream and options.n == 1 and not options.continuous_usage
-        self._usage_tail = b',"usage":null}' if options.include_usage else b"}"
+        # A stream whose client asked for no usage: vLLM stamps `system_fingerprint` on each
+        # finishing chunk when no usage chunk follows, and upstream is always asked for one,
+        # so a finishing chunk waits for the usage chunk behind it (`take_held`).
+        self._hold = options.stream and not options.include_usage
+        self._held: list[Json] = []
+        self._stamped: list[Json] = []  # held chunks the usage chunk stamped: to send now
 
     def feed(self, data: bytes) -> tuple[Item | None, int]:
         """Read one `data:` payload.
@@ -119,16 +124,30 @@ class ChunkParser:
                 self.finished.add(choice.get("index", 0))
         if isinstance(usage, dict):
             self.usage = usage
+        if not choices and self._held and "error" not in chunk:
+            fingerprint = chunk.get("system_fingerprint")
+            if fingerprint is not None:
+                for held in self._held:
+                    held["system_fingerprint"] = fingerprint
+            self._stamped, self._held = self._held, []
         if not choices:  # the usage-only chunk that ends an include_usage stream
             # A whole reply takes its top-level fields (`system_fingerprint`) from it too.
             keep = "error" in chunk or self.options.include_usage or not self.options.stream
             return (chunk if keep else None), new
         if not self.options.continuous_usage and "usage" in chunk:
-            if self.options.include_usage:
-                chunk["usage"] = None
-            else:
-                del chunk["usage"]
+            del chunk["usage"]  # vLLM sends a chunk no usage key unless continuous usage
+        if self._hold and any(c.get("finish_reason") is not None for c in choices):
+            self._held.append(chunk)
+            return None, new
         return chunk, new
+
+    def take_held(self, *, every: bool = False) -> list[Json]:
+        """Finishing chunks to send now, before what `feed` returned: those the usage chunk
+        stamped, and with `every` those still waiting (the stream ended, or is cut)."""
+        out, self._stamped = self._stamped, []
+        if every:
+            out, self._held = out + self._held, []
+        return out
 
     def _passthrough(self, data: bytes) -> tuple[bytes, int] | None:
         """vLLM puts continuous usage last: cut it off without parsing the chunk."""
@@ -138,6 +157,8 @@ class ChunkParser:
         head = data[:cut]
         if b'"choices":[]' in head or b'"error"' in head:
             return None
+        if self._hold and b'"finish_reason":"' in head:
+            return None  # the last chunk waits for the fingerprint (`take_held`)
         at = data.find(b'"completion_tokens":', cut)
         if at < 0:
             return None
@@ -151,7 +172,7 @@ class ChunkParser:
         new, self.completion_tokens = max(total - self.completion_tokens, 0), total
         if b'"finish_reason":"' in head:
             self.finished.add(0)
-        return b"data: " + head + self._usage_tail + b"\n\n", new
+        return b"data: " + head + b"}\n\n", new
 
     def _count(self, chunk: Json, usage: Any) -> int:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

@@ -27,6 +27,10 @@ pub struct ChunkShaper {
     pub finished: bool,
     /// `{"id","created","model"}` of the upstream reply, as JSON, once a chunk named them.
     pub template: Option<String>,
+    /// The finishing chunk of a client that asked for no usage, held for the usage chunk
+    /// right behind it: vLLM stamps `system_fingerprint` on a stream's last chunk when no
+    /// usage chunk follows, and upstream is always asked for one (`take_held`).
+    held: Option<Map<String, Value>>,
 }
 
 const USAGE_KEY: &[u8] = b",\"usage\":{";
@@ -35,13 +39,14 @@ const TEXT_DELTAS: [&str; 3] = ["content", "reasoning_content", "reasoning"];
 
 impl ChunkShaper {
     /// `include_usage`: the client asked for `stream_options.include_usage` (it then gets
-    /// `"usage":null` on every chunk and the final usage chunk, as vLLM sends them).
+    /// the final usage chunk, and no usage key on the others, as vLLM sends them).
     pub fn new(include_usage: bool) -> Self {
         Self {
             include_usage,
             completion_tokens: 0,
             finished: false,
             template: None,
+            held: None,
         }
     }
 
@@ -56,7 +61,7 @@ impl ChunkShaper {
     /// The payload is not JSON (502, the message says what the backend sent), or it is
     /// vLLM's in-band error event (`in_band_failure`).
     pub fn feed(&mut self, data: &[u8]) -> Result<Shaped, Failure> {
-        if self.template.is_some() {
+        if self.template.is_some() && self.held.is_none() {
             if let Some(shaped) = self.passthrough(data) {
                 return Ok(shaped);
             }
@@ -85,24 +90,39 @@ impl ChunkShaper {
         }
         let new_tokens = self.count(&chunk);
         let choices = chunk.get("choices").and_then(Value::as_array);
-        if choices.is_some_and(|cs| cs.iter().any(|c| !c["finish_reason"].is_null())) {
-            self.finished = true;
-        }
-        if choices.is_none_or(Vec::is_empty) {
+        let finishing = choices.is_some_and(|cs| cs.iter().any(|c| !c["finish_reason"].is_null()));
+        let usage_only = choices.is_none_or(Vec::is_empty);
+        self.finished |= finishing;
+        if usage_only {
+            if let Some(mut held) = self.held.take() {
+                if let Some(fingerprint) = chunk.get("system_fingerprint") {
+                    held.insert("system_fingerprint".to_owned(), fingerprint.clone());
+                }
+                let frame = Some(frame_of(&Value::Object(held)));
+                return Ok(Shaped { frame, new_tokens });
+            }
             let frame = self.include_usage.then(|| frame_of(&Value::Object(chunk)));
             return Ok(Shaped { frame, new_tokens });
         }
-        if chunk.contains_key("usage") {
-            if self.include_usage {
-                chunk.insert("usage".to_owned(), Value::Null);
-            } else {
-                chunk.remove("usage");
-            }
+        chunk.remove("usage");
+        let mut frame = self.take_held().unwrap_or_default();
+        if finishing && !self.include_usage {
+            self.held = Some(chunk);
+            return Ok(Shaped {
+                frame: (!frame.is_empty()).then_some(frame),
+                new_tokens,
+            });
         }
+        frame.extend_from_slice(&frame_of(&Value::Object(chunk)));
         Ok(Shaped {
-            frame: Some(frame_of(&Value::Object(chunk))),
+            frame: Some(frame),
             new_tokens,
         })
+    }
+
+    /// The held finishing chunk's frame, if one waits (the stream ended or was cut first).
+    pub fn take_held(&mut self) -> Option<Vec<u8>> {
+        self.held.take().map(|h| frame_of(&Value::Object(h)))
     }
 
     /// vLLM puts continuous usage last: cut it off without parsing the chunk.
@@ -114,6 +134,9 @@ impl ChunkShaper {
         let head = &data[..cut];
         if find(head, b"\"choices\":[]").is_some() || find(head, b"\"error\"").is_some() {
             return None;
+        }
+        if !self.include_usage && find(head, b"\"finish_reason\":\"").is_some() {
+            return None; // the last chunk waits for the fingerprint (`held`)
         }
         let at = find(&data[cut..], TOKENS_KEY)? + cut + TOKENS_KEY.len();
         let digits = trim_spaces(&data[at..]);
@@ -130,11 +153,7 @@ impl ChunkShaper {
         if find(head, b"\"finish_reason\":\"").is_some() {
             self.finished = true;
         }
-        let tail: &[u8] = if self.include_usage {
-            b",\"usage\":null}"
-        } else {
-            b"}"
-        };
+        let tail: &[u8] = b"}";
         let mut frame = Vec::with_capacity(head.len() + tail.len() + 8);
         frame.extend_from_slice(b"data: ");
         frame.extend_from_slice(head);
@@ -419,16 +438,16 @@ mod tests {
     }
 
     #[test]
-    fn include_usage_keeps_null_and_final_usage_chunk() {
+    fn include_usage_keeps_only_the_final_usage_chunk() {
         let mut s = ChunkShaper::new(true);
         let a = s.feed(&chunk(1, "a", "null")).unwrap();
-        assert!(String::from_utf8(a.frame.unwrap())
+        assert!(!String::from_utf8(a.frame.unwrap())
             .unwrap()
-            .contains("\"usage\":null"));
+            .contains("\"usage\""));
         let b = s.feed(&chunk(2, "b", "null")).unwrap();
-        assert!(String::from_utf8(b.frame.unwrap())
+        assert!(!String::from_utf8(b.frame.unwrap())
             .unwrap()
-            .ends_with(",\"usage\":null}\n\n"));
+            .contains("\"usage\""));
         let last = br#"{"id":"c1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
         let c = s.feed(last).unwrap();
         assert_eq!(c.new_tokens, 0);
@@ -437,6 +456,26 @@ mod tests {
             .contains("\"completion_tokens\":2"));
         let mut plain = ChunkShaper::new(false);
         assert_eq!(plain.feed(last).unwrap().frame, None);
+    }
+
+    // With no usage asked for, vLLM puts `system_fingerprint` on the last chunk; upstream
+    // sends it on the usage chunk behind it, which the client does not get.
+    #[test]
+    fn the_last_chunk_takes_the_fingerprint_of_the_usage_chunk_behind_it() {
+        let mut s = ChunkShaper::new(false);
+        s.feed(&chunk(1, "a", "null")).unwrap();
+        let last = s.feed(&chunk(2, "b", "\"length\"")).unwrap();
+        assert_eq!((last.frame, last.new_tokens), (None, 1));
+        let usage = br#"{"id":"c1","choices":[],"usage":{"completion_tokens":2},"system_fingerprint":"fp-1"}"#;
+        let frame = String::from_utf8(s.feed(usage).unwrap().frame.unwrap()).unwrap();
+        let sent: Value = serde_json::from_str(frame.trim().trim_start_matches("data: ")).unwrap();
+        assert_eq!(sent["system_fingerprint"], "fp-1");
+        assert_eq!(sent["choices"][0]["finish_reason"], "length");
+        assert!(sent.get("usage").is_none());
+        assert!(s.take_held().is_none());
+        let mut cut = ChunkShaper::new(false);
+        cut.feed(&chunk(1, "a", "\"stop\"")).unwrap();
+        assert!(cut.take_held().is_some()); // a stream that ends without it still sends it
     }
 
     // vLLM's in-band error event is the stream's failure, not a chunk to pass on.

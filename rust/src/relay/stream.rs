@@ -405,6 +405,9 @@ impl Task {
             );
         }
         if decoded.done {
+            if let Some(frame) = self.shaper.take_held() {
+                self.add_frame(frame, now);
+            }
             self.draining_body = true;
             self.drain_until = Some(now + BODY_END_WAIT);
             self.upstream_complete = true;
@@ -606,6 +609,9 @@ impl Task {
                 if !self.terminated {
                     self.clean = false;
                     self.flush_held();
+                    if let Some(last) = self.shaper.take_held() {
+                        self.push_frame(&last);
+                    }
                     if !only_if_open || !self.shaper.finished {
                         self.push_frame(&frame);
                     }
