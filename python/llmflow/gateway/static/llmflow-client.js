@@ -129,8 +129,7 @@ function streamWebSocket(request, options) {
       } else if (msg.type === "error") {
         throw new LlmflowError(msg.status, msg.error, msg.retry_after ?? null);
       } else if (msg.type === "closed") {
-        const error = { message: `the gateway closed the connection mid-stream (code ${msg.code})`, type: "bad_gateway", code: "connection_lost" };
-        throw new LlmflowError(502, error);
+        throw lost(`the gateway closed the connection mid-stream (code ${msg.code})`);
       }
     };
     const pump = async () => {
@@ -208,6 +207,8 @@ async function streamSse(request, options) {
     headers,
     body: JSON.stringify({ ...request, stream: true }),
     signal,
+  }).catch((error) => {
+    throw signal?.aborted ? error : lost(`the gateway could not be reached (${error.message})`);
   });
   if (!reply.ok) throw await httpError(reply);
   onStart?.({ window: null, requestId: null });
@@ -218,7 +219,9 @@ async function streamSse(request, options) {
   let usage = null;
   let tokens = 0;
   for (;;) {
-    const { value, done } = await reader.read();
+    const { value, done } = await reader.read().catch((error) => {
+      throw signal?.aborted ? error : lost(`the stream broke off (${error.message})`);
+    });
     if (done) break;
     buffer += value;
     let end;
@@ -243,5 +246,9 @@ async function streamSse(request, options) {
       await onChunk?.(chunk, { seq, window: null, unacked: null, tokens: chunkTokens });
     }
   }
-  throw new LlmflowError(502, { message: "the stream ended without [DONE]", type: "bad_gateway", code: "connection_lost" });
+  throw lost("the stream ended without [DONE]");
+}
+
+function lost(message) {
+  return new LlmflowError(502, { message, type: "bad_gateway", code: "connection_lost" });
 }

@@ -85,7 +85,7 @@ function paintWindow() {
 function paintChart() {
   const svg = $("chart");
   const span = Math.max(MIN_SPAN, view.history.length); // fills from the left, then scrolls
-  const top = Math.max(4, view.window ?? 0, ...view.history.map(([u, b]) => Math.max(u, b ?? 0)));
+  const top = 1.25 * Math.max(4, view.window ?? 0, ...view.history.map(([u, b]) => Math.max(u, b ?? 0)));
   const line = (pick) =>
     view.history
       .map((s, i) => `${i ? "L" : "M"}${((300 * i) / (span - 1)).toFixed(1)},${(86 - (80 * (pick(s) ?? 0)) / top).toFixed(1)}`)
@@ -93,7 +93,9 @@ function paintChart() {
   const cap = view.window ? 86 - (80 * view.window) / top : null;
   svg.innerHTML =
     (cap === null ? "" : `<line x1="0" x2="300" y1="${cap}" y2="${cap}" stroke="#f59e0b" stroke-dasharray="4 3"/>`) +
-    `<path d="${line((s) => s[1])}" fill="none" stroke="#06b6d4" stroke-width="2" vector-effect="non-scaling-stroke"/>` +
+    (view.history.length > 1
+      ? `<path d="${line((s) => s[1])}L${((300 * (view.history.length - 1)) / (span - 1)).toFixed(1)},86L0,86Z" fill="#06b6d4" fill-opacity=".18" stroke="#06b6d4" stroke-width="1.5" vector-effect="non-scaling-stroke"/>`
+      : "") +
     `<path d="${line((s) => s[0])}" fill="none" stroke="#6366f1" stroke-width="2" vector-effect="non-scaling-stroke"/>`;
   svg.dataset.points = view.history.length;
 }
