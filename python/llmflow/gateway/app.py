@@ -31,7 +31,7 @@ from llmflow.gateway.metrics import GatewayMetrics
 from llmflow.gateway.middleware import BodyLimit, HostGuard, allowed_host_names
 from llmflow.gateway.protocol import install_schemas
 from llmflow.gateway.relay import RelayHost
-from llmflow.gateway.routes import admin, openai, ops, vllm, websocket
+from llmflow.gateway.routes import admin, openai, ops, playground, vllm, websocket
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import BackendRoute, SessionContext
@@ -307,7 +307,7 @@ def create_app(settings: Settings | None = None, trace: TextIO | None = None) ->
         names = allowed_host_names([settings.server.host, *settings.server.allowed_hosts])
         app.state.own_hosts = names  # the fast path checks them too (`fastpath.py`)
         app.add_middleware(HostGuard, allowed=names)
-    for module in (openai, vllm, ops, websocket):
+    for module in (openai, vllm, ops, websocket, playground):
         app.include_router(module.router)
     if settings.admin.port is None:  # no admin listener: the admin routes stay here
         app.include_router(admin.router)
