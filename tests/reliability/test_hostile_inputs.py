@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -24,7 +25,7 @@ from llmflow.sim.server_pd import KvTransfer
 
 from .hostile import chunk_event, install
 from .replies import CHAT, chat
-from .wire import exchange, post_bytes
+from .wire import exchange, open_raw, post_bytes, read_until_closed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -370,3 +371,65 @@ async def test_a_crlf_split_between_reads_never_merges_two_events() -> None:
         r = await h.client.post(CHAT, json=chat(stream=False, max_tokens=5))
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == "one two three "
+
+
+# -- 7. HTTP/1.1 pipelining ------------------------------------------------------------------
+
+
+def _responses(raw: bytes) -> list[bytes]:
+    """The status lines of the responses in `raw`, in order."""
+    return re.findall(rb"HTTP/1\.1 \d{3} [A-Za-z ]*(?=\r\n)", raw)
+
+
+async def test_a_request_pipelined_behind_a_relayed_stream_is_answered_after_it() -> None:
+    """Two streamed completions in one write. On main the first (relayed) became a plain-text
+    500 and the second was never answered; now both stream in order on the connection,
+    each to its [DONE], and the backend served each once."""
+    async with start_gateway() as h:
+        one = post_bytes(CHAT, chat(max_tokens=20, fake={"itl": 0.005}))
+        two = post_bytes(CHAT, chat(max_tokens=3))
+        reply = await exchange(h.url, one + two, timeout_s=3)
+        assert _responses(reply) == [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK"], reply[:400]
+        assert reply.count(b"data: [DONE]") == 2
+        first, second = reply.split(b"HTTP/1.1 200 OK")[1:]
+        assert first.count(b'"content"') >= 20
+        assert second.count(b'"content"') >= 3
+        assert h.fake.seen == 2
+        assert h.fake.completed == 2
+
+
+async def test_pipelined_requests_of_small_heads_are_not_refused_as_one_big_head() -> None:
+    """12 pipelined GETs with 3 KiB of headers each, and the start of a 13th, in one write
+    (38 KiB, over the 32 KiB head limit), the 13th's end a moment later. On main the whole
+    read counted as the 13th's head: a spurious 431 for a 3 KiB head."""
+    pad = "x" * 3000
+    one = f"GET /v1/models HTTP/1.1\r\nhost: localhost\r\nx-pad: {pad}\r\n\r\n".encode()
+    async with start_gateway() as h:
+        reader, writer = await open_raw(h.url)
+        try:
+            writer.write(one * 12 + one[:2000])
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(one[2000:])
+            await writer.drain()
+            reply = await read_until_closed(reader, 1.5)
+        finally:
+            writer.close()
+        assert _responses(reply) == [b"HTTP/1.1 200 OK"] * 13, _responses(reply)[:3]
+
+
+async def test_pipeline_depth_is_bounded() -> None:
+    """5,000 requests pipelined in one go: on main every one was queued (RSS grew with
+    them). Now at most MAX_PIPELINE wait behind the one answered; those are answered, in
+    order, then the connection closes and the rest were never read."""
+    from llmflow.gateway.handoff import MAX_PIPELINE
+
+    one = b"GET /v1/models HTTP/1.1\r\nhost: localhost\r\n\r\n"
+    async with start_gateway() as h:
+        reply = await exchange(h.url, one * 5000, timeout_s=3)
+        answered = _responses(reply)
+        assert set(answered) == {b"HTTP/1.1 200 OK"}
+        assert len(answered) <= MAX_PIPELINE + 1 + 256 * 1024 // len(one), len(answered)
+        assert len(answered) < 5000
+        r = await h.client.get("/v1/models")  # others are served throughout
+        assert r.status_code == 200

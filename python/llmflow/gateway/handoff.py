@@ -97,16 +97,31 @@ class _HeadTooLarge(Exception):
     """Raised inside the parser's callback to stop it before the request reaches the app."""
 
 
+class _PipelineTooDeep(Exception):
+    """Raised inside the parser's callback: more requests are pipelined than are queued."""
+
+
+MAX_PIPELINE = 16  # requests one connection may have queued behind the one being answered
+
+
 _LINGER_S = 2.0  # after an error, how long the rest of a refused upload is read and dropped
 
 
 @dataclass(slots=True)
 class TakenSocket:
-    """A client connection taken from uvicorn: the relay owns `fd` now."""
+    """A client connection taken from uvicorn: the relay owns `fd` now.
+
+    `keep_alive`: the relay hands the connection back after the reply. `close_header`: the
+    reply's head says `connection: close`. They differ for a spliced reply (`spliced`): one
+    with requests pipelined behind it, which the relay writes into a socket pair that this
+    process copies, in order, onto the client's connection, which uvicorn keeps.
+    """
 
     fd: int
     keep_alive: bool
     protocol: HandoffProtocol
+    close_header: bool = False
+    spliced: bool = False
 
     def adopt(self, fd: int) -> None:
         """Serve the connection's next requests with a fresh uvicorn protocol."""
@@ -140,6 +155,10 @@ class HandoffProtocol(HttpToolsProtocol):
     _head_bytes = 0  # bytes received while the head was open
     _head_too_large = False  # the parser stopped because the head passed the limit
     _discarding = False  # an error was sent: what still arrives is dropped
+    _began_in_read = False  # a request began inside the read being parsed
+    _pipeline_too_deep = False  # the parser stopped at MAX_PIPELINE queued requests
+    _running: Any = None  # the cycle whose ASGI task runs
+    _splice: socket.socket | None = None  # our end of a spliced reply's socket pair
 
     def data_received(self, data: bytes) -> None:
         """Feed the parser, counting what arrives while a request's head is still open."""
@@ -153,8 +172,12 @@ class HandoffProtocol(HttpToolsProtocol):
         if self._discarding:
             return
         was_open = self._head_open
+        self._began_in_read = False
         super().data_received(data)
-        if was_open and self._head_open and not self._discarding:  # all of it is one head
+        # All of the read is one head only if that head was open before it and no request
+        # began inside it (a read that ends pipelined requests and begins another counts
+        # from the next read on; the whole head is measured when it ends either way).
+        if was_open and self._head_open and not self._began_in_read and not self._discarding:
             self._head_bytes += len(data)
             if self._head_bytes > self._head_limit:
                 self._refuse_head()
@@ -177,6 +200,17 @@ class HandoffProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and not isinstance(cycle.transport, _Lingering):
             cycle.transport = _Lingering(self.transport, self, cycle)  # type: ignore[assignment]
+        if len(self.pipeline) > MAX_PIPELINE:
+            # Answer what is queued, then close: requests past the bound are never read (a
+            # client learns from the close that they were not served, and may resend them).
+            self.pipeline.popleft()
+            self.pipeline[0][0].keep_alive = False
+            self._pipeline_too_deep = self._discarding = True
+            raise _PipelineTooDeep  # stop the parser inside this read too
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle  # the request whose ASGI task runs (one at a time per connection)
+        super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
         """Keep a held request's body; pass any other to uvicorn."""
@@ -187,6 +221,8 @@ class HandoffProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes it cannot parse, as an OpenAI-style body."""
+        if self._pipeline_too_deep:
+            return  # not a parse error: the parser was stopped; queued answers go out first
         if self._head_too_large:
             self._refuse_head()
             return
@@ -253,6 +289,10 @@ class HandoffProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_read_timer()
         self._held = None  # it never reached the runtime
+        if self._splice is not None:  # the relay, writing the other end, hears it left
+            with contextlib.suppress(OSError):
+                self._splice.shutdown(socket.SHUT_RDWR)
+        self._running = None
         super().connection_lost(exc)
         # The protocol's reference cycles (its scope's hand-off method, its request cycle, the
         # keep-alive timer's bound method) would keep it for the cyclic GC: a flood's connections
@@ -269,7 +309,7 @@ class HandoffProtocol(HttpToolsProtocol):
         super().shutdown()
 
     def on_message_begin(self) -> None:
-        self._head_open, self._head_bytes = True, 0
+        self._head_open, self._head_bytes, self._began_in_read = True, 0, True
         super().on_message_begin()
         self._begun = True
         self._arm_read_timer()
@@ -320,18 +360,21 @@ class HandoffProtocol(HttpToolsProtocol):
     def _take(self) -> TakenSocket | None:
         """Detach the socket: a duplicate of its fd goes to the caller, uvicorn forgets it.
 
-        Returns None when the connection is closing or another request is pipelined behind
-        this one (its bytes belong to uvicorn's parser).
+        With another request pipelined behind this one (its bytes are uvicorn's parser's
+        already), the reply is spliced instead: the caller gets one end of a socket pair,
+        and what the relay writes there is copied onto the connection, which uvicorn keeps
+        and goes on to answer the next request on. Returns None when the connection is
+        closing.
         """
-        transport, cycle = self.transport, self.cycle
+        transport, cycle = self.transport, self._running or self.cycle
         sock = transport.get_extra_info("socket")
         if cycle is None:
             return None
         if sock is None or transport.is_closing():
             cycle.disconnected = True  # the client is going: nothing to answer, nobody to tell
             return None
-        if self.pipeline:
-            return None
+        if self.pipeline or self._begun or self._pipeline_too_deep:
+            return self._take_spliced(cycle)
         # A stalled client holds at most this much in the kernel, not the megabytes TCP
         # autotuning would grant: the relay's window then fills when the client stops reading.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
@@ -340,7 +383,39 @@ class HandoffProtocol(HttpToolsProtocol):
         cycle.disconnected = True  # uvicorn sends nothing more on this cycle (no 500 either)
         transport.pause_reading()
         transport.abort()  # closes uvicorn's fd only: the duplicate keeps the connection open
-        return TakenSocket(fd, keep_alive, self)
+        return TakenSocket(fd, keep_alive, self, close_header=not keep_alive)
+
+    def _take_spliced(self, cycle: Any) -> TakenSocket:
+        relay_end, ours = socket.socketpair()
+        relay_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
+        ours.setblocking(False)
+        fd = os.dup(relay_end.fileno())
+        relay_end.close()
+        self._splice = ours
+        cycle.disconnected = True  # the cycle itself sends nothing (no 500 either)
+        task = self.loop.create_task(self._copy_splice(ours, cycle))
+        self.server_state.tasks.add(task)
+        task.add_done_callback(self.server_state.tasks.discard)
+        return TakenSocket(fd, False, self, close_header=not cycle.keep_alive, spliced=True)
+
+    async def _copy_splice(self, ours: socket.socket, cycle: Any) -> None:
+        """Copy the relayed reply onto the connection, then answer what is pipelined."""
+        try:
+            while data := await self.loop.sock_recv(ours, _SEND_BUFFER_BYTES):
+                if self.transport.is_closing():
+                    return
+                self.transport.write(data)
+                await cycle.flow.drain()  # the client's pace, as the relay's own socket
+        except OSError:
+            return
+        finally:
+            self._splice = None
+            ours.close()
+        if not cycle.keep_alive or (self._pipeline_too_deep and not self.pipeline):
+            self.transport.close()
+            return
+        cycle.response_complete = True
+        self.on_response_complete()  # the next pipelined request starts
 
     def adopt(self, fd: int) -> None:
         """Start a new protocol of this kind on a connection the relay handed back."""

@@ -314,7 +314,7 @@ class RelayedSession(StreamSession):
         self.taken = taken
         head = b"HTTP/1.1 200 OK\r\n" + _HEADERS
         head += f"x-request-id: llmflow-{self.request_id}\r\n".encode()
-        if not taken.keep_alive:
+        if taken.close_header:
             head += b"connection: close\r\n"
         if not self.relay.attach(self.request_id, taken.fd, head + b"\r\n", taken.keep_alive):
             self.taken = None  # the stream had ended: the relay closed the socket
