@@ -28,7 +28,7 @@ from llmflow._core import replay_trace
 from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
 from llmflow.gateway.handoff import server_options
-from llmflow.gateway.shadow import forwarding_config
+from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
 from .fake_vllm import FakeVllm
 from .harness import serve_asgi, settings_for, start_gateway, until
@@ -256,6 +256,9 @@ def test_the_forwarding_runtime_holds_nothing_back() -> None:
     assert all("requests_per_s" not in t for t in policy["tenants"])
     assert policy["routing"]["policy"] == "round_robin"
     assert config["lifecycle"]["stall_timeout_ms"] is None
+    light = uncapped_light(settings)  # the light lane's caps are lifted too
+    assert [b.light_concurrency >= 100_000 for b in light.backends] == [True]
+    assert settings.backends[0].light_concurrency == 16
 
 
 def test_shadow_mode_refuses_what_it_cannot_shadow() -> None:

@@ -35,7 +35,7 @@ from llmflow.gateway.routes import admin, openai, ops, playground, vllm, websock
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import BackendRoute, SessionContext
-from llmflow.gateway.shadow import ShadowHost
+from llmflow.gateway.shadow import ShadowHost, uncapped_light
 from llmflow.gateway.telemetry import Tracing
 from llmflow.gateway.upstream import Upstream
 
@@ -123,7 +123,8 @@ class Gateway:
             from llmflow.gateway.shared_scrape import SharedScrapes
 
             self.scraper.shared = SharedScrapes(self.host.leases, s.metrics.scrape_interval_ms)
-        self.light = light = LightService(s, urls, self.upstream.client)
+        light_settings = uncapped_light(s) if self.shadow is not None else s
+        self.light = light = LightService(light_settings, urls, self.upstream.client)
         scraper_on_health = self.host.on_health
 
         def on_health(backend: str, healthy: bool) -> None:  # the runtime's SetHealth, to both

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from llmflow.config import Settings
     from llmflow.gateway.host import Party
 
-__all__ = ["ShadowHost", "Verdict", "forwarding_config"]
+__all__ = ["ShadowHost", "Verdict", "forwarding_config", "uncapped_light"]
 
 _UNBOUNDED = 1_000_000  # slots per GPU and waiting places: more than any vLLM takes at once
 _MIRRORED_FAILURE = "upstream_error"  # the policy runtime repeating a real failure, no verdict
@@ -70,6 +70,14 @@ def forwarding_config(settings: Settings) -> dict[str, Any]:
     policy["routing"] = {**policy["routing"], "policy": "round_robin", "pools": {}}
     config["lifecycle"] = {**config["lifecycle"], "stall_timeout_ms": None}
     return config
+
+
+def uncapped_light(settings: Settings) -> Settings:
+    """The settings the light lane (embeddings, rerank, tokenize, audio) is built from in
+    shadow mode: its per-backend caps lifted, as `direct` sends those at once too. (The light
+    lane is not the runtime's: what it would have refused is not recorded.)"""
+    backends = [b.model_copy(update={"light_concurrency": _UNBOUNDED}) for b in settings.backends]
+    return settings.model_copy(update={"backends": backends})
 
 
 class Verdict:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from llmflow.config import Telemetry
     from llmflow.gateway.session import Prepared, StreamSession
+    from llmflow.gateway.shadow import Verdict
 
 __all__ = ["Tracing", "otlp_traces_url"]
 
@@ -138,19 +139,24 @@ class Tracing:
         if spans.upstream is not None:
             spans.upstream.end(end_time=self._ns(now))
         root = spans.root
-        root.set_attributes(_request_attributes(session))
+        if root.is_recording():  # sampled: the decision goes on it in one call
+            root.set_attributes(self._attributes_of(session, root))
+        root.end(end_time=self._ns(now))
+
+    def _attributes_of(self, session: StreamSession, root: Span) -> dict[str, Any]:
+        attributes = _request_attributes(session)
         error = session.error or _refusal_of(session)
         if error is not None:
-            root.set_attributes(_error_attributes(error))
+            attributes |= _error_attributes(error)
         elif session.end not in _CUT_OUTCOMES:
-            root.set_attribute("llmflow.truncated", session.end)  # a cut, with its notice
-        root.set_attribute("http.response.status_code", error.status if error else 200)
-        outcome = outcome_of(session)[0]
-        root.set_attribute("llmflow.outcome", outcome)
+            attributes["llmflow.truncated"] = session.end  # a cut, with its notice
+        attributes["http.response.status_code"] = error.status if error else 200
+        outcome = attributes["llmflow.outcome"] = outcome_of(session)[0]
         if outcome == "failed" or (error is not None and error.status >= 500):
             root.set_status(self._status(self._code.ERROR, session.end))
-        _shadow_attributes(root, session)
-        root.end(end_time=self._ns(now))
+        if session.shadow is not None:
+            attributes |= _shadow_attributes(session.shadow)
+        return attributes
 
     def refused(self, prepared: Prepared, error: GatewayError, request_id: str | None) -> None:
         """A request refused as it arrived (no session; the fast path's refusals too)."""
@@ -239,16 +245,14 @@ def _refusal_of(session: StreamSession) -> GatewayError | None:
     return exc if isinstance(exc, GatewayError) else None
 
 
-def _shadow_attributes(root: Span, session: StreamSession) -> None:
-    verdict = session.shadow
-    if verdict is None:
-        return
-    root.set_attribute("llmflow.shadow.verdict", verdict.summary())
-    if verdict.reason is not None:
-        root.set_attribute("llmflow.shadow.reason", verdict.reason)
-    if verdict.retry_after_s is not None:
-        root.set_attribute("llmflow.shadow.retry_after_s", verdict.retry_after_s)
-    if verdict.status is not None:
-        root.set_attribute("llmflow.shadow.status", verdict.status)
-    if verdict.backend is not None:
-        root.set_attribute("llmflow.shadow.backend", verdict.backend)
+def _shadow_attributes(verdict: Verdict) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"llmflow.shadow.verdict": verdict.summary()}
+    for key, value in (
+        ("reason", verdict.reason),
+        ("retry_after_s", verdict.retry_after_s),
+        ("status", verdict.status),
+        ("backend", verdict.backend),
+    ):
+        if value is not None:
+            attributes[f"llmflow.shadow.{key}"] = value
+    return attributes
