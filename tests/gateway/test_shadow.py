@@ -124,6 +124,10 @@ async def _replay(h: Harness, shadow: bool) -> Seen:
     if shadow:  # nothing is held back: all five reach vLLM (fails here on timeout if not)
         await until(lambda: fake.running == 5)
     seen.held_back = len(sessions) - fake.running  # live here, not yet at vLLM
+    if shadow:  # /api/state shows the policy's view beside what runs
+        state = (await c.get("/api/state")).json()
+        assert (state["core"]["running"], state["core"]["queued"]) == (5, 0)
+        assert (state["shadow"]["running"], state["shadow"]["queued"]) == (2, 1)
     if shadow:  # past every total deadline: the policy runtime has cut what it would have
         assert h.gateway.shadow is not None
         policy = h.gateway.shadow.policy.runtime

@@ -227,7 +227,7 @@ class Gateway:
         sessions = list(self.ctx.sessions) if self.ctx else []
         core = self.runtime.snapshot(now_us())
         generated = {r["id"]: r["generated_tokens"] for r in core.get("requests", ())}
-        return {
+        state = {
             "draining": self.draining,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "core": core,
@@ -241,6 +241,9 @@ class Gateway:
             ],
             "ttft": self.metrics.ttft_buckets(),
         }
+        if self.shadow is not None:  # shadow mode: the policy runtime's state, beside what runs
+            state["shadow"] = self.shadow.policy.runtime.snapshot(now_us())
+        return state
 
 
 def _settle_heap() -> None:
