@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from llmflow.gateway.streaming import notice_for
+
 from .browser import CHROMIUM, Browser
 from .harness import start_gateway, start_sim_gateway, until
 from .playground_page import Page, log_in
@@ -145,11 +147,13 @@ async def test_a_renderer_that_speeds_up_gets_merged_chunks_and_all_the_text(
         if SHOTS is not None:  # the README's picture: held back, merged chunks, the server's view
             await page.wait_for("document.getElementById('chart').dataset.points > 12")
             await asyncio.to_thread(page.browser.screenshot, SHOTS / "playground.png")
+        (wire,) = tap.sockets
+        sped_up_at = wire.sent
         await page.set_value("delay", 0)
         await page.wait_for(
             "document.getElementById('result').textContent.startsWith('completed')", 60
         )
-        (wire,) = tap.sockets
+        assert max(wire.chunk_tokens[sped_up_at:]) > 1  # what waited came merged
         assert wire.peak_unacked == WINDOW
         assert (h.fake.completed, h.fake.tokens_sent) == (1, SHORT_TOKENS)
         assert sum(wire.chunk_tokens) == SHORT_TOKENS
@@ -313,6 +317,23 @@ async def test_a_refusal_reaches_the_page_with_its_status_and_retry_after(tmp_pa
         assert "queue_full" in result
         assert re.search(r"retry after [1-9][0-9]* s", result), result
         assert h.fake.seen == 1  # neither refusal reached the backend
+
+
+async def test_a_reply_cut_at_its_deadline_shows_the_notice(tmp_path: Path) -> None:
+    gateway = start_gateway(configure=_fake_plan(itl=0.01), timeouts={"total_ms": 800})
+    async with _playground(tmp_path, gateway) as (h, tap, page):
+        await _send(page, 1000, delay_ms=0)
+        result = await page.wait_for(
+            "document.getElementById('result').textContent.startsWith('deadline')"
+            " && document.getElementById('result').textContent"
+        )
+        (wire,) = tap.sockets
+        assert result == f"deadline · {wire.sent} chunks sent · cut: deadline"
+        notice = notice_for("deadline")
+        assert wire.text[-1] == notice  # the gateway's last chunk is the notice...
+        assert (await page.text("output")).endswith(notice)  # ...and the page drew it
+        assert await page.text("output") == "".join(wire.text)
+        await until(lambda: h.fake.aborted == 1)
 
 
 def _cell(key: str) -> str:
