@@ -175,7 +175,7 @@ impl Governor {
                 .enumerate()
                 .map(|(i, t)| (t.name.clone(), self.queue.tier_len(i)))
                 .collect(),
-            shed_level: self.shed_level,
+            shed_level: self.breaker.level,
             draining: self.draining,
             kv_blocks_in_use: self.ledger.total_blocks(),
             drain_rate_per_s: self.drain_rate(),

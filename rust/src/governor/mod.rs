@@ -17,18 +17,26 @@
 //! - commands: `start_draining`;
 //! - actions out: `dispatch` (admissions) and `expire` (missed deadlines).
 //!
-//! The code is split by concern: this file holds the state, the queries and `submit`;
-//! `dispatch`, `deadlines`, `shedding`, `lifecycle` (tokens and `finish`) and `observe`
-//! (backend scrapes and health) hold the rest.
+//! The code is split by concern: this file holds the state and the queries; `admission`
+//! `submit` and its decision, `dispatch`, `deadlines`, `shedding`, `lifecycle` (tokens and
+//! `finish`) and `observe` (backend scrapes and health) the rest. The sub-states the governor
+//! owns are types with their own methods and tests: `Arrival` (what `submit` decides on),
+//! `Request` and `Running`, `DeadlineTable`, `Breaker` (the preemption breaker),
+//! `OutputMemory` (expected output), `RetryMemory`, `TierLoad` (per-tier load), `Counters`.
 
+mod admission;
 mod arrival;
+mod breaker;
+mod counters;
 mod deadlines;
 mod dispatch;
 mod headroom;
 mod lifecycle;
 mod limits;
 mod observe;
+mod output;
 mod refusal;
+mod request;
 mod retries;
 mod shared;
 mod shedding;
@@ -37,101 +45,28 @@ use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
-use crate::backend::{BackendState, EWMA_ALPHA};
-use crate::config::{BackendRole, PolicyConfig, RoutePolicy};
+use crate::backend::BackendState;
+use crate::config::{BackendRole, PolicyConfig};
 use crate::error::{PolicyError, PolicyResult};
-use crate::fair_queue::{FairQueue, QueuedItem};
+use crate::fair_queue::FairQueue;
 use crate::kv::KvLedger;
 use crate::routing::{Pools, PrefixMemory};
-use crate::types::{Admission, Decision, ExpiryReason, Outcome, RejectReason};
+use crate::types::Admission;
 
 pub use arrival::{Arrival, OwnedArrival, Route};
+use breaker::Breaker;
+pub use counters::Counters;
+use deadlines::DeadlineTable;
 pub use headroom::servers_needed;
 use headroom::TierLoad;
+use output::OutputMemory;
+pub(crate) use request::{Request, Running};
 
 /// Mean service time assumed until the first completion is measured; it only shapes the
 /// first Retry-After and queue-wait estimates.
 const PRIOR_SERVICE_S: f64 = 10.0;
 /// Retry-After bounds: never zero (clients would hammer), never beyond an hour.
 const RETRY_AFTER_RANGE: (f64, f64) = (0.05, 3600.0);
-
-#[derive(Debug, Clone)]
-pub(crate) struct Running {
-    /// Where it holds its slot and KV and decodes.
-    pub backend: u32,
-    /// In a split pool, while its prefill hop runs: the prefill instance (its slot there is
-    /// held until the hop answers, `Governor::prefilled`, or the request ends).
-    pub prefill: Option<u32>,
-    /// Its pool is split: its prompt's prefill was counted on the prefill instance.
-    split: bool,
-    admitted_us: u64,
-    pub first_token: bool,
-    /// Nothing else was in prefill on its backend when it started: its own time to first
-    /// token then bounds the backend's prefill throughput from below.
-    prefill_alone: bool,
-}
-
-impl Running {
-    /// How long its prompt took to its first token (or its prefill hop's answer) if nothing
-    /// else was in prefill on its backend when it started, else 0. Only such a prompt bounds
-    /// the backend's prefill throughput: under a burst each prompt shares the steps, and its
-    /// own time says little.
-    pub(crate) fn alone_us(&self, now_us: u64) -> u64 {
-        if self.prefill_alone {
-            now_us.saturating_sub(self.admitted_us)
-        } else {
-            0
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct Request {
-    pub tenant: u32,
-    pub tier: usize,
-    /// The model pool it waits and runs in.
-    pub pool: u32,
-    /// Its block hashes, kept only in a `prefix` pool (remembered where it starts).
-    pub chain: Vec<u64>,
-    /// In a `prefix` pool, once started: the leading blocks its backend likely held then.
-    pub prefix_hits: Option<u64>,
-    pub prompt: u64,
-    pub max_tokens: u64,
-    pub generated: u64,
-    /// KV blocks this request counts against its backend while running: the larger of its
-    /// expected peak (prompt plus expected output, fixed at start) and what it holds now.
-    pub committed: u64,
-    /// `max_tokens` after a brownout clamped it (`None`: as asked).
-    pub browned_out: Option<u64>,
-    pub priority: i64,
-    pub submitted_us: u64,
-    /// When its client first came: `submitted_us`, or earlier for a known retry.
-    first_seen_us: u64,
-    fingerprint: u64,
-    pub running: Option<Running>,
-    deadlines: [Option<u64>; 3],
-}
-
-/// Counts by decision, reason and outcome, for metrics.
-///
-/// A request `submit` queued and its own dispatch then started at once counts as `admitted`
-/// (its decision says so), not as `queued` plus `dispatched`; other requests that dispatch
-/// started count as `dispatched`, like those a host's `dispatch` call starts.
-#[derive(Debug, Clone, Default)]
-pub struct Counters {
-    pub admitted: u64,
-    pub queued: u64,
-    pub dispatched: u64,
-    /// Requests admitted or queued with `max_tokens` clamped by a brownout.
-    pub browned_out: u64,
-    /// Arrivals known as a client's retry of a request that ended unserved (`retries`).
-    pub retries_known: u64,
-    /// Queued requests that went to their tier's late lane (moved there, or arrived late).
-    pub late: u64,
-    pub rejected: [u64; RejectReason::ALL.len()],
-    pub finished: [u64; Outcome::ALL.len()],
-    pub expired: [u64; ExpiryReason::ALL.len()],
-}
 
 #[derive(Debug, Clone)]
 pub struct Governor {
@@ -148,24 +83,21 @@ pub struct Governor {
     pub(crate) pools: Pools,
     /// Per backend: the block hashes of prompts routed there (its likely prefix cache).
     pub(crate) prefix: Vec<PrefixMemory>,
-    deadlines: BTreeSet<(u64, u64, ExpiryReason)>,
+    deadlines: DeadlineTable,
     /// Queued requests of the fresh lanes by the time they move to the late lane.
     lapses: BTreeSet<(u64, u64)>,
     /// When the clients of requests that ended unserved first came, by fingerprint.
     retries: retries::RetryMemory,
-    pub(crate) shed_level: u8,
-    breaker_until_us: u64,
+    /// The preemption breaker: its level sheds unprotected tiers' slots.
+    pub(crate) breaker: Breaker,
     service_s: Option<f64>,
     /// Per tier: arrival rate, hold time and KV commitment, measured (headroom sizing).
     pub(crate) tier_load: Vec<TierLoad>,
     /// Slots the latency tiers need kept free beyond those they hold, and when computed.
     pub(crate) headroom: u32,
     headroom_at_us: Option<u64>,
-    /// Output tokens of completed requests, smoothed (`None` until one ends): per tenant, then
-    /// per tier and over all, for tenants with no completed request yet.
-    expected_output: Vec<Option<f64>>,
-    tier_output: Vec<Option<f64>>,
-    all_output: Option<f64>,
+    /// Output tokens of completed requests, smoothed (the expected output of a newcomer).
+    output: OutputMemory,
     /// Per tenant: its rate-limit token buckets.
     buckets: Vec<limits::Buckets>,
     pub(crate) draining: bool,
@@ -245,18 +177,15 @@ impl Governor {
             backends,
             pools,
             prefix,
-            deadlines: BTreeSet::new(),
+            deadlines: DeadlineTable::default(),
             lapses: BTreeSet::new(),
             retries: retries::RetryMemory::default(),
-            shed_level: 0,
-            breaker_until_us: 0,
+            breaker: Breaker::default(),
             service_s: None,
             tier_load: vec![TierLoad::default(); tiers],
             headroom: 0,
             headroom_at_us: None,
-            expected_output: vec![None; config.tenants.len()],
-            tier_output: vec![None; tiers],
-            all_output: None,
+            output: OutputMemory::new(config.tenants.len(), tiers),
             buckets: Self::full_buckets(&config),
             draining: false,
             counters: Counters::default(),
@@ -344,6 +273,11 @@ impl Governor {
 
     pub fn tier_name(&self, tier: usize) -> &str {
         &self.config.tiers[tier].name
+    }
+
+    /// The preemption breaker's level (0: nothing shed).
+    pub fn shed_level(&self) -> u8 {
+        self.breaker.level
     }
 
     /// Weighted tokens charged to a tenant so far.
@@ -458,547 +392,17 @@ impl Governor {
         }
     }
 
-    /// Output tokens a request of this tenant is expected to generate: the tenant's measured
-    /// mean; for a tenant with no completed request yet, its tier's, else everyone's (a new
-    /// tenant's requests are expected to look like the others'); never above the request's own
-    /// `max_tokens`, which is the guess until anything is measured.
+    /// Output tokens a request of this tenant is expected to generate (`OutputMemory`).
     pub(crate) fn expected_output(&self, tenant: u32, max_tokens: u64) -> u64 {
         let tier = self.tenant_tier[tenant as usize];
-        self.expected_output[tenant as usize]
-            .or(self.tier_output[tier])
-            .or(self.all_output)
-            .map_or(max_tokens, |mean| (mean.ceil() as u64).min(max_tokens))
+        self.output.expected(tenant, tier, max_tokens)
     }
 
     pub(super) fn record_output(&mut self, tenant: u32, generated: u64) {
-        let g = generated as f64;
-        let fold =
-            |slot: &mut Option<f64>| *slot = Some(slot.map_or(g, |m| m + EWMA_ALPHA * (g - m)));
         let tier = self.tenant_tier[tenant as usize];
-        fold(&mut self.expected_output[tenant as usize]);
-        fold(&mut self.tier_output[tier]);
-        fold(&mut self.all_output);
-    }
-
-    /// `max_tokens` as a request of this tier may have it now: clamped once the queue is
-    /// `brownout_at` full, for tiers that set `brownout_max_tokens`.
-    pub(super) fn brownout(&self, tier_idx: usize, max_tokens: u64) -> u64 {
-        let tier = &self.config.tiers[tier_idx];
-        let Some(clamp) = tier.brownout_max_tokens else {
-            return max_tokens;
-        };
-        let fill = self.queue.len() as f64 / f64::from(self.config.max_waiting.max(1));
-        if fill >= tier.brownout_at {
-            max_tokens.min(clamp)
-        } else {
-            max_tokens
-        }
-    }
-
-    fn check_pool(&self, pool: u32) -> PolicyResult<()> {
-        if pool as usize >= self.pools.len() {
-            return Err(PolicyError::invalid(format!(
-                "pool index {pool} out of range (the config has {} model pools)",
-                self.pools.len()
-            )));
-        }
-        Ok(())
-    }
-
-    fn note_brownout(&mut self, id: u64, asked: u64) {
-        if let Some(req) = self.requests.get_mut(&id) {
-            if req.max_tokens < asked {
-                req.browned_out = Some(req.max_tokens);
-            }
-        }
-    }
-
-    /// The clamped `max_tokens` of a live request a brownout shortened (`None`: as asked).
-    pub fn browned_out(&self, id: u64) -> Option<u64> {
-        self.requests.get(&id).and_then(|r| r.browned_out)
-    }
-
-    // ---- the request lifecycle ---------------------------------------------------------------
-
-    /// Decide on a new request: admit it now, queue it, or reject it. Only backends serving
-    /// its pool's model are candidates, and it waits in the pool's own queue.
-    ///
-    /// A request that queues is dispatched at once: when it can start (the requests ahead of it
-    /// are held back, e.g. by KV fit) the decision is `Admitted`. Other requests that this
-    /// dispatch starts are handed out by the next `dispatch` call, so a host that calls
-    /// `dispatch` after every event misses none.
-    pub fn submit(&mut self, id: u64, arrival: Arrival<'_>, now_us: u64) -> PolicyResult<Decision> {
-        let Arrival {
-            tenant,
-            prompt,
-            max_tokens,
-            route,
-        } = arrival;
-        self.check_pool(route.pool)?;
-        if self.requests.contains_key(&id) {
-            return Err(PolicyError::DuplicateRequest(id));
-        }
-        let tier_idx = *self
-            .tenant_tier
-            .get(tenant as usize)
-            .ok_or_else(|| PolicyError::invalid(format!("tenant index {tenant} out of range")))?;
-        self.tick(now_us);
-        self.lapse(now_us);
-        self.tier_load[tier_idx].arrive(now_us);
-        self.queue.arrive_in(route.pool, tenant);
-        self.update_headroom(now_us);
-        let asked = max_tokens;
-        let first_seen = self.first_seen(tenant, route.fingerprint, now_us);
-        self.counters.retries_known += u64::from(first_seen < now_us);
-        self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
-        let (max_tokens, decision) = self.judge(arrival, tier_idx, now_us);
-        if !matches!(decision, Decision::Rejected { .. }) {
-            self.pay_request(tenant, prompt);
-        }
-        if max_tokens < asked && !matches!(decision, Decision::Rejected { .. }) {
-            self.counters.browned_out += 1;
-        }
-        // A request let in (started or queued) becomes live the same way either way.
-        if let Decision::Admitted { priority, .. } | Decision::Queued { priority, .. } = decision {
-            let kept = arrival.clamped(max_tokens);
-            self.insert(id, kept, tier_idx, priority, first_seen, now_us);
-            self.note_brownout(id, asked);
-        }
-        Ok(match decision {
-            Decision::Rejected { reason, .. } => {
-                self.counters.rejected[reason as usize] += 1;
-                self.note_refusal(reason, tier_idx, now_us);
-                if self.remembers(route.fingerprint) {
-                    self.retries
-                        .remember(tenant, route.fingerprint, first_seen, now_us);
-                }
-                decision
-            }
-            Decision::Admitted {
-                backend, prefill, ..
-            } => {
-                self.start(id, backend, prefill, now_us);
-                self.counters.admitted += 1;
-                decision
-            }
-            Decision::Queued { .. } => self.enqueue(id, arrival, tier_idx, decision, now_us),
-        })
-    }
-
-    /// Queue a request `decide` queued (`submit` made it live), then dispatch. The displacement `decide` chose is
-    /// carried out only if dispatch made no room: when anything started, the queue is no longer
-    /// than before this request came, and nobody needs to be pushed out.
-    fn enqueue(
-        &mut self,
-        id: u64,
-        arrival: Arrival<'_>,
-        tier_idx: usize,
-        queued: Decision,
-        now_us: u64,
-    ) -> Decision {
-        let Arrival {
-            tenant,
-            prompt,
-            route,
-            ..
-        } = arrival;
-        let Decision::Queued {
-            priority,
-            displaced,
-            ..
-        } = queued
-        else {
-            unreachable!("enqueue takes a queued decision")
-        };
-        let first_seen = self.requests[&id].first_seen_us;
-        let late = self.is_late(tier_idx, first_seen, now_us);
-        self.queue.push_to(
-            route.pool,
-            tenant,
-            QueuedItem {
-                id,
-                prompt_tokens: prompt,
-            },
-            first_seen,
-            late,
-        );
-        self.counters.late += u64::from(late);
-        if let Some(at) = self.lapse_time(tier_idx, first_seen).filter(|_| !late) {
-            self.lapses.insert((at, id));
-        }
-        if let Some(ms) = us(self.config.queue_timeout_ms) {
-            self.set_deadline(id, ExpiryReason::QueueTimeout, now_us + ms);
-        }
-        let mut placed = self.place_queued(now_us);
-        let own = placed
-            .iter()
-            .position(|a| a.request_id == id)
-            .map(|i| placed.remove(i));
-        let made_room = own.is_some() || !placed.is_empty();
-        self.counters.dispatched += placed.len() as u64;
-        self.pending.extend(placed);
-        if let Some(own) = own {
-            self.counters.admitted += 1;
-            return Decision::Admitted {
-                backend: own.backend,
-                priority,
-                prefill: own.prefill,
-            };
-        }
-        self.counters.queued += 1;
-        if made_room {
-            let ahead = if late {
-                self.waiting_ahead(route.pool, tier_idx)
-            } else {
-                self.fresh_ahead(route.pool, tier_idx)
-            };
-            let position = ahead - 1;
-            return Decision::Queued {
-                position: position as u32,
-                estimated_wait_s: (position + 1) as f64 / self.drain_rate(),
-                priority,
-                displaced: None,
-            };
-        }
-        if let Some((victim, _)) = displaced {
-            let victim_tier = self.requests[&victim].tier;
-            self.finish_as(victim, None, now_us);
-            self.counters.rejected[RejectReason::Displaced as usize] += 1;
-            self.note_refusal(RejectReason::Displaced, victim_tier, now_us);
-        }
-        queued
-    }
-
-    /// The decision `submit` makes once its bookkeeping is done, and the `max_tokens` it lets
-    /// the request have: the tenant's rate limit first (unless draining), then brownout, then
-    /// `decide`. Pure, so the refusal query asks the very same thing.
-    pub(super) fn judge(
-        &self,
-        arrival: Arrival<'_>,
-        tier_idx: usize,
-        now_us: u64,
-    ) -> (u64, Decision) {
-        let max_tokens = arrival.max_tokens;
-        if !self.draining {
-            if let Some(wait) = self.rate_wait(arrival.tenant, arrival.prompt, now_us) {
-                let refused = Decision::Rejected {
-                    reason: RejectReason::RateLimited,
-                    retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
-                };
-                return (max_tokens, refused);
-            }
-        }
-        let max_tokens = self.brownout(tier_idx, max_tokens);
-        let arrival = arrival.clamped(max_tokens);
-        (max_tokens, self.decide(arrival, tier_idx, now_us))
-    }
-
-    fn decide(&self, arrival: Arrival<'_>, tier_idx: usize, now_us: u64) -> Decision {
-        let (tenant, prompt, route) = (arrival.tenant, arrival.prompt, arrival.route);
-        let max_tokens = arrival.max_tokens;
-        let tier = &self.config.tiers[tier_idx];
-        let drain = self.drain_rate();
-        // Refusals for load add the tier's refused clients still away, so a crowd refused
-        // together is told to come back spread out at the pace its tier gets places, rather
-        // than all at once.
-        let tier_drain = self.tier_drain(tier_idx);
-        let backlog = self.refusal_backlog_s(tier_idx, now_us);
-        let retry =
-            |seconds: f64| (seconds + backlog).clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1);
-        let reject = |reason, seconds: f64| Decision::Rejected {
-            reason,
-            retry_after_s: retry(seconds),
-        };
-        if self.draining {
-            let wait = f64::from(self.running() + 1) / drain;
-            return Decision::Rejected {
-                reason: RejectReason::Draining,
-                retry_after_s: wait.clamp(RETRY_AFTER_RANGE.0, RETRY_AFTER_RANGE.1),
-            };
-        }
-        let pool = route.pool;
-        if !self.pool_can_serve(pool) {
-            let wait = self
-                .stale_after_us()
-                .map_or(PRIOR_SERVICE_S, |u| u as f64 / 1e6);
-            return reject(RejectReason::NoHealthyBackend, wait);
-        }
-        if !tier.protected {
-            if let Some(seconds) = self.kv_pressure_retry(now_us, drain) {
-                return reject(RejectReason::KvPressure, seconds);
-            }
-        }
-        let priority = self.priority(tier_idx, prompt + self.expected_output(tenant, max_tokens));
-        // A retry already past its SLA waits behind its whole tier and is never refused for the
-        // SLA again: no refusal can make it on time, and each one only adds a backoff.
-        let late = self.is_late(
-            tier_idx,
-            self.first_seen(tenant, route.fingerprint, now_us),
-            now_us,
-        );
-        let ahead = if late {
-            self.waiting_ahead(pool, tier_idx)
-        } else {
-            self.fresh_ahead(pool, tier_idx)
-        };
-        let sla_excess = if tier.protected || tier.best_effort || late {
-            None
-        } else {
-            self.sla_excess(tenant, tier_idx, prompt, pool)
-                .filter(|_| self.sustained_overload(tier_idx, now_us))
-        };
-        if ahead == 0 {
-            let peak = prompt + self.expected_output(tenant, max_tokens);
-            if let Some((backend, prefill)) = self.pick(tier_idx, route, prompt, peak, now_us) {
-                if let Some(excess) = sla_excess {
-                    return reject(RejectReason::TtftSla, excess);
-                }
-                return Decision::Admitted {
-                    backend,
-                    priority,
-                    prefill,
-                };
-            }
-        }
-        let queued = self.queue.len();
-        let over = |limit: usize| (queued + 1 - limit.min(queued)) as f64 / tier_drain;
-        let (tier_limit, max_waiting) = self.waiting_room(tier_idx);
-        let mut displaced = None;
-        // A victim of the newcomer's own tier was counted in `ahead` (if in the lanes counted
-        // there); one of a lower tier not.
-        let mut counted_victim = false;
-        if queued >= tier_limit.min(max_waiting) {
-            let (reason, limit) = if queued >= max_waiting {
-                (RejectReason::QueueFull, max_waiting)
-            } else {
-                (RejectReason::TierShed, tier_limit)
-            };
-            match self.displacement_victim(tenant, tier_idx) {
-                Some((victim, victim_tier)) => {
-                    displaced = Some((victim, retry(over(limit))));
-                    counted_victim =
-                        victim_tier == tier_idx && (late || !self.queue.is_late(victim));
-                }
-                None => return reject(reason, over(limit)),
-            }
-        }
-        if !tier.protected && self.shed_level > 0 {
-            let scale = 0.5_f64.powi(i32::from(self.shed_level));
-            // The configured places, not the drained room: preemptions mean the measured drain
-            // no longer holds.
-            let configured = f64::from(self.config.max_waiting);
-            let limit = (tier.shed_at * scale * configured).floor() as usize;
-            if queued >= limit {
-                let cooldown = self.breaker_until_us.saturating_sub(now_us) as f64 / 1e6;
-                return reject(RejectReason::PreemptionBreaker, cooldown.max(over(limit)));
-            }
-        }
-        if let Some(excess) = sla_excess {
-            return reject(RejectReason::TtftSla, excess);
-        }
-        let position = ahead - usize::from(counted_victim);
-        Decision::Queued {
-            position: position as u32,
-            estimated_wait_s: (position + 1) as f64 / drain,
-            priority,
-            displaced,
-        }
-    }
-
-    /// Make a request `submit` let in live (started or queued): `arrival` as it is kept (after
-    /// a brownout's clamp), when its client first came and now.
-    fn insert(
-        &mut self,
-        id: u64,
-        arrival: Arrival<'_>,
-        tier: usize,
-        priority: i64,
-        first_seen_us: u64,
-        now_us: u64,
-    ) {
-        let Arrival {
-            tenant,
-            prompt,
-            max_tokens,
-            route,
-        } = arrival;
-        let keep_chain = self.pools.policy(route.pool) == RoutePolicy::Prefix;
-        let request = Request {
-            tenant,
-            tier,
-            pool: route.pool,
-            prefix_hits: None,
-            chain: if keep_chain {
-                route.chain.to_vec()
-            } else {
-                Vec::new()
-            },
-            prompt,
-            max_tokens,
-            generated: 0,
-            committed: 0,
-            browned_out: None,
-            priority,
-            submitted_us: now_us,
-            first_seen_us,
-            fingerprint: route.fingerprint,
-            running: None,
-            deadlines: [None; 3],
-        };
-        self.requests.insert(id, request);
-        if let Some(ms) = us(self.config.request_timeout_ms) {
-            self.set_deadline(id, ExpiryReason::Deadline, now_us + ms);
-        }
+        self.output.record(tenant, tier, generated);
     }
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::config::tests::sample_json;
-
-    pub(crate) const S: u64 = 1_000_000;
-
-    /// The crate's sample config: one backend of 2 slots and 1000 KV blocks, a 4-deep queue,
-    /// tiers vip (protected), normal (shed at 50%) and batch (shed at 50%, half the slots).
-    pub(crate) fn governor() -> Governor {
-        Governor::from_json(&sample_json()).unwrap()
-    }
-
-    pub(crate) fn tenant(g: &Governor, name: &str) -> u32 {
-        g.tenant_id(name).unwrap()
-    }
-
-    /// A minute in which the tier's requests arrived far faster than it drains (sixty at
-    /// `now_us`, against the prior hold's 0.1/s per request running), so the TTFT SLA may refuse.
-    pub(crate) fn sustained(g: &mut Governor, tier: usize, now_us: u64) {
-        for _ in 0..60 {
-            g.tier_load[tier].arrive(now_us);
-        }
-    }
-
-    // Below the cap requests are admitted at once; beyond it they queue, in order.
-    #[test]
-    fn admits_then_queues() {
-        let mut g = governor();
-        let a = tenant(&g, "a");
-        assert!(matches!(
-            g.submit(1, Arrival::new(a, 10, 10), 0).unwrap(),
-            Decision::Admitted { .. }
-        ));
-        assert!(matches!(
-            g.submit(2, Arrival::new(a, 10, 10), 0).unwrap(),
-            Decision::Admitted { .. }
-        ));
-        let third = g.submit(3, Arrival::new(a, 10, 10), 0).unwrap();
-        assert!(
-            matches!(third, Decision::Queued { position: 0, .. }),
-            "{third:?}"
-        );
-        assert_eq!((g.running(), g.queued()), (2, 1));
-        assert_eq!((g.counters.admitted, g.counters.queued), (2, 1));
-    }
-
-    // Reusing a live id is an error; after it ends the id may be reused.
-    #[test]
-    fn duplicate_ids() {
-        let mut g = governor();
-        let a = tenant(&g, "a");
-        g.submit(1, Arrival::new(a, 10, 10), 0).unwrap();
-        assert_eq!(
-            g.submit(1, Arrival::new(a, 10, 10), 0),
-            Err(PolicyError::DuplicateRequest(1))
-        );
-        g.finish(1, Outcome::Cancelled, 0);
-        assert!(g.submit(1, Arrival::new(a, 10, 10), 0).is_ok());
-    }
-
-    // A request that queues behind one held back by KV fit starts at once when it fits: the
-    // decision says admitted, and it counts as admitted, not as queued and dispatched.
-    #[test]
-    fn submit_dispatches_its_own_request() {
-        let mut g = governor();
-        g.config.kv_pressure_threshold = None;
-        g.config.ttft_sla_ms = None;
-        let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
-        g.submit(1, Arrival::new(a, 15_000, 10), 0).unwrap();
-        // 2,000 tokens do not fit in the 62 free blocks: normal's head waits.
-        assert!(matches!(
-            g.submit(2, Arrival::new(a, 2_000, 10), 0).unwrap(),
-            Decision::Queued { .. }
-        ));
-        // A small batch request has normal's request ahead of it, yet fits the free slot.
-        let decision = g.submit(3, Arrival::new(z, 10, 10), 1).unwrap();
-        assert!(
-            matches!(decision, Decision::Admitted { backend: 0, .. }),
-            "{decision:?}"
-        );
-        assert_eq!((g.running(), g.queued()), (2, 1));
-        let counters = &g.counters;
-        assert_eq!(
-            (counters.admitted, counters.queued, counters.dispatched),
-            (2, 1, 0)
-        );
-        assert!(g.dispatch(1).is_empty());
-    }
-
-    // Other requests that submit's dispatch starts (here: a breaker level cooled down) are not
-    // lost: the next dispatch call returns them first, once, and the newcomer's position no
-    // longer counts them.
-    #[test]
-    fn submit_buffers_other_admissions() {
-        let mut g = governor();
-        let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
-        g.observe_backend(0, 0, None, None, None, Some(1)).unwrap();
-        g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
-        assert_eq!(g.shed_level, 1);
-        // Level 1 leaves normal one slot: the second request waits.
-        g.submit(1, Arrival::new(a, 10, 10), 20).unwrap();
-        assert!(matches!(
-            g.submit(2, Arrival::new(a, 10, 10), 20).unwrap(),
-            Decision::Queued { .. }
-        ));
-        // After the cool-down a batch request queues behind it; its dispatch starts request 2
-        // on the freed level and leaves the batch request first in line.
-        let decision = g.submit(3, Arrival::new(z, 10, 10), 2 * S).unwrap();
-        assert!(
-            matches!(
-                decision,
-                Decision::Queued {
-                    position: 0,
-                    displaced: None,
-                    ..
-                }
-            ),
-            "{decision:?}"
-        );
-        assert_eq!(g.shed_level, 0);
-        let handed = g.dispatch(2 * S);
-        assert_eq!(handed.len(), 1);
-        assert_eq!(
-            (handed[0].request_id, handed[0].queue_wait_us),
-            (2, 2 * S - 20)
-        );
-        assert!(g.dispatch(2 * S).is_empty());
-        let counters = &g.counters;
-        assert_eq!(
-            (counters.admitted, counters.queued, counters.dispatched),
-            (1, 2, 1)
-        );
-    }
-
-    // A request ended before its buffered admission is collected is not handed out.
-    #[test]
-    fn ended_requests_leave_the_buffer() {
-        let mut g = governor();
-        let (a, z) = (tenant(&g, "a"), tenant(&g, "z"));
-        g.observe_backend(0, 0, None, None, None, Some(1)).unwrap();
-        g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
-        g.submit(1, Arrival::new(a, 10, 10), 20).unwrap();
-        g.submit(2, Arrival::new(a, 10, 10), 20).unwrap();
-        g.submit(3, Arrival::new(z, 10, 10), 2 * S).unwrap();
-        assert!(g.finish(2, Outcome::Cancelled, 2 * S));
-        let handed: Vec<u64> = g.dispatch(2 * S).iter().map(|a| a.request_id).collect();
-        assert_eq!(handed, vec![3]);
-    }
-}
+pub(crate) mod tests;

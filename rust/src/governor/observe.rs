@@ -5,9 +5,6 @@ use super::{us, Governor};
 use crate::backend::Observation;
 use crate::error::{PolicyError, PolicyResult};
 
-/// Highest preemption-breaker level; each level halves what non-protected tiers may use.
-const MAX_SHED_LEVEL: u8 = 3;
-
 impl Governor {
     /// Feed a scrape of a backend's metrics. A rising preemption counter trips the breaker.
     pub fn observe_backend(
@@ -53,8 +50,7 @@ impl Governor {
         self.tick(now_us);
         if tripped {
             if let Some(cooldown) = us(self.config.preemption_cooldown_ms) {
-                self.shed_level = (self.shed_level + 1).min(MAX_SHED_LEVEL);
-                self.breaker_until_us = now_us + cooldown;
+                self.breaker.trip(now_us, cooldown);
             }
         }
         Ok(())

@@ -60,9 +60,7 @@ impl Governor {
 
     /// `tick` would lower the breaker's level at `now_us`.
     fn cooldown_due(&self, now_us: u64) -> bool {
-        us(self.config.preemption_cooldown_ms).is_some()
-            && self.shed_level > 0
-            && now_us >= self.breaker_until_us
+        us(self.config.preemption_cooldown_ms).is_some() && self.breaker.cooldown_due(now_us)
     }
 
     /// Counting this arrival would tip its tier into a sustained overload while the request
@@ -164,7 +162,7 @@ mod tests {
         let a = tenant(&g, "a");
         g.observe_backend(0, 0, None, None, None, Some(1)).unwrap();
         g.observe_backend(0, 10, None, None, None, Some(2)).unwrap();
-        assert_eq!(g.shed_level, 1);
+        assert_eq!(g.breaker.level, 1);
         g.submit(1, Arrival::new(a, 10, 10), 20).unwrap();
         g.submit(2, Arrival::new(a, 10, 10), 20).unwrap();
         assert!(g.refusal(Arrival::new(a, 10, 10), 30).unwrap().is_some());

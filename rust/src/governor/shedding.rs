@@ -224,7 +224,7 @@ impl Governor {
             total = (total / 2).max(1);
         }
         if !tier.protected {
-            total = (total >> self.shed_level).max(1);
+            total = (total >> self.breaker.level).max(1);
         }
         let share = ((f64::from(backend.cap) * tier.max_share).floor() as u32).max(1);
         (total, share.min(total))
@@ -235,10 +235,7 @@ impl Governor {
         let Some(cooldown) = us(self.config.preemption_cooldown_ms) else {
             return;
         };
-        while self.shed_level > 0 && now_us >= self.breaker_until_us {
-            self.shed_level -= 1;
-            self.breaker_until_us += cooldown;
-        }
+        self.breaker.cool(now_us, cooldown);
     }
 }
 
@@ -541,9 +538,9 @@ mod tests {
     fn preemption_breaker() {
         let mut g = governor();
         g.observe_backend(0, 0, None, None, None, Some(5)).unwrap();
-        assert_eq!(g.shed_level, 0);
+        assert_eq!(g.breaker.level, 0);
         g.observe_backend(0, 10, None, None, None, Some(7)).unwrap();
-        assert_eq!(g.shed_level, 1);
+        assert_eq!(g.breaker.level, 1);
         // Level 1 halves normal's slots (2 -> 1) and its queue room (2 -> 1).
         let a = tenant(&g, "a");
         assert!(matches!(
@@ -563,7 +560,7 @@ mod tests {
             }
         ));
         g.dispatch(10 + 1000 * 1000);
-        assert_eq!(g.shed_level, 0);
+        assert_eq!(g.breaker.level, 0);
     }
 
     // Brownout before refusal: once the queue is brownout_at full, a tier with a clamp is let

@@ -222,7 +222,7 @@ impl PyGovernor {
 
     #[getter]
     fn shed_level(&self) -> u8 {
-        self.inner.shed_level
+        self.inner.shed_level()
     }
 
     fn is_live(&self, request_id: u64) -> bool {

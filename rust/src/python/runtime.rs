@@ -368,7 +368,7 @@ impl PyRuntime {
 
     #[getter]
     fn shed_level(&self) -> u8 {
-        self.inner.governor().shed_level
+        self.inner.governor().shed_level()
     }
 
     /// (arrivals known as a client's retry, requests that went to a late lane), so far.
