@@ -35,6 +35,7 @@ mod lifecycle;
 mod limits;
 mod observe;
 mod output;
+mod pick;
 mod refusal;
 mod request;
 mod retries;
