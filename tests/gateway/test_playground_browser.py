@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 WINDOW = 4  # backpressure.client_window
 PAD = 4096  # bytes of text per token: ~4 MB of kernel buffers fill within ~1,000 tokens
-TOKENS = 8000  # ~32 MB if nothing pushed back
+TOKENS = 12000  # ~48 MB if nothing pushed back
 CONTROL_TOKENS = 4000  # ~16 MB of text for the client without a window to hold
 SHORT_TOKENS = 2000  # unpadded ("t0 t1 ..."): what a page renders whole
 SHOTS = (
