@@ -15,6 +15,7 @@ import contextlib
 import gc
 import json
 import re
+import socket
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -25,7 +26,7 @@ from llmflow.sim.server_pd import KvTransfer
 
 from .hostile import chunk_event, install
 from .replies import CHAT, chat
-from .wire import exchange, open_raw, post_bytes, read_until_closed
+from .wire import exchange, fds_of_self, open_raw, post_bytes, read_until_closed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -433,3 +434,80 @@ async def test_pipeline_depth_is_bounded() -> None:
         assert len(answered) < 5000
         r = await h.client.get("/v1/models")  # others are served throughout
         assert r.status_code == 200
+
+
+# -- 8. JSON of the wrong shape is a failure, never a clean end ------------------------------
+
+WRONG_SHAPES = (
+    b'data: {"choices": 5}\n\n',
+    b'data: {"choices": [{"index": 0, "delta": "two "}]}\n\n',
+    b'data: {"choices": [], "usage": "lots"}\n\n',
+    b"data: [1, 2, 3]\n\n",
+)
+
+
+@pytest.mark.parametrize("bad", WRONG_SHAPES, ids=["choices-int", "delta-str", "usage-str", "list"])
+@pytest.mark.parametrize(
+    ("relay", "stream"),
+    [(True, True), (False, True), (True, False)],
+    ids=["relay", "python", "unstreamed"],
+)
+async def test_a_chunk_of_the_wrong_shape_fails_the_reply(
+    relay: bool, stream: bool, bad: bytes
+) -> None:
+    """On main such a chunk raised outside the caught errors (Python path: the client got a
+    clean [DONE], or a 200 with part of the text) or was skipped (the relay). Now the reply
+    fails visibly: an in-band error once streaming, a 502 before."""
+
+    async def reply(_body: dict[str, Any]) -> AsyncIterator[bytes]:
+        yield chunk_event("one ")
+        yield bad
+        yield chunk_event("three ")
+        yield b"data: [DONE]\n\n"
+
+    async with start_gateway(configure=install, server={"relay": relay}) as h:
+        h.fake.app.script = reply
+        r = await h.client.post(CHAT, json=chat(stream=stream, max_tokens=5))
+        if stream:
+            assert r.status_code == 200
+            assert b'"error"' in r.content, r.content[-300:]
+            assert b"backend sent" in r.content
+        else:
+            assert r.status_code == 502, r.text
+            assert "backend sent" in r.json()["error"]["message"]
+        assert _healthy(h)  # one bad reply: the backend stays up
+
+
+# -- 11. a client that never reads gives its fd back ------------------------------------------
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "python"])
+async def test_a_client_that_never_reads_gives_back_its_fd_and_buffer(relay: bool) -> None:
+    """Three clients ask for 48 MB streams and never read a byte, nor close. The stall
+    timer cuts them; on main the Python path's socket then waited for a flush that never
+    came, holding its fd (and the buffered reply) as long as the client stayed. Now the
+    gateway's side of each is gone within a second of the cut: this process's fd count in
+    /proc is back to the baseline plus the clients' own three."""
+    backpressure = {"client_window": 4, "stall_timeout_ms": 500}
+    async with start_gateway(server={"relay": relay}, backpressure=backpressure) as h:
+        await h.client.get("/v1/models")  # the test client's own connection is open
+        baseline = fds_of_self()
+        socks = []
+        body = chat(max_tokens=3000, fake={"chunk_bytes": 16384})
+        for _ in range(3):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(tuple_of(h.url))
+            sock.sendall(post_bytes(CHAT, body))
+            socks.append(sock)
+        try:
+            await until(lambda: h.fake.aborted == 3, timeout_s=10)  # cut for the stall
+            await until(lambda: fds_of_self() <= baseline + 3, timeout_s=3.0)
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def tuple_of(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)

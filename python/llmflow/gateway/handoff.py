@@ -455,17 +455,42 @@ class _Lingering:
         self._protocol, self._cycle = weakref.ref(protocol), weakref.ref(cycle)
 
     def close(self) -> None:
-        """Close now, or, while the client is still sending this request's body, linger."""
+        """Close now, or, while the client is still sending this request's body, linger.
+
+        Closing waits for what is buffered to be sent; a client that takes none of it within
+        `_FLUSH_PROGRESS_S` (one that never reads, cut by the stall timer) is aborted, so its
+        fd and the buffered reply go now, not whenever the client leaves.
+        """
         cycle, protocol = self._cycle(), self._protocol()
         lingers = cycle is not None and protocol is not None and cycle.more_body
         if lingers and not self._transport.is_closing():
             protocol._linger()  # type: ignore[union-attr]
         else:
             self._transport.close()
+            if protocol is not None:
+                _abort_unless_flushing(self._transport, protocol.loop)
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is the transport's."""
         return getattr(self._transport, name)
+
+
+_FLUSH_PROGRESS_S = (
+    1.0  # a closed connection whose buffer shrinks by nothing in this long is aborted
+)
+
+
+def _abort_unless_flushing(
+    transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, before: int | None = None
+) -> None:
+    """Abort a closing transport once its client has taken nothing for `_FLUSH_PROGRESS_S`."""
+    left = transport.get_write_buffer_size()
+    if not left:
+        return
+    if before is not None and left >= before:
+        transport.abort()
+        return
+    loop.call_later(_FLUSH_PROGRESS_S, _abort_unless_flushing, transport, loop, left)
 
 
 def handoff_of(scope: Scope) -> Any:

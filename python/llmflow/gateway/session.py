@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -23,7 +24,13 @@ import anyio
 from llmflow.gateway.backpressure import ChunkWindow
 from llmflow.gateway.disagg import decode_body, prefill_hop
 from llmflow.gateway.errors import GatewayError
-from llmflow.gateway.streaming import Accumulator, ChunkParser, parse_item, tail_chunk
+from llmflow.gateway.streaming import (
+    Accumulator,
+    ChunkParser,
+    MalformedChunk,
+    parse_item,
+    tail_chunk,
+)
 from llmflow.gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -39,6 +46,8 @@ if TYPE_CHECKING:
     from llmflow.gateway.upstream import Upstream, UpstreamStream
 
 __all__ = ["BackendRoute", "Prepared", "SessionContext", "StreamSession", "upstream_body"]
+
+log = logging.getLogger("llmflow.gateway")
 
 # What each refusal says to the client; the status and Retry-After are the runtime's.
 _MESSAGES = {
@@ -354,9 +363,19 @@ class StreamSession:
         except UpstreamError as exc:
             self._upstream_error = exc
             host.failed(self.request_id, exc.status, exc.backend_down)
+        except MalformedChunk as exc:
+            self._upstream_error = UpstreamError(502, "backend_error", str(exc))
+            host.failed(self.request_id, 502, False)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             self._upstream_error = UpstreamError(
                 502, "backend_error", f"backend sent bad data: {exc}"
+            )
+            host.failed(self.request_id, 502, False)
+        except Exception:  # whatever else a reply provokes: this request's failure,
+            # never a clean end with the text cut short
+            log.exception("request %d: reading the backend's reply failed", self.request_id)
+            self._upstream_error = UpstreamError(
+                502, "backend_error", "the gateway could not read the backend's reply"
             )
             host.failed(self.request_id, 502, False)
         finally:

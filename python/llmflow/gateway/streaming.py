@@ -112,8 +112,9 @@ class ChunkParser:
             if fast is not None:
                 return fast
         chunk: Any = json.loads(data)
-        if not isinstance(chunk, dict):
-            return None, 0
+        problem = _malformed(chunk)
+        if problem is not None:
+            raise MalformedChunk(f"backend sent {problem} in its stream")
         if self.template is None and "id" in chunk:
             self.template = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
         usage = chunk.get("usage")
@@ -183,6 +184,30 @@ class ChunkParser:
         new = sum(1 for c in chunk.get("choices") or () if _text_of(c))
         self.completion_tokens += new
         return new
+
+
+class MalformedChunk(ValueError):
+    """A stream payload that is JSON but not a chunk (read wrong, its text would be lost)."""
+
+
+def _malformed(chunk: Any) -> str | None:
+    """What is wrong with a chunk's shape, if anything (`rust/src/relay/chunk.rs` checks the
+    same): an object whose `choices` is a list of objects, each `delta` (when present) an
+    object, and whose `usage` is an object."""
+    if not isinstance(chunk, dict):
+        return "a chunk that is not a JSON object"
+    choices = chunk.get("choices")
+    if choices is not None:
+        if not isinstance(choices, list):
+            return "choices that are not a list"
+        for choice in choices:
+            if not isinstance(choice, dict):
+                return "a choice that is not an object"
+            if not isinstance(choice.get("delta", {}), (dict, type(None))):
+                return "a choice whose delta is not an object"
+    if not isinstance(chunk.get("usage", {}), (dict, type(None))):
+        return "usage that is not an object"
+    return None
 
 
 def _text_of(choice: Json) -> str:

@@ -58,8 +58,9 @@ impl ChunkShaper {
     /// Read one `data:` payload.
     ///
     /// # Errors
-    /// The payload is not JSON (502, the message says what the backend sent), or it is
-    /// vLLM's in-band error event (`in_band_failure`).
+    /// The payload is not JSON, or JSON of another shape than a chunk's (502, the message
+    /// says what the backend sent: a chunk read wrong would lose its text without a word),
+    /// or it is vLLM's in-band error event (`in_band_failure`).
     pub fn feed(&mut self, data: &[u8]) -> Result<Shaped, Failure> {
         if self.template.is_some() && self.held.is_none() {
             if let Some(shaped) = self.passthrough(data) {
@@ -74,10 +75,13 @@ impl ChunkShaper {
             )
         })?;
         let Value::Object(mut chunk) = value else {
-            return Ok(Shaped::default());
+            return Err(wrong_shape("a chunk that is not a JSON object"));
         };
         if let Some(error) = chunk.get("error") {
             return Err(in_band_failure(error));
+        }
+        if let Some(problem) = malformed(&chunk) {
+            return Err(wrong_shape(problem));
         }
         if self.template.is_none() && chunk.contains_key("id") {
             let mut t = Map::new();
@@ -200,6 +204,40 @@ fn has_text(choice: &Value) -> bool {
         .get("text")
         .and_then(Value::as_str)
         .is_some_and(|s| !s.is_empty())
+}
+
+/// What is wrong with a chunk's shape, if anything: `choices` a list of objects whose `delta`
+/// (when present) is an object, `usage` an object (`gateway/streaming.py` checks the same).
+fn malformed(chunk: &Map<String, Value>) -> Option<&'static str> {
+    match chunk.get("choices") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(choices)) => {
+            for choice in choices {
+                let Value::Object(choice) = choice else {
+                    return Some("a choice that is not an object");
+                };
+                if !matches!(
+                    choice.get("delta"),
+                    None | Some(Value::Null | Value::Object(_))
+                ) {
+                    return Some("a choice whose delta is not an object");
+                }
+            }
+        }
+        Some(_) => return Some("choices that are not a list"),
+    }
+    match chunk.get("usage") {
+        None | Some(Value::Null | Value::Object(_)) => None,
+        Some(_) => Some("usage that is not an object"),
+    }
+}
+
+fn wrong_shape(problem: &str) -> Failure {
+    Failure::backend(
+        "backend_error",
+        format!("backend sent {problem} in its stream"),
+        false,
+    )
 }
 
 /// vLLM's in-band error event (`data: {"error": {...}}`, then `[DONE]`): the request failed.
@@ -406,6 +444,25 @@ fn trim_spaces(mut s: &[u8]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chunk_of_the_wrong_shape_fails_the_stream() {
+        for bad in [
+            br#"{"choices": 5}"#.as_slice(),
+            br#"{"choices": [7]}"#,
+            br#"{"choices": [{"index": 0, "delta": "text"}]}"#,
+            br#"{"choices": [], "usage": "lots"}"#,
+            br"[1, 2]",
+        ] {
+            let mut shaper = ChunkShaper::new(false);
+            let failure = shaper.feed(bad).expect_err("a wrong shape is a failure");
+            assert!(
+                failure.message.contains("backend sent"),
+                "{}",
+                failure.message
+            );
+        }
+    }
 
     fn chunk(i: u64, text: &str, finish: &str) -> Vec<u8> {
         format!(
