@@ -242,6 +242,12 @@ async def test_the_page_needs_a_key_and_the_socket_takes_it_from_the_page(tmp_pa
             library = await client.get("/static/llmflow-client.js")  # no secret: no key needed
             assert library.status_code == 200
             assert library.headers["content-type"].startswith("text/javascript")
+            types = await client.get("/static/llmflow-client.d.ts")
+            assert "export declare function stream" in types.text
+            for name in ("nope.js", "..%2Fapp.py", "playground.html"):  # only the listed files
+                missing = await client.get(f"/static/{name}")
+                assert missing.status_code == 404, name
+                assert missing.json()["error"]["code"] == "not_found"
         browser = await asyncio.to_thread(Browser, tmp_path)
         try:
             page = Page(browser)
