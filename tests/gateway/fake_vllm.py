@@ -18,6 +18,9 @@ Each request may carry a `fake` object (the gateway passes unknown fields throug
   only once the stream has begun (`logprobs` over its maximum);
 - `close_after` (int): after that many tokens end the body cleanly, without `[DONE]`.
 
+A request without `"stream": true` gets one JSON answer (`fake_whole: true` in it), as vLLM
+answers what the gateway sends unstreamed.
+
 `/metrics` misbehaves on request too: `metrics_status` (answer that status), `metrics_delay`
 (seconds before answering), `metrics_garbage` (answer 200 with text that is not vLLM's).
 
@@ -146,7 +149,24 @@ class FakeVllm:
         if plan.get("hang"):
             return StreamingResponse(self._hang(), media_type="text/event-stream")
         chat = request.url.path.endswith("chat/completions")
+        if not body.get("stream"):  # what the gateway sends unstreamed (prompt logprobs)
+            return JSONResponse(self._whole(body, chat))
         return StreamingResponse(self._stream(body, plan, chat), media_type="text/event-stream")
+
+    def _whole(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        n = int(body.get("max_tokens") or 8)
+        text = "".join(f"t{i} " for i in range(n))
+        self._enter()
+        self._leave(True)
+        self.tokens_sent += n
+        return {
+            "id": f"cmpl-fake{self.seen}",
+            "object": "chat.completion" if chat else "text_completion",
+            "model": body.get("model", self.model),
+            "choices": [{"index": 0, "text": text, "prompt_logprobs": [None, {"7": -1.5}]}],
+            "usage": _usage(10, n),
+            "fake_whole": True,  # a field only this answer has: it must reach the client
+        }
 
     async def _hang(self) -> Any:
         self._enter()

@@ -156,3 +156,18 @@ async def _held(h: Harness) -> dict[str, Any]:
 
 def _committed(core: dict[str, Any]) -> int:
     return sum(int(b["kv_blocks_committed"]) for b in core["backends"])
+
+
+@pytest.mark.parametrize("asks", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 2}])
+async def test_prompt_logprobs_go_upstream_unstreamed_and_come_back_whole(
+    gw: Harness, asks: dict[str, Any]
+) -> None:
+    # vLLM computes them only for a reply it does not stream: its answer is the client's
+    r = await gw.client.post(COMPLETIONS, json=_completion(max_tokens=4, **asks))
+    assert r.status_code == 200, r.text
+    assert r.json()["fake_whole"] is True  # vLLM's answer as it wrote it
+    assert r.json()["choices"][0]["prompt_logprobs"] == [None, {"7": -1.5}]
+    sent = gw.fake.bodies[0]
+    assert "stream" not in sent and "stream_options" not in sent
+    assert gw.fake.completed == 1
+
