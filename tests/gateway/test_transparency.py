@@ -168,6 +168,6 @@ async def test_prompt_logprobs_go_upstream_unstreamed_and_come_back_whole(
     assert r.json()["fake_whole"] is True  # vLLM's answer as it wrote it
     assert r.json()["choices"][0]["prompt_logprobs"] == [None, {"7": -1.5}]
     sent = gw.fake.bodies[0]
-    assert "stream" not in sent and "stream_options" not in sent
+    assert "stream" not in sent
+    assert "stream_options" not in sent
     assert gw.fake.completed == 1
-
