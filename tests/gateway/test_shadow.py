@@ -253,6 +253,29 @@ async def test_the_policy_runtime_trace_replays(tmp_path: Path) -> None:
     assert actions > 5
 
 
+async def test_a_client_leaving_while_the_policy_holds_it_waiting() -> None:
+    """The policy hears the client leave at once (its queue empties, as enforce mode's would),
+    and the real request, already at vLLM, is aborted there."""
+    sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow",
+                                     "max_concurrency_per_gpu": 1}}
+    async with start_gateway(**sections) as h:
+        assert h.gateway.shadow is not None
+        policy = h.gateway.shadow.policy.runtime
+        first = asyncio.create_task(_ask(h.client, ALPHA_KEY, _body(True, step=True)))
+        await until(lambda: h.fake.running == 1)
+        leaving = asyncio.create_task(_ask(h.client, ALPHA_KEY, _body(True, step=True)))
+        await until(lambda: h.fake.running == 2)
+        assert (policy.running, policy.queued) == (1, 1)
+        leaving.cancel()  # the client closes its connection
+        await until(lambda: h.fake.aborted == 1)
+        assert (policy.running, policy.queued) == (1, 0)
+        h.fake.release(TOKENS)
+        assert (await first)[0] == 200
+        metrics = (await h.client.get("/metrics")).text
+    counts = _shadow_counts(metrics)
+    assert (counts["queued"], counts["refused"], counts["cut"]) == ({"": 1}, {}, {})
+
+
 def test_the_forwarding_runtime_holds_nothing_back() -> None:
     """The forwarding config keeps the backends, tiers and tenants, and drops every limit."""
     settings = load_settings(data={**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}})

@@ -11,9 +11,10 @@ the metrics `llmflow_shadow_*`, the access log's `shadow` column, the request's 
 
 What the policy runtime hears is what enforce mode's would, with one difference it cannot
 avoid: a request it holds in its queue is already running upstream. Its events (started,
-tokens, done, failed, client gone) are kept while it waits (`Verdict.backlog`) and fed the
-moment the policy runtime starts it, at that instant; a request it refused or cut hears nothing
-more. See docs/gateway.md ("Shadow mode") for what follows from that.
+tokens, done, failed) are kept while it waits (`Verdict.backlog`) and fed the moment the policy
+runtime starts it, at that instant (a client that leaves is told at once, as enforce mode's
+runtime would hear it); a request it refused or cut hears nothing more. See docs/gateway.md
+("Shadow mode") for what follows from that.
 """
 
 from __future__ import annotations
@@ -323,7 +324,9 @@ class ShadowHost(Host):
         verdict = self.verdicts.get(request_id)
         if verdict is None:  # the policy runtime has ended it: it hears nothing more
             return
-        if verdict.running:
+        # A client leaving is fed at once, even while the policy holds the request queued:
+        # enforce mode's runtime would hear it then too (and take it out of its queue).
+        if verdict.running or event == "client_gone":
             getattr(self.policy, event)(request_id, *args)
         else:
             verdict.backlog.append((event, args))
