@@ -29,11 +29,13 @@ class HostileBackend:
     replies: int = 0
     finished: int = 0  # scripted replies whose generator ran to its end
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # of every completion request
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].endswith("completions"):
             await self.app(scope, receive, send)
             return
+        self.headers.append({k.decode().lower(): v.decode() for k, v in scope["headers"]})
         raw = b""
         while True:
             message = await receive()
