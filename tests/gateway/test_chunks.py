@@ -47,6 +47,27 @@ def test_parser_counts_tokens_from_continuous_usage_and_hides_it() -> None:
     assert (final, n, parser.usage) == (None, 0, _usage(3))
 
 
+def test_a_last_chunk_takes_the_fingerprint_of_the_usage_chunk_behind_it() -> None:
+    # vLLM stamps system_fingerprint on a stream's last chunk when the client asked no usage;
+    # upstream (always asked for usage) puts it on the usage chunk, which the client does not get
+    parser = ChunkParser(ClientOptions("chat", "m", stream=True, n=2))
+    first, _ = parser.feed(json.dumps({**_chat("a", finish="stop"), "usage": _usage(1)}).encode())
+    other, _ = parser.feed(json.dumps({**_chat("b", index=1), "usage": _usage(2)}).encode())
+    assert first is None  # held: choice 0 finished
+    assert other == _chat("b", index=1)
+    assert parser.take_held() == []
+    usage = {**_chat(), "choices": [], "usage": _usage(2), "system_fingerprint": "fp-1"}
+    assert parser.feed(json.dumps(usage).encode()) == (None, 0)
+    (held,) = parser.take_held()
+    assert held == {**_chat("a", finish="stop"), "system_fingerprint": "fp-1"}
+    ended = ChunkParser(ClientOptions("chat", "m", stream=True))
+    ended.feed(json.dumps(_chat("a", finish="length")).encode())
+    assert ended.take_held(every=True) == [_chat("a", finish="length")]  # never lost
+    asked = ChunkParser(ClientOptions("chat", "m", stream=True, include_usage=True))
+    chunk, _ = asked.feed(json.dumps(_chat("a", finish="stop")).encode())
+    assert chunk == _chat("a", finish="stop")  # the usage chunk carries it for this client
+
+
 def test_parser_without_usage_counts_one_token_per_text_delta() -> None:
     parser = ChunkParser(ClientOptions("completions", "m", stream=True))
     for text in ("a", "", "b"):

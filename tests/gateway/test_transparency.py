@@ -133,6 +133,29 @@ async def test_a_batch_is_served_and_planned_as_every_prompt_and_choice() -> Non
     assert planned[2] == (40, 4)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_batch_cut_by_its_deadline_ends_every_choice_with_the_notice(stream: bool) -> None:
+    async with start_gateway(timeouts={"total_ms": 300}) as h:
+        body = _completion(prompt=["a", "b"], n=2, max_tokens=8, stream=stream, fake={"step": True})
+        task = asyncio.create_task(h.client.post(COMPLETIONS, json=body))
+        await _held(h)
+        h.fake.release(2)  # two tokens of choice 0, then nothing until the deadline
+        r = await task
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+            tail = events[-1]
+            assert sorted(c["index"] for c in tail["choices"]) == [0, 1, 2, 3]  # all unfinished
+        else:
+            tail = r.json()
+            choices = tail["choices"]
+            assert [c["index"] for c in choices] == [0, 1, 2, 3]
+            assert choices[0]["text"].startswith("t0 t1 ")  # the partial text is kept
+        assert tail["llmflow"] == {"truncated": True, "reason": "deadline"}
+        assert all(c["finish_reason"] == "length" for c in tail["choices"])
+        assert h.fake.aborted == 1  # upstream closed, the KV freed
+
+
 async def test_a_batch_counts_every_choice_against_max_n() -> None:
     async with start_gateway(limits={"max_n": 4}) as h:
         r = await h.client.post(COMPLETIONS, json=_completion(prompt=["a", "b", "c"], n=2))
