@@ -93,3 +93,61 @@ def chunk_event(content: str, chat: bool = True, **extra: Any) -> bytes:
         **extra,
     }
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+class RawBackend:
+    """A backend on a bare socket: `/metrics` answers vLLM's gauges; each completion POST is
+    counted and answered by `mode`: `ok` (a short chunked SSE stream, kept alive), `swallow`
+    (read the request, close without a byte), or raw bytes to send as the whole response."""
+
+    def __init__(self) -> None:
+        self.mode: bytes | str = "ok"
+        self.posts = 0
+        self.connections = 0
+        self.server: Any = None
+
+    async def start(self) -> str:
+        import asyncio
+
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        self.server.close()
+
+    async def _serve(self, reader: Any, writer: Any) -> None:
+        import asyncio
+
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                if head.startswith(b"GET /metrics"):
+                    text = b"vllm:num_requests_running 0.0\nvllm:kv_cache_usage_perc 0.0\n"
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text)
+                    )
+                    await writer.drain()
+                    continue
+                self.posts += 1
+                if self.mode == "swallow":
+                    break
+                if isinstance(self.mode, bytes):
+                    writer.write(self.mode)
+                    await writer.drain()
+                    break
+                body = chunk_event("ok ") + b"data: [DONE]\n\n"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()

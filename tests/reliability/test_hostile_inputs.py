@@ -21,10 +21,19 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from gateway.harness import SIM_MODEL, start_gateway, start_sim_gateway, until
+from gateway.harness import (
+    SIM_MODEL,
+    serve_asgi,
+    settings_for,
+    start_gateway,
+    start_sim_gateway,
+    until,
+)
+from llmflow.gateway.app import create_app
+from llmflow.gateway.handoff import server_options
 from llmflow.sim.server_pd import KvTransfer
 
-from .hostile import chunk_event, install
+from .hostile import RawBackend, chunk_event, install
 from .replies import CHAT, chat
 from .wire import exchange, fds_of_self, open_raw, post_bytes, read_until_closed
 
@@ -511,3 +520,68 @@ async def test_a_client_that_never_reads_gives_back_its_fd_and_buffer(relay: boo
 def tuple_of(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("http://").split(":")
     return host, int(port)
+
+
+# -- 13. HTTP/1.1 framing from a backend, and the pooled POST --------------------------------
+
+
+@contextlib.asynccontextmanager
+async def raw_gateway(**sections: Any) -> AsyncIterator[tuple[Any, RawBackend]]:
+    backend = RawBackend()
+    url = await backend.start()
+    settings = settings_for({"raw": url}, server={"relay": False}, **sections)
+    app = create_app(settings)
+    try:
+        async with (
+            serve_asgi(app, **server_options(settings, app)) as (gw_url, _),
+            httpx.AsyncClient(base_url=gw_url, timeout=10) as client,
+        ):
+            yield client, backend
+    finally:
+        await backend.stop()
+
+
+def _chunked_sse(size_format: bytes) -> bytes:
+    body = chunk_event("ok ") + b"data: [DONE]\n\n"
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    return head + (size_format % len(body)) + b"\r\n" + body + b"\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n-5\r\nhello\r\n0\r\n\r\n",
+        _chunked_sse(b"0x%x"),  # a well-formed stream, but sizes as Python's int() reads them
+        _chunked_sse(b"+%x"),
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"f" * 5000,
+        b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\ndata: [DONE]\n\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 50\r\n\r\ndata: [DONE]\n\n",
+    ],
+    ids=["negative-chunk", "0x-chunk", "plus-chunk", "endless-size-line", "negative-cl", "two-cl"],
+)
+async def test_lenient_framing_from_a_backend_is_a_502(reply: bytes) -> None:
+    """On main `int(x, 16)` took `0x1e` and `+1e` as chunk sizes (a stream framed so was
+    served), a size line was buffered without end, and of two Content-Lengths the last won.
+    Now each is the backend's error: a 502, and the connection is not reused."""
+    async with raw_gateway() as (client, backend):
+        backend.mode = reply
+        r = await client.post(CHAT, json=chat(stream=False, max_tokens=2))
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"] == "backend_error"
+
+
+async def test_a_post_goes_out_at_most_twice_however_many_pooled_links_are_stale() -> None:
+    """Six pooled keep-alive connections, then the backend starts taking requests and
+    closing without a word: on main the POST went out on each of the six and a fresh one
+    (the backend counted 7); now once more on a fresh connection at most (2)."""
+    async with raw_gateway() as (client, backend):
+        replies = await asyncio.gather(
+            *(client.post(CHAT, json=chat(stream=False, max_tokens=2, fake={"n": i}))
+              for i in range(6))
+        )  # fmt: skip
+        assert [r.status_code for r in replies] == [200] * 6
+        assert backend.connections >= 6
+        backend.mode, before = "swallow", backend.posts
+        r = await client.post(CHAT, json=chat(stream=False, max_tokens=2))
+        assert r.status_code == 502
+        assert backend.posts - before <= 2

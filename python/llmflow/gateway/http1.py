@@ -20,10 +20,21 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-__all__ = ["Connection", "ConnectionLost", "ConnectionPool", "HttpResponse", "ProtocolError"]
+__all__ = [
+    "Connection",
+    "ConnectionLost",
+    "ConnectionPool",
+    "HttpResponse",
+    "ProtocolError",
+    "StaleConnection",
+    "chunk_size",
+    "content_length",
+]
 
 _READ_SIZE = 65536  # bytes per socket read
 _HEAD_LIMIT = 64 * 1024  # the most bytes of status line and headers accepted
+_SIZE_LINE_LIMIT = 1024  # a chunk's size line (hex digits and extensions)
+_HEX = frozenset(b"0123456789abcdefABCDEF")
 
 
 class ProtocolError(Exception):
@@ -32,6 +43,11 @@ class ProtocolError(Exception):
 
 class ConnectionLost(ProtocolError):
     """The backend's connection closed in the middle of a response (a killed process)."""
+
+
+class StaleConnection(ConnectionLost):
+    """A pooled connection closed before a byte of the response came (an idle keep-alive
+    the backend had closed, or a backend that died with the request)."""
 
 
 class Connection:
@@ -82,7 +98,7 @@ class HttpResponse:
             async for piece in _dechunk(reader):
                 yield piece
         elif "content-length" in self.headers:
-            left = int(self.headers["content-length"])
+            left = content_length(self.headers["content-length"])
             while left > 0:
                 piece = await reader.read(min(left, _READ_SIZE))
                 if not piece:
@@ -117,6 +133,18 @@ class HttpResponse:
             self.conn.close()
 
 
+def content_length(value: str) -> int:
+    """A `Content-Length` value: decimal digits only (no sign, space or list).
+
+    Raises:
+        ProtocolError: anything else (`-5`, `+5`, `5, 6`), which would desynchronise the
+            connection for the next response.
+    """
+    if not value or len(value) > 18 or not all("0" <= c <= "9" for c in value):
+        raise ProtocolError(f"bad Content-Length {value[:40]!r}")
+    return int(value)
+
+
 async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
     buffer, left, state = b"", 0, "size"  # state: size line, chunk data, or its trailing CRLF
     while True:
@@ -125,8 +153,10 @@ async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
             if state == "size":
                 end = buffer.find(b"\r\n")
                 if end < 0:
+                    if len(buffer) > _SIZE_LINE_LIMIT:
+                        raise ProtocolError("chunk size line without end")
                     break
-                left = _chunk_size(buffer[:end])
+                left = chunk_size(buffer[:end])
                 buffer, state = buffer[end + 2 :], "data"
                 if left == 0:
                     if out:
@@ -156,15 +186,23 @@ async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
         buffer += more
 
 
-def _chunk_size(line: bytes) -> int:
-    try:
-        return int(line.split(b";", 1)[0], 16)
-    except ValueError:
-        raise ProtocolError(f"bad chunk size line {line[:40]!r}") from None
+def chunk_size(line: bytes) -> int:
+    """A chunk's size from its line: hex digits, then optional `;` extensions.
+
+    Raises:
+        ProtocolError: anything else (`int(x, 16)` alone takes `-5`, `+5`, `0x5`, `5_0`, and
+            spaces), or more than 16 digits.
+    """
+    digits = line.split(b";", 1)[0].rstrip(b" \t")
+    if not digits or len(digits) > 16 or not _HEX.issuperset(digits):
+        raise ProtocolError(f"bad chunk size line {line[:40]!r}")
+    return int(digits, 16)
 
 
 async def _skip_trailers(reader: asyncio.StreamReader, buffer: bytes) -> None:
     while not (buffer.startswith(b"\r\n") or b"\r\n\r\n" in buffer):
+        if len(buffer) > _HEAD_LIMIT:
+            raise ProtocolError("trailers without end")
         more = await reader.read(_READ_SIZE)
         if not more:
             return
@@ -228,9 +266,15 @@ class ConnectionPool:
                 continue
             if on_connection is not None:
                 on_connection(conn)
-            with contextlib.suppress(ProtocolError, ConnectionError):
-                return await self._exchange(conn, message)  # a stale keep-alive: try afresh
-            conn.close()
+            try:
+                return await self._exchange(conn, message, pooled=True)
+            except StaleConnection:
+                # A POST is not idempotent: it goes out again once, on a fresh connection,
+                # and only when not a byte of an answer came. The other idle connections
+                # date from the same backend life; they go too.
+                conn.close()
+                self._drop_idle(key)
+                break
         conn = await self._open(key)
         if on_connection is not None:
             on_connection(conn)
@@ -244,13 +288,34 @@ class ConnectionPool:
         )
         return Connection(key, reader, writer)
 
-    async def _exchange(self, conn: Connection, message: bytes) -> HttpResponse:
-        conn.writer.write(message)
+    def _drop_idle(self, key: tuple[str, str, int]) -> None:
+        for conn in self._idle.pop(key, ()):
+            conn.close()
+
+    async def _exchange(
+        self, conn: Connection, message: bytes, pooled: bool = False
+    ) -> HttpResponse:
+        """Send `message` on `conn` and read the response head.
+
+        Raises:
+            StaleConnection: `pooled`, and the connection closed before a byte came back.
+        """
         try:
+            conn.writer.write(message)
             head = await conn.reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        except asyncio.IncompleteReadError as exc:
+            conn.close()
+            if pooled and not exc.partial:
+                raise StaleConnection("connection closed before the response") from None
+            raise ProtocolError(f"no response head: {exc!r}") from None
+        except asyncio.LimitOverrunError as exc:
             conn.close()
             raise ProtocolError(f"no response head: {exc!r}") from None
+        except ConnectionError as exc:
+            conn.close()
+            if pooled:
+                raise StaleConnection(f"connection failed before the response: {exc!r}") from None
+            raise
         except BaseException:
             conn.close()
             raise
@@ -260,11 +325,23 @@ class ConnectionPool:
         except (IndexError, ValueError):
             conn.close()
             raise ProtocolError(f"bad status line {lines[0][:80]!r}") from None
-        headers = {}
+        headers: dict[str, str] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
             if sep:
-                headers[name.strip().lower()] = value.strip()
+                name, value = name.strip().lower(), value.strip()
+                if name in headers and name == "content-length" and headers[name] != value:
+                    conn.close()  # two lengths: which one frames the body is anyone's guess
+                    raise ProtocolError("response with two different Content-Length values")
+                headers[name] = value
+        if "transfer-encoding" in headers and "content-length" in headers:
+            headers["connection"] = "close"  # chunked wins (RFC 9112); never reuse such a link
+        if "content-length" in headers and "chunked" not in headers.get("transfer-encoding", ""):
+            try:
+                content_length(headers["content-length"])
+            except ProtocolError:
+                conn.close()
+                raise
         return HttpResponse(self, conn, status, headers)
 
     def close(self) -> None:
