@@ -76,6 +76,9 @@ in_image() {  # run a command in the image as its user, with its environment onl
 if touch "$ROOT/probe" 2>/dev/null; then echo "root is writable"; exit 1; fi
 "$PY" -m llmflow.cli simserve --port 8000 --model-name sim --speed 20 > "$WORK/simserve.log" 2>&1 &
 sim=$!
+gw=
+cleanup() { kill $gw $sim 2>/dev/null || true; }
+trap cleanup EXIT  # a failed check leaves nothing running
 mapfile -d "" -t init < "$WORK/init.cmd"; mapfile -d "" -t main < "$WORK/main.cmd"
 echo "== init step: ${init[*]}"
 ( in_image "${init[@]}" )
