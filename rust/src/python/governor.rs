@@ -2,11 +2,12 @@
 //! hosts use `Runtime`; the property tests and benchmarks drive this).
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use super::convert::snapshot_to_py;
 use super::decisions::{PyAdmission, PyAdmitted, PyExpired, PyQueued, PyRejected};
 use super::errors::{non_negative, ConfigError, InvalidArgumentError};
+use super::signature::{Metrics, Signature, METRICS};
 use crate::governor::{Arrival, Governor, Route};
 use crate::types::{Admission, Decision, Expired, Outcome};
 
@@ -38,20 +39,31 @@ impl PyGovernor {
         })
     }
 
-    #[allow(clippy::too_many_arguments)] // the request's fields
-    #[pyo3(signature = (request_id, tenant, prompt_tokens, max_tokens, now_us, *, model=None,
-                        prefix_hashes=None))]
+    #[pyo3(signature = (*args, **kwargs), text_signature = "($self, request_id, tenant, \
+        prompt_tokens, max_tokens, now_us, *, model=None, prefix_hashes=None)")]
     fn submit<'py>(
         &mut self,
         py: Python<'py>,
-        request_id: u64,
-        tenant: &str,
-        prompt_tokens: i64,
-        max_tokens: i64,
-        now_us: u64,
-        model: Option<&str>,
-        prefix_hashes: Option<Vec<u64>>,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        const SUBMIT: Signature = Signature {
+            full_name: "Governor.submit()",
+            positional: &[
+                "request_id",
+                "tenant",
+                "prompt_tokens",
+                "max_tokens",
+                "now_us",
+            ],
+            keyword_only: &["model", "prefix_hashes"],
+        };
+        let a = SUBMIT.bind(args, kwargs)?;
+        let (request_id, tenant): (u64, &str) = (a.get(0)?, a.get(1)?);
+        let (prompt_tokens, max_tokens): (i64, i64) = (a.get(2)?, a.get(3)?);
+        let now_us: u64 = a.get(4)?;
+        let model: Option<&str> = a.get_or(5, None)?;
+        let prefix_hashes: Option<Vec<u64>> = a.get_or(6, None)?;
         let tenant_id = self.inner.tenant_id(tenant)?;
         let prompt = non_negative("prompt_tokens", prompt_tokens)?;
         let max_tokens = non_negative("max_tokens", max_tokens)?;
@@ -163,25 +175,28 @@ impl PyGovernor {
         self.inner.next_deadline_us()
     }
 
-    #[pyo3(signature = (backend, now_us, *, kv_usage=None, running=None, waiting=None,
-                        preemptions_total=None, kv_blocks=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*args, **kwargs), text_signature = "($self, backend, now_us, *, \
+        kv_usage=None, running=None, waiting=None, preemptions_total=None, kv_blocks=None)")]
     fn observe_backend(
         &mut self,
-        backend: &str,
-        now_us: u64,
-        kv_usage: Option<f64>,
-        running: Option<u64>,
-        waiting: Option<u64>,
-        preemptions_total: Option<u64>,
-        kv_blocks: Option<u64>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
+        const OBSERVE_BACKEND: Signature = Signature {
+            full_name: "Governor.observe_backend()",
+            positional: &["backend", "now_us"],
+            keyword_only: METRICS,
+        };
+        let a = OBSERVE_BACKEND.bind(args, kwargs)?;
+        let (backend, now_us): (&str, u64) = (a.get(0)?, a.get(1)?);
+        let m = Metrics::from_args(&a, 2)?;
         let id = self.inner.backend_id(backend)?;
-        if let Some(blocks) = kv_blocks {
+        if let Some(blocks) = m.kv_blocks {
             self.inner.set_kv_capacity(id, blocks);
         }
+        let (kv, running, waiting) = (m.kv_usage, m.running, m.waiting);
         self.inner
-            .observe_backend(id, now_us, kv_usage, running, waiting, preemptions_total)?;
+            .observe_backend(id, now_us, kv, running, waiting, m.preemptions_total)?;
         Ok(())
     }
 

@@ -15,6 +15,7 @@ mod functions;
 mod governor;
 mod light;
 mod runtime;
+mod signature;
 
 pub(crate) use errors::*;
 

@@ -2,11 +2,12 @@
 //! frozen classes of `actions`.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use super::actions::action_to_py;
 use super::convert::snapshot_to_py;
 use super::errors::{non_negative, ConfigError, InvalidArgumentError, TraceMismatchError};
+use super::signature::{Metrics, Signature, METRICS};
 use crate::governor::{Arrival, Route};
 use crate::runtime::{Event, Runtime};
 use crate::trace;
@@ -73,22 +74,34 @@ impl PyRuntime {
         Ok(Self { inner, trace })
     }
 
-    #[allow(clippy::too_many_arguments)] // one Python method per event, with its fields
-    #[pyo3(signature = (request_id, tenant, prompt_tokens, max_tokens, stream, now_us, *,
-                        model=None, prefix_hashes=None, fingerprint=0))]
+    #[pyo3(signature = (*args, **kwargs), text_signature = "($self, request_id, tenant, \
+        prompt_tokens, max_tokens, stream, now_us, *, model=None, prefix_hashes=None, \
+        fingerprint=0)")]
     fn arrive(
         &mut self,
         py: Python<'_>,
-        request_id: u64,
-        tenant: &str,
-        prompt_tokens: i64,
-        max_tokens: i64,
-        stream: bool,
-        now_us: u64,
-        model: Option<&str>,
-        prefix_hashes: Option<Vec<u64>>,
-        fingerprint: u64,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
+        const ARRIVE: Signature = Signature {
+            full_name: "Runtime.arrive()",
+            positional: &[
+                "request_id",
+                "tenant",
+                "prompt_tokens",
+                "max_tokens",
+                "stream",
+                "now_us",
+            ],
+            keyword_only: &["model", "prefix_hashes", "fingerprint"],
+        };
+        let a = ARRIVE.bind(args, kwargs)?;
+        let (request_id, tenant): (u64, &str) = (a.get(0)?, a.get(1)?);
+        let (prompt_tokens, max_tokens): (i64, i64) = (a.get(2)?, a.get(3)?);
+        let (stream, now_us): (bool, u64) = (a.get(4)?, a.get(5)?);
+        let model: Option<&str> = a.get_or(6, None)?;
+        let prefix_hashes: Option<Vec<u64>> = a.get_or(7, None)?;
+        let fingerprint: u64 = a.get_or(8, 0)?;
         let event = Event::Arrive {
             id: request_id,
             tenant: self.inner.governor().tenant_id(tenant)?,
@@ -220,29 +233,31 @@ impl PyRuntime {
         self.feed(py, now_us, &Event::Timer)
     }
 
-    #[pyo3(signature = (backend, began_us, now_us, *, kv_usage=None, running=None, waiting=None,
-                        preemptions_total=None, kv_blocks=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*args, **kwargs), text_signature = "($self, backend, began_us, \
+        now_us, *, kv_usage=None, running=None, waiting=None, preemptions_total=None, \
+        kv_blocks=None)")]
     fn scrape_ok(
         &mut self,
         py: Python<'_>,
-        backend: &str,
-        began_us: u64,
-        now_us: u64,
-        kv_usage: Option<f64>,
-        running: Option<u64>,
-        waiting: Option<u64>,
-        preemptions_total: Option<u64>,
-        kv_blocks: Option<u64>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
+        const SCRAPE_OK: Signature = Signature {
+            full_name: "Runtime.scrape_ok()",
+            positional: &["backend", "began_us", "now_us"],
+            keyword_only: METRICS,
+        };
+        let a = SCRAPE_OK.bind(args, kwargs)?;
+        let (backend, began_us, now_us): (&str, u64, u64) = (a.get(0)?, a.get(1)?, a.get(2)?);
+        let m = Metrics::from_args(&a, 3)?;
         let event = Event::ScrapeOk {
             backend: self.backend(backend)?,
             began_us,
-            kv_usage,
-            running,
-            waiting,
-            preemptions_total,
-            kv_blocks,
+            kv_usage: m.kv_usage,
+            running: m.running,
+            waiting: m.waiting,
+            preemptions_total: m.preemptions_total,
+            kv_blocks: m.kv_blocks,
         };
         self.feed(py, now_us, &event)
     }

@@ -1,0 +1,214 @@
+//! Arguments bound by hand, for the methods whose Python signature has more parameters than a
+//! Rust function should take (`Runtime.arrive`, `Runtime.scrape_ok`, `Governor.submit`,
+//! `Governor.observe_backend`): the method takes `*args, **kwargs` and one `Signature` binds
+//! them by PyO3's own rules, with its messages, so Python sees the same method as before
+//! (`text_signature` keeps `inspect.signature` and the stubs true).
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString, PyTuple};
+
+/// A method's parameters: positional-or-keyword ones, all required, then keyword-only ones,
+/// each with a default.
+pub(super) struct Signature {
+    /// `Class.method()`, as the errors name it.
+    pub full_name: &'static str,
+    pub positional: &'static [&'static str],
+    pub keyword_only: &'static [&'static str],
+}
+
+/// A call's arguments bound to a signature's parameters, by index (positional first).
+pub(super) struct Args<'py> {
+    signature: &'static Signature,
+    values: Vec<Option<Bound<'py, PyAny>>>,
+}
+
+impl Signature {
+    pub fn bind<'py>(
+        &'static self,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Args<'py>> {
+        let positional = self.positional.len();
+        let given = args.len();
+        if given > positional {
+            let was = if given == 1 { "was" } else { "were" };
+            return Err(PyTypeError::new_err(format!(
+                "{} takes {positional} positional arguments but {given} {was} given",
+                self.full_name
+            )));
+        }
+        let mut values: Vec<Option<Bound<'py, PyAny>>> =
+            vec![None; positional + self.keyword_only.len()];
+        for (slot, value) in values.iter_mut().zip(args.iter()) {
+            *slot = Some(value);
+        }
+        for (key, value) in kwargs.iter().flat_map(|k| PyDictMethods::iter(*k)) {
+            let name = key.cast::<PyString>()?.to_str()?;
+            let index = self
+                .positional
+                .iter()
+                .chain(self.keyword_only)
+                .position(|p| *p == name);
+            match index {
+                Some(i) if i < given => {
+                    return Err(PyTypeError::new_err(format!(
+                        "{} got multiple values for argument '{name}'",
+                        self.full_name
+                    )));
+                }
+                Some(i) => values[i] = Some(value),
+                None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "{} got an unexpected keyword argument '{name}'",
+                        self.full_name
+                    )));
+                }
+            }
+        }
+        let missing: Vec<&str> = (0..positional)
+            .filter(|&i| values[i].is_none())
+            .map(|i| self.positional[i])
+            .collect();
+        if !missing.is_empty() {
+            return Err(PyTypeError::new_err(missing_message(
+                self.full_name,
+                &missing,
+            )));
+        }
+        Ok(Args {
+            signature: self,
+            values,
+        })
+    }
+
+    fn name(&self, index: usize) -> &'static str {
+        let positional = self.positional.len();
+        if index < positional {
+            self.positional[index]
+        } else {
+            self.keyword_only[index - positional]
+        }
+    }
+}
+
+impl<'py> Args<'py> {
+    /// The value of parameter `index` (a positional one, always bound), converted.
+    pub fn get<'a, T>(&'a self, index: usize) -> PyResult<T>
+    where
+        T: FromPyObject<'a, 'py>,
+    {
+        let value = self.values[index]
+            .as_ref()
+            .expect("bound: checked in `bind`");
+        self.convert(index, value)
+    }
+
+    /// The value of keyword-only parameter `index`, or `default` when the call left it out.
+    pub fn get_or<'a, T>(&'a self, index: usize, default: T) -> PyResult<T>
+    where
+        T: FromPyObject<'a, 'py>,
+    {
+        match self.values[index].as_ref() {
+            Some(value) => self.convert(index, value),
+            None => Ok(default),
+        }
+    }
+
+    fn convert<'a, T>(&self, index: usize, value: &'a Bound<'py, PyAny>) -> PyResult<T>
+    where
+        T: FromPyObject<'a, 'py>,
+    {
+        value.extract::<T>().map_err(|e| {
+            // As PyO3 reports a conversion that failed: a TypeError names the argument.
+            let err: PyErr = e.into();
+            let py = value.py();
+            if err.get_type(py).is(py.get_type::<PyTypeError>()) {
+                let name = self.signature.name(index);
+                let named = PyTypeError::new_err(format!("argument '{name}': {}", err.value(py)));
+                named.set_cause(py, err.cause(py));
+                named
+            } else {
+                err
+            }
+        })
+    }
+}
+
+/// What a scrape read: the keyword-only parameters `Runtime.scrape_ok` and
+/// `Governor.observe_backend` share, from index `first` of their signature on.
+pub(super) const METRICS: &[&str] = &[
+    "kv_usage",
+    "running",
+    "waiting",
+    "preemptions_total",
+    "kv_blocks",
+];
+
+pub(super) struct Metrics {
+    pub kv_usage: Option<f64>,
+    pub running: Option<u64>,
+    pub waiting: Option<u64>,
+    pub preemptions_total: Option<u64>,
+    pub kv_blocks: Option<u64>,
+}
+
+impl Metrics {
+    pub fn from_args(a: &Args<'_>, first: usize) -> PyResult<Self> {
+        Ok(Self {
+            kv_usage: a.get_or(first, None)?,
+            running: a.get_or(first + 1, None)?,
+            waiting: a.get_or(first + 2, None)?,
+            preemptions_total: a.get_or(first + 3, None)?,
+            kv_blocks: a.get_or(first + 4, None)?,
+        })
+    }
+}
+
+/// "f() missing 2 required positional arguments: 'a' and 'b'" (three or more: "'a', 'b', and
+/// 'c'"), as CPython and PyO3 word it.
+fn missing_message(full_name: &str, names: &[&str]) -> String {
+    let plural = if names.len() == 1 {
+        "argument"
+    } else {
+        "arguments"
+    };
+    let mut msg = format!(
+        "{full_name} missing {} required positional {plural}: ",
+        names.len()
+    );
+    for (i, name) in names.iter().enumerate() {
+        if i != 0 {
+            if names.len() > 2 {
+                msg.push(',');
+            }
+            msg.push_str(if i == names.len() - 1 { " and " } else { " " });
+        }
+        msg.push('\'');
+        msg.push_str(name);
+        msg.push('\'');
+    }
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::missing_message;
+
+    // The list reads as CPython's: one name, two joined by "and", more with commas too.
+    #[test]
+    fn missing_names_read_as_python_words_them() {
+        assert_eq!(
+            missing_message("f()", &["a"]),
+            "f() missing 1 required positional argument: 'a'"
+        );
+        assert_eq!(
+            missing_message("f()", &["a", "b"]),
+            "f() missing 2 required positional arguments: 'a' and 'b'"
+        );
+        assert_eq!(
+            missing_message("f()", &["a", "b", "c"]),
+            "f() missing 3 required positional arguments: 'a', 'b', and 'c'"
+        );
+    }
+}
