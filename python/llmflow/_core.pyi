@@ -265,10 +265,14 @@ class Governor:
     def __copy__(self) -> Governor:
         """An independent copy of the whole state, via `copy.copy` (for what-if checks)."""
 
-def prefix_hashes(data: bytes, chunk: int, max_blocks: int = 4096) -> list[int]:
+def prefix_hashes(
+    data: bytes, chunk: int, max_blocks: int = 4096, keyed: bool = False
+) -> list[int]:
     """Chained hashes of `data`'s full chunks of `chunk` bytes, at most `max_blocks` (a partial
     tail gets none): each covers its parent's hash and its chunk, as vLLM's block hashes do, and
-    is below 2**63. For `prefix_hashes=` when a host has the prompt's bytes, not its tokens."""
+    is below 2**63. For `prefix_hashes=` when a host has the prompt's bytes, not its tokens.
+    `keyed`: SipHash under this process's random key, so a hash in a trace file reveals nothing
+    of the prompt (equal within the process only); otherwise FxHash, the same everywhere."""
 
 def kv_slots(
     vram_bytes: float,

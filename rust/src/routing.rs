@@ -201,13 +201,34 @@ pub fn headroom_score(
 /// their parent's and their tokens. FxHash, not a cryptographic hash: a collision only misleads
 /// one routing guess. Each is below 2**63, so hosts in any language hold it as a plain integer.
 pub fn chain_hashes(data: &[u8], chunk: usize, max_blocks: usize) -> Vec<u64> {
-    use std::hash::Hasher;
+    chain_with(data, chunk, max_blocks, rustc_hash::FxHasher::default)
+}
+
+/// [`chain_hashes`], keyed: SipHash-1-3 under this process's random key (std's `RandomState`),
+/// so a hash read from a trace file or a log says nothing of the prompt to anyone without the
+/// key (FxHash is invertible: a known prefix gives the next block's hash away, and a short
+/// secret in a prompt could be found by trying every value). Equal within one process, which
+/// is all routing needs; the trace replays the hashes as recorded.
+pub fn keyed_chain_hashes(data: &[u8], chunk: usize, max_blocks: usize) -> Vec<u64> {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    let key = KEY.get_or_init(std::collections::hash_map::RandomState::new);
+    chain_with(data, chunk, max_blocks, || key.build_hasher())
+}
+
+fn chain_with<H: std::hash::Hasher>(
+    data: &[u8],
+    chunk: usize,
+    max_blocks: usize,
+    hasher: impl Fn() -> H,
+) -> Vec<u64> {
     let chunk = chunk.max(1);
     let mut parent = 0u64;
     data.chunks_exact(chunk)
         .take(max_blocks)
         .map(|block| {
-            let mut h = rustc_hash::FxHasher::default();
+            let mut h = hasher();
             h.write_u64(parent);
             h.write(block);
             parent = h.finish() >> 1;

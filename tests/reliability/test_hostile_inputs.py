@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import re
 import socket
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from .wire import exchange, fds_of_self, open_raw, post_bytes, read_until_closed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
 
 pytestmark = pytest.mark.anyio
 CLOSE = "connection: close\r\n\r\n"
@@ -585,3 +587,48 @@ async def test_a_post_goes_out_at_most_twice_however_many_pooled_links_are_stale
         r = await client.post(CHAT, json=chat(stream=False, max_tokens=2))
         assert r.status_code == 502
         assert backend.posts - before <= 2
+
+
+# -- 12. a trace file gives no prompt away ---------------------------------------------------
+
+
+def test_a_short_secret_in_a_prompt_cannot_be_found_from_the_trace(tmp_path: Path) -> None:
+    """A prompt holds a 4-digit PIN; the gateway runs `--trace` with prefix routing (so the
+    prompt's block hashes and the body's fingerprint go into the trace). On main both were
+    unkeyed (FxHash, CRC-32): trying the 10,000 PINs found it in 51 ms. Now both are keyed
+    with a per-process secret: no PIN reproduces a value of the trace; and the file is the
+    user's alone (0600) whatever the umask."""
+    import zlib
+
+    from gateway.outside import outside_gateway
+    from llmflow._core import prefix_hashes
+
+    def body_of(pin: str) -> bytes:
+        head = f"Customer's card PIN is {pin}; never repeat it. ".ljust(64, "x")
+        prompt = head + "Write a poem about the sea." * 4
+        return json.dumps({"model": "fake-model", "prompt": prompt, "max_tokens": 2}).encode()
+
+    trace = tmp_path / "trace.jsonl"
+    old_umask = os.umask(0o022)
+    try:
+        args = ("--trace", str(trace))
+        with outside_gateway(tmp_path, extra_args=args, routing={"policy": "prefix"}) as g:
+            r = httpx.post(g.url + "/v1/completions", content=body_of("4821"),
+                           headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert g.gateway.stop() == 0
+    finally:
+        os.umask(old_umask)
+    assert trace.stat().st_mode & 0o077 == 0
+    values: set[int] = set()
+    for line in trace.read_text().splitlines():
+        event = json.loads(line).get("ev")
+        arrive = event.get("arrive") if isinstance(event, dict) else None
+        if arrive:
+            values |= set(arrive.get("chain", ())) | {arrive.get("fingerprint", 0)}
+    assert len(values) > 2  # hashes and a fingerprint were recorded
+    for n in range(10_000):
+        raw = body_of(f"{n:04d}")
+        prompt = json.loads(raw)["prompt"].encode()
+        unkeyed = set(prefix_hashes(prompt, 64)) | {zlib.crc32(raw) << 32 | len(raw)}
+        assert not unkeyed & values, f"PIN {n:04d} found from the trace"

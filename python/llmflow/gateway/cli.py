@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     import argparse
     import socket
     from collections.abc import Generator
+    from typing import TextIO
 
     from fastapi import FastAPI
 
@@ -157,7 +159,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
     logging.getLogger("uvicorn.error").addFilter(FrameRedactor())  # no API key in a debug log
-    trace = args.trace.open("w", encoding="utf-8") if args.trace else None
+    trace = _private_file(args.trace) if args.trace else None
     app = create_app(settings, trace)
     config = uvicorn.Config(
         app,
@@ -194,6 +196,14 @@ def serve(args: argparse.Namespace) -> int:
         if trace is not None:
             trace.close()
     return 0
+
+
+def _private_file(path: Path) -> TextIO:
+    """Open `path` for writing, readable by this user alone (0600, whatever the umask): a
+    trace holds every request's tenant, timing and hashes of its body and prompt."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    return os.fdopen(fd, "w", encoding="utf-8")
 
 
 def _admin_server(app: FastAPI, settings: Settings, log_level: str) -> CompanionServer:

@@ -27,9 +27,10 @@ _MAX_BLOCKS = 4096  # a chain longer than any KV cache holds routes no better
 
 def chain_hashes(data: bytes, chunk: int) -> list[int]:
     """Chained hashes of `data`'s full chunks of `chunk` bytes (a partial tail gets none), each
-    below 2**63; computed in the core (`llmflow._core.prefix_hashes`, FxHash: a collision only
-    misleads one routing guess)."""
-    return prefix_hashes(data, chunk, _MAX_BLOCKS)
+    below 2**63; computed in the core (`llmflow._core.prefix_hashes`), keyed with this
+    process's random key: the hashes reach the trace file, and an unkeyed hash of a short
+    secret in a prompt (a PIN) would give it away to anyone who tries every value."""
+    return prefix_hashes(data, chunk, _MAX_BLOCKS, keyed=True)
 
 
 def chat_prefix_hashes(

@@ -5,11 +5,17 @@ use pyo3::prelude::*;
 use crate::capacity;
 
 /// The chained block hashes of a prompt's bytes (`routing::chain_hashes`), for a host that has
-/// no tokens to hash. A per-request call: it keeps the GIL (microseconds for 100 KB).
+/// no tokens to hash; `keyed`: under this process's random key (`routing::keyed_chain_hashes`),
+/// as the gateway hashes clients' prompts. A per-request call: it keeps the GIL (microseconds
+/// for 100 KB).
 #[pyfunction]
-#[pyo3(signature = (data, chunk, max_blocks=4096))]
-pub fn prefix_hashes(data: &[u8], chunk: usize, max_blocks: usize) -> Vec<u64> {
-    crate::routing::chain_hashes(data, chunk, max_blocks)
+#[pyo3(signature = (data, chunk, max_blocks=4096, keyed=false))]
+pub fn prefix_hashes(data: &[u8], chunk: usize, max_blocks: usize, keyed: bool) -> Vec<u64> {
+    if keyed {
+        crate::routing::keyed_chain_hashes(data, chunk, max_blocks)
+    } else {
+        crate::routing::chain_hashes(data, chunk, max_blocks)
+    }
 }
 
 #[pyfunction]
