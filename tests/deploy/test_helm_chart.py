@@ -1,12 +1,13 @@
 """The Helm chart (deploy/helm/llmflow), rendered by Helm's engine and checked from outside.
 
 Three value sets: the chart's defaults (one pod), `examples/replicas-redis.yaml` (three pods
-sharing the chart's Redis, a ServiceMonitor) and `examples/replicas-external-redis.yaml`. Every manifest is validated against the
-Kubernetes API's own schemas (`kubernetes-validate`, strict: no unknown field), at the oldest
-and newest version it knows. The config is assembled as the pod's init container does it (the
-ConfigMap's script run on the ConfigMap and the Secret's files) and loaded by `llmflow config
-check`; the keys must reach the pod only through the Secret; pods must meet the "restricted"
-Pod Security Standard; the grace period must cover the drain.
+sharing the chart's Redis, a ServiceMonitor) and `examples/replicas-external-redis.yaml`.
+Every manifest is validated against the Kubernetes API's own schemas (`kubernetes-validate`,
+strict: no unknown field), at the oldest and newest version it knows. The config is assembled
+as the pod's init container does it (the ConfigMap's script run on the ConfigMap and the
+Secret's files) and loaded by `llmflow config check`; the keys must reach the pod only through
+the Secret; pods must meet the "restricted" Pod Security Standard; the grace period must cover
+the drain.
 """
 
 from __future__ import annotations
