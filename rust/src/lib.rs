@@ -21,12 +21,6 @@ pub mod types;
 
 #[cfg(feature = "python")]
 mod python;
-// The relay's seam joins `python/` once issue 26's edits of it have landed; until then it
-// reaches the errors by their old path.
-#[cfg(all(feature = "python", feature = "relay"))]
-use python as py;
-#[cfg(all(feature = "python", feature = "relay"))]
-mod py_relay;
 
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};

@@ -56,6 +56,7 @@ impl PyGovernor {
                 "max_tokens",
                 "now_us",
             ],
+            optional: 0,
             keyword_only: &["model", "prefix_hashes"],
         };
         let a = SUBMIT.bind(args, kwargs)?;
@@ -185,6 +186,7 @@ impl PyGovernor {
         const OBSERVE_BACKEND: Signature = Signature {
             full_name: "Governor.observe_backend()",
             positional: &["backend", "now_us"],
+            optional: 0,
             keyword_only: METRICS,
         };
         let a = OBSERVE_BACKEND.bind(args, kwargs)?;

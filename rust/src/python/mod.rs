@@ -3,9 +3,10 @@
 //!
 //! Per-request calls take microseconds and keep the GIL; only construction parses JSON.
 //! `governor` wraps the `Governor` (its answers in `decisions`), `runtime` the sans-IO
-//! `Runtime` (its actions in `actions`), `light` the light lane (the per-chunk relay's seam
-//! is `py_relay.rs` for now); `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
-//! Python objects, and `functions` holds the module's free functions.
+//! `Runtime` (its actions in `actions`), `light` the light lane and `relay` the per-chunk
+//! relay; `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
+//! Python objects, `functions` holds the module's free functions, and `signature` binds the
+//! arguments of the methods with more parameters than a Rust function should take.
 
 mod actions;
 mod convert;
@@ -14,6 +15,8 @@ mod errors;
 mod functions;
 mod governor;
 mod light;
+#[cfg(feature = "relay")]
+mod relay;
 mod runtime;
 mod signature;
 
@@ -41,7 +44,7 @@ pub mod _core {
 
     #[cfg(feature = "relay")]
     #[pymodule_export]
-    use crate::py_relay::PyRelay;
+    use super::relay::PyRelay;
 
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {

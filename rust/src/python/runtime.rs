@@ -93,6 +93,7 @@ impl PyRuntime {
                 "stream",
                 "now_us",
             ],
+            optional: 0,
             keyword_only: &["model", "prefix_hashes", "fingerprint"],
         };
         let a = ARRIVE.bind(args, kwargs)?;
@@ -245,6 +246,7 @@ impl PyRuntime {
         const SCRAPE_OK: Signature = Signature {
             full_name: "Runtime.scrape_ok()",
             positional: &["backend", "began_us", "now_us"],
+            optional: 0,
             keyword_only: METRICS,
         };
         let a = SCRAPE_OK.bind(args, kwargs)?;

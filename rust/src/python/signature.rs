@@ -8,12 +8,13 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 
-/// A method's parameters: positional-or-keyword ones, all required, then keyword-only ones,
-/// each with a default.
+/// A method's parameters: positional-or-keyword ones (the last `optional` of them with a
+/// default, the others required), then keyword-only ones, each with a default.
 pub(super) struct Signature {
     /// `Class.method()`, as the errors name it.
     pub full_name: &'static str,
     pub positional: &'static [&'static str],
+    pub optional: usize,
     pub keyword_only: &'static [&'static str],
 }
 
@@ -31,10 +32,16 @@ impl Signature {
     ) -> PyResult<Args<'py>> {
         let positional = self.positional.len();
         let given = args.len();
+        let required = positional - self.optional;
         if given > positional {
             let was = if given == 1 { "was" } else { "were" };
+            let takes = if self.optional == 0 {
+                format!("{positional}")
+            } else {
+                format!("from {required} to {positional}")
+            };
             return Err(PyTypeError::new_err(format!(
-                "{} takes {positional} positional arguments but {given} {was} given",
+                "{} takes {takes} positional arguments but {given} {was} given",
                 self.full_name
             )));
         }
@@ -66,7 +73,7 @@ impl Signature {
                 }
             }
         }
-        let missing: Vec<&str> = (0..positional)
+        let missing: Vec<&str> = (0..required)
             .filter(|&i| values[i].is_none())
             .map(|i| self.positional[i])
             .collect();
@@ -93,7 +100,7 @@ impl Signature {
 }
 
 impl<'py> Args<'py> {
-    /// The value of parameter `index` (a positional one, always bound), converted.
+    /// The value of parameter `index` (a required positional one, always bound), converted.
     pub fn get<'a, T>(&'a self, index: usize) -> PyResult<T>
     where
         T: FromPyObject<'a, 'py>,
@@ -104,7 +111,8 @@ impl<'py> Args<'py> {
         self.convert(index, value)
     }
 
-    /// The value of keyword-only parameter `index`, or `default` when the call left it out.
+    /// The value of parameter `index` (one with a default), or `default` when the call left
+    /// it out.
     pub fn get_or<'a, T>(&'a self, index: usize, default: T) -> PyResult<T>
     where
         T: FromPyObject<'a, 'py>,

@@ -97,6 +97,23 @@ pub struct Shared {
     pub stats: Stats,
 }
 
+/// A streamed completion to relay: the request's head and body, and how to relay it.
+pub struct StreamRequest<'a> {
+    /// The host's id of the request (its events and controls name it).
+    pub id: u64,
+    /// The backend's completion URL (plain http).
+    pub url: &'a str,
+    pub body: Vec<u8>,
+    /// Sent upstream as `X-Request-Id`.
+    pub request_id: &'a str,
+    /// Sent upstream as W3C `traceparent` (OpenTelemetry).
+    pub traceparent: Option<&'a str>,
+    /// The client asked for the usage chunk (else it is cut from the stream).
+    pub include_usage: bool,
+    /// Register it now, send it on `Control::Go`.
+    pub deferred: bool,
+}
+
 /// The relay: its threads, its upstream connection pool, and the live streams.
 pub struct Relay {
     runtime: Option<tokio::runtime::Runtime>,
@@ -139,17 +156,16 @@ impl Relay {
     ///
     /// # Errors
     /// The URL or a header is malformed, or `id` is already live.
-    #[allow(clippy::too_many_arguments)] // the request's head and how to relay it
-    pub fn open(
-        &self,
-        id: u64,
-        url: &str,
-        body: Vec<u8>,
-        request_id: &str,
-        traceparent: Option<&str>,
-        include_usage: bool,
-        deferred: bool,
-    ) -> Result<(), String> {
+    pub fn open(&self, request: StreamRequest<'_>) -> Result<(), String> {
+        let StreamRequest {
+            id,
+            url,
+            body,
+            request_id,
+            traceparent,
+            include_usage,
+            deferred,
+        } = request;
         let uri: hyper::Uri = url
             .parse()
             .map_err(|e| format!("bad backend URL {url:?}: {e}"))?;

@@ -8,11 +8,14 @@ use std::os::fd::FromRawFd;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 use pyo3::{intern, IntoPyObjectExt};
 
-use crate::py::InvalidArgumentError;
-use crate::relay::{Control, Relay, RelayConfig, RelayEvent, GAP_BOUNDS_S};
+use super::errors::InvalidArgumentError;
+use super::signature::Signature;
+use crate::relay::{
+    Control, Relay, RelayConfig, RelayEvent, StreamRequest, DEFAULT_MAX_EVENT_BYTES, GAP_BOUNDS_S,
+};
 
 /// The longest the host waits for a stream to carry out a cut, an abort or a close: the
 /// upstream socket is closed before the runtime's next `Start` goes out (a stream busy for
@@ -37,20 +40,32 @@ fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {
 #[pymethods]
 impl PyRelay {
     #[new]
-    #[pyo3(signature = (notify_fd, *, threads=1, client_window=8, pause_when_full=true,
-        flush_interval_ms=0.0, token_flush_ms=20.0, connect_timeout_ms=5000.0,
-        max_event_bytes=crate::relay::DEFAULT_MAX_EVENT_BYTES))]
-    #[allow(clippy::too_many_arguments)] // keyword arguments from Python, one per setting
-    fn new(
-        notify_fd: i32,
-        threads: usize,
-        client_window: usize,
-        pause_when_full: bool,
-        flush_interval_ms: f64,
-        token_flush_ms: f64,
-        connect_timeout_ms: f64,
-        max_event_bytes: usize,
-    ) -> PyResult<Self> {
+    #[pyo3(signature = (*args, **kwargs), text_signature = "(notify_fd, *, threads=1, \
+        client_window=8, pause_when_full=True, flush_interval_ms=0.0, token_flush_ms=20.0, \
+        connect_timeout_ms=5000.0, max_event_bytes=16777216)")]
+    fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        const NEW: Signature = Signature {
+            full_name: "Relay.__new__()",
+            positional: &["notify_fd"],
+            optional: 0,
+            keyword_only: &[
+                "threads",
+                "client_window",
+                "pause_when_full",
+                "flush_interval_ms",
+                "token_flush_ms",
+                "connect_timeout_ms",
+                "max_event_bytes",
+            ],
+        };
+        let a = NEW.bind(args, kwargs)?;
+        let notify_fd: i32 = a.get(0)?;
+        let (threads, client_window): (usize, usize) = (a.get_or(1, 1)?, a.get_or(2, 8)?);
+        let pause_when_full: bool = a.get_or(3, true)?;
+        let flush_interval_ms: f64 = a.get_or(4, 0.0)?;
+        let token_flush_ms: f64 = a.get_or(5, 20.0)?;
+        let connect_timeout_ms: f64 = a.get_or(6, 5000.0)?;
+        let max_event_bytes: usize = a.get_or(7, DEFAULT_MAX_EVENT_BYTES)?;
         if threads == 0 || client_window == 0 {
             return Err(InvalidArgumentError::new_err(
                 "threads and client_window must be at least 1",
@@ -79,29 +94,39 @@ impl PyRelay {
     /// Send a streamed completion to `url` and relay it; the client attaches later. With
     /// `deferred`, the stream exists at once (controls apply) but waits for `go` to send.
     /// `traceparent` goes upstream as W3C `traceparent` (OpenTelemetry), beside `X-Request-Id`.
-    #[pyo3(signature = (request_id, url, body, x_request_id, include_usage, deferred=false,
-                        traceparent=None))]
-    #[allow(clippy::too_many_arguments)] // one Python method, with its keywords
-    fn open(
-        &self,
-        request_id: u64,
-        url: &str,
-        body: &[u8],
-        x_request_id: &str,
-        include_usage: bool,
-        deferred: bool,
-        traceparent: Option<&str>,
-    ) -> PyResult<()> {
+    #[pyo3(signature = (*args, **kwargs), text_signature = "($self, request_id, url, body, \
+        x_request_id, include_usage, deferred=False, traceparent=None)")]
+    fn open(&self, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+        const OPEN: Signature = Signature {
+            full_name: "Relay.open()",
+            positional: &[
+                "request_id",
+                "url",
+                "body",
+                "x_request_id",
+                "include_usage",
+                "deferred",
+                "traceparent",
+            ],
+            optional: 2,
+            keyword_only: &[],
+        };
+        let a = OPEN.bind(args, kwargs)?;
+        let (id, url, body): (u64, &str, &[u8]) = (a.get(0)?, a.get(1)?, a.get(2)?);
+        let (request_id, include_usage): (&str, bool) = (a.get(3)?, a.get(4)?);
+        let deferred: bool = a.get_or(5, false)?;
+        let traceparent: Option<&str> = a.get_or(6, None)?;
+        let request = StreamRequest {
+            id,
+            url,
+            body: body.to_vec(),
+            request_id,
+            traceparent,
+            include_usage,
+            deferred,
+        };
         self.inner
-            .open(
-                request_id,
-                url,
-                body.to_vec(),
-                x_request_id,
-                traceparent,
-                include_usage,
-                deferred,
-            )
+            .open(request)
             .map_err(InvalidArgumentError::new_err)
     }
 
