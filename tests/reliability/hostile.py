@@ -105,6 +105,7 @@ class RawBackend:
         self.posts = 0
         self.connections = 0
         self.server: Any = None
+        self.writers: list[Any] = []
 
     async def start(self) -> str:
         import asyncio
@@ -113,12 +114,16 @@ class RawBackend:
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def stop(self) -> None:
+        """Stop listening (connections are refused from now on) and drop every connection."""
         self.server.close()
+        for writer in self.writers:
+            writer.close()
 
     async def _serve(self, reader: Any, writer: Any) -> None:
         import asyncio
 
         self.connections += 1
+        self.writers.append(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")

@@ -531,7 +531,8 @@ def tuple_of(url: str) -> tuple[str, int]:
 async def raw_gateway(**sections: Any) -> AsyncIterator[tuple[Any, RawBackend]]:
     backend = RawBackend()
     url = await backend.start()
-    settings = settings_for({"raw": url}, server={"relay": False}, **sections)
+    server = {"relay": False, **sections.pop("server", {})}
+    settings = settings_for({"raw": url}, server=server, **sections)
     app = create_app(settings)
     try:
         async with (
@@ -632,3 +633,94 @@ def test_a_short_secret_in_a_prompt_cannot_be_found_from_the_trace(tmp_path: Pat
         prompt = json.loads(raw)["prompt"].encode()
         unkeyed = set(prefix_hashes(prompt, 64)) | {zlib.crc32(raw) << 32 | len(raw)}
         assert not unkeyed & values, f"PIN {n:04d} found from the trace"
+
+
+async def test_a_relayed_reply_framed_wrong_does_not_take_the_backend_down() -> None:
+    """A chunk size that is not hex under a relayed stream. On main the relay marked the
+    backend down for it (every request then a 503 until a scrape); now it is this reply's
+    502, and the next request is served by the same backend."""
+    bad = chunk_event("one ")
+    reply = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+        b"\r\n%x\r\n%s\r\nzz\r\n" % (len(bad), bad)
+    )
+    async with raw_gateway(server={"relay": True}) as (client, backend):
+        backend.mode = reply
+        r = await client.post(CHAT, json=chat(max_tokens=2))
+        assert r.status_code == 200
+        assert b'"error"' in r.content, r.content[-200:]
+        backend.mode = "ok"
+        again = await client.post(CHAT, json=chat(max_tokens=2))
+        assert again.status_code == 200, again.text
+        assert b"ok " in again.content
+
+
+async def test_a_502_names_no_address_of_the_backend() -> None:
+    """A backend that stops listening between two requests (no scrape in between): on main
+    the Python path's 502 quoted the exception, with the backend's address and port."""
+    async with raw_gateway(metrics={"scrape_interval_ms": 60_000}) as (client, backend):
+        assert (await client.post(CHAT, json=chat(stream=False, max_tokens=2))).status_code == 200
+        port = backend.server.sockets[0].getsockname()[1]
+        await backend.stop()
+        await asyncio.sleep(0.05)
+        r = await client.post(CHAT, json=chat(stream=False, max_tokens=2))
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"] == "backend_unavailable"
+        assert "127.0.0.1" not in r.text, r.text
+        assert str(port) not in r.text
+
+
+async def test_responses_force_store_off_and_resolve_aliases() -> None:
+    """On main `store` was stripped (vLLM's default then applied) and an alias went upstream
+    as the alias. Now vLLM gets `store: false` and the served model's name."""
+    seen: list[dict[str, Any]] = []
+
+    def configure(fakes: dict[str, Any]) -> None:
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def responses(request: Any) -> Any:
+            seen.append(await request.json())
+            return JSONResponse({"error": {"message": "enough", "type": "x", "code": 400}}, 400)
+
+        fakes["b0"].app.router.routes.append(Route("/v1/responses", responses, methods=["POST"]))
+
+    async with start_gateway(configure=configure, models={"fast": "fake-model"}) as h:
+        for store in (True, None):
+            body = {"model": "fast", "input": "hi", "max_output_tokens": 4}
+            if store is not None:
+                body["store"] = store
+            await h.client.post("/v1/responses", json=body)
+        assert [(b["model"], b["store"]) for b in seen] == [("fake-model", False)] * 2
+
+
+def test_two_replicas_on_one_host_and_pid_get_different_ids(redis_server: Any) -> None:
+    """Containers are all pid 1 and a copied pod may share a hostname: on main two such
+    replicas had one id, so their leases and waiting weights were counted as one's."""
+    from llmflow.config import load_settings
+    from llmflow.gateway.shared_state import SharedSlots
+
+    settings = load_settings(data={"state": {"backend": "redis", "url": redis_server.url}})
+
+    class NoHost:
+        runtime: Any = None
+
+    first, second = SharedSlots(settings, NoHost()), SharedSlots(settings, NoHost())  # type: ignore[arg-type]
+    assert first.replica != second.replica
+
+
+async def test_the_schema_moves_off_the_main_port_with_the_admin_routes() -> None:
+    """On main `/openapi.json` stayed open on the main port when `admin.port` moved the
+    admin routes (and their key) away."""
+    from llmflow.gateway.app import create_admin_app
+
+    key = "admin-key-0123456789abcdef"
+    async with start_gateway(admin={"port": 0, "api_key": key}) as h:
+        assert (await h.client.get("/openapi.json")).status_code == 404
+        async with (
+            serve_asgi(create_admin_app(h.app)) as (url, _),
+            httpx.AsyncClient(base_url=url) as admin,
+        ):
+            assert (await admin.get("/openapi.json")).status_code == 401
+            schema = await admin.get("/openapi.json", headers={"authorization": f"Bearer {key}"})
+            assert "/v1/chat/completions" in schema.json()["paths"]

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
 
 from llmflow._core import Runtime
 from llmflow.config import load_settings
@@ -32,6 +33,7 @@ from llmflow.gateway.middleware import BodyLimit, HostGuard, allowed_host_names
 from llmflow.gateway.protocol import install_schemas
 from llmflow.gateway.relay import RelayHost
 from llmflow.gateway.routes import admin, openai, ops, playground, vllm, websocket
+from llmflow.gateway.routes.deps import admin as admin_key
 from llmflow.gateway.scraper import Scraper
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import BackendRoute, SessionContext
@@ -301,7 +303,16 @@ def create_app(settings: Settings | None = None, trace: TextIO | None = None) ->
         The FastAPI app, ready for any ASGI server.
     """
     settings = settings or load_settings()
-    app = FastAPI(title="llmflow gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
+    # With the admin routes on a listener of their own, the schema goes with them (behind the
+    # admin key): the main port serves only what clients call.
+    openapi_url = "/openapi.json" if settings.admin.port is None else None
+    app = FastAPI(
+        title="llmflow gateway",
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=openapi_url,
+    )
     app.state.settings = settings
     app.state.trace = trace
     install_handlers(app)
@@ -329,11 +340,18 @@ def create_admin_app(main: FastAPI) -> FastAPI:
         main: the app from `create_app` (its config has `admin.port` set).
 
     Returns:
-        The admin app; every route needs `admin.api_key`.
+        The admin app (`/api/state`, `/dashboard`, `/metrics`, and the main listener's
+        `/openapi.json`); every route needs `admin.api_key`.
     """
     app = FastAPI(title="llmflow admin", docs_url=None, redoc_url=None, openapi_url=None)
     app.state = main.state  # the same settings and, once started, the same gateway
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=main.state.settings.server.max_body_bytes)
     app.include_router(admin.router)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(admin_key)])
+    async def openapi() -> JSONResponse:
+        """The main listener's OpenAPI document, moved here with the admin routes."""
+        return JSONResponse(main.openapi())
+
     return app

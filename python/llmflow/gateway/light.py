@@ -27,7 +27,7 @@ from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.host import now_us
 from llmflow.gateway.protocol import decode_json
 from llmflow.gateway.serving import ClientGone, Departure
-from llmflow.gateway.upstream import _error_message
+from llmflow.gateway.upstream import _error_message, why
 
 if TYPE_CHECKING:
     from llmflow.config import Settings
@@ -156,7 +156,7 @@ class LightService:
             await departure.run(send())
         except httpx.HTTPError as exc:
             raise GatewayError(
-                502, f"backend unreachable or failed: {exc!r}", "backend_unavailable"
+                502, f"backend unreachable or failed: {why(exc)}", "backend_unavailable"
             ) from exc
         except ClientGone:
             for response in sent:  # answered just as the client left

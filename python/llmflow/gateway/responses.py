@@ -43,7 +43,8 @@ __all__ = [
 PATH = "/v1/responses"
 _PER_ITEM = 4  # role markers a chat template adds around each input message
 _FINAL = ("response.completed", "response.incomplete")
-_STRIPPED = ("priority", "background", "store")  # the core sets priority; no stored replies
+# The core sets priority; KV transfer is the gateway's; a background reply is not governed.
+_STRIPPED = ("priority", "kv_transfer_params", "background")
 
 
 def prepare_response(
@@ -53,8 +54,12 @@ def prepare_response(
     bytes_per_token: float,
     max_tokens_cap: int | None,
     streaming: bool,
+    aliases: dict[str, str] | None = None,
 ) -> Prepared:
     """Check a Responses request completely, without touching a backend.
+
+    `aliases` (`models` in the config): an alias is resolved to the served model it names,
+    for the pool it routes to and the body vLLM gets, as for a completion.
 
     Raises:
         GatewayError: 400 (bad JSON or types, a limit passed, too long for the context),
@@ -103,12 +108,17 @@ def prepare_response(
     generated = wanted if wanted is not None else context - prompt
     if max_tokens_cap is not None:
         generated = min(generated, max_tokens_cap)
+    served = (aliases or {}).get(request.model, request.model)
     upstream = {k: v for k, v in body.items() if k not in _STRIPPED}
+    upstream["model"] = served
     upstream["stream"] = True
     upstream["max_output_tokens"] = generated  # the bound the core planned with holds upstream
+    # Forced off, not left to vLLM's default: a stored reply outlives the request, holds a
+    # tenant's text on the backend, and is readable by whoever asks for its id.
+    upstream["store"] = False
     options = ClientOptions("responses", request.model, bool(request.stream))
     return Prepared(options, identity.tenant, identity.tier, PATH, upstream, prompt, generated,
-                    fingerprint=body_fingerprint(raw))
+                    served, fingerprint=body_fingerprint(raw))
 
 
 def _input_tokens(request: ResponsesRequest, bytes_per_token: float) -> int:

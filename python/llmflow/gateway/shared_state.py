@@ -45,6 +45,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +136,10 @@ class SharedSlots:
         # Redis I/O bounds, not request rules: a call that hangs counts as the store lost.
         io_s = max(state.lease_ttl_ms / 3e3, 0.05)
         self.client = aioredis.from_url(state.url, socket_timeout=io_s, socket_connect_timeout=io_s)
-        self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        # Host and pid name the replica for a person; the random part keeps two replicas apart
+        # that share both (containers are all pid 1, and a copied pod can share a hostname),
+        # whose leases and waiting weights would otherwise count as one replica's.
+        self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         per_gpu = settings.gate.max_concurrency_per_gpu
         self.caps = {b.name: b.gpus * per_gpu for b in settings.backends}
         self.keys = {b: f"{state.key_prefix}:slots:{b}" for b in self.caps}

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.http1 import Connection
     from llmflow.gateway.types import Json
 
-__all__ = ["Upstream", "UpstreamError", "UpstreamStream"]
+__all__ = ["Upstream", "UpstreamError", "UpstreamStream", "why"]
 
 _CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treated as down
 _WRITE_TIMEOUT_S = 30.0  # sending one request body
@@ -36,6 +37,15 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024  # `server.max_event_bytes`' default
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)  # a failed connect that says nothing of the backend
 _ANSWER_LIMIT = 16 * 1024 * 1024  # bytes of a JSON answer read whole (P/D's prefill hop)
 _TAIL_WAIT_S = 0.05  # after [DONE], how long the body's end may take before we drop the link
+
+
+def why(exc: BaseException) -> str:
+    """What went wrong, for a client's error message: the OS's words for an errno, else the
+    exception's kind, never its text (which names the backend's address, a file, a host)."""
+    errno_ = getattr(exc, "errno", None)
+    if isinstance(errno_, int) and errno_ > 0:
+        return os.strerror(errno_)
+    return type(exc).__name__
 
 
 class UpstreamError(Exception):
@@ -102,10 +112,10 @@ class UpstreamStream:
             # The connection died under a started reply: the backend is down until a scrape
             # begun after this says otherwise (new requests go elsewhere at once).
             raise UpstreamError(
-                502, "backend_error", f"backend stream broke: {exc!r}", backend_down=True
+                502, "backend_error", f"backend stream broke: {why(exc)}", backend_down=True
             ) from exc
         except ProtocolError as exc:
-            raise UpstreamError(502, "backend_error", f"backend stream broke: {exc!r}") from exc
+            raise UpstreamError(502, "backend_error", f"backend stream broke: {why(exc)}") from exc
         if until_done or decoder.pending.strip():
             raise UpstreamError(502, "backend_error", "backend stream ended without [DONE]")
 
@@ -197,14 +207,14 @@ class Upstream:
         except OSError as exc:
             if exc.errno in _OUT_OF_FDS:  # the gateway's own shortage: the backend is fine
                 raise UpstreamError(
-                    502, "gateway_out_of_fds", f"the gateway has no file descriptor left: {exc!r}"
+                    502, "gateway_out_of_fds", "the gateway has no file descriptor left"
                 ) from exc
             raise UpstreamError(
-                502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
+                502, "backend_unavailable", f"backend unreachable: {why(exc)}", backend_down=True
             ) from exc
         except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct before 3.11
             raise UpstreamError(
-                502, "backend_unavailable", f"backend unreachable: {exc!r}", backend_down=True
+                502, "backend_unavailable", f"backend unreachable: {why(exc)}", backend_down=True
             ) from exc
         except ProtocolError as exc:
             raise UpstreamError(502, "backend_error", f"backend failed: {exc}") from exc

@@ -369,8 +369,12 @@ impl Task {
                 Err(_) => return Step::Go, // trailers
             },
             // The connection died under a started reply (a killed backend): down until a
-            // scrape begun later says otherwise, so new requests go elsewhere at once.
-            Some(Err(e)) => return self.fail(format!("backend stream broke: {e}"), true),
+            // scrape begun later says otherwise, so new requests go elsewhere at once. A body
+            // the backend framed wrong is this reply's failure, not the backend's absence.
+            Some(Err(e)) => {
+                let down = !framing_error(&e);
+                return self.fail(format!("backend stream broke: {e}"), down);
+            }
             None => return self.fail("backend stream ended without [DONE]".to_owned(), false),
         };
         let decoded = self.decoder.feed(&data);
@@ -754,4 +758,23 @@ fn error_object(raw: &[u8]) -> Option<String> {
 
 fn value_text(v: &serde_json::Value) -> String {
     v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+}
+
+/// Whether a body error is bad framing from a live backend (a chunk size that is not hex, a
+/// body past its length), not a connection that closed or reset under the reply.
+fn framing_error(e: &hyper::Error) -> bool {
+    if e.is_incomplete_message() {
+        return false;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<io::Error>() {
+            return matches!(
+                io.kind(),
+                io::ErrorKind::InvalidData | io::ErrorKind::InvalidInput
+            );
+        }
+        source = cause.source();
+    }
+    e.is_parse()
 }

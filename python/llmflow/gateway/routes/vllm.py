@@ -49,6 +49,7 @@ async def responses(request: Request) -> Response:
         s.server.bytes_per_token,
         s.limits.max_tokens,
         s.streaming.enabled,
+        aliases=dict(s.models),
     )
     session = ResponsesSession(svc.ctx, prepared)
     try:
