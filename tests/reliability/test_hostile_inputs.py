@@ -724,3 +724,41 @@ async def test_the_schema_moves_off_the_main_port_with_the_admin_routes() -> Non
             assert (await admin.get("/openapi.json")).status_code == 401
             schema = await admin.get("/openapi.json", headers={"authorization": f"Bearer {key}"})
             assert "/v1/chat/completions" in schema.json()["paths"]
+
+
+async def test_a_light_client_that_never_reads_gives_its_slot_back() -> None:
+    """An embeddings reply of 8 MB to a client that never reads, with one light slot. On
+    main the slot was held as long as the client stayed (every other embeddings request a
+    429); now it is given back at the stall timeout and the next request is served."""
+
+    def configure(fakes: dict[str, Any]) -> None:
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        big = json.dumps({"object": "list", "data": [{"embedding": [0.5] * 1_000_000}]})
+
+        async def embeddings(_request: Any) -> Any:
+            return Response(big, media_type="application/json")
+
+        fakes["b0"].app.router.routes.append(Route("/v1/embeddings", embeddings, methods=["POST"]))
+
+    async with start_gateway(
+        configure=configure,
+        backend={"light_concurrency": 1},
+        backpressure={"stall_timeout_ms": 300},
+    ) as h:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(tuple_of(h.url))
+        try:
+            sock.sendall(post_bytes("/v1/embeddings", {"model": "fake-model", "input": "x"}))
+            await asyncio.sleep(0.1)
+            body = {"model": "fake-model", "input": "y"}
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while (r := await h.client.post("/v1/embeddings", json=body)).status_code == 429:
+                assert loop.time() - start < 3, "the slot never came back"
+                await asyncio.sleep(0.1)
+            assert r.status_code == 200
+        finally:
+            sock.close()
