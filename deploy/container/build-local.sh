@@ -16,6 +16,7 @@ STORE=(--storage-driver vfs)
 
 if ! buildah "${STORE[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
   rootfs=$(mktemp -d)
+  chmod 0755 "$rootfs"  # it becomes the image's /: mktemp's 0700 would lock out uid 10001
   trap 'rm -rf "$rootfs"' EXIT
   debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian
   cat > "$rootfs/etc/apt/sources.list" <<'LIST'
