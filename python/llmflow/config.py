@@ -172,6 +172,10 @@ class Server(_Section):
     drain_timeout_ms: DurationMs = 30_000.0  # shutdown: how long live requests may finish
     # How long a client may take to send a request's head and body (slowloris): 408, closed.
     read_timeout_ms: DurationMs = Field(30_000.0, gt=0)
+    # How long a client may take nothing of what is written to it before its connection is
+    # aborted (a reader that never reads holds no fd, buffer or light-lane slot past it); the
+    # runtime's stall timer (backpressure.stall_timeout_ms) cuts a governed stream first.
+    write_timeout_ms: DurationMs = Field(60_000.0, gt=0)
     bytes_per_token: float = Field(4.0, gt=0)  # prompt-length estimate for text (no tokenizer)
     # Streams relayed by the Rust relay (socket hand-off after the first token); off streams
     # every reply through Python, as any ASGI server without the hand-off does.

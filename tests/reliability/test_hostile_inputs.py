@@ -729,7 +729,8 @@ async def test_the_schema_moves_off_the_main_port_with_the_admin_routes() -> Non
 async def test_a_light_client_that_never_reads_gives_its_slot_back() -> None:
     """An embeddings reply of 8 MB to a client that never reads, with one light slot. On
     main the slot was held as long as the client stayed (every other embeddings request a
-    429); now it is given back at the stall timeout and the next request is served."""
+    429); now the connection is aborted at its write deadline (server.write_timeout_ms),
+    the slot given back and the next request served."""
 
     def configure(fakes: dict[str, Any]) -> None:
         from starlette.responses import Response
@@ -745,7 +746,7 @@ async def test_a_light_client_that_never_reads_gives_its_slot_back() -> None:
     async with start_gateway(
         configure=configure,
         backend={"light_concurrency": 1},
-        backpressure={"stall_timeout_ms": 300},
+        server={"write_timeout_ms": 300},
     ) as h:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

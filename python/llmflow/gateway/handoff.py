@@ -87,7 +87,11 @@ def server_options(settings: Settings, app: FastAPI | None = None) -> dict[str, 
 
     refusals = RefusalDesk(app) if app is not None else None
     return {
-        "http": HandoffProtocol.configured(settings.server.read_timeout_ms / 1e3, refusals),
+        "http": HandoffProtocol.configured(
+            settings.server.read_timeout_ms / 1e3,
+            refusals,
+            write_timeout_s=settings.server.write_timeout_ms / 1e3,
+        ),
         "h11_max_incomplete_event_size": settings.limits.max_header_bytes,
         "ws_max_size": settings.server.max_body_bytes,
     }
@@ -264,7 +268,9 @@ class HandoffProtocol(HttpToolsProtocol):
         self.loop.call_later(_LINGER_S, self.transport.close)
 
     read_timeout_s: float = 30.0
+    write_timeout_s: float = 60.0
     refusals: RefusalDesk | None = None
+    _write_timer: asyncio.TimerHandle | None = None
     _held: Held | None = None  # a completion request held for the fast path
     _read_timer: asyncio.TimerHandle | None = None
     _refuse = False
@@ -272,11 +278,47 @@ class HandoffProtocol(HttpToolsProtocol):
 
     @classmethod
     def configured(
-        cls, read_timeout_s: float, refusals: RefusalDesk | None = None
+        cls,
+        read_timeout_s: float,
+        refusals: RefusalDesk | None = None,
+        write_timeout_s: float = 60.0,
     ) -> type[HandoffProtocol]:
-        """This protocol with another read timeout, and the fast path's desk if any."""
-        attributes = {"read_timeout_s": read_timeout_s, "refusals": refusals}
+        """This protocol with other read and write timeouts, and the fast path's desk if any."""
+        attributes = {
+            "read_timeout_s": read_timeout_s,
+            "write_timeout_s": write_timeout_s,
+            "refusals": refusals,
+        }
         return type(cls.__name__, (cls,), attributes)
+
+    def pause_writing(self) -> None:
+        """The client's buffer is full: it has `write_timeout_s` to take some of it."""
+        super().pause_writing()
+        if self._write_timer is None:
+            self._arm_write_timer(self.transport.get_write_buffer_size())
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def _arm_write_timer(self, buffered: int) -> None:
+        self._write_timer = self.loop.call_later(
+            self.write_timeout_s, self._write_timed_out, buffered
+        )
+
+    def _write_timed_out(self, buffered: int) -> None:
+        """Nothing taken for `write_timeout_s`: abort (the reply's handler hears it left)."""
+        self._write_timer = None
+        if self.transport.is_closing() and not self.transport.get_write_buffer_size():
+            return
+        left = self.transport.get_write_buffer_size()
+        if left < buffered:  # it took some: a slow reader, not a stalled one
+            self._arm_write_timer(left)
+            return
+        log.info("client took nothing for %.0f s: connection aborted", self.write_timeout_s)
+        self.transport.abort()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -288,6 +330,9 @@ class HandoffProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_read_timer()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         self._held = None  # it never reached the runtime
         if self._splice is not None:  # the relay, writing the other end, hears it left
             with contextlib.suppress(OSError):

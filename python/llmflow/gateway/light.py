@@ -59,7 +59,6 @@ class LightService:
 
     def __init__(self, settings: Settings, urls: dict[str, str], client: httpx.AsyncClient) -> None:
         self.lane = LightLane([(b.name, b.light_concurrency) for b in settings.backends])
-        self.stall_s = settings.backpressure.stall_timeout_ms / 1e3
         self.urls, self.client = urls, client
         self.serving: dict[str, list[str]] = {}
         for backend in settings.backends:
@@ -130,7 +129,7 @@ class LightService:
         except BaseException:
             release()
             raise
-        return LightReply(response, release, self.stall_s)
+        return LightReply(response, release)
 
     async def _send(
         self,
@@ -205,14 +204,14 @@ class LightReply(Response):
     """An ASGI response that streams the backend's reply and releases the slot in `finally`.
 
     It listens for the client's disconnect while it writes, so a client that leaves
-    mid-reply closes the upstream response at once; a client that takes nothing of a write
-    for `stall_s` (`backpressure.stall_timeout_ms`) is given up on the same way, so one that
-    never reads cannot hold a lane slot (or the reply) for ever.
+    mid-reply closes the upstream response at once; so does one that reads nothing for
+    `server.write_timeout_ms` (the connection's write deadline, `handoff.py`), so a client
+    that never reads cannot hold a lane slot (or the reply) for ever.
     """
 
-    def __init__(self, upstream: httpx.Response, release: _Release, stall_s: float) -> None:
+    def __init__(self, upstream: httpx.Response, release: _Release) -> None:
         super().__init__(status_code=upstream.status_code)
-        self.upstream, self.release, self.stall_s = upstream, release, stall_s
+        self.upstream, self.release = upstream, release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -232,10 +231,7 @@ class LightReply(Response):
         ]
         await send({"type": "http.response.start", "status": up.status_code, "headers": headers})
         async for chunk in up.aiter_raw():
-            with anyio.move_on_after(self.stall_s) as waited:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if waited.cancelled_caught:  # the client stalled: the slot goes back now
-                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
