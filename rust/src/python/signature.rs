@@ -1,8 +1,9 @@
 //! Arguments bound by hand, for the methods whose Python signature has more parameters than a
 //! Rust function should take (`Runtime.arrive`, `Runtime.scrape_ok`, `Governor.submit`,
-//! `Governor.observe_backend`): the method takes `*args, **kwargs` and one `Signature` binds
-//! them by PyO3's own rules, with its messages, so Python sees the same method as before
-//! (`text_signature` keeps `inspect.signature` and the stubs true).
+//! `Governor.observe_backend`, `Relay()`, `Relay.open`): the method takes `*args, **kwargs`
+//! and one `Signature` binds them by PyO3's own rules, in its order (the call's shape first,
+//! then each argument converted in turn), with its messages, so Python sees the same method
+//! as before (`text_signature` keeps `inspect.signature` and the stubs true).
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -18,18 +19,22 @@ pub(super) struct Signature {
     pub keyword_only: &'static [&'static str],
 }
 
-/// A call's arguments bound to a signature's parameters, by index (positional first).
-pub(super) struct Args<'py> {
+/// A call's arguments bound to a signature's parameters, by index (positional first): those
+/// given positionally are read from the call's tuple in place; only keyword arguments are
+/// kept apart (no allocation for a call that names none, the hot path).
+pub(super) struct Args<'a, 'py> {
     signature: &'static Signature,
-    values: Vec<Option<Bound<'py, PyAny>>>,
+    positional: &'a Bound<'py, PyTuple>,
+    /// By parameter index, from `positional.len()` on: the values keywords gave.
+    named: Vec<Option<Bound<'py, PyAny>>>,
 }
 
 impl Signature {
-    pub fn bind<'py>(
+    pub fn bind<'a, 'py>(
         &'static self,
-        args: &Bound<'py, PyTuple>,
+        args: &'a Bound<'py, PyTuple>,
         kwargs: Option<&Bound<'py, PyDict>>,
-    ) -> PyResult<Args<'py>> {
+    ) -> PyResult<Args<'a, 'py>> {
         let positional = self.positional.len();
         let given = args.len();
         let required = positional - self.optional;
@@ -45,11 +50,7 @@ impl Signature {
                 self.full_name
             )));
         }
-        let mut values: Vec<Option<Bound<'py, PyAny>>> =
-            vec![None; positional + self.keyword_only.len()];
-        for (slot, value) in values.iter_mut().zip(args.iter()) {
-            *slot = Some(value);
-        }
+        let mut named: Vec<Option<Bound<'py, PyAny>>> = Vec::new();
         for (key, value) in kwargs.iter().flat_map(|k| PyDictMethods::iter(*k)) {
             let name = key.cast::<PyString>()?.to_str()?;
             let index = self
@@ -64,7 +65,12 @@ impl Signature {
                         self.full_name
                     )));
                 }
-                Some(i) => values[i] = Some(value),
+                Some(i) => {
+                    if named.is_empty() {
+                        named.resize(positional + self.keyword_only.len() - given, None);
+                    }
+                    named[i - given] = Some(value);
+                }
                 None => {
                     return Err(PyTypeError::new_err(format!(
                         "{} got an unexpected keyword argument '{name}'",
@@ -73,8 +79,8 @@ impl Signature {
                 }
             }
         }
-        let missing: Vec<&str> = (0..required)
-            .filter(|&i| values[i].is_none())
+        let missing: Vec<&str> = (given..required)
+            .filter(|&i| named.get(i - given).is_none_or(Option::is_none))
             .map(|i| self.positional[i])
             .collect();
         if !missing.is_empty() {
@@ -85,7 +91,8 @@ impl Signature {
         }
         Ok(Args {
             signature: self,
-            values,
+            positional: args,
+            named,
         })
     }
 
@@ -99,48 +106,61 @@ impl Signature {
     }
 }
 
-impl<'py> Args<'py> {
+impl<'py> Args<'_, 'py> {
     /// The value of parameter `index` (a required positional one, always bound), converted.
-    pub fn get<'a, T>(&'a self, index: usize) -> PyResult<T>
+    pub fn get<'b, T>(&'b self, index: usize) -> PyResult<T>
     where
-        T: FromPyObject<'a, 'py>,
+        T: FromPyObject<'b, 'py>,
     {
-        let value = self.values[index]
-            .as_ref()
-            .expect("bound: checked in `bind`");
-        self.convert(index, value)
+        self.get_or_none(index).expect("bound: checked in `bind`")
     }
 
     /// The value of parameter `index` (one with a default), or `default` when the call left
     /// it out.
-    pub fn get_or<'a, T>(&'a self, index: usize, default: T) -> PyResult<T>
+    pub fn get_or<'b, T>(&'b self, index: usize, default: T) -> PyResult<T>
     where
-        T: FromPyObject<'a, 'py>,
+        T: FromPyObject<'b, 'py>,
     {
-        match self.values[index].as_ref() {
-            Some(value) => self.convert(index, value),
-            None => Ok(default),
-        }
+        self.get_or_none(index).unwrap_or(Ok(default))
     }
 
-    fn convert<'a, T>(&self, index: usize, value: &'a Bound<'py, PyAny>) -> PyResult<T>
+    fn get_or_none<'b, T>(&'b self, index: usize) -> Option<PyResult<T>>
     where
-        T: FromPyObject<'a, 'py>,
+        T: FromPyObject<'b, 'py>,
     {
-        value.extract::<T>().map_err(|e| {
-            // As PyO3 reports a conversion that failed: a TypeError names the argument.
-            let err: PyErr = e.into();
-            let py = value.py();
-            if err.get_type(py).is(py.get_type::<PyTypeError>()) {
-                let name = self.signature.name(index);
-                let named = PyTypeError::new_err(format!("argument '{name}': {}", err.value(py)));
-                named.set_cause(py, err.cause(py));
-                named
-            } else {
-                err
-            }
-        })
+        let given = self.positional.len();
+        if index < given {
+            let value = self.positional.get_borrowed_item(index);
+            return Some(value.and_then(|v| self.convert(index, v)));
+        }
+        let value = self.named.get(index - given)?.as_ref()?;
+        Some(self.convert(index, value.as_borrowed()))
     }
+
+    fn convert<'b, T>(&self, index: usize, value: Borrowed<'b, 'py, PyAny>) -> PyResult<T>
+    where
+        T: FromPyObject<'b, 'py>,
+    {
+        convert(self.signature.name(index), value)
+    }
+}
+
+/// An argument converted as PyO3 converts one: a TypeError names the argument.
+fn convert<'b, 'py, T>(name: &str, value: Borrowed<'b, 'py, PyAny>) -> PyResult<T>
+where
+    T: FromPyObject<'b, 'py>,
+{
+    value.extract::<T>().map_err(|e| {
+        let err: PyErr = e.into();
+        let py = value.py();
+        if err.get_type(py).is(py.get_type::<PyTypeError>()) {
+            let named = PyTypeError::new_err(format!("argument '{name}': {}", err.value(py)));
+            named.set_cause(py, err.cause(py));
+            named
+        } else {
+            err
+        }
+    })
 }
 
 /// What a scrape read: the keyword-only parameters `Runtime.scrape_ok` and
@@ -162,7 +182,7 @@ pub(super) struct Metrics {
 }
 
 impl Metrics {
-    pub fn from_args(a: &Args<'_>, first: usize) -> PyResult<Self> {
+    pub fn from_args(a: &Args<'_, '_>, first: usize) -> PyResult<Self> {
         Ok(Self {
             kv_usage: a.get_or(first, None)?,
             running: a.get_or(first + 1, None)?,
