@@ -1,0 +1,177 @@
+//! The client side of a stream: the window of chunks not yet written, coalescing, the
+//! vectored writes to the client's socket, and the end of the reply.
+
+use std::io::IoSlice;
+
+use crate::relay::chunk::merge_frames;
+
+use super::*;
+
+impl Task {
+    pub(super) fn occupancy(&self) -> usize {
+        self.held.len() + self.out_frames
+    }
+
+    pub(super) fn add_frame(&mut self, frame: Vec<u8>, now: Instant) {
+        let interval = self.shared.config.flush_interval;
+        if interval.is_zero() {
+            self.enqueue(&frame);
+        } else if self.held.is_empty()
+            && self
+                .last_flush
+                .is_none_or(|t| now.duration_since(t) >= interval)
+        {
+            self.last_flush = Some(now);
+            self.enqueue(&frame);
+        } else {
+            self.held.push(frame);
+            if self.flush_at.is_none() {
+                let due = self.last_flush.unwrap_or(now) + interval;
+                self.flush_at = Some(tokio::time::Instant::from_std(due));
+            }
+        }
+        self.check_full();
+    }
+
+    pub(super) fn enqueue(&mut self, frame: &[u8]) {
+        let cap = self.shared.config.client_window;
+        if !self.shared.config.pause_when_full && self.occupancy() >= cap {
+            // Merge into the newest waiting piece: the count stays bounded; the bytes are
+            // bounded by the request's max_tokens.
+            let writing_front = self.out.len() == 1 && self.written > 0;
+            if let Some(last) = self.out.back_mut().filter(|p| p.frame && !writing_front) {
+                last.bytes.extend_from_slice(&chunked(frame));
+                return;
+            }
+        }
+        self.push_frame(frame);
+    }
+
+    pub(super) fn push_frame(&mut self, frame: &[u8]) {
+        self.out.push_back(Piece {
+            bytes: chunked(frame),
+            frame: true,
+        });
+        self.out_frames += 1;
+    }
+
+    pub(super) fn flush_held(&mut self) {
+        self.flush_at = None;
+        if self.held.is_empty() {
+            return;
+        }
+        self.last_flush = Some(Instant::now());
+        let held = std::mem::take(&mut self.held);
+        for frame in merge_frames(held) {
+            self.push_frame(&frame);
+        }
+    }
+
+    pub(super) fn check_full(&mut self) {
+        let cap = self.shared.config.client_window;
+        let occupied = self.occupancy();
+        if !self.full && occupied >= cap {
+            self.full = true;
+            self.push(RelayEvent::WindowFull(self.id));
+        } else if self.full && occupied < cap {
+            self.full = false;
+            self.push(RelayEvent::WindowDrained(self.id));
+        }
+    }
+
+    /// `[DONE]` and the end of the chunked body, after whatever is held.
+    pub(super) fn terminate(&mut self) {
+        if self.terminated {
+            return;
+        }
+        self.flush_held();
+        let mut tail = chunked(DONE_FRAME);
+        tail.extend_from_slice(b"0\r\n\r\n");
+        self.out.push_back(Piece {
+            bytes: tail,
+            frame: false,
+        });
+        self.terminated = true;
+    }
+
+    /// Write what the socket takes now, without waiting.
+    pub(super) fn write(&mut self) -> Step {
+        let Some(client) = self.client.as_ref() else {
+            return Step::Go;
+        };
+        while !self.out.is_empty() {
+            let slices: Vec<IoSlice<'_>> = self
+                .out
+                .iter()
+                .take(WRITE_BATCH)
+                .enumerate()
+                .map(|(i, piece)| {
+                    IoSlice::new(if i == 0 {
+                        &piece.bytes[self.written..]
+                    } else {
+                        &piece.bytes
+                    })
+                })
+                .collect();
+            match client.try_write_vectored(&slices) {
+                Ok(0) => return self.client_gone(),
+                Ok(mut n) => {
+                    let now = Instant::now();
+                    if let Some(last) = self.last_write {
+                        self.shared.stats.observe_gap(now.duration_since(last));
+                    }
+                    self.last_write = Some(now);
+                    while n > 0 {
+                        let left = self.out[0].bytes.len() - self.written;
+                        if n >= left {
+                            n -= left;
+                            self.written = 0;
+                            if self.out.pop_front().is_some_and(|p| p.frame) {
+                                self.out_frames -= 1;
+                            }
+                        } else {
+                            self.written += n;
+                            n = 0;
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => return self.client_gone(),
+            }
+        }
+        self.check_full();
+        Step::Go
+    }
+
+    pub(super) fn client_gone(&mut self) -> Step {
+        // Close upstream before the host hears of it: vLLM sees the abort before the runtime
+        // can start another request in the freed slot.
+        self.stop_upstream();
+        self.client = None;
+        self.clean = false;
+        self.push(RelayEvent::ClientGone(self.id));
+        Step::Stop
+    }
+}
+
+/// Bytes waiting for the client's socket.
+pub(super) struct Piece {
+    pub(super) bytes: Vec<u8>,
+    /// A chunk of the reply (counts in the window), not the head or the end.
+    pub(super) frame: bool,
+}
+
+/// One HTTP/1.1 chunk carrying `data`.
+pub(super) fn chunked(data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() + 12);
+    out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+#[cfg(unix)]
+pub(super) fn into_fd(socket: std::net::TcpStream) -> i32 {
+    use std::os::fd::IntoRawFd;
+    socket.into_raw_fd()
+}

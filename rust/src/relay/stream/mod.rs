@@ -1,0 +1,363 @@
+//! One relayed stream: the upstream request, its SSE read, and the client's writes, in one task.
+//!
+//! Reading and writing share the task, so a chunk crosses no task boundary: each upstream
+//! piece is de-framed, shaped and written to the client's socket in the same wake-up. The
+//! window of unwritten chunks (`client_window`) is the backpressure: when it is full the task
+//! stops reading upstream (`pause_when_full`, so TCP pushes back on vLLM) or merges overflow
+//! into the newest waiting piece, and it tells the host, whose runtime runs the stall timer.
+//! The task decides nothing: cuts, aborts and the end come from the runtime, via the host, as
+//! [`Control`] messages.
+//!
+//! This file holds the task's state, its loop and the controls; `vllm` the upstream side
+//! (connect, response, frames, failures), `client` the client side (the window, coalescing,
+//! the writes, the end of the reply).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::Response;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::chunk::ChunkShaper;
+use super::events::RelayEvent;
+use super::upstream::Conn;
+use super::Shared;
+
+mod client;
+mod vllm;
+
+use client::{into_fd, Piece};
+use vllm::connect;
+
+/// What the host asks of a stream (each carries out a runtime action).
+#[derive(Debug)]
+pub enum Control {
+    /// Take over the client's connection (after the first token): write `head`, then the
+    /// chunks. `keep_alive`: hand the socket back after a clean end, for the next request.
+    Attach {
+        socket: std::net::TcpStream,
+        head: Vec<u8>,
+        keep_alive: bool,
+    },
+    /// End the reply: stop reading upstream, write `frame` (the notice or the error; when
+    /// `only_if_open`, only if the choice has not finished), then `[DONE]`. Without a frame
+    /// (a stalled client), close the connection at once.
+    Cut {
+        frame: Option<Vec<u8>>,
+        only_if_open: bool,
+    },
+    /// Close the upstream request (vLLM aborts it and frees its KV blocks).
+    Abort,
+    /// Drop everything now: upstream and client.
+    Close,
+    /// Send the request upstream now (a stream opened `deferred` waits for this).
+    Go,
+    /// Say when every control before this one has been carried out (the host waits for an
+    /// abort to reach the socket before the runtime's next `Start` goes upstream).
+    Ack(std::sync::mpsc::SyncSender<()>),
+}
+
+/// A request to relay.
+pub struct Open {
+    pub id: u64,
+    /// The backend, `host:port`.
+    pub authority: String,
+    /// `/v1/chat/completions` or `/v1/completions`.
+    pub path: String,
+    pub body: Bytes,
+    /// Sent as `X-Request-Id`.
+    pub request_id: String,
+    /// Sent as W3C `traceparent` (the gateway's upstream span), when tracing.
+    pub traceparent: Option<String>,
+    pub include_usage: bool,
+    /// Wait for `Control::Go` before connecting (controls that come first still apply).
+    pub deferred: bool,
+}
+
+type ResponseFuture = Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
+type ConnectFuture = Pin<Box<dyn Future<Output = io::Result<Conn>> + Send>>;
+
+const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
+/// vLLM ends the body right after `[DONE]`; waiting this long for it keeps the connection.
+const BODY_END_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+const ERROR_BODY_LIMIT: usize = 64 * 1024;
+const WRITE_BATCH: usize = 64; // pieces per vectored write
+
+#[allow(clippy::struct_excessive_bools)] // one task's state flags, each read in one place
+struct Task {
+    shared: Arc<Shared>,
+    id: u64,
+    open: Open,
+    /// Opened deferred and not yet told to go.
+    waiting_go: bool,
+    connecting: Option<ConnectFuture>,
+    /// The connection to vLLM, its driver polled by this task (dropping it closes the socket).
+    conn: Option<Conn>,
+    response: Option<ResponseFuture>,
+    body: Option<Incoming>,
+    /// `[DONE]` came; the rest of the body is read so the connection can serve again.
+    draining_body: bool,
+    /// How long the body's end may take after `[DONE]` before the connection is dropped.
+    drain_until: Option<Instant>,
+    retried: bool,
+    decoder: super::sse::SseDecoder,
+    shaper: ChunkShaper,
+    first_sent: bool,
+    upstream_complete: bool,
+    client: Option<TcpStream>,
+    keep_alive: bool,
+    watch_client: bool,
+    /// Wire pieces not yet written (chunk-encoded frames; the head first once attached).
+    out: VecDeque<Piece>,
+    /// Bytes of `out[0]` already written.
+    written: usize,
+    /// Frames in `out` (the head and the terminator do not count).
+    out_frames: usize,
+    /// Frames waiting for the coalescing interval.
+    held: Vec<Vec<u8>>,
+    flush_at: Option<tokio::time::Instant>,
+    last_flush: Option<Instant>,
+    last_write: Option<Instant>,
+    full: bool,
+    driver_done: bool,
+    terminated: bool,
+    clean: bool,
+}
+
+/// Run one stream to its end; returns the event that closes it.
+pub async fn run(
+    shared: Arc<Shared>,
+    open: Open,
+    mut ctrl: UnboundedReceiver<Control>,
+) -> RelayEvent {
+    let connecting = (!open.deferred).then(|| connect(&shared, &open.authority));
+    let max_event_bytes = shared.config.max_event_bytes;
+    let mut task = Task {
+        waiting_go: open.deferred,
+        id: open.id,
+        shaper: ChunkShaper::new(open.include_usage),
+        shared,
+        open,
+        connecting,
+        conn: None,
+        response: None,
+        body: None,
+        draining_body: false,
+        drain_until: None,
+        retried: false,
+        decoder: super::sse::SseDecoder::with_limit(max_event_bytes),
+        first_sent: false,
+        upstream_complete: false,
+        client: None,
+        keep_alive: false,
+        watch_client: false,
+        out: VecDeque::new(),
+        written: 0,
+        out_frames: 0,
+        held: Vec::new(),
+        flush_at: None,
+        last_flush: None,
+        last_write: None,
+        full: false,
+        driver_done: false,
+        terminated: false,
+        clean: false,
+    };
+    task.run(&mut ctrl).await;
+    task.closed()
+}
+
+enum Step {
+    Go,
+    Stop,
+}
+
+impl Task {
+    async fn run(&mut self, ctrl: &mut UnboundedReceiver<Control>) {
+        let mut peek_buf = [0u8; 1];
+        loop {
+            let written = self.terminated && self.out.is_empty() && self.client.is_some();
+            let draining = self.body.is_some() && self.draining_body;
+            if written && !(draining && self.drain_until.is_some_and(|t| Instant::now() < t)) {
+                return; // everything written (and the upstream body read to its end, or given up)
+            }
+            let reading = self.body.is_some()
+                && (self.draining_body || !(self.full && self.shared.config.pause_when_full));
+            let driving = self.conn.is_some() && !self.driver_done;
+            let writing = self.client.is_some() && !self.out.is_empty();
+            let watching = self.client.is_some() && self.watch_client;
+            let step = tokio::select! {
+                biased;
+                msg = ctrl.recv() => match msg {
+                    Some(control) => self.control(control),
+                    None => Step::Stop,
+                },
+                conn = async { self.connecting.as_mut().unwrap().await }, if self.connecting.is_some() => {
+                    self.connecting = None;
+                    self.on_connected(conn)
+                }
+                _ = async { self.conn.as_mut().unwrap().driver.as_mut().await }, if driving => {
+                    // The connection ended; a reply or body still waiting on it fails by itself.
+                    self.driver_done = true;
+                    Step::Go
+                }
+                res = async { self.response.as_mut().unwrap().await }, if self.response.is_some() => {
+                    self.response = None;
+                    self.on_response(res).await
+                }
+                frame = async { self.body.as_mut().unwrap().frame().await }, if reading => {
+                    self.on_frame(frame)
+                }
+                ready = async { self.client.as_ref().unwrap().writable().await }, if writing => {
+                    match ready {
+                        Ok(()) => self.write(),
+                        Err(_) => self.client_gone(),
+                    }
+                }
+                seen = async { self.client.as_ref().unwrap().peek(&mut peek_buf).await }, if watching => {
+                    match seen {
+                        Ok(0) | Err(_) => self.client_gone(),
+                        Ok(_) => { self.watch_client = false; Step::Go } // pipelined bytes: not ours
+                    }
+                }
+                () = async { tokio::time::sleep_until(self.drain_until.unwrap().into()).await }, if written && draining => {
+                    Step::Go
+                }
+                () = async { tokio::time::sleep_until(self.flush_at.unwrap()).await }, if self.flush_at.is_some() => {
+                    self.flush_held();
+                    self.write()
+                }
+            };
+            if matches!(step, Step::Stop) {
+                return;
+            }
+        }
+    }
+
+    fn push(&self, event: RelayEvent) {
+        self.shared.events.push(self.id, event);
+    }
+
+    fn closed(mut self) -> RelayEvent {
+        if let Some(conn) = self.conn.take() {
+            let drained = self.upstream_complete && self.body.is_none() && !self.driver_done;
+            if drained && !conn.sender.is_closed() {
+                self.shared.pool.checkin(&self.open.authority, conn);
+            }
+        }
+        let socket = if self.clean && self.keep_alive && self.out.is_empty() {
+            self.client
+                .take()
+                .and_then(|c| c.into_std().ok())
+                .map(into_fd)
+        } else {
+            None
+        };
+        RelayEvent::Closed {
+            id: self.id,
+            socket,
+            upstream_complete: self.upstream_complete,
+            completion_tokens: self.shaper.completion_tokens(),
+        }
+    }
+
+    // ---- upstream --------------------------------------------------------------------------
+
+    // ---- the client's window ---------------------------------------------------------------
+
+    // ---- the host's controls ---------------------------------------------------------------
+
+    fn control(&mut self, control: Control) -> Step {
+        match control {
+            Control::Attach {
+                socket,
+                head,
+                keep_alive,
+            } => {
+                let client = socket
+                    .set_nonblocking(true)
+                    .and_then(|()| TcpStream::from_std(socket));
+                let Ok(client) = client else {
+                    return self.client_gone();
+                };
+                let _ = client.set_nodelay(true);
+                self.client = Some(client);
+                self.keep_alive = keep_alive;
+                self.watch_client = true;
+                self.out.push_front(Piece {
+                    bytes: head,
+                    frame: false,
+                });
+                self.write()
+            }
+            Control::Cut {
+                frame: Some(frame),
+                only_if_open,
+            } => {
+                self.stop_upstream();
+                if !self.terminated {
+                    self.clean = false;
+                    self.flush_held();
+                    if let Some(last) = self.shaper.take_held() {
+                        self.push_frame(&last);
+                    }
+                    if !only_if_open || !self.shaper.finished {
+                        self.push_frame(&frame);
+                    }
+                    self.terminate();
+                }
+                if self.client.is_none() {
+                    return Step::Go; // written once the client is attached
+                }
+                self.write()
+            }
+            Control::Cut { frame: None, .. } | Control::Close => {
+                self.clean = false;
+                self.stop_upstream();
+                Step::Stop
+            }
+            Control::Abort => {
+                self.stop_upstream();
+                Step::Go
+            }
+            Control::Go => {
+                if self.waiting_go {
+                    self.waiting_go = false;
+                    self.connecting = Some(connect(&self.shared, &self.open.authority));
+                }
+                Step::Go
+            }
+            Control::Ack(done) => {
+                let _ = done.send(());
+                Step::Go
+            }
+        }
+    }
+}
+
+/// Whether a body error is bad framing from a live backend (a chunk size that is not hex, a
+/// body past its length), not a connection that closed or reset under the reply.
+fn framing_error(e: &hyper::Error) -> bool {
+    if e.is_incomplete_message() {
+        return false;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<io::Error>() {
+            return matches!(
+                io.kind(),
+                io::ErrorKind::InvalidData | io::ErrorKind::InvalidInput
+            );
+        }
+        source = cause.source();
+    }
+    e.is_parse()
+}

@@ -1,0 +1,274 @@
+//! The upstream side of a stream: connecting to vLLM, its response, the SSE frames it reads,
+//! and how a failure ends the stream.
+
+use http_body_util::Full;
+
+use crate::relay::events::Failure;
+use crate::relay::upstream::{Driver, Pool};
+
+use super::*;
+
+impl Task {
+    pub(super) fn on_connected(&mut self, conn: io::Result<Conn>) -> Step {
+        let mut conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => {
+                self.push(RelayEvent::Failed(
+                    self.id,
+                    Failure::backend(
+                        "backend_unavailable",
+                        format!("backend unreachable: {e}"),
+                        true,
+                    ),
+                ));
+                return Step::Go;
+            }
+        };
+        let o = &self.open;
+        let mut request = hyper::Request::post(o.path.as_str())
+            .header("host", o.authority.as_str())
+            .header("content-type", "application/json")
+            .header("accept", "text/event-stream")
+            .header("x-request-id", o.request_id.as_str());
+        if let Some(traceparent) = &o.traceparent {
+            request = request.header("traceparent", traceparent.as_str());
+        }
+        let request = request
+            .body(Full::new(o.body.clone()))
+            .expect("checked when the stream was opened");
+        self.response = Some(Box::pin(conn.sender.send_request(request)));
+        self.driver_done = false;
+        self.conn = Some(conn);
+        Step::Go
+    }
+
+    pub(super) async fn on_response(&mut self, res: hyper::Result<Response<Incoming>>) -> Step {
+        let response = match res {
+            Ok(r) => r,
+            Err(e) => {
+                let stale = self.conn.as_ref().is_some_and(|c| c.reused);
+                self.conn = None;
+                if stale && !self.retried {
+                    // A kept-alive connection the backend had closed: once more, on a new one.
+                    self.retried = true;
+                    self.connecting = Some(connect_new(&self.shared, &self.open.authority));
+                    return Step::Go;
+                }
+                self.push(RelayEvent::Failed(
+                    self.id,
+                    Failure::backend(
+                        "backend_error",
+                        format!("backend failed: {}", source_chain(&e)),
+                        false,
+                    ),
+                ));
+                return Step::Go;
+            }
+        };
+        let status = response.status().as_u16();
+        if status != 200 {
+            let raw = match self.conn.as_mut() {
+                Some(conn) => {
+                    read_limited(response.into_body(), &mut conn.driver, ERROR_BODY_LIMIT).await
+                }
+                None => Vec::new(),
+            };
+            self.conn = None; // an error reply: the connection is not worth keeping
+            let message =
+                error_message(&raw).unwrap_or_else(|| format!("backend answered {status}"));
+            let failure = if (400..500).contains(&status) {
+                Failure {
+                    status,
+                    code: "backend_rejected",
+                    message,
+                    backend_down: false,
+                    error: error_object(&raw),
+                }
+            } else {
+                Failure::backend(
+                    "backend_error",
+                    format!("backend error {status}: {message}"),
+                    false,
+                )
+            };
+            self.push(RelayEvent::Failed(self.id, failure));
+            return Step::Go;
+        }
+        self.body = Some(response.into_body());
+        self.shared.events.push_quiet(RelayEvent::Started(self.id));
+        Step::Go
+    }
+
+    pub(super) fn on_frame(
+        &mut self,
+        frame: Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>,
+    ) -> Step {
+        if self.draining_body {
+            match frame {
+                Some(Ok(_)) => {}
+                Some(Err(_)) => {
+                    self.body = None;
+                    self.conn = None;
+                }
+                None => self.body = None, // read to the end: the connection can serve again
+            }
+            return Step::Go;
+        }
+        let data = match frame {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => return Step::Go, // trailers
+            },
+            // The connection died under a started reply (a killed backend): down until a
+            // scrape begun later says otherwise, so new requests go elsewhere at once. A body
+            // the backend framed wrong is this reply's failure, not the backend's absence.
+            Some(Err(e)) => {
+                let down = !framing_error(&e);
+                return self.fail(format!("backend stream broke: {e}"), down);
+            }
+            None => return self.fail("backend stream ended without [DONE]".to_owned(), false),
+        };
+        let decoded = self.decoder.feed(&data);
+        let now = Instant::now();
+        for payload in decoded.payloads {
+            match self.shaper.feed(&payload) {
+                Ok(shaped) => {
+                    if shaped.new_tokens > 0 {
+                        if self.first_sent {
+                            self.shared.events.add_tokens(self.id, shaped.new_tokens);
+                        } else {
+                            self.first_sent = true;
+                            self.push(RelayEvent::FirstToken {
+                                id: self.id,
+                                n: shaped.new_tokens,
+                                template: self.shaper.template.clone(),
+                            });
+                        }
+                    }
+                    if let Some(frame) = shaped.frame {
+                        self.add_frame(frame, now);
+                    }
+                }
+                Err(failure) => return self.fail_with(failure),
+            }
+        }
+        if decoded.too_large {
+            let limit = self.shared.config.max_event_bytes;
+            return self.fail(
+                format!("backend sent an SSE event over {limit} bytes"),
+                false,
+            );
+        }
+        if decoded.done {
+            if let Some(frame) = self.shaper.take_held() {
+                self.add_frame(frame, now);
+            }
+            self.draining_body = true;
+            self.drain_until = Some(now + BODY_END_WAIT);
+            self.upstream_complete = true;
+            self.clean = true;
+            self.push(RelayEvent::Done(self.id));
+            self.terminate();
+        }
+        self.write()
+    }
+
+    pub(super) fn fail(&mut self, message: String, backend_down: bool) -> Step {
+        self.fail_with(Failure::backend("backend_error", message, backend_down))
+    }
+
+    pub(super) fn fail_with(&mut self, failure: Failure) -> Step {
+        self.body = None;
+        self.conn = None;
+        self.push(RelayEvent::Failed(self.id, failure));
+        Step::Go
+    }
+
+    pub(super) fn stop_upstream(&mut self) {
+        if self.upstream_complete && self.draining_body {
+            return; // the reply is whole: let the connection finish and serve again
+        }
+        self.waiting_go = false;
+        self.connecting = None;
+        self.response = None;
+        self.body = None;
+        self.conn = None; // closes the socket now, in this task
+    }
+}
+
+/// Up to `limit` bytes of an error reply's body (the connection's driver runs meanwhile).
+pub(super) async fn read_limited(mut body: Incoming, driver: &mut Driver, limit: usize) -> Vec<u8> {
+    let mut raw = Vec::new();
+    let mut driving = true;
+    while raw.len() < limit {
+        tokio::select! {
+            frame = body.frame() => match frame {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        raw.extend_from_slice(&data);
+                    }
+                }
+                _ => break,
+            },
+            _ = driver.as_mut(), if driving => driving = false,
+        }
+    }
+    raw.truncate(limit);
+    raw
+}
+
+pub(super) fn connect(shared: &Arc<Shared>, authority: &str) -> ConnectFuture {
+    let shared = Arc::clone(shared);
+    let authority = authority.to_owned();
+    Box::pin(async move {
+        let timeout = shared.config.connect_timeout;
+        shared.pool.checkout(&authority, timeout).await
+    })
+}
+
+/// A fresh connection (the retry after a stale kept-alive one).
+pub(super) fn connect_new(shared: &Arc<Shared>, authority: &str) -> ConnectFuture {
+    let timeout = shared.config.connect_timeout;
+    let authority = authority.to_owned();
+    Box::pin(async move { Pool::connect(&authority, timeout).await })
+}
+
+/// The message of an OpenAI- or FastAPI-style error body, else its text.
+pub(super) fn error_message(raw: &[u8]) -> Option<String> {
+    let text = match serde_json::from_slice::<serde_json::Value>(raw) {
+        Ok(body) => match body.get("error") {
+            Some(serde_json::Value::Object(e)) => {
+                e.get("message").map(value_text).unwrap_or_default()
+            }
+            Some(other) if !other.is_null() => value_text(other),
+            _ => body.get("message").map(value_text).unwrap_or_default(),
+        },
+        Err(_) => String::from_utf8_lossy(&raw[..raw.len().min(500)])
+            .trim()
+            .to_owned(),
+    };
+    (!text.is_empty()).then_some(text)
+}
+
+/// The `error` object of an OpenAI-style error body, as JSON text (what vLLM's 4xx says).
+pub(super) fn error_object(raw: &[u8]) -> Option<String> {
+    let body = serde_json::from_slice::<serde_json::Value>(raw).ok()?;
+    body.get("error")
+        .filter(|e| e.is_object())
+        .map(serde_json::Value::to_string)
+}
+
+pub(super) fn value_text(v: &serde_json::Value) -> String {
+    v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+}
+
+pub(super) fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
