@@ -597,13 +597,24 @@ class LightLane:
     """
 
     def __new__(cls, backends: list[tuple[str, int]]) -> LightLane: ...
-    def acquire(self, request_id: int, candidates: list[str], now_us: int) -> str | LightRefusal:
+    def set_rate(self, tenant: str, requests_per_s: float) -> None:
+        """Limit `tenant` to `requests_per_s` light requests a second (`tenants[].requests_per_s`).
+
+        Raises:
+            ConfigError: the rate is not a finite number above 0.
+        """
+
+    def acquire(
+        self, request_id: int, candidates: list[str], now_us: int, tenant: str | None = None
+    ) -> str | LightRefusal:
         """Admit a request on the healthy candidate with the most free slots, or refuse it.
 
         Args:
             request_id: the caller's id, unique among those held.
             candidates: the backends that serve it (empty: every backend).
             now_us: the host's clock, microseconds.
+            tenant: whose request it is: its rate limit (`set_rate`) is checked first (429
+                `rate_limited`, nothing paid) and an admitted request pays one request.
 
         Returns:
             The backend's name (call `release` when the reply is over), or the refusal.

@@ -54,6 +54,17 @@ pub struct LightLane {
     recent_refusals: Vec<u64>,
     /// The gateway is shutting down: every newcomer is refused with 503.
     draining: bool,
+    /// Per-tenant request buckets (`tenants[].requests_per_s`): a tenant's rate limit holds
+    /// on the light routes too, or embeddings would be a way around it.
+    rates: FxHashMap<String, Bucket>,
+}
+
+/// A token bucket of requests: `rate` per second, holding at most `max(rate, 1)`.
+#[derive(Debug, Clone)]
+struct Bucket {
+    rate: f64,
+    tokens: f64,
+    at_us: u64,
 }
 
 impl LightLane {
@@ -92,7 +103,63 @@ impl LightLane {
             mean_hold_us: SEED_HOLD_US,
             recent_refusals: Vec::new(),
             draining: false,
+            rates: FxHashMap::default(),
         })
+    }
+
+    /// Limit `tenant` to `requests_per_s` light requests a second (its bucket starts full).
+    ///
+    /// # Errors
+    /// `Config` when the rate is not a finite number above 0.
+    pub fn set_rate(&mut self, tenant: &str, requests_per_s: f64) -> PolicyResult<()> {
+        if !(requests_per_s.is_finite() && requests_per_s > 0.0) {
+            return Err(PolicyError::config(
+                "tenants[].requests_per_s",
+                format!("tenant `{tenant}`: must be a number above 0"),
+            ));
+        }
+        let bucket = Bucket {
+            rate: requests_per_s,
+            tokens: requests_per_s.max(1.0),
+            at_us: 0,
+        };
+        self.rates.insert(tenant.to_owned(), bucket);
+        Ok(())
+    }
+
+    /// Admit or refuse a light request of `tenant`: its rate limit first (429
+    /// `rate_limited`, Retry-After when its bucket holds a whole request again; nothing is
+    /// paid), then [`acquire`](Self::acquire). An admitted request pays one request.
+    ///
+    /// # Errors
+    /// As `acquire`.
+    pub fn acquire_for(
+        &mut self,
+        tenant: &str,
+        request_id: u64,
+        candidates: &[String],
+        now_us: u64,
+    ) -> PolicyResult<LightDecision> {
+        if let Some(b) = self.rates.get_mut(tenant) {
+            let elapsed = now_us.saturating_sub(b.at_us) as f64 / 1e6;
+            b.at_us = b.at_us.max(now_us);
+            b.tokens = (b.tokens + b.rate * elapsed).min(b.rate.max(1.0));
+            if b.tokens < 1.0 {
+                let wait_s = (1.0 - b.tokens) / b.rate;
+                return Ok(LightDecision::Refuse {
+                    status: 429,
+                    reason: "rate_limited",
+                    retry_after_s: wire_retry_after(wait_s),
+                });
+            }
+        }
+        let decision = self.acquire(request_id, candidates, now_us)?;
+        if matches!(decision, LightDecision::Admit { .. }) {
+            if let Some(b) = self.rates.get_mut(tenant) {
+                b.tokens -= 1.0;
+            }
+        }
+        Ok(decision)
     }
 
     /// Admit or refuse a light request.
@@ -245,6 +312,30 @@ mod tests {
             LightDecision::Admit { backend } => backend,
             LightDecision::Refuse { .. } => panic!("refused: {decision:?}"),
         }
+    }
+
+    // A tenant's rate limit holds on the lane: 2/s admits 2 at once, refuses the third with
+    // the wait until a whole request has refilled, and nothing refused is paid for.
+    #[test]
+    fn a_tenants_rate_limit_holds_and_a_refusal_costs_nothing() {
+        let mut l = lane(&[("a", 10)]);
+        l.set_rate("t", 2.0).unwrap();
+        assert!(l.set_rate("t", f64::NAN).is_err());
+        for id in 1..=2 {
+            admitted(&l.acquire_for("t", id, &[], 0).unwrap());
+        }
+        let refused = l.acquire_for("t", 3, &[], 100_000).unwrap();
+        assert_eq!(
+            refused,
+            LightDecision::Refuse {
+                status: 429,
+                reason: "rate_limited",
+                retry_after_s: 1
+            }
+        );
+        assert_eq!(l.live(), 2);
+        admitted(&l.acquire_for("t", 4, &[], 500_000).unwrap()); // 1 refilled at 0.5 s
+        admitted(&l.acquire_for("other", 5, &[], 500_000).unwrap()); // no limit of its own
     }
 
     // The backend with the most free slots gets the request; the cap is never passed.

@@ -763,3 +763,42 @@ async def test_a_light_client_that_never_reads_gives_its_slot_back() -> None:
             assert r.status_code == 200
         finally:
             sock.close()
+
+
+async def test_a_tenants_rate_limit_holds_on_the_light_routes() -> None:
+    """A tenant limited to 2 requests/s sends 10 embeddings at once. On main the light
+    routes applied no rate limit (all 10 reached the backend); now 2 do, the other 8 get
+    429 `rate_limited` with a Retry-After, and another tenant is not held back."""
+    seen: list[str] = []
+
+    def configure(fakes: dict[str, Any]) -> None:
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def embeddings(request: Any) -> Any:
+            seen.append((await request.json())["input"])
+            return JSONResponse({"object": "list", "data": []})
+
+        fakes["b0"].app.router.routes.append(Route("/v1/embeddings", embeddings, methods=["POST"]))
+
+    tenants = [
+        {"name": "slow", "tier": "normal", "api_keys": ["k-slow-0123456789"], "requests_per_s": 2},
+        {"name": "free", "tier": "normal", "api_keys": ["k-free-0123456789"]},
+    ]
+    async with start_gateway(configure=configure, tenants=tenants) as h:
+
+        async def embed(key: str, text: str) -> httpx.Response:
+            body = {"model": "fake-model", "input": text}
+            return await h.client.post(
+                "/v1/embeddings", json=body, headers={"authorization": f"Bearer {key}"}
+            )
+
+        replies = await asyncio.gather(*(embed("k-slow-0123456789", f"s{i}") for i in range(10)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes == [200] * 2 + [429] * 8, codes
+        refused = [r for r in replies if r.status_code == 429]
+        assert {r.json()["error"]["code"] for r in refused} == {"rate_limited"}
+        assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+        others = await asyncio.gather(*(embed("k-free-0123456789", f"f{i}") for i in range(5)))
+        assert [r.status_code for r in others] == [200] * 5
+        assert sorted(x[0] for x in seen) == ["f"] * 5 + ["s"] * 2  # what the backend saw

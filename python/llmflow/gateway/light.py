@@ -44,6 +44,8 @@ _MESSAGES = {
     "every backend that serves this model (backends[].light_concurrency); retry after the "
     "Retry-After header's seconds",
     "no_healthy_backend": "no healthy backend serves this request now",
+    "rate_limited": "over this API key's rate limit (requests per second); retry after the "
+    "Retry-After header's seconds",
     "draining": "the gateway is shutting down",
 }
 
@@ -59,6 +61,9 @@ class LightService:
 
     def __init__(self, settings: Settings, urls: dict[str, str], client: httpx.AsyncClient) -> None:
         self.lane = LightLane([(b.name, b.light_concurrency) for b in settings.backends])
+        for tenant in settings.tenants:  # a tenant's rate limit holds here too
+            if tenant.requests_per_s is not None:
+                self.lane.set_rate(tenant.name, tenant.requests_per_s)
         self.urls, self.client = urls, client
         self.serving: dict[str, list[str]] = {}
         for backend in settings.backends:
@@ -98,7 +103,12 @@ class LightService:
         return backends, raw
 
     async def forward(
-        self, path: str, headers: dict[str, str], raw: bytes, receive: Receive
+        self,
+        path: str,
+        headers: dict[str, str],
+        raw: bytes,
+        receive: Receive,
+        tenant: str | None = None,
     ) -> LightReply:
         """Admit the request on a backend, send it, and wait for the reply's head.
 
@@ -107,6 +117,7 @@ class LightService:
             headers: the client's request headers (lower-case names).
             raw: the body, as received.
             receive: the client's ASGI channel (to notice it leaving while the backend works).
+            tenant: whose request it is (its API key's), for its rate limit.
 
         Raises:
             GatewayError: the lane's refusal (429/503 with Retry-After), 400/404 for bad input,
@@ -115,7 +126,7 @@ class LightService:
         content_type = headers.get("content-type", "application/json")
         candidates, raw = self.candidates(content_type, raw)
         request_id = next(self._ids)
-        decision = self.lane.acquire(request_id, candidates, now_us())
+        decision = self.lane.acquire(request_id, candidates, now_us(), tenant)
         if isinstance(decision, LightRefusal):
             raise GatewayError(
                 decision.status,

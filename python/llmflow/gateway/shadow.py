@@ -75,10 +75,12 @@ def forwarding_config(settings: Settings) -> dict[str, Any]:
 
 def uncapped_light(settings: Settings) -> Settings:
     """The settings the light lane (embeddings, rerank, tokenize, audio) is built from in
-    shadow mode: its per-backend caps lifted, as `direct` sends those at once too. (The light
-    lane is not the runtime's: what it would have refused is not recorded.)"""
+    shadow mode: its per-backend caps and the tenants' rate limits lifted, as `direct` sends
+    those at once too. (The light lane is not the runtime's: what it would have refused is not
+    recorded.)"""
     backends = [b.model_copy(update={"light_concurrency": _UNBOUNDED}) for b in settings.backends]
-    return settings.model_copy(update={"backends": backends})
+    tenants = [t.model_copy(update={"requests_per_s": None}) for t in settings.tenants]
+    return settings.model_copy(update={"backends": backends, "tenants": tenants})
 
 
 class Verdict:

@@ -38,7 +38,11 @@ impl PyLightLane {
         })
     }
 
-    #[pyo3(signature = (request_id, candidates, now_us))]
+    fn set_rate(&mut self, tenant: &str, requests_per_s: f64) -> PyResult<()> {
+        Ok(self.inner.set_rate(tenant, requests_per_s)?)
+    }
+
+    #[pyo3(signature = (request_id, candidates, now_us, tenant=None))]
     #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
     fn acquire(
         &mut self,
@@ -46,8 +50,15 @@ impl PyLightLane {
         request_id: u64,
         candidates: Vec<String>,
         now_us: u64,
+        tenant: Option<&str>,
     ) -> PyResult<Py<PyAny>> {
-        Ok(match self.inner.acquire(request_id, &candidates, now_us)? {
+        let decision = match tenant {
+            Some(tenant) => self
+                .inner
+                .acquire_for(tenant, request_id, &candidates, now_us)?,
+            None => self.inner.acquire(request_id, &candidates, now_us)?,
+        };
+        Ok(match decision {
             LightDecision::Admit { backend } => backend.into_pyobject(py)?.into_any().unbind(),
             LightDecision::Refuse {
                 status,

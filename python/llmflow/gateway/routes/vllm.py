@@ -64,7 +64,7 @@ async def responses(request: Request) -> Response:
 
 
 async def _light(request: Request) -> LightReply:
-    identity(request)  # every route needs a good API key, if keys are configured
+    who = identity(request)  # every route needs a good API key, if keys are configured
     gw = gateway(request)
     if gw.light is None:
         raise GatewayError(503, "the gateway is starting", "not_ready")
@@ -72,7 +72,8 @@ async def _light(request: Request) -> LightReply:
     if request.url.query:
         path += "?" + request.url.query
     headers = {k.lower(): v for k, v in request.headers.items()}
-    return await gw.light.forward(path, headers, await request.body(), request.receive)
+    body = await request.body()
+    return await gw.light.forward(path, headers, body, request.receive, who.tenant)
 
 
 _MODEL = {"model": {"type": "string", "minLength": 1}}  # the one field the gateway reads
