@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import helm_python as helm
+import httpx
 import kubernetes_validate
 import pytest
 import yaml
@@ -29,9 +30,12 @@ from kubernetes_validate.utils import all_versions
 from llmflow.config import load_settings
 from llmflow.gateway.cli import _FORCE_AFTER_DRAIN_S
 from llmflow.gateway.routes.ops import router as ops_router
+from processes import GatewayProcess
 
 from .chart import (
     CHART,
+    NAMESPACE,
+    RELEASE,
     ROOT,
     Rendered,
     container,
@@ -267,6 +271,31 @@ def test_the_servicemonitor_scrapes_the_admin_listener_with_the_admin_key() -> N
     credentials = endpoint["authorization"]["credentials"]
     assert credentials["name"] == "gw-llmflow"
     assert credentials["key"] in rendered.secret
+
+
+def test_a_keyless_gateway_answers_on_its_service_names(tmp_path: Path) -> None:
+    # Without API keys the gateway answers only Host names it knows (DNS rebinding): the chart
+    # must name its Services, or every in-cluster client would get 403.
+    overrides = {
+        "config": {
+            "backends": [{"name": "sim", "models": ["m"]}],  # no URL: the built-in simulated
+            "server": {"allowed_hosts": ["llm.example.com"]},
+        }
+    }
+    config = yaml.safe_load(assembled(render(overrides), tmp_path).read_text())
+    assert not any(t.get("api_keys") for t in config.get("tenants", []))
+    with GatewayProcess(config, tmp_path) as gateway, httpx.Client() as client:
+        port = gateway.port
+        for host in (
+            f"{RELEASE}-llmflow:{port}",
+            f"{RELEASE}-llmflow.{NAMESPACE}.svc.cluster.local:{port}",
+            f"{RELEASE}-llmflow-admin.{NAMESPACE}",
+            "llm.example.com",  # the user's own, kept beside the chart's
+        ):
+            answer = client.get(f"{gateway.url}/healthz", headers={"host": host})
+            assert answer.status_code == 200, (host, answer.text)
+        foreign = client.get(f"{gateway.url}/healthz", headers={"host": "rebound.example"})
+        assert foreign.status_code == 403
 
 
 def test_shadow_mode_and_traces_reach_the_config(tmp_path: Path) -> None:

@@ -84,6 +84,14 @@ to use instead.
 {{- $_ := set $server "host" "0.0.0.0" -}}
 {{- $_ := set $server "port" (int .Values.service.port) -}}
 {{- $_ := set $server "drain_timeout_ms" (mul (int .Values.drain.timeoutSeconds) 1000) -}}
+{{- /* A gateway without API keys answers only the Host names it knows (DNS rebinding,
+docs/reliability.md): the in-cluster names of its two Services, then what the user adds
+(an Ingress host, say) in config.server.allowed_hosts. */ -}}
+{{- $hosts := list -}}
+{{- range $service := list (include "llmflow.fullname" $) (printf "%s-admin" (include "llmflow.fullname" $)) -}}
+{{- $hosts = concat $hosts (list $service (printf "%s.%s" $service $.Release.Namespace) (printf "%s.%s.svc" $service $.Release.Namespace) (printf "%s.%s.svc.cluster.local" $service $.Release.Namespace)) -}}
+{{- end -}}
+{{- $_ := set $server "allowed_hosts" (concat $hosts ($server.allowed_hosts | default list) | uniq) -}}
 {{- $_ := set $config "server" $server -}}
 {{- if .Values.admin.enabled -}}
 {{- $_ := set $config "admin" (dict "host" "0.0.0.0" "port" (int .Values.admin.port)) -}}
