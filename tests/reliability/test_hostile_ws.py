@@ -124,6 +124,25 @@ async def test_a_silent_socket_is_closed_at_its_idle_deadline() -> None:
             assert replies[-1]["reason"] == "completed"
 
 
+async def test_the_idle_deadline_runs_from_the_end_of_the_last_reply() -> None:
+    # The client sends nothing while a 2.6 s reply streams (a window of 8 holds its chunks),
+    # then acks the last chunk 0.7 s after the end: still within the 1 s idle deadline, which
+    # runs from the reply's end, not from the client's last frame (that would have closed the
+    # socket some 0.4 s after the end, under the client's ack).
+    async with start_gateway(server={"ws_idle_timeout_ms": 1000}) as h, connect(_url(h)) as ws:
+        await ws.send(_request("long", max_tokens=3, fake={"ttft": 2.6}))
+        replies = []
+        while not replies or replies[-1]["type"] != "end":
+            replies.append(json.loads(await asyncio.wait_for(ws.recv(), 5)))
+        assert replies[-1]["reason"] == "completed"
+        await asyncio.sleep(0.7)
+        await ws.send(json.dumps({"type": "ack", "id": "long", "seq": replies[-1]["sent"]}))
+        with pytest.raises(ConnectionClosed) as closed:  # then idle: closed at its deadline
+            await asyncio.wait_for(ws.recv(), 5)
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == 1000
+
+
 async def test_a_keyless_gateway_refuses_a_cross_site_upgrade(h_plain: Harness) -> None:
     with pytest.raises(InvalidStatus) as refused:
         await connect(_url(h_plain), origin="https://evil.example")  # type: ignore[arg-type]

@@ -93,6 +93,10 @@ class AckChannel:
         self.websocket = websocket
         self.idle_s = idle_s
         self.busy = False  # a request is being served: silence is the client rendering
+        # When the socket last had something live: a frame from the client, or a request
+        # ending. The idle deadline runs from here, so a client slow to ack a reply's last
+        # chunk is not closed the moment that reply ends.
+        self.active_at = asyncio.get_running_loop().time()
         self.acked = 0  # highest sequence number the client has acknowledged
         self.current: Any = None  # id of the request being streamed
         self.departure = Departure()  # the socket closed, or the client cancelled
@@ -108,14 +112,20 @@ class AckChannel:
         a protocol violation: the client gets an `error` saying why, and the socket closes.
         """
         try:
+            loop = asyncio.get_running_loop()
             while True:
+                left = self.active_at + self.idle_s - loop.time()
                 try:
-                    frame = await asyncio.wait_for(self.websocket.receive(), self.idle_s)
+                    frame = await asyncio.wait_for(self.websocket.receive(), max(left, 0.0))
                 except TimeoutError:
                     if self.busy or not self.requests.empty():
+                        self.active_at = loop.time()
                         continue
+                    if loop.time() < self.active_at + self.idle_s:
+                        continue  # a request ended meanwhile: idle from then
                     await self.websocket.close(code=1000, reason="idle")
                     break
+                self.active_at = loop.time()
                 if frame["type"] == "websocket.disconnect":
                     break
                 text = frame.get("text")
@@ -214,6 +224,7 @@ async def serve_websocket(
                 await _one_request(websocket, channel, service, identity, window, getter.result())
             finally:
                 channel.busy = False
+                channel.active_at = asyncio.get_running_loop().time()
     finally:
         reader.cancel()
         await asyncio.wait([reader])
