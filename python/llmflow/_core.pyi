@@ -576,11 +576,14 @@ def replay_trace(text: str) -> tuple[int, int]:
 @final
 class LightRefusal:
     """The light lane refused a request: answer with `status` (429 when every slot is taken,
-    503 when no candidate is healthy or the gateway drains) and `Retry-After` as sent (whole
-    seconds, at least 1, spread over the lane's drain time for a crowd)."""
+    when its tier is shed or its tenant is over its rate; 503 when no candidate is healthy or
+    the gateway drains) and `Retry-After` as sent (whole seconds, at least 1, spread over the
+    lane's drain time for a crowd)."""
 
     status: int
-    reason: Literal["light_lane_full", "no_healthy_backend", "draining"]
+    reason: Literal[
+        "light_lane_full", "tier_shed", "rate_limited", "no_healthy_backend", "draining"
+    ]
     retry_after_s: int
 
 @final
@@ -604,8 +607,21 @@ class LightLane:
             ConfigError: the rate is not a finite number above 0.
         """
 
+    def set_tier_share(self, tier: str, shed_at: float) -> None:
+        """Let `tier` in on a backend only while fewer than `shed_at` of its light slots are
+        taken (rounded down, at least one): `tiers[].shed_at`, lower tiers refused first.
+
+        Raises:
+            ConfigError: the share is not in [0, 1].
+        """
+
     def acquire(
-        self, request_id: int, candidates: list[str], now_us: int, tenant: str | None = None
+        self,
+        request_id: int,
+        candidates: list[str],
+        now_us: int,
+        tenant: str | None = None,
+        tier: str | None = None,
     ) -> str | LightRefusal:
         """Admit a request on the healthy candidate with the most free slots, or refuse it.
 
@@ -615,6 +631,8 @@ class LightLane:
             now_us: the host's clock, microseconds.
             tenant: whose request it is: its rate limit (`set_rate`) is checked first (429
                 `rate_limited`, nothing paid) and an admitted request pays one request.
+            tier: its tenant's tier: let in only on a backend where fewer than the tier's
+                share (`set_tier_share`) of the slots are taken (429 `tier_shed` otherwise).
 
         Returns:
             The backend's name (call `release` when the reply is over), or the refusal.

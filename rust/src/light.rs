@@ -9,6 +9,11 @@
 //! expected to free (each slot's start plus the measured mean hold time), plus a spread, so a
 //! crowd refused together comes back over the lane's drain time instead of all at once. It
 //! reads no clock: time is an argument, in microseconds, like everywhere in the core.
+//!
+//! Tiers shed here as in the governor's queue, lower tiers first: a tier is admitted on a
+//! backend only while fewer than its `shed_at` share of that backend's light slots are taken
+//! (rounded up), so a flood of a low tier's embeddings leaves the rest of the lane to
+//! the more important tiers.
 
 use rustc_hash::FxHashMap;
 
@@ -57,6 +62,9 @@ pub struct LightLane {
     /// Per-tenant request buckets (`tenants[].requests_per_s`): a tenant's rate limit holds
     /// on the light routes too, or embeddings would be a way around it.
     rates: FxHashMap<String, Bucket>,
+    /// Tier -> the share of a backend's slots taken past which it is refused
+    /// (`tiers[].shed_at`); a tier not named here may fill them all.
+    shares: FxHashMap<String, f64>,
 }
 
 /// A token bucket of requests: `rate` per second, holding at most `max(rate, 1)`.
@@ -104,7 +112,25 @@ impl LightLane {
             recent_refusals: Vec::new(),
             draining: false,
             rates: FxHashMap::default(),
+            shares: FxHashMap::default(),
         })
+    }
+
+    /// Admit `tier`'s requests on a backend only while fewer than `shed_at` of its light slots
+    /// are taken (rounded up, at least one slot): `tiers[].shed_at`, so lower tiers are
+    /// refused first.
+    ///
+    /// # Errors
+    /// `Config` when the share is not in [0, 1].
+    pub fn set_tier_share(&mut self, tier: &str, shed_at: f64) -> PolicyResult<()> {
+        if !(0.0..=1.0).contains(&shed_at) {
+            return Err(PolicyError::config(
+                "tiers[].shed_at",
+                format!("tier `{tier}`: must be from 0 to 1"),
+            ));
+        }
+        self.shares.insert(tier.to_owned(), shed_at);
+        Ok(())
     }
 
     /// Limit `tenant` to `requests_per_s` light requests a second (its bucket starts full).
@@ -127,20 +153,23 @@ impl LightLane {
         Ok(())
     }
 
-    /// Admit or refuse a light request of `tenant`: its rate limit first (429
+    /// Admit or refuse a light request of `tenant` in `tier`: its rate limit first (429
     /// `rate_limited`, Retry-After when its bucket holds a whole request again; nothing is
-    /// paid), then [`acquire`](Self::acquire). An admitted request pays one request.
+    /// paid), then [`acquire`](Self::acquire) on a backend where fewer than the tier's share
+    /// of the slots are taken (429 `tier_shed` when there are free slots, but none within
+    /// it). An admitted request pays one request.
     ///
     /// # Errors
     /// As `acquire`.
     pub fn acquire_for(
         &mut self,
-        tenant: &str,
+        tenant: Option<&str>,
+        tier: Option<&str>,
         request_id: u64,
         candidates: &[String],
         now_us: u64,
     ) -> PolicyResult<LightDecision> {
-        if let Some(b) = self.rates.get_mut(tenant) {
+        if let Some(b) = tenant.and_then(|t| self.rates.get_mut(t)) {
             let elapsed = now_us.saturating_sub(b.at_us) as f64 / 1e6;
             b.at_us = b.at_us.max(now_us);
             b.tokens = (b.tokens + b.rate * elapsed).min(b.rate.max(1.0));
@@ -153,9 +182,13 @@ impl LightLane {
                 });
             }
         }
-        let decision = self.acquire(request_id, candidates, now_us)?;
+        let share = tier
+            .and_then(|t| self.shares.get(t))
+            .copied()
+            .unwrap_or(1.0);
+        let decision = self.acquire_within(request_id, candidates, now_us, share)?;
         if matches!(decision, LightDecision::Admit { .. }) {
-            if let Some(b) = self.rates.get_mut(tenant) {
+            if let Some(b) = tenant.and_then(|t| self.rates.get_mut(t)) {
                 b.tokens -= 1.0;
             }
         }
@@ -174,6 +207,17 @@ impl LightLane {
         request_id: u64,
         candidates: &[String],
         now_us: u64,
+    ) -> PolicyResult<LightDecision> {
+        self.acquire_within(request_id, candidates, now_us, 1.0)
+    }
+
+    /// `acquire` on a backend where fewer than `share` of the slots are taken (rounded up).
+    fn acquire_within(
+        &mut self,
+        request_id: u64,
+        candidates: &[String],
+        now_us: u64,
+        share: f64,
     ) -> PolicyResult<LightDecision> {
         if self.live.contains_key(&request_id) {
             return Err(PolicyError::DuplicateRequest(request_id));
@@ -197,11 +241,13 @@ impl LightLane {
                 retry_after_s: self.refusal_after_us(0.0, now_us),
             });
         }
-        let free = |lane: &Lane| lane.cap - u32::try_from(lane.holding.len()).unwrap_or(u32::MAX);
+        let held = |lane: &Lane| u32::try_from(lane.holding.len()).unwrap_or(u32::MAX);
+        let free = |lane: &Lane| lane.cap.saturating_sub(held(lane));
+        let within_share = |lane: &Lane| held(lane) < Self::share_of(lane.cap, share);
         let best = healthy
             .iter()
             .copied()
-            .filter(|&i| free(&self.lanes[i]) > 0)
+            .filter(|&i| free(&self.lanes[i]) > 0 && within_share(&self.lanes[i]))
             .max_by_key(|&i| (free(&self.lanes[i]), std::cmp::Reverse(i)));
         if let Some(i) = best {
             self.lanes[i].holding.push(now_us);
@@ -216,11 +262,19 @@ impl LightLane {
             .flat_map(|&i| self.lanes[i].holding.iter())
             .map(|&start| (start as f64 + self.mean_hold_us - now_us as f64).max(0.0))
             .fold(f64::INFINITY, f64::min);
+        let shed = healthy.iter().any(|&i| free(&self.lanes[i]) > 0);
         Ok(LightDecision::Refuse {
             status: 429,
-            reason: "light_lane_full",
+            reason: if shed { "tier_shed" } else { "light_lane_full" },
             retry_after_s: self.refusal_after_us(first_free, now_us),
         })
+    }
+
+    /// How many of a lane's `cap` slots may be taken for a tier with `share` to be let in:
+    /// rounded up, so a small lane is not shut to a tier by rounding (a lane of one slot
+    /// serves every tier).
+    fn share_of(cap: u32, share: f64) -> u32 {
+        ((f64::from(cap) * share).ceil() as u32).clamp(1, cap)
     }
 
     /// The request's reply is over (completed, failed or the client left).
@@ -322,9 +376,9 @@ mod tests {
         l.set_rate("t", 2.0).unwrap();
         assert!(l.set_rate("t", f64::NAN).is_err());
         for id in 1..=2 {
-            admitted(&l.acquire_for("t", id, &[], 0).unwrap());
+            admitted(&l.acquire_for(Some("t"), None, id, &[], 0).unwrap());
         }
-        let refused = l.acquire_for("t", 3, &[], 100_000).unwrap();
+        let refused = l.acquire_for(Some("t"), None, 3, &[], 100_000).unwrap();
         assert_eq!(
             refused,
             LightDecision::Refuse {
@@ -334,8 +388,79 @@ mod tests {
             }
         );
         assert_eq!(l.live(), 2);
-        admitted(&l.acquire_for("t", 4, &[], 500_000).unwrap()); // 1 refilled at 0.5 s
-        admitted(&l.acquire_for("other", 5, &[], 500_000).unwrap()); // no limit of its own
+        admitted(&l.acquire_for(Some("t"), None, 4, &[], 500_000).unwrap()); // 1 refilled at 0.5 s
+        admitted(&l.acquire_for(Some("other"), None, 5, &[], 500_000).unwrap());
+        // no limit of its own
+    }
+
+    // Lower tiers shed first: batch (shed_at 0.5) is let in while fewer than 5 of 10 slots are
+    // taken, then refused with `tier_shed` while vip still gets the rest.
+    #[test]
+    fn a_tier_fills_only_its_share_of_the_slots() {
+        let mut l = lane(&[("a", 10)]);
+        l.set_tier_share("batch", 0.5).unwrap();
+        assert!(l.set_tier_share("batch", -0.1).is_err());
+        assert!(l.set_tier_share("batch", f64::NAN).is_err());
+        assert!(l.set_tier_share("batch", 1.5).is_err());
+        for id in 1..=5 {
+            admitted(&l.acquire_for(Some("t"), Some("batch"), id, &[], 0).unwrap());
+        }
+        assert!(matches!(
+            l.acquire_for(Some("t"), Some("batch"), 6, &[], 0).unwrap(),
+            LightDecision::Refuse { status: 429, reason: "tier_shed", retry_after_s } if retry_after_s >= 1
+        ));
+        for id in 7..=11 {
+            admitted(&l.acquire_for(Some("v"), Some("vip"), id, &[], 0).unwrap());
+        }
+        assert!(matches!(
+            l.acquire_for(Some("v"), Some("vip"), 12, &[], 0).unwrap(),
+            LightDecision::Refuse {
+                reason: "light_lane_full",
+                ..
+            }
+        ));
+        for id in 7..=11 {
+            assert!(l.release(id, 10)); // vip leaves: 5 taken, batch's share, still shed
+        }
+        assert!(matches!(
+            l.acquire_for(Some("t"), Some("batch"), 13, &[], 10)
+                .unwrap(),
+            LightDecision::Refuse {
+                reason: "tier_shed",
+                ..
+            }
+        ));
+        assert!(l.release(1, 20)); // below half taken: batch is let in again
+        admitted(
+            &l.acquire_for(Some("t"), Some("batch"), 14, &[], 20)
+                .unwrap(),
+        );
+        assert_eq!(l.live(), 5);
+    }
+
+    // A share rounds up, so a one-slot lane serves every tier and 0.5 of 3 slots is 2.
+    #[test]
+    fn a_share_rounds_up() {
+        let mut l = lane(&[("a", 1), ("b", 3)]);
+        l.set_tier_share("batch", 0.5).unwrap();
+        let only = |name: &str| vec![name.to_owned()];
+        let batch = |l: &mut LightLane, id| l.acquire_for(None, Some("batch"), id, &only("b"), 0);
+        assert_eq!(
+            admitted(
+                &l.acquire_for(None, Some("batch"), 1, &only("a"), 0)
+                    .unwrap()
+            ),
+            "a"
+        );
+        assert_eq!(admitted(&batch(&mut l, 2).unwrap()), "b");
+        assert_eq!(admitted(&batch(&mut l, 3).unwrap()), "b"); // ceil(0.5 * 3) = 2
+        assert!(matches!(
+            batch(&mut l, 4).unwrap(),
+            LightDecision::Refuse {
+                reason: "tier_shed",
+                ..
+            }
+        ));
     }
 
     // The backend with the most free slots gets the request; the cap is never passed.

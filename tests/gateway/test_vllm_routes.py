@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import TYPE_CHECKING
 
 import httpx
 import openai
@@ -18,6 +19,9 @@ from llmflow.presets import model as model_preset
 
 from .harness import SIM_MODEL as MODEL
 from .harness import start_gateway, start_sim_gateway, until
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
 
 pytestmark = pytest.mark.anyio
 
@@ -213,6 +217,35 @@ async def test_the_light_cap_holds_at_the_backend_and_refusals_carry_retry_after
             assert int(r.headers["retry-after"]) >= 1
             assert r.json()["error"]["code"] == "light_lane_full"
     assert after.status_code == 200  # every slot came back
+
+
+async def test_a_lower_tier_is_shed_first_on_the_light_lane() -> None:
+    # Four light slots; batch (shed_at 0.5) is let in while fewer than two are taken, so a
+    # batch flood leaves the other two to vip, counted at the simulated vLLM's own door.
+    tenants = [
+        {"name": "bulk", "tier": "batch", "api_keys": ["k-bulk-tenant-0001"]},
+        {"name": "acme", "tier": "vip", "api_keys": ["k-acme-tenant-0001"]},
+    ]
+    async with start_sim_gateway(
+        tenants=tenants, sim_options={"light_hold_s": 0.8}, backend={"light_concurrency": 4}
+    ) as h:
+        body = {"model": MODEL, "input": "x"}
+
+        def embed(key: str) -> Awaitable[httpx.Response]:
+            headers = {"authorization": f"Bearer {key}"}
+            return h.client.post("/v1/embeddings", json=body, headers=headers)
+
+        flood = asyncio.gather(*(embed("k-bulk-tenant-0001") for _ in range(6)))
+        await until(lambda: h.sim.state.sim["light"] == 2)
+        vip = await asyncio.gather(*(embed("k-acme-tenant-0001") for _ in range(2)))
+        bulk = await flood
+    assert sorted(r.status_code for r in bulk) == [200, 200, 429, 429, 429, 429]
+    for r in bulk:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "tier_shed"
+            assert int(r.headers["retry-after"]) >= 1
+    assert [r.status_code for r in vip] == [200, 200]
+    assert h.sim.state.sim["light_peak"] == 4  # two of batch's, two of vip's, never more
 
 
 async def test_a_client_leaving_a_light_request_frees_its_slot() -> None:

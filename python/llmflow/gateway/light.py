@@ -47,6 +47,9 @@ _MESSAGES = {
     "rate_limited": "over this API key's rate limit (requests per second); retry after the "
     "Retry-After header's seconds",
     "draining": "the gateway is shutting down",
+    "tier_shed": "this API key's tier is shed on the embedding/rerank/score/tokenize/audio "
+    "routes while the lane is this full (tiers[].shed_at); retry after the Retry-After "
+    "header's seconds",
 }
 
 
@@ -64,6 +67,8 @@ class LightService:
         for tenant in settings.tenants:  # a tenant's rate limit holds here too
             if tenant.requests_per_s is not None:
                 self.lane.set_rate(tenant.name, tenant.requests_per_s)
+        for tier in settings.tiers:  # and lower tiers are shed first, as in the queue
+            self.lane.set_tier_share(tier.name, tier.shed_at)
         self.urls, self.client = urls, client
         self.serving: dict[str, list[str]] = {}
         for backend in settings.backends:
@@ -109,6 +114,7 @@ class LightService:
         raw: bytes,
         receive: Receive,
         tenant: str | None = None,
+        tier: str | None = None,
     ) -> LightReply:
         """Admit the request on a backend, send it, and wait for the reply's head.
 
@@ -118,6 +124,7 @@ class LightService:
             raw: the body, as received.
             receive: the client's ASGI channel (to notice it leaving while the backend works).
             tenant: whose request it is (its API key's), for its rate limit.
+            tier: its tenant's tier, for the share of the lane's slots it may be let into.
 
         Raises:
             GatewayError: the lane's refusal (429/503 with Retry-After), 400/404 for bad input,
@@ -126,7 +133,7 @@ class LightService:
         content_type = headers.get("content-type", "application/json")
         candidates, raw = self.candidates(content_type, raw)
         request_id = next(self._ids)
-        decision = self.lane.acquire(request_id, candidates, now_us(), tenant)
+        decision = self.lane.acquire(request_id, candidates, now_us(), tenant, tier)
         if isinstance(decision, LightRefusal):
             raise GatewayError(
                 decision.status,

@@ -42,7 +42,11 @@ impl PyLightLane {
         Ok(self.inner.set_rate(tenant, requests_per_s)?)
     }
 
-    #[pyo3(signature = (request_id, candidates, now_us, tenant=None))]
+    fn set_tier_share(&mut self, tier: &str, shed_at: f64) -> PyResult<()> {
+        Ok(self.inner.set_tier_share(tier, shed_at)?)
+    }
+
+    #[pyo3(signature = (request_id, candidates, now_us, tenant=None, tier=None))]
     #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
     fn acquire(
         &mut self,
@@ -51,13 +55,11 @@ impl PyLightLane {
         candidates: Vec<String>,
         now_us: u64,
         tenant: Option<&str>,
+        tier: Option<&str>,
     ) -> PyResult<Py<PyAny>> {
-        let decision = match tenant {
-            Some(tenant) => self
-                .inner
-                .acquire_for(tenant, request_id, &candidates, now_us)?,
-            None => self.inner.acquire(request_id, &candidates, now_us)?,
-        };
+        let decision = self
+            .inner
+            .acquire_for(tenant, tier, request_id, &candidates, now_us)?;
         Ok(match decision {
             LightDecision::Admit { backend } => backend.into_pyobject(py)?.into_any().unbind(),
             LightDecision::Refuse {

@@ -73,7 +73,7 @@ async def _light(request: Request) -> LightReply:
         path += "?" + request.url.query
     headers = {k.lower(): v for k, v in request.headers.items()}
     body = await request.body()
-    return await gw.light.forward(path, headers, body, request.receive, who.tenant)
+    return await gw.light.forward(path, headers, body, request.receive, who.tenant, who.tier)
 
 
 _MODEL = {"model": {"type": "string", "minLength": 1}}  # the one field the gateway reads
