@@ -9,7 +9,6 @@ so scheduling jitter on a busy machine is small next to the steps being measured
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from llmflow.cli import main
 from llmflow.sim.costmodel import cost_model
 from llmflow.sim.profile import load_profile
+from processes import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -30,16 +30,10 @@ SPEED = 0.25  # simulated seconds per wall second: steps of 26 ms and more, jitt
 TOLERANCE = 0.25  # relative: the roofline's kinks are not linear, timing on shared cores is noisy
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def simserve() -> Iterator[str]:
     """`llmflow simserve` (H100, Llama-3-8B, quarter speed) in a child process; its base URL."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmflow.cli", "simserve", "--preset", "h100:llama-3-8b",
          "--speed", str(SPEED), "--port", str(port), "--max-num-seqs", "16",
@@ -95,7 +89,7 @@ def test_calibrate_recovers_the_simulated_engines_costs(simserve: str, tmp_path:
 
 
 def test_calibrate_reports_an_unreachable_backend(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     assert main(["calibrate", "--backend", url, "--out", str(tmp_path / "p.yaml"),
                  "--no-progress"]) == 1
     assert not (tmp_path / "p.yaml").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ import yaml
 from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
 from llmflow.gateway.streaming import notice_for
+from processes import free_port
 
 from .fake_vllm import FakeVllm
 from .harness import serve_asgi, start_gateway, until
@@ -66,12 +66,6 @@ async def test_drain_timeout_cuts_what_is_left_with_a_notice() -> None:
         assert h.fake.aborted == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_llmflow_serve_runs_and_drains_on_sigterm(tmp_path: Path) -> None:
     fake = FakeVllm()
     async with serve_asgi(fake.app) as (backend_url, _):
@@ -85,7 +79,7 @@ async def test_llmflow_serve_runs_and_drains_on_sigterm(tmp_path: Path) -> None:
                 }
             )
         )
-        port = _free_port()
+        port = free_port()
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
