@@ -227,6 +227,15 @@ STARVED_TTFT_TARGET = math.log(1.15)  # reported
 P50, P99 = "starved.ttft_p50_s", "starved.ttft_p99_s"
 
 
+def _beyond_spread(sim: float, reals: Sequence[float]) -> float:
+    """How far (|ln|) the simulated figure lies outside the band the real replays themselves
+    span: 0 inside [min, max]. The issue's rule, "within the real system's own spread where that
+    is wider": in one full-suite run the three replays' TTFT p50 were 0.82, 1.15 and 1.25 s (the
+    host slowed while they ran), so the error against their median alone measured the host."""
+    low, high = min(reals), max(reals)
+    return max(0.0, math.log(low / sim), math.log(sim / high))
+
+
 def _preemptions(server: VllmServer) -> float:
     return server.metrics().get("vllm:num_preemptions_total", 0.0)
 
@@ -277,15 +286,18 @@ def test_simulator_predicts_kv_starvation(
         f"{PREEMPTION_LIMIT:.3f}; TTFT target "
         f"|ln| <= {STARVED_TTFT_TARGET:.3f}, asserted p50 {MEDIAN_LIMIT:.3f}, p99 {P99_LIMIT:.3f}",
     ])
-    print("\n" + report)
     assert real_preemptions >= 10, report  # the workload does starve vLLM
     assert abs(rows[-1][3]) <= PREEMPTION_LIMIT, report
-    errors = {name: err for name, *_, err in rows[:-1]}
-    assert abs(errors[P50]) <= MEDIAN_LIMIT, report
-    assert abs(errors[P99]) <= P99_LIMIT, report
+    # Each TTFT figure is checked against the band of the three replays, not their median alone
+    # (see _beyond_spread); the wrong profiles must miss that same band.
+    beyond = {key: _beyond_spread(sim[key], [r[key] for r in reals]) for key in (P50, P99)}
+    report += f"\nbeyond the real spread: p50 {beyond[P50]:.3f}, p99 {beyond[P99]:.3f}"
+    print("\n" + report)
+    assert beyond[P50] <= MEDIAN_LIMIT, report
+    assert beyond[P99] <= P99_LIMIT, report
     for factor in WRONG:  # the check can fail: a wrong profile fails it on the same real runs
         wrong = fidelity.load(_dump(_scaled(profile, factor), tmp_path / f"x{factor:.2f}.yaml"),
                               fidelity.STARVED)
-        wrong_p50 = fidelity.compare(fidelity.summarise(fidelity.simulate(wrong)), real)
-        err = next(e for name, *_, e in wrong_p50 if name == P50)
-        assert abs(err) > MEDIAN_LIMIT, (factor, err, report)
+        wrong_p50 = fidelity.summarise(fidelity.simulate(wrong))[P50]
+        err = _beyond_spread(wrong_p50, [r[P50] for r in reals])
+        assert err > MEDIAN_LIMIT, (factor, err, report)
