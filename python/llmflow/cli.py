@@ -23,7 +23,13 @@ __all__ = ["build_parser", "main"]
 _GB = 1e9  # capacity figures are in vendor GB, as GPU datasheets and the seed count them
 _MB = 1e6
 # Command groups living in their own packages: (module, why it may be missing).
-_GROUPS = ("llmflow.sim.cli", "llmflow.trace_cli", "llmflow.gateway.cli", "llmflow.calibrate")
+_GROUPS = (
+    "llmflow.sim.cli",
+    "llmflow.trace_cli",
+    "llmflow.gateway.cli",
+    "llmflow.calibrate",
+    "llmflow.conformance.cli",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

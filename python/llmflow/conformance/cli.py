@@ -1,0 +1,114 @@
+"""The `llmflow conformance` command: start the backend, wait for the gateway, print the table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from llmflow.conformance.backend import MODEL, Backend, BackendServer
+from llmflow.conformance.report import failed, render, write_json
+from llmflow.conformance.suite import Options, SuiteError, run
+
+__all__ = ["add_commands", "main"]
+
+_EPILOG = """\
+The suite starts its own fake vLLM (model name "conformance") and prints its URL: configure
+the gateway with that URL as its only backend (or give --backend-port and configure it ahead).
+Exit status: 0 every applicable invariant passed, 1 one failed, 2 no verdict (the gateway
+could not be driven). Example, against llmflow with a cap of 4 and a queue of 8:
+
+  llmflow conformance http://127.0.0.1:8080 --backend-port 9100 --max-concurrency 4 \\
+      --api-key K --vip-key V --batch-key B --stall-within 5
+"""
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `conformance` on the `llmflow` parser.
+
+    Args:
+        subparsers: the `llmflow` command group.
+    """
+    p = subparsers.add_parser(
+        "conformance",
+        help="check llmflow's invariants from outside against any OpenAI-compatible gateway",
+        description="Drive an OpenAI-compatible gateway from outside, against a fake vLLM this "
+        "command starts, with floods, disconnects, stalled clients and a batch flood with VIP "
+        "requests in it, and print a pass/fail table: every request ends exactly once, the "
+        "claimed cap holds at the backend, the queue is bounded (fast refusals), Retry-After "
+        "on every 429, no 500 for backpressure, a leaving or stalled client frees its backend "
+        "request, VIP is served during a batch flood, nothing leaks.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", metavar="URL", help="the gateway's base URL (with or without /v1)")
+    p.add_argument("--model", default=MODEL, help=f"model name to ask for (default {MODEL})")
+    p.add_argument("--api-key", metavar="K", help="Bearer key of ordinary requests")
+    p.add_argument("--max-concurrency", type=int, metavar="N",
+                   help="the cap the gateway claims at the backend (unset: the row is n/a)")
+    p.add_argument("--vip-key", metavar="K", help="a key of the gateway's top tier")
+    p.add_argument("--batch-key", metavar="K",
+                   help="a key of its lowest tier (with --vip-key: the VIP row)")
+    p.add_argument("--flood", type=int, metavar="N",
+                   help="requests per flood (default 8x the cap, at least 32; 64 without)")
+    p.add_argument("--abort-within", type=float, default=1.0, metavar="S",
+                   help="a client's disconnect must reach the backend within S (default 1)")
+    p.add_argument("--refusal-within", type=float, default=2.0, metavar="S",
+                   help="a refusal under the flood must come within S (default 2)")
+    p.add_argument("--stall-within", type=float, default=60.0, metavar="S",
+                   help="a stalled client's backend request must end within S (default 60)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="the longest one request may take before it counts as broken")
+    p.add_argument("--backend-host", default="127.0.0.1",
+                   help="address the suite's fake vLLM listens on (default 127.0.0.1)")
+    p.add_argument("--backend-port", type=int, default=0, metavar="PORT",
+                   help="its port (default: any free one, printed)")
+    p.add_argument("--wait", type=float, default=120.0, metavar="S",
+                   help="how long to wait for the gateway to serve from the backend")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=main)
+
+
+def _options(args: argparse.Namespace) -> Options:
+    return Options(
+        url=args.url, model=args.model, api_key=args.api_key,
+        max_concurrency=args.max_concurrency, vip_key=args.vip_key, batch_key=args.batch_key,
+        flood=args.flood, abort_within_s=args.abort_within,
+        refusal_within_s=args.refusal_within, stall_within_s=args.stall_within,
+        timeout_s=args.timeout, ready_within_s=args.wait,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """`llmflow conformance`: returns 0 (all applicable passed), 1 (a failure) or 2."""
+    if bool(args.vip_key) != bool(args.batch_key):
+        print("error: give --vip-key and --batch-key together", file=sys.stderr)
+        return 2
+    options = _options(args)
+    start = time.monotonic()
+
+    def say(line: str) -> None:
+        if not args.quiet:
+            print(f"[{time.monotonic() - start:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+    backend = Backend(model=args.model)
+    try:
+        server = BackendServer(backend, args.backend_host, args.backend_port).start()
+    except (OSError, RuntimeError) as exc:
+        print(f"error: the backend could not listen: {exc}", file=sys.stderr)
+        return 2
+    try:
+        say(f"backend (fake vLLM, model {args.model!r}) at {server.url}: point the gateway at it")
+        rows = asyncio.run(run(options, backend, say))
+    except SuiteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        server.stop()
+    print(render(rows, f"llmflow conformance: {options.url}"))
+    if args.json:
+        write_json(rows, options.url, args.json)
+    return 1 if failed(rows) else 0
