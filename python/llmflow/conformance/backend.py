@@ -349,8 +349,9 @@ class BackendServer:
         return self
 
     def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self._server.should_exit = True
+        """Stop serving (cutting what still runs: a gateway may hold a stream forever) and
+        close the socket."""
+        self._server.should_exit = self._server.force_exit = True
         self._thread.join(timeout=15)
         self._sock.close()
 

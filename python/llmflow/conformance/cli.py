@@ -61,6 +61,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="a stalled client's backend request must end within S (default 60)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="the longest one request may take before it counts as broken")
+    p.add_argument("--settle", type=float, default=10.0, metavar="S",
+                   help="how long the backend may take to be idle after each phase (default 10)")
     p.add_argument("--backend-host", default="127.0.0.1",
                    help="address the suite's fake vLLM listens on (default 127.0.0.1)")
     p.add_argument("--backend-port", type=int, default=0, metavar="PORT",
@@ -78,7 +80,7 @@ def _options(args: argparse.Namespace) -> Options:
         max_concurrency=args.max_concurrency, vip_key=args.vip_key, batch_key=args.batch_key,
         flood=args.flood, abort_within_s=args.abort_within,
         refusal_within_s=args.refusal_within, stall_within_s=args.stall_within,
-        timeout_s=args.timeout, ready_within_s=args.wait,
+        timeout_s=args.timeout, settle_s=args.settle, ready_within_s=args.wait,
     )
 
 

@@ -32,7 +32,6 @@ GATEWAY_SLACK = 16 << 20        # bytes a gateway may hold for a stalled client,
 VIPS = 3                        # VIP requests sent into the batch flood
 VIP_DELAY_S = 0.5               # the batch flood's head start
 VIP_GAP_S = 0.3                 # between VIP requests
-SETTLE_S = 10.0                 # how long the backend may take to be idle after a phase
 FRESH_WITHIN_S = 30.0           # a fresh request's time to be served, Retry-After honoured
 # fmt: on
 _MIB = 1 << 20
@@ -62,6 +61,7 @@ class Limits:
     stall_within_s: float  # a stalled client's backend request ends within this
     flood_size: int  # requests in each flood
     fresh_requests: int  # requests sent at once at the end (the claimed cap, or 1)
+    settle_s: float  # how long the backend may take to be idle after a phase
 
 
 @dataclass
@@ -85,13 +85,13 @@ def _plan(tag: str, shape: tuple[int, float]) -> Plan:
     return Plan(tag, tokens=shape[0], itl_s=shape[1])
 
 
-async def settle(backend: Backend, ev: Evidence, phase: str) -> None:
+async def settle(backend: Backend, limits: Limits, ev: Evidence, phase: str) -> None:
     """Wait until the backend runs nothing; record how long it took (None: never) and the
     phase's peak."""
     ev.peaks[phase], backend.phase_peak = backend.phase_peak, backend.running
     start = time.monotonic()
     while backend.running:
-        if time.monotonic() - start > SETTLE_S:
+        if time.monotonic() - start > limits.settle_s:
             ev.settles[phase] = None
             return
         await asyncio.sleep(0.01)
@@ -111,7 +111,7 @@ async def disconnects(gw: Gateway, backend: Backend, limits: Limits, ev: Evidenc
     for i in range(DISCONNECTS):
         tag = f"leave-{i}"
         out, closed_at = await gw.disconnect(_plan(tag, DISCONNECT_PLAN), DISCONNECT_AFTER)
-        record = await _ended(backend, tag, max(5.0, 3 * limits.abort_within_s))
+        record = await _ended(backend, tag, 2 * limits.abort_within_s + 0.5)
         ev.left.append((out, closed_at, record))
 
 

@@ -43,6 +43,7 @@ class Options:
         refusal_within_s: a refusal under the flood comes within this.
         stall_within_s: a stalled client's backend request ends within this.
         timeout_s: the longest any one request may take.
+        settle_s: how long the backend may take to be idle after each phase.
         ready_within_s: how long the gateway may take to serve its first request from the
             backend (it may be started, or pointed at the backend, after the suite).
     """
@@ -58,13 +59,14 @@ class Options:
     refusal_within_s: float = 2.0
     stall_within_s: float = 60.0
     timeout_s: float = 120.0
+    settle_s: float = 10.0
     ready_within_s: float = 30.0
 
     def limits(self) -> Limits:
         """The phases' sizes and bounds."""
         cap = self.max_concurrency
         flood = self.flood or (max(32, 8 * cap) if cap else 64)
-        return Limits(self.abort_within_s, self.stall_within_s, flood, cap or 1)
+        return Limits(self.abort_within_s, self.stall_within_s, flood, cap or 1, self.settle_s)
 
     def claims(self) -> Claims:
         """What the gateway is held to."""
@@ -84,17 +86,17 @@ async def run(options: Options, backend: Backend, say: Callable[[str], None]) ->
         await _preflight(gw, backend, options.ready_within_s, say)
         say(f"flood: {limits.flood_size} requests at once")
         await phases.flood(gw, limits, ev)
-        await _settled(backend, ev, "flood", say)
+        await _settled(backend, limits, ev, "flood", say)
         say(f"disconnects: {phases.DISCONNECTS} clients leave mid-stream")
         await phases.disconnects(gw, backend, limits, ev)
-        await _settled(backend, ev, "disconnects", say)
+        await _settled(backend, limits, ev, "disconnects", say)
         say(f"stalled client: reads nothing (up to {limits.stall_within_s:g} s)")
         await phases.stall(gw, backend, limits, ev)
-        await _settled(backend, ev, "stall", say)
+        await _settled(backend, limits, ev, "stall", say)
         if options.vip_key and options.batch_key:
             say(f"VIP: {phases.VIPS} VIP requests into {limits.flood_size} batch requests")
             await phases.vip_flood(gw, backend, limits, ev, (options.vip_key, options.batch_key))
-            await _settled(backend, ev, "vip", say)
+            await _settled(backend, limits, ev, "vip", say)
         say(f"leak check: {limits.fresh_requests} fresh requests")
         await phases.fresh(gw, limits, ev)
     finally:
@@ -102,8 +104,10 @@ async def run(options: Options, backend: Backend, say: Callable[[str], None]) ->
     return rows(options.claims(), limits, ev, backend)
 
 
-async def _settled(backend: Backend, ev: Evidence, phase: str, say: Callable[[str], None]) -> None:
-    await phases.settle(backend, ev, phase)
+async def _settled(
+    backend: Backend, limits: Limits, ev: Evidence, phase: str, say: Callable[[str], None]
+) -> None:
+    await phases.settle(backend, limits, ev, phase)
     seconds = ev.settles[phase]
     say(f"  backend idle after {phase}" + (f" in {seconds:.2f} s" if seconds is not None
                                            else f": still {backend.running} running"))
