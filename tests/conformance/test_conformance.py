@@ -52,16 +52,14 @@ class Conformance:
     def __init__(self, tmp_path: Path, url: str, port: int, *args: str) -> None:
         self.report = tmp_path / f"conformance-{port}.json"
         self.log = tmp_path / f"conformance-{port}.log"
-        command = [sys.executable, "-m", "llmflow.cli", "conformance", url, "--backend-port",
-                   str(port), "--json", str(self.report), "--wait", "60", *args]
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, **own_process_group())
+        backend = ["--backend-port", str(port)] if "--backend" not in args else []
+        command = [sys.executable, "-m", "llmflow.cli", "conformance", url, *backend,
+                   "--json", str(self.report), "--wait", "60", *args]
+        self.process = _spawn(command, self.log)
         try:
             _wait_listening(port, self.process, self.log)
         except BaseException:
-            self.process.kill()
-            self.process.wait()
+            _kill(self.process)
             raise
 
     def finish(self) -> dict[str, Any]:
@@ -76,6 +74,31 @@ class Conformance:
         report = json.loads(self.report.read_text())
         rows = {r["invariant"]: r for r in report["rows"]}
         return {"code": code, "report": report, "rows": rows, "log": tail(self.log, 80)}
+
+
+def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, **own_process_group())
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+@contextlib.contextmanager
+def standing_backend(tmp_path: Path, port: int) -> Iterator[None]:
+    """`llmflow conformance-backend --port PORT` in a process of its own."""
+    log = tmp_path / f"conformance-backend-{port}.log"
+    process = _spawn([sys.executable, "-m", "llmflow.cli", "conformance-backend", "--port",
+                      str(port)], log)
+    try:
+        _wait_listening(port, process, log)
+        yield
+    finally:
+        _kill(process)
 
 
 def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
@@ -188,10 +211,13 @@ def serve_in_thread(app: BareProxy) -> Iterator[str]:
 def test_a_bare_proxy_fails_the_cap_retry_after_and_disconnect_rows(tmp_path: Path) -> None:
     # Claimed: a cap of 4. The proxy lets 8 through, answers 429 without Retry-After beyond,
     # and never closes upstream when its client leaves.
+    # The suite's backend stands in a process of its own here (`conformance-backend`, read
+    # through `--backend URL`), as for a gateway configured before the suite runs.
     port = free_port()
-    with serve_in_thread(BareProxy(f"http://127.0.0.1:{port}", limit=8)) as url:
+    backend = f"http://127.0.0.1:{port}"
+    with serve_in_thread(BareProxy(backend, limit=8)) as url, standing_backend(tmp_path, port):
         args = ("--max-concurrency", "4", "--stall-within", "2", "--abort-within", "0.5",
-                "--settle", "1")
+                "--settle", "1", "--backend", backend)
         result = Conformance(tmp_path, url, port, *args).finish()
     rows = result["rows"]
     assert result["code"] == 1, result["log"]

@@ -15,7 +15,8 @@ ends only when the gateway goes away (the stalled-client check).
 A plain ASGI app: the disconnect listener is its own (a task reading `http.disconnect`), so an
 abort is seen the moment the server sees the connection close, whatever the ASGI spec version.
 It runs in a thread of the suite's process (`BackendServer`) so the suite reads its counters
-and clocks directly.
+and clocks directly, or on its own (`llmflow conformance-backend`), where the suite reads them
+from `GET /_conformance/state` (`remote.py`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     from starlette.types import Receive, Scope, Send
 
-__all__ = ["MODEL", "Backend", "BackendServer", "Plan", "Record", "plan_text"]
+__all__ = ["MODEL", "Backend", "BackendServer", "BackendView", "Plan", "Record", "plan_text"]
 
 MODEL = "conformance"
 MAX_MODEL_LEN = 1_000_000  # tokens: the stalled-client plan asks for many
@@ -97,6 +98,21 @@ class Record:
     bytes_sent: int = 0
 
 
+class BackendView(Protocol):
+    """What the suite reads of its backend: this process's `Backend`, or a standing one
+    mirrored over HTTP (`remote.RemoteBackend`)."""
+
+    running: int
+    peak_running: int
+    records: dict[str, list[Record]]
+
+    def runs(self, tag: str) -> list[Record]:
+        """Every request the backend received with `tag`."""
+
+    async def next_phase(self) -> int:
+        """The peak running since the last call."""
+
+
 @dataclass
 class Backend:
     """The fake's counters and its ASGI app (call the instance)."""
@@ -115,6 +131,26 @@ class Backend:
         """Every request the backend received with `tag` (a gateway may send one twice)."""
         return self.records.get(tag, [])
 
+    async def next_phase(self) -> int:
+        """The peak running since the last call; the next phase's peak starts from now."""
+        peak, self.phase_peak = self.phase_peak, self.running
+        return peak
+
+    def state(self) -> dict[str, Any]:
+        """The counters and records as JSON, with this process's clock (`GET /_conformance`)."""
+        return {
+            "now": time.monotonic(),
+            "running": self.running,
+            "peak_running": self.peak_running,
+            "received": self.received,
+            "records": {tag: [asdict(r) for r in runs] for tag, runs in self.records.items()},
+        }
+
+    def reset(self) -> None:
+        """Forget every record and peak (a new suite run against a standing backend)."""
+        self.records = {}
+        self.peak_running = self.phase_peak = self.running
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
@@ -122,6 +158,13 @@ class Backend:
         path, method = scope["path"], scope["method"]
         if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
             await self._complete(receive, send, path.endswith("chat/completions"))
+        elif path == "/_conformance/state":
+            await _answer(send, 200, json.dumps(self.state()).encode())
+        elif path == "/_conformance/next-phase" and method == "POST":
+            await _answer(send, 200, json.dumps({"peak": await self.next_phase()}).encode())
+        elif path == "/_conformance/reset" and method == "POST":
+            self.reset()
+            await _answer(send, 200, b"{}")
         elif path == "/health":
             await _answer(send, 200, b"{}")
         elif path == "/v1/models":

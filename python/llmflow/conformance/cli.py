@@ -1,4 +1,5 @@
-"""The `llmflow conformance` command: start the backend, wait for the gateway, print the table."""
+"""The `llmflow conformance` command (start the backend or mirror a standing one, wait for the
+gateway, print the table) and `llmflow conformance-backend` (the backend alone)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,21 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
 
 from llmflow.conformance.backend import MODEL, Backend, BackendServer
+from llmflow.conformance.remote import RemoteBackend
 from llmflow.conformance.report import failed, render, write_json
 from llmflow.conformance.suite import Options, SuiteError, run
 
-__all__ = ["add_commands", "main"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from llmflow.conformance.report import Row
+
+__all__ = ["add_commands", "main", "serve_backend"]
 
 _EPILOG = """\
 The suite starts its own fake vLLM (model name "conformance") and prints its URL: configure
@@ -67,11 +77,25 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="address the suite's fake vLLM listens on (default 127.0.0.1)")
     p.add_argument("--backend-port", type=int, default=0, metavar="PORT",
                    help="its port (default: any free one, printed)")
+    p.add_argument("--backend", metavar="URL",
+                   help="use a standing suite backend (`llmflow conformance-backend`) at URL "
+                   "instead of starting one")
     p.add_argument("--wait", type=float, default=120.0, metavar="S",
                    help="how long to wait for the gateway to serve from the backend")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=main)
+    b = subparsers.add_parser(
+        "conformance-backend",
+        help="serve the conformance suite's fake vLLM on its own (for `conformance --backend`)",
+        description="Serve the instrumented fake vLLM of `llmflow conformance` until stopped, "
+        "for a gateway that must be pointed at a backend before the suite runs, or that runs "
+        "on another machine; the suite reads its counters from GET /_conformance/state.",
+    )
+    b.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    b.add_argument("--port", type=int, default=9100, help="port to listen on (default 9100)")
+    b.add_argument("--model", default=MODEL, help=f"served model name (default {MODEL})")
+    b.set_defaults(func=serve_backend)
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -96,21 +120,60 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[{time.monotonic() - start:6.1f} s] {line}", file=sys.stderr, flush=True)
 
-    backend = Backend(model=args.model)
     try:
-        server = BackendServer(backend, args.backend_host, args.backend_port).start()
-    except (OSError, RuntimeError) as exc:
-        print(f"error: the backend could not listen: {exc}", file=sys.stderr)
-        return 2
-    try:
-        say(f"backend (fake vLLM, model {args.model!r}) at {server.url}: point the gateway at it")
-        rows = asyncio.run(run(options, backend, say))
+        if args.backend:
+            rows = asyncio.run(_remote(options, args.backend, say))
+        else:
+            rows = _local(options, args, say)
     except SuiteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        server.stop()
     print(render(rows, f"llmflow conformance: {options.url}"))
     if args.json:
         write_json(rows, options.url, args.json)
     return 1 if failed(rows) else 0
+
+
+def _local(options: Options, args: argparse.Namespace, say: Callable[[str], None]) -> list[Row]:
+    backend = Backend(model=args.model)
+    try:
+        server = BackendServer(backend, args.backend_host, args.backend_port).start()
+    except (OSError, RuntimeError) as exc:
+        raise SuiteError(f"the backend could not listen: {exc}") from exc
+    try:
+        say(f"backend (fake vLLM, model {args.model!r}) at {server.url}: point the gateway at it")
+        return asyncio.run(run(options, backend, say))
+    finally:
+        server.stop()
+
+
+async def _remote(options: Options, url: str, say: Callable[[str], None]) -> list[Row]:
+    backend = RemoteBackend(url)
+    try:
+        await backend.start()
+    except httpx.HTTPError as exc:
+        await backend.aclose()
+        raise SuiteError(f"no suite backend at {url} (`llmflow conformance-backend`): "
+                         f"{exc!r}") from exc
+    try:
+        say(f"backend (standing) at {url}")
+        return await run(options, backend, say)
+    finally:
+        await backend.aclose()
+
+
+def serve_backend(args: argparse.Namespace) -> int:
+    """`llmflow conformance-backend`: serve the fake vLLM until interrupted."""
+    try:
+        server = BackendServer(Backend(model=args.model), args.host, args.port).start()
+    except (OSError, RuntimeError) as exc:
+        print(f"error: the backend could not listen: {exc}", file=sys.stderr)
+        return 2
+    print(f"conformance backend (fake vLLM, model {args.model!r}) at {server.url}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()

@@ -22,7 +22,7 @@ from llmflow.conformance.phases import (
 from llmflow.conformance.report import Row
 
 if TYPE_CHECKING:
-    from llmflow.conformance.backend import Backend
+    from llmflow.conformance.backend import BackendView
     from llmflow.conformance.phases import Evidence, Limits
 
 __all__ = ["Claims", "rows"]
@@ -39,7 +39,7 @@ class Claims:
     refusal_within_s: float  # a refused request's answer comes within this
 
 
-def rows(claims: Claims, limits: Limits, ev: Evidence, backend: Backend) -> list[Row]:
+def rows(claims: Claims, limits: Limits, ev: Evidence, backend: BackendView) -> list[Row]:
     """Every invariant's row, in the table's order."""
     return [
         ends_once(ev, backend),
@@ -55,7 +55,7 @@ def rows(claims: Claims, limits: Limits, ev: Evidence, backend: Backend) -> list
     ]
 
 
-def ends_once(ev: Evidence, backend: Backend) -> Row:
+def ends_once(ev: Evidence, backend: BackendView) -> Row:
     """Each request read to its end got one complete reply or one error, and reached the
     backend at most once."""
     verdicts = Counter(o.verdict() for o in ev.read)
@@ -77,7 +77,7 @@ def ends_once(ev: Evidence, backend: Backend) -> Row:
     )
 
 
-def cap(claims: Claims, limits: Limits, ev: Evidence, backend: Backend) -> Row:
+def cap(claims: Claims, limits: Limits, ev: Evidence, backend: BackendView) -> Row:
     """The backend never ran more than the claimed cap."""
     done = (f"counted running requests at the backend through every phase "
             f"({limits.flood_size}-request floods)")
@@ -91,7 +91,7 @@ def cap(claims: Claims, limits: Limits, ev: Evidence, backend: Backend) -> Row:
                f"backend peak {peak} running ({phases}), cap claimed {claims.max_concurrency}")
 
 
-def bounded_queue(claims: Claims, limits: Limits, ev: Evidence, backend: Backend) -> Row:
+def bounded_queue(claims: Claims, limits: Limits, ev: Evidence, backend: BackendView) -> Row:
     """Under the flood some requests were refused (something bounds what waits), and every
     refusal came within the bound."""
     done = f"{limits.flood_size} requests at once, each holding ~1 s once served"
@@ -227,7 +227,7 @@ def vip(claims: Claims, limits: Limits, ev: Evidence) -> Row:
                "; ".join([f"{len(served)}/{VIPS} VIP served{slowest}", batch, *others]))
 
 
-def no_leak(limits: Limits, ev: Evidence, backend: Backend) -> Row:
+def no_leak(limits: Limits, ev: Evidence, backend: BackendView) -> Row:
     """After each phase the backend was idle again, and fresh requests were served."""
     done = (f"waited for the backend to be idle after each phase, then sent "
             f"{limits.fresh_requests} fresh requests at once")

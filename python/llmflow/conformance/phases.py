@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmflow.conformance.backend import Backend, Plan, Record
+from llmflow.conformance.backend import Plan, Record
 
 if TYPE_CHECKING:
+    from llmflow.conformance.backend import BackendView
     from llmflow.conformance.client import Gateway, Outcome
 
 __all__ = ["Evidence", "Limits", "disconnects", "flood", "fresh", "settle", "stall", "vip_flood"]
@@ -85,10 +86,10 @@ def _plan(tag: str, shape: tuple[int, float]) -> Plan:
     return Plan(tag, tokens=shape[0], itl_s=shape[1])
 
 
-async def settle(backend: Backend, limits: Limits, ev: Evidence, phase: str) -> None:
+async def settle(backend: BackendView, limits: Limits, ev: Evidence, phase: str) -> None:
     """Wait until the backend runs nothing; record how long it took (None: never) and the
     phase's peak."""
-    ev.peaks[phase], backend.phase_peak = backend.phase_peak, backend.running
+    ev.peaks[phase] = await backend.next_phase()
     start = time.monotonic()
     while backend.running:
         if time.monotonic() - start > limits.settle_s:
@@ -106,7 +107,7 @@ async def flood(gw: Gateway, limits: Limits, ev: Evidence) -> None:
     ev.read += outs
 
 
-async def disconnects(gw: Gateway, backend: Backend, limits: Limits, ev: Evidence) -> None:
+async def disconnects(gw: Gateway, backend: BackendView, limits: Limits, ev: Evidence) -> None:
     """Clients that leave mid-stream, one at a time; wait for the backend to see each go."""
     for i in range(DISCONNECTS):
         tag = f"leave-{i}"
@@ -115,7 +116,7 @@ async def disconnects(gw: Gateway, backend: Backend, limits: Limits, ev: Evidenc
         ev.left.append((out, closed_at, record))
 
 
-async def _ended(backend: Backend, tag: str, timeout_s: float) -> Record | None:
+async def _ended(backend: BackendView, tag: str, timeout_s: float) -> Record | None:
     """The backend's record of `tag` once it ended, or as it is after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -127,7 +128,7 @@ async def _ended(backend: Backend, tag: str, timeout_s: float) -> Record | None:
     return runs[-1] if runs else None
 
 
-async def stall(gw: Gateway, backend: Backend, limits: Limits, ev: Evidence) -> None:
+async def stall(gw: Gateway, backend: BackendView, limits: Limits, ev: Evidence) -> None:
     """A client that sends a streamed request and never reads; wait up to `stall_within_s`
     after the backend started it for the backend to see it end."""
     plan = Plan("stall", tokens=STALL_LIMIT // STALL_PAD * 4, pad=STALL_PAD, limit=STALL_LIMIT)
@@ -139,15 +140,15 @@ async def stall(gw: Gateway, backend: Backend, limits: Limits, ev: Evidence) -> 
         runs = backend.runs("stall")
         if runs:
             end = runs[0].received_at + limits.stall_within_s + 0.5
-            while runs[0].ended_at is None and time.monotonic() < end:
+            while backend.runs("stall")[0].ended_at is None and time.monotonic() < end:
                 await asyncio.sleep(0.01)
-            ev.stalled = runs[0]
+            ev.stalled = backend.runs("stall")[0]
     finally:
         client.close()
 
 
 async def vip_flood(
-    gw: Gateway, backend: Backend, limits: Limits, ev: Evidence, keys: tuple[str, str]
+    gw: Gateway, backend: BackendView, limits: Limits, ev: Evidence, keys: tuple[str, str]
 ) -> None:
     """A flood of batch requests, and VIP requests sent into it once it has begun."""
     vip_key, batch_key = keys

@@ -16,7 +16,7 @@ from llmflow.conformance.phases import Evidence, Limits
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from llmflow.conformance.backend import Backend
+    from llmflow.conformance.backend import BackendView
     from llmflow.conformance.client import Outcome
     from llmflow.conformance.report import Row
 
@@ -74,7 +74,7 @@ class Options:
         return Claims(self.max_concurrency, tiers, self.refusal_within_s)
 
 
-async def run(options: Options, backend: Backend, say: Callable[[str], None]) -> list[Row]:
+async def run(options: Options, backend: BackendView, say: Callable[[str], None]) -> list[Row]:
     """Drive the gateway at `options.url` (pointed at `backend`) and judge every invariant.
 
     Raises:
@@ -105,7 +105,7 @@ async def run(options: Options, backend: Backend, say: Callable[[str], None]) ->
 
 
 async def _settled(
-    backend: Backend, limits: Limits, ev: Evidence, phase: str, say: Callable[[str], None]
+    backend: BackendView, limits: Limits, ev: Evidence, phase: str, say: Callable[[str], None]
 ) -> None:
     await phases.settle(backend, limits, ev, phase)
     seconds = ev.settles[phase]
@@ -114,7 +114,7 @@ async def _settled(
 
 
 async def _preflight(
-    gw: Gateway, backend: Backend, within_s: float, say: Callable[[str], None]
+    gw: Gateway, backend: BackendView, within_s: float, say: Callable[[str], None]
 ) -> None:
     say(f"preflight: one request through {gw.base} (waiting up to {within_s:g} s)")
     deadline = time.monotonic() + within_s
