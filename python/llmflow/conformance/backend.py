@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 
+from llmflow.conformance.frames import MODEL, Frames, whole
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
@@ -40,7 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MODEL", "Backend", "BackendServer", "BackendView", "Plan", "Record", "plan_text"]
 
-MODEL = "conformance"
 MAX_MODEL_LEN = 1_000_000  # tokens: the stalled-client plan asks for many
 NUM_GPU_BLOCKS = 1_000_000  # KV blocks of 16 tokens, never the limit
 _PLAN = re.compile(r"(\w+)=([\w.-]+)")
@@ -232,11 +233,11 @@ class Backend:
     ) -> None:
         if not body.get("stream"):
             text = "".join([chunk async for chunk in self._tokens(plan, record)])
-            await _answer(send, 200, json.dumps(_whole(body, plan, chat, text)).encode())
+            await _answer(send, 200, json.dumps(whole(body, plan.tokens, chat, text)).encode())
             return
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         options = body.get("stream_options") or {}
-        frames = _Frames(body, chat, bool(options.get("continuous_usage_stats")))
+        frames = Frames(body, chat, bool(options.get("continuous_usage_stats")))
         if chat:
             await self._send(send, record, frames.role())
         i = 0
@@ -267,60 +268,6 @@ class Backend:
             if i == plan.tokens - 1:
                 self._end(record, "completed")  # as vLLM's engine frees it: before the reply
             yield (f"t{i}".ljust(plan.pad, "x") + " ") if plan.pad else f"t{i} "
-
-
-class _Frames:
-    """vLLM's SSE frames for one streamed reply."""
-
-    def __init__(self, body: dict[str, Any], chat: bool, continuous: bool) -> None:
-        self.chat, self.continuous = chat, continuous
-        self.base = {
-            "id": "chatcmpl-conformance" if chat else "cmpl-conformance",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model", MODEL),
-        }
-
-    def role(self) -> bytes:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}
-        return self._frame([choice], 0 if self.continuous else None)
-
-    def token(self, text: str, i: int, n: int) -> bytes:
-        choice: dict[str, Any] = (
-            {"index": 0, "delta": {"content": text}} if self.chat else {"index": 0, "text": text}
-        )
-        choice.update(logprobs=None, finish_reason="length" if i == n - 1 else None)
-        return self._frame([choice], i + 1 if self.continuous else None)
-
-    def usage(self, n: int) -> bytes:
-        return self._frame([], n)
-
-    def _frame(self, choices: list[dict[str, Any]], completion: int | None) -> bytes:
-        chunk: dict[str, Any] = {**self.base, "choices": choices}
-        if completion is not None:
-            chunk["usage"] = _usage(completion)
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _usage(completion: int) -> dict[str, int]:
-    return {"prompt_tokens": 16, "completion_tokens": completion, "total_tokens": 16 + completion}
-
-
-def _whole(body: dict[str, Any], plan: Plan, chat: bool, text: str) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {
-        "id": "chatcmpl-conformance" if chat else "cmpl-conformance",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": body.get("model", MODEL),
-        "choices": [choice],
-        "usage": _usage(plan.tokens),
-    }
 
 
 async def _read_body(receive: Receive) -> bytes:
