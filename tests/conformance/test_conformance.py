@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from starlette.types import Receive, Scope, Send
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 KEYS = {"normal": "k-conf-normal-5f1c", "vip": "k-conf-vip-93ab", "batch": "k-conf-batch-07de"}
 ROWS = [
