@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from llmflow.gateway.contract import TRANSPORT_RETRY_AFTER_S, reason_header
 from llmflow.gateway.errors import error_bytes
 
 if TYPE_CHECKING:
@@ -58,7 +59,6 @@ _SEND_BUFFER_BYTES = 64 * 1024  # per relayed reply; SSE chunks are a few hundre
 _HEAD_BYTES = 32 * 1024  # request line plus headers, when the server config names no limit
 _HEADER_OVERHEAD = 4  # ": " and CRLF around each header
 _FD_RESERVE = 64  # descriptors kept for upstream connections, scrapes and the relay
-_REFUSAL_RETRY_S = 1  # a transport-level refusal: no request exists for the runtime to price
 _OUT_OF_FDS = (
     b'{"error":{"message":"the gateway has no file descriptors left for new connections; '
     b'retry shortly","type":"server_error","param":null,"code":"too_many_connections"}}'
@@ -132,8 +132,11 @@ class TakenSocket:
         self.protocol.adopt(fd)
 
 
-def _error_response(status: bytes, body: bytes, retry_after: int | None = None) -> bytes:
+def _error_response(
+    status: bytes, body: bytes, code: bytes, retry_after: int | None = None
+) -> bytes:
     head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+    head += b"x-llmflow-reason: " + code + b"\r\n"
     if retry_after is not None:
         head += b"retry-after: " + str(retry_after).encode() + b"\r\n"
     head += b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -169,7 +172,12 @@ class HandoffProtocol(HttpToolsProtocol):
         if self._refuse:  # answered at once, before parsing: it costs no request
             if not self.transport.is_closing():
                 log.warning("out of file descriptors: refusing a connection")
-                body = _error_response(b"503 Service Unavailable", _OUT_OF_FDS, _REFUSAL_RETRY_S)
+                body = _error_response(
+                    b"503 Service Unavailable",
+                    _OUT_OF_FDS,
+                    b"too_many_connections",
+                    TRANSPORT_RETRY_AFTER_S,  # no request exists for the runtime to price
+                )
                 self.transport.write(body)
                 self.transport.close()
             return
@@ -249,7 +257,7 @@ class HandoffProtocol(HttpToolsProtocol):
         self._discarding = True
         body = error_bytes(status, message, code)
         head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()]
-        for name, value in self.server_state.default_headers:
+        for name, value in (*self.server_state.default_headers, reason_header(code)):
             head += [name, b": ", value, b"\r\n"]
         head += [
             b"content-type: application/json\r\n",
@@ -397,7 +405,8 @@ class HandoffProtocol(HttpToolsProtocol):
             return
         cycle = None if self._held is not None else self.cycle  # a held request has none yet
         if self._begun and (cycle is None or not cycle.response_started):
-            self.transport.write(_error_response(b"408 Request Timeout", _TIMED_OUT))
+            timed_out = _error_response(b"408 Request Timeout", _TIMED_OUT, b"request_timeout")
+            self.transport.write(timed_out)
             if cycle is not None:
                 cycle.disconnected = True  # the handler waiting for the body hears it left
         self.transport.close()

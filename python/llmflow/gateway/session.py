@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from llmflow.gateway.backpressure import ChunkWindow
+from llmflow.gateway.contract import REASON_HEADER, REFUSALS
 from llmflow.gateway.disagg import decode_body, prefill_hop
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.streaming import (
@@ -207,6 +208,16 @@ class StreamSession:
     def id_header(self) -> dict[str, str]:
         """`X-Request-Id` for the reply: the id upstream and the trace know it by."""
         return request_id_header(self.request_id)
+
+    @property
+    def reply_headers(self) -> dict[str, str]:
+        """A whole (non-streamed) reply's headers: its id, and `x-llmflow-reason` when the
+        gateway cut it (the partial text ends with the notice; its status is still 200)."""
+        headers = self.id_header
+        rule = REFUSALS.get(self.end)
+        if rule is not None and rule.cut:
+            headers[REASON_HEADER] = self.end
+        return headers
 
     def traceparent(self) -> str | None:
         """W3C `traceparent` for the upstream request (it opens the upstream span), if tracing."""
