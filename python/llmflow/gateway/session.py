@@ -52,7 +52,18 @@ __all__ = ["BackendRoute", "Prepared", "SessionContext", "StreamSession", "upstr
 log = logging.getLogger("llmflow.gateway")
 
 # What each refusal says to the client; the status and Retry-After are the runtime's.
+_LATER = "; retry after the Retry-After header's seconds"
 _MESSAGES = {
+    "queue_full": "the gateway's queue is full" + _LATER,
+    "tier_shed": "the queue is too full for this API key's tier (tiers[].shed_at)" + _LATER,
+    "kv_pressure": "the backends' KV cache is nearly full (kv.pressure_threshold)" + _LATER,
+    "ttft_sla": "the work queued ahead would make this request miss its first-token target "
+    "(sla.ttft_ms)" + _LATER,
+    "preemption_breaker": "the backends are preempting requests: fewer are let wait "
+    "(preemption)" + _LATER,
+    "no_healthy_backend": "no healthy backend serves this model" + _LATER,
+    "draining": "the gateway is shutting down and takes no new requests; retry elsewhere or "
+    "after the Retry-After header's seconds",
     "displaced": "request displaced from the queue by a more important request or by a tenant "
     "holding less than its fair share of the waiting places; retry later",
     "queue_timeout": "queue wait expired (queue_timeout)",
