@@ -422,7 +422,7 @@ async def test_every_path_renders_a_refusal_alike() -> None:
 
 async def test_client_errors_carry_the_reason_header_too() -> None:
     """Every error answer, from each writer: the app's handlers, the body-limit middleware, the
-    protocol's own (bad HTTP, a head too large), a WebSocket upgrade refused."""
+    protocol's own (bad HTTP, a head too large), a WebSocket upgrade refused; and vLLM's own 4xx."""
     tenants = [{"name": "t", "tier": "normal", "api_keys": ["k"]}]
     server = {"max_body_bytes": 1024}
     async with start_gateway(
@@ -443,6 +443,10 @@ async def test_client_errors_carry_the_reason_header_too() -> None:
         for r, status, code in cases:
             assert (r.status_code, r.json()["error"]["code"]) == (status, code)
             assert r.headers[REASON_HEADER] == code
+        # vLLM's own refusal keeps vLLM's body (its `code` is the status) and says so
+        vllm = await h.client.post(CHAT, json=chat(fake={"status": 400}), headers=key)
+        assert (vllm.status_code, vllm.json()["error"]["code"]) == (400, 400)
+        assert vllm.headers[REASON_HEADER] == "backend_rejected"
         for raw, status, code in (
             (b"NOT HTTP\r\n\r\n", 400, "invalid_http"),
             (b"GET / HTTP/1.1\r\nx: " + b"y" * 8000 + b"\r\n\r\n", 431, "headers_too_large"),
@@ -457,7 +461,7 @@ async def test_client_errors_carry_the_reason_header_too() -> None:
             head = (await _exchange(h, raw)).split(b"\r\n\r\n", 1)[0].decode().lower()
             assert head.startswith(f"http/1.1 {status}"), head
             assert f"{REASON_HEADER}: {code}" in head.split("\r\n"), head
-        assert h.fake.seen == 0
+        assert h.fake.seen == 1  # the one vLLM refused
 
 
 async def test_a_cut_response_names_its_reason() -> None:
