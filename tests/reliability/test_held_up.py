@@ -229,7 +229,7 @@ async def test_an_upstream_that_never_finishes_its_head_is_given_up() -> None:
     from gateway.harness import serve_asgi as serve
     from gateway.harness import settings_for
     from llmflow.gateway.app import create_app
-    from llmflow.gateway.handoff import server_options
+    from llmflow.gateway.listener import server_options
 
     settings = settings_for(
         {"mute": f"http://127.0.0.1:{port}"},

@@ -31,7 +31,7 @@ from gateway.harness import (
     until,
 )
 from llmflow.gateway.app import create_app
-from llmflow.gateway.handoff import server_options
+from llmflow.gateway.listener import server_options
 from llmflow.sim.server_pd import KvTransfer
 
 from .hostile import RawBackend, chunk_event, install

@@ -239,7 +239,7 @@ def test_two_objectives_front_choice_and_plot(scenario: Path, tmp_path: Path) ->
     and plot are written."""
     from llmflow.sim.tuning.outputs import choose, rows_of, write_tables
     from llmflow.sim.tuning.pareto import write_pareto
-    from llmflow.sim.tuning.search import Goals
+    from llmflow.sim.tuning.plan import Goals
 
     sc = load_scenario(scenario)
     goals = Goals(sc, ["goodput", "chat.ttft_p99"], ["lost<=0"])
