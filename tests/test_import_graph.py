@@ -3,7 +3,9 @@
 An import placed inside a function only hides a circle: the two modules still need each
 other, and which one loads first decides whether the program starts. So the graph counts
 every import the interpreter can run, at module level or inside a function (each edge
-says which), and leaves out only those under `if TYPE_CHECKING:`, which never run.
+says which), and leaves out only those under `if TYPE_CHECKING:`, which never run. An edge goes
+to the module an import names (the submodule, for `from package import submodule`), not to the
+packages above it, whose `__init__` only runs first.
 """
 
 from __future__ import annotations
