@@ -52,7 +52,7 @@ from typing import Any
 
 import httpx
 from tests.integration.vllm_server import VllmServer, find_vllm_python
-from tests.processes import free_port
+from tests.processes import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,18 +127,6 @@ def guidellm_bin() -> Path:
 # ---- processes -------------------------------------------------------------------------------
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}; see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s; see {log_path}")
-
-
 def _spawn(cmd: list[str], log_path: Path, stack: contextlib.ExitStack) -> subprocess.Popen[bytes]:
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
@@ -173,7 +161,7 @@ def start_simserve(tmp: Path, stack: contextlib.ExitStack) -> str:
     ]  # fmt: skip
     proc = _spawn(cmd, tmp / "simserve.log", stack)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(f"{url}/health", proc, tmp / "simserve.log", 60)
+    wait_ready(proc, f"{url}/health", tmp / "simserve.log", 60, "simserve")
     return url
 
 
@@ -199,7 +187,7 @@ def start_gateway(backend_url: str, tmp: Path, name: str, stack: contextlib.Exit
     ]  # fmt: skip
     proc = _spawn(cmd, tmp / f"gateway-{name}.log", stack)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(f"{url}/readyz", proc, tmp / f"gateway-{name}.log", 60)
+    wait_ready(proc, f"{url}/readyz", tmp / f"gateway-{name}.log", 60, f"gateway {name}")
     return url
 
 
