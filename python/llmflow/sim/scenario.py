@@ -365,11 +365,8 @@ _SEARCH = ("sim/scenarios", "sim/incidents")  # where a bare scenario name is lo
 
 
 def _roots() -> list[Path]:
-    roots = [Path.cwd()]
     checkout = Path(__file__).resolve().parents[3]  # python/llmflow/sim/scenario.py -> repo root
-    if (checkout / "sim").is_dir():
-        roots.append(checkout)
-    return roots
+    return [Path.cwd(), *([checkout] if (checkout / "sim").is_dir() else [])]
 
 
 def find_scenario(name: str) -> Path:
