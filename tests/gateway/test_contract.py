@@ -22,7 +22,7 @@ from websockets.asyncio.client import connect
 
 from llmflow.gateway.contract import REASON_HEADER, REFUSALS
 from llmflow.gateway.ws import MAX_PENDING
-from processes import GatewayProcess
+from tests.processes import GatewayProcess
 
 from .harness import start_gateway, start_sim_gateway, until
 from .outside import fake_in_thread

@@ -12,8 +12,9 @@ The extension exists only under `HandoffProtocol` (uvicorn with httptools, HTTP/
 any other server the gateway streams through Python as before.
 
 The protocol also guards what httptools alone would not: a request's line and headers are
-bounded (`limits.max_header_bytes`, passed as uvicorn's `h11_max_incomplete_event_size`), and a
-request it cannot parse gets an OpenAI-style body instead of uvicorn's plain text.
+bounded (`limits.max_header_bytes`, passed as uvicorn's `h11_max_incomplete_event_size` by
+`listener.py`), and a request it cannot parse gets an OpenAI-style body instead of uvicorn's
+plain text.
 
 The protocol also guards the listener, below any request (so below the runtime): a client
 must send its whole request within `read_timeout_s` (uvicorn has no such timer, so a
@@ -46,13 +47,10 @@ from llmflow.gateway.errors import error_bytes
 if TYPE_CHECKING:
     import asyncio
 
-    from fastapi import FastAPI
-
-    from llmflow.config import Settings
     from llmflow.gateway.fastpath import Held, RefusalDesk
     from llmflow.gateway.types import Scope
 
-__all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of", "server_options"]
+__all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of"]
 
 EXTENSION = "llmflow.handoff"
 _SEND_BUFFER_BYTES = 64 * 1024  # per relayed reply; SSE chunks are a few hundred bytes
@@ -69,32 +67,6 @@ _TIMED_OUT = (
     b'"code":"request_timeout"}}'
 )
 log = logging.getLogger("llmflow.gateway")
-
-
-def server_options(settings: Settings, app: FastAPI | None = None) -> dict[str, Any]:
-    """The uvicorn options that carry the gateway's limits (`llmflow serve` and the tests).
-
-    Args:
-        settings: the validated config.
-        app: the gateway's app (`create_app`), whose refusals this listener then answers
-            below FastAPI (`fastpath.py`); None for a listener without completion routes.
-
-    Returns:
-        Keyword arguments for `uvicorn.Config`: this protocol, its header limit, and the
-        largest WebSocket message (`server.max_body_bytes`, as for an HTTP body).
-    """
-    from llmflow.gateway.fastpath import RefusalDesk  # here: it imports the relay, which imports us
-
-    refusals = RefusalDesk(app) if app is not None else None
-    return {
-        "http": HandoffProtocol.configured(
-            settings.server.read_timeout_ms / 1e3,
-            refusals,
-            write_timeout_s=settings.server.write_timeout_ms / 1e3,
-        ),
-        "h11_max_incomplete_event_size": settings.limits.max_header_bytes,
-        "ws_max_size": settings.server.max_body_bytes,
-    }
 
 
 class _HeadTooLarge(Exception):
