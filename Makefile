@@ -54,7 +54,7 @@ lint: ## ruff, mypy, stubtest, rustfmt and clippy
 
 .PHONY: bench
 bench: ## Core benchmark (Rust, PyO3 and the reference model side by side)
-	$(PYTHON) benchmarks/core_bench.py
+	$(PYTHON) -m benchmarks.core_bench
 
 .PHONY: goldens
 goldens: ## Rewrite the simulator's golden .out files (review the diff before committing)

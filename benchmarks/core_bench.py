@@ -3,7 +3,7 @@
 One request cycle = submit, admit, first token, 10 token-chunk observations, finish; the runtime
 rows run the same cycle through the whole lifecycle (arrive, started, 10 token events, done,
 with every action it answers built).
-Run: `python benchmarks/core_bench.py` (it builds and runs `cargo bench --bench cycle` too).
+Run: `python -m benchmarks.core_bench` (it builds and runs `cargo bench --bench cycle` too).
 Prints a Markdown table for docs/benchmarks.md; ratios are to the reference model measured in
 the same run, since these machines are noisy.
 """
@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from property_tests.models import ReferenceGovernor, Req
+from property_tests.strategies import policy_config
 from tqdm import tqdm
 
+from llmflow import Governor
+from llmflow._core import Runtime
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from property_tests.models import ReferenceGovernor, Req  # noqa: E402
-from property_tests.strategies import policy_config  # noqa: E402
-
-from llmflow import Governor  # noqa: E402
-from llmflow._core import Runtime  # noqa: E402
 
 
 def config() -> dict[str, object]:

@@ -16,7 +16,7 @@ it (`state_of`, as `Gateway.state` builds it), and its encoding, as `/api/state`
 (`json.dumps`) and as FastAPI would for a returned dict (`jsonable_encoder`, then the same
 dump). That time is taken from the gateway's event loop once a second per open page.
 
-Usage: python benchmarks/dashboard_bench.py [--sizes 100 1000 5000] [--repeats 30]
+Usage: python -m benchmarks.dashboard_bench [--sizes 100 1000 5000] [--repeats 30]
 """
 
 from __future__ import annotations
@@ -31,12 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi.encoders import jsonable_encoder
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "gateway"), str(REPO / "tests")]
-
-from browser import Browser  # type: ignore[import-not-found]  # noqa: E402
-from busy_state import (  # type: ignore[import-not-found]  # noqa: E402
+from tests.gateway.browser import Browser
+from tests.gateway.busy_state import (
     StateServer,
     busy_core,
     busy_state,

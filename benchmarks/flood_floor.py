@@ -16,7 +16,7 @@ CPU 0:
 For each: 10,000 connections are opened, then 5,000 requests all at once, then 5,000 paced at
 1,000/s, and the 429s' latency (write to last byte read) is reported as p50/p99.
 
-Usage: `python benchmarks/flood_floor.py [--repeats 2] [--json OUT]` (needs `nginx` on PATH:
+Usage: `python -m benchmarks.flood_floor [--repeats 2] [--json OUT]` (needs `nginx` on PATH:
 `apt-get install nginx-light`; the fd limit raised to 12,000 or more).
 """
 
@@ -40,12 +40,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from processes import GatewayProcess, SimServeProcess, free_port  # type: ignore[import-not-found]  # noqa: E402
-from reliability.flood import burst, chat_request, open_conns, percentile  # type: ignore[import-not-found]  # noqa: E402
-from reliability.test_flood import BURST, CONNECTIONS, MODEL, PACED_PER_S, _config  # type: ignore[import-not-found]  # noqa: E402
+from tests.processes import GatewayProcess, SimServeProcess, free_port
+from tests.reliability.flood import burst, chat_request, open_conns, percentile
+from tests.reliability.test_flood import BURST, CONNECTIONS, MODEL, PACED_PER_S, _config
 
 CLIENT_CPU, SERVER_CPU = {0}, {1}
 

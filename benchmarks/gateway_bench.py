@@ -32,15 +32,15 @@ Phases:
    to CPU 1 for N=1 and on both CPUs for N>1; skipped with a note when `serve` lacks the flag.
 
 Usage:
-    python benchmarks/gateway_bench.py            # everything, ~12 min; JSON in
+    python -m benchmarks.gateway_bench            # everything, ~12 min; JSON in
                                                   # benchmarks/results/gateway.json, charts in
                                                   # docs/img/, markdown tables on stdout
-    python benchmarks/gateway_bench.py --quick    # development run, ~2 min, outputs in /tmp
+    python -m benchmarks.gateway_bench --quick    # development run, ~2 min, outputs in /tmp
     options: --levels 1,64,256 --repeats N --window S --memory 1000,5000
              --llmflow-workers 1,2 (or '') --no-router --no-peak --no-memory
              --nice -10 (the arms take CPU from other work first; opt-in)
              --json PATH --charts DIR
-    python benchmarks/gateway_bench.py --render benchmarks/results/gateway.json
+    python -m benchmarks.gateway_bench --render benchmarks/results/gateway.json
                                                   # tables and charts again, from a result
 
 Any refused request (non-200 or broken stream) through a gateway makes the run invalid: the
@@ -49,12 +49,7 @@ script says so and exits 1.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gatewaybench.cli import main
+from benchmarks.gatewaybench.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

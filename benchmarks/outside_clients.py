@@ -28,7 +28,7 @@ The clients:
 
 Only the gateway's HTTP API and CLI are used. A run takes about 6 minutes on 2 CPUs (65-90 s of it
 starting vLLM). Usage:
-    python benchmarks/outside_clients.py [--prompts 64] [--concurrency 8] [--input-len 32]
+    python -m benchmarks.outside_clients [--prompts 64] [--concurrency 8] [--input-len 32]
         [--output-len 64] [--backends real,sim] [--tools vllm,guidellm] [--json OUT]
 """
 
@@ -51,11 +51,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tests.integration.vllm_server import VllmServer, find_vllm_python
+from tests.processes import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "integration")]
-
-from vllm_server import VllmServer, find_vllm_python  # type: ignore[import-not-found]  # noqa: E402
 
 CACHE = Path(os.environ.get("LLMFLOW_CACHE", Path.home() / ".cache" / "llmflow"))
 TINY_MODEL_SCRIPT = REPO / "tests" / "integration" / "tiny_model.py"
@@ -128,26 +127,6 @@ def guidellm_bin() -> Path:
 # ---- processes -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}; see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s; see {log_path}")
-
-
 def _spawn(cmd: list[str], log_path: Path, stack: contextlib.ExitStack) -> subprocess.Popen[bytes]:
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
@@ -175,14 +154,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def start_simserve(tmp: Path, stack: contextlib.ExitStack) -> str:
     """`llmflow simserve` serving `tiny`; returns its base URL."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "llmflow.cli", "simserve", "--port", str(port),
         "--model-name", MODEL, "--max-model-len", "2048", "--max-num-seqs", "16",
     ]  # fmt: skip
     proc = _spawn(cmd, tmp / "simserve.log", stack)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(f"{url}/health", proc, tmp / "simserve.log", 60)
+    wait_ready(proc, f"{url}/health", tmp / "simserve.log", 60, "simserve")
     return url
 
 
@@ -201,14 +180,14 @@ def start_gateway(backend_url: str, tmp: Path, name: str, stack: contextlib.Exit
     }
     path = tmp / f"gateway-{name}.yaml"
     path.write_text(json.dumps(config))
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "llmflow.cli", "serve", "--config", str(path),
         "--port", str(port), "--log-level", "warning",
     ]  # fmt: skip
     proc = _spawn(cmd, tmp / f"gateway-{name}.log", stack)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(f"{url}/readyz", proc, tmp / f"gateway-{name}.log", 60)
+    wait_ready(proc, f"{url}/readyz", tmp / f"gateway-{name}.log", 60, f"gateway {name}")
     return url
 
 
@@ -379,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.ExitStack() as stack:
                 t = time.monotonic()
                 if backend == "real":
-                    port = _free_port()
+                    port = free_port()
                     server = VllmServer(vllm_python, model_dir, port, log_path=tmp / "vllm.log")
                     server.start()
                     stack.callback(server.stop)

@@ -16,7 +16,7 @@ gateway does inside. Steps, for each phase:
 Phases: `paced` (first token after 20 ms, then 128 tokens 32 ms apart: each chunk arrives and
 leaves alone, the costliest case per chunk) and `burst` (256 tokens back to back).
 
-Usage: `python benchmarks/profile_gateway.py [--streams 64] [--duration 15] [--phases paced,burst]
+Usage: `python -m benchmarks.profile_gateway [--streams 64] [--duration 15] [--phases paced,burst]
 [--native] [--out-dir docs/img] [--py-spy PATH] [--json OUT]`. py-spy needs ptrace rights
 (root, or `kernel.yama.ptrace_scope=0`); install it anywhere (`pip install py-spy`).
 """
@@ -39,9 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.processes import free_port
+
 # ---- harness: the fake backend, clients and config of gateway_bench.py as of commit 7a4bf44,
 # copied so that this script does not move with that benchmark's rewrite -----------------------
 
+_REPO = Path(__file__).resolve().parents[1]  # where the backend (`-m _SELF --backend`) runs
+_SELF = "benchmarks.profile_gateway"
 _MODEL = "bench"
 _FIRST_TEXT = b'"content":"t'  # the first generated text, in both arms' compact JSON
 
@@ -196,12 +200,6 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         return {"p50": only, "p99": only}
     q = statistics.quantiles(values, n=100, method="inclusive")
     return {"p50": round(q[49] * 1e3, 3), "p99": round(q[98] * 1e3, 3)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, path: bytes, timeout: float = 30.0) -> None:
@@ -558,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     version = subprocess.run(
         [args.py_spy, "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    backend_port, gateway_port = _free_port(), _free_port()
+    backend_port, gateway_port = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         args.tmp = tmp
         config = Path(tmp) / "gateway.yaml"
@@ -566,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         pins = _pins(args.pin)
         procs = []
         for cmd, cpus in (
-            ([sys.executable, __file__, "--backend", str(backend_port)], pins[0]),
+            ([sys.executable, "-m", _SELF, "--backend", str(backend_port)], pins[0]),
             (
                 [
                     sys.executable,
@@ -583,7 +581,9 @@ def main(argv: list[str] | None = None) -> int:
                 pins[1],
             ),
         ):
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=_REPO
+            )
             stack.callback(_stop, proc)
             procs.append(proc)
             if cpus:

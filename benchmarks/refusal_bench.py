@@ -15,7 +15,7 @@ outside:
    its stacks sorted into buckets by the innermost frame that names one (HTTP parsing, ASGI and
    FastAPI, validation, the runtime, the error reply, the event loop), printed as a table.
 
-Usage: `python benchmarks/refusal_bench.py [--connections 32] [--duration 10] [--profile]
+Usage: `python -m benchmarks.refusal_bench [--connections 32] [--duration 10] [--profile]
 [--py-spy PATH] [--json OUT]`.
 """
 
@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,11 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from processes import GatewayProcess  # type: ignore[import-not-found]  # noqa: E402
+from tests.processes import GatewayProcess
 
 _MODEL = "bench"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")

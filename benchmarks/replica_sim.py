@@ -6,7 +6,7 @@ Runs `tests/sim/replicas_small.yaml` (one H100, a gate of 8, two tenants at 6 re
 its `three` policy's replica settings varied, and prints markdown tables for
 `docs/simulator.md`. Each run is deterministic (seeded); the whole study takes seconds.
 
-Usage: `python benchmarks/replica_sim.py`.
+Usage: `python -m benchmarks.replica_sim`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Routing cost: a governor's submit + finish under each routing policy, and the gateway's
 prompt hashing for a `prefix` pool.
 
-Run: `python benchmarks/routing_bench.py`. Prints a Markdown table for docs/benchmarks.md. Eight
+Run: `python -m benchmarks.routing_bench`. Prints a Markdown table for docs/benchmarks.md. Eight
 backends with KV known, one tier; every request carries a 300-block hash chain (a 4,800-token
 prompt at 16 tokens a block) and ends at once, so each cycle routes against an idle cluster and
 `prefix` matches and remembers the whole chain.

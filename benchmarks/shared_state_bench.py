@@ -10,7 +10,7 @@ alternate in `--rounds` blocks so drift on a shared machine hits both alike.
 Also times the lease scripts alone (acquire, then release) from a Python `redis.asyncio`
 client: the floor of what the gateway's path can cost.
 
-Usage: `python benchmarks/shared_state_bench.py [--requests 200] [--rounds 3] [--json OUT]`.
+Usage: `python -m benchmarks.shared_state_bench [--requests 200] [--rounds 3] [--json OUT]`.
 """
 
 from __future__ import annotations
@@ -19,22 +19,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from processes import (  # type: ignore[import-not-found]  # noqa: E402
-    GatewayProcess,
-    RedisProcess,
-    SimServeProcess,
-)
+from tests.processes import GatewayProcess, RedisProcess, SimServeProcess
 
 MODEL = "bench"
 

@@ -9,7 +9,7 @@ every POST and decodes nothing, and reports the process's CPU seconds per reques
 (`time.process_time`: the loop's work and the exporter thread's, not the machine's other load),
 beside the same figure for one bare SDK span started and ended, the floor any tracer pays.
 
-Usage: `python benchmarks/tracing_bench.py [--requests 20000] [--rounds 5]`.
+Usage: `python -m benchmarks.tracing_bench [--requests 20000] [--rounds 5]`.
 """
 
 from __future__ import annotations

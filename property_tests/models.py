@@ -8,6 +8,8 @@ arrivals outpace its drain, the breaker), the fair order inside a tier (the Virt
 with the requests past their TTFT SLA in an overload behind the rest),
 the KV ledger and every request's deadlines. It is never used by the product, and it dispatches
 nothing itself: the state machine applies the core's admissions to it after checking each one.
+The placement and deadline rules it shares with the runtime's reference (`llmflow.verify.model`)
+are `llmflow.verify.rules`'s, written once.
 """
 
 from __future__ import annotations
@@ -16,18 +18,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmflow.verify import rules
+from llmflow.verify.rules import MAX_SHED_LEVEL, us
+
 EXPIRY_REASONS = ("queue_timeout", "first_token_timeout", "deadline")  # same-instant order
 KV_COST_TOKENS = 1024.0  # context tokens per extra unit of output cost (times kv_weight)
-MAX_SHED_LEVEL = 3  # the preemption breaker's highest level
 EWMA_ALPHA = 0.2  # weight of a new prefill-throughput, hold-time or service-time sample
 ARRIVAL_WINDOW_S = 60.0  # time constant of a tier's arrival rate
 PRIOR_HOLD_S = 10.0  # a tier's hold time, and the mean service time, until one completes
 PREFILL_SAMPLE_US = 500_000  # shortest interval of a prefill-throughput sample
-
-
-def us(ms: float | None) -> int | None:
-    """A config duration in microseconds (None: off)."""
-    return None if ms is None else round(ms * 1000)
 
 
 @dataclass
@@ -40,7 +39,6 @@ class Req:
     submitted: int = 0
     started: int = 0  # µs it got its slot (meaningful once `backend` is set)
     first_token: bool = False
-    own_prefill_us: int = 0  # its prompt's prefill time at the configured rate
     prefill_alone: bool = False  # nothing else was in prefill on its backend when it started
     lapses: bool = False  # queued, and will be looked at once its TTFT SLA has passed
     late: bool = False  # it was past its SLA while its tier was overloaded: behind the rest
@@ -113,7 +111,7 @@ class ReferenceGovernor:
         return self.config["tiers"][i]  # type: ignore[no-any-return]
 
     def blocks(self, tokens: int) -> int:
-        return -(-tokens // self.config["block_size"])
+        return rules.blocks(tokens, self.config["block_size"])
 
     def running(self, backend: str | None = None, tier: int | None = None) -> list[Req]:
         return [
@@ -133,16 +131,11 @@ class ReferenceGovernor:
         return sum(self.blocks(r.prompt + r.generated) for r in self.running(backend))
 
     def stale(self, name: str, now: int) -> bool:
-        limit, seen = us(self.config["stale_after_ms"]), self.backends[name].seen_at
-        return limit is not None and seen is not None and now - seen > limit
+        return rules.stale(now, self.backends[name].seen_at, self.config["stale_after_ms"])
 
     def usage(self, name: str, now: int) -> float:
-        """KV usage: the scrape while fresh; else never below the ledger's own estimate."""
         b = self.backends[name]
-        estimate = min(self.ledger(name) / b.kv_blocks, 1.0) if b.kv_blocks else 0.0
-        if b.kv_usage is None:
-            return estimate
-        return max(b.kv_usage, estimate) if self.stale(name, now) else b.kv_usage
+        return rules.kv_usage(b.kv_usage, self.ledger(name), b.kv_blocks, self.stale(name, now))
 
     def pressured(self, name: str, now: int) -> bool:
         threshold = self.config["kv_pressure_threshold"]
@@ -150,19 +143,13 @@ class ReferenceGovernor:
 
     def limits(self, name: str, tier: int, now: int) -> tuple[int, int]:
         """(slots the tier may see in all, slots of its own) on a backend now."""
-        t, cap = self.tier(tier), self.backends[name].cap
-        total = max(cap // 2, 1) if self.stale(name, now) else cap
-        if not t["protected"]:
-            total = max(total >> self.shed_level, 1)
-        return total, min(max(math.floor(cap * t["max_share"]), 1), total)
+        cap = self.backends[name].cap
+        return rules.slot_limits(cap, self.tier(tier), self.stale(name, now), self.shed_level)
 
     def fits(self, name: str, prompt: int, now: int) -> bool:
-        """Free KV blocks hold the prompt plus one block (unknown capacity or idle: yes)."""
-        b = self.backends[name]
-        if not b.kv_blocks or not self.running(name):
-            return True
-        used = max(math.ceil(self.usage(name, now) * b.kv_blocks), self.ledger(name))
-        return self.blocks(prompt) < max(b.kv_blocks - used, 0)
+        b, busy = self.backends[name], bool(self.running(name))
+        usage = self.usage(name, now)
+        return rules.kv_fits(self.blocks(prompt), b.kv_blocks, busy, usage, self.ledger(name))
 
     def placeable(self, tier: int, prompt: int = 0, now: int = 0) -> list[str]:
         """Backends a request of `tier` may start on now, most headroom first."""
@@ -387,7 +374,6 @@ class ReferenceGovernor:
         # the core's own test: no prompt tokens in prefill there (a 0-token prompt adds none)
         req.prefill_alone = not sum(r.prompt for r in self.running(backend) if not r.first_token)
         req.backend, req.started = backend, now
-        req.own_prefill_us = int(req.prompt * 1e6 / self.config["prefill_tokens_per_s"])
         self.charge(req.tenant, self.config["input_token_weight"] * req.prompt)
 
     def charge(self, tenant: str, cost: float) -> None:
@@ -459,18 +445,10 @@ class ReferenceGovernor:
 
     def deadlines(self, req: Req) -> list[tuple[int, int]]:
         """(µs, index in EXPIRY_REASONS) of each deadline a request has now."""
-        c, out = self.config, []
-        for reason, key, since, applies in (
-            (0, "queue_timeout_ms", req.submitted, req.backend is None),
-            (1, "first_token_timeout_ms", req.started, req.backend and not req.first_token),
-            (2, "request_timeout_ms", req.submitted, True),
-        ):
-            limit = us(c[key])
-            if limit is not None and applies:
-                # the first-token timeout runs on top of the prompt's own prefill time
-                extra = req.own_prefill_us if reason == 1 else 0
-                out.append((since + limit + extra, reason))
-        return out
+        queued, started = req.backend is None, None if req.backend is None else req.started
+        return rules.deadlines(
+            self.config, req.submitted, queued, started, req.first_token, req.prompt
+        )
 
     def next_deadline(self) -> int | None:
         return min((at for r in self.live.values() for at, _ in self.deadlines(r)), default=None)
@@ -490,10 +468,9 @@ class ReferenceGovernor:
 
     def tick(self, now: int) -> None:
         """The breaker cools down one level per elapsed cool-down."""
-        cooldown = us(self.config["preemption_cooldown_ms"])
-        while cooldown is not None and self.shed_level and now >= self.breaker_until:
-            self.shed_level -= 1
-            self.breaker_until += cooldown
+        cooldown = self.config["preemption_cooldown_ms"]
+        level, until = rules.cooled(self.shed_level, self.breaker_until, now, cooldown)
+        self.shed_level, self.breaker_until = level, until
 
     def observe(
         self, name: str, now: int, usage: float | None, preemptions: int | None, kv: int | None

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from llmflow.config import load_settings
-from processes import RedisProcess
+from tests.processes import RedisProcess
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

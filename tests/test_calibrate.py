@@ -20,7 +20,7 @@ import pytest
 from llmflow.cli import main
 from llmflow.sim.costmodel import cost_model
 from llmflow.sim.profile import load_profile
-from processes import free_port
+from tests.processes import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -231,3 +231,46 @@ def test_shared_state_gives_the_core_each_rate_limit_whole() -> None:
     ).to_core()["tenants"][0]
     assert (alone["requests_per_s"], alone["tokens_per_min"]) == (9, 900)
     assert (shared["requests_per_s"], shared["tokens_per_min"]) == (9, 900)
+
+
+@pytest.mark.parametrize(
+    ("data", "fragments"),
+    [
+        # each once loaded and only refused when the core was built: now the core's own check,
+        # at load, at the file's path
+        (
+            {
+                "tiers": [{"name": "x", "shed_at": 0.5}, {"name": "y", "shed_at": 0.9}],
+                "default_tier": "x",
+            },
+            ["tiers.1.shed_at", "must not increase", "[core key `tiers[1].shed_at`]"],
+        ),
+        ({"sla": {"ttft_ms": 0}}, ["sla.ttft_ms", "> 0, got 0"]),
+        ({"backends": [{"name": "p", "role": "prefill"}]}, ["backends.0.role", 'no "decode"']),
+        ({"server": {"drain_timeout_ms": -1}}, ["server.drain_timeout_ms", ">= 0"]),
+        ({"tenants": [{"name": "", "tier": "vip"}]}, ["tenants.0.name", "must not be empty"]),
+        ({"default_tier": "gold"}, ["default_tier", '"gold"', "vip"]),
+        ({"models": {"org/m.v1": "nope"}}, ["models.org/m.v1", "'nope'"]),
+    ],
+)
+def test_the_core_checks_what_it_is_built_from(data: dict[str, Any], fragments: list[str]) -> None:
+    with pytest.raises(ConfigFileError) as info:
+        load_settings(data=data)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert "1 problem" in str(info.value)
+
+
+def test_the_model_table_is_the_cores() -> None:
+    settings = load_settings(
+        data={
+            "backends": [
+                {"name": "a", "models": ["m-a", "m-b"]},
+                {"name": "b", "models": ["m-b"]},
+            ],
+            "models": {"fast": "m-b"},
+            "routing": {"pools": {"m-b": "prefix"}},
+        }
+    )
+    runtime = Runtime(settings.to_runtime())
+    assert runtime.pools() == [("m-a", "free_slots", ["a"]), ("m-b", "prefix", ["a", "b"])]

@@ -17,20 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gatewaybench import backend, phases, procs, report
+from benchmarks.gatewaybench import backend, phases, procs, report
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gateway_bench.py"
 CAP = 5120  # llmflow slots and queue: every stream of every phase admitted (5,000 held)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(
-        prog="gateway_bench.py",
+        prog="python -m benchmarks.gateway_bench",
         description="llmflow's gateway against vllm-router and a direct connection, one run.",
     )
     p.add_argument("--quick", action="store_true", help="development run: a minute or two")
@@ -132,7 +131,7 @@ def _meta(args: argparse.Namespace, prof: phases.Profile, pin_text: str) -> dict
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git("rev-parse", "--short", "HEAD") + dirty,
-        "command": " ".join(["python benchmarks/gateway_bench.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.gateway_bench", *sys.argv[1:]]),
         "profile": "quick" if args.quick else "full",
         "settings": prof.__dict__,
         "machine": f"{os.cpu_count()} vCPU {model}, {mem:.0f} GiB, Linux {platform.release()}",
@@ -163,7 +162,7 @@ async def run(args: argparse.Namespace) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     result: dict[str, Any] = {"meta": meta}
     with contextlib.ExitStack() as stack:
-        fake = procs.start_backend(SCRIPT, pins["harness"], logdir)
+        fake = procs.start_backend(ROOT, pins["harness"], logdir)
         stack.callback(fake.stop)
         config_path = logdir / "llmflow.yaml"
         meta["llmflow_config"] = procs.llmflow_config(fake.port, CAP, config_path)

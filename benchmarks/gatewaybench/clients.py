@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from gatewaybench.backend import MODEL, plan_text
+from benchmarks.gatewaybench.backend import MODEL, plan_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable

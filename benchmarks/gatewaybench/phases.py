@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gatewaybench import clients, procs
+from benchmarks.gatewaybench import clients, procs
 
 if TYPE_CHECKING:
     from collections.abc import Callable

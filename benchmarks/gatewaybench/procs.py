@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gatewaybench.backend import MODEL
+from tests.processes import free_port
+
+from benchmarks.gatewaybench.backend import MODEL
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -72,21 +74,21 @@ class Proc:
                 self.popen.wait()
 
 
-def spawn(name: str, cmd: list[str], port: int, cpus: set[int] | None, logdir: Path) -> Proc:
+def spawn(
+    name: str,
+    cmd: list[str],
+    port: int,
+    cpus: set[int] | None,
+    logdir: Path,
+    cwd: Path | None = None,
+) -> Proc:
     """Start `cmd` with its output in `logdir/name.log`, pinned to `cpus` (None: unpinned)."""
     log = logdir / f"{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_child_setup(cpus)
+            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_child_setup(cpus), cwd=cwd
         )
     return Proc(name, port, popen, cpus, log)
-
-
-def free_port() -> int:
-    """A port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(proc: Proc, path: str, timeout: float = 60.0) -> None:
@@ -176,11 +178,12 @@ def threads(pid: int) -> int:
 # ---- the three arms ------------------------------------------------------------------------
 
 
-def start_backend(script: Path, cpus: set[int] | None, logdir: Path) -> Proc:
-    """The fake vLLM (this benchmark's `--backend` mode), pinned with the clients."""
+def start_backend(root: Path, cpus: set[int] | None, logdir: Path) -> Proc:
+    """The fake vLLM (this benchmark's `--backend` mode, run from the checkout `root`), pinned
+    with the clients."""
     port = free_port()
-    cmd = [sys.executable, str(script), "--backend", str(port)]
-    proc = spawn("backend", cmd, port, cpus, logdir)
+    cmd = [sys.executable, "-m", "benchmarks.gateway_bench", "--backend", str(port)]
+    proc = spawn("backend", cmd, port, cpus, logdir, cwd=root)
     wait_http(proc, "/health")
     return proc
 

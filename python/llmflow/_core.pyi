@@ -274,6 +274,24 @@ def prefix_hashes(
     `keyed`: SipHash under this process's random key, so a hash in a trace file reveals nothing
     of the prompt (equal within the process only); otherwise FxHash, the same everywhere."""
 
+def config_problem(config: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Check a runtime config (the mapping `Runtime` takes) without building a runtime.
+
+    `llmflow.config` calls it for every file it loads: the core is the one validator of every
+    value it is built from, and the loader reports its message at the file's own key.
+
+    Args:
+        config: `{"policy": {...}, "lifecycle": {...}}`, as `Settings.to_runtime()` gives.
+
+    Returns:
+        None when `Runtime(config)` would build, else the first problem as `(key, message)`:
+        the key in the core's names (`max_concurrency_per_gpu`, `tiers[1].shed_at`,
+        `lifecycle.drain_timeout_ms`, `(document)` for one that does not parse).
+
+    Raises:
+        ConfigError: `config` is not a mapping.
+    """
+
 def kv_slots(
     vram_bytes: float,
     weights_bytes: float,
@@ -423,6 +441,11 @@ class Runtime:
     def models(self) -> list[tuple[str, str]]:
         """Every model name a request may send, with the served model it routes to (a served
         name maps to itself, an alias to its target); empty when no backend declares models."""
+    def pools(self) -> list[tuple[str, str, list[str]]]:
+        """The model table: each pool's served model ("" for the one pool of a config whose
+        backends declare no models), its routing policy (`free_slots`, `round_robin`,
+        `least_loaded`, `prefix`) and the backends that serve it, in config order. With
+        `models`, what every host reads instead of rebuilding it from the config."""
     def resolve_model(self, model: str | None = None) -> str | None:
         """The served model a request naming `model` goes to (aliases resolved); None when the
         config declares no models.

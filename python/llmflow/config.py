@@ -9,6 +9,12 @@ leaves. And the KV pressure line is 95%, not 85%: the KV fit keeps the expected 
 cache, and the line is its safety net. `Settings.to_core()` turns a validated file into the
 mapping `llmflow._core.Governor` takes, so the gateway and the simulator build the very same
 policy from the same file.
+
+Pydantic checks the file's shape: types, unknown keys, units such as `20ms`, and the rules of the
+keys only the gateway reads (`server`, `limits`, `admin`, `state`, `telemetry`, API keys). Every
+value the core is built from is checked by the core alone (`llmflow._core.config_problem`, the
+checks `Runtime` makes), and its message is reported at the file's own key: one validator, so the
+two sides cannot disagree on what a valid file is.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from llmflow._core import config_problem
 
 __all__ = ["ConfigFileError", "Settings", "load_settings", "parse_duration_ms"]
 
@@ -42,16 +51,21 @@ def parse_duration_ms(value: Any) -> Any:
 
 
 DurationMs = Annotated[float, BeforeValidator(parse_duration_ms), Field(ge=0)]
-Fraction = Annotated[float, Field(gt=0, le=1)]
+# The shapes of what the core reads: its durations (their range is the core's to check), and
+# its unsigned integer types (the range a JSON number must have to be read at all).
+CoreMs = Annotated[float, BeforeValidator(parse_duration_ms)]
+U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Infinities and NaN are no JSON numbers: the core could not read them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Streaming(_Section):
     enabled: bool = True
-    first_token_timeout_ms: DurationMs | None = 3000.0
+    first_token_timeout_ms: CoreMs | None = 3000.0
     sse_flush_interval: DurationMs = 20.0  # 0 forwards every chunk as soon as it arrives
     on_first_token_timeout: Literal["error", "degrade"] = "degrade"
 
@@ -59,13 +73,13 @@ class Streaming(_Section):
 class Backpressure(_Section):
     client_window: int = Field(8, ge=1, le=4096)  # unacknowledged chunks per client
     pause_when_full: bool = True
-    stall_timeout_ms: DurationMs = 30_000.0  # a client stalled this long loses its slot
+    stall_timeout_ms: CoreMs = 30_000.0  # a client stalled this long loses its slot
 
 
 class Queue(_Section):
-    max_waiting: int = Field(200, ge=0)
+    max_waiting: U32 = 200
     strategy: Literal["fair", "fifo"] = "fair"
-    max_wait_ms: DurationMs | None = 30_000.0
+    max_wait_ms: CoreMs | None = 30_000.0
     # A latency tier may also hold what it is measured to drain within `max_wait_ms` (those
     # requests are served before their queue deadline): the places absorb a burst. False:
     # `max_waiting` is a hard bound on the queue.
@@ -75,65 +89,65 @@ class Queue(_Section):
 class Gate(_Section):
     # The bound on requests running per GPU. Within it the number running follows the engine:
     # requests start while the KV they are expected to reach fits (`kv.fit_target`).
-    max_concurrency_per_gpu: int = Field(256, ge=1)
+    max_concurrency_per_gpu: U32 = 256
     queue: Queue = Queue()
     on_queue_full: Literal["reject_429"] = "reject_429"
     # Slots kept free for the latency tiers, sized online by Erlang C from their measured
     # arrival rate and hold time: an arrival finds a slot within `headroom_wait_ms` with this
     # probability. Best-effort tiers borrow every other slot. None: no headroom.
-    headroom_quantile: Annotated[float, Field(gt=0, lt=1)] | None = 0.999
-    headroom_wait_ms: DurationMs = 500.0
+    headroom_quantile: float | None = 0.999
+    headroom_wait_ms: CoreMs = 500.0
     # per-token latency target: a backend whose measured time per output token is above it
     # runs fewer requests (down to one), more again once well below; None: the bound alone
-    tpot_target_ms: DurationMs | None = None
+    tpot_target_ms: CoreMs | None = None
     # `shadow`: forward every request as `direct` would (no cap, queue, refusal or cut) while
     # the runtime decides as usual and records what it would have done (docs/gateway.md)
     mode: Literal["enforce", "shadow"] = "enforce"
 
 
 class Tier(_Section):
-    name: str = Field(min_length=1)
-    shed_at: Fraction = 1.0  # queue fill above which this tier is refused
-    max_share: Fraction = 1.0  # share of each backend's slots this tier may hold
+    name: str
+    shed_at: float = 1.0  # queue fill above which this tier is refused
+    max_share: float = 1.0  # share of each backend's slots this tier may hold
     protected: bool = False  # exempt from KV-pressure and preemption shedding (VIP)
     # no latency objective (batch): never refused for the TTFT SLA; borrows idle slots only
     best_effort: bool = False
     # brownout before refusal: from this queue fill on, max_tokens is clamped (null: never)
-    brownout_at: Fraction = 1.0
-    brownout_max_tokens: int | None = Field(None, ge=1)
+    brownout_at: float = 1.0
+    brownout_max_tokens: U64 | None = None
 
 
 class Tenant(_Section):
-    name: str = Field(min_length=1)
+    name: str
     tier: str
-    weight: float = Field(1.0, gt=0)
+    weight: float = 1.0
     api_keys: list[str] = []
     # rate limits, enforced by the core as token buckets (None: unlimited); refusals are 429
     # rate_limited with the exact Retry-After
-    requests_per_s: float | None = Field(None, gt=0)
-    tokens_per_min: float | None = Field(None, gt=0)  # prompt + output tokens
+    requests_per_s: float | None = None
+    tokens_per_min: float | None = None  # prompt + output tokens
 
 
 class Timeouts(_Section):
-    total_ms: DurationMs | None = 120_000.0  # total deadline; the partial text is returned
+    total_ms: CoreMs | None = 120_000.0  # total deadline; the partial text is returned
 
 
 class Kv(_Section):
-    pressure_threshold: Fraction | None = 0.95
-    block_size: int = Field(16, ge=1)
-    input_token_weight: float = Field(1.0, ge=0)
-    output_token_weight: float = Field(2.0, ge=0)
-    kv_weight: float = Field(1.0, ge=0)  # how much a long request's KV footprint lowers it
+    pressure_threshold: float | None = 0.95
+    block_size: U32 = 16
+    input_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    kv_weight: float = 1.0  # how much a long request's KV footprint lowers it
     # share of a backend's KV the running requests may be expected to fill at their peak
     # (prompt + the tenant's measured output, max_tokens until measured); None: prompt only
-    fit_target: Fraction | None = 1.0
+    fit_target: float | None = 1.0
 
 
 class Sla(_Section):
     # Refuse a request whose prefill work ahead exceeds this, while its tier is in a sustained
     # overload (arrivals over the last minute above its drain); a burst is left to the queue.
-    ttft_ms: DurationMs | None = 1500.0
-    prefill_tokens_per_s: float = Field(8000.0, gt=0)  # prior until measured online
+    ttft_ms: CoreMs | None = 1500.0
+    prefill_tokens_per_s: float = 8000.0  # prior until measured online
     # A queued request past ttft_ms, or a client's retry of a request refused longer ago than
     # that (known by its body), waits behind every request of its tier that can still be on
     # time, in the order its client first came, in an overload the queue cannot hold. False:
@@ -142,21 +156,21 @@ class Sla(_Section):
 
 
 class Preemption(_Section):
-    cooldown_ms: DurationMs | None = 10_000.0  # None disables the breaker
+    cooldown_ms: CoreMs | None = 10_000.0  # None disables the breaker
 
 
 class Metrics(_Section):
     scrape_interval_ms: DurationMs = 500.0
-    stale_after_ms: DurationMs | None = 3000.0
+    stale_after_ms: CoreMs | None = 3000.0
 
 
 class Backend(_Section):
-    name: str = Field(min_length=1)
+    name: str
     url: str | None = None  # None: the built-in simulated vLLM
-    gpus: int = Field(1, ge=1)
+    gpus: U32 = 1
     models: list[str] = Field(default_factory=lambda: ["llmflow-sim"], min_length=1)
     max_model_len: int = Field(8192, ge=1)
-    kv_blocks: int = Field(0, ge=0)  # 0: learn it from vLLM's cache_config_info
+    kv_blocks: U64 = 0  # 0: learn it from vLLM's cache_config_info
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # prefill/decode disaggregation (experimental): a model's backends are all `both`, or split
     # into `prefill` and `decode` instances behind a KV connector (docs/gateway.md)
@@ -169,7 +183,7 @@ class Server(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    drain_timeout_ms: DurationMs = 30_000.0  # shutdown: how long live requests may finish
+    drain_timeout_ms: CoreMs = 30_000.0  # shutdown: how long live requests may finish
     # How long a client may take to send a request's head and body (slowloris): 408, closed.
     read_timeout_ms: DurationMs = Field(30_000.0, gt=0)
     # How long a client may take nothing of what is written to it before its connection is
@@ -277,8 +291,8 @@ class Routing(_Section):
 
     policy: RoutePolicy = "free_slots"
     pools: dict[str, RoutePolicy] = {}  # served model name -> its own policy
-    prefix_load_bound: Fraction = 0.9
-    prefix_memory_blocks: int = Field(65_536, ge=1)  # per backend, when its KV size is unknown
+    prefix_load_bound: float = 0.9
+    prefix_memory_blocks: U64 = 65_536  # per backend, when its KV size is unknown
 
 
 _DEFAULT_TIERS = (
@@ -294,7 +308,7 @@ class Settings(_Section):
     streaming: Streaming = Streaming()
     backpressure: Backpressure = Backpressure()
     gate: Gate = Gate()
-    tiers: list[Tier] = Field(default_factory=lambda: list(_DEFAULT_TIERS), min_length=1)
+    tiers: list[Tier] = Field(default_factory=lambda: list(_DEFAULT_TIERS))
     default_tier: str = "normal"
     tenants: list[Tenant] = []
     timeouts: Timeouts = Timeouts()
@@ -302,7 +316,7 @@ class Settings(_Section):
     sla: Sla = Sla()
     preemption: Preemption = Preemption()
     metrics: Metrics = Metrics()
-    backends: list[Backend] = Field(default_factory=lambda: [Backend(name="sim0")], min_length=1)
+    backends: list[Backend] = Field(default_factory=lambda: [Backend(name="sim0")])
     server: Server = Server()
     limits: Limits = Limits()
     admin: Admin = Admin()
@@ -312,27 +326,18 @@ class Settings(_Section):
     telemetry: Telemetry = Telemetry()
 
     @model_validator(mode="after")
-    def _check_references(self) -> Settings:
+    def _check(self) -> Settings:
+        problem = config_problem(self.to_runtime())  # the core's checks, first
+        if problem is not None:
+            raise _core_error(self, *problem)
+        # `default_tier` is the file's own key: the core sees it as the tier of the anonymous
+        # tenant `to_core` adds, which a file that declares `anonymous` replaces.
         tier_names = [t.name for t in self.tiers]
-        _require_unique("tiers", tier_names)
-        _require_unique("tenants", [t.name for t in self.tenants])
-        _require_unique("backends", [b.name for b in self.backends])
-        _check_keys(self)
         if self.default_tier not in tier_names:
             raise ValueError(f"default_tier {self.default_tier!r} is not one of {tier_names}")
-        for tenant in self.tenants:
-            if tenant.tier not in tier_names:
-                raise ValueError(
-                    f"tenants[{tenant.name}].tier {tenant.tier!r} is not one of {tier_names}"
-                )
-        _check_models(self)
+        _check_keys(self)
         _check_shadow(self)
         return self
-
-    @property
-    def served_models(self) -> list[str]:
-        """Every model a backend serves, in first-declared order (each one a routing pool)."""
-        return list(dict.fromkeys(m for b in self.backends for m in b.models))
 
     @property
     def anonymous_tenant(self) -> str:
@@ -367,41 +372,99 @@ class Settings(_Section):
             ],
             "models": dict(self.models),
             "routing": self.routing.model_dump(),
-            "block_size": self.kv.block_size,
-            "max_concurrency_per_gpu": self.gate.max_concurrency_per_gpu,
-            "max_waiting": self.gate.queue.max_waiting,
-            "strategy": self.gate.queue.strategy,
+            **{key: _at(self, path) for key, path in _CORE_SIZES.items()},
             "tiers": [t.model_dump() for t in self.tiers],
             "tenants": tenants,
-            "kv_pressure_threshold": self.kv.pressure_threshold,
-            "ttft_sla_ms": self.sla.ttft_ms,
-            "prefill_tokens_per_s": self.sla.prefill_tokens_per_s,
-            "preemption_cooldown_ms": self.preemption.cooldown_ms,
-            "queue_timeout_ms": self.gate.queue.max_wait_ms,
-            "queue_follows_drain": self.gate.queue.follow_drain,
-            "late_yields": self.sla.late_requests_yield,
-            "first_token_timeout_ms": self.streaming.first_token_timeout_ms,
-            "request_timeout_ms": self.timeouts.total_ms,
-            "stale_after_ms": self.metrics.stale_after_ms,
-            "input_token_weight": self.kv.input_token_weight,
-            "output_token_weight": self.kv.output_token_weight,
-            "kv_weight": self.kv.kv_weight,
-            "kv_fit_target": self.kv.fit_target,
-            "headroom_quantile": self.gate.headroom_quantile,
-            "headroom_wait_ms": self.gate.headroom_wait_ms,
-            "tpot_target_ms": self.gate.tpot_target_ms,
+            **{key: _at(self, path) for key, path in _CORE_KNOBS.items()},
         }
 
     def to_runtime(self) -> dict[str, Any]:
         """The mapping `llmflow._core.Runtime` takes: the policy and the lifecycle around it."""
-        return {
-            "policy": self.to_core(),
-            "lifecycle": {
-                "stall_timeout_ms": self.backpressure.stall_timeout_ms,
-                "first_token_error": self.streaming.on_first_token_timeout == "error",
-                "drain_timeout_ms": self.server.drain_timeout_ms,
-            },
-        }
+        lifecycle = {key: _at(self, path) for key, path in _LIFECYCLE.items()}
+        lifecycle["first_token_error"] = self.streaming.on_first_token_timeout == "error"
+        return {"policy": self.to_core(), "lifecycle": lifecycle}
+
+
+# Where the file holds each value the core reads by its own name: `to_core` and `to_runtime`
+# read the file through these tables, and a core error about a key is reported at its path.
+# (Lists and maps keep their layout: the core's `tiers[2].shed_at` is the file's
+# `tiers.2.shed_at`, `models.fast` is `models.fast`; see `_file_loc`.)
+_CORE_SIZES: dict[str, tuple[str, ...]] = {
+    "block_size": ("kv", "block_size"),
+    "max_concurrency_per_gpu": ("gate", "max_concurrency_per_gpu"),
+    "max_waiting": ("gate", "queue", "max_waiting"),
+    "strategy": ("gate", "queue", "strategy"),
+}
+_CORE_KNOBS: dict[str, tuple[str, ...]] = {
+    "kv_pressure_threshold": ("kv", "pressure_threshold"),
+    "ttft_sla_ms": ("sla", "ttft_ms"),
+    "prefill_tokens_per_s": ("sla", "prefill_tokens_per_s"),
+    "preemption_cooldown_ms": ("preemption", "cooldown_ms"),
+    "queue_timeout_ms": ("gate", "queue", "max_wait_ms"),
+    "queue_follows_drain": ("gate", "queue", "follow_drain"),
+    "late_yields": ("sla", "late_requests_yield"),
+    "first_token_timeout_ms": ("streaming", "first_token_timeout_ms"),
+    "request_timeout_ms": ("timeouts", "total_ms"),
+    "stale_after_ms": ("metrics", "stale_after_ms"),
+    "input_token_weight": ("kv", "input_token_weight"),
+    "output_token_weight": ("kv", "output_token_weight"),
+    "kv_weight": ("kv", "kv_weight"),
+    "kv_fit_target": ("kv", "fit_target"),
+    "headroom_quantile": ("gate", "headroom_quantile"),
+    "headroom_wait_ms": ("gate", "headroom_wait_ms"),
+    "tpot_target_ms": ("gate", "tpot_target_ms"),
+}
+_LIFECYCLE: dict[str, tuple[str, ...]] = {
+    "stall_timeout_ms": ("backpressure", "stall_timeout_ms"),
+    "drain_timeout_ms": ("server", "drain_timeout_ms"),
+}
+_CORE_PATHS = {
+    **_CORE_SIZES,
+    **_CORE_KNOBS,
+    **{f"lifecycle.{key}": path for key, path in _LIFECYCLE.items()},
+}
+_ENTRY = re.compile(r"^(backends|tiers|tenants)\[(\d+)\](?:\.(\w+))?(?:\[(\d+)\])?$")
+Loc = tuple[str | int, ...]
+
+
+def _at(settings: Settings, path: Loc) -> Any:
+    value: Any = settings
+    for part in path:
+        if isinstance(part, int) or isinstance(value, dict):
+            value = value[part]
+        else:
+            value = getattr(value, part)
+    return value
+
+
+def _file_loc(settings: Settings, key: str) -> Loc:
+    """Where in the file the core's `key` is: the path a pydantic error would name."""
+    if key in _CORE_PATHS:
+        return _CORE_PATHS[key]
+    if entry := _ENTRY.match(key):
+        section, index, field, item = entry.groups()
+        if section == "tenants" and int(index) >= len(settings.tenants):
+            return ("default_tier",)  # the anonymous tenant `to_core` adds
+        loc: Loc = (section, int(index))
+        loc += (field,) if field else ()
+        return loc + ((int(item),) if item else ())
+    for prefix in ("models.", "routing.pools.", "routing."):
+        if key.startswith(prefix):  # a model's name may hold dots: it is the rest, whole
+            return (*prefix.rstrip(".").split("."), key.removeprefix(prefix))
+    return (key,) if key in ("backends", "tiers", "tenants", "models") else ()
+
+
+def _core_error(settings: Settings, key: str, message: str) -> ValidationError:
+    loc = _file_loc(settings, key)
+    try:
+        value = _at(settings, loc)
+    except (AttributeError, IndexError, KeyError):
+        value = None
+    if key != ".".join(map(str, loc)) and loc != ("default_tier",):  # as the core names it
+        message = f"{message} [core key `{key}`]"
+    problem = PydanticCustomError("core_config", "{detail}", {"detail": message})
+    detail = InitErrorDetails(type=problem, loc=loc, input=value)
+    return ValidationError.from_exception_data("Settings", [detail])
 
 
 def _check_keys(settings: Settings) -> None:
@@ -433,29 +496,6 @@ def _check_keys(settings: Settings) -> None:
         )
 
 
-def _check_models(settings: Settings) -> None:
-    served = settings.served_models
-    for backend in settings.backends:
-        _require_unique(f"backends[{backend.name}].models", backend.models)
-    for alias, target in settings.models.items():
-        if alias in served:
-            raise ValueError(
-                f"models.{alias}: {alias!r} is already a model a backend serves; "
-                "an alias must be a new name"
-            )
-        if target not in served:
-            raise ValueError(
-                f"models.{alias}: points at {target!r}, which no backend serves; "
-                f"served (each backend's `models`): {served}"
-            )
-    for model in settings.routing.pools:
-        if model not in served:
-            raise ValueError(
-                f"routing.pools.{model}: no backend serves {model!r} (pools are served model "
-                f"names, not aliases); served: {served}"
-            )
-
-
 def _check_shadow(settings: Settings) -> None:
     if settings.gate.mode != "shadow":
         return
@@ -470,12 +510,6 @@ def _check_shadow(settings: Settings) -> None:
             f"gate.mode: shadow forwards as `direct`, which has no prefill/decode proxy; "
             f"backends {split} have a role: use gate.mode: enforce on a split pool"
         )
-
-
-def _require_unique(what: str, names: list[str]) -> None:
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"{what} must be unique; repeated: {duplicates}")
 
 
 def load_settings(path: str | Path | None = None, data: dict[str, Any] | None = None) -> Settings:
@@ -543,6 +577,10 @@ def _describe(exc: ValidationError, path: str | Path | None, secrets: list[str])
         got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
         if not err["loc"] or any(secret in got for secret in secrets):
             got = ""  # the whole file, or a value holding an API key
+        elif err["type"] == "core_config" and (
+            "got " in err["msg"] or not isinstance(err.get("input"), str | int | float)
+        ):
+            got = ""  # the core's message quotes the value, or it is a section's (a repeat)
         message = (
             "unknown key; remove it or check its spelling"
             if err["type"] == ("extra_forbidden")

@@ -143,6 +143,14 @@ impl Pools {
         self.names.get(pool as usize).map_or("", String::as_str)
     }
 
+    /// The backends (their config indices, in config order) that serve a pool's model.
+    pub fn members(&self, pool: u32) -> impl Iterator<Item = usize> + '_ {
+        self.members[pool as usize]
+            .iter()
+            .enumerate()
+            .filter_map(|(b, &serves)| serves.then_some(b))
+    }
+
     pub fn serves(&self, pool: u32, backend: usize) -> bool {
         self.members[pool as usize][backend]
     }

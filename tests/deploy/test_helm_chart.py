@@ -30,7 +30,7 @@ from kubernetes_validate.utils import all_versions
 from llmflow.config import load_settings
 from llmflow.gateway.cli import _FORCE_AFTER_DRAIN_S
 from llmflow.gateway.routes.ops import router as ops_router
-from processes import GatewayProcess
+from tests.processes import GatewayProcess
 
 from .chart import (
     CHART,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from websockets.sync.client import connect
 
-from processes import own_process_group
+from tests.processes import own_process_group
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -21,7 +21,8 @@ import uvicorn
 from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
-from llmflow.gateway.handoff import HandoffProtocol, server_options
+from llmflow.gateway.handoff import HandoffProtocol
+from llmflow.gateway.listener import server_options
 from llmflow.sim import server as sim_server
 
 from .fake_vllm import FakeVllm

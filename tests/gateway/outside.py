@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from processes import GatewayProcess
+from tests.processes import GatewayProcess
 
 from .fake_vllm import FakeVllm
 

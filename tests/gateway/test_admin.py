@@ -17,7 +17,7 @@ from websockets.sync.client import connect
 
 from llmflow.gateway.app import create_admin_app
 from llmflow.gateway.ws import PROTOCOL, key_subprotocol
-from processes import free_port
+from tests.processes import free_port
 
 from .harness import Harness, serve_asgi, start_gateway
 from .outside import ADMIN_KEY, TENANT_KEY, assert_openai_error, outside_gateway

@@ -14,7 +14,7 @@ import yaml
 from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
 from llmflow.gateway.streaming import notice_for
-from processes import free_port
+from tests.processes import free_port
 
 from .fake_vllm import FakeVllm
 from .harness import serve_asgi, start_gateway, until

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from processes import GatewayProcess, SimServeProcess
+from tests.processes import GatewayProcess, SimServeProcess
 
 from .browser import Browser
 

@@ -20,7 +20,7 @@ import pytest
 
 from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
-from llmflow.gateway.handoff import server_options
+from llmflow.gateway.listener import server_options
 from llmflow.sim import server as sim_server
 from llmflow.sim.server_pd import KvTransfer
 

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from processes import GatewayProcess, SimServeProcess, replays_exactly
+from tests.processes import GatewayProcess, SimServeProcess, replays_exactly
 
 if TYPE_CHECKING:
     from pathlib import Path

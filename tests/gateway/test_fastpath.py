@@ -28,7 +28,7 @@ import pytest
 from llmflow._core import replay_trace
 from llmflow.gateway import host
 from llmflow.gateway.app import Gateway, create_app
-from llmflow.gateway.handoff import server_options
+from llmflow.gateway.listener import server_options
 
 from .fake_vllm import FakeVllm
 from .harness import serve_asgi, settings_for, until

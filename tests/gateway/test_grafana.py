@@ -6,6 +6,7 @@ served and refused a request: its samples, and the series each `# TYPE` line imp
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from .harness import SIM_MODEL, start_sim_gateway, until
+from .harness import SIM_MODEL, start_gateway, start_sim_gateway, until
 
 pytestmark = pytest.mark.anyio
 
@@ -100,3 +101,36 @@ async def test_an_idle_gateway_exports_every_tier_at_zero() -> None:
     for family in ("llmflow_queue_length", "llmflow_tier_in_flight"):
         samples = dict(re.findall(rf'^{family}\{{tier="([^"]+)"\}} (\S+)$', text, re.M))
         assert samples == dict.fromkeys(tiers, "0.0"), family
+
+
+def _per_tier(text: str, family: str) -> dict[str, str]:
+    return dict(re.findall(rf'^{family}\{{tier="([^"]+)"\}} (\S+)$', text, re.M))
+
+
+async def test_configured_tiers_read_zero_idle_count_under_load_and_zero_once_drained() -> None:
+    # Tiers of the config's own names: each has a 0 sample before any request; while one
+    # request runs and one waits (its tier's), they count; once both end, 0 again.
+    tiers = [{"name": "gold", "protected": True}, {"name": "silver"}, {"name": "bronze"}]
+    tenants = [{"name": "s", "tier": "silver", "api_keys": ["ks"]}]
+    async with start_gateway(
+        tiers=tiers, default_tier="silver", tenants=tenants, gate={"max_concurrency_per_gpu": 1}
+    ) as h:
+        zero = dict.fromkeys(["gold", "silver", "bronze"], "0.0")
+        idle = (await h.client.get("/metrics")).text
+        assert _per_tier(idle, "llmflow_queue_length") == zero
+        assert _per_tier(idle, "llmflow_tier_in_flight") == zero
+        body = {"model": "fake-model", "prompt": "hi", "max_tokens": 1, "fake": {"step": True}}
+        key = {"authorization": "Bearer ks"}
+        running = asyncio.create_task(h.client.post("/v1/completions", json=body, headers=key))
+        await until(lambda: h.fake.running == 1)
+        queued = asyncio.create_task(h.client.post("/v1/completions", json=body, headers=key))
+        await until(lambda: h.gateway.runtime.queued == 1)
+        busy = (await h.client.get("/metrics")).text
+        assert _per_tier(busy, "llmflow_queue_length") == {**zero, "silver": "1.0"}
+        assert _per_tier(busy, "llmflow_tier_in_flight") == {**zero, "silver": "1.0"}
+        h.fake.release(2)
+        assert [(await t).status_code for t in (running, queued)] == [200, 200]
+        await h.settle()
+        drained = (await h.client.get("/metrics")).text
+        assert _per_tier(drained, "llmflow_queue_length") == zero
+        assert _per_tier(drained, "llmflow_tier_in_flight") == zero

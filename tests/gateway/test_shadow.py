@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmflow._core import replay_trace
 from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
-from llmflow.gateway.handoff import server_options
+from llmflow.gateway.listener import server_options
 from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
 from .fake_vllm import FakeVllm

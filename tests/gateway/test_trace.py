@@ -17,7 +17,7 @@ import httpx
 import pytest
 import websockets
 
-from processes import GatewayProcess, SimServeProcess, replays_exactly
+from tests.processes import GatewayProcess, SimServeProcess, replays_exactly
 
 from .sse_client import frames
 

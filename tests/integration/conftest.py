@@ -7,6 +7,8 @@ Fixtures:
 * ``vllm_server`` - one server with the default flags, shared by the whole session.
 * ``vllm_server_factory`` - ``start(extra_args)`` for servers with other flags; all stopped at
   the end of the session.
+* ``vllm`` - the session's default server, once it is idle (for a test that counts on it).
+* ``start_gateway`` - ``start(config)`` for `llmflow serve` processes, stopped at the test's end.
 
 These fixtures FAIL, never skip, when vLLM cannot be set up: CI is expected to provide it.
 Deselect with ``-m "not integration"`` when it is not wanted.
@@ -24,15 +26,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: processes.py
+from tests.integration.gwtools import GatewayPool, wait_vllm_idle
+from tests.integration.vllm_server import VllmServer, find_vllm_python
+from tests.processes import free_port
 
-from vllm_server import VllmServer, find_vllm_python
-
-from processes import free_port
+if TYPE_CHECKING:
+    from tests.processes import GatewayProcess
 
 TINY_MODEL_SCRIPT = Path(__file__).resolve().parent / "tiny_model.py"
 
@@ -129,3 +132,17 @@ def vllm_server_factory(
 def vllm_server(vllm_server_factory: ServerFactory) -> VllmServer:
     """One vLLM server with the default flags, shared by the session."""
     return vllm_server_factory(())
+
+
+@pytest.fixture
+def vllm(vllm_server: VllmServer) -> VllmServer:
+    """The session's default vLLM server, idle."""
+    wait_vllm_idle(vllm_server)
+    return vllm_server
+
+
+@pytest.fixture
+def start_gateway(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], GatewayProcess]]:
+    """Start gateways for this test (stopped at its end)."""
+    with GatewayPool.running(tmp_path) as pool:
+        yield pool.start

@@ -27,15 +27,15 @@ import numpy as np
 import simpy
 import yaml
 
-from llmflow.sim.clients import RequestSpec, client
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.metrics import Recorder
 from llmflow.sim.policies import DirectPolicy, GatedPolicy, policy_settings
+from llmflow.sim.runner import arrivals
 from llmflow.sim.scenario import Scenario, load_scenario
-from llmflow.sim.workload import Requests, build_requests
+from llmflow.sim.workload import build_requests
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Generator
+    from collections.abc import AsyncIterator
 
 __all__ = ["SCENARIO", "STARVED", "Outcome", "compare", "load", "replay", "simulate",
            "simulate_with_engine", "summarise"]
@@ -104,7 +104,7 @@ def simulate_with_engine(sc: Scenario) -> tuple[list[Outcome], Cluster]:
     else:
         gw = GatedPolicy(env, cluster, policy_settings(name, spec, sc, cluster))
     rec = Recorder(env)
-    env.process(_arrivals(env, sc, reqs, gw, rec))
+    env.process(arrivals(env, reqs, sc, gw, rec, sc.seed))
     env.run(until=sc.horizon_s)
     return _outcomes(sc, rec), cluster
 
@@ -117,21 +117,6 @@ def _outcomes(sc: Scenario, rec: Recorder) -> list[Outcome]:
         for c, t0, ttft, e2e, n, s in zip(cols["cls"], cols["t0"], cols["ttft"], cols["e2e"],
                                           cols["tokens"], cols["state"], strict=True)
     ]
-
-
-def _arrivals(
-    env: simpy.Environment, sc: Scenario, reqs: Requests, gw: GatedPolicy | DirectPolicy,
-    rec: Recorder,
-) -> Generator[simpy.Event, None, None]:
-    rng = random.Random(sc.seed)
-    for i in range(len(reqs)):
-        delay = float(reqs.t[i]) - env.now
-        if delay > 0:
-            yield env.timeout(delay)
-        wc = sc.workload[int(reqs.cls[i])]
-        spec = RequestSpec(int(reqs.cls[i]), wc.tenant, int(reqs.prompt[i]), int(reqs.eos[i]),
-                           int(reqs.max_tokens[i]))
-        env.process(client(env, spec, gw, wc.client, rng, rec))
 
 
 async def replay(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from processes import GatewayProcess
+from tests.processes import GatewayProcess
 
 __all__ = ["GatewayProcess", "gateway_config"]
 

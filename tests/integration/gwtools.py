@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from gateway_server import GatewayProcess
+
+from tests.integration.gateway_server import GatewayProcess
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from vllm_server import VllmServer
+    from tests.integration.vllm_server import VllmServer
 
 __all__ = [
     "GatewayPool",

@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 import yaml
-from gateway_server import gateway_config
-from gwtools import GatewayPool, wait_vllm_idle
+
+from tests.integration.gateway_server import gateway_config
+from tests.integration.gwtools import GatewayPool, wait_vllm_idle
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from gateway_server import GatewayProcess
-    from vllm_server import VllmServer
+    from tests.integration.gateway_server import GatewayProcess
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
 

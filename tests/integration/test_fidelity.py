@@ -24,20 +24,20 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import fidelity
 import pytest
-from cpu import Sched, SchedClock, pinned, spare_cpus
-from gateway_server import GatewayProcess, gateway_config
-from gwtools import wait_vllm_idle
 
 from llmflow.calibrate import Calibration, calibrate, stream_request
 from llmflow.gateway.http1 import ConnectionPool
 from llmflow.sim.profile import Profile, StepModel, pooled
+from tests.integration import fidelity
+from tests.integration.cpu import Sched, SchedClock, pinned, spare_cpus
+from tests.integration.gateway_server import GatewayProcess, gateway_config
+from tests.integration.gwtools import wait_vllm_idle
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from vllm_server import VllmServer
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 import pytest
-from gateway_server import gateway_config
-from gwtools import (
-    GatewayPool,
+
+from tests.integration.gateway_server import gateway_config
+from tests.integration.gwtools import (
     RawReply,
     StreamLog,
     body,
@@ -34,11 +34,11 @@ from gwtools import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
     from pathlib import Path
 
-    from gateway_server import GatewayProcess
-    from vllm_server import VllmServer
+    from tests.integration.gateway_server import GatewayProcess
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
 
@@ -46,20 +46,6 @@ RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 GENERATED, KV = "vllm:generation_tokens_total", "vllm:kv_cache_usage_perc"
 ABORT_WITHIN_S = 1.0  # the issue's bound: vLLM's counts drop within a second of a disconnect
 NOTICE = "[llmflow: reply truncated: the request reached its total deadline]"
-
-@pytest.fixture
-def start_gateway(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], GatewayProcess]]:
-    """Start gateways for this test (stopped at its end)."""
-    with GatewayPool.running(tmp_path) as pool:
-        yield pool.start
-
-
-@pytest.fixture
-def vllm(vllm_server: VllmServer) -> VllmServer:
-    """The session's default vLLM server, idle."""
-    wait_vllm_idle(vllm_server)
-    return vllm_server
-
 
 def test_streaming_arrives_token_by_token(vllm: VllmServer, start_gateway: Any) -> None:
     """The real `openai` client streams through the gateway: many chunks, spread over time."""
@@ -352,7 +338,7 @@ def _tokens(line: str) -> int:
 
 
 async def _ametrics(client: httpx.AsyncClient, server: VllmServer) -> dict[str, float]:
-    from vllm_server import parse_metrics
+    from tests.integration.vllm_server import parse_metrics
 
     response = await client.get(f"{server.url}/metrics")
     response.raise_for_status()

@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from gateway_server import gateway_config
-from gwtools import GatewayPool, StreamLog, body, cancel, gateway_idle, poll, stream_into
-from gwtools import wait_vllm_idle as wait_idle
-from vllm_server import parse_metrics
+
+from tests.integration.gateway_server import gateway_config
+from tests.integration.gwtools import StreamLog, body, cancel, gateway_idle, poll, stream_into
+from tests.integration.gwtools import wait_vllm_idle as wait_idle
+from tests.integration.vllm_server import parse_metrics
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
-    from pathlib import Path
+    from collections.abc import Callable
 
-    from gateway_server import GatewayProcess
-    from vllm_server import VllmServer
+    from tests.integration.gateway_server import GatewayProcess
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
 
@@ -49,13 +49,6 @@ QUIET = {  # no shedding but what a test turns on: the order comes from vLLM alo
 def tight(vllm_server_factory: Callable[[Any], VllmServer]) -> VllmServer:
     """vLLM with priority scheduling and 32 KV blocks (shared by this module)."""
     return vllm_server_factory(TIGHT_ARGS)
-
-
-@pytest.fixture
-def start_gateway(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], GatewayProcess]]:
-    """Start gateways for this test (stopped at its end)."""
-    with GatewayPool.running(tmp_path) as pool:
-        yield pool.start
 
 
 async def _metrics(client: httpx.AsyncClient, server: VllmServer) -> dict[str, float]:

@@ -16,34 +16,17 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 import pytest
-from gateway_server import gateway_config
-from gwtools import GatewayPool, gateway_idle, poll, wait_vllm_idle
+
+from tests.integration.gateway_server import gateway_config
+from tests.integration.gwtools import gateway_idle, poll
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
-    from pathlib import Path
-
-    from gateway_server import GatewayProcess
-    from vllm_server import VllmServer
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
 
 RUNNING, GENERATED = "vllm:num_requests_running", "vllm:generation_tokens_total"
 TEXT = "The gateway passes tokenize through to vLLM."
-
-
-@pytest.fixture
-def start_gateway(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], GatewayProcess]]:
-    """Start gateways for this test (stopped at its end)."""
-    with GatewayPool.running(tmp_path) as pool:
-        yield pool.start
-
-
-@pytest.fixture
-def vllm(vllm_server: VllmServer) -> VllmServer:
-    """The session's default vLLM server, idle."""
-    wait_vllm_idle(vllm_server)
-    return vllm_server
 
 
 def test_tokenize_and_detokenize_match_vllms_own(vllm: VllmServer, start_gateway: Any) -> None:

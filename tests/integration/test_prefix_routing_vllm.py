@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from gateway_server import gateway_config
-from gwtools import GatewayPool, wait_vllm_idle
-from vllm_server import parse_metrics
+
+from tests.integration.gateway_server import gateway_config
+from tests.integration.gwtools import GatewayPool, wait_vllm_idle
+from tests.integration.vllm_server import parse_metrics
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from vllm_server import VllmServer
-
-    from conftest import ServerFactory
+    from tests.integration.conftest import ServerFactory
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 

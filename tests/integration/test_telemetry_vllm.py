@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from gateway_server import gateway_config
-from gwtools import GatewayPool
-from vllm_server import VllmServer
 
-from gateway.otlp_receiver import OtlpReceiver
-from processes import free_port
+from tests.gateway.otlp_receiver import OtlpReceiver
+from tests.integration.gateway_server import gateway_config
+from tests.integration.gwtools import GatewayPool
+from tests.integration.vllm_server import VllmServer
+from tests.processes import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from gateway.otlp_receiver import ExportedSpan
+    from tests.gateway.otlp_receiver import ExportedSpan
 
 pytestmark = pytest.mark.integration
 

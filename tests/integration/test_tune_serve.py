@@ -17,10 +17,11 @@ import httpx
 import openai
 import pytest
 import yaml
-from gwtools import GatewayPool, gateway_idle, poll, wait_vllm_idle
+
+from tests.integration.gwtools import GatewayPool, gateway_idle, poll, wait_vllm_idle
 
 if TYPE_CHECKING:
-    from vllm_server import VllmServer
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
 

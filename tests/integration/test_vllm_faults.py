@@ -26,18 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from gateway_server import gateway_config
-from gwtools import GatewayPool, wait_vllm_idle
-from vllm_server import VllmServer, parse_metrics
 
-from reliability.replies import CHAT, Received, stream_chat
-from reliability.zero import assert_back_to_zero, vllm_running
+from tests.integration.gateway_server import gateway_config
+from tests.integration.gwtools import GatewayPool, wait_vllm_idle
+from tests.integration.vllm_server import VllmServer, parse_metrics
+from tests.reliability.replies import CHAT, Received, stream_chat
+from tests.reliability.zero import assert_back_to_zero, vllm_running
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from pathlib import Path
 
-    from conftest import ServerFactory
+    from tests.integration.conftest import ServerFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 

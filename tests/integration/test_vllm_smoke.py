@@ -19,7 +19,7 @@ import openai
 import pytest
 
 if TYPE_CHECKING:
-    from vllm_server import VllmServer
+    from tests.integration.vllm_server import VllmServer
 
 pytestmark = pytest.mark.integration
 

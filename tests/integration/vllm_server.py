@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from processes import own_process_group, tail
+from tests.processes import own_process_group, tail
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from processes import GatewayProcess, SimServeProcess
+from tests.processes import GatewayProcess, SimServeProcess
 
 from .replies import CHAT, Received, stream_chat
 from .zero import assert_back_to_zero, vllm_running

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gateway.harness import start_gateway, until
+from tests.gateway.harness import start_gateway, until
 
 from .replies import CHAT, chat
 from .zero import assert_back_to_zero, fakes_running
 
 if TYPE_CHECKING:
-    from gateway.fake_vllm import FakeVllm
-    from gateway.harness import Harness
+    from tests.gateway.fake_vllm import FakeVllm
+    from tests.gateway.harness import Harness
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from gateway.harness import start_gateway
+from tests.gateway.harness import start_gateway
 
 from .replies import CHAT, chat, stream_chat
 from .zero import assert_back_to_zero, fakes_running

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from processes import GatewayProcess, SimServeProcess
+from tests.processes import GatewayProcess, SimServeProcess
 
 from .flood import burst, chat_request, open_conns, percentile
 from .zero import assert_back_to_zero, vllm_running

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from gateway.harness import serve_asgi, start_gateway, until
 from llmflow.gateway.app import create_admin_app
+from tests.gateway.harness import serve_asgi, start_gateway, until
 
 from .hostile import install
 from .replies import CHAT, chat
@@ -226,10 +226,10 @@ async def test_an_upstream_that_never_finishes_its_head_is_given_up() -> None:
 
     server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    from gateway.harness import serve_asgi as serve
-    from gateway.harness import settings_for
     from llmflow.gateway.app import create_app
-    from llmflow.gateway.handoff import server_options
+    from llmflow.gateway.listener import server_options
+    from tests.gateway.harness import serve_asgi as serve
+    from tests.gateway.harness import settings_for
 
     settings = settings_for(
         {"mute": f"http://127.0.0.1:{port}"},

@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from gateway.harness import (
+from llmflow.gateway.app import create_app
+from llmflow.gateway.listener import server_options
+from llmflow.sim.server_pd import KvTransfer
+from tests.gateway.harness import (
     SIM_MODEL,
     serve_asgi,
     settings_for,
@@ -30,9 +33,6 @@ from gateway.harness import (
     start_sim_gateway,
     until,
 )
-from llmflow.gateway.app import create_app
-from llmflow.gateway.handoff import server_options
-from llmflow.sim.server_pd import KvTransfer
 
 from .hostile import RawBackend, chunk_event, install
 from .replies import CHAT, chat
@@ -601,8 +601,8 @@ def test_a_short_secret_in_a_prompt_cannot_be_found_from_the_trace(tmp_path: Pat
     user's alone (0600) whatever the umask."""
     import zlib
 
-    from gateway.outside import outside_gateway
     from llmflow._core import prefix_hashes
+    from tests.gateway.outside import outside_gateway
 
     def body_of(pin: str) -> bytes:
         head = f"Customer's card PIN is {pin}; never repeat it. ".ljust(64, "x")

@@ -17,8 +17,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway.harness import Harness, start_gateway, until
 from llmflow.gateway.ws import MAX_PENDING, PROTOCOL, FrameRedactor, key_subprotocol
+from tests.gateway.harness import Harness, start_gateway, until
 
 from .wire import exchange
 

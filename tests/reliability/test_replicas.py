@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from processes import GatewayProcess, SimServeProcess
+from tests.processes import GatewayProcess, SimServeProcess
 
 from .replies import stream_chat
 from .zero import assert_back_to_zero, vllm_running
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
     from pathlib import Path
 
-    from processes import RedisProcess
+    from tests.processes import RedisProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

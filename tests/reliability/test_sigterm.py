@@ -16,7 +16,7 @@ import anyio
 import httpx
 import pytest
 
-from processes import GatewayProcess, SimServeProcess
+from tests.processes import GatewayProcess, SimServeProcess
 
 from .replies import CHAT, stream_chat
 from .zero import vllm_running

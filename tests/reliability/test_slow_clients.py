@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gateway.harness import start_gateway, until
+from tests.gateway.harness import start_gateway, until
 
 from .replies import CHAT, chat
 from .zero import assert_back_to_zero, fakes_running

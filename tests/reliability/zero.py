@@ -18,7 +18,7 @@ import httpx
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable
 
-    from gateway.fake_vllm import FakeVllm
+    from tests.gateway.fake_vllm import FakeVllm
 
 __all__ = ["assert_back_to_zero", "fakes_running", "gateway_leftovers", "vllm_running"]
 

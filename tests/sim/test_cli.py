@@ -76,8 +76,7 @@ def test_sim_run_writes_one_row_per_request(tmp_path: Path) -> None:
 
     from llmflow.cli import main
     from llmflow.request_log import COLUMNS
-    from llmflow.sim.cli import find_scenario
-    from llmflow.sim.scenario import load_scenario
+    from llmflow.sim.scenario import find_scenario, load_scenario
     from llmflow.sim.workload import build_requests
 
     out = tmp_path / "rows.csv"

@@ -5,21 +5,18 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import simpy
 
 from llmflow._core import replay_trace
-from llmflow.sim.clients import BUSY, COMPLETED, ERROR, REJECTED, Attempt, RequestSpec, client
+from llmflow.sim.clients import BUSY, COMPLETED, ERROR, REJECTED, Attempt, RequestSpec
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.metrics import Recorder
 from llmflow.sim.policies import GatedPolicy, policy_settings
+from llmflow.sim.runner import arrivals
 from llmflow.sim.scenario import Scenario
 from llmflow.sim.workload import build_requests
-
-if TYPE_CHECKING:
-    from collections.abc import Generator
 
 
 def _class(name: str, rate: float, output: int, client: dict[str, Any]) -> dict[str, Any]:
@@ -76,24 +73,10 @@ def _simulate(sc: Scenario) -> tuple[Wire, str]:
     trace = io.StringIO()
     gw = GatedPolicy(env, cluster, policy_settings("llmflow", spec, sc, cluster), trace)
     wire = Wire(env, gw)
-    env.process(_arrivals(env, sc, wire, Recorder(env)))
+    env.process(arrivals(env, build_requests(sc, sc.seed), sc, wire, Recorder(env), sc.seed))
     env.run(until=sc.horizon_s)
     gw.flush_trace()
     return wire, trace.getvalue()
-
-
-def _arrivals(
-    env: simpy.Environment, sc: Scenario, wire: Wire, rec: Recorder
-) -> Generator[simpy.Event, None, None]:
-    reqs, rng = build_requests(sc, sc.seed), random.Random(sc.seed)
-    for i in range(len(reqs)):
-        delay = float(reqs.t[i]) - env.now
-        if delay > 0:
-            yield env.timeout(delay)
-        wc = sc.workload[int(reqs.cls[i])]
-        spec = RequestSpec(int(reqs.cls[i]), wc.tenant, int(reqs.prompt[i]), int(reqs.eos[i]),
-                           int(reqs.max_tokens[i]))
-        env.process(client(env, spec, wire, wc.client, rng, rec))
 
 
 def _actions(trace: str, kind: str) -> dict[int, dict[str, Any]]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmflow.sim.cli import find_scenario
 from llmflow.sim.metrics import STATES
 from llmflow.sim.report import render_table, write_reports
 from llmflow.sim.runner import run_scenario
-from llmflow.sim.scenario import load_scenario
+from llmflow.sim.scenario import find_scenario, load_scenario
 from llmflow.sim.workload import build_requests
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from inline_snapshot import snapshot
 
 from llmflow.sim.server import create_app, estimate_tokens, parse_preset
+from tests.gateway.harness import serve_asgi
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -105,12 +103,6 @@ def test_token_estimate_and_preset() -> None:
         parse_preset("h100")
 
 
-class _Quiet(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # leave pytest's signal handlers alone
-        yield
-
-
 @pytest.fixture
 def anyio_backend() -> str:
     """Async tests run on asyncio (the server's loop)."""
@@ -122,14 +114,7 @@ async def test_closing_an_unstreamed_request_aborts_it_in_the_engine() -> None:
     # a real socket: the client gives up after 0.3 s; the server notices within ~0.1 s and
     # frees the request's slot and KV blocks, as vLLM does
     app = create_app(speed=1.0)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = _Quiet(uvicorn.Config(app, log_level="critical", lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with serve_asgi(app, http="auto") as (url, _):  # uvicorn's own HTTP, as vLLM runs
         async with httpx.AsyncClient(base_url=url, timeout=0.3) as c:
             with pytest.raises(httpx.ReadTimeout):
                 await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5000,
@@ -142,10 +127,6 @@ async def test_closing_an_unstreamed_request_aborts_it_in_the_engine() -> None:
         assert engine.core.num_running == 0
         assert engine.core.used == 0
         assert engine.requests_success.get("length", 0) == 0  # it did not run to its end
-    finally:
-        server.should_exit = True
-        await asyncio.wait([task], timeout=10)
-        sock.close()
 
 
 def _metric(text: str, name: str) -> float:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from processes import SimServeProcess, free_port
+from tests.processes import SimServeProcess, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

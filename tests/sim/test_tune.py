@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from llmflow.config import load_settings
 from llmflow.sim.cli import add_commands
 from llmflow.sim.runner import run_scenario
 from llmflow.sim.scenario import load_scenario
+from llmflow.sim.tuning.cli import _options
+from llmflow.sim.tuning.plan import TuneOptions
 from llmflow.sim.tuning.space import Space, base_config
 
 SCENARIO = Path(__file__).with_name("tune_small.yaml")
@@ -239,7 +242,7 @@ def test_two_objectives_front_choice_and_plot(scenario: Path, tmp_path: Path) ->
     and plot are written."""
     from llmflow.sim.tuning.outputs import choose, rows_of, write_tables
     from llmflow.sim.tuning.pareto import write_pareto
-    from llmflow.sim.tuning.search import Goals
+    from llmflow.sim.tuning.plan import Goals
 
     sc = load_scenario(scenario)
     goals = Goals(sc, ["goodput", "chat.ttft_p99"], ["lost<=0"])
@@ -288,3 +291,24 @@ def test_a_lone_tier_lowered_pulls_the_unused_ones_below_it_down(scenario: Path)
     assert [t["shed_at"] for t in data["tiers"]] == [1.0, 0.25, 0.25]
     assert space.apply(space.values(data)) == data
     Runtime(load_settings(data=data).to_runtime())
+
+
+def test_the_recorded_command_gives_back_the_options() -> None:
+    # what trials.md and tuned.yaml record as the command parses to the same options
+    options = TuneOptions(
+        scenario="my scenario.yaml",
+        objectives=("goodput", "chat.ttft_p99"),
+        constraints=("chat.ttft_p99<=0.3",),
+        ignore_slo=True,
+        knobs=("gate.max_concurrency_per_gpu",),
+        policy="tuned",
+        trials=9,
+        jobs=2,
+        seeds=4,
+        holdout_seeds=0,
+        storage="sqlite:///s.db",
+        study="again",
+    )
+    words = shlex.split(options.command())
+    assert words[:3] == ["llmflow", "sim", "tune"]
+    assert _options(_parser().parse_args(["sim", *words[2:]])) == options

@@ -23,7 +23,7 @@ from llmflow.config import load_settings
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from processes import RedisProcess
+    from tests.processes import RedisProcess
 
 SCENARIO = os.path.join(os.path.dirname(__file__), "tune_small.yaml")
 TRIALS = 9

@@ -89,13 +89,15 @@ class Gateway:
         self.tracing = Tracing(telemetry) if telemetry.otlp_endpoint is not None else None
         self.metrics.tracing = self.tracing
         self.tasks: set[asyncio.Task[Any]] = set()
-        models: dict[str, int] = {}
-        for backend in settings.backends:
-            for model in backend.models:
-                models[model] = min(models.get(model, backend.max_model_len), backend.max_model_len)
-        for alias, target in settings.models.items():
-            models[alias] = models[target]  # an alias has its model's context
-        self.models = models
+        # The model table is the core's (served names, aliases, each pool's backends and
+        # policy); the file adds only each backend's context length. The policy runtime's: in
+        # shadow mode the forwarding one routes every pool round robin.
+        policy_runtime = self.shadow.policy.runtime if self.shadow is not None else self.runtime
+        self.pools = policy_runtime.pools()
+        self.aliases = dict(policy_runtime.models())  # every name a client may send -> served
+        length = {b.name: b.max_model_len for b in settings.backends}
+        context = {model: min(length[b] for b in on) for model, _, on in self.pools}
+        self.models = {name: context[served] for name, served in self.aliases.items()}
         self.scraper: Scraper | None = None
         if settings.state.backend == "redis":
             from llmflow.gateway.shared_state import SharedSlots
@@ -126,7 +128,8 @@ class Gateway:
 
             self.scraper.shared = SharedScrapes(self.host.leases, s.metrics.scrape_interval_ms)
         light_settings = uncapped_light(s) if self.shadow is not None else s
-        self.light = light = LightService(light_settings, urls, self.upstream.client)
+        serving = {model: on for model, _, on in self.pools}
+        self.light = light = LightService(light_settings, urls, self.upstream.client, serving)
         scraper_on_health = self.host.on_health
 
         def on_health(backend: str, healthy: bool) -> None:  # the runtime's SetHealth, to both
@@ -153,17 +156,14 @@ class Gateway:
         if self.relay is not None:
             self.relay.start()
             self.metrics.relay = self.relay.relay
-        routing = s.routing
-        prefix_models = frozenset(
-            m for m in s.served_models if routing.pools.get(m, routing.policy) == "prefix"
-        )
+        prefix_models = frozenset(m for m, policy, _ in self.pools if policy == "prefix")
         self.service = CompletionService(
             self.ctx,
             self.models,
             s.server.bytes_per_token,
             s.streaming.enabled,
             s.limits,
-            aliases=dict(s.models),
+            aliases=self.aliases,
             prefix_models=prefix_models,
             block_size=s.kv.block_size,
         )

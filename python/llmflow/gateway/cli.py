@@ -22,7 +22,7 @@ import uvicorn
 
 from llmflow.config import ConfigFileError, load_settings
 from llmflow.gateway.app import create_admin_app, create_app
-from llmflow.gateway.handoff import server_options
+from llmflow.gateway.listener import server_options
 from llmflow.gateway.ws import FrameRedactor
 
 if TYPE_CHECKING:

@@ -1,9 +1,10 @@
 """OpenAI-style errors: one exception type, one body shape, the right status for each case.
 
 Every error the gateway answers is `{"error": {"message", "type", "code"}}` (plus `param` when a
-field is to blame), the shape the `openai` client turns into its typed exceptions. That holds for
-a bug too: an exception no handler expected is logged with its traceback and answered as an
-OpenAI-style 500, never as a plain-text page.
+field is to blame), the shape the `openai` client turns into its typed exceptions, and the
+`x-llmflow-reason` header carries the same code for proxies that read headers only (the status
+contract, `contract.py`). That holds for a bug too: an exception no handler expected is logged
+with its traceback and answered as an OpenAI-style 500, never as a plain-text page.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
+
+from llmflow.gateway.contract import REASON_HEADER
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -76,9 +79,14 @@ class GatewayError(Exception):
             return {"error": self.upstream}
         return error_body(self.status, self.message, self.code, self.param)
 
+    @property
+    def wire_headers(self) -> dict[str, str]:
+        """Its headers as they go out: its own, and the reason (`x-llmflow-reason`)."""
+        return {**self.headers, REASON_HEADER: self.code}
+
     def response(self) -> JSONResponse:
         """This error as a response."""
-        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body, status_code=self.status, headers=self.wire_headers)
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:

@@ -12,8 +12,9 @@ The extension exists only under `HandoffProtocol` (uvicorn with httptools, HTTP/
 any other server the gateway streams through Python as before.
 
 The protocol also guards what httptools alone would not: a request's line and headers are
-bounded (`limits.max_header_bytes`, passed as uvicorn's `h11_max_incomplete_event_size`), and a
-request it cannot parse gets an OpenAI-style body instead of uvicorn's plain text.
+bounded (`limits.max_header_bytes`, passed as uvicorn's `h11_max_incomplete_event_size` by
+`listener.py`), and a request it cannot parse gets an OpenAI-style body instead of uvicorn's
+plain text.
 
 The protocol also guards the listener, below any request (so below the runtime): a client
 must send its whole request within `read_timeout_s` (uvicorn has no such timer, so a
@@ -40,25 +41,22 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from llmflow.gateway.contract import TRANSPORT_RETRY_AFTER_S, reason_header
 from llmflow.gateway.errors import error_bytes
 
 if TYPE_CHECKING:
     import asyncio
 
-    from fastapi import FastAPI
-
-    from llmflow.config import Settings
     from llmflow.gateway.fastpath import Held, RefusalDesk
     from llmflow.gateway.types import Scope
 
-__all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of", "server_options"]
+__all__ = ["EXTENSION", "HandoffProtocol", "TakenSocket", "handoff_of"]
 
 EXTENSION = "llmflow.handoff"
 _SEND_BUFFER_BYTES = 64 * 1024  # per relayed reply; SSE chunks are a few hundred bytes
 _HEAD_BYTES = 32 * 1024  # request line plus headers, when the server config names no limit
 _HEADER_OVERHEAD = 4  # ": " and CRLF around each header
 _FD_RESERVE = 64  # descriptors kept for upstream connections, scrapes and the relay
-_REFUSAL_RETRY_S = 1  # a transport-level refusal: no request exists for the runtime to price
 _OUT_OF_FDS = (
     b'{"error":{"message":"the gateway has no file descriptors left for new connections; '
     b'retry shortly","type":"server_error","param":null,"code":"too_many_connections"}}'
@@ -69,32 +67,6 @@ _TIMED_OUT = (
     b'"code":"request_timeout"}}'
 )
 log = logging.getLogger("llmflow.gateway")
-
-
-def server_options(settings: Settings, app: FastAPI | None = None) -> dict[str, Any]:
-    """The uvicorn options that carry the gateway's limits (`llmflow serve` and the tests).
-
-    Args:
-        settings: the validated config.
-        app: the gateway's app (`create_app`), whose refusals this listener then answers
-            below FastAPI (`fastpath.py`); None for a listener without completion routes.
-
-    Returns:
-        Keyword arguments for `uvicorn.Config`: this protocol, its header limit, and the
-        largest WebSocket message (`server.max_body_bytes`, as for an HTTP body).
-    """
-    from llmflow.gateway.fastpath import RefusalDesk  # here: it imports the relay, which imports us
-
-    refusals = RefusalDesk(app) if app is not None else None
-    return {
-        "http": HandoffProtocol.configured(
-            settings.server.read_timeout_ms / 1e3,
-            refusals,
-            write_timeout_s=settings.server.write_timeout_ms / 1e3,
-        ),
-        "h11_max_incomplete_event_size": settings.limits.max_header_bytes,
-        "ws_max_size": settings.server.max_body_bytes,
-    }
 
 
 class _HeadTooLarge(Exception):
@@ -132,8 +104,11 @@ class TakenSocket:
         self.protocol.adopt(fd)
 
 
-def _error_response(status: bytes, body: bytes, retry_after: int | None = None) -> bytes:
+def _error_response(
+    status: bytes, body: bytes, code: bytes, retry_after: int | None = None
+) -> bytes:
     head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+    head += b"x-llmflow-reason: " + code + b"\r\n"
     if retry_after is not None:
         head += b"retry-after: " + str(retry_after).encode() + b"\r\n"
     head += b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -169,7 +144,12 @@ class HandoffProtocol(HttpToolsProtocol):
         if self._refuse:  # answered at once, before parsing: it costs no request
             if not self.transport.is_closing():
                 log.warning("out of file descriptors: refusing a connection")
-                body = _error_response(b"503 Service Unavailable", _OUT_OF_FDS, _REFUSAL_RETRY_S)
+                body = _error_response(
+                    b"503 Service Unavailable",
+                    _OUT_OF_FDS,
+                    b"too_many_connections",
+                    TRANSPORT_RETRY_AFTER_S,  # no request exists for the runtime to price
+                )
                 self.transport.write(body)
                 self.transport.close()
             return
@@ -249,7 +229,7 @@ class HandoffProtocol(HttpToolsProtocol):
         self._discarding = True
         body = error_bytes(status, message, code)
         head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode()]
-        for name, value in self.server_state.default_headers:
+        for name, value in (*self.server_state.default_headers, reason_header(code)):
             head += [name, b": ", value, b"\r\n"]
         head += [
             b"content-type: application/json\r\n",
@@ -397,7 +377,8 @@ class HandoffProtocol(HttpToolsProtocol):
             return
         cycle = None if self._held is not None else self.cycle  # a held request has none yet
         if self._begun and (cycle is None or not cycle.response_started):
-            self.transport.write(_error_response(b"408 Request Timeout", _TIMED_OUT))
+            timed_out = _error_response(b"408 Request Timeout", _TIMED_OUT, b"request_timeout")
+            self.transport.write(timed_out)
             if cycle is not None:
                 cycle.disconnected = True  # the handler waiting for the body hears it left
         self.transport.close()

@@ -57,12 +57,20 @@ class LightService:
     """Admits light requests through the core's lane and forwards them.
 
     Args:
-        settings: the config (backends, their models and light caps).
+        settings: the config (backends, their light caps, tenants' rate limits, tiers' shares).
         urls: backend name -> base URL.
         client: the HTTP client for backends.
+        serving: served model -> the backends that serve it: the core's pools
+            (`Runtime.pools`), the one model table.
     """
 
-    def __init__(self, settings: Settings, urls: dict[str, str], client: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        urls: dict[str, str],
+        client: httpx.AsyncClient,
+        serving: dict[str, list[str]],
+    ) -> None:
         self.lane = LightLane([(b.name, b.light_concurrency) for b in settings.backends])
         for tenant in settings.tenants:  # a tenant's rate limit holds here too
             if tenant.requests_per_s is not None:
@@ -70,10 +78,7 @@ class LightService:
         for tier in settings.tiers:  # and lower tiers are shed first, as in the queue
             self.lane.set_tier_share(tier.name, tier.shed_at)
         self.urls, self.client = urls, client
-        self.serving: dict[str, list[str]] = {}
-        for backend in settings.backends:
-            for model in backend.models:
-                self.serving.setdefault(model, []).append(backend.name)
+        self.serving = serving
         self._ids = itertools.count(1)
 
     def on_health(self, backend: str, healthy: bool) -> None:

@@ -7,6 +7,7 @@ import ipaddress
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from llmflow.gateway.contract import reason_header
 from llmflow.gateway.errors import GatewayError, error_bytes
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ async def _send_error(
             "type": f"{kind}.start",
             "status": status,
             "headers": [
+                reason_header(code),
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),

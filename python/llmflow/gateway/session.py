@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from llmflow.gateway.backpressure import ChunkWindow
+from llmflow.gateway.contract import REASON_HEADER, REFUSALS
 from llmflow.gateway.disagg import decode_body, prefill_hop
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.streaming import (
@@ -51,7 +52,18 @@ __all__ = ["BackendRoute", "Prepared", "SessionContext", "StreamSession", "upstr
 log = logging.getLogger("llmflow.gateway")
 
 # What each refusal says to the client; the status and Retry-After are the runtime's.
+_LATER = "; retry after the Retry-After header's seconds"
 _MESSAGES = {
+    "queue_full": "the gateway's queue is full" + _LATER,
+    "tier_shed": "the queue is too full for this API key's tier (tiers[].shed_at)" + _LATER,
+    "kv_pressure": "the backends' KV cache is nearly full (kv.pressure_threshold)" + _LATER,
+    "ttft_sla": "the work queued ahead would make this request miss its first-token target "
+    "(sla.ttft_ms)" + _LATER,
+    "preemption_breaker": "the backends are preempting requests: fewer are let wait "
+    "(preemption)" + _LATER,
+    "no_healthy_backend": "no healthy backend serves this model" + _LATER,
+    "draining": "the gateway is shutting down and takes no new requests; retry elsewhere or "
+    "after the Retry-After header's seconds",
     "displaced": "request displaced from the queue by a more important request or by a tenant "
     "holding less than its fair share of the waiting places; retry later",
     "queue_timeout": "queue wait expired (queue_timeout)",
@@ -207,6 +219,16 @@ class StreamSession:
     def id_header(self) -> dict[str, str]:
         """`X-Request-Id` for the reply: the id upstream and the trace know it by."""
         return request_id_header(self.request_id)
+
+    @property
+    def reply_headers(self) -> dict[str, str]:
+        """A whole (non-streamed) reply's headers: its id, and `x-llmflow-reason` when the
+        gateway cut it (the partial text ends with the notice; its status is still 200)."""
+        headers = self.id_header
+        rule = REFUSALS.get(self.end)
+        if rule is not None and rule.cut:
+            headers[REASON_HEADER] = self.end
+        return headers
 
     def traceparent(self) -> str | None:
         """W3C `traceparent` for the upstream request (it opens the upstream span), if tracing."""

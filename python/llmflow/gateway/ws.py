@@ -18,9 +18,9 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
+from llmflow.gateway.contract import TRANSPORT_RETRY_AFTER_S
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.protocol import decode_json
 from llmflow.gateway.serving import ClientGone, Departure
@@ -311,8 +311,7 @@ def _upgrade_authorization(websocket: WebSocket, offered: list[str]) -> str | No
 async def _deny(websocket: WebSocket, exc: GatewayError) -> None:
     """Refuse the upgrade with an HTTP response (or a bare 403 on a server without that)."""
     if "websocket.http.response" in (websocket.scope.get("extensions") or {}):
-        response = JSONResponse(exc.body, exc.status, headers=exc.headers)
-        await websocket.send_denial_response(response)
+        await websocket.send_denial_response(exc.response())
     else:
         await websocket.close(code=1008)
 
@@ -353,6 +352,7 @@ def _busy() -> GatewayError:
         f"this socket already has {MAX_PENDING} requests waiting behind the one being "
         "streamed: wait for an 'end' before sending more, or open another socket",
         "too_many_pending_requests",
+        headers={"Retry-After": str(TRANSPORT_RETRY_AFTER_S)},  # every 429 says when
     )
 
 
@@ -361,9 +361,12 @@ def _end(request_id: Any, reason: str, sent: int) -> Json:
 
 
 def _error_message(request_id: Any, exc: GatewayError) -> Json:
+    """An `error` frame: the status, the reason (as an HTTP refusal's `x-llmflow-reason`), the
+    body, and `retry_after` (seconds) where the HTTP answer has `Retry-After`."""
     value = exc.headers.get("Retry-After")
     retry = {"retry_after": int(value)} if value else {}
-    return {"type": "error", "id": request_id, "status": exc.status, **exc.body, **retry}
+    head = {"type": "error", "id": request_id, "status": exc.status, "reason": exc.code}
+    return {**head, **exc.body, **retry}
 
 
 async def _send(websocket: WebSocket, message: Json) -> None:

@@ -14,46 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import argparse
 
-__all__ = ["add_commands", "find_scenario"]
-
-_SEARCH = ("sim/scenarios", "sim/incidents")  # where a bare scenario name is looked up
-
-
-def _roots() -> list[Path]:
-    roots = [Path.cwd()]
-    checkout = Path(__file__).resolve().parents[3]  # python/llmflow/sim/cli.py -> repo root
-    if (checkout / "sim").is_dir():
-        roots.append(checkout)
-    return roots
-
-
-def find_scenario(name: str) -> Path:
-    """Resolve a scenario argument: a YAML path, or a name under `sim/scenarios` or
-    `sim/incidents` (from the current folder, then from the source checkout).
-
-    Raises:
-        FileNotFoundError: listing where it looked.
-    """
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    tried = []
-    for root in _roots():
-        for folder in _SEARCH:
-            cand = root / folder / f"{p.stem if p.suffix else name}.yaml"
-            tried.append(str(cand))
-            if cand.is_file():
-                return cand
-    raise FileNotFoundError(f"no scenario {name!r}; tried {name} and " + ", ".join(tried))
-
-
-def _all_scenarios() -> list[Path]:
-    seen: dict[str, Path] = {}
-    for root in _roots():
-        for folder in _SEARCH:
-            for f in sorted((root / folder).glob("*.yaml")):
-                seen.setdefault(f"{folder.split('/')[1]}/{f.stem}", f)
-    return list(seen.values())
+__all__ = ["add_commands"]
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -155,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
     from llmflow.request_log import check_path, write_rows
     from llmflow.sim.report import render_table, write_reports
     from llmflow.sim.runner import run_scenario, trace_paths
-    from llmflow.sim.scenario import ScenarioError, load_scenario
+    from llmflow.sim.scenario import ScenarioError, find_scenario, load_scenario
 
     try:
         path = find_scenario(args.scenario)
@@ -192,9 +153,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _list(_args: argparse.Namespace) -> int:
-    from llmflow.sim.scenario import ScenarioError, load_scenario
+    from llmflow.sim.scenario import ScenarioError, all_scenarios, load_scenario
 
-    for f in _all_scenarios():
+    for f in all_scenarios():
         try:
             title = load_scenario(f).title
         except ScenarioError as exc:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from llmflow.sim.scenario import PolicySpec, Scenario
 
-__all__ = ["PolicyRun", "run_policy", "run_scenario", "trace_paths"]
+__all__ = ["PolicyRun", "arrivals", "run_policy", "run_scenario", "trace_paths"]
 
 
 @dataclass
@@ -48,10 +48,27 @@ class PolicyRun:
     requests: list[tuple[Any, ...]] = field(default_factory=list)  # `request_log.COLUMNS` rows
 
 
-def _arrivals(
+def arrivals(
     env: simpy.Environment, reqs: Requests, sc: Scenario, gw: Any, rec: Recorder, seed: int,
-    live: dict[int, tuple[int, float, RequestSpec]],
+    live: dict[int, tuple[int, float, RequestSpec]] | None = None,
 ) -> Generator[simpy.Event, None, None]:
+    """The arrival process: a SimPy process that starts each request's client at its time.
+
+    Request `i` is `RequestSpec` number `i` (its fingerprint, by which the runtime knows a
+    retry, and its per-request row), with its prefix hashes; each workload class's clients
+    draw their jitter from their own `random.Random(f"{seed}:{class}:client")`.
+
+    Args:
+        env: the environment.
+        reqs: the requests (`build_requests`), in arrival order.
+        sc: their scenario (the classes' tenants, prefixes and client behaviour).
+        gw: what the clients send to (`clients.Gateway`).
+        rec: records each request's end.
+        seed: seeds the clients' jitter.
+        live: filled with the requests started and not yet ended (index -> class, start,
+            spec), for `Recorder.close`.
+    """
+    live = {} if live is None else live
     classes = sc.workload
     rngs = [random.Random(f"{seed}:{i}:client") for i in range(len(classes))]
     t, cls, prompt = reqs.t.tolist(), reqs.cls.tolist(), reqs.prompt.tolist()
@@ -176,7 +193,7 @@ def run_policy(
             done.succeed()
 
     rec.on_end.append(_on_end)
-    env.process(_arrivals(env, reqs, sc, gw, rec, seed, live))
+    env.process(arrivals(env, reqs, sc, gw, rec, seed, live))
     samples: list[tuple[float, ...]] = []
     env.process(_sampler(env, cluster, gw, sc.sample_interval_s, samples))
     if total:

@@ -19,7 +19,7 @@ from llmflow.presets import GIB, GpuSpec, ModelSpec, gpu, model, model_from_hf_c
 __all__ = [
     "Arrival", "BackendGroup", "ClientSpec", "Dist", "GpuMapping", "Link", "PolicySpec", "Retry",
     "Scenario",
-    "ScenarioError", "Slo", "WorkloadClass", "load_scenario",
+    "ScenarioError", "Slo", "WorkloadClass", "all_scenarios", "find_scenario", "load_scenario",
 ]
 
 
@@ -359,3 +359,41 @@ def load_scenario(path: str | Path) -> Scenario:
             key = ".".join(str(p) for p in err["loc"]) or "(top level)"
             lines.append(f"  {key}: {err['msg']}")
         raise ScenarioError("\n".join(lines)) from None
+
+
+_SEARCH = ("sim/scenarios", "sim/incidents")  # where a bare scenario name is looked up
+
+
+def _roots() -> list[Path]:
+    checkout = Path(__file__).resolve().parents[3]  # python/llmflow/sim/scenario.py -> repo root
+    return [Path.cwd(), *([checkout] if (checkout / "sim").is_dir() else [])]
+
+
+def find_scenario(name: str) -> Path:
+    """Resolve a scenario argument: a YAML path, or a name under `sim/scenarios` or
+    `sim/incidents` (from the current folder, then from the source checkout).
+
+    Raises:
+        FileNotFoundError: listing where it looked.
+    """
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    tried = []
+    for root in _roots():
+        for folder in _SEARCH:
+            cand = root / folder / f"{p.stem if p.suffix else name}.yaml"
+            tried.append(str(cand))
+            if cand.is_file():
+                return cand
+    raise FileNotFoundError(f"no scenario {name!r}; tried {name} and " + ", ".join(tried))
+
+
+def all_scenarios() -> list[Path]:
+    """Every scenario `find_scenario` can name, one per name (the current folder's first)."""
+    seen: dict[str, Path] = {}
+    for root in _roots():
+        for folder in _SEARCH:
+            for f in sorted((root / folder).glob("*.yaml")):
+                seen.setdefault(f"{folder.split('/')[1]}/{f.stem}", f)
+    return list(seen.values())

@@ -8,22 +8,20 @@ where with how many tokens, and every pending deadline. It answers three questio
 request of this tier start on this backend now (`allows`), could any waiting request have been
 started (`stranded`), and what ends a request at a given time (`due`). It keeps no fair order,
 no estimates and no Retry-After arithmetic. It never serves a request: only the state machine
-(`llmflow config verify` and the property tests) runs it.
+(`llmflow config verify` and the property tests) runs it. The placement and deadline rules it
+shares with the governor's reference (`property_tests/models.py`) are `rules.py`'s.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmflow.verify import rules
+from llmflow.verify.rules import MAX_SHED_LEVEL, us
+
 EXPIRIES = ("queue_timeout", "first_token_timeout", "deadline")  # the core's tie-break order
 DEFAULT_SCRAPE_FAILURES = 2  # the runtime's, when a config (the gateway's) does not set it
-MAX_SHED_LEVEL = 3  # each breaker level halves what non-protected tiers may hold
-
-
-def us(ms: float) -> int:
-    return round(ms * 1000)
 
 
 @dataclass
@@ -165,9 +163,7 @@ class RuntimeModel:
     def breaker(self, now: int) -> int:
         """The breaker level at `now`: one level off per elapsed cool-down."""
         cooldown = self.policy["preemption_cooldown_ms"]
-        while cooldown and self.level > 0 and now >= self.level_until:
-            self.level -= 1
-            self.level_until += us(cooldown)
+        self.level, self.level_until = rules.cooled(self.level, self.level_until, now, cooldown)
         return self.level
 
     def running(self, name: str | None = None, tier: int | None = None) -> list[Req]:
@@ -184,39 +180,30 @@ class RuntimeModel:
         return [r for r in self.live.values() if r.backend is None and tier in (None, r.tier)]
 
     def blocks(self, tokens: int) -> int:
-        return -(-tokens // int(self.policy["block_size"]))
+        return rules.blocks(tokens, int(self.policy["block_size"]))
 
     def ledger(self, name: str | None = None) -> int:
         return sum(self.blocks(r.prompt + r.generated) for r in self.running(name))
 
     def stale(self, b: Backend, now: int) -> bool:
-        limit = self.policy["stale_after_ms"]
-        return limit is not None and b.scraped_at is not None and now - b.scraped_at > us(limit)
+        return rules.stale(now, b.scraped_at, self.policy["stale_after_ms"])
 
     def kv_usage(self, name: str, now: int) -> float:
-        """The reported usage while fresh; never below the ledger's estimate once stale."""
         b = self.backends[name]
-        estimated = min(self.ledger(name) / b.kv_capacity, 1.0) if b.kv_capacity else 0.0
-        if b.kv_usage is None:
-            return estimated
-        return max(b.kv_usage, estimated) if self.stale(b, now) else b.kv_usage
+        return rules.kv_usage(b.kv_usage, self.ledger(name), b.kv_capacity, self.stale(b, now))
 
     def fits(self, name: str, prompt: int, now: int) -> bool:
-        b = self.backends[name]
-        if b.kv_capacity == 0 or not self.running(name):
-            return True
-        used = max(math.ceil(self.kv_usage(name, now) * b.kv_capacity), self.ledger(name))
-        return self.blocks(prompt) < max(b.kv_capacity - used, 0)
+        b, busy = self.backends[name], bool(self.running(name))
+        usage = self.kv_usage(name, now)
+        return rules.kv_fits(self.blocks(prompt), b.kv_capacity, busy, usage, self.ledger(name))
 
     def allows(self, tier: int, prompt: int, name: str, now: int) -> bool:
         """Whether every rule lets a request of `tier` with `prompt` start on `name` now."""
         b, t = self.backends[name], self.tiers[tier]
         if not b.healthy:
             return False
-        total = max(b.cap // 2, 1) if self.stale(b, now) else b.cap
-        if not t["protected"]:
-            total = max(total >> self.breaker(now), 1)
-        share = min(max(math.floor(b.cap * t["max_share"]), 1), total)
+        level = 0 if t["protected"] else self.breaker(now)
+        total, share = rules.slot_limits(b.cap, t, self.stale(b, now), level)
         if len(self.running(name)) >= total or len(self.running(name, tier)) >= share:
             return False
         if t["protected"]:
@@ -266,20 +253,13 @@ class RuntimeModel:
 
     def deadlines(self, req: Req) -> list[tuple[int, int]]:
         """The governor's pending deadlines of a request: (at, index into EXPIRIES)."""
-        p = self.policy
-        queue, first, total = (p[f"{k}_timeout_ms"] for k in ("queue", "first_token", "request"))
-        out: list[tuple[int, int]] = []
         if req.lingering:
-            return out
-        if queue is not None and req.waited and req.backend is None:
-            out.append((req.arrived + us(queue), 0))
-        if first is not None and req.backend is not None and not req.first_token:
-            # on top of the prompt's own prefill time at the configured rate
-            own = int(req.prompt * 1e6 / p["prefill_tokens_per_s"])
-            out.append((req.started_at + us(first) + own, 1))
-        if total is not None:
-            out.append((req.arrived + us(total), 2))
-        return out
+            return []
+        queued = req.waited and req.backend is None
+        started = None if req.backend is None else req.started_at
+        return rules.deadlines(
+            self.policy, req.arrived, queued, started, req.first_token, req.prompt
+        )
 
     def due(self, rid: int, now: int) -> str | None:
         """What ends the request when the timer fires at `now`: the earliest governor deadline,

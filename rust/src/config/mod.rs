@@ -65,6 +65,17 @@ pub enum RoutePolicy {
     Prefix,
 }
 
+impl RoutePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::FreeSlots => "free_slots",
+            Self::RoundRobin => "round_robin",
+            Self::LeastLoaded => "least_loaded",
+            Self::Prefix => "prefix",
+        }
+    }
+}
+
 /// Routing between the backends of a pool.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

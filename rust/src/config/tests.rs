@@ -123,3 +123,38 @@ fn split_pool_config_is_checked() {
     let g = crate::Governor::from_json(&ok).unwrap();
     assert!(g.pools.is_split(0) && !g.pools.is_split(1));
 }
+
+// An empty name is reported at its own place, so a loader can point at the entry.
+#[test]
+fn empty_name_is_named_by_its_place() {
+    let text = sample_json().replace(
+        r#"{"name":"b","tier":"normal"}"#,
+        r#"{"name":"","tier":"normal"}"#,
+    );
+    let err = PolicyConfig::from_json(&text).unwrap_err().to_string();
+    assert!(err.contains("`tenants[2].name`"), "{err}");
+}
+
+// The runtime config's check refuses what building a runtime refuses, with the same key: the
+// lifecycle's values and the policy's.
+#[test]
+fn runtime_check_matches_the_runtime() {
+    use crate::runtime::{Runtime, RuntimeConfig};
+    let policy = sample_json();
+    for lifecycle in [r#"{"drain_timeout_ms":-1}"#, r#"{"stall_timeout_ms":5}"#] {
+        let text = format!(r#"{{"policy":{policy},"lifecycle":{lifecycle}}}"#);
+        let checked = RuntimeConfig::check_json(&text)
+            .err()
+            .map(|e| e.to_string());
+        let built = Runtime::from_json(&text).err().map(|e| e.to_string());
+        assert_eq!(checked, built);
+    }
+    let bad = policy.replace(r#""max_waiting":4"#, r#""max_waiting":4,"block_size":0"#);
+    let text = format!(r#"{{"policy":{bad}}}"#);
+    let err = RuntimeConfig::check_json(&text).unwrap_err().to_string();
+    assert!(err.contains("`block_size`"), "{err}");
+    assert!(RuntimeConfig::check_json("{}")
+        .unwrap_err()
+        .to_string()
+        .contains("(document)"));
+}

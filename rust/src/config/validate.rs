@@ -289,11 +289,19 @@ impl PolicyConfig {
     }
 }
 
+/// Names under `key` are set and distinct; an empty one is named by its place (`key[i].name`
+/// for a list of named entries, `key[i]` for a list of names), so the user can find it.
 fn unique<'a>(key: &str, names: impl Iterator<Item = &'a str>) -> PolicyResult<()> {
     let mut seen = std::collections::HashSet::new();
-    for name in names {
+    let entries = matches!(key, "backends" | "tiers" | "tenants");
+    for (i, name) in names.enumerate() {
         if name.is_empty() {
-            return Err(PolicyError::config(key, "names must not be empty"));
+            let place = if entries {
+                format!("{key}[{i}].name")
+            } else {
+                format!("{key}[{i}]")
+            };
+            return Err(PolicyError::config(place, "must not be empty"));
         }
         if !seen.insert(name) {
             return Err(PolicyError::config(

@@ -52,3 +52,26 @@ pub fn kv_bytes_per_token(
         tp,
     )?)
 }
+
+/// The first problem the core finds in a runtime config (the mapping `Runtime` takes), as
+/// `(key, message)` in the core's own key names, or None when `Runtime(config)` would build.
+/// `llmflow.config` asks it for every file it loads, so the core is the one validator of every
+/// value it is built from.
+#[pyfunction]
+pub fn config_problem(
+    py: Python<'_>,
+    config: &Bound<'_, PyAny>,
+) -> PyResult<Option<(String, String)>> {
+    if !config.is_instance_of::<pyo3::types::PyDict>() {
+        return Err(super::errors::ConfigError::new_err(format!(
+            "config must be a mapping (dict), got {}",
+            config.get_type().name()?
+        )));
+    }
+    let json = py.import("json")?.call_method1("dumps", (config,))?;
+    match crate::runtime::RuntimeConfig::check_json(json.extract()?) {
+        Ok(()) => Ok(None),
+        Err(crate::error::PolicyError::Config { key, message }) => Ok(Some((key, message))),
+        Err(other) => Err(other.into()),
+    }
+}

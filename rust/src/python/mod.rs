@@ -34,7 +34,7 @@ pub mod _core {
         UnknownBackendError, UnknownModelError, UnknownTenantError,
     };
     #[pymodule_export]
-    use super::functions::{kv_bytes_per_token, kv_slots, prefix_hashes};
+    use super::functions::{config_problem, kv_bytes_per_token, kv_slots, prefix_hashes};
     #[pymodule_export]
     use super::governor::PyGovernor;
     #[pymodule_export]

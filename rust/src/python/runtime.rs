@@ -123,6 +123,25 @@ impl PyRuntime {
         self.inner.governor().pools().table()
     }
 
+    /// Every model pool: its served model ("" for the one pool of a config whose backends name
+    /// none), its routing policy, and the backends that serve it, in config order. With
+    /// `models` this is the model table every host reads.
+    fn pools(&self) -> Vec<(String, &'static str, Vec<String>)> {
+        let gov = self.inner.governor();
+        let pools = gov.pools();
+        (0..pools.len() as u32)
+            .map(|p| {
+                let backends = pools.members(p);
+                let names = backends.map(|b| gov.backend_name(b as u32).to_owned());
+                (
+                    pools.name(p).to_owned(),
+                    pools.policy(p).as_str(),
+                    names.collect(),
+                )
+            })
+            .collect()
+    }
+
     /// The served model a request naming `model` is routed to (an alias resolved), or None
     /// when the config names no models. Raises `UnknownModelError` for a name nobody serves.
     #[pyo3(signature = (model=None))]

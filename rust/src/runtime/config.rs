@@ -54,6 +54,20 @@ pub struct RuntimeConfig {
     pub lifecycle: LifecycleConfig,
 }
 
+impl RuntimeConfig {
+    /// Parse and check a document of this shape without building a runtime: it refuses what
+    /// `Runtime::from_json` refuses, with the same error (the config loader's one validator).
+    ///
+    /// # Errors
+    /// `Config`, naming the key, for a document that does not parse or a value out of range.
+    pub fn check_json(text: &str) -> PolicyResult<()> {
+        let config: Self = serde_json::from_str(text)
+            .map_err(|e| PolicyError::config("(document)", e.to_string()))?;
+        config.lifecycle.validate()?;
+        config.policy.validate()
+    }
+}
+
 impl LifecycleConfig {
     /// The settings' own checks (the policy's are `PolicyConfig::validate`).
     pub(super) fn validate(&self) -> PolicyResult<()> {

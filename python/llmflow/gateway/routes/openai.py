@@ -65,7 +65,7 @@ async def _complete(endpoint: Endpoint, request: Request) -> Response:
         prepared = admitted.prepared
         session = await svc.serve(prepared, request.receive, admitted=admitted.session)
     if not prepared.options.stream:
-        return JSONResponse(session.response(), headers=session.id_header)
+        return JSONResponse(session.response(), headers=session.reply_headers)
     if isinstance(session, RelayedSession) and session.opened:
         return RelayStream(session)
     return SessionStream(session, settings.streaming.sse_flush_interval / 1e3)

@@ -59,7 +59,7 @@ async def responses(request: Request) -> Response:
         raise
     await svc.serve(prepared, request.receive, admitted=session)
     if not prepared.options.stream:
-        return JSONResponse(session.response(), headers=session.id_header)
+        return JSONResponse(session.response(), headers=session.reply_headers)
     return ResponsesStream(session, 0.0)
 
 

@@ -10,15 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmflow.sim.tuning.plan import HOLDOUT_OFFSET, STUDY, TIMEOUT_S, TRIALS, TuneOptions
+
 if TYPE_CHECKING:
     import argparse
 
 __all__ = ["add_tune"]
-
-TRIALS = 60  # default: the marketing flood's search takes ~6 min on 2 shared cores
-TIMEOUT_S = 420.0  # default: no trial starts after 7 min, so a default run ends within 10
-STUDY = "llmflow-tune"  # default study name (in study.journal, or in --storage)
-HOLDOUT_OFFSET = 1000  # held-out seeds: the scenario's seed + 1000 + k, far from the search's
 
 _EPILOG = """\
 metrics (times in seconds, from each run's report):
@@ -182,39 +179,59 @@ def add_tune(sim_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=_tune)
 
 
-def _check(args: argparse.Namespace) -> str | None:
-    if args.worker_only and not args.storage:
-        return "--worker-only needs --storage URL: the study the coordinator created"
-    if not args.worker_only and not args.scenario:
-        return "a SCENARIO is needed (or --worker-only --storage URL to join a study)"
-    jobs = 0 if args.storage and not args.worker_only else 1  # 0: others run the trials
-    for name, low in (("trials", 1), ("jobs", jobs), ("seeds", 1), ("holdout_seeds", 0)):
-        if getattr(args, name) < low:
-            return f"--{name.replace('_', '-')} must be at least {low}"
-    if args.timeout < 0:
-        return "--timeout must be >= 0 (0: no limit)"
-    return None
+def _options(args: argparse.Namespace) -> TuneOptions:
+    return TuneOptions(
+        scenario=args.scenario,
+        objectives=tuple(args.objective or ()),
+        constraints=tuple(args.constraint),
+        ignore_slo=args.ignore_slo,
+        knobs=tuple(args.knob or ()),
+        policy=args.policy,
+        trials=args.trials,
+        jobs=args.jobs,
+        seeds=args.seeds,
+        holdout_seeds=args.holdout_seeds,
+        timeout_s=args.timeout,
+        sampler_seed=args.sampler_seed,
+        out=args.out,
+        storage=args.storage,
+        study=args.study,
+        worker_only=args.worker_only,
+        wait_s=args.wait,
+        progress=not args.no_progress,
+    )
 
 
 def _tune(args: argparse.Namespace) -> int:
+    return run_command(_options(args))
+
+
+def run_command(options: TuneOptions) -> int:
+    """`llmflow sim tune` with these options: check them, plan the run and run it (or, with
+    `worker_only`, join a study created elsewhere).
+
+    Returns:
+        The exit status: 2 for options, a scenario or goals it cannot use (said on stderr),
+        else `tune`'s (or 0 for a worker).
+    """
     from llmflow.config import ConfigFileError
-    from llmflow.sim.cli import find_scenario
-    from llmflow.sim.scenario import ScenarioError, load_scenario
+    from llmflow.sim.scenario import ScenarioError, find_scenario, load_scenario
     from llmflow.sim.tuning.goals import GoalError, slo_constraints
-    from llmflow.sim.tuning.search import Goals, Plan
+    from llmflow.sim.tuning.plan import Goals, Plan
     from llmflow.sim.tuning.space import Space, base_config
 
-    problem = _check(args)
-    if args.worker_only and not problem:
-        return _work_only(args)
+    problem = options.problem()
+    if options.worker_only and not problem:
+        return _work_only(options)
+    objectives = list(options.objectives or ["goodput"])
     try:
         if problem:
             raise ValueError(problem)
-        path = find_scenario(args.scenario)
+        path = find_scenario(str(options.scenario))
         sc = load_scenario(path)
-        constraints = [*([] if args.ignore_slo else slo_constraints(sc)), *args.constraint]
-        goals = Goals(sc, args.objective or ["goodput"], list(dict.fromkeys(constraints)))
-        space = Space(base_config(sc, args.policy), args.knob)
+        constraints = [*([] if options.ignore_slo else slo_constraints(sc)), *options.constraints]
+        goals = Goals(sc, objectives, list(dict.fromkeys(constraints)))
+        space = Space(base_config(sc, options.policy), list(options.knobs) or None)
     except (
         FileNotFoundError,
         ScenarioError,
@@ -225,30 +242,29 @@ def _tune(args: argparse.Namespace) -> int:
     ) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
-    out: Path = args.out or Path("sim-out") / f"{path.stem}-tune"
+    out = options.out or Path("sim-out") / f"{path.stem}-tune"
     out.mkdir(parents=True, exist_ok=True)
-    storage = args.storage or str((out / "study.journal").resolve())
-    taken = _taken(storage, args.study)
+    storage = options.storage or str((out / "study.journal").resolve())
+    taken = _taken(storage, options.study)
     if taken:
         print(f"error: {taken}", file=sys.stderr)
         return 2
-    seeds = tuple(sc.seed + k for k in range(args.seeds))
     plan = Plan(
         path.resolve(),
-        args.policy,
-        tuple(args.objective or ["goodput"]),
+        options.policy,
+        tuple(objectives),
         tuple(c.text for c in goals.constraints),
-        tuple(args.knob or ()) or None,
-        seeds,
-        args.trials,
-        time.time() + (args.timeout or float("inf")),
+        options.knobs or None,
+        tuple(sc.seed + k for k in range(options.seeds)),
+        options.trials,
+        time.time() + (options.timeout_s or float("inf")),
         storage,
-        args.study,
-        args.sampler_seed,
+        options.study,
+        options.sampler_seed,
     )
     from llmflow.sim.tuning.run import tune
 
-    return tune(plan, sc, goals, space, out, args)
+    return tune(plan, sc, goals, space, out, options)
 
 
 def _taken(storage: str, study: str) -> str | None:
@@ -269,23 +285,24 @@ def _taken(storage: str, study: str) -> str | None:
     return None
 
 
-def _work_only(args: argparse.Namespace) -> int:
+def _work_only(options: TuneOptions) -> int:
     """`--worker-only`: join a study created elsewhere and run trials until it is full."""
     from llmflow.sim.tuning.storage import StudyMissing, plan_from_study, wait_study
     from llmflow.sim.tuning.workers import join
 
+    storage = str(options.storage)
     try:
-        study = wait_study(args.storage, args.study, args.wait)
+        study = wait_study(storage, options.study, options.wait_s)
     except (StudyMissing, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    plan = plan_from_study(study, args.storage)
+    plan = plan_from_study(study, storage)
     ran: list[int] = []
     print(
-        f"joined study {args.study} in {args.storage}: {plan.scenario.name}, policy "
-        f"{plan.policy}, {plan.trials} trials; {args.jobs} workers here",
+        f"joined study {options.study} in {storage}: {plan.scenario.name}, policy "
+        f"{plan.policy}, {plan.trials} trials; {options.jobs} workers here",
         file=sys.stderr,
     )
-    join(plan, args.jobs, lambda number, _values, _ok: ran.append(number))
+    join(plan, options.jobs, lambda number, _values, _ok: ran.append(number))
     print(f"ran trials {sorted(ran)} here", file=sys.stderr)
     return 0

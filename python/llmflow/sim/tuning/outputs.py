@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     import optuna
 
-    from llmflow.sim.tuning.search import Goals
+    from llmflow.sim.tuning.plan import Goals
     from llmflow.sim.tuning.space import Space
 
 __all__ = [

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from llmflow.sim.tuning.outputs import Row
-    from llmflow.sim.tuning.search import Goals
+    from llmflow.sim.tuning.plan import Goals
 
 __all__ = ["write_pareto"]
 

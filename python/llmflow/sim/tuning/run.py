@@ -1,9 +1,8 @@
-"""One `llmflow sim tune` run from parsed arguments: search, tables, plot, tuned.yaml, held-out
+"""One `llmflow sim tune` run from its options: search, tables, plot, tuned.yaml, held-out
 comparison, and the summary printed at the end."""
 
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,15 +17,16 @@ from llmflow.sim.tuning.outputs import (
     write_tuned,
 )
 from llmflow.sim.tuning.pareto import write_pareto
+from llmflow.sim.tuning.plan import HOLDOUT_OFFSET
 from llmflow.sim.tuning.search import holdout, search
+from llmflow.sim.tuning.space import get_path
 
 if TYPE_CHECKING:
-    import argparse
     from pathlib import Path
 
     from llmflow.sim.scenario import Scenario
     from llmflow.sim.tuning.outputs import Row
-    from llmflow.sim.tuning.search import Goals, Plan
+    from llmflow.sim.tuning.plan import Goals, Plan, TuneOptions
     from llmflow.sim.tuning.space import Space
 
 __all__ = ["tune"]
@@ -65,53 +65,37 @@ def _intro(plan: Plan, sc: Scenario, goals: Goals, n: int, command: str) -> str:
     )
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The command that reproduces this search (rebuilt from the parsed arguments, so a run
-    started from Python records a command too)."""
-    words = ["llmflow", "sim", "tune", args.scenario]
-    for flag, values in (
-        ("--objective", args.objective),
-        ("--constraint", args.constraint),
-        ("--knob", args.knob),
-    ):
-        for v in values or ():
-            words += [flag, v]
-    words += ["--ignore-slo"] if args.ignore_slo else []
-    words += [
-        "--policy",
-        args.policy,
-        "--trials",
-        str(args.trials),
-        "--seeds",
-        str(args.seeds),
-        "--holdout-seeds",
-        str(args.holdout_seeds),
-        "--jobs",
-        str(args.jobs),
-    ]
-    if args.storage:
-        words += ["--storage", args.storage, "--study", args.study]
-    return " ".join(shlex.quote(w) for w in words)
-
-
 def tune(
-    plan: Plan, sc: Scenario, goals: Goals, space: Space, out: Path, args: argparse.Namespace
+    plan: Plan, sc: Scenario, goals: Goals, space: Space, out: Path, options: TuneOptions
 ) -> int:
-    """Run the search and write every output; returns the exit status (1: no feasible trial)."""
+    """Run the search and write every output.
+
+    Args:
+        plan: the run, as its workers see it.
+        sc: the plan's scenario.
+        goals: the plan's objectives and constraints, parsed.
+        space: the knobs searched, around the policy's starting config.
+        out: the output folder (it exists).
+        options: what the command was asked (jobs, held-out seeds, progress, the command line
+            recorded in the outputs).
+
+    Returns:
+        The exit status: 0, 1 when no trial met every constraint, 130 when interrupted.
+    """
     t0 = time.perf_counter()
-    jobs = min(args.jobs, plan.trials)
+    jobs = min(options.jobs, plan.trials)
     print(
         f"tuning {len(space.paths)} knobs of {plan.policy} on {sc.title}: {plan.trials} "
         f"trials x {len(plan.seeds)} seeds in {jobs} processes"
         + (
             f"; study {plan.study} in {plan.storage} (join from other machines with "
             f"`llmflow sim tune --worker-only --storage {plan.storage} --study {plan.study}`)"
-            if args.storage
+            if options.storage
             else ""
         ),
         file=sys.stderr,
     )
-    bar, on_trial = _bar(plan, goals, not args.no_progress)
+    bar, on_trial = _bar(plan, goals, options.progress)
     try:
         study = search(plan, space, goals, jobs, on_trial)
     except KeyboardInterrupt:
@@ -122,7 +106,7 @@ def tune(
     rows = rows_of(study, goals)
     chosen = choose(rows, goals)
     search_s = time.perf_counter() - t0
-    written = write_tables(rows, goals, out, _intro(plan, sc, goals, len(rows), _command(args)))
+    written = write_tables(rows, goals, out, _intro(plan, sc, goals, len(rows), options.command()))
     written.append(
         write_pareto(
             rows, goals, chosen, out, f"{sc.title}\npolicy {plan.policy}, {len(rows)} trials"
@@ -138,7 +122,7 @@ def tune(
         return 1
     header = [
         f"Scenario: {sc.title} ({plan.scenario.name}), policy {plan.policy}.",
-        f"Command: {_command(args)}",
+        f"Command: {options.command()}",
         f"Objectives (mean over seeds {', '.join(map(str, plan.seeds))}): "
         + ", ".join(f"{o.direction} {o.name}" for o in goals.objectives)
         + "; constraints "
@@ -148,8 +132,8 @@ def tune(
     scheduling = spec.scheduling_policy or PRESETS[spec.preset_for(plan.policy)][1]
     written.insert(0, write_tuned(space, chosen, goals, out, header, scheduling))
     print(_summary(chosen, rows, goals, space), end="")
-    if args.holdout_seeds:
-        text = _holdout(plan, sc, goals, space, chosen, args)
+    if options.holdout_seeds:
+        text = _holdout(plan, sc, goals, space, chosen, options)
         (out / "holdout.md").write_text(text, encoding="utf-8")
         written.append(out / "holdout.md")
         print("\n" + text, end="")
@@ -158,8 +142,6 @@ def tune(
 
 
 def _summary(chosen: Row, rows: list[Row], goals: Goals, space: Space) -> str:
-    from llmflow.sim.tuning.space import get_path
-
     ok = sum(r.feasible for r in rows)
     lines = [
         f"{len(rows)} trials, {ok} feasible; tuned = trial {chosen.number}: "
@@ -191,11 +173,9 @@ def _show(v: Any) -> str:
 
 
 def _holdout(
-    plan: Plan, sc: Scenario, goals: Goals, space: Space, chosen: Row, args: argparse.Namespace
+    plan: Plan, sc: Scenario, goals: Goals, space: Space, chosen: Row, options: TuneOptions
 ) -> str:
-    from llmflow.sim.tuning.cli import HOLDOUT_OFFSET
-
-    seeds = [sc.seed + HOLDOUT_OFFSET + k for k in range(args.holdout_seeds)]
+    seeds = [sc.seed + HOLDOUT_OFFSET + k for k in range(options.holdout_seeds)]
     extra = [parse_metric(n, sc) for n in ("goodput", "makespan", "lost")]
     extra += [
         parse_metric(f"{wc.name}.{k}", sc)
@@ -205,7 +185,7 @@ def _holdout(
     names = list(dict.fromkeys(m.name for m in (*goals.metrics, *extra)))
     configs = {"defaults": None, "tuned": space.apply(chosen.config)}
     results = holdout(
-        plan.scenario, plan.policy, configs, seeds, names, args.jobs, progress=not args.no_progress
+        plan.scenario, plan.policy, configs, seeds, names, options.jobs, progress=options.progress
     )
     intro = (
         f"# Held-out seeds: tuned (trial {chosen.number}) vs the starting config\n\n"

@@ -1,10 +1,10 @@
-"""Running the search: the study, the objectives' evaluation by simulation, and the held-out
-check.
+"""Running the search: the study, its workers, and the held-out check.
 
 The study lives in a journal file in the output folder (`study.journal`), or, given
 `--storage URL`, in an RDB or Redis that workers on several machines share (`storage.py`;
 `llmflow sim tune --worker-only` joins from another machine). Worker processes
-(`workers.py`) ask it for trials; each trial's config is simulated on each search seed, and
+(`workers.py`) ask it for trials; each trial's config is simulated on each search seed
+(`plan.evaluate`), and
 the study told the objectives' means and the constraints' worst seeds. The first trial is the
 starting config itself, so the tuned config is never worse than it on the search seeds.
 """
@@ -14,106 +14,24 @@ from __future__ import annotations
 import math
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from llmflow.sim.runner import run_policy
 from llmflow.sim.scenario import load_scenario
-from llmflow.sim.tuning.goals import parse_constraint, parse_metric
-from llmflow.sim.workload import build_requests
+from llmflow.sim.tuning.goals import parse_metric
+from llmflow.sim.tuning.plan import evaluate
+from llmflow.sim.tuning.storage import is_url, open_storage, store_plan
+from llmflow.sim.tuning.workers import Once, await_elsewhere, quiet, run_workers
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from llmflow.sim.scenario import Scenario
-    from llmflow.sim.tuning.goals import Constraint, Metric
+    from llmflow.sim.tuning.plan import Goals, Plan
     from llmflow.sim.tuning.space import Space
-    from llmflow.sim.workload import Requests
 
-__all__ = ["Goals", "Plan", "evaluate", "holdout", "search"]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One tuning run, as its workers need it (plain values: workers are spawned)."""
-
-    scenario: Path
-    policy: str
-    objectives: tuple[str, ...]
-    constraints: tuple[str, ...]
-    knobs: tuple[str, ...] | None  # None: the whole table
-    seeds: tuple[int, ...]
-    trials: int
-    deadline: float  # wall clock (time.time()) after which no trial starts
-    storage: str  # a journal file path, or an RDB / redis:// URL (storage.py)
-    study: str  # the study's name in the storage
-    sampler_seed: int
-
-
-class Goals:
-    """A plan's objectives and constraints, parsed against its scenario.
-
-    Raises:
-        GoalError: an unknown metric or a malformed constraint.
-    """
-
-    def __init__(self, sc: Scenario, objectives: Sequence[str], constraints: Sequence[str]):
-        self.objectives: list[Metric] = [parse_metric(o, sc) for o in objectives]
-        self.constraints: list[Constraint] = [parse_constraint(c, sc) for c in constraints]
-
-    @property
-    def metrics(self) -> list[Metric]:
-        """Every metric a trial must measure, once each."""
-        seen: dict[str, Metric] = {}
-        for m in (*self.objectives, *(c.metric for c in self.constraints)):
-            seen.setdefault(m.name, m)
-        return list(seen.values())
-
-
-def evaluate(
-    sc: Scenario,
-    policy: str,
-    config: dict[str, Any] | None,
-    seeds: Sequence[int],
-    metrics: Sequence[Metric],
-    cache: dict[int, Requests] | None = None,
-    stop: Callable[[dict[str, list[float]]], bool] | None = None,
-) -> dict[str, list[float]]:
-    """Simulate one config on each seed and read the metrics.
-
-    Args:
-        sc: the scenario.
-        policy: the scenario's gated policy whose config is replaced.
-        config: the full config to run; None runs the policy as the scenario defines it.
-        seeds: one run per seed (its requests and its clients' jitter).
-        metrics: what to read from each run.
-        cache: requests already built, by seed (filled as it goes).
-        stop: called with the values so far after each seed; True skips the remaining seeds.
-
-    Returns:
-        Each metric's values, one per seed run, in seed order.
-
-    Raises:
-        ConfigFileError: the config does not validate.
-        ConfigError: the core refuses it.
-    """
-    spec = sc.policies[policy]
-    if config is not None:
-        spec = spec.model_copy(update={"config": config})
-    cache = {} if cache is None else cache
-    out: dict[str, list[float]] = {m.name: [] for m in metrics}
-    for seed in seeds:
-        if seed not in cache:
-            cache[seed] = build_requests(sc, seed)
-        run = run_policy(sc, policy, spec, cache[seed], seed)
-        for m in metrics:
-            out[m.name].append(m.read(run.summary))
-        if stop is not None and stop(out):
-            break
-    return out
+__all__ = ["holdout", "search"]
 
 
 def search(
@@ -140,9 +58,6 @@ def search(
     Raises:
         RuntimeError: a worker failed (with its traceback).
     """
-    from llmflow.sim.tuning.storage import is_url, open_storage, store_plan
-    from llmflow.sim.tuning.workers import Once, await_elsewhere, quiet, run_workers
-
     quiet()
     if not is_url(plan.storage):
         Path(plan.storage).unlink(missing_ok=True)  # the output folder's journal: a new run

@@ -19,12 +19,11 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 
-if TYPE_CHECKING:
-    from llmflow.sim.tuning.search import Plan
+from llmflow.sim.tuning.plan import Plan
 
 __all__ = [
     "PLAN_ATTR",
@@ -148,8 +147,6 @@ def wait_study(storage: str, name: str, wait_s: float) -> optuna.Study:
 def plan_from_study(study: optuna.Study, storage: str) -> Plan:
     """The coordinator's plan, with the scenario written to a local temporary file (a scenario
     that names a profile file needs that file at the same path on this machine)."""
-    from llmflow.sim.tuning.search import Plan
-
     v = dict(study.user_attrs[PLAN_ATTR])
     folder = Path(tempfile.mkdtemp(prefix="llmflow-tune-"))
     scenario = folder / v.pop("scenario")

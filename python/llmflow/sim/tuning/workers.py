@@ -28,15 +28,16 @@ import optuna
 from llmflow._core import ConfigError
 from llmflow.config import ConfigFileError
 from llmflow.sim.scenario import load_scenario
-from llmflow.sim.tuning.search import Goals, evaluate
+from llmflow.sim.tuning.plan import Goals, evaluate
 from llmflow.sim.tuning.space import Space, base_config
+from llmflow.sim.tuning.storage import open_storage
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from multiprocessing.queues import Queue
     from multiprocessing.synchronize import Lock
 
-    from llmflow.sim.tuning.search import Plan
+    from llmflow.sim.tuning.plan import Plan
     from llmflow.sim.workload import Requests
 
 __all__ = ["Once", "await_elsewhere", "join", "quiet", "run_workers"]
@@ -51,8 +52,6 @@ def quiet() -> None:
 
 class _Worker:
     def __init__(self, plan: Plan, index: int):
-        from llmflow.sim.tuning.storage import open_storage
-
         quiet()
         self.plan = plan
         self.sc = load_scenario(plan.scenario)
