@@ -15,8 +15,8 @@ The suite runs with `--max-concurrency 4 --stall-within 5` for both (and the key
 Prints each arm's table and a side-by-side markdown table (the one in docs/gateway.md); the
 JSON reports go to `--out` (default /tmp/conformance-compare).
 
-Usage:
-    python benchmarks/conformance_compare.py [--out DIR] [--no-router]
+Usage (from the repository's root):
+    python -m benchmarks.conformance_compare [--out DIR] [--no-router]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tests.processes import free_port
 
-from gatewaybench.procs import ROUTER_VERSION, Proc, ensure_router, free_port, spawn, wait_http
+from benchmarks.gatewaybench.procs import ROUTER_VERSION, Proc, ensure_router, spawn, wait_http
 
 KEYS = {"normal": "k-cmp-normal-4b1e", "vip": "k-cmp-vip-a07c", "batch": "k-cmp-batch-3d92"}
 SUITE = ("--max-concurrency", "4", "--stall-within", "5")

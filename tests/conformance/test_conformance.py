@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
-from processes import GatewayProcess, free_port, own_process_group, tail
+from tests.processes import GatewayProcess, free_port, own_process_group, tail
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
