@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from llmflow.conformance.phases import (
     BUFFER_BOUND,
+    DISCONNECT_AFTER,
     DISCONNECTS,
     GATEWAY_SLACK,
     STALL_LIMIT,
@@ -151,7 +152,7 @@ def no_500(ev: Evidence) -> Row:
 
 def disconnect(limits: Limits, ev: Evidence) -> Row:
     """Each client that left mid-stream was aborted at the backend within the bound."""
-    done = f"{DISCONNECTS} clients closed the connection after {3} streamed tokens"
+    done = f"{DISCONNECTS} clients closed the connection after {DISCONNECT_AFTER} streamed tokens"
     lags, problems = [], []
     for out, closed_at, record in ev.left:
         if closed_at is None:
