@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from llmflow import InvalidArgumentError
 from llmflow._core import Governor, Relay, Runtime
 
 CONFIG: dict[str, Any] = {
@@ -30,7 +31,8 @@ def runtime() -> Runtime:
     ("method", "shown"),
     [
         (Runtime.arrive, "(self, /, request_id, tenant, prompt_tokens, max_tokens, stream, now_us, "
-                         "*, model=None, prefix_hashes=None, fingerprint=0)"),
+                         "*, model=None, prefix_hashes=None, fingerprint=0, retries=None, "
+                         "deadline_ms=None)"),
         (Runtime.scrape_ok, f"(self, /, backend, began_us, now_us, {METRICS})"),
         (Governor.submit, "(self, /, request_id, tenant, prompt_tokens, max_tokens, now_us, *, "
                           "model=None, prefix_hashes=None)"),
@@ -67,6 +69,10 @@ def test_relay_signature_names_its_defaults() -> None:
          "argument 'prompt_tokens': 'float' object cannot be interpreted as an integer"),
         (lambda r: r.arrive(1, "a", 10, 10, True, 0, model=3),
          "argument 'model': 'int' object is not an instance of 'str'"),
+        (lambda r: r.arrive(1, "a", 10, 10, True, 0, retries="1"),
+         "argument 'retries': 'str' object cannot be interpreted as an integer"),
+        (lambda r: r.arrive(1, "a", 10, 10, True, 0, deadline_ms=1.5),
+         "argument 'deadline_ms': 'float' object cannot be interpreted as an integer"),
         (lambda r: r.scrape_ok("b0", 0, 1, 0.5),
          "Runtime.scrape_ok() takes 3 positional arguments but 4 were given"),
         (lambda r: r.scrape_ok("b0", 0, 1, kv=0.5),
@@ -116,6 +122,14 @@ def test_calls_by_keyword_and_in_any_order_are_taken() -> None:
     # Non-type errors pass as they are: a negative id does not fit an unsigned integer.
     with pytest.raises(OverflowError):
         g.submit(-1, "a", 1, 1, 0)
+
+
+def test_negative_signals_are_refused_with_their_name() -> None:
+    for name in ("retries", "deadline_ms"):
+        with pytest.raises(InvalidArgumentError, match=name):
+            runtime().arrive(1, "a", 10, 10, True, 0, **{name: -1})
+        with pytest.raises(InvalidArgumentError, match=name):
+            runtime().refusal("a", 10, 10, 0, **{name: -1})
 
 
 def test_relay_calls_of_the_wrong_shape() -> None:

@@ -13,10 +13,10 @@ __version__: str
 RejectReason = Literal[
     "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
     "rate_limited",
-    "no_healthy_backend", "displaced",
+    "no_healthy_backend", "displaced", "client_deadline",
 ]
 Outcome = Literal["completed", "error", "timeout", "cancelled"]
-ExpiryReason = Literal["queue_timeout", "first_token_timeout", "deadline"]
+ExpiryReason = Literal["queue_timeout", "first_token_timeout", "deadline", "client_deadline"]
 
 class PolicyError(Exception):
     """Base class of every error the core raises."""
@@ -320,7 +320,7 @@ Reason = Literal[
     "queue_full", "tier_shed", "kv_pressure", "ttft_sla", "preemption_breaker", "draining",
     "rate_limited",
     "no_healthy_backend", "displaced", "queue_timeout", "first_token_timeout", "deadline",
-    "client_stall", "shutdown", "upstream_error",
+    "client_deadline", "client_stall", "shutdown", "upstream_error",
 ]
 
 class TraceMismatchError(PolicyError):
@@ -426,7 +426,7 @@ class Runtime:
     def arrive(
         self, request_id: int, tenant: str, prompt_tokens: int, max_tokens: int, stream: bool,
         now_us: int, *, model: str | None = None, prefix_hashes: list[int] | None = None,
-        fingerprint: int = 0,
+        fingerprint: int = 0, retries: int | None = None, deadline_ms: int | None = None,
     ) -> list[Action]:
         """A request arrived: it starts, waits, or gets its `Reply` at once.
 
@@ -434,9 +434,18 @@ class Runtime:
         none) identifies the request across a client's retries (the gateway: a hash of its
         body): a retry of a request that ended unserved is judged from its first arrival.
 
+        `retries` and `deadline_ms` are what the client said (None: nothing), bounded by the
+        config's `signals` section: the retries it made before this one (a retry the
+        fingerprint does not know keeps its place by now but is judged past its SLA), and how
+        long it waits, in ms from now. A request whose queue wait is estimated at or beyond
+        its deadline is refused at once (429 `client_deadline`, with a Retry-After); a queued
+        one whose deadline passes leaves the queue (the same reply) before any later event can
+        start it. Both go into the trace.
+
         Raises:
             UnknownModelError: no backend serves `model`; the request was not announced (the
                 gateway answers 404 `model_not_found` before this).
+            InvalidArgumentError: `retries` or `deadline_ms` is negative.
         """
     def models(self) -> list[tuple[str, str]]:
         """Every model name a request may send, with the served model it routes to (a served
@@ -455,7 +464,8 @@ class Runtime:
         """
     def refusal(
         self, tenant: str, prompt_tokens: int, max_tokens: int, now_us: int, *,
-        model: str | None = None, fingerprint: int = 0,
+        model: str | None = None, fingerprint: int = 0, retries: int | None = None,
+        deadline_ms: int | None = None,
     ) -> tuple[int, Reason, int] | None:
         """Whether `arrive` would refuse this request at once, asked without changing anything.
 
@@ -468,6 +478,10 @@ class Runtime:
             prompt_tokens: the request's prompt length, as `arrive` would get it.
             max_tokens: its output bound, as `arrive` would get it.
             now_us: the time `arrive` would be fed at.
+            model: the model it names, as `arrive` would get it.
+            fingerprint: its fingerprint, as `arrive` would get it.
+            retries: what its client said of its retries, as `arrive` would get it.
+            deadline_ms: its client's deadline, as `arrive` would get it.
 
         Returns:
             `(status, reason, retry_after_s)` as `arrive`'s `Reply` would carry them (429, or

@@ -155,6 +155,18 @@ class Sla(_Section):
     late_requests_yield: bool = True
 
 
+class Signals(_Section):
+    # What clients say about a request in its headers (docs/gateway.md, "Client signals"): a
+    # retry (x-stainless-retry-count, x-envoy-attempt-count) is judged from its first arrival;
+    # a deadline (x-llmflow-deadline-ms, x-stainless-timeout) the queue cannot meet is refused
+    # at once (429 client_deadline), and a queued request leaves when it passes. A deadline
+    # only shortens a wait: max_wait_ms and every timeout still hold.
+    retry_headers: bool = True
+    max_retry_count: int = Field(10, ge=0)  # a client claiming more retries is not believed
+    deadline_headers: bool = True
+    min_deadline_ms: DurationMs = Field(1000.0, gt=0)  # a shorter client deadline counts as this
+
+
 class Preemption(_Section):
     cooldown_ms: CoreMs | None = 10_000.0  # None disables the breaker
 
@@ -314,6 +326,7 @@ class Settings(_Section):
     timeouts: Timeouts = Timeouts()
     kv: Kv = Kv()
     sla: Sla = Sla()
+    signals: Signals = Signals()
     preemption: Preemption = Preemption()
     metrics: Metrics = Metrics()
     backends: list[Backend] = Field(default_factory=lambda: [Backend(name="sim0")])
@@ -376,6 +389,7 @@ class Settings(_Section):
             "tiers": [t.model_dump() for t in self.tiers],
             "tenants": tenants,
             **{key: _at(self, path) for key, path in _CORE_KNOBS.items()},
+            "signals": {key: _at(self, path) for key, path in _CORE_SIGNALS.items()},
         }
 
     def to_runtime(self) -> dict[str, Any]:
@@ -414,6 +428,12 @@ _CORE_KNOBS: dict[str, tuple[str, ...]] = {
     "headroom_wait_ms": ("gate", "headroom_wait_ms"),
     "tpot_target_ms": ("gate", "tpot_target_ms"),
 }
+_CORE_SIGNALS: dict[str, tuple[str, ...]] = {  # the core's `signals` section
+    "retries": ("signals", "retry_headers"),
+    "max_retries": ("signals", "max_retry_count"),
+    "deadlines": ("signals", "deadline_headers"),
+    "min_deadline_ms": ("signals", "min_deadline_ms"),
+}
 _LIFECYCLE: dict[str, tuple[str, ...]] = {
     "stall_timeout_ms": ("backpressure", "stall_timeout_ms"),
     "drain_timeout_ms": ("server", "drain_timeout_ms"),
@@ -421,6 +441,7 @@ _LIFECYCLE: dict[str, tuple[str, ...]] = {
 _CORE_PATHS = {
     **_CORE_SIZES,
     **_CORE_KNOBS,
+    **{f"signals.{key}": path for key, path in _CORE_SIGNALS.items()},
     **{f"lifecycle.{key}": path for key, path in _LIFECYCLE.items()},
 }
 _ENTRY = re.compile(r"^(backends|tiers|tenants)\[(\d+)\](?:\.(\w+))?(?:\[(\d+)\])?$")

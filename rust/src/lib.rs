@@ -24,6 +24,6 @@ mod python;
 
 pub use config::PolicyConfig;
 pub use error::{PolicyError, PolicyResult};
-pub use governor::{Arrival, Governor, Route};
+pub use governor::{Arrival, Governor, Route, Signals};
 pub use runtime::{Action, Event, Runtime};
 pub use types::{Admission, Decision, Expired, ExpiryReason, Outcome, RejectReason};

@@ -85,6 +85,7 @@ pub struct CounterSnapshot {
     pub dispatched: u64,
     pub browned_out: u64,
     pub retries_known: u64,
+    pub retries_announced: u64,
     pub late: u64,
     pub rejected: Vec<(RejectReason, u64)>,
     pub finished: Vec<(&'static str, u64)>,
@@ -189,6 +190,7 @@ impl Governor {
                 dispatched: c.dispatched,
                 browned_out: c.browned_out,
                 retries_known: c.retries_known,
+                retries_announced: c.retries_announced,
                 late: c.late,
                 rejected: RejectReason::ALL
                     .iter()

@@ -215,6 +215,9 @@ mod tests {
                         // replay with it.
                         chain: if id == 3 { vec![7, 8] } else { vec![] },
                         fingerprint: id,
+                        // One client said it retries and how long it waits: into its line.
+                        retries: (id == 4).then_some(1),
+                        deadline_ms: (id == 4).then_some(30_000),
                     },
                 )
             })
@@ -282,6 +285,30 @@ mod tests {
         let done = replay(&text).unwrap();
         assert_eq!(done.events, events().len() as u64);
         assert!(done.actions > 5);
+    }
+
+    // A client's signals go into its arrival's line; an arrival without them writes none, and
+    // a line written before they existed reads as an arrival without them.
+    #[test]
+    fn signals_are_written_only_when_said() {
+        let text = traced(&events());
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("\"arrive\"")).collect();
+        assert_eq!(lines.len(), 5);
+        for (i, line) in lines.iter().enumerate() {
+            let said = line.contains(r#""retries":1"#) && line.contains(r#""deadline_ms":30000"#);
+            assert_eq!(said, i == 3, "{line}");
+            assert_eq!(line.contains("retries"), i == 3, "{line}");
+        }
+        let old = r#"{"arrive":{"id":1,"tenant":0,"prompt":5,"max_tokens":5,"stream":true}}"#;
+        let event: Event = serde_json::from_str(old).unwrap();
+        assert!(matches!(
+            event,
+            Event::Arrive {
+                retries: None,
+                deadline_ms: None,
+                ..
+            }
+        ));
     }
 
     // Any edited action is found, with its line.

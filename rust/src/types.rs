@@ -18,10 +18,13 @@ pub enum RejectReason {
     Displaced,
     /// The tenant is over its request or token rate limit.
     RateLimited,
+    /// The client said how long it waits (`Signals::deadline_us`), and the queue ahead of it
+    /// would not start it within that: it would be started for nobody.
+    ClientDeadline,
 }
 
 impl RejectReason {
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::QueueFull,
         Self::TierShed,
         Self::KvPressure,
@@ -31,6 +34,7 @@ impl RejectReason {
         Self::NoHealthyBackend,
         Self::Displaced,
         Self::RateLimited,
+        Self::ClientDeadline,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -44,6 +48,7 @@ impl RejectReason {
             Self::NoHealthyBackend => "no_healthy_backend",
             Self::Displaced => "displaced",
             Self::RateLimited => "rate_limited",
+            Self::ClientDeadline => "client_deadline",
         }
     }
 }
@@ -120,16 +125,24 @@ pub enum ExpiryReason {
     QueueTimeout = 0,
     FirstTokenTimeout = 1,
     Deadline = 2,
+    /// A queued request's client deadline passed: its client has given up waiting.
+    ClientDeadline = 3,
 }
 
 impl ExpiryReason {
-    pub const ALL: [Self; 3] = [Self::QueueTimeout, Self::FirstTokenTimeout, Self::Deadline];
+    pub const ALL: [Self; 4] = [
+        Self::QueueTimeout,
+        Self::FirstTokenTimeout,
+        Self::Deadline,
+        Self::ClientDeadline,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::QueueTimeout => "queue_timeout",
             Self::FirstTokenTimeout => "first_token_timeout",
             Self::Deadline => "deadline",
+            Self::ClientDeadline => "client_deadline",
         }
     }
 }

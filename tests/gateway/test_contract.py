@@ -350,6 +350,18 @@ async def backend_error() -> None:
         assert [e["code"] for e in errors] == ["backend_error"]
 
 
+async def client_deadline() -> None:
+    # The held slot drains one request per 10 s (the prior hold): a 2 s deadline cannot be met.
+    async with start_gateway(gate={**ONE_SLOT, "queue": {"max_waiting": 4}}) as h:
+        first = await _held(h, max_tokens=1)
+        late = await h.client.post(
+            CHAT, json=chat(max_tokens=1), headers={"x-llmflow-deadline-ms": "2000"}
+        )
+        check_http(late, "client_deadline")
+        h.fake.release(1)
+        assert (await first).status_code == 200
+
+
 async def client_stall() -> None:
     # Nothing reaches a client that stopped reading; a WebSocket client that reads again finds
     # the `end` naming the reason.
@@ -386,6 +398,7 @@ DRIVERS: dict[str, Callable[[], Awaitable[None]]] = {
         backend_unavailable,
         backend_error,
         client_stall,
+        client_deadline,
     )
 }
 

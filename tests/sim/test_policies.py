@@ -142,3 +142,36 @@ def test_a_request_the_engine_refuses_frees_its_slot_for_the_next(env: simpy.Env
     assert c.seq.arrival == a.seq.t_end
     assert gw.runtime.live == 0
 
+
+
+# Clients that say what an SDK says: a 2 s timeout, retries on 429s, against two slots.
+SIGNALLING = Scenario.model_validate({
+    "title": "signals", "seed": 5, "duration_s": 10,
+    "cluster": [{"name": "h100", "gpu": "h100", "model": "llama-3-8b"}],
+    "workload": [_class("chat", 6.0, 400, {
+        "timeout_s": 2.0, "retry_429": {"base_s": 0.2, "cap_s": 1.0, "jitter": "full"}})],
+    "policies": {"llmflow": {"config": {
+        "gate": {"max_concurrency_per_gpu": 2, "queue": {"max_waiting": 6, "max_wait_ms": 3000}},
+        "sla": {"ttft_ms": None}}}},
+})
+
+
+def test_each_attempt_tells_the_runtime_its_retries_and_timeout() -> None:
+    """Every arrival in the trace carries its attempt's retries so far (0, 1, 2, ... for each
+    user request, in the order its attempts were sent) and its client's 2 s timeout; the
+    runtime refused some at once for that deadline, and the trace replays."""
+    wire, trace = _simulate(SIGNALLING)
+    said = {}
+    for line in trace.splitlines()[1:]:
+        event = json.loads(line)["ev"]  # a name ("timer") or {name: fields}
+        if isinstance(event, dict) and "arrive" in event:
+            arrive = event["arrive"]
+            said[arrive["id"]] = (arrive.get("retries"), arrive.get("deadline_ms"))
+    tries: dict[int, list[int]] = {}
+    for _, att in wire.sent:
+        assert said[att.key] == (att.retries, 2000)
+        tries.setdefault(id(att.req), []).append(att.retries)
+    assert all(seen == list(range(len(seen))) for seen in tries.values())
+    assert max(len(seen) for seen in tries.values()) > 1  # some were retried
+    assert any(r["reason"] == "client_deadline" for r in _actions(trace, "reply").values())
+    replay_trace(trace)

@@ -64,7 +64,10 @@ REFUSALS: dict[str, Rule] = {
     "backend_error":             Rule((502,), False, True, None),
     # the client stopped reading: its connection is closed, nobody reads a status
     "client_stall":              Rule((), False, True, None),
-    # ---- client-set deadlines (branch `signals`): add `client_deadline` here ----
+    # the client's own deadline (x-llmflow-deadline-ms, an SDK's timeout) cannot be met: a 429
+    # like the SLA's, whose Retry-After says when its budget will suffice (llm-d answers its
+    # queue TTL's expiry with 429 too while it has endpoints)
+    "client_deadline":           Rule((429,), True, False, "rejected-ttl-expired"),
 }
 # fmt: on
 

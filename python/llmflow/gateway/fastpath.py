@@ -42,6 +42,7 @@ from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.middleware import foreign_request
 from llmflow.gateway.relay import relayable
 from llmflow.gateway.session import reply_error
+from llmflow.gateway.signals import read_signals
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -164,6 +165,7 @@ class RefusalDesk:
         try:
             identity = gateway.keyring.authenticate(held.authorization)
             prepared = service.prepare(held.endpoint, identity, bytes(held.body))
+            prepared.signals = read_signals(protocol.headers)  # as the route reads them
         except Exception:  # the ordinary path answers it, with this very error (or its 500)
             return False
         error = _refused(service, prepared)
@@ -227,7 +229,7 @@ def _refused(service: CompletionService, prepared: Prepared) -> GatewayError | N
     host = service.ctx.host
     if not host.arrive_refused(
         party, p.tenant, p.prompt_tokens, p.max_tokens, p.options.stream, model=p.model,
-        fingerprint=p.fingerprint,
+        fingerprint=p.fingerprint, signals=p.signals,
     ):
         return None
     assert party.reply is not None  # a refused arrival's one action for its party

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from llmflow._core import Abort, Arm, Cut, End, Reply, SetHealth, Start, Wait
+from llmflow.gateway.signals import NO_SIGNALS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
     from llmflow._core import Action, Runtime
     from llmflow.gateway.shared_state import SharedSlots
+    from llmflow.gateway.signals import ClientSignals
 
 __all__ = ["Host", "Party", "now_us"]
 
@@ -114,12 +116,14 @@ class Host:
         model: str | None = None,
         prefix_hashes: list[int] | None = None,
         fingerprint: int = 0,
+        signals: ClientSignals = NO_SIGNALS,
     ) -> None:
         """A request arrived; its party hears `on_start` or `on_reply` (maybe at once).
 
         `model` picks its pool (only backends serving it are candidates), `prefix_hashes` feed
         a `prefix` pool's routing; the runtime decides both. `fingerprint` (of its body) lets
-        the runtime know a client's retry of a request it refused.
+        the runtime know a client's retry of a request it refused; `signals` are what its
+        headers said (its retries, its client's deadline), for the runtime to weigh.
         """
         self.parties[request_id] = party
         try:
@@ -133,6 +137,8 @@ class Host:
                 model=model,
                 prefix_hashes=prefix_hashes,
                 fingerprint=fingerprint,
+                retries=signals.retries,
+                deadline_ms=signals.deadline_ms,
             )
         except BaseException:
             del self.parties[request_id]  # the runtime never took it: nothing to end
@@ -149,6 +155,7 @@ class Host:
         *,
         model: str | None = None,
         fingerprint: int = 0,
+        signals: ClientSignals = NO_SIGNALS,
     ) -> bool:
         """Feed `arrive` only if the runtime says it refuses the request now.
 
@@ -161,8 +168,10 @@ class Host:
             queue it (or cannot tell without `arrive`).
         """
         now = now_us()
+        retries, deadline_ms = signals.retries, signals.deadline_ms
         refused = self.runtime.refusal(
-            tenant, prompt, max_tokens, now, model=model, fingerprint=fingerprint
+            tenant, prompt, max_tokens, now, model=model, fingerprint=fingerprint,
+            retries=retries, deadline_ms=deadline_ms,
         )
         if refused is None:
             return False
@@ -172,7 +181,7 @@ class Host:
             # A refused request starts nowhere: its block hashes would route nothing.
             actions = self.runtime.arrive(
                 request_id, tenant, prompt, max_tokens, stream, now, model=model,
-                fingerprint=fingerprint,
+                fingerprint=fingerprint, retries=retries, deadline_ms=deadline_ms,
             )
         except BaseException:
             del self.parties[request_id]

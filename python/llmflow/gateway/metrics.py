@@ -40,6 +40,7 @@ _OUTCOME = {  # how a session ended -> the core's outcome label
     "deadline": "timeout",
     "first_token_timeout": "timeout",
     "queue_timeout": "timeout",
+    "client_deadline": "timeout",  # its client's deadline passed while it waited
     "timeout": "timeout",
     "displaced": "rejected",
     "upstream_error": "error",

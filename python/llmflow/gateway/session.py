@@ -26,6 +26,7 @@ from llmflow.gateway.backpressure import ChunkWindow
 from llmflow.gateway.contract import REASON_HEADER, REFUSALS
 from llmflow.gateway.disagg import decode_body, prefill_hop
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.signals import NO_SIGNALS, ClientSignals
 from llmflow.gateway.streaming import (
     Accumulator,
     ChunkParser,
@@ -72,6 +73,9 @@ _MESSAGES = {
     "deadline": "queue wait expired (deadline)",
     "first_token_timeout": "no first token within the first-token timeout",
     "shutdown": "the gateway is shutting down",
+    "client_deadline": "the queue ahead would not start this request before the client's own "
+    "deadline (x-llmflow-deadline-ms, or the SDK's timeout; signals.min_deadline_ms)" + _LATER
+    + ", or allow a longer deadline",
 }
 
 
@@ -103,6 +107,7 @@ class Prepared:
     # The body's fingerprint (`body_fingerprint`), by which the core knows a client's retry.
     fingerprint: int = 0
     traceparent: str | None = None  # the client's W3C `traceparent`: its span continues it
+    signals: ClientSignals = NO_SIGNALS  # what its headers say: a retry, its client's deadline
     # Sent upstream as the client sent it, not streamed (what vLLM computes only for a reply
     # it does not stream: prompt logprobs); its answer goes to the client as vLLM wrote it.
     unstreamed: bool = False
@@ -269,6 +274,7 @@ class StreamSession:
                 model=p.model,
                 prefix_hashes=p.prefix_hashes,
                 fingerprint=p.fingerprint,
+                signals=p.signals,
             )
         finally:
             self._arriving = False

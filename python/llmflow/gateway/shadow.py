@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from llmflow._core import Runtime
 from llmflow.gateway.host import Host
 from llmflow.gateway.session import StreamSession
+from llmflow.gateway.signals import NO_SIGNALS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from llmflow._core import Action, Reply, Start
     from llmflow.config import Settings
     from llmflow.gateway.host import Party
+    from llmflow.gateway.signals import ClientSignals
 
 __all__ = ["ShadowHost", "Verdict", "forwarding_config", "uncapped_light"]
 
@@ -225,9 +227,11 @@ class ShadowHost(Host):
         model: str | None = None,
         prefix_hashes: list[int] | None = None,
         fingerprint: int = 0,
+        signals: ClientSignals = NO_SIGNALS,
     ) -> None:
         """A request arrived: the policy runtime decides (recorded), the forwarding runtime
-        starts it."""
+        starts it. Only the policy hears the client's signals: a client deadline must not
+        refuse anything the forwarding runtime carries."""
         verdict = Verdict(self, request_id, party.tier)
         if isinstance(party, StreamSession):
             party.shadow = verdict
@@ -237,7 +241,7 @@ class ShadowHost(Host):
             "model": model, "prefix_hashes": prefix_hashes, "fingerprint": fingerprint
         }
         try:
-            self.policy.arrive(verdict, *args, **extra)
+            self.policy.arrive(verdict, *args, **extra, signals=signals)
         except BaseException:
             self.verdicts.pop(request_id, None)
             raise

@@ -3,13 +3,14 @@
 A client sends an `Attempt` through a policy (`direct` or a gated one), then waits for its first
 token and its end. It retries on 429 (and on a gateway's 503, e.g. its queue timeout) with
 exponential backoff and jitter, never sooner than the `Retry-After` header (whole seconds, as on
-the wire); it gives up after `timeout_s` without a first token
-(without the whole answer when not streaming) and re-sends up to `retries_on_timeout` times (the
-avalanche); it may disconnect after some tokens or seconds. Latency is user-perceived: counted
-from the first attempt. Tokens are consumed in batches: the engine reports only first tokens and
-ends, never single tokens. A client may stall (stop reading after some tokens): a gateway's
-runtime then cuts it once its backpressure window has stayed full too long; without one, vLLM
-generates to the end for nobody.
+the wire); it gives up after `timeout_s` without a first token (without the whole answer when
+not streaming) and re-sends up to `retries_on_timeout` times (the avalanche); each attempt says,
+as the OpenAI SDK's headers do, how many attempts came before it and how long its client waits
+(`Attempt.retries`, `Attempt.deadline_ms`); it may disconnect after some tokens or seconds.
+Latency is user-perceived: counted from the first attempt. Tokens are consumed in batches: the
+engine reports only first tokens and ends, never single tokens. A client may stall (stop reading
+after some tokens): a gateway's runtime then cuts it once its backpressure window has stayed
+full too long; without one, vLLM generates to the end for nobody.
 """
 
 from __future__ import annotations
@@ -69,18 +70,21 @@ class Attempt:
         stop_after: tokens after which the client disconnects (`None`: never).
         stall_after: tokens after which the client stops reading (`None`: never).
         stream: the client asked for a streamed answer.
+        retries: the attempts its client made before this one (the SDKs' retry count header).
+        deadline_ms: how long its client waits for it (the SDKs' timeout header), if it gives up.
     """
 
     __slots__ = (
-        "backend", "done", "ended", "env", "first", "handler", "key", "outcome", "reason", "req",
-        "retry_after", "seq", "stall_after", "stop_after", "stream", "t_admit", "t_first",
-        "t_sched", "t_submit", "tokens",
+        "backend", "deadline_ms", "done", "ended", "env", "first", "handler", "key", "outcome",
+        "reason", "req", "retries", "retry_after", "seq", "stall_after", "stop_after", "stream",
+        "t_admit", "t_first", "t_sched", "t_submit", "tokens",
     )
 
     def __init__(self, env: simpy.Environment, req: RequestSpec, stop_after: int | None,
-                 stall_after: int | None = None, stream: bool = True):
+                 stall_after: int | None = None, stream: bool = True, retries: int = 0,
+                 deadline_ms: int | None = None):
         self.env, self.req, self.stop_after, self.stall_after = env, req, stop_after, stall_after
-        self.stream = stream
+        self.stream, self.retries, self.deadline_ms = stream, retries, deadline_ms
         self.first = env.event()
         self.done = env.event()
         self.ended = False
@@ -138,10 +142,12 @@ def client(
     rec.arrive()
     attempts = timeouts = busy = 0
     ttft = qwait = served = math.nan
+    # What an SDK client says with each attempt: its retries so far and its own timeout.
+    deadline_ms = None if spec.timeout_s is None else round(spec.timeout_s * 1000)
     while True:
-        attempts += 1
         att = Attempt(env, req, spec.disconnect_after_tokens, spec.stall_after_tokens,
-                      spec.stream)
+                      spec.stream, attempts, deadline_ms)
+        attempts += 1
         gw.send(att)
         if not att.ended:
             yield from _wait(env, att, gw, spec)

@@ -48,6 +48,8 @@ PRESETS: dict[str, tuple[dict[str, Any], str, str | None]] = {
             "kv": {"pressure_threshold": None, "fit_target": None},
             # the seed's gate: no SLA, and no retry memory (a retry is a new arrival)
             "sla": {"ttft_ms": None, "late_requests_yield": False},
+            # nor does it read what clients say of themselves (retry count, timeout)
+            "signals": {"retry_headers": False, "deadline_headers": False},
             "preemption": {"cooldown_ms": None},
             "timeouts": {"total_ms": None},
             "streaming": {"first_token_timeout_ms": None},
@@ -247,10 +249,12 @@ class GatedPolicy:
         self._atts[rid] = att
         req = att.req
         hashes = list(req.hash_ids) if req.hash_ids else None  # for a `prefix` routing pool
-        # a retry re-sends the same body: the user request's index is its fingerprint
+        # a retry re-sends the same body: the user request's index is its fingerprint; and says
+        # so, with its client's timeout, as the SDKs' headers do
         self._carry(self.runtime.arrive(rid, req.tenant, req.prompt, req.max_tokens, att.stream,
                                         self._now_us(), prefix_hashes=hashes,
-                                        fingerprint=req.index + 1))
+                                        fingerprint=req.index + 1, retries=att.retries,
+                                        deadline_ms=att.deadline_ms))
         self.peak_queue = max(self.peak_queue, self.runtime.queued)
 
     def cancel(self, att: Attempt) -> None:

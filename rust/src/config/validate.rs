@@ -73,6 +73,7 @@ impl PolicyConfig {
             }
         }
         positive_f("headroom_wait_ms", self.headroom_wait_ms)?;
+        positive_f("signals.min_deadline_ms", self.signals.min_deadline_ms)?;
         positive_f("prefill_tokens_per_s", self.prefill_tokens_per_s)?;
         for (key, value) in [
             ("ttft_sla_ms", self.ttft_sla_ms),

@@ -225,6 +225,11 @@ impl FairQueue {
         self.pools[pool as usize].tenants[tenant as usize].fresh_prompt_tokens
     }
 
+    /// Requests a tenant has waiting in one pool's fresh lane.
+    pub fn pool_tenant_fresh_len(&self, pool: u32, tenant: u32) -> usize {
+        self.pools[pool as usize].tenants[tenant as usize].fresh_len
+    }
+
     /// Prompt tokens a tenant has waiting, over all pools.
     pub fn tenant_prompt_tokens(&self, tenant: u32) -> u64 {
         self.pools

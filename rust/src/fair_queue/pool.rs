@@ -34,6 +34,8 @@ pub(super) struct TenantQueue {
     pub(super) prompt_tokens: u64,
     /// Prompt tokens of its requests in the fresh lane.
     pub(super) fresh_prompt_tokens: u64,
+    /// Its requests in the fresh lane.
+    pub(super) fresh_len: usize,
     pub(super) key: Option<BacklogKey>,
 }
 
@@ -61,6 +63,7 @@ impl PoolQueue {
                     items: BTreeMap::new(),
                     prompt_tokens: 0,
                     fresh_prompt_tokens: 0,
+                    fresh_len: 0,
                     key: None,
                 })
                 .collect(),
@@ -112,6 +115,7 @@ impl PoolQueue {
             self.tiers[t.tier].late += 1;
         } else {
             t.fresh_prompt_tokens += item.prompt_tokens;
+            t.fresh_len += 1;
         }
         self.index.insert(item.id, (tenant, place));
     }
@@ -127,6 +131,7 @@ impl PoolQueue {
         let item = self.tenants[t].items.remove(&place).expect("indexed");
         self.tenants[t].prompt_tokens -= item.prompt_tokens;
         self.tenants[t].fresh_prompt_tokens -= item.prompt_tokens;
+        self.tenants[t].fresh_len -= 1;
         let late = Place {
             late: true,
             ..place
@@ -231,6 +236,7 @@ impl PoolQueue {
         tenant.prompt_tokens -= item.prompt_tokens;
         if !place.late {
             tenant.fresh_prompt_tokens -= item.prompt_tokens;
+            tenant.fresh_len -= 1;
         }
         let tier = &mut self.tiers[tenant.tier];
         tier.len -= 1;

@@ -61,6 +61,7 @@ impl Governor {
             prompt,
             max_tokens,
             route,
+            ..
         } = arrival;
         self.check_pool(route.pool)?;
         if self.requests.contains_key(&id) {
@@ -76,8 +77,14 @@ impl Governor {
         self.queue.arrive_in(route.pool, tenant);
         self.update_headroom(now_us);
         let asked = max_tokens;
-        let first_seen = self.first_seen(tenant, route.fingerprint, now_us);
+        let seen = self.seen(tenant, route, arrival.signals, now_us);
+        let first_seen = seen.0;
         self.counters.retries_known += u64::from(first_seen < now_us);
+        let announced = self
+            .honoured(arrival.signals)
+            .retries
+            .is_some_and(|n| n > 0);
+        self.counters.retries_announced += u64::from(announced);
         self.rate_limited(tenant, prompt, now_us); // refills the tenant's buckets to now
         let (max_tokens, decision) = self.judge(arrival, tier_idx, now_us);
         if !matches!(decision, Decision::Rejected { .. }) {
@@ -89,7 +96,7 @@ impl Governor {
         // A request let in (started or queued) becomes live the same way either way.
         if let Decision::Admitted { priority, .. } | Decision::Queued { priority, .. } = decision {
             let kept = arrival.clamped(max_tokens);
-            self.insert(id, kept, tier_idx, priority, first_seen, now_us);
+            self.insert(id, kept, tier_idx, priority, seen, now_us);
             self.note_brownout(id, asked);
         }
         Ok(match decision {
@@ -138,8 +145,10 @@ impl Governor {
         else {
             unreachable!("enqueue takes a queued decision")
         };
-        let first_seen = self.requests[&id].first_seen_us;
-        let late = self.is_late(tier_idx, first_seen, now_us);
+        let req = &self.requests[&id];
+        let (first_seen, sla_from) = (req.first_seen_us, req.sla_from_us);
+        let client_deadline = req.client_deadline_us;
+        let late = self.is_late(tier_idx, sla_from, now_us);
         self.queue.push_to(
             route.pool,
             tenant,
@@ -151,11 +160,15 @@ impl Governor {
             late,
         );
         self.counters.late += u64::from(late);
-        if let Some(at) = self.lapse_time(tier_idx, first_seen).filter(|_| !late) {
+        if let Some(at) = self.lapse_time(tier_idx, sla_from).filter(|_| !late) {
             self.lapses.insert((at, id));
         }
         if let Some(ms) = us(self.config.queue_timeout_ms) {
             self.set_deadline(id, ExpiryReason::QueueTimeout, now_us + ms);
+        }
+        if let Some(at) = client_deadline {
+            // Its client gives up then: it leaves the queue, never to start (`expire`).
+            self.set_deadline(id, ExpiryReason::ClientDeadline, at);
         }
         let mut placed = self.place_queued(now_us);
         let own = placed
@@ -259,11 +272,8 @@ impl Governor {
         let priority = self.priority(tier_idx, prompt + self.expected_output(tenant, max_tokens));
         // A retry already past its SLA waits behind its whole tier and is never refused for the
         // SLA again: no refusal can make it on time, and each one only adds a backoff.
-        let late = self.is_late(
-            tier_idx,
-            self.first_seen(tenant, route.fingerprint, now_us),
-            now_us,
-        );
+        let sla_from = self.seen(tenant, route, arrival.signals, now_us).1;
+        let late = self.is_late(tier_idx, sla_from, now_us);
         let ahead = if late {
             self.waiting_ahead(pool, tier_idx)
         } else {
@@ -325,6 +335,9 @@ impl Governor {
             return reject(RejectReason::TtftSla, excess);
         }
         let position = ahead - usize::from(counted_victim);
+        if let Some(excess) = self.deadline_excess(arrival, late, drain) {
+            return reject(RejectReason::ClientDeadline, excess);
+        }
         Decision::Queued {
             position: position as u32,
             estimated_wait_s: (position + 1) as f64 / drain,
@@ -333,15 +346,28 @@ impl Governor {
         }
     }
 
+    /// Seconds by which a request's expected wait in the queue (those expected ahead of it,
+    /// `expected_ahead`, drained at `drain`) would overshoot its client's deadline: its client
+    /// would have given up before it starts, so it is refused now (told when the wait will be
+    /// within its budget) rather than started for nobody.
+    fn deadline_excess(&self, arrival: Arrival<'_>, late: bool, drain: f64) -> Option<f64> {
+        let budget_s = self.honoured(arrival.signals).deadline_us? as f64 / 1e6;
+        let tier_idx = self.tenant_tier[arrival.tenant as usize];
+        let ahead = self.expected_ahead(arrival.tenant, tier_idx, arrival.route.pool, late);
+        let wait_s = (ahead + 1) as f64 / drain;
+        (wait_s >= budget_s).then_some(wait_s - budget_s)
+    }
+
     /// Make a request `submit` let in live (started or queued): `arrival` as it is kept (after
-    /// a brownout's clamp), when its client first came and now.
+    /// a brownout's clamp), when its client first came and its SLA clock started (`seen`),
+    /// and now.
     fn insert(
         &mut self,
         id: u64,
         arrival: Arrival<'_>,
         tier: usize,
         priority: i64,
-        first_seen_us: u64,
+        (first_seen_us, sla_from_us): (u64, u64),
         now_us: u64,
     ) {
         let Arrival {
@@ -349,7 +375,9 @@ impl Governor {
             prompt,
             max_tokens,
             route,
+            signals,
         } = arrival;
+        let signals = self.honoured(signals);
         let keep_chain = self.pools.policy(route.pool) == RoutePolicy::Prefix;
         let request = Request {
             tenant,
@@ -370,8 +398,11 @@ impl Governor {
             submitted_us: now_us,
             first_seen_us,
             fingerprint: route.fingerprint,
+            sla_from_us,
+            client_deadline_us: signals.deadline_us.map(|d| now_us + d),
+            retries: signals.retries,
             running: None,
-            deadlines: [None; 3],
+            deadlines: [None; ExpiryReason::ALL.len()],
         };
         self.requests.insert(id, request);
         if let Some(ms) = us(self.config.request_timeout_ms) {

@@ -16,14 +16,29 @@ pub struct Route<'a> {
     pub fingerprint: u64,
 }
 
+/// What a client says about a request (its headers, as the host read them), bounded by the
+/// config before anything uses it (`Governor::honoured`). `None`: not said.
+///
+/// `retries`: how many times it sent this request before (the OpenAI and Anthropic SDKs'
+/// `x-stainless-retry-count`, Envoy's `x-envoy-attempt-count` less one); a retry is judged
+/// from its first arrival (`retries`). `deadline_us`: how long after arriving it gives up
+/// waiting (the SDKs' `x-stainless-timeout`, or `x-llmflow-deadline-ms`); a request whose
+/// client will have given up is never started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Signals {
+    pub retries: Option<u32>,
+    pub deadline_us: Option<u64>,
+}
+
 /// A request as the governor decides it: its tenant (index), prompt tokens, the most tokens it
-/// may generate, and its route.
+/// may generate, its route, and what its client said about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Arrival<'a> {
     pub tenant: u32,
     pub prompt: u64,
     pub max_tokens: u64,
     pub route: Route<'a>,
+    pub signals: Signals,
 }
 
 impl Arrival<'static> {
@@ -34,6 +49,7 @@ impl Arrival<'static> {
             prompt,
             max_tokens,
             route: Route::default(),
+            signals: Signals::default(),
         }
     }
 
@@ -45,11 +61,18 @@ impl Arrival<'static> {
             prompt: self.prompt,
             max_tokens: self.max_tokens,
             route,
+            signals: self.signals,
         }
     }
 }
 
 impl Arrival<'_> {
+    /// The same request, with what its client said about it.
+    #[must_use]
+    pub fn with_signals(self, signals: Signals) -> Self {
+        Self { signals, ..self }
+    }
+
     /// The same request with `max_tokens` clamped (a brownout).
     #[must_use]
     pub(super) fn clamped(self, max_tokens: u64) -> Self {
@@ -67,6 +90,7 @@ pub struct OwnedArrival {
     pub pool: u32,
     pub chain: Vec<u64>,
     pub fingerprint: u64,
+    pub signals: Signals,
 }
 
 impl OwnedArrival {
@@ -80,6 +104,7 @@ impl OwnedArrival {
                 chain: &self.chain,
                 fingerprint: self.fingerprint,
             },
+            signals: self.signals,
         }
     }
 }
@@ -98,13 +123,19 @@ mod tests {
             pool: 1,
             chain: vec![7, 8],
             fingerprint: 99,
+            signals: Signals {
+                retries: Some(1),
+                deadline_us: Some(5),
+            },
         };
         let route = Route {
             pool: 1,
             chain: &[7, 8],
             fingerprint: 99,
         };
-        assert_eq!(owned.arrival(), Arrival::new(2, 30, 40).with_route(route));
+        let signals = owned.signals;
+        let arrival = Arrival::new(2, 30, 40).with_route(route);
+        assert_eq!(owned.arrival(), arrival.with_signals(signals));
     }
 
     // A clamp changes the tokens it may generate and nothing else.

@@ -16,6 +16,8 @@ pub struct Counters {
     pub browned_out: u64,
     /// Arrivals known as a client's retry of a request that ended unserved (`retries`).
     pub retries_known: u64,
+    /// Arrivals whose client announced a retry (an honoured retry count above zero).
+    pub retries_announced: u64,
     /// Queued requests that went to their tier's late lane (moved there, or arrived late).
     pub late: u64,
     pub rejected: [u64; RejectReason::ALL.len()],

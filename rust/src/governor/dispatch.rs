@@ -60,6 +60,7 @@ impl Governor {
                     let (priority, waited) =
                         (req.priority, now_us.saturating_sub(req.submitted_us));
                     self.clear_deadline(item.id, ExpiryReason::QueueTimeout);
+                    self.clear_deadline(item.id, ExpiryReason::ClientDeadline);
                     self.clear_lapse(item.id);
                     self.start(item.id, backend, prefill, now_us);
                     admitted.push(Admission {

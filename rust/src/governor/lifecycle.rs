@@ -113,7 +113,7 @@ impl Governor {
         match req.running {
             None => {
                 self.queue.remove(id);
-                if let Some(at) = self.lapse_time(req.tier, req.first_seen_us) {
+                if let Some(at) = self.lapse_time(req.tier, req.sla_from_us) {
                     self.lapses.remove(&(at, id)); // see `clear_lapse`
                 }
             }

@@ -54,7 +54,7 @@ use crate::kv::KvLedger;
 use crate::routing::{Pools, PrefixMemory};
 use crate::types::Admission;
 
-pub use arrival::{Arrival, OwnedArrival, Route};
+pub use arrival::{Arrival, OwnedArrival, Route, Signals};
 use breaker::Breaker;
 pub use counters::Counters;
 use deadlines::DeadlineTable;
@@ -323,14 +323,15 @@ impl Governor {
             + self.queue.pool_tier_fresh_len(pool, tier_idx)
     }
 
-    /// When a request of the tier whose client first came at `first_seen_us` can no longer
-    /// meet its TTFT SLA and moves to the late lane; `None` where the tier has one lane (no
-    /// SLA, `late_yields` off, or a best-effort tier, which has no latency target).
-    fn lapse_time(&self, tier_idx: usize, first_seen_us: u64) -> Option<u64> {
+    /// When a request of the tier whose SLA clock started at `sla_from_us` (its client's first
+    /// arrival, `seen`) can no longer meet its TTFT SLA and moves to the late lane; `None`
+    /// where the tier has one lane (no SLA, `late_yields` off, or a best-effort tier, which has
+    /// no latency target).
+    fn lapse_time(&self, tier_idx: usize, sla_from_us: u64) -> Option<u64> {
         if !self.config.late_yields || self.config.tiers[tier_idx].best_effort {
             return None;
         }
-        us(self.config.ttft_sla_ms).map(|sla| first_seen_us + sla)
+        us(self.config.ttft_sla_ms).map(|sla| sla_from_us + sla)
     }
 
     /// Whether a request of this fingerprint is remembered when it ends unserved: it has one,
@@ -339,21 +340,51 @@ impl Governor {
         fingerprint != 0 && self.config.late_yields
     }
 
-    /// When the client of a request arriving now first came: earlier than now for a retry of
-    /// one that ended unserved (`retries`).
-    fn first_seen(&self, tenant: u32, fingerprint: u64, now_us: u64) -> u64 {
-        if !self.remembers(fingerprint) {
-            return now_us;
+    /// What a request's client said, as the config lets it count: a retry count above
+    /// `signals.max_retries` is not honoured, a deadline below `signals.min_deadline_ms` is
+    /// raised to it, and either is dropped where the config turns it off.
+    pub(super) fn honoured(&self, signals: Signals) -> Signals {
+        let bounds = &self.config.signals;
+        Signals {
+            retries: signals
+                .retries
+                .filter(|&n| bounds.retries && n <= bounds.max_retries),
+            deadline_us: signals
+                .deadline_us
+                .filter(|_| bounds.deadlines)
+                .map(|d| d.max(us(Some(bounds.min_deadline_ms)).unwrap_or(0))),
         }
-        self.retries
-            .first_seen(tenant, fingerprint, now_us)
-            .map_or(now_us, |at| at.min(now_us))
     }
 
-    /// A request of the tier whose client first came at `first_seen_us` is late now: its SLA
+    /// When the client of a request arriving now first came (its place in its lane), and when
+    /// its SLA clock started: earlier than now for a retry of one that ended unserved
+    /// (`retries`). A retry its client announces (an honoured retry count above zero) that the
+    /// memory does not hold (its first attempt went to another replica, or was forgotten) keeps
+    /// its place by now, as an unverified header buys no earlier place, but its SLA clock has
+    /// run out: its client has already waited an attempt and a backoff, so it is judged as a
+    /// retry past its SLA (the late lane where the tier is overwhelmed, never refused for the
+    /// SLA). A count of zero says nothing more than no header: an application's own retry
+    /// around an SDK call starts the SDK's count again, so the fingerprint still decides.
+    fn seen(&self, tenant: u32, route: Route<'_>, signals: Signals, now_us: u64) -> (u64, u64) {
+        if !self.config.late_yields {
+            return (now_us, now_us);
+        }
+        let remembered = (route.fingerprint != 0)
+            .then(|| self.retries.first_seen(tenant, route.fingerprint, now_us))
+            .flatten();
+        if let Some(at) = remembered {
+            let at = at.min(now_us);
+            return (at, at);
+        }
+        let announced = self.honoured(signals).retries.is_some_and(|n| n > 0);
+        let sla = us(self.config.ttft_sla_ms).filter(|_| announced);
+        (now_us, now_us.saturating_sub(sla.unwrap_or(0)))
+    }
+
+    /// A request of the tier whose SLA clock started at `sla_from_us` is late now: its SLA
     /// has passed while its tier is overwhelmed (see `lapse`).
-    fn is_late(&self, tier_idx: usize, first_seen_us: u64, now_us: u64) -> bool {
-        self.lapse_time(tier_idx, first_seen_us)
+    fn is_late(&self, tier_idx: usize, sla_from_us: u64, now_us: u64) -> bool {
+        self.lapse_time(tier_idx, sla_from_us)
             .is_some_and(|at| at <= now_us)
             && self.overwhelmed(tier_idx, now_us)
     }
@@ -388,7 +419,7 @@ impl Governor {
     /// `lapse_time`; one that queued late or has lapsed already has none).
     pub(super) fn clear_lapse(&mut self, id: u64) {
         let req = self.requests.get(&id);
-        if let Some(at) = req.and_then(|r| self.lapse_time(r.tier, r.first_seen_us)) {
+        if let Some(at) = req.and_then(|r| self.lapse_time(r.tier, r.sla_from_us)) {
             self.lapses.remove(&(at, id));
         }
     }

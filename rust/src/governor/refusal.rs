@@ -90,6 +90,7 @@ impl Governor {
 mod tests {
     use super::super::tests::{governor, tenant, S};
     use super::*;
+    use crate::governor::Signals;
     use crate::types::Outcome;
 
     fn rejected(d: Decision) -> Option<(RejectReason, f64)> {
@@ -193,8 +194,9 @@ mod tests {
         assert!(g.refusal(Arrival::new(99, 10, 10), 0).is_err());
     }
 
-    // Random traffic (arrivals of every tier, some of them retries, completions, scrapes with
-    // KV pressure and preemptions, time moving on, headroom on): before every arrival, whenever the query says
+    // Random traffic (arrivals of every tier, some of them retries, some with a client's retry
+    // count and deadline, completions, scrapes with KV pressure and preemptions, time moving on,
+    // headroom on): before every arrival, whenever the query says
     // refused, submit refuses the same way; and whenever submit refuses while no bookkeeping
     // was due, the query had said so.
     #[test]
@@ -242,14 +244,16 @@ mod tests {
                         || g.lapse_due(now)
                         || (t == tenants[3] && g.headroom_due(now))
                         || g.overload_due(t, prompt, route, now);
-                    let asked = g
-                        .refusal(Arrival::new(t, prompt, max_tokens).with_route(route), now)
-                        .unwrap();
-                    let decision = g.submit(
-                        id,
-                        Arrival::new(t, prompt, max_tokens).with_route(route),
-                        now,
-                    );
+                    // what some clients say: retries (one count past the cap) and deadlines
+                    let signals = Signals {
+                        retries: [None, Some(0), Some(2), Some(11)][next(4) as usize],
+                        deadline_us: (next(3) == 0).then(|| (1 + next(60)) * 1_000_000),
+                    };
+                    let arrival = Arrival::new(t, prompt, max_tokens)
+                        .with_route(route)
+                        .with_signals(signals);
+                    let asked = g.refusal(arrival, now).unwrap();
+                    let decision = g.submit(id, arrival, now);
                     let got = rejected(decision.unwrap());
                     if asked.is_some() {
                         assert_eq!(asked, got, "request {id} at {now}");
@@ -269,5 +273,7 @@ mod tests {
             }
         }
         assert!(refused > 1000 && deferred > 0, "{refused} {deferred}");
+        let late = g.counters.rejected[RejectReason::ClientDeadline as usize];
+        assert!(late >= 10, "{late} client deadlines refused"); // the path is exercised
     }
 }

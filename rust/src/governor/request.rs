@@ -1,5 +1,7 @@
 //! A live request as the governor holds it, and what it holds while it runs.
 
+use crate::types::ExpiryReason;
+
 #[derive(Debug, Clone)]
 pub(crate) struct Running {
     /// Where it holds its slot and KV and decodes.
@@ -53,6 +55,13 @@ pub(crate) struct Request {
     /// When its client first came: `submitted_us`, or earlier for a known retry.
     pub(super) first_seen_us: u64,
     pub(super) fingerprint: u64,
+    /// When its SLA clock started: `first_seen_us`, or already run out at arrival for a retry
+    /// its client announced that the retry memory does not hold (`Governor::seen`).
+    pub(super) sla_from_us: u64,
+    /// When its client gives up waiting (its honoured `Signals::deadline_us` from arrival).
+    pub(super) client_deadline_us: Option<u64>,
+    /// The retry count its client announced (honoured), for a refused lease's new decision.
+    pub(super) retries: Option<u32>,
     pub running: Option<Running>,
-    pub(super) deadlines: [Option<u64>; 3],
+    pub(super) deadlines: [Option<u64>; ExpiryReason::ALL.len()],
 }

@@ -107,7 +107,7 @@ mod tests {
 #[cfg(test)]
 mod governor_tests {
     use super::super::tests::{governor, sustained, tenant, S};
-    use super::super::{Arrival, Route};
+    use super::super::{Arrival, Route, Signals};
     use crate::types::{Decision, ExpiryReason, Outcome, RejectReason};
 
     fn with(fingerprint: u64) -> Route<'static> {
@@ -218,5 +218,47 @@ mod governor_tests {
         assert_eq!(g.retries.first_seen(a, 1, 9 * S), None);
         assert_eq!(g.retries.first_seen(a, 4, 9 * S), Some(8 * S));
         assert!(g.lapses.is_empty()); // the expired one's entry went with it
+    }
+
+    // A retry its client announces that the memory does not hold (its first attempt went to
+    // another replica) keeps its place by now but is judged past its SLA: in an overload it is
+    // not refused for the SLA, where a fresh request is. A count above the config's cap is
+    // not honoured, and a count of zero leaves the memory to decide.
+    #[test]
+    fn an_announced_retry_the_memory_does_not_hold() {
+        let mut g = governor();
+        let a = tenant(&g, "a");
+        sustained(&mut g, 1, 0);
+        assert!(started(
+            &g.submit(1, Arrival::new(a, 13_000, 10), 0).unwrap()
+        ));
+        let refused = |d: Decision| match d {
+            Decision::Rejected { reason, .. } => Some(reason),
+            _ => None,
+        };
+        let said = |retries| Signals {
+            retries: Some(retries),
+            deadline_us: None,
+        };
+        let fresh = Arrival::new(a, 10, 10).with_route(with(88));
+        assert_eq!(
+            refused(g.submit(2, fresh, 2 * S).unwrap()),
+            Some(RejectReason::TtftSla)
+        );
+        let retry = Arrival::new(a, 10, 10).with_route(with(99));
+        let d = g.submit(3, retry.with_signals(said(2)), 2 * S).unwrap();
+        assert!(started(&d), "{d:?}");
+        assert_eq!(
+            (g.counters.retries_announced, g.counters.retries_known),
+            (1, 0)
+        );
+        assert_eq!(g.requests[&3].first_seen_us, 2 * S); // no earlier place
+        let runaway = Arrival::new(a, 10, 10).with_route(with(55));
+        let d = g.submit(4, runaway.with_signals(said(11)), 2 * S).unwrap();
+        assert_eq!(refused(d), Some(RejectReason::TtftSla));
+        // Request 2 was refused at 2 s: its body again, with a count of zero, is its retry.
+        let d = g.submit(5, fresh.with_signals(said(0)), 4 * S).unwrap();
+        assert_eq!(refused(d), None);
+        assert_eq!(g.counters.retries_known, 1);
     }
 }

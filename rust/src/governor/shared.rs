@@ -10,7 +10,7 @@
 //! replica runs at most its share of each backend: the weight of the tenants it has waiting
 //! over everyone's (`replica_share`), rounded so that the replicas' shares add up to the cap.
 
-use super::{Governor, OwnedArrival};
+use super::{Governor, OwnedArrival, Signals};
 use crate::error::{PolicyError, PolicyResult};
 use crate::types::Outcome;
 
@@ -83,8 +83,8 @@ impl Governor {
     /// A started request whose slot lease the store refused: the slot was taken elsewhere
     /// since the last sync, so count one more held elsewhere (until the next sync says
     /// otherwise), end the start without charging it as served, and return what `submit`
-    /// needs to decide it again (tenant, prompt, max tokens, and its route: model pool, block
-    /// hashes and fingerprint). `None`: not running.
+    /// needs to decide it again (tenant, prompt, max tokens, its route: model pool, block
+    /// hashes and fingerprint, and its client's signals). `None`: not running.
     pub fn lease_denied(&mut self, id: u64, now_us: u64) -> Option<OwnedArrival> {
         let req = self.requests.get_mut(&id)?;
         let backend = req.running.as_ref()?.backend as usize;
@@ -95,6 +95,12 @@ impl Governor {
             pool: req.pool,
             chain: std::mem::take(&mut req.chain),
             fingerprint: req.fingerprint,
+            // Decided again now, its client's deadline is what is left of it (none left:
+            // the shortest the config honours, which refuses it unless it starts at once).
+            signals: Signals {
+                retries: req.retries,
+                deadline_us: req.client_deadline_us.map(|at| at.saturating_sub(now_us)),
+            },
         };
         let b = &mut self.backends[backend];
         b.elsewhere = b.elsewhere.saturating_add(1).min(b.cap);

@@ -8,7 +8,7 @@ use super::actions::action_to_py;
 use super::convert::snapshot_to_py;
 use super::errors::{non_negative, ConfigError, InvalidArgumentError, TraceMismatchError};
 use super::signature::{Metrics, Signature, METRICS};
-use crate::governor::{Arrival, Route};
+use crate::governor::{Arrival, Route, Signals};
 use crate::runtime::{Event, Runtime};
 use crate::trace;
 
@@ -17,6 +17,19 @@ use crate::trace;
 pub struct PyRuntime {
     inner: Runtime,
     trace: Option<String>,
+}
+
+/// A client's signals as `arrive` and `refusal` take them: counts and milliseconds, never
+/// negative (the host leaves out what the client did not say or said wrongly).
+fn signals(retries: Option<i64>, deadline_ms: Option<i64>) -> PyResult<Signals> {
+    let retries = retries.map(|n| non_negative("retries", n)).transpose()?;
+    let deadline_ms = deadline_ms
+        .map(|ms| non_negative("deadline_ms", ms))
+        .transpose()?;
+    Ok(Signals {
+        retries: retries.map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        deadline_us: deadline_ms.map(|ms| ms.saturating_mul(1000)),
+    })
 }
 
 impl PyRuntime {
@@ -76,7 +89,7 @@ impl PyRuntime {
 
     #[pyo3(signature = (*args, **kwargs), text_signature = "($self, request_id, tenant, \
         prompt_tokens, max_tokens, stream, now_us, *, model=None, prefix_hashes=None, \
-        fingerprint=0)")]
+        fingerprint=0, retries=None, deadline_ms=None)")]
     fn arrive(
         &mut self,
         py: Python<'_>,
@@ -94,7 +107,13 @@ impl PyRuntime {
                 "now_us",
             ],
             optional: 0,
-            keyword_only: &["model", "prefix_hashes", "fingerprint"],
+            keyword_only: &[
+                "model",
+                "prefix_hashes",
+                "fingerprint",
+                "retries",
+                "deadline_ms",
+            ],
         };
         let a = ARRIVE.bind(args, kwargs)?;
         let (request_id, tenant): (u64, &str) = (a.get(0)?, a.get(1)?);
@@ -103,6 +122,7 @@ impl PyRuntime {
         let model: Option<&str> = a.get_or(6, None)?;
         let prefix_hashes: Option<Vec<u64>> = a.get_or(7, None)?;
         let fingerprint: u64 = a.get_or(8, 0)?;
+        let signals = signals(a.get_or(9, None)?, a.get_or(10, None)?)?;
         let event = Event::Arrive {
             id: request_id,
             tenant: self.inner.governor().tenant_id(tenant)?,
@@ -112,6 +132,8 @@ impl PyRuntime {
             pool: self.inner.governor().pool_of(model)?,
             chain: prefix_hashes.unwrap_or_default(),
             fingerprint,
+            retries: signals.retries,
+            deadline_ms: signals.deadline_us.map(|us| us / 1000),
         };
         self.feed(py, now_us, &event)
     }
@@ -153,7 +175,9 @@ impl PyRuntime {
     }
 
     /// What `arrive` would answer now if it refused at once: (status, reason, Retry-After).
-    #[pyo3(signature = (tenant, prompt_tokens, max_tokens, now_us, *, model=None, fingerprint=0))]
+    #[pyo3(signature = (tenant, prompt_tokens, max_tokens, now_us, *, model=None, fingerprint=0,
+        retries=None, deadline_ms=None))]
+    #[allow(clippy::too_many_arguments)] // the arguments of `arrive` it answers for
     fn refusal(
         &self,
         tenant: &str,
@@ -162,6 +186,8 @@ impl PyRuntime {
         now_us: u64,
         model: Option<&str>,
         fingerprint: u64,
+        retries: Option<i64>,
+        deadline_ms: Option<i64>,
     ) -> PyResult<Option<(u16, &'static str, u32)>> {
         let gov = self.inner.governor();
         let route = Route {
@@ -174,7 +200,10 @@ impl PyRuntime {
             non_negative("prompt_tokens", prompt_tokens)?,
             non_negative("max_tokens", max_tokens)?,
         );
-        let refused = self.inner.refusal(arrival.with_route(route), now_us)?;
+        let arrival = arrival
+            .with_route(route)
+            .with_signals(signals(retries, deadline_ms)?);
+        let refused = self.inner.refusal(arrival, now_us)?;
         Ok(refused.map(|r| (r.status, r.reason.as_str(), r.retry_after_s)))
     }
 

@@ -22,6 +22,12 @@ pub enum Event {
         /// The host's fingerprint of the request (0: none), by which a retry is known.
         #[serde(default, skip_serializing_if = "is_zero_u64")]
         fingerprint: u64,
+        /// What the client said (`governor::Signals`): the retries it made before this one,
+        /// and how long it waits (ms from arrival). Left out when it said nothing.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retries: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        deadline_ms: Option<u64>,
     },
     /// The backend accepted the request (response headers came back).
     Started { id: u64 },

@@ -37,7 +37,7 @@ pub use event::Event;
 pub use reply::{wire_retry_after, Reason, Refusal};
 
 use crate::error::{PolicyError, PolicyResult};
-use crate::governor::{Arrival, Route};
+use crate::governor::{Arrival, Route, Signals};
 use crate::Governor;
 use health::{Health, Scrape};
 use session::Sessions;
@@ -131,7 +131,8 @@ impl Runtime {
                 }
             }
             Event::Started { .. } => return Ok(()),
-            _ => {}
+            Event::Timer => {}
+            _ => self.expire_client_deadlines(now_us),
         }
         let frees_room = self.apply(now_us, event)?;
         if frees_room {
@@ -166,13 +167,21 @@ impl Runtime {
                 pool,
                 ref chain,
                 fingerprint,
+                retries,
+                deadline_ms,
             } => {
                 let route = Route {
                     pool,
                     chain,
                     fingerprint,
                 };
-                let arrival = Arrival::new(tenant, prompt, max_tokens).with_route(route);
+                let signals = Signals {
+                    retries,
+                    deadline_us: deadline_ms.map(|ms| ms.saturating_mul(1000)),
+                };
+                let arrival = Arrival::new(tenant, prompt, max_tokens)
+                    .with_route(route)
+                    .with_signals(signals);
                 self.arrive(id, arrival, stream, now)?;
                 true
             }

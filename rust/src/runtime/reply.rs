@@ -23,6 +23,9 @@ pub enum Reason {
     QueueTimeout,
     FirstTokenTimeout,
     Deadline,
+    /// The client's own deadline (`governor::Signals`) cannot be met: refused on arrival, or
+    /// taken out of the queue when it passed.
+    ClientDeadline,
     ClientStall,
     Shutdown,
     UpstreamError,
@@ -43,6 +46,7 @@ impl Reason {
             Self::QueueTimeout => "queue_timeout",
             Self::FirstTokenTimeout => "first_token_timeout",
             Self::Deadline => "deadline",
+            Self::ClientDeadline => "client_deadline",
             Self::ClientStall => "client_stall",
             Self::Shutdown => "shutdown",
             Self::UpstreamError => "upstream_error",
@@ -60,6 +64,7 @@ impl Reason {
             RejectReason::NoHealthyBackend => Self::NoHealthyBackend,
             RejectReason::Displaced => Self::Displaced,
             RejectReason::RateLimited => Self::RateLimited,
+            RejectReason::ClientDeadline => Self::ClientDeadline,
         }
     }
 
@@ -68,6 +73,7 @@ impl Reason {
             ExpiryReason::QueueTimeout => Self::QueueTimeout,
             ExpiryReason::FirstTokenTimeout => Self::FirstTokenTimeout,
             ExpiryReason::Deadline => Self::Deadline,
+            ExpiryReason::ClientDeadline => Self::ClientDeadline,
         }
     }
 }
@@ -82,6 +88,10 @@ pub struct Refusal {
 }
 
 impl Refusal {
+    /// A 503 when nothing can serve (draining, no healthy backend), else a 429. That includes a
+    /// client's deadline the queue cannot meet: the load, not a fault, keeps it from starting,
+    /// and a 429's Retry-After (which both SDKs honour) says when its budget will suffice; a
+    /// 504 would claim an upstream timed out (none was asked), and proxies retry a 5xx at once.
     pub(super) fn of(reason: RejectReason, retry_after_s: f64) -> Self {
         let status = match reason {
             RejectReason::Draining | RejectReason::NoHealthyBackend => 503,
@@ -174,6 +184,13 @@ impl Runtime {
         }
         let retry = Some(wire_retry_after(e.retry_after_s));
         self.out.push(match e.reason {
+            // As refused on arrival (`Refusal::of`): a 429, never started.
+            ExpiryReason::ClientDeadline => Action::Reply {
+                id,
+                status: 429,
+                reason,
+                retry_after_s: retry,
+            },
             _ if !e.was_running => Action::Reply {
                 id,
                 status: 503,
@@ -205,6 +222,11 @@ mod tests {
         let down = Refusal::of(RejectReason::NoHealthyBackend, 2.5);
         assert_eq!((down.status, down.retry_after_s), (503, 3));
         assert_eq!(Refusal::of(RejectReason::Draining, 1.0).status, 503);
+        let late = Refusal::of(RejectReason::ClientDeadline, 4.2);
+        assert_eq!(
+            (late.status, late.reason.as_str(), late.retry_after_s),
+            (429, "client_deadline", 5)
+        );
         assert_eq!(wire_retry_after(f64::INFINITY), u32::MAX);
     }
 

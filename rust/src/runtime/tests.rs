@@ -24,6 +24,8 @@ fn arrive(id: u64, tenant: u32) -> Event {
         pool: 0,
         chain: vec![],
         fingerprint: 0,
+        retries: None,
+        deadline_ms: None,
     }
 }
 
@@ -81,6 +83,8 @@ fn first_token_dispatches_a_paced_prompt() {
         pool: 0,
         chain: vec![],
         fingerprint: 0,
+        retries: None,
+        deadline_ms: None,
     };
     let acts = rt.handle(0, &long(1)).unwrap();
     assert!(matches!(acts[0], Action::Start { id: 1, .. }), "{acts:?}");
@@ -506,4 +510,45 @@ fn split_pool_prefill_hop() {
     let acts = rt.handle(5, &Event::Done { id: 1 }).unwrap();
     assert_eq!(terminal(&acts).len(), 1);
     assert_eq!((rt.live(), rt.governor().live()), (0, 0));
+}
+
+// A queued request whose client deadline has passed is refused (429 client_deadline, with a
+// Retry-After) at the first event after it, even before the host's timer fires: the slot that
+// event frees goes to the next request, and the late one never starts.
+#[test]
+fn a_request_whose_client_gave_up_never_starts() {
+    let json = sample_json().replace(r#""queue_timeout_ms":5000"#, r#""queue_timeout_ms":20000"#);
+    let mut rt =
+        Runtime::from_json(&format!(r#"{{"policy": {json}, "lifecycle": {{}}}}"#)).unwrap();
+    let a = rt.governor().tenant_id("a").unwrap();
+    for id in 1..=2 {
+        rt.handle(0, &arrive(id, a)).unwrap();
+    }
+    let mut waits = arrive(3, a);
+    if let Event::Arrive { deadline_ms, .. } = &mut waits {
+        *deadline_ms = Some(6_000);
+    }
+    let acts = rt.handle(0, &waits).unwrap();
+    assert!(matches!(acts[0], Action::Queued { id: 3, .. }), "{acts:?}");
+    rt.handle(1, &arrive(4, a)).unwrap();
+    let acts = rt.handle(7 * S, &Event::Done { id: 1 }).unwrap();
+    let refused = Action::Reply {
+        id: 3,
+        status: 429,
+        reason: Reason::ClientDeadline,
+        retry_after_s: Some(10),
+    };
+    assert_eq!(acts[0], refused, "{acts:?}");
+    assert!(
+        acts.iter()
+            .any(|x| matches!(x, Action::Start { id: 4, .. })),
+        "{acts:?}"
+    );
+    assert!(
+        !acts
+            .iter()
+            .any(|x| matches!(x, Action::Start { id: 3, .. })),
+        "{acts:?}"
+    );
+    assert_eq!((rt.is_live(3), rt.governor().is_live(3)), (false, false));
 }

@@ -55,6 +55,14 @@ impl Runtime {
         }
     }
 
+    /// Queued requests whose client has given up leave before anything else happens (the
+    /// timer handles the rest): none may start in a slot this event frees.
+    pub(super) fn expire_client_deadlines(&mut self, now: u64) {
+        for expired in self.gov.expire_client_deadlines(now) {
+            self.expired(&expired);
+        }
+    }
+
     pub(super) fn rearm(&mut self) {
         if let Some(next) = self.next_timer_us() {
             if self.timer.rearm(next) {

@@ -19,6 +19,7 @@ from llmflow.gateway.protocol import (
 )
 from llmflow.gateway.relay import RelayedSession, RelayStream, relayable
 from llmflow.gateway.routes.deps import gateway, identity, service
+from llmflow.gateway.signals import read_signals
 from llmflow.gateway.sse import SessionStream
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ async def _complete(endpoint: Endpoint, request: Request) -> Response:
     if admitted is None:
         prepared = svc.prepare(endpoint, identity(request), await request.body())
         prepared.traceparent = request.headers.get("traceparent")  # continued by its span
+        prepared.signals = read_signals(request.headers.raw)
         session = await svc.serve(prepared, request.receive, relayable(request.scope, prepared))
     else:
         prepared = admitted.prepared

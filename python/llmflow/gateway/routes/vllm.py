@@ -16,6 +16,7 @@ from llmflow.gateway.light import LightReply  # noqa: TC001 - FastAPI reads the 
 from llmflow.gateway.protocol import ResponsesRequest, request_body
 from llmflow.gateway.responses import ResponsesSession, ResponsesStream, prepare_response
 from llmflow.gateway.routes.deps import gateway, identity, service
+from llmflow.gateway.signals import read_signals
 
 __all__ = ["LIGHT_PATHS", "router"]
 
@@ -51,6 +52,7 @@ async def responses(request: Request) -> Response:
         s.streaming.enabled,
         aliases=dict(s.models),
     )
+    prepared.signals = read_signals(request.headers.raw)
     session = ResponsesSession(svc.ctx, prepared)
     try:
         session.arrive()
