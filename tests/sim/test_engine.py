@@ -183,10 +183,11 @@ class _Steps(FixedStepCost):
 def test_a_resumed_request_recomputes_only_its_evicted_blocks(caching: bool,
                                                               recomputed: int) -> None:
     # 21 blocks of 4 tokens, one of them vLLM V1's null block: 20 usable (vLLM 0.32's own
-    # Scheduler recomputes 33 tokens here too). b is preempted holding 40 tokens (10 full blocks, freed to the tail
-    # of the free queue, last block first); a grows to 69 computed tokens = 18 blocks, taking
-    # the 8 never-used blocks and then b's last 8. b's first 2 blocks (8 tokens) survive, so its
-    # resume (41 tokens: 30 prompt, 11 generated) computes 33 with prefix caching, 41 without.
+    # Scheduler recomputes 33 tokens here too). b is preempted holding 40 tokens (10 full
+    # blocks, freed to the tail of the free queue, last block first); a grows to 69 computed
+    # tokens = 18 blocks, taking the 8 never-used blocks and then b's last 8. b's first 2
+    # blocks (8 tokens) survive, so its resume (41 tokens: 30 prompt, 11 generated) computes 33
+    # with prefix caching, 41 without.
     cost = _Steps()
     core = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
                                    max_model_len=80, num_gpu_blocks=21,
@@ -201,11 +202,11 @@ def test_a_resumed_request_recomputes_only_its_evicted_blocks(caching: bool,
 
 @pytest.mark.parametrize(("full_isl", "preemptions"), [(True, 0), (False, 2)])
 def test_admission_waits_until_the_whole_prompt_fits(full_isl: bool, preemptions: int) -> None:
-    # 21 blocks (20 usable: one is vLLM V1's null block), 16 tokens per step. a (40-token prompt) prefills in 16 + 16 + 8; 8 tokens of
-    # budget are left in that step, enough for a first chunk of b (48 tokens = 12 blocks) but
-    # not for all of it beside a's 10 blocks. vLLM's default (scheduler_reserve_full_isl) keeps
-    # b waiting until a ends; checking only the chunk over-admits b, and a's growth then
-    # preempts it (twice).
+    # 21 blocks (20 usable: one is vLLM V1's null block), 16 tokens per step. a (40-token
+    # prompt) prefills in 16 + 16 + 8; 8 tokens of budget are left in that step, enough for a
+    # first chunk of b (48 tokens = 12 blocks) but not for all of it beside a's 10 blocks.
+    # vLLM's default (scheduler_reserve_full_isl) keeps b waiting until a ends; checking only
+    # the chunk over-admits b, and a's growth then preempts it (twice).
     cost = _Steps()
     core = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
                                    max_model_len=80, num_gpu_blocks=21,
