@@ -10,7 +10,8 @@ returns its duration, `complete(now)` applies it. It follows vLLM V1's scheduler
    its KV and is put back at the head of the waiting queue to be recomputed (vLLM V1), or is
    swapped to host memory over PCIe when `preemption="swap"`. With prefix caching (vLLM's
    default) its full blocks stay cached in the free queue until they are reused
-   (`blockpool.FreeBlockQueue`), so its recompute starts after the prefix that survived;
+   (`blockpool.FreeBlockQueue`; partial blocks are reused first, and vLLM V1's null block is
+   never handed out), so its recompute starts after the prefix that survived;
 3. if nothing was preempted, admit waiting requests in order while the budget, `max_num_seqs`
    and free blocks allow: the head's whole sequence must fit (`scheduler_reserve_full_isl`,
    vLLM's default) plus the watermark, or, without that flag, its first chunk; the head that
