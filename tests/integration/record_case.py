@@ -19,7 +19,7 @@ Run from the repo root, with the project's python::
 
     LLMFLOW_VLLM_PYTHON=$(scripts/vllm_env.sh | tail -1) PYTHONPATH=$PWD/python:$PWD/tests:\
 $PWD/tests/integration python tests/integration/record_case.py kv-starved \
-sim/fidelity/vllm-cpu-kv-starved
+sim/fidelity-cases/vllm-cpu-kv-starved
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fidelity
 import httpx
 import numpy as np
 import yaml
@@ -45,7 +46,6 @@ from gwtools import wait_vllm_idle
 from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP, _calibrate, _gateway_hop
 from vllm_server import VllmServer, find_vllm_python
 
-import fidelity
 from llmflow.calibrate import Calibration, calibrate
 from llmflow.sim.profile import Profile, pooled
 from processes import GatewayProcess, free_port

@@ -16,7 +16,7 @@ from llmflow.sim.runner import run_policy
 from llmflow.sim.scenario import load_scenario
 from llmflow.sim.workload import build_requests
 
-CASES = Path(__file__).resolve().parents[2] / "sim" / "fidelity"
+CASES = Path(__file__).resolve().parents[2] / "sim" / "fidelity-cases"
 STARVED = CASES / "vllm-cpu-kv-starved"
 
 

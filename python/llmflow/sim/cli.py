@@ -99,7 +99,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "the simulated value, the error ln(sim/real), how far the simulation lies outside the "
         "real range, and issue 30's goal where one applies (docs/fidelity.md).")
     fid.add_argument("--cases", type=Path, metavar="DIR",
-                     help="folder of cases (default: sim/fidelity of this checkout)")
+                     help="folder of cases (default: sim/fidelity-cases of this checkout)")
     fid.add_argument("--out", type=Path, metavar="FILE", help="also write the table here")
     fid.set_defaults(func=_fidelity)
     from llmflow.sim.tuning.cli import add_tune
@@ -206,8 +206,8 @@ def _fidelity(args: argparse.Namespace) -> int:
 
     root = args.cases
     if root is None:
-        root = next((r / "sim" / "fidelity" for r in _roots() if (r / "sim" / "fidelity").is_dir()),
-                    Path("sim/fidelity"))
+        found = [r / "sim" / "fidelity-cases" for r in _roots()]
+        root = next((f for f in found if f.is_dir()), Path("sim/fidelity-cases"))
     try:
         table = render(report(root))
     except (FileNotFoundError, ValueError) as exc:

@@ -1,11 +1,11 @@
 """The standing accuracy report: every stored fidelity case, simulated again, against its real runs.
 
-A case is a folder (under `sim/fidelity/` in the repo) holding a `scenario.yaml` (the workload,
-the backend: a measured `profile` or a `gpu`/`model`, and one policy: the gateway or `direct`)
-and a `real.json` from the real system: `median` (each figure's median over the real runs),
-optionally `runs` (each run's figures: their range is the real system's own spread), `source`
-and `recorded`. Figures are keyed `<class>.ttft_p50_s`, `<class>.e2e_p99_s` (seconds, any of
-p50/p90/p99), `preemptions` and `peak_running` (vLLM's own counter and the peak of its
+A case is a folder (under `sim/fidelity-cases/` in the repo) holding a `scenario.yaml` (the
+workload, the backend: a measured `profile` or a `gpu`/`model`, and one policy: the gateway or
+`direct`) and a `real.json` from the real system: `median` (each figure's median over the real
+runs), optionally `runs` (each run's figures: their range is the real system's own spread),
+`source` and `recorded`. Figures are keyed `<class>.ttft_p50_s`, `<class>.e2e_p99_s` (seconds,
+any of p50/p90/p99), `preemptions` and `peak_running` (vLLM's own counter and the peak of its
 `num_requests_running` gauge).
 
 `report(root)` simulates each case with its scenario's seed and compares figure by figure. The
