@@ -6,7 +6,7 @@ Runs inside the vLLM venv (`scripts/vllm_env.sh`), not the project's environment
 
 CASE.json: `{"engine": {num_gpu_blocks, block_size, max_num_seqs, max_num_batched_tokens,
 max_model_len, watermark}, "requests": [[arrival_step, prompt_tokens, output_tokens], ...]}`.
-Every request has its own random-free prompt (distinct token ids, so no cross-request prefix
+Every request has a prompt of its own (distinct token ids, so no cross-request prefix
 hits) and `ignore_eos`. Each step the scheduler plans, every scheduled request whose tokens
 reach its end samples one token, and `update_from_output` applies it, as the engine core does
 with a model. MODEL_DIR is any model vLLM can read a config from (the tiny test model);
