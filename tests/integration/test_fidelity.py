@@ -212,8 +212,11 @@ def _report(
 # the test above: on 2 shared cores the first run missed the target at x1.25 on TTFT p50 with a
 # load average of 6).
 STARVED_ARGS = ("--kv-cache-memory-bytes", str(4 << 20))
+# Decode probes reach 384-token contexts, the most at which 8 of them (plus their 64 new tokens)
+# fit in 90% of the 4,096-token cache: with (32, 256) the fit put the context term at 0 in one
+# of two recordings, and the burst's decodes run at 150-900 tokens (docs/fidelity.md).
 STARVED_SWEEP = {"prompt_lengths": (16, 128, 384, 768), "repeats": 2, "concurrency": (1, 4, 8),
-                 "contexts": (32, 256), "decode_repeats": 1, "mixed_prompts": (256,)}
+                 "contexts": (32, 384), "decode_repeats": 1, "mixed_prompts": (256,)}
 # The goal is within 25% (reported). Asserted: within 50%. The simulated count moves
 # with the calibrated profile (13 to 18 against a real 14-16 in six runs on 2 shared cores).
 PREEMPTION_TARGET = math.log(1.25)

@@ -34,3 +34,24 @@ def test_anonymous_blocks_merge() -> None:
     q.push(2)
     q.pop(5)
     assert q.free == 0
+
+
+def test_the_null_block_is_never_taken() -> None:
+    q = FreeBlockQueue(5, null_block=True)  # vLLM V1: block 0 is the null block
+    q.pop(4)  # every other block
+    assert q.free == 1
+    q.push(2)
+    q.pop(2)  # the freed ones, not the null block
+    assert q.free == 1
+
+
+def test_partial_blocks_are_reused_before_cached_ones_are_evicted() -> None:
+    q = FreeBlockQueue(3, null_block=True)
+    q.pop(2)
+    run = q.push(4, "victim")  # a preempted request's full blocks, cached, at the tail
+    assert run is not None
+    q.push_front(1)  # an ended request's partial block, reused first
+    q.pop(1)
+    assert run.n == 4  # the victim's cache is intact
+    q.pop(1)  # then the head of the queue: the victim's last block is evicted
+    assert (run.n, q.free) == (3, 4)

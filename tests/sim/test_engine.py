@@ -182,13 +182,15 @@ class _Steps(FixedStepCost):
 @pytest.mark.parametrize(("caching", "recomputed"), [(True, 33), (False, 41)])
 def test_a_resumed_request_recomputes_only_its_evicted_blocks(caching: bool,
                                                               recomputed: int) -> None:
-    # 20 blocks of 4 tokens. b is preempted holding 40 tokens (10 full blocks, freed to the tail
-    # of the free queue, last block first); a grows to 69 computed tokens = 18 blocks, taking
-    # the 8 never-used blocks and then b's last 8. b's first 2 blocks (8 tokens) survive, so its
-    # resume (41 tokens: 30 prompt, 11 generated) computes 33 with prefix caching, 41 without.
+    # 21 blocks of 4 tokens, one of them vLLM V1's null block: 20 usable (vLLM 0.32's own
+    # Scheduler recomputes 33 tokens here too). b is preempted holding 40 tokens (10 full
+    # blocks, freed to the tail of the free queue, last block first); a grows to 69 computed
+    # tokens = 18 blocks, taking the 8 never-used blocks and then b's last 8. b's first 2
+    # blocks (8 tokens) survive, so its resume (41 tokens: 30 prompt, 11 generated) computes 33
+    # with prefix caching, 41 without.
     cost = _Steps()
     core = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
-                                   max_model_len=80, num_gpu_blocks=20,
+                                   max_model_len=80, num_gpu_blocks=21,
                                    enable_prefix_caching=caching), cost)
     a, b = Seq(1, 30, 40), Seq(2, 30, 40)
     _run(core, [a, b])
@@ -200,14 +202,14 @@ def test_a_resumed_request_recomputes_only_its_evicted_blocks(caching: bool,
 
 @pytest.mark.parametrize(("full_isl", "preemptions"), [(True, 0), (False, 2)])
 def test_admission_waits_until_the_whole_prompt_fits(full_isl: bool, preemptions: int) -> None:
-    # 20 blocks, 16 tokens per step. a (40-token prompt) prefills in 16 + 16 + 8; 8 tokens of
-    # budget are left in that step, enough for a first chunk of b (48 tokens = 12 blocks) but
-    # not for all of it beside a's 10 blocks. vLLM's default (scheduler_reserve_full_isl) keeps
-    # b waiting until a ends; checking only the chunk over-admits b, and a's growth then
-    # preempts it (twice).
+    # 21 blocks (20 usable: one is vLLM V1's null block), 16 tokens per step. a (40-token
+    # prompt) prefills in 16 + 16 + 8; 8 tokens of budget are left in that step, enough for a
+    # first chunk of b (48 tokens = 12 blocks) but not for all of it beside a's 10 blocks.
+    # vLLM's default (scheduler_reserve_full_isl) keeps b waiting until a ends; checking only
+    # the chunk over-admits b, and a's growth then preempts it (twice).
     cost = _Steps()
     core = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
-                                   max_model_len=80, num_gpu_blocks=20,
+                                   max_model_len=80, num_gpu_blocks=21,
                                    scheduler_reserve_full_isl=full_isl), cost)
     a, b = Seq(1, 40, 20), Seq(2, 48, 20)
     _run(core, [a, b])
@@ -216,15 +218,16 @@ def test_admission_waits_until_the_whole_prompt_fits(full_isl: bool, preemptions
 
 
 def test_the_watermark_keeps_blocks_free_when_admitting() -> None:
-    # with a running request, a 10% watermark (2 of 20 blocks) must stay free at admission
+    # with a running request, a 10% watermark (2 of 21 blocks, int(0.1 * 21) as vLLM rounds)
+    # must stay free at admission; 20 of the 21 are usable (one is vLLM V1's null block)
     cost = _Steps()
     core = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, block_size=4,
-                                   max_model_len=80, num_gpu_blocks=20, watermark=0.1), cost)
+                                   max_model_len=80, num_gpu_blocks=21, watermark=0.1), cost)
     a, b = Seq(1, 36, 4), Seq(2, 36, 4)  # 9 blocks each: 18 + 2 = 20 fits exactly, then b
     _run(core, [a, b])
     assert cost.steps[0] == (0, 72)
     core2 = EngineCore(EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, block_size=4,
-                                    max_model_len=80, num_gpu_blocks=20, watermark=0.15), cost)
+                                    max_model_len=80, num_gpu_blocks=21, watermark=0.15), cost)
     cost.steps.clear()
     _run(core2, [Seq(3, 36, 4), Seq(4, 36, 4)])  # 3 blocks kept free: b waits for a
     assert cost.steps[0] == (0, 36)

@@ -1,4 +1,4 @@
-"""The simulator's commands: `llmflow sim run|list|tune` and `llmflow simserve`.
+"""The simulator's commands: `llmflow sim run|list|tune|fidelity` and `llmflow simserve`.
 
 `add_commands(subparsers)` registers them on the `llmflow` parser; each sets `func`, a callable
 taking the parsed arguments and returning the exit status.
@@ -53,6 +53,16 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                              description="List the scenario files found under sim/scenarios "
                              "and sim/incidents, with their titles.")
     lst.set_defaults(func=_list)
+    fid = sim_sub.add_parser(
+        "fidelity", help="replay every stored fidelity case and compare with its real runs",
+        description="Simulate each case under CASES (a folder with scenario.yaml and the real "
+        "system's real.json) and print, figure by figure, the real median, the real runs' range, "
+        "the simulated value, the error ln(sim/real), how far the simulation lies outside the "
+        "real range, and issue 30's goal where one applies (docs/fidelity.md).")
+    fid.add_argument("--cases", type=Path, metavar="DIR",
+                     help="folder of cases (default: sim/fidelity-cases of this checkout)")
+    fid.add_argument("--out", type=Path, metavar="FILE", help="also write the table here")
+    fid.set_defaults(func=_fidelity)
     from llmflow.sim.tuning.cli import add_tune
 
     add_tune(sim_sub)
@@ -149,6 +159,24 @@ def _run(args: argparse.Namespace) -> int:
     steps = sum(p["engine_steps"] for p in report["policies"].values())
     print(f"\n{len(runs)} policies, {report['requests']} requests each, {steps} engine steps "
           f"in {wall:.2f} s wall; wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return 0
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from llmflow.sim.fidelity import render, report
+
+    root = args.cases
+    if root is None:
+        found = [r / "sim" / "fidelity-cases" for r in _roots()]
+        root = next((f for f in found if f.is_dir()), Path("sim/fidelity-cases"))
+    try:
+        table = render(report(root))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"llmflow sim fidelity: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    if args.out is not None:
+        args.out.write_text(table + "\n", encoding="utf-8")
     return 0
 
 

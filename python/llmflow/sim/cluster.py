@@ -112,7 +112,7 @@ class Backend:
         r, w, u = len(core.running), core.num_waiting, core.used
         r0, w0, u0 = self._seen
         self._seen = (r, w, u)
-        self.gauges.shift(r - r0, w - w0, u - u0, u / core.num_blocks)
+        self.gauges.shift(r - r0, w - w0, u - u0, u / core.cap)
 
     def _run(self) -> Generator[simpy.Event, None, None]:
         env, core = self.env, self.core
@@ -187,7 +187,7 @@ class Cluster:
             for i in range(g.count):
                 name = g.name if g.count == 1 else f"{g.name}-{i}"
                 cores.append((name, g, EngineCore(config, cost)))
-        self.gauges = Gauges(env, sum(c.num_blocks for _, _, c in cores))
+        self.gauges = Gauges(env, sum(c.cap for _, _, c in cores))
         self.backends: list[Backend] = []
         for name, g, core in cores:
             b = Backend(env, name, core, self.gauges)

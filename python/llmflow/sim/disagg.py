@@ -270,7 +270,7 @@ class PdProxy:
 
     def _kv_load(self, b: Backend) -> float:
         c = b.core
-        return (c.used + self.handoff.asked[b.name]) / c.num_blocks
+        return (c.used + self.handoff.asked[b.name]) / c.cap
 
     def first_token(self, att: Attempt, now: float) -> None:
         """The decode's first token reached the client."""

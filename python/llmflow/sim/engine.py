@@ -10,7 +10,8 @@ returns its duration, `complete(now)` applies it. It follows vLLM V1's scheduler
    its KV and is put back at the head of the waiting queue to be recomputed (vLLM V1), or is
    swapped to host memory over PCIe when `preemption="swap"`. With prefix caching (vLLM's
    default) its full blocks stay cached in the free queue until they are reused
-   (`blockpool.FreeBlockQueue`), so its recompute starts after the prefix that survived;
+   (`blockpool.FreeBlockQueue`; partial blocks are reused first, and vLLM V1's null block is
+   never handed out), so its recompute starts after the prefix that survived;
 3. if nothing was preempted, admit waiting requests in order while the budget, `max_num_seqs`
    and free blocks allow: the head's whole sequence must fit (`scheduler_reserve_full_isl`,
    vLLM's default) plus the watermark, or, without that flag, its first chunk; the head that
@@ -48,6 +49,7 @@ from llmflow.sim.sequence import (
     EngineError,
     Seq,
     SeqOwner,
+    StepRecord,
     WaitingQueue,
 )
 
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
 
     from llmflow.sim.costmodel import StepCost
 
-__all__ = ["DONE", "EngineConfig", "EngineCore", "EngineError", "Seq", "SeqOwner"]
+__all__ = ["DONE", "EngineConfig", "EngineCore", "EngineError", "Seq", "SeqOwner", "StepRecord"]
 
 
 class EngineCore:
@@ -77,7 +79,7 @@ class EngineCore:
             bs, config.max_num_batched_tokens, config.max_num_seqs)
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise EngineError("max_num_batched_tokens must be >= max_num_seqs (as vLLM checks)")
-        if self.num_blocks * bs < config.max_model_len:
+        if self.num_blocks * bs < config.max_model_len:  # vLLM's check counts the null block
             raise EngineError(
                 f"max_model_len {config.max_model_len} needs {-(-config.max_model_len // bs)} "
                 f"KV blocks but only {self.num_blocks} fit; lower max_model_len"
@@ -88,7 +90,11 @@ class EngineCore:
         self._cache = config.enable_prefix_caching and not self._swap
         self._full_isl = config.scheduler_reserve_full_isl
         self._watermark = int(config.watermark * self.num_blocks)
-        self.free_q = FreeBlockQueue(self.num_blocks)  # free blocks in eviction order
+        # vLLM V1's block pool takes block 0 as its null block (`BlockPool.null_block`) and never
+        # hands it out: requests share num_gpu_blocks - 1 (`kv_cache_usage_perc` divides by it).
+        # Swap preemption is vLLM V0's, whose block manager had no null block.
+        self.cap = self.num_blocks - (0 if self._swap else 1)
+        self.free_q = FreeBlockQueue(self.num_blocks, null_block=not self._swap)  # eviction order
         self.cache_hit_tokens = 0  # tokens a resumed request did not recompute
         self._prefix: OrderedDict[int, None] = OrderedDict()  # cached hashes, LRU first
         self.prefix_query_tokens = 0  # prompt tokens of new requests with hash ids
@@ -113,6 +119,10 @@ class EngineCore:
         self.in_step = False
         self._order = 0
         self.num_preemptions = 0
+        # one `StepRecord` per step when a list is set here (tests, fidelity reports)
+        self.step_log: list[StepRecord] | None = None
+        self._preempted_now: list[int] = []  # rids preempted while planning this step
+        self._started = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_used = 0
@@ -173,7 +183,7 @@ class EngineCore:
         """Free the blocks an ended `hold_kv` prefill kept for its transfer."""
         if self.kv_held.pop(seq.rid, None) is not None:
             self.used -= seq.blocks
-            self.free_q.push(seq.blocks)
+            self._free(seq.blocks, seq.computed)
             seq.blocks = 0
 
     def generated(self, seq: Seq) -> int:
@@ -206,7 +216,7 @@ class EngineCore:
     @property
     def kv_usage(self) -> float:
         """Fraction of GPU KV blocks in use (vLLM's `kv_cache_usage_perc`, 0..1)."""
-        return self.used / self.num_blocks
+        return self.used / self.cap
 
     @property
     def idle(self) -> bool:
@@ -225,6 +235,8 @@ class EngineCore:
         s, bs = self.step, self.block_size
         chunks = self._chunks
         chunks.clear()
+        self._preempted_now.clear()
+        self._started = now
         budget = self.config.max_num_batched_tokens - self.n_dec
         need = self._cnt[-s % bs] if self.n_dec else 0
         swap_bytes = self._swap_in(need) if self.n_swapped else 0.0
@@ -238,7 +250,7 @@ class EngineCore:
             chunks.append((seq, n, nb))
             need += nb
             budget -= n
-        if need > self.num_blocks - self.used:
+        if need > self.cap - self.used:
             need, swapped_out = self._preempt(need)
             swap_bytes += swapped_out
             self._alloc(need)
@@ -249,6 +261,8 @@ class EngineCore:
             if self.n_waiting and not self.n_swapped:  # swapped ones resume before new ones
                 self._admit(budget, now)
         if not chunks and not self.n_dec:
+            if self._preempted_now and self.step_log is not None:
+                self._record(self.step, now, 0, 0)
             return None
         self.in_step = True
         p_tok = p_attn = p_ctx = 0
@@ -270,6 +284,7 @@ class EngineCore:
         s = self.step
         first: list[Seq] = []
         ended: list[Seq] = []
+        planned = (self.n_dec, self.step_prefill_tokens) if self.step_log is not None else None
         self.generation_tokens_total += self.n_dec
         reached = self.reached
         reached.clear()
@@ -291,7 +306,7 @@ class EngineCore:
                 reached.append(seq)
             if seq.gen >= seq.stop:
                 seq.finish_reason = seq.stop_reason
-                self._free_running(seq, now, seq.blocks)
+                self._free_running(seq, now, seq.blocks, seq.computed)
                 ended.append(seq)
             else:
                 self._to_decode(seq, seq.computed, s + 1)
@@ -310,12 +325,20 @@ class EngineCore:
             self._leave_decode(seq)
             seq.gen = seq.stop
             seq.finish_reason = seq.stop_reason
-            self._free_running(seq, now, -(-(seq.k + s) // self.block_size))
+            self._free_running(seq, now, -(-(seq.k + s) // self.block_size), seq.k + s)
             ended.append(seq)
         self.in_step = False
+        if planned is not None:
+            self._record(s - 1, now, *planned)
         return first, ended
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _record(self, step: int, now: float, decodes: int, prefill_tokens: int) -> None:
+        assert self.step_log is not None
+        self.step_log.append(StepRecord(
+            step, self._started, now, decodes, prefill_tokens, tuple(self._preempted_now),
+            len(self.running), self.num_waiting, self.used))
 
     def _alloc(self, n: int) -> None:
         self.used += n
@@ -344,7 +367,7 @@ class EngineCore:
             required = -(-seq.num_tokens // bs) if self._full_isl else hits + nb
             if self.running:  # vLLM keeps its watermark only when something else runs
                 required += self._watermark
-            if required > self.num_blocks - self.used:
+            if required > self.cap - self.used:
                 break
             self.waiting.pop()
             if run is not None:
@@ -396,7 +419,7 @@ class EngineCore:
                 self.swapped.popleft()
                 continue
             held = seq.blocks
-            if need + held > self.num_blocks - self.used:
+            if need + held > self.cap - self.used:
                 break
             # resumes as a prefill of what is left (one token for a swapped decoder)
             self.swapped.popleft()
@@ -412,7 +435,7 @@ class EngineCore:
     def _preempt(self, need: int) -> tuple[int, float]:
         s, bs = self.step, self.block_size
         swapped_out = 0
-        while need > self.num_blocks - self.used and self.running:
+        while need > self.cap - self.used and self.running:
             victim = self._victim()
             if victim.state == DECODE:
                 if (victim.k + s) % bs == 0:
@@ -433,6 +456,7 @@ class EngineCore:
             self.used -= held
             self._free_preempted(victim, held)
             victim.preemptions += 1
+            self._preempted_now.append(victim.rid)
             self.num_preemptions += 1
             if self._swap and self.cpu_used + held <= self.config.swap_space_blocks:
                 victim.state, victim.blocks = SWAPPED, held
@@ -449,11 +473,18 @@ class EngineCore:
 
     def _free_preempted(self, victim: Seq, held: int) -> None:
         if not self._cache:
-            self.free_q.push(held)
+            self.free_q.push_front(held)
             return
         full = victim.computed // self.block_size  # only full blocks are hashed and cached
-        self.free_q.push(held - full)  # the partial block goes first: reversed order
+        self.free_q.push_front(held - full)  # the partial block is reused first
         victim.cached = self.free_q.push(full, victim)
+
+    def _free(self, blocks: int, tokens: int) -> None:
+        # vLLM's `BlockPool.free_blocks`: the full (hashed) blocks of `tokens` computed tokens
+        # go to the tail of the free queue, the partial one (all, without caching) to the head
+        full = min(blocks, tokens // self.block_size) if self._cache else 0
+        self.free_q.push_front(blocks - full)
+        self.free_q.push(full)
 
     def _victim(self) -> Seq:
         if self._priority:
@@ -478,14 +509,14 @@ class EngineCore:
         self.n_dec -= 1
         seq.epoch += 1
 
-    def _free_running(self, seq: Seq, now: float, blocks: int) -> None:
+    def _free_running(self, seq: Seq, now: float, blocks: int, tokens: int) -> None:
         del self.running[seq.rid]
         if seq.hold_kv:  # a connector's delayed free: kept until the decode side has read it
             self.kv_held[seq.rid] = seq
             seq.state, seq.t_end = DONE, now
             return
         self.used -= blocks
-        self.free_q.push(blocks)
+        self._free(blocks, tokens)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
 
     def _remove(self, seq: Seq, now: float) -> None:
@@ -496,7 +527,7 @@ class EngineCore:
         elif state == LOADING:
             del self.loading[seq.rid]
             self.used -= seq.blocks
-            self.free_q.push(seq.blocks)
+            self.free_q.push_front(seq.blocks)  # a load's blocks are cached only once it ends
         elif state == SWAPPED:
             self.n_swapped -= 1
             self.cpu_used -= seq.blocks
@@ -511,7 +542,7 @@ class EngineCore:
             del self.prefilling[seq.rid]
             del self.running[seq.rid]
             self.used -= held
-            self.free_q.push(held)
+            self._free(held, seq.computed)
         elif state == DECODE:
             c = seq.k + self.step  # computed tokens; this step's slot is allocated if in_step
             seq.gen = c - seq.prompt + 1
@@ -519,7 +550,7 @@ class EngineCore:
             del self.running[seq.rid]
             held = -(-(c + self.in_step) // self.block_size)
             self.used -= held
-            self.free_q.push(held)
+            self._free(held, c)
         seq.state, seq.blocks, seq.t_end = DONE, 0, now
 
     def _admit_remote(self, seq: Seq, now: float) -> bool:
@@ -528,7 +559,7 @@ class EngineCore:
         # budget until the KV is here. Loading requests count against max_num_seqs.
         nb = -(-seq.prompt // self.block_size)
         required = nb + (self._watermark if self.running else 0)
-        if (required > self.num_blocks - self.used
+        if (required > self.cap - self.used
                 or len(self.running) + len(self.loading) >= self.config.max_num_seqs):
             return False
         self.waiting.pop()

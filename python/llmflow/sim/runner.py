@@ -150,6 +150,7 @@ def occupancy_while_queued(samples: np.ndarray) -> dict[str, float | None]:
 def run_policy(
     sc: Scenario, name: str, spec: PolicySpec, reqs: Requests, seed: int,
     progress: Callable[[int], None] | None = None, trace: TextIO | None = None,
+    on_cluster: Callable[[Cluster], None] | None = None,
 ) -> PolicyRun:
     """Simulate one policy on the given requests.
 
@@ -161,12 +162,15 @@ def run_policy(
         seed: seeds the clients' jitter.
         progress: called with the number of requests ended since the last call.
         trace: where a gated policy writes its runtime's JSONL trace (ignored for `direct`).
+        on_cluster: called with the simulated cluster before the run (to set step logs).
     """
     wall0 = time.perf_counter()
     env = simpy.Environment()
     sched = None if spec.kind == "direct" else (
         spec.scheduling_policy or PRESETS[spec.preset_for(name)][1])
     cluster = Cluster(env, spec.cluster or sc.cluster, sched, spec.engine)
+    if on_cluster is not None:
+        on_cluster(cluster)
     gw: DirectPolicy | GatedPolicy | ReplicatedPolicy | PdProxy
     if spec.kind == "direct" and cluster.disaggregated:
         gw = PdProxy(env, cluster, spec.propagate_disconnect)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from llmflow.sim.blockpool import Run
 
 __all__ = ["DECODE", "DONE", "LOADING", "PREFILL", "SWAPPED", "WAITING", "EngineConfig",
-           "EngineError", "Seq", "SeqOwner", "WaitingQueue"]
+           "EngineError", "Seq", "SeqOwner", "StepRecord", "WaitingQueue"]
 
 WAITING, PREFILL, DECODE, SWAPPED, DONE = range(5)
 LOADING = 5  # P/D decode side: blocks allocated, the prompt's KV on its way (`sim/disagg.py`)
@@ -55,6 +55,22 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # a preempted request finds its surviving blocks cached
     scheduler_reserve_full_isl: bool = True  # admit only when the whole sequence's blocks fit
     watermark: float = 0.0  # fraction of KV blocks kept free when admitting (vLLM's watermark)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step as `EngineCore.step_log` keeps it (the counts vLLM's scheduler stats
+    give after the step: `num_requests_running`, `num_requests_waiting`)."""
+
+    step: int  # engine steps before this one
+    start: float  # seconds
+    end: float  # seconds
+    decodes: int  # requests that computed one token
+    prefill_tokens: int  # prompt (and recomputed) tokens computed
+    preempted: tuple[int, ...]  # rids preempted while planning the step, in order
+    running: int  # after the step: finished requests gone
+    waiting: int  # after the step, preempted ones included
+    used: int  # KV blocks held after the step
 
 
 class Seq:
