@@ -393,15 +393,16 @@ class Settings(_Section):
         }
 
     def to_runtime(self) -> dict[str, Any]:
-        """The mapping `llmflow._core.Runtime` takes: the policy and the lifecycle around it."""
-        return {
-            "policy": self.to_core(),
-            "lifecycle": {
-                "stall_timeout_ms": self.backpressure.stall_timeout_ms,
-                "first_token_error": self.streaming.on_first_token_timeout == "error",
-                "drain_timeout_ms": self.server.drain_timeout_ms,
-            },
+        """The mapping `llmflow._core.Runtime` takes: the policy and the lifecycle around it
+        (with `state.backend: redis`, slots leased from the shared store)."""
+        lifecycle: dict[str, Any] = {
+            "stall_timeout_ms": self.backpressure.stall_timeout_ms,
+            "first_token_error": self.streaming.on_first_token_timeout == "error",
+            "drain_timeout_ms": self.server.drain_timeout_ms,
         }
+        if self.state.backend == "redis":
+            lifecycle["leases"] = {"on_loss": self.state.on_loss, "replicas": self.state.replicas}
+        return {"policy": self.to_core(), "lifecycle": lifecycle}
 
 
 def _check_keys(settings: Settings) -> None:
