@@ -75,7 +75,7 @@ impl LifecycleConfig {
                 "must be >= 0",
             ));
         }
-        if let Some(leases) = &self.leases {
+        if let Some(leases) = self.leases {
             leases.validate()?;
         }
         Ok(())

@@ -43,15 +43,18 @@ pub struct LeaseConfig {
 }
 
 impl LeaseConfig {
-    pub(super) fn validate(&self) -> PolicyResult<()> {
+    pub(super) fn validate(self) -> PolicyResult<()> {
         if self.replicas == 0 {
-            return Err(PolicyError::config("lifecycle.leases.replicas", "must be >= 1"));
+            return Err(PolicyError::config(
+                "lifecycle.leases.replicas",
+                "must be >= 1",
+            ));
         }
         Ok(())
     }
 
     /// The slots of a backend with `cap` counted as held elsewhere while the store is lost.
-    fn lost_elsewhere(&self, cap: u32) -> u32 {
+    fn lost_elsewhere(self, cap: u32) -> u32 {
         match self.on_loss {
             OnLoss::FailClosed => cap,
             OnLoss::LocalShare => cap - (cap / self.replicas).max(1).min(cap),
@@ -323,13 +326,26 @@ mod tests {
         );
         assert!(!kinds(&acts).contains(&"start"), "{acts:?}");
         let acts = rt.handle(1, &Event::LeaseGranted { id: 1 }).unwrap();
-        assert!(matches!(acts[0], Action::Start { id: 1, backend: 0, .. }), "{acts:?}");
+        assert!(
+            matches!(
+                acts[0],
+                Action::Start {
+                    id: 1,
+                    backend: 0,
+                    ..
+                }
+            ),
+            "{acts:?}"
+        );
         assert_eq!(rt.leases_held(), vec![vec![1]]);
         let acts = rt.handle(2, &Event::Done { id: 1 }).unwrap();
         assert_eq!(kinds(&acts), ["end", "release"]);
         assert_eq!(rt.leases_held(), vec![Vec::<u64>::new()]);
         // A second grant for it (a late duplicate) does nothing.
-        assert!(rt.handle(3, &Event::LeaseGranted { id: 1 }).unwrap().is_empty());
+        assert!(rt
+            .handle(3, &Event::LeaseGranted { id: 1 })
+            .unwrap()
+            .is_empty());
     }
 
     // A request that ends while its lease is asked: a grant that comes after is released (no
@@ -344,7 +360,10 @@ mod tests {
         rt.handle(1, &Event::ClientGone { id: 2 }).unwrap();
         let acts = rt.handle(2, &Event::LeaseGranted { id: 1 }).unwrap();
         assert_eq!(acts, [Action::Release { id: 1, backend: 0 }]);
-        assert!(rt.handle(2, &Event::LeaseDenied { id: 2 }).unwrap().is_empty());
+        assert!(rt
+            .handle(2, &Event::LeaseDenied { id: 2 })
+            .unwrap()
+            .is_empty());
         assert_eq!(rt.leases_held(), vec![Vec::<u64>::new()]);
     }
 
@@ -368,7 +387,14 @@ mod tests {
         rt.handle(2, &synced(2)).unwrap(); // ours and one other: still full
         assert_eq!(rt.governor().backends[0].elsewhere, 1);
         let acts = rt.handle(3, &synced(1)).unwrap(); // only ours: request 2 asks again
-        assert_eq!(acts[0], Action::Lease { id: 2, backend: 0, cap: 2 });
+        assert_eq!(
+            acts[0],
+            Action::Lease {
+                id: 2,
+                backend: 0,
+                cap: 2
+            }
+        );
     }
 
     // A lost store under fail_closed: every slot is held elsewhere, the failed ask is decided
@@ -398,7 +424,14 @@ mod tests {
             )
             .unwrap();
         assert!(!rt.store_is_lost());
-        assert_eq!(acts[0], Action::Lease { id: 2, backend: 0, cap: 2 });
+        assert_eq!(
+            acts[0],
+            Action::Lease {
+                id: 2,
+                backend: 0,
+                cap: 2
+            }
+        );
     }
 
     // A lost store under local_share: all but cap / replicas (at least one) are held
