@@ -2,8 +2,8 @@
 
 With `state: {backend: redis}` every replica's runtime still decides alone, the slot leases
 included (`rust/src/runtime/lease.rs`); this module carries its `Lease` and `Release`
-actions to Redis (`RedisStore`, the `llmflow.store.LeaseStore` protocol) and feeds back what
-Redis said, as events:
+actions to Redis (`redis_store.RedisStore`, the `llmflow.store.LeaseStore` protocol) and feeds
+back what Redis said, as events:
 
 - **Leases.** A `Lease` action becomes one Lua script that purges expired leases and adds ours
   (a member of the sorted set `{prefix}:slots:{backend}` whose score is its expiry) only
@@ -49,6 +49,7 @@ import secrets
 import socket
 from typing import TYPE_CHECKING, Any
 
+from llmflow.gateway.redis_store import RedisStore
 from llmflow.store import lease_name
 
 if TYPE_CHECKING:
@@ -59,34 +60,9 @@ if TYPE_CHECKING:
     from llmflow.gateway.host import Host
     from llmflow.store import LeaseStore
 
-__all__ = ["RedisStore", "SharedSlots"]
+__all__ = ["SharedSlots"]
 
 log = logging.getLogger("llmflow.gateway")
-
-# KEYS[1] the backend's set; ARGV: lease id, ttl ms, the cap the runtime passed. 1: leased, 0:
-# the cap is reached (a compare-and-increment: the cap is not this script's to compute).
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], 10 * tonumber(ARGV[2]))
-return 1
-"""
-
-# KEYS[1] the backend's set; ARGV: ttl ms, then our live lease ids. Renews (or re-adds, after
-# Redis lost them) ours, purges the expired, and returns how many are live in all.
-_SYNC = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local expiry = now + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], expiry, ARGV[i]) end
-if #ARGV > 1 then redis.call('PEXPIRE', KEYS[1], 10 * tonumber(ARGV[1])) end
-return redis.call('ZCARD', KEYS[1])
-"""
-
 
 # KEYS: the replicas' expiry set and their weights; ARGV: replica, its waiting weight, ttl ms.
 # Records ours, forgets replicas that stopped syncing, returns the others' summed weight and
@@ -114,37 +90,6 @@ for i = 1, #all, 2 do
 end
 return {tostring(sum), tostring(before)}
 """
-
-
-class RedisStore:
-    """Slot leases in Redis (the `LeaseStore` protocol): each call one atomic Lua script.
-
-    Args:
-        client: the `redis.asyncio` client.
-        key_prefix: the prefix of the backends' lease sets.
-        ttl_ms: how long a lease lives after it was granted or last renewed.
-    """
-
-    def __init__(self, client: Any, key_prefix: str, ttl_ms: float) -> None:
-        self.client, self.prefix, self.ttl_ms = client, key_prefix, int(ttl_ms)
-        self._acquire = client.register_script(_ACQUIRE)
-        self._sync = client.register_script(_SYNC)
-
-    def _key(self, backend: str) -> str:
-        return f"{self.prefix}:slots:{backend}"
-
-    async def acquire(self, backend: str, lease: str, cap: int) -> bool:
-        """Add `lease` while fewer than `cap` are live; whether it was."""
-        return bool(await self._acquire(keys=[self._key(backend)], args=[lease, self.ttl_ms, cap]))
-
-    async def renew(self, backend: str, leases: list[str]) -> int:
-        """Renew `leases`; how many are live on the backend."""
-        return int(await self._sync(keys=[self._key(backend)], args=[self.ttl_ms, *leases]))
-
-    async def release(self, backend: str, leases: list[str]) -> None:
-        """Give `leases` back."""
-        if leases:
-            await self.client.zrem(self._key(backend), *leases)
 
 
 class SharedSlots:
@@ -251,7 +196,10 @@ class SharedSlots:
         """Renew our leases, count everyone's, feed the runtime the counts and the rest."""
         try:
             counts = {}
-            for backend, ids in self.host.runtime.leases_held():
+            for backend, _ in self.host.runtime.leases_held():
+                # What is held now, just before the call: a lease the runtime released since
+                # the loop began must not be renewed (re-added) behind its release.
+                ids = dict(self.host.runtime.leases_held())[backend]
                 leases = [lease_name(self.replica, rid) for rid in ids]
                 counts[backend] = await self.store.renew(backend, leases)
             async with self.client.pipeline(transaction=False) as pipe:

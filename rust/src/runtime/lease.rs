@@ -143,6 +143,12 @@ impl Runtime {
 
     /// After an event: release the leases of requests that ended, and mark asks whose request
     /// ended (their answer, if a grant, is released).
+    ///
+    /// A `Release` goes right after its request's terminal action, ahead of any `Lease` the
+    /// same event asked for (the freed slot's next request): a store that takes the calls in
+    /// the order they are issued then frees the slot before it is asked for again. Issued the
+    /// other way round, the ask found the store full and was denied, and the slot stayed idle
+    /// until the next sync: a replica ran below its share.
     pub(super) fn settle_leases(&mut self) {
         if !self.leases.enabled() {
             return;
@@ -156,7 +162,8 @@ impl Runtime {
                     ask.start = None;
                 } else if let Some(backend) = self.leases.held.remove(&id) {
                     if !self.leases.lost {
-                        self.out.push(Action::Release { id, backend });
+                        i += 1;
+                        self.out.insert(i, Action::Release { id, backend });
                     }
                 }
             }
@@ -346,6 +353,23 @@ mod tests {
             .handle(3, &Event::LeaseGranted { id: 1 })
             .unwrap()
             .is_empty());
+    }
+
+    // The slot a request frees goes back to the store before the next request asks for it:
+    // the Release comes right after the End, ahead of the queued request's Lease.
+    #[test]
+    fn release_goes_before_the_next_lease() {
+        let mut rt = runtime("fail_closed", 2);
+        for id in 1..=2 {
+            rt.handle(0, &arrive(id)).unwrap();
+            rt.handle(0, &Event::LeaseGranted { id }).unwrap();
+        }
+        let acts = rt.handle(1, &arrive(3)).unwrap();
+        assert!(kinds(&acts).contains(&"queued"), "{acts:?}");
+        let acts = rt.handle(2, &Event::Done { id: 1 }).unwrap();
+        let order: Vec<_> = kinds(&acts).into_iter().filter(|k| *k != "arm").collect();
+        assert_eq!(order, ["end", "release", "lease"], "{acts:?}");
+        assert_eq!(acts[1], Action::Release { id: 1, backend: 0 });
     }
 
     // A request that ends while its lease is asked: a grant that comes after is released (no
