@@ -294,15 +294,11 @@ mod tests {
         );
         let mut rt = Runtime::from_json(&config).unwrap();
         let mut text = header(&config).unwrap();
-        let arrive = |id| Event::Arrive {
-            id,
-            tenant: 1,
-            prompt: 10,
-            max_tokens: 10,
-            stream: true,
-            pool: 0,
-            chain: vec![],
-            fingerprint: 0,
+        let arrive = |id: u64| -> Event {
+            let line = format!(
+                r#"{{"arrive":{{"id":{id},"tenant":1,"prompt":10,"max_tokens":10,"stream":true}}}}"#
+            );
+            serde_json::from_str(&line).unwrap()
         };
         let events = [
             (10, arrive(1)),

@@ -287,17 +287,12 @@ mod tests {
         .unwrap()
     }
 
+    // As a trace line reads it, so the fields a trace may leave out take their defaults.
     fn arrive(id: u64) -> Event {
-        Event::Arrive {
-            id,
-            tenant: 1,
-            prompt: 10,
-            max_tokens: 10,
-            stream: true,
-            pool: 0,
-            chain: vec![],
-            fingerprint: 0,
-        }
+        let line = format!(
+            r#"{{"arrive":{{"id":{id},"tenant":1,"prompt":10,"max_tokens":10,"stream":true}}}}"#
+        );
+        serde_json::from_str(&line).unwrap()
     }
 
     fn kinds(acts: &[Action]) -> Vec<&'static str> {
