@@ -1,7 +1,9 @@
 """The lifecycle lives once, in the core's runtime: the hosts' Python must not grow it back.
 
 The gateway and the simulator feed events to `llmflow._core.Runtime` and carry out its actions.
-Timers, deadlines, the stall rule, backend health, Retry-After and dispatch are the runtime's.
+Timers, deadlines, the stall rule, backend health, Retry-After, dispatch and the replicas' slot
+leases (caps, when to ask, a refusal, a lost store, release, which leases a sync renews) are
+the runtime's.
 This test reads the hosts' sources and fails on the usual suspects; each exception is listed
 with the reason it is not lifecycle.
 """
@@ -14,7 +16,12 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "llmflow"
-HOSTS = [*sorted((PACKAGE / "gateway").rglob("*.py")), PACKAGE / "sim" / "policies.py"]
+HOSTS = [
+    *sorted((PACKAGE / "gateway").rglob("*.py")),
+    PACKAGE / "sim" / "policies.py",
+    PACKAGE / "sim" / "replicas.py",
+    PACKAGE / "store.py",
+]
 
 SUSPECTS = {
     "a timer of its own": (
@@ -31,6 +38,11 @@ SUSPECTS = {
         r"|\bGovernor\("
     ),
     "a stall watcher": r"StallWatch|stalled_for|busy_since",
+    "lease arithmetic": (
+        r"\bgpus\s*\*|\bper_gpu\b|\bcap\s*//|//\s*[\w.]*replicas\b|\b(count|live)\s*-\s*"
+        r"|len\(self\.held"
+    ),
+    "a lease decision": r"\bon_loss\s*[!=]=|\bgranted\s+or\b|\blost\s+and\b|\.held\[",
 }
 
 # (file, suspect) pairs that are not lifecycle, each with why.
@@ -52,6 +64,9 @@ ALLOWED = {
     ("gateway/ws.py", "a timer of its own"),
     # The embedded simulated backend is a backend, not the gateway's lifecycle.
     ("gateway/embedded.py", "a timer of its own"),
+    # The simulated Redis's round trip and the sync period are I/O timing (inputs to the
+    # runtime, as the scrape period is), not a lease rule.
+    ("sim/replicas.py", "a simulated timer"),
 }
 
 
@@ -87,6 +102,12 @@ def test_the_check_can_fail(tmp_path: Path) -> None:
         "enough = state.failures >= FAILURES_BEFORE_UNHEALTHY or not state.ever_scraped",
         "for expired in self.governor.expire(now_us()):",
         "ev = self.env.timeout(self.settings.backpressure.stall_timeout_ms / 1000.0)",
+        "self.caps = {b.name: b.gpus * per_gpu for b in settings.backends}",
+        "elsewhere = cap - max(cap // self.state.replicas, 1)",
+        'if granted or (self.lost and self.state.on_loss == "local_share"):',
+        'if self.state.on_loss == "fail_closed":',
+        "elsewhere_n = max(count - len(self.held[backend]), 0)",
+        "mine_n = sum(1 for b, _ in self.held[k].values() if b == backend)",
     ]
     for line in old:
         assert any(re.search(p, line) for p in SUSPECTS.values()), line

@@ -400,7 +400,25 @@ class SetHealth:
     backend: str
     healthy: bool
 
-Action = Start | Wait | Abort | Reply | Cut | End | Arm | SetHealth
+@final
+class Lease:
+    """Ask the shared store for a lease on one of `backend`'s slots, granted only while fewer
+    than `cap` leases are live there (atomically, across replicas); then feed
+    `Runtime.lease_granted`, `lease_denied`, or `lease_failed` (the store did not answer).
+    The request's `Start` follows the grant. Sent only with `lifecycle.leases`."""
+
+    request_id: int
+    backend: str
+    cap: int
+
+@final
+class Release:
+    """Give the request's lease on `backend` back to the shared store (the request ended)."""
+
+    request_id: int
+    backend: str
+
+Action = Start | Wait | Abort | Reply | Cut | End | Arm | SetHealth | Lease | Release
 
 @final
 class Runtime:
@@ -560,7 +578,35 @@ class Runtime:
     def lease_denied(self, request_id: int, now_us: int) -> list[Action]:
         """The shared store refused the slot lease of a started request (it never reached the
         backend): the request is decided again, as an arrival (queued, started, or refused with
-        a Retry-After), and one more slot counts as held elsewhere until the next sync."""
+        a Retry-After), and one more slot counts as held elsewhere until the next sync. With
+        `lifecycle.leases`, only an answer to a pending `Lease` counts."""
+    def lease_granted(self, request_id: int, now_us: int) -> list[Action]:
+        """The shared store granted a `Lease`: its `Start` follows (or, when the request ended
+        while the store was asked, a `Release`)."""
+    def lease_failed(self, request_id: int, now_us: int) -> list[Action]:
+        """The shared store did not answer a `Lease`: the store counts as lost, and the
+        request is settled as `lifecycle.leases.on_loss` says (`local_share`: started
+        unleased; `fail_closed`: decided again, with every slot held elsewhere)."""
+    def store_lost(self, now_us: int) -> list[Action]:
+        """Another call to the shared store (a sync, a `Release`) failed: the store counts as
+        lost (`fail_closed`: every slot held elsewhere; `local_share`: all but cap / replicas,
+        at least one; no `Release` goes out until a sync succeeds)."""
+    def store_synced(
+        self,
+        backend: str,
+        live: int,
+        now_us: int,
+        *,
+        waiting: float = 0.0,
+        waiting_before: float = 0.0,
+    ) -> list[Action]:
+        """A sync with the shared store succeeded: `live` leases are held on `backend`, this
+        replica's among them (the rest count as held elsewhere), and other replicas have
+        tenants of total weight `waiting` waiting, `waiting_before` of it on the replicas
+        ordered before this one. The store is no longer lost."""
+    def leases_held(self) -> list[tuple[str, list[int]]]:
+        """The request ids whose leases this replica holds, by backend (every backend listed):
+        what each sync renews. Empty without `lifecycle.leases`."""
     def drain(self, now_us: int) -> list[Action]:
         """Stop admitting; cut whatever is live when the drain timeout passes."""
     def take_trace(self) -> str:

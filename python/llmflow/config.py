@@ -393,9 +393,12 @@ class Settings(_Section):
         }
 
     def to_runtime(self) -> dict[str, Any]:
-        """The mapping `llmflow._core.Runtime` takes: the policy and the lifecycle around it."""
-        lifecycle = {key: _at(self, path) for key, path in _LIFECYCLE.items()}
+        """The mapping `llmflow._core.Runtime` takes: the policy and the lifecycle around it
+        (with `state.backend: redis`, slots leased from the shared store)."""
+        lifecycle: dict[str, Any] = {key: _at(self, path) for key, path in _LIFECYCLE.items()}
         lifecycle["first_token_error"] = self.streaming.on_first_token_timeout == "error"
+        if self.state.backend == "redis":
+            lifecycle["leases"] = {"on_loss": self.state.on_loss, "replicas": self.state.replicas}
         return {"policy": self.to_core(), "lifecycle": lifecycle}
 
 

@@ -311,6 +311,58 @@ mod tests {
         ));
     }
 
+    // A runtime leasing its slots from a shared store: its events and the `lease` and
+    // `release` actions go into the trace, and it replays (the config carries the leases).
+    #[test]
+    fn replays_a_leased_trace() {
+        let config = format!(
+            r#"{{"policy": {}, "lifecycle": {{"leases": {{"on_loss": "local_share", "replicas": 2}}}}}}"#,
+            sample_json()
+        );
+        let mut rt = Runtime::from_json(&config).unwrap();
+        let mut text = header(&config).unwrap();
+        let arrive = |id: u64| -> Event {
+            let line = format!(
+                r#"{{"arrive":{{"id":{id},"tenant":1,"prompt":10,"max_tokens":10,"stream":true}}}}"#
+            );
+            serde_json::from_str(&line).unwrap()
+        };
+        let events = [
+            (10, arrive(1)),
+            (11, arrive(2)),
+            (20, Event::LeaseGranted { id: 1 }),
+            (21, Event::LeaseDenied { id: 2 }),
+            (
+                30,
+                Event::StoreSynced {
+                    backend: 0,
+                    live: 1,
+                    waiting: 1.0,
+                    waiting_before: 0.5,
+                },
+            ),
+            (35, Event::Done { id: 1 }),
+            (40, Event::LeaseFailed { id: 2 }),
+            (50, Event::StoreLost),
+        ];
+        for (t, ev) in &events {
+            let result = rt.handle(*t, ev);
+            record(&mut text, *t, ev, result.as_deref());
+        }
+        for word in [
+            r#"{"lease":{"id":1,"backend":0,"cap":2}}"#,
+            r#""lease_granted":{"id":1}"#,
+            r#"{"release":{"id":1,"backend":0}}"#,
+            r#""store_synced":{"backend":0,"live":1"#,
+            r#""lease_failed":{"id":2}"#,
+            r#""ev":"store_lost""#,
+        ] {
+            assert!(text.contains(word), "{word} not in {text}");
+        }
+        let done = replay(&text).unwrap();
+        assert_eq!(done.events, events.len() as u64);
+    }
+
     // Any edited action is found, with its line.
     #[test]
     fn finds_a_changed_action() {

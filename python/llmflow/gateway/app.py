@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from typing import TextIO
 
     from llmflow.config import Settings
+    from llmflow.gateway.shared_state import SharedSlots
 
 __all__ = ["Gateway", "create_admin_app", "create_app"]
 
@@ -99,10 +100,11 @@ class Gateway:
         context = {model: min(length[b] for b in on) for model, _, on in self.pools}
         self.models = {name: context[served] for name, served in self.aliases.items()}
         self.scraper: Scraper | None = None
+        self.shared: SharedSlots | None = None  # the Redis I/O, with `state.backend: redis`
         if settings.state.backend == "redis":
             from llmflow.gateway.shared_state import SharedSlots
 
-            self.host.leases = SharedSlots(settings, self.host)
+            self.host.leases = self.shared = SharedSlots(settings, self.host)
         self.relay = RelayHost(self.host, settings) if settings.server.relay else None
         self.ctx: SessionContext | None = None
         self.service: CompletionService | None = None
@@ -123,10 +125,10 @@ class Gateway:
             self.host, self.upstream, urls, s.metrics.scrape_interval_ms / 1e3, s.kv.block_size
         )
         self.metrics.scraper = self.scraper
-        if self.host.leases is not None:
+        if self.shared is not None:
             from llmflow.gateway.shared_scrape import SharedScrapes
 
-            self.scraper.shared = SharedScrapes(self.host.leases, s.metrics.scrape_interval_ms)
+            self.scraper.shared = SharedScrapes(self.shared, s.metrics.scrape_interval_ms)
         light_settings = uncapped_light(s) if self.shadow is not None else s
         serving = {model: on for model, _, on in self.pools}
         self.light = light = LightService(light_settings, urls, self.upstream.client, serving)
@@ -167,9 +169,9 @@ class Gateway:
             prefix_models=prefix_models,
             block_size=s.kv.block_size,
         )
-        if self.host.leases is not None:
-            await self.host.leases.sync()
-            self.host.leases.begin(self.tasks)
+        if self.shared is not None:
+            await self.shared.sync()
+            self.shared.begin(self.tasks)
         await self.scraper.scrape_all()
         self.scraper.start(self.tasks)
         _settle_heap()
@@ -207,8 +209,8 @@ class Gateway:
         await self.drain()
         if self.scraper is not None:
             await self.scraper.stop()
-        if self.host.leases is not None:
-            await self.host.leases.close()
+        if self.shared is not None:
+            await self.shared.close()
         for task in list(self.tasks):
             task.cancel("llmflow gateway shutting down")
         if self.tasks:

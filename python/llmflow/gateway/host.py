@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from llmflow._core import Abort, Arm, Cut, End, Reply, SetHealth, Start, Wait
+from llmflow._core import Abort, Arm, Cut, End, Lease, Release, Reply, SetHealth, Start, Wait
 from llmflow.gateway.signals import NO_SIGNALS
 
 if TYPE_CHECKING:
@@ -23,10 +23,9 @@ if TYPE_CHECKING:
     from typing import TextIO
 
     from llmflow._core import Action, Runtime
-    from llmflow.gateway.shared_state import SharedSlots
     from llmflow.gateway.signals import ClientSignals
 
-__all__ = ["Host", "Party", "now_us"]
+__all__ = ["Host", "Leases", "Party", "now_us"]
 
 log = logging.getLogger("llmflow.gateway")
 
@@ -51,6 +50,13 @@ class Party(Protocol):
     def on_end(self, outcome: str) -> None: ...
 
 
+class Leases(Protocol):
+    """Where the runtime's slot-lease actions are carried (`shared_state.SharedSlots`)."""
+
+    def lease(self, action: Lease) -> None: ...
+    def release(self, action: Release) -> None: ...
+
+
 class Host:
     """Carries out the runtime's actions on one event loop.
 
@@ -66,30 +72,25 @@ class Host:
         self._ids = itertools.count(1)
         self._trace = trace
         self._timer: asyncio.TimerHandle | None = None
-        # Slot leases shared with other replicas (`state: {backend: redis}`); None: this
-        # process alone, and a Start is carried out at once.
-        self.leases: SharedSlots | None = None
+        # Slot leases shared with other replicas (`state: {backend: redis}`), where the
+        # runtime's `Lease` and `Release` go; None: this process alone (it sends none).
+        self.leases: Leases | None = None
         self._carry_by_type: dict[type, Callable[[Any], None]] = {
-            Start: self._start,
+            Start: lambda a: self.parties[a.request_id].on_start(a),
             Wait: lambda a: None,
             Abort: lambda a: self.parties[a.request_id].on_abort(),
-            Reply: lambda a: self._ended(a.request_id).on_reply(a),
-            Cut: lambda a: self._ended(a.request_id).on_cut(a.reason),
-            End: lambda a: self._ended(a.request_id).on_end(a.outcome),
+            Reply: lambda a: self.parties.pop(a.request_id).on_reply(a),
+            Cut: lambda a: self.parties.pop(a.request_id).on_cut(a.reason),
+            End: lambda a: self.parties.pop(a.request_id).on_end(a.outcome),
             Arm: self._arm,
             SetHealth: lambda a: self.on_health(a.backend, a.healthy),
+            Lease: lambda a: self._store().lease(a),
+            Release: lambda a: self._store().release(a),
         }
 
-    def _start(self, action: Start) -> None:
-        if self.leases is None:
-            self.parties[action.request_id].on_start(action)
-        else:
-            self.leases.start(action)  # on_start once the lease is held
-
-    def _ended(self, request_id: int) -> Party:
-        if self.leases is not None:
-            self.leases.ended(request_id)
-        return self.parties.pop(request_id)
+    def _store(self) -> Leases:
+        assert self.leases is not None, "a runtime with lifecycle.leases needs host.leases"
+        return self.leases
 
     def new_id(self) -> int:
         """A fresh request id."""
@@ -233,16 +234,21 @@ class Host:
     def scrape_failed(self, backend: str, reachable: bool = False) -> None:
         self.carry(self.runtime.scrape_failed(backend, now_us(), reachable=reachable))
 
-    def shared_load(
-        self, backend: str, elsewhere: int, waiting: float = 0.0, before: float = 0.0
+    def store_synced(
+        self, backend: str, live: int, waiting: float = 0.0, before: float = 0.0
     ) -> None:
-        """Other replicas hold `elsewhere` of `backend`'s slots and have tenants of total
-        weight `waiting` waiting, `before` of it on the replicas ordered before this one."""
+        """The shared store holds `live` leases on `backend` (ours among them), and other
+        replicas have tenants of total weight `waiting` waiting, `before` of it on the
+        replicas ordered before this one."""
         now = now_us()
-        actions = self.runtime.shared_load(
-            backend, elsewhere, now, waiting=waiting, waiting_before=before
+        actions = self.runtime.store_synced(
+            backend, live, now, waiting=waiting, waiting_before=before
         )
         self.carry(actions)
+
+    def store_lost(self) -> None:
+        """A call to the shared store failed."""
+        self.carry(self.runtime.store_lost(now_us()))
 
     def shared_service(self, tenant: str, cost: float) -> None:
         """Other replicas gave `tenant` `cost` weighted tokens of service since the last sync."""
@@ -252,9 +258,17 @@ class Host:
         """Other replicas let `tenant` use `requests` and `tokens` since the last sync."""
         self.carry(self.runtime.shared_usage(tenant, requests, tokens, now_us()))
 
+    def lease_granted(self, request_id: int) -> None:
+        """The shared store granted a `Lease`."""
+        self.carry(self.runtime.lease_granted(request_id, now_us()))
+
     def lease_denied(self, request_id: int) -> None:
-        """The shared store refused a started request's slot lease."""
+        """The shared store refused a `Lease`."""
         self.carry(self.runtime.lease_denied(request_id, now_us()))
+
+    def lease_failed(self, request_id: int) -> None:
+        """The shared store did not answer a `Lease`."""
+        self.carry(self.runtime.lease_failed(request_id, now_us()))
 
     def drain(self) -> None:
         self.carry(self.runtime.drain(now_us()))

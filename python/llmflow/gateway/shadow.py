@@ -207,7 +207,9 @@ class ShadowHost(Host):
 
     def __init__(self, settings: Settings, trace: TextIO | None = None) -> None:
         super().__init__(Runtime(forwarding_config(settings)))
-        policy = Runtime(settings.to_runtime(), trace=trace is not None)
+        config = settings.to_runtime()
+        config["lifecycle"].pop("leases", None)  # the policy only records: it leases nothing
+        policy = Runtime(config, trace=trace is not None)
         self.policy: Host = _PolicyHost(policy, trace, self._catch_up_all)
         self.verdicts: dict[int, Verdict] = {}  # requests the policy runtime still holds
         # (what, tier, reason) of each would-have: the metrics' `llmflow_shadow_*`

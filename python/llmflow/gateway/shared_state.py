@@ -1,22 +1,24 @@
-"""Slots shared by gateway replicas through Redis: leases, carried out for the runtime.
+"""Slots shared by gateway replicas through Redis: the I/O the runtime's lease rule needs.
 
-With `state: {backend: redis}` every replica's runtime still decides alone; this module only
-does the Redis I/O its decisions need, and feeds the results back as events:
+With `state: {backend: redis}` every replica's runtime still decides alone, the slot leases
+included (`rust/src/runtime/lease.rs`); this module carries its `Lease` and `Release`
+actions to Redis (`redis_store.RedisStore`, the `llmflow.store.LeaseStore` protocol) and feeds
+back what Redis said, as events:
 
-- **Leases.** A `Start` reaches the backend only once this replica holds a lease on one of the
-  backend's slots: a member of the sorted set `{prefix}:slots:{backend}` whose score is its
-  expiry. One Lua script purges expired leases and adds ours only while fewer than the cap are
-  live, so the cap holds across replicas atomically. A refused lease is fed back
-  (`Runtime.lease_denied`): the runtime decides the request again. A lease is released when
-  the request ends, and renewed every sync while it runs; a replica killed with its leases
-  loses them within `lease_ttl_ms`, to nobody's action.
-- **The global picture.** Every `sync_interval_ms` one script per backend renews this
-  replica's leases, purges expired ones and counts the rest; the count less our own is fed as
-  `Runtime.shared_load`, so the runtime's free slots reflect other replicas' requests.
+- **Leases.** A `Lease` action becomes one Lua script that purges expired leases and adds ours
+  (a member of the sorted set `{prefix}:slots:{backend}` whose score is its expiry) only
+  while fewer than the cap the runtime passed are live, so the cap holds across replicas
+  atomically. The answer is fed back: `lease_granted` (the runtime then says `Start`),
+  `lease_denied`, or `lease_failed` when Redis could not answer. A `Release` removes the
+  lease. A replica killed with its leases loses them within `lease_ttl_ms`, to nobody's
+  action.
+- **The global picture.** Every `sync_interval_ms` one script per backend renews the leases
+  the runtime says this replica holds (`Runtime.leases_held`), purges expired ones and counts
+  the rest, fed as `Runtime.store_synced`: the runtime takes its own off the count.
 - **Fair split between replicas.** Each sync also publishes the weight of the tenants this
   replica has waiting (`{prefix}:waiting`, expiring after three syncs) and reads the others'
   sum, and the part of it on replicas whose ids sort before ours; both go with
-  `shared_load`, and while others wait the core runs at most its share of each backend by
+  `store_synced`, and while others wait the core runs at most its share of each backend by
   that weight (the order lets the core round the shares so they add up to the cap), so slots
   do not stick to the replica that frees them.
 - **Fair order.** Each sync also adds this replica's per-tenant service (the weighted tokens
@@ -29,11 +31,9 @@ does the Redis I/O its decisions need, and feeds the results back as events:
   replica enforces the tenant's whole limit on the tenant's whole use, one sync late: in `T`
   seconds a tenant gets at most its limit's `T` seconds, one bucket per replica, and what each
   replica admits in one sync period.
-- **Loss of Redis.** A failed call marks the store lost: with `on_loss: fail_closed` the
-  runtime is told every slot is held elsewhere (requests queue and are refused with a
-  Retry-After when the queue fills or their wait expires; none starts without a lease); with
-  `local_share` it is told all but `cap / replicas` are, and starts go ahead unleased. The next
-  sync that succeeds re-adds the leases of what is still running and feeds the true count.
+- **Loss of Redis.** A failed call is fed as `store_lost` (`lease_failed` for a lease): what
+  the runtime then does (`on_loss`) is its own rule. The next sync that succeeds renews what
+  the runtime still holds and feeds the true count.
 
 Times in the scripts are Redis's own clock (`TIME`), so replicas' clocks need not agree.
 """
@@ -49,40 +49,20 @@ import secrets
 import socket
 from typing import TYPE_CHECKING, Any
 
+from llmflow.gateway.redis_store import RedisStore
+from llmflow.store import lease_name
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from llmflow._core import Start
+    from llmflow._core import Lease, Release
     from llmflow.config import Settings
     from llmflow.gateway.host import Host
+    from llmflow.store import LeaseStore
 
 __all__ = ["SharedSlots"]
 
 log = logging.getLogger("llmflow.gateway")
-
-# KEYS[1] the backend's set; ARGV: lease id, ttl ms, cap. 1: leased, 0: the cap is reached.
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], 10 * tonumber(ARGV[2]))
-return 1
-"""
-
-# KEYS[1] the backend's set; ARGV: ttl ms, then our live lease ids. Renews (or re-adds, after
-# Redis lost them) ours, purges the expired, and returns how many are live in all.
-_SYNC = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local expiry = now + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], expiry, ARGV[i]) end
-if #ARGV > 1 then redis.call('PEXPIRE', KEYS[1], 10 * tonumber(ARGV[1])) end
-return redis.call('ZCARD', KEYS[1])
-"""
-
 
 # KEYS: the replicas' expiry set and their weights; ARGV: replica, its waiting weight, ttl ms.
 # Records ours, forgets replicas that stopped syncing, returns the others' summed weight and
@@ -113,12 +93,12 @@ return {tostring(sum), tostring(before)}
 
 
 class SharedSlots:
-    """This replica's leases on the backends' slots, and the sync with Redis.
+    """This replica's side of the shared state: the runtime's leases carried to Redis, and
+    the sync.
 
     Args:
-        settings: the config (its `state` section names Redis; caps come from `gate` and
-            `backends`).
-        host: the runtime's host, fed `shared_load` and `lease_denied`.
+        settings: the config (its `state` section names Redis).
+        host: the runtime's host, fed what Redis answered.
     """
 
     def __init__(self, settings: Settings, host: Host) -> None:
@@ -136,15 +116,11 @@ class SharedSlots:
         # Redis I/O bounds, not request rules: a call that hangs counts as the store lost.
         io_s = max(state.lease_ttl_ms / 3e3, 0.05)
         self.client = aioredis.from_url(state.url, socket_timeout=io_s, socket_connect_timeout=io_s)
+        self.store: LeaseStore = RedisStore(self.client, state.key_prefix, state.lease_ttl_ms)
         # Host and pid name the replica for a person; the random part keeps two replicas apart
         # that share both (containers are all pid 1, and a copied pod can share a hostname),
         # whose leases and waiting weights would otherwise count as one replica's.
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        per_gpu = settings.gate.max_concurrency_per_gpu
-        self.caps = {b.name: b.gpus * per_gpu for b in settings.backends}
-        self.keys = {b: f"{state.key_prefix}:slots:{b}" for b in self.caps}
-        self.held: dict[str, dict[int, str]] = {b: {} for b in self.caps}  # backend -> id -> lease
-        self.backend_of: dict[int, str] = {}
         self.tenants = [t.name for t in settings.tenants]
         if settings.anonymous_tenant not in self.tenants:
             self.tenants.append(settings.anonymous_tenant)
@@ -166,61 +142,40 @@ class SharedSlots:
                 lambda t: self.host.runtime.tenant_usage(t)[1],
             ),
         }
-        self.lost = False
-        self._acquire = self.client.register_script(_ACQUIRE)
-        self._sync = self.client.register_script(_SYNC)
+        self.lost = False  # for the log: the runtime keeps its own account
         self._waiting = self.client.register_script(_WAITING)
         self.waiting_keys = [f"{state.key_prefix}:waiting", f"{state.key_prefix}:waiting-weight"]
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
 
-    # ---- leases ------------------------------------------------------------------------------
+    # ---- the runtime's lease actions ---------------------------------------------------------
 
-    def start(self, action: Start) -> None:
-        """Carry out `Start` once its lease is held (or fed back as denied)."""
-        self._spawn(self._lease_then_start(action))
+    def lease(self, action: Lease) -> None:
+        """Ask Redis for the lease; feed back its answer."""
+        self._spawn(self._lease(action))
 
-    async def _lease_then_start(self, action: Start) -> None:
-        rid, backend = action.request_id, action.backend
-        lease = f"{self.replica}:{rid}"
-        granted = await self._try_acquire(backend, lease)
-        party = self.host.parties.get(rid)
-        if party is None:  # ended while we asked (client gone, deadline, drain)
-            if granted:
-                self._spawn(self._release(backend, lease))
+    async def _lease(self, action: Lease) -> None:
+        rid = action.request_id
+        try:
+            granted = await self.store.acquire(
+                action.backend, lease_name(self.replica, rid), action.cap
+            )
+        except Exception as exc:  # redis-py raises its own kinds and OSErrors
+            self._warn(exc)
+            self.host.lease_failed(rid)
             return
-        if granted or (self.lost and self.state.on_loss == "local_share"):
-            self.held[backend][rid] = lease
-            self.backend_of[rid] = backend
-            party.on_start(action)
+        if granted:
+            self.host.lease_granted(rid)
         else:
             self.host.lease_denied(rid)
 
-    async def _try_acquire(self, backend: str, lease: str) -> bool:
-        if self.lost:
-            return False
-        try:
-            ok = await self._acquire(
-                keys=[self.keys[backend]],
-                args=[lease, int(self.state.lease_ttl_ms), self.caps[backend]],
-            )
-        except Exception as exc:  # redis-py raises its own kinds and OSErrors
-            self._lose(exc)
-            return False
-        return bool(ok)
+    def release(self, action: Release) -> None:
+        """Give the lease back."""
+        self._spawn(self._release(action.backend, [lease_name(self.replica, action.request_id)]))
 
-    def ended(self, request_id: int) -> None:
-        """The request ended: give its lease back."""
-        backend = self.backend_of.pop(request_id, None)
-        if backend is None:
-            return
-        lease = self.held[backend].pop(request_id, None)
-        if lease is not None and not self.lost:
-            self._spawn(self._release(backend, lease))
-
-    async def _release(self, backend: str, lease: str) -> None:
+    async def _release(self, backend: str, leases: list[str]) -> None:
         try:
-            await self.client.zrem(self.keys[backend], lease)
+            await self.store.release(backend, leases)
         except Exception as exc:  # it expires within the TTL anyway
             self._lose(exc)
 
@@ -238,14 +193,15 @@ class SharedSlots:
             await asyncio.sleep(self.state.sync_interval_ms / 1e3)
 
     async def sync(self) -> None:
-        """Renew our leases, count everyone's, feed the runtime what other replicas hold."""
+        """Renew our leases, count everyone's, feed the runtime the counts and the rest."""
         try:
             counts = {}
-            for backend, key in self.keys.items():
-                leases = list(self.held[backend].values())
-                counts[backend] = int(
-                    await self._sync(keys=[key], args=[int(self.state.lease_ttl_ms), *leases])
-                )
+            for backend, _ in self.host.runtime.leases_held():
+                # What is held now, just before the call: a lease the runtime released since
+                # the loop began must not be renewed (re-added) behind its release.
+                ids = dict(self.host.runtime.leases_held())[backend]
+                leases = [lease_name(self.replica, rid) for rid in ids]
+                counts[backend] = await self.store.renew(backend, leases)
             async with self.client.pipeline(transaction=False) as pipe:
                 for totals in self.totals.values():
                     totals.publish(pipe)
@@ -265,9 +221,8 @@ class SharedSlots:
         if self.lost:
             log.warning("shared state: Redis back at %s", self.state.url)
             self.lost = False
-        for backend, count in counts.items():
-            elsewhere_n = max(count - len(self.held[backend]), 0)
-            self.host.shared_load(backend, elsewhere_n, waiting, before)
+        for backend, live in counts.items():
+            self.host.store_synced(backend, live, waiting, before)
         for tenant, cost in elsewhere["service"].items():
             self.host.shared_service(tenant, cost)
         for tenant in self.tenants:
@@ -276,16 +231,14 @@ class SharedSlots:
             if requests > 0 or tokens > 0:
                 self.host.shared_usage(tenant, requests, tokens)
 
-    def _lose(self, exc: BaseException) -> None:
+    def _warn(self, exc: BaseException) -> None:
         if not self.lost:
             log.warning("shared state: Redis lost (%s: %s)", type(exc).__name__, exc)
         self.lost = True
-        for backend, cap in self.caps.items():
-            if self.state.on_loss == "fail_closed":
-                elsewhere = cap
-            else:
-                elsewhere = cap - max(cap // self.state.replicas, 1)
-            self.host.shared_load(backend, elsewhere)
+
+    def _lose(self, exc: BaseException) -> None:
+        self._warn(exc)
+        self.host.store_lost()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -301,9 +254,8 @@ class SharedSlots:
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=1.0)
         with contextlib.suppress(Exception):
-            for backend, leases in self.held.items():
-                if leases:
-                    await self.client.zrem(self.keys[backend], *leases.values())
+            for backend, ids in self.host.runtime.leases_held():
+                await self.store.release(backend, [lease_name(self.replica, i) for i in ids])
         await self.client.aclose()
 
 

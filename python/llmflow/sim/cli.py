@@ -164,10 +164,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _fidelity(args: argparse.Namespace) -> int:
     from llmflow.sim.fidelity import render, report
+    from llmflow.sim.scenario import search_roots
 
     root = args.cases
     if root is None:
-        found = [r / "sim" / "fidelity-cases" for r in _roots()]
+        found = [r / "sim" / "fidelity-cases" for r in search_roots()]
         root = next((f for f in found if f.is_dir()), Path("sim/fidelity-cases"))
     try:
         table = render(report(root))

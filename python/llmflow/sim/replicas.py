@@ -1,29 +1,33 @@
 """N gateway replicas sharing slot leases and fair-queue counters through a simulated Redis.
 
-Each replica is a `GatedPolicy` (its own `Runtime`, scrapes and timer) and the gateway's
-shared-state protocol (`gateway/shared_state.py`) is replayed in simulated time: a `Start` is
-carried out only after the lease script's round trip (`redis_rtt_ms`), a refused lease is fed
-back as `lease_denied`, every `sync_ms` each replica renews its leases, counts everyone's and
-exchanges per-tenant service and waiting weight (`shared_load`, `shared_service`), and a lease
-is released when its request ends. Redis's state changes at the instant a call reaches it
-(half the round trip). Arrivals go to replicas round robin, or by tenant (`balance:
-by_tenant`: tenant i to replica i mod N, the uneven spread that tests fairness). A replica
-may crash (`crash_at_s`): its requests fail, and its leases hold their slots until
-`lease_ttl_ms` expires them.
+Each replica is a `GatedPolicy` (its own `Runtime`, scrapes and timer, built with
+`lifecycle.leases` as the gateway's is with Redis) and the gateway's shared-state protocol
+(`gateway/shared_state.py`) is replayed in simulated time: the runtime's `Lease` goes to the
+simulated store (`SimRedis`, the same `llmflow.store.LeaseStore` protocol in memory) and its
+answer comes back a round trip (`redis_rtt_ms`) later as `lease_granted` / `lease_denied`;
+its `Release` reaches the store half a round trip later; every `sync_ms` each replica renews
+the leases its runtime holds, counts everyone's and exchanges per-tenant service and waiting
+weight (`store_synced`, `shared_service`). Every lease decision is the runtime's. Redis's
+state changes at the instant a call reaches it (half the round trip). Arrivals go to replicas
+round robin, or by tenant (`balance: by_tenant`: tenant i to replica i mod N, the uneven
+spread that tests fairness). A replica may crash (`crash_at_s`): its requests fail, and its
+leases hold their slots until `lease_ttl_ms` expires them.
 `shared: false` runs the N replicas with no Redis at all, each on the whole cap.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from llmflow._core import Cut, End, Reply, Start
+from llmflow._core import Lease, Release
+from llmflow.config import State
 from llmflow.sim.clients import ERROR
 from llmflow.sim.policies import GatedPolicy
+from llmflow.store import lease_name
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Generator
+    from collections.abc import Callable, Coroutine, Generator
 
     import simpy
 
@@ -32,8 +36,11 @@ if TYPE_CHECKING:
     from llmflow.sim.clients import Attempt
     from llmflow.sim.cluster import Cluster
     from llmflow.sim.scenario import ReplicaSpec
+    from llmflow.store import LeaseStore
 
 __all__ = ["ReplicatedPolicy", "SimRedis"]
+
+T = TypeVar("T")
 
 
 # The per-tenant counters replicas share, as the gateway does (`gateway/shared_state.py`):
@@ -46,11 +53,15 @@ _COUNTERS: dict[str, Callable[[Runtime, str], float]] = {
 
 
 class SimRedis:
-    """The leases and the per-tenant counter hashes (service, requests, tokens), as Redis
-    holds them."""
+    """The leases (the `LeaseStore` protocol, in memory) and the per-tenant counter hashes
+    (service, requests, tokens), as Redis holds them.
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.env = env
+    Its calls answer at the instant they reach it (the caller's SimPy process waits the round
+    trip): each coroutine completes without suspending, run by `at_once`.
+    """
+
+    def __init__(self, env: simpy.Environment, ttl_s: float) -> None:
+        self.env, self.ttl_s = env, ttl_s
         self.leases: dict[str, dict[str, float]] = {}  # backend -> lease -> expiry (sim s)
         self.totals: dict[str, dict[str, float]] = {name: {} for name in _COUNTERS}
         self.waiting: dict[int, tuple[float, float]] = {}  # replica -> (weight, expiry)
@@ -61,18 +72,25 @@ class SimRedis:
             del leases[lease]
         return leases
 
-    def acquire(self, backend: str, lease: str, ttl_s: float, cap: int) -> bool:
+    async def acquire(self, backend: str, lease: str, cap: int) -> bool:
+        """The Lua script's compare-and-increment against the runtime's cap."""
         leases = self._live(backend)
         if len(leases) >= cap:
             return False
-        leases[lease] = self.env.now + ttl_s
+        leases[lease] = self.env.now + self.ttl_s
         return True
 
-    def sync(self, backend: str, mine: list[str], ttl_s: float) -> int:
-        leases = self._live(backend)
-        for lease in mine:
-            leases[lease] = self.env.now + ttl_s
-        return len(leases)
+    async def renew(self, backend: str, leases: list[str]) -> int:
+        """Renew `leases`; how many are live."""
+        live = self._live(backend)
+        for lease in leases:
+            live[lease] = self.env.now + self.ttl_s
+        return len(live)
+
+    async def release(self, backend: str, leases: list[str]) -> None:
+        """Give `leases` back."""
+        for lease in leases:
+            self.leases.get(backend, {}).pop(lease, None)
 
     def waiting_elsewhere(self, replica: int, weight: float, ttl_s: float) -> tuple[float, float]:
         """The other replicas' summed waiting weight, and the part of it on replicas numbered
@@ -82,8 +100,15 @@ class SimRedis:
         others = sum(w for r, w in live if r != replica)
         return others, sum(w for r, w in live if r < replica)
 
-    def release(self, backend: str, lease: str) -> None:
-        self.leases.get(backend, {}).pop(lease, None)
+
+def at_once(call: Coroutine[Any, Any, T]) -> T:
+    """The answer of a `SimRedis` call, which never suspends."""
+    try:
+        call.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    call.close()
+    raise RuntimeError("a simulated store call suspended")
 
 
 class _Queued:
@@ -111,16 +136,24 @@ class ReplicatedPolicy:
         self, env: simpy.Environment, cluster: Cluster, settings: Settings, spec: ReplicaSpec
     ) -> None:
         self.env, self.spec = env, spec
+        if spec.shared:  # each runtime leases its slots, as the gateway's with Redis
+            state = State(
+                backend="redis",
+                url="redis://simulated/0",
+                on_loss=settings.state.on_loss,
+                lease_ttl_ms=spec.lease_ttl_ms,
+                sync_interval_ms=spec.sync_ms,
+                replicas=spec.n,
+            )
+            settings = settings.model_copy(update={"state": state})
         self.replicas = [GatedPolicy(env, cluster, settings) for _ in range(spec.n)]
         for k, gp in enumerate(self.replicas):
             gp._ids = k * 1_000_000_000  # request ids are the engine's keys: apart per replica
         self.runtime = _Queued(self.replicas)
-        self.redis = SimRedis(env)
-        per_gpu = settings.gate.max_concurrency_per_gpu
-        self.caps = {b.name: b.gpus * per_gpu for b in settings.backends}
+        self.redis = SimRedis(env, spec.lease_ttl_ms / 1e3)
+        self.store: LeaseStore = self.redis
         self.routing = [t.name for t in settings.tenants]  # by_tenant: i-th tenant -> replica i
         self.tenants = [*self.routing, settings.anonymous_tenant]
-        self.held: list[dict[int, tuple[str, str]]] = [{} for _ in self.replicas]
         # per replica, per shared counter: ours as last added, and everyone's as last read
         self.published = [
             {name: dict.fromkeys(self.tenants, 0.0) for name in _COUNTERS} for _ in self.replicas
@@ -181,68 +214,51 @@ class ReplicatedPolicy:
     # ---- the shared-state protocol -----------------------------------------------------------
 
     def _wrap(self, k: int, gp: GatedPolicy) -> None:
-        """Start waits for its lease; each terminal action gives the lease back."""
-        start = gp._do[Start]
+        """The runtime's lease actions go to the simulated store."""
 
-        def leased(a: Start) -> None:
-            self.env.process(self._lease(k, gp, a, start))
+        def lease(a: Lease) -> None:
+            self.env.process(self._lease(k, gp, a))
 
-        gp._do[Start] = leased
-        for kind in (Reply, Cut, End):
-            gp._do[kind] = self._releasing(k, gp._do[kind])
+        def release(a: Release) -> None:
+            self.env.process(self._release(k, a))
 
-    def _releasing(self, k: int, carry: Callable[[Any], None]) -> Callable[[Any], None]:
-        def done(a: Any) -> None:
-            carry(a)
-            self._release(k, a.request_id)
-
-        return done
+        gp._do[Lease], gp._do[Release] = lease, release
 
     def _half(self) -> simpy.Event:
         return self.env.timeout(self.spec.redis_rtt_ms / 2e3)
 
-    def _lease(self, k: int, gp: GatedPolicy, a: Start, start: Any) -> Generator[Any, Any, None]:
-        lease = f"{k}:{a.request_id}"
+    def _lease(self, k: int, gp: GatedPolicy, a: Lease) -> Generator[Any, Any, None]:
         yield self._half()
         if k in self.dead:
             return
-        ok = self.redis.acquire(
-            a.backend, lease, self.spec.lease_ttl_ms / 1e3, self.caps[a.backend]
-        )
+        lease = lease_name(str(k), a.request_id)
+        granted = at_once(self.store.acquire(a.backend, lease, a.cap))
         yield self._half()
         if k in self.dead:
             return
-        if a.request_id not in gp._atts:  # ended while the script ran
-            if ok:
-                self.env.process(self._release_at_redis(a.backend, lease))
-            return
-        if ok:
-            self.held[k][a.request_id] = (a.backend, lease)
-            start(a)
+        if granted:
+            gp._carry(gp.runtime.lease_granted(a.request_id, gp._now_us()))
         else:
             self.lease_denials += 1
             gp._carry(gp.runtime.lease_denied(a.request_id, gp._now_us()))
 
-    def _release(self, k: int, rid: int) -> None:
-        held = self.held[k].pop(rid, None)
-        if held is not None and k not in self.dead:
-            self.env.process(self._release_at_redis(*held))
-
-    def _release_at_redis(self, backend: str, lease: str) -> Generator[Any, Any, None]:
+    def _release(self, k: int, a: Release) -> Generator[Any, Any, None]:
         yield self._half()
-        self.redis.release(backend, lease)
+        at_once(self.store.release(a.backend, [lease_name(str(k), a.request_id)]))
 
     def _sync(self, k: int) -> Generator[Any, Any, None]:
-        gp, ttl_s = self.replicas[k], self.spec.lease_ttl_ms / 1e3
+        gp = self.replicas[k]
         while k not in self.dead:
             yield self.env.timeout(self.spec.sync_ms / 1e3)
             yield self._half()
             if k in self.dead:
                 return
-            counts = {}
-            for backend in self.caps:
-                mine = [lease for b, lease in self.held[k].values() if b == backend]
-                counts[backend] = self.redis.sync(backend, mine, ttl_s)
+            counts = {
+                backend: at_once(
+                    self.store.renew(backend, [lease_name(str(k), rid) for rid in ids])
+                )
+                for backend, ids in gp.runtime.leases_held()
+            }
             delta: dict[str, dict[str, float]] = {}
             for name, counter in _COUNTERS.items():
                 delta[name] = {}
@@ -258,12 +274,10 @@ class ReplicatedPolicy:
             )
             yield self._half()
             now = gp._now_us()
-            for backend, count in counts.items():
-                mine_n = sum(1 for b, _ in self.held[k].values() if b == backend)
-                elsewhere = max(count - mine_n, 0)
+            for backend, live in counts.items():
                 gp._carry(
-                    gp.runtime.shared_load(
-                        backend, elsewhere, now, waiting=waiting, waiting_before=before
+                    gp.runtime.store_synced(
+                        backend, live, now, waiting=waiting, waiting_before=before
                     )
                 )
             seen, self.seen[k] = self.seen[k], everyone
@@ -295,7 +309,7 @@ class ReplicatedPolicy:
                 up.backend.abort(up.seq)
             gp._atts.pop(rid, None)
             att.end(ERROR, reason="replica_crashed")
-        self.held[k].clear()  # its leases stay in Redis until they expire
+        # its leases stay in the store until they expire
 
 
 def _gone(_action: object) -> None:

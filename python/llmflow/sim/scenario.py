@@ -20,6 +20,7 @@ __all__ = [
     "Arrival", "BackendGroup", "ClientSpec", "Dist", "GpuMapping", "Link", "PolicySpec", "Retry",
     "Scenario",
     "ScenarioError", "Slo", "WorkloadClass", "all_scenarios", "find_scenario", "load_scenario",
+    "search_roots",
 ]
 
 
@@ -364,7 +365,9 @@ def load_scenario(path: str | Path) -> Scenario:
 _SEARCH = ("sim/scenarios", "sim/incidents")  # where a bare scenario name is looked up
 
 
-def _roots() -> list[Path]:
+def search_roots() -> list[Path]:
+    """Where scenario files and fidelity cases are looked up: the working folder, then the
+    checkout this package runs from (when it has `sim/`)."""
     checkout = Path(__file__).resolve().parents[3]  # python/llmflow/sim/scenario.py -> repo root
     return [Path.cwd(), *([checkout] if (checkout / "sim").is_dir() else [])]
 
@@ -380,7 +383,7 @@ def find_scenario(name: str) -> Path:
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
     tried = []
-    for root in _roots():
+    for root in search_roots():
         for folder in _SEARCH:
             cand = root / folder / f"{p.stem if p.suffix else name}.yaml"
             tried.append(str(cand))
@@ -392,7 +395,7 @@ def find_scenario(name: str) -> Path:
 def all_scenarios() -> list[Path]:
     """Every scenario `find_scenario` can name, one per name (the current folder's first)."""
     seen: dict[str, Path] = {}
-    for root in _roots():
+    for root in search_roots():
         for folder in _SEARCH:
             for f in sorted((root / folder).glob("*.yaml")):
                 seen.setdefault(f"{folder.split('/')[1]}/{f.stem}", f)

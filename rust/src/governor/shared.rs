@@ -36,6 +36,17 @@ impl Governor {
         Ok(())
     }
 
+    /// How many backends there are.
+    pub fn backend_count(&self) -> u32 {
+        self.backends.len() as u32
+    }
+
+    /// A backend's hard cap (GPUs x `max_concurrency_per_gpu`): what a slot lease in the
+    /// shared store is granted below.
+    pub fn backend_cap(&self, backend: u32) -> u32 {
+        self.backends[backend as usize].cap
+    }
+
     /// The weight of the tenants with requests waiting here (what other replicas are told).
     pub fn waiting_weight(&self) -> f64 {
         (0..self.config.tenants.len() as u32)

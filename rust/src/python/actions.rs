@@ -70,6 +70,21 @@ pub struct PySetHealth {
     healthy: bool,
 }
 
+/// Ask the shared store for a lease on one of the backend's slots, below `cap`.
+#[pyclass(name = "Lease", module = "llmflow._core", frozen, get_all)]
+pub struct PyLease {
+    request_id: u64,
+    backend: String,
+    cap: u32,
+}
+
+/// Give the request's lease back to the shared store.
+#[pyclass(name = "Release", module = "llmflow._core", frozen, get_all)]
+pub struct PyRelease {
+    request_id: u64,
+    backend: String,
+}
+
 /// Python's spelling of a value, for `__repr__`.
 trait PyRepr {
     fn py_repr(&self) -> String;
@@ -146,6 +161,8 @@ reprs! {
     PyEnd => "End": request_id, outcome;
     PyArm => "Arm": at_us;
     PySetHealth => "SetHealth": backend, healthy;
+    PyLease => "Lease": request_id, backend, cap;
+    PyRelease => "Release": request_id, backend;
 }
 
 /// One action as its Python class.
@@ -222,6 +239,23 @@ pub(super) fn action_to_py(py: Python<'_>, gov: &Governor, action: &Action) -> P
             PySetHealth {
                 backend: gov.backend_name(backend).to_owned(),
                 healthy,
+            },
+        )?
+        .into_any(),
+        Action::Lease { id, backend, cap } => Py::new(
+            py,
+            PyLease {
+                request_id: id,
+                backend: gov.backend_name(backend).to_owned(),
+                cap,
+            },
+        )?
+        .into_any(),
+        Action::Release { id, backend } => Py::new(
+            py,
+            PyRelease {
+                request_id: id,
+                backend: gov.backend_name(backend).to_owned(),
             },
         )?
         .into_any(),

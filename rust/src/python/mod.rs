@@ -27,6 +27,8 @@ pub mod _core {
     #[pymodule_export]
     use super::actions::{PyAbort, PyArm, PyCut, PyEnd, PyReply, PySetHealth, PyStart, PyWait};
     #[pymodule_export]
+    use super::actions::{PyLease, PyRelease};
+    #[pymodule_export]
     use super::decisions::{PyAdmission, PyAdmitted, PyExpired, PyQueued, PyRejected};
     #[pymodule_export]
     use super::errors::{

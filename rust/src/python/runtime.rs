@@ -389,6 +389,57 @@ impl PyRuntime {
         self.feed(py, now_us, &Event::LeaseDenied { id: request_id })
     }
 
+    fn lease_granted(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::LeaseGranted { id: request_id })
+    }
+
+    fn lease_failed(
+        &mut self,
+        py: Python<'_>,
+        request_id: u64,
+        now_us: u64,
+    ) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::LeaseFailed { id: request_id })
+    }
+
+    fn store_lost(&mut self, py: Python<'_>, now_us: u64) -> PyResult<Py<PyAny>> {
+        self.feed(py, now_us, &Event::StoreLost)
+    }
+
+    #[pyo3(signature = (backend, live, now_us, *, waiting=0.0, waiting_before=0.0))]
+    fn store_synced(
+        &mut self,
+        py: Python<'_>,
+        backend: &str,
+        live: u32,
+        now_us: u64,
+        waiting: f64,
+        waiting_before: f64,
+    ) -> PyResult<Py<PyAny>> {
+        let event = Event::StoreSynced {
+            backend: self.backend(backend)?,
+            live,
+            waiting,
+            waiting_before,
+        };
+        self.feed(py, now_us, &event)
+    }
+
+    /// The leases this replica holds, by backend name (each sync renews them); empty without
+    /// a shared store.
+    fn leases_held(&self) -> Vec<(String, Vec<u64>)> {
+        let gov = self.inner.governor();
+        (0_u32..)
+            .zip(self.inner.leases_held())
+            .map(|(b, ids)| (gov.backend_name(b).to_owned(), ids))
+            .collect()
+    }
+
     fn drain(&mut self, py: Python<'_>, now_us: u64) -> PyResult<Py<PyAny>> {
         self.feed(py, now_us, &Event::Drain)
     }

@@ -49,6 +49,12 @@ pub enum Action {
     Arm { at_us: u64 },
     /// A backend went down or came back.
     Backend { backend: u32, healthy: bool },
+    /// Ask the shared store for a lease on one of `backend`'s slots, granted only while fewer
+    /// than `cap` are held (atomically, across replicas); feed back `LeaseGranted`,
+    /// `LeaseDenied` or `LeaseFailed`. The request's `Start` follows the grant.
+    Lease { id: u64, backend: u32, cap: u32 },
+    /// Give the request's lease on `backend` back to the shared store (it ended).
+    Release { id: u64, backend: u32 },
 }
 
 /// A split request's prefill hop: where it goes first, and with which vLLM priority.

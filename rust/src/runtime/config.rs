@@ -2,6 +2,7 @@
 
 use serde::Deserialize;
 
+use super::lease::LeaseConfig;
 use crate::config::PolicyConfig;
 use crate::error::{PolicyError, PolicyResult};
 
@@ -25,6 +26,10 @@ pub struct LifecycleConfig {
     /// Consecutive failed scrapes that mark a backend down.
     #[serde(default = "default_scrape_failures")]
     pub scrape_failures_before_down: u32,
+    /// Slots are leased from a store shared by gateway replicas (`runtime/lease.rs`); `None`:
+    /// this process alone, and a `Start` goes out at once.
+    #[serde(default)]
+    pub leases: Option<LeaseConfig>,
 }
 
 fn default_drain_ms() -> f64 {
@@ -41,6 +46,7 @@ impl Default for LifecycleConfig {
             first_token_error: false,
             drain_timeout_ms: default_drain_ms(),
             scrape_failures_before_down: DEFAULT_SCRAPE_FAILURES,
+            leases: None,
         }
     }
 }
@@ -82,6 +88,9 @@ impl LifecycleConfig {
                 "lifecycle.drain_timeout_ms",
                 "must be >= 0",
             ));
+        }
+        if let Some(leases) = self.leases {
+            leases.validate()?;
         }
         Ok(())
     }

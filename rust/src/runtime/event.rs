@@ -97,6 +97,24 @@ pub enum Event {
     },
     /// Stop admitting; cut what is still live after the drain timeout.
     Drain,
+    /// The shared store granted the lease a `Lease` asked for (`runtime/lease.rs`).
+    LeaseGranted { id: u64 },
+    /// The shared store's call for a `Lease` failed (unreachable, or too slow): the store is
+    /// lost, and the request is settled as `lifecycle.leases.on_loss` says.
+    LeaseFailed { id: u64 },
+    /// Another call to the shared store (a sync, a release) failed: the store is lost.
+    StoreLost,
+    /// A sync with the shared store succeeded: `live` leases are held on the backend, this
+    /// replica's among them, and other replicas have tenants of total weight `waiting`
+    /// waiting, `waiting_before` of it on the replicas ordered before this one.
+    StoreSynced {
+        backend: u32,
+        live: u32,
+        #[serde(default)]
+        waiting: f64,
+        #[serde(default)]
+        waiting_before: f64,
+    },
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference

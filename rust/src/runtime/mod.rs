@@ -25,6 +25,7 @@ mod config;
 mod drain;
 mod event;
 mod health;
+mod lease;
 mod reply;
 mod session;
 #[cfg(test)]
@@ -34,12 +35,14 @@ mod timer;
 pub use action::{Action, PrefillHop};
 pub use config::{LifecycleConfig, RuntimeConfig};
 pub use event::Event;
+pub use lease::{LeaseConfig, OnLoss};
 pub use reply::{wire_retry_after, Reason, Refusal};
 
 use crate::error::{PolicyError, PolicyResult};
 use crate::governor::{Arrival, Route, Signals};
 use crate::Governor;
 use health::{Health, Scrape};
+use lease::Leases;
 use session::Sessions;
 use timer::Timer;
 
@@ -52,6 +55,7 @@ pub struct Runtime {
     drain_at: Option<u64>,
     health: Health,
     timer: Timer,
+    leases: Leases,
     out: Vec<Action>,
 }
 
@@ -68,6 +72,7 @@ impl Runtime {
         );
         Ok(Self {
             gov: Governor::new(config.policy)?,
+            leases: Leases::new(config.lifecycle.leases),
             life: config.lifecycle,
             sessions: Sessions::default(),
             drain_at: None,
@@ -139,6 +144,7 @@ impl Runtime {
             self.dispatch(now_us);
         }
         self.rearm();
+        self.settle_leases();
         Ok(())
     }
 
@@ -248,7 +254,16 @@ impl Runtime {
                     .set_elsewhere(backend, elsewhere, waiting, waiting_before)?;
                 true
             }
-            Event::LeaseDenied { id } => self.lease_denied(id, now)?,
+            Event::LeaseDenied { id } => self.lease_refused(id, now)?,
+            Event::LeaseGranted { id } => self.lease_granted(id),
+            Event::LeaseFailed { id } => self.lease_failed(id, now)?,
+            Event::StoreLost => self.store_lost()?,
+            Event::StoreSynced {
+                backend,
+                live,
+                waiting,
+                waiting_before,
+            } => self.store_synced(backend, live, waiting, waiting_before)?,
             Event::SharedService { tenant, cost } => {
                 self.gov.charge_elsewhere(tenant, cost)?;
                 false

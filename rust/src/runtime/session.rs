@@ -196,7 +196,7 @@ impl Runtime {
             backend,
             priority: self.gov.hop_priority(id),
         });
-        self.out.push(Action::Start {
+        self.start_leased(Action::Start {
             id,
             backend: a.backend,
             priority: a.priority,
