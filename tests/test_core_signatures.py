@@ -33,6 +33,8 @@ def runtime() -> Runtime:
         (Runtime.arrive, "(self, /, request_id, tenant, prompt_tokens, max_tokens, stream, now_us, "
                          "*, model=None, prefix_hashes=None, fingerprint=0, retries=None, "
                          "deadline_ms=None)"),
+        (Runtime.refusal, "(self, /, tenant, prompt_tokens, max_tokens, now_us, *, model=None, "
+                          "fingerprint=0, retries=None, deadline_ms=None)"),
         (Runtime.scrape_ok, f"(self, /, backend, began_us, now_us, {METRICS})"),
         (Governor.submit, "(self, /, request_id, tenant, prompt_tokens, max_tokens, now_us, *, "
                           "model=None, prefix_hashes=None)"),
@@ -73,6 +75,14 @@ def test_relay_signature_names_its_defaults() -> None:
          "argument 'retries': 'str' object cannot be interpreted as an integer"),
         (lambda r: r.arrive(1, "a", 10, 10, True, 0, deadline_ms=1.5),
          "argument 'deadline_ms': 'float' object cannot be interpreted as an integer"),
+        (lambda r: r.refusal("a", 10, 10, 0, None),
+         "Runtime.refusal() takes 4 positional arguments but 5 were given"),
+        (lambda r: r.refusal("a", 10, retries=1),
+         "Runtime.refusal() missing 2 required positional arguments: 'max_tokens' and 'now_us'"),
+        (lambda r: r.refusal("a", 10, 10, 0, stream=True),
+         "Runtime.refusal() got an unexpected keyword argument 'stream'"),
+        (lambda r: r.refusal("a", 10, 10, 0, fingerprint="x"),
+         "argument 'fingerprint': 'str' object cannot be interpreted as an integer"),
         (lambda r: r.scrape_ok("b0", 0, 1, 0.5),
          "Runtime.scrape_ok() takes 3 positional arguments but 4 were given"),
         (lambda r: r.scrape_ok("b0", 0, 1, kv=0.5),
@@ -115,6 +125,7 @@ def test_calls_by_keyword_and_in_any_order_are_taken() -> None:
                        request_id=1, prefix_hashes=[1, 2], fingerprint=5)
     assert type(started[0]).__name__ == "Start"
     assert r.scrape_ok(now_us=1, began_us=0, backend="b0", kv_usage=0.1, kv_blocks=900) == []
+    assert r.refusal(now_us=2, max_tokens=10, prompt_tokens=10, tenant="a", retries=1) is None
     g = Governor(CONFIG)
     assert type(g.submit(now_us=0, max_tokens=1, prompt_tokens=1, tenant="a",
                          request_id=9)).__name__ == "Admitted"

@@ -346,18 +346,6 @@ impl Governor {
         }
     }
 
-    /// Seconds by which a request's expected wait in the queue (those expected ahead of it,
-    /// `expected_ahead`, drained at `drain`) would overshoot its client's deadline: its client
-    /// would have given up before it starts, so it is refused now (told when the wait will be
-    /// within its budget) rather than started for nobody.
-    fn deadline_excess(&self, arrival: Arrival<'_>, late: bool, drain: f64) -> Option<f64> {
-        let budget_s = self.honoured(arrival.signals).deadline_us? as f64 / 1e6;
-        let tier_idx = self.tenant_tier[arrival.tenant as usize];
-        let ahead = self.expected_ahead(arrival.tenant, tier_idx, arrival.route.pool, late);
-        let wait_s = (ahead + 1) as f64 / drain;
-        (wait_s >= budget_s).then_some(wait_s - budget_s)
-    }
-
     /// Make a request `submit` let in live (started or queued): `arrival` as it is kept (after
     /// a brownout's clamp), when its client first came and its SLA clock started (`seen`),
     /// and now.

@@ -41,6 +41,7 @@ mod request;
 mod retries;
 mod shared;
 mod shedding;
+mod signals;
 
 use std::collections::BTreeSet;
 
@@ -338,22 +339,6 @@ impl Governor {
     /// and `late_yields` is on (off, retries are not told apart, as before either existed).
     pub(super) fn remembers(&self, fingerprint: u64) -> bool {
         fingerprint != 0 && self.config.late_yields
-    }
-
-    /// What a request's client said, as the config lets it count: a retry count above
-    /// `signals.max_retries` is not honoured, a deadline below `signals.min_deadline_ms` is
-    /// raised to it, and either is dropped where the config turns it off.
-    pub(super) fn honoured(&self, signals: Signals) -> Signals {
-        let bounds = &self.config.signals;
-        Signals {
-            retries: signals
-                .retries
-                .filter(|&n| bounds.retries && n <= bounds.max_retries),
-            deadline_us: signals
-                .deadline_us
-                .filter(|_| bounds.deadlines)
-                .map(|d| d.max(us(Some(bounds.min_deadline_ms)).unwrap_or(0))),
-        }
     }
 
     /// When the client of a request arriving now first came (its place in its lane), and when

@@ -191,42 +191,6 @@ impl Governor {
         (estimate > sla_s).then_some(estimate - sla_s)
     }
 
-    /// Queued requests a newcomer of this tenant is expected to wait behind, in its pool: all
-    /// of more important tiers; in its own tier, its tenant's own fresh requests and, under
-    /// fair order, from each other tenant at most the weighted share that tenant gets served
-    /// meanwhile (as `sla_excess` counts prompt tokens); in FIFO order, every fresh one. A late
-    /// newcomer waits behind its whole tier. (The queue position `decide` reports counts every
-    /// fresh request of the tier, which overstates a light tenant's wait under fair order.)
-    pub(super) fn expected_ahead(
-        &self,
-        tenant: u32,
-        tier_idx: usize,
-        pool: u32,
-        late: bool,
-    ) -> usize {
-        let q = &self.queue;
-        let higher: usize = (0..tier_idx).map(|t| q.pool_tier_len(pool, t)).sum();
-        if late || q.strategy() != Strategy::Fair {
-            let own_tier = if late {
-                q.pool_tier_len(pool, tier_idx)
-            } else {
-                q.pool_tier_fresh_len(pool, tier_idx)
-            };
-            return higher + own_tier;
-        }
-        let own = q.pool_tenant_fresh_len(pool, tenant);
-        let served = (own + 1) as f64 / q.weight(tenant);
-        let others: usize = self.tier_tenants[tier_idx]
-            .iter()
-            .filter(|&&t| t != tenant)
-            .map(|&t| {
-                q.pool_tenant_fresh_len(pool, t)
-                    .min((served * q.weight(t)) as usize)
-            })
-            .sum();
-        higher + own + others
-    }
-
     /// vLLM priority (lower runs first): the tier in the thousands, then the request's KV
     /// footprint, so long requests lose priority to short ones of the same tier.
     pub(super) fn priority(&self, tier_idx: usize, tokens: u64) -> i64 {

@@ -175,20 +175,26 @@ impl PyRuntime {
     }
 
     /// What `arrive` would answer now if it refused at once: (status, reason, Retry-After).
-    #[pyo3(signature = (tenant, prompt_tokens, max_tokens, now_us, *, model=None, fingerprint=0,
-        retries=None, deadline_ms=None))]
-    #[allow(clippy::too_many_arguments)] // the arguments of `arrive` it answers for
+    #[pyo3(signature = (*args, **kwargs), text_signature = "($self, tenant, prompt_tokens, \
+        max_tokens, now_us, *, model=None, fingerprint=0, retries=None, deadline_ms=None)")]
     fn refusal(
         &self,
-        tenant: &str,
-        prompt_tokens: i64,
-        max_tokens: i64,
-        now_us: u64,
-        model: Option<&str>,
-        fingerprint: u64,
-        retries: Option<i64>,
-        deadline_ms: Option<i64>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Option<(u16, &'static str, u32)>> {
+        const REFUSAL: Signature = Signature {
+            full_name: "Runtime.refusal()",
+            positional: &["tenant", "prompt_tokens", "max_tokens", "now_us"],
+            optional: 0,
+            keyword_only: &["model", "fingerprint", "retries", "deadline_ms"],
+        };
+        let a = REFUSAL.bind(args, kwargs)?;
+        let tenant: &str = a.get(0)?;
+        let (prompt_tokens, max_tokens): (i64, i64) = (a.get(1)?, a.get(2)?);
+        let now_us: u64 = a.get(3)?;
+        let model: Option<&str> = a.get_or(4, None)?;
+        let fingerprint: u64 = a.get_or(5, 0)?;
+        let signals = signals(a.get_or(6, None)?, a.get_or(7, None)?)?;
         let gov = self.inner.governor();
         let route = Route {
             pool: gov.pool_of(model)?,
@@ -200,9 +206,7 @@ impl PyRuntime {
             non_negative("prompt_tokens", prompt_tokens)?,
             non_negative("max_tokens", max_tokens)?,
         );
-        let arrival = arrival
-            .with_route(route)
-            .with_signals(signals(retries, deadline_ms)?);
+        let arrival = arrival.with_route(route).with_signals(signals);
         let refused = self.inner.refusal(arrival, now_us)?;
         Ok(refused.map(|r| (r.status, r.reason.as_str(), r.retry_after_s)))
     }
