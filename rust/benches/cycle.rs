@@ -62,6 +62,8 @@ fn runtime_cycles(n: u64) -> f64 {
             pool: 0,
             chain: vec![],
             fingerprint: 0,
+            retries: None,
+            deadline_ms: None,
         };
         rt.feed(now, &arrive).unwrap();
         black_box(rt.actions());
