@@ -25,9 +25,16 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from llmflow._core import config_problem
+from llmflow.config_paths import (
+    CORE_KNOBS,
+    CORE_SIGNALS,
+    CORE_SIZES,
+    LIFECYCLE,
+    core_error,
+    value_at,
+)
 
 __all__ = ["ConfigFileError", "Settings", "load_settings", "parse_duration_ms"]
 
@@ -342,7 +349,7 @@ class Settings(_Section):
     def _check(self) -> Settings:
         problem = config_problem(self.to_runtime())  # the core's checks, first
         if problem is not None:
-            raise _core_error(self, *problem)
+            raise core_error(self, *problem)
         # `default_tier` is the file's own key: the core sees it as the tier of the anonymous
         # tenant `to_core` adds, which a file that declares `anonymous` replaces.
         tier_names = [t.name for t in self.tiers]
@@ -385,110 +392,21 @@ class Settings(_Section):
             ],
             "models": dict(self.models),
             "routing": self.routing.model_dump(),
-            **{key: _at(self, path) for key, path in _CORE_SIZES.items()},
+            **{key: value_at(self, path) for key, path in CORE_SIZES.items()},
             "tiers": [t.model_dump() for t in self.tiers],
             "tenants": tenants,
-            **{key: _at(self, path) for key, path in _CORE_KNOBS.items()},
-            "signals": {key: _at(self, path) for key, path in _CORE_SIGNALS.items()},
+            **{key: value_at(self, path) for key, path in CORE_KNOBS.items()},
+            "signals": {key: value_at(self, path) for key, path in CORE_SIGNALS.items()},
         }
 
     def to_runtime(self) -> dict[str, Any]:
         """The mapping `llmflow._core.Runtime` takes: the policy and the lifecycle around it
         (with `state.backend: redis`, slots leased from the shared store)."""
-        lifecycle: dict[str, Any] = {key: _at(self, path) for key, path in _LIFECYCLE.items()}
+        lifecycle: dict[str, Any] = {key: value_at(self, path) for key, path in LIFECYCLE.items()}
         lifecycle["first_token_error"] = self.streaming.on_first_token_timeout == "error"
         if self.state.backend == "redis":
             lifecycle["leases"] = {"on_loss": self.state.on_loss, "replicas": self.state.replicas}
         return {"policy": self.to_core(), "lifecycle": lifecycle}
-
-
-# Where the file holds each value the core reads by its own name: `to_core` and `to_runtime`
-# read the file through these tables, and a core error about a key is reported at its path.
-# (Lists and maps keep their layout: the core's `tiers[2].shed_at` is the file's
-# `tiers.2.shed_at`, `models.fast` is `models.fast`; see `_file_loc`.)
-_CORE_SIZES: dict[str, tuple[str, ...]] = {
-    "block_size": ("kv", "block_size"),
-    "max_concurrency_per_gpu": ("gate", "max_concurrency_per_gpu"),
-    "max_waiting": ("gate", "queue", "max_waiting"),
-    "strategy": ("gate", "queue", "strategy"),
-}
-_CORE_KNOBS: dict[str, tuple[str, ...]] = {
-    "kv_pressure_threshold": ("kv", "pressure_threshold"),
-    "ttft_sla_ms": ("sla", "ttft_ms"),
-    "prefill_tokens_per_s": ("sla", "prefill_tokens_per_s"),
-    "preemption_cooldown_ms": ("preemption", "cooldown_ms"),
-    "queue_timeout_ms": ("gate", "queue", "max_wait_ms"),
-    "queue_follows_drain": ("gate", "queue", "follow_drain"),
-    "late_yields": ("sla", "late_requests_yield"),
-    "first_token_timeout_ms": ("streaming", "first_token_timeout_ms"),
-    "request_timeout_ms": ("timeouts", "total_ms"),
-    "stale_after_ms": ("metrics", "stale_after_ms"),
-    "input_token_weight": ("kv", "input_token_weight"),
-    "output_token_weight": ("kv", "output_token_weight"),
-    "kv_weight": ("kv", "kv_weight"),
-    "kv_fit_target": ("kv", "fit_target"),
-    "headroom_quantile": ("gate", "headroom_quantile"),
-    "headroom_wait_ms": ("gate", "headroom_wait_ms"),
-    "tpot_target_ms": ("gate", "tpot_target_ms"),
-}
-_CORE_SIGNALS: dict[str, tuple[str, ...]] = {  # the core's `signals` section
-    "retries": ("signals", "retry_headers"),
-    "max_retries": ("signals", "max_retry_count"),
-    "deadlines": ("signals", "deadline_headers"),
-    "min_deadline_ms": ("signals", "min_deadline_ms"),
-}
-_LIFECYCLE: dict[str, tuple[str, ...]] = {
-    "stall_timeout_ms": ("backpressure", "stall_timeout_ms"),
-    "drain_timeout_ms": ("server", "drain_timeout_ms"),
-}
-_CORE_PATHS = {
-    **_CORE_SIZES,
-    **_CORE_KNOBS,
-    **{f"signals.{key}": path for key, path in _CORE_SIGNALS.items()},
-    **{f"lifecycle.{key}": path for key, path in _LIFECYCLE.items()},
-}
-_ENTRY = re.compile(r"^(backends|tiers|tenants)\[(\d+)\](?:\.(\w+))?(?:\[(\d+)\])?$")
-Loc = tuple[str | int, ...]
-
-
-def _at(settings: Settings, path: Loc) -> Any:
-    value: Any = settings
-    for part in path:
-        if isinstance(part, int) or isinstance(value, dict):
-            value = value[part]
-        else:
-            value = getattr(value, part)
-    return value
-
-
-def _file_loc(settings: Settings, key: str) -> Loc:
-    """Where in the file the core's `key` is: the path a pydantic error would name."""
-    if key in _CORE_PATHS:
-        return _CORE_PATHS[key]
-    if entry := _ENTRY.match(key):
-        section, index, field, item = entry.groups()
-        if section == "tenants" and int(index) >= len(settings.tenants):
-            return ("default_tier",)  # the anonymous tenant `to_core` adds
-        loc: Loc = (section, int(index))
-        loc += (field,) if field else ()
-        return loc + ((int(item),) if item else ())
-    for prefix in ("models.", "routing.pools.", "routing."):
-        if key.startswith(prefix):  # a model's name may hold dots: it is the rest, whole
-            return (*prefix.rstrip(".").split("."), key.removeprefix(prefix))
-    return (key,) if key in ("backends", "tiers", "tenants", "models") else ()
-
-
-def _core_error(settings: Settings, key: str, message: str) -> ValidationError:
-    loc = _file_loc(settings, key)
-    try:
-        value = _at(settings, loc)
-    except (AttributeError, IndexError, KeyError):
-        value = None
-    if key != ".".join(map(str, loc)) and loc != ("default_tier",):  # as the core names it
-        message = f"{message} [core key `{key}`]"
-    problem = PydanticCustomError("core_config", "{detail}", {"detail": message})
-    detail = InitErrorDetails(type=problem, loc=loc, input=value)
-    return ValidationError.from_exception_data("Settings", [detail])
 
 
 def _check_keys(settings: Settings) -> None:
