@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from llmflow.sim.costmodel import FixedStepCost
-from llmflow.sim.engine import EngineConfig, EngineCore, Seq
+from tests.sim.test_engine_starved import engine_log
 
 pytestmark = pytest.mark.integration
 
@@ -28,18 +27,7 @@ STORED = HERE.parent / "sim" / "data" / "vllm_scheduler_sharegpt_starved.json"
 
 
 def _engine_log(case: dict[str, Any]) -> list[list[int]]:
-    core = EngineCore(EngineConfig(**case["engine"]), FixedStepCost(1.0))
-    core.step_log = log = []
-    todo = sorted(enumerate(case["requests"]), key=lambda r: r[1][0])
-    step = i = 0
-    while i < len(todo) or not core.idle:
-        while i < len(todo) and todo[i][1][0] <= step:
-            rid, (_, prompt, out) = todo[i]
-            core.add(Seq(rid, prompt, out), float(step))
-            i += 1
-        if core.schedule(float(step)) is not None:
-            core.complete(float(step + 1))
-        step += 1
+    log = engine_log(case["engine"], [tuple(r) for r in case["requests"]], checked=False)
     return [[r.running, r.waiting, len(r.preempted), r.decodes + r.prefill_tokens] for r in log]
 
 
