@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tests.conformance import llmflow_config
 from tests.processes import free_port
 
 from benchmarks.gatewaybench.procs import ROUTER_VERSION, Proc, ensure_router, spawn, wait_http
@@ -44,16 +45,7 @@ if TYPE_CHECKING:
 
 def llmflow_gateway(port: int, backend_port: int, logdir: Path) -> Proc:
     """`llmflow serve` with a cap of 4 and a queue of 8, in front of the suite's backend."""
-    config = {
-        "backends": [{"name": "b0", "url": f"http://127.0.0.1:{backend_port}",
-                      "models": ["conformance"], "max_model_len": 1_000_000}],
-        "metrics": {"scrape_interval_ms": 100},
-        "gate": {"max_concurrency_per_gpu": 4, "headroom_quantile": None,
-                 "queue": {"max_waiting": 8, "follow_drain": False}},
-        "backpressure": {"stall_timeout_ms": 1000},
-        "streaming": {"sse_flush_interval": 0},
-        "tenants": [{"name": t, "tier": t, "api_keys": [k]} for t, k in KEYS.items()],
-    }
+    config = llmflow_config(backend_port, KEYS)
     path = logdir / "llmflow.yaml"
     path.write_text(json.dumps(config, indent=2))  # JSON is YAML
     cmd = [sys.executable, "-m", "llmflow.cli", "serve", "--config", str(path), "--port",

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
+from tests.conformance import llmflow_config
 from tests.processes import GatewayProcess, free_port, own_process_group, tail
 
 if TYPE_CHECKING:
@@ -112,21 +113,8 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> N
 
 
 def test_llmflow_passes_every_invariant(tmp_path: Path) -> None:
-    # A cap of 4 and a queue of 8 that holds (no places for what the queue drains), the
-    # stall cut at 1 s, tiers named by keys; batch may borrow every slot (no headroom kept
-    # for the latency tiers) so that its flood fills the gateway before the VIP requests come.
     port = free_port()
-    config = {
-        "backends": [{"name": "b0", "url": f"http://127.0.0.1:{port}",
-                      "models": ["conformance"], "max_model_len": 1_000_000}],
-        "metrics": {"scrape_interval_ms": 100},
-        "gate": {"max_concurrency_per_gpu": 4, "headroom_quantile": None,
-                 "queue": {"max_waiting": 8, "follow_drain": False}},
-        "backpressure": {"stall_timeout_ms": 1000},
-        "streaming": {"sse_flush_interval": 0},
-        "tenants": [{"name": tier, "tier": tier, "api_keys": [key]}
-                    for tier, key in KEYS.items()],
-    }
+    config = llmflow_config(port, KEYS)  # batch may borrow every slot: see there
     gateway = GatewayProcess(config, tmp_path)
     args = ("--max-concurrency", "4", "--api-key", KEYS["normal"], "--vip-key", KEYS["vip"],
             "--batch-key", KEYS["batch"], "--stall-within", "5")
