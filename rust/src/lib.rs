@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 pub mod fair_queue;
 pub mod governor;
+pub mod hosted;
 pub mod kv;
 pub mod light;
 #[cfg(feature = "relay")]

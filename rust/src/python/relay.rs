@@ -124,6 +124,7 @@ impl PyRelay {
             traceparent,
             include_usage,
             deferred,
+            sink: None,
         };
         self.inner
             .open(request)

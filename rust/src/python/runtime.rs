@@ -10,13 +10,14 @@ use super::errors::{non_negative, ConfigError, InvalidArgumentError, TraceMismat
 use super::signature::{Metrics, Signature, METRICS};
 use crate::governor::{Arrival, Route, Signals};
 use crate::runtime::{Event, Runtime};
+use crate::hosted::{Hosted, SharedRuntime};
 use crate::trace;
+use std::sync::MutexGuard;
 
 /// The request lifecycle around the governor; see `llmflow._core.pyi`.
 #[pyclass(name = "Runtime", module = "llmflow._core")]
 pub struct PyRuntime {
-    inner: Runtime,
-    trace: Option<String>,
+    shared: SharedRuntime,
 }
 
 /// A client's signals as `arrive` and `refusal` take them: counts and milliseconds, never
@@ -33,13 +34,23 @@ fn signals(retries: Option<i64>, deadline_ms: Option<i64>) -> PyResult<Signals> 
 }
 
 impl PyRuntime {
+    /// The runtime this object shares with the native front, when one serves beside Python.
+    pub fn shared(&self) -> SharedRuntime {
+        std::sync::Arc::clone(&self.shared)
+    }
+
+    fn core(&self) -> MutexGuard<'_, Hosted> {
+        Hosted::lock(&self.shared)
+    }
+
     fn feed(&mut self, py: Python<'_>, now_us: u64, event: &Event) -> PyResult<Py<PyAny>> {
         let list = pyo3::types::PyList::empty(py);
         self.feed_into(py, now_us, event, &list)?;
         Ok(list.into_any().unbind())
     }
 
-    /// Feed one event and append its actions to `list`.
+    /// Feed one event and append its actions to `list` (those of requests the native front
+    /// serves go to it instead).
     fn feed_into(
         &mut self,
         py: Python<'_>,
@@ -47,21 +58,18 @@ impl PyRuntime {
         event: &Event,
         list: &Bound<'_, pyo3::types::PyList>,
     ) -> PyResult<()> {
-        let result = self.inner.feed(now_us, event);
-        if let Some(buf) = self.trace.as_mut() {
-            let actions = self.inner.actions();
-            trace::record(buf, now_us, event, result.as_ref().map(|&()| actions));
-        }
-        result?;
-        let gov = self.inner.governor();
-        for action in self.inner.actions() {
-            list.append(action_to_py(py, gov, action)?)?;
-        }
-        Ok(())
+        let mut converted = Ok(());
+        Hosted::lock(&self.shared).feed(now_us, event, |runtime, action| {
+            if converted.is_ok() {
+                converted = action_to_py(py, runtime.governor(), action)
+                    .and_then(|a| list.append(a));
+            }
+        })?;
+        converted
     }
 
     fn backend(&self, name: &str) -> PyResult<u32> {
-        Ok(self.inner.governor().backend_id(name)?)
+        Ok(self.core().runtime().governor().backend_id(name)?)
     }
 }
 
@@ -84,7 +92,9 @@ impl PyRuntime {
         } else {
             None
         };
-        Ok(Self { inner, trace })
+        Ok(Self {
+            shared: Hosted::new(inner, trace).shared(),
+        })
     }
 
     #[pyo3(signature = (*args, **kwargs), text_signature = "($self, request_id, tenant, \
@@ -123,13 +133,18 @@ impl PyRuntime {
         let prefix_hashes: Option<Vec<u64>> = a.get_or(7, None)?;
         let fingerprint: u64 = a.get_or(8, 0)?;
         let signals = signals(a.get_or(9, None)?, a.get_or(10, None)?)?;
+        let (tenant, pool) = {
+            let core = self.core();
+            let gov = core.runtime().governor();
+            (gov.tenant_id(tenant)?, gov.pool_of(model)?)
+        };
         let event = Event::Arrive {
             id: request_id,
-            tenant: self.inner.governor().tenant_id(tenant)?,
+            tenant,
             prompt: non_negative("prompt_tokens", prompt_tokens)?,
             max_tokens: non_negative("max_tokens", max_tokens)?,
             stream,
-            pool: self.inner.governor().pool_of(model)?,
+            pool,
             chain: prefix_hashes.unwrap_or_default(),
             fingerprint,
             retries: signals.retries,
@@ -142,14 +157,15 @@ impl PyRuntime {
     /// (a served name maps to itself, an alias to its target). Empty when no backend declares
     /// its models (then any name is taken).
     fn models(&self) -> Vec<(String, String)> {
-        self.inner.governor().pools().table()
+        self.core().runtime().governor().pools().table()
     }
 
     /// Every model pool: its served model ("" for the one pool of a config whose backends name
     /// none), its routing policy, and the backends that serve it, in config order. With
     /// `models` this is the model table every host reads.
     fn pools(&self) -> Vec<(String, &'static str, Vec<String>)> {
-        let gov = self.inner.governor();
+        let core = self.core();
+        let gov = core.runtime().governor();
         let pools = gov.pools();
         (0..pools.len() as u32)
             .map(|p| {
@@ -168,7 +184,8 @@ impl PyRuntime {
     /// when the config names no models. Raises `UnknownModelError` for a name nobody serves.
     #[pyo3(signature = (model=None))]
     fn resolve_model(&self, model: Option<&str>) -> PyResult<Option<String>> {
-        let pools = self.inner.governor().pools();
+        let core = self.core();
+        let pools = core.runtime().governor().pools();
         let pool = pools.resolve(model)?;
         let name = pools.name(pool);
         Ok((!name.is_empty()).then(|| name.to_owned()))
@@ -195,7 +212,8 @@ impl PyRuntime {
         let model: Option<&str> = a.get_or(4, None)?;
         let fingerprint: u64 = a.get_or(5, 0)?;
         let signals = signals(a.get_or(6, None)?, a.get_or(7, None)?)?;
-        let gov = self.inner.governor();
+        let core = self.core();
+        let gov = core.runtime().governor();
         let route = Route {
             pool: gov.pool_of(model)?,
             chain: &[],
@@ -207,7 +225,7 @@ impl PyRuntime {
             non_negative("max_tokens", max_tokens)?,
         );
         let arrival = arrival.with_route(route).with_signals(signals);
-        let refused = self.inner.refusal(arrival, now_us)?;
+        let refused = core.runtime().refusal(arrival, now_us)?;
         Ok(refused.map(|r| (r.status, r.reason.as_str(), r.retry_after_s)))
     }
 
@@ -353,7 +371,7 @@ impl PyRuntime {
     /// The weight of the tenants with requests waiting here (for the other replicas).
     #[getter]
     fn waiting_weight(&self) -> f64 {
-        self.inner.governor().waiting_weight()
+        self.core().runtime().governor().waiting_weight()
     }
 
     fn shared_service(
@@ -363,7 +381,7 @@ impl PyRuntime {
         cost: f64,
         now_us: u64,
     ) -> PyResult<Py<PyAny>> {
-        let tenant = self.inner.governor().tenant_id(tenant)?;
+        let tenant = self.core().runtime().governor().tenant_id(tenant)?;
         self.feed(py, now_us, &Event::SharedService { tenant, cost })
     }
 
@@ -375,7 +393,7 @@ impl PyRuntime {
         tokens: f64,
         now_us: u64,
     ) -> PyResult<Py<PyAny>> {
-        let tenant = self.inner.governor().tenant_id(tenant)?;
+        let tenant = self.core().runtime().governor().tenant_id(tenant)?;
         let event = Event::SharedUsage {
             tenant,
             requests,
@@ -437,9 +455,10 @@ impl PyRuntime {
     /// The leases this replica holds, by backend name (each sync renews them); empty without
     /// a shared store.
     fn leases_held(&self) -> Vec<(String, Vec<u64>)> {
-        let gov = self.inner.governor();
+        let core = self.core();
+        let gov = core.runtime().governor();
         (0_u32..)
-            .zip(self.inner.leases_held())
+            .zip(core.runtime().leases_held())
             .map(|(b, ids)| (gov.backend_name(b).to_owned(), ids))
             .collect()
     }
@@ -450,89 +469,93 @@ impl PyRuntime {
 
     /// The trace lines recorded since the last call (the header first), or "" when not tracing.
     fn take_trace(&mut self) -> String {
-        self.trace.as_mut().map(std::mem::take).unwrap_or_default()
+        self.core().take_trace()
     }
 
     #[getter]
     fn tracing(&self) -> bool {
-        self.trace.is_some()
+        self.core().tracing()
     }
 
     fn next_timer_us(&self) -> Option<u64> {
-        self.inner.next_timer_us()
+        self.core().runtime().next_timer_us()
     }
 
     #[getter]
     fn live(&self) -> usize {
-        self.inner.live()
+        self.core().runtime().live()
     }
 
     fn is_live(&self, request_id: u64) -> bool {
-        self.inner.is_live(request_id)
+        self.core().runtime().is_live(request_id)
     }
 
     #[getter]
     fn running(&self) -> u32 {
-        self.inner.governor().running()
+        self.core().runtime().governor().running()
     }
 
     #[getter]
     fn queued(&self) -> usize {
-        self.inner.governor().queued()
+        self.core().runtime().governor().queued()
     }
 
     #[getter]
     fn kv_blocks_in_use(&self) -> u64 {
-        self.inner.governor().ledger.total_blocks()
+        self.core().runtime().governor().ledger.total_blocks()
     }
 
     #[getter]
     fn shed_level(&self) -> u8 {
-        self.inner.governor().shed_level()
+        self.core().runtime().governor().shed_level()
     }
 
     /// (arrivals known as a client's retry, requests that went to a late lane), so far.
     #[getter]
     fn late_counts(&self) -> (u64, u64) {
-        let c = &self.inner.governor().counters;
+        let core = self.core();
+        let c = &core.runtime().governor().counters;
         (c.retries_known, c.late)
     }
 
     #[getter]
     fn draining(&self) -> bool {
-        self.inner.governor().draining
+        self.core().runtime().governor().draining
     }
 
     fn backend_healthy(&self, backend: &str) -> PyResult<bool> {
-        Ok(self.inner.backend_healthy(self.backend(backend)?))
+        let id = self.backend(backend)?;
+        Ok(self.core().runtime().backend_healthy(id))
     }
 
     fn scrape_failures(&self, backend: &str) -> PyResult<u32> {
-        Ok(self.inner.scrape_failures(self.backend(backend)?))
+        let id = self.backend(backend)?;
+        Ok(self.core().runtime().scrape_failures(id))
     }
 
     fn request_kv(&self, request_id: u64, now_us: u64) -> Option<(u64, f64)> {
-        self.inner.governor().ledger.usage(request_id, now_us)
+        self.core().runtime().governor().ledger.usage(request_id, now_us)
     }
 
     fn tenant_service(&self, tenant: &str) -> PyResult<f64> {
-        let gov = self.inner.governor();
+        let core = self.core();
+        let gov = core.runtime().governor();
         Ok(gov.tenant_service(gov.tenant_id(tenant)?))
     }
 
     fn tenant_usage(&self, tenant: &str) -> PyResult<(f64, f64)> {
-        let gov = self.inner.governor();
+        let core = self.core();
+        let gov = core.runtime().governor();
         Ok(gov.tenant_usage(gov.tenant_id(tenant)?))
     }
 
     fn snapshot<'py>(&self, py: Python<'py>, now_us: u64) -> PyResult<Bound<'py, PyAny>> {
-        snapshot_to_py(py, &self.inner.governor().snapshot(now_us))
+        snapshot_to_py(py, &self.core().runtime().governor().snapshot(now_us))
     }
 
     fn __copy__(&self) -> Self {
         Self {
-            inner: self.inner.clone(),
-            trace: None,
+            shared: Hosted::new(self.core().runtime().clone(), None).shared(),
         }
     }
 }

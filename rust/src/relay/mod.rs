@@ -97,6 +97,10 @@ pub struct Shared {
     pub stats: Stats,
 }
 
+/// Where a stream's events go: the host's queue (Python, behind the wake-up pipe), or a task
+/// of the native front that serves the request.
+pub type Sink = tokio::sync::mpsc::UnboundedSender<RelayEvent>;
+
 /// A streamed completion to relay: the request's head and body, and how to relay it.
 pub struct StreamRequest<'a> {
     /// The host's id of the request (its events and controls name it).
@@ -112,13 +116,25 @@ pub struct StreamRequest<'a> {
     pub include_usage: bool,
     /// Register it now, send it on `Control::Go`.
     pub deferred: bool,
+    /// Its events go here, each as it happens (token counts unbatched), instead of the
+    /// host's queue.
+    pub sink: Option<Sink>,
+}
+
+/// The live streams and what opening one needs: cheap to clone, so the native front opens
+/// and controls streams from its own tasks.
+#[derive(Clone)]
+pub struct Streams {
+    handle: tokio::runtime::Handle,
+    shared: Arc<Shared>,
+    live: Arc<Mutex<FxHashMap<u64, UnboundedSender<Control>>>>,
+    closed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The relay: its threads, its upstream connection pool, and the live streams.
 pub struct Relay {
     runtime: Option<tokio::runtime::Runtime>,
-    shared: Arc<Shared>,
-    streams: Arc<Mutex<FxHashMap<u64, UnboundedSender<Control>>>>,
+    streams: Streams,
 }
 
 impl Relay {
@@ -144,18 +160,76 @@ impl Relay {
                 ticker.events.flush_tokens();
             }
         });
+        let streams = Streams {
+            handle: runtime.handle().clone(),
+            shared,
+            live: Arc::default(),
+            closed: Arc::default(),
+        };
         Ok(Self {
             runtime: Some(runtime),
-            shared,
-            streams: Arc::default(),
+            streams,
         })
     }
 
+    /// The live streams, to open and control them from elsewhere (the native front).
+    pub fn streams(&self) -> &Streams {
+        &self.streams
+    }
+
+    /// The relay's tokio runtime (one per process: the native front runs on it too).
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.streams.handle
+    }
+
+    /// See [`Streams::open`].
+    ///
+    /// # Errors
+    /// The URL or a header is malformed, or `id` is already live.
+    pub fn open(&self, request: StreamRequest<'_>) -> Result<(), String> {
+        self.streams.open(request)
+    }
+
+    /// See [`Streams::control`].
+    pub fn control(&self, id: u64, control: Control) -> bool {
+        self.streams.control(id, control)
+    }
+
+    /// See [`Streams::control_and_wait`].
+    pub fn control_and_wait(&self, id: u64, control: Control, timeout: Duration) -> bool {
+        self.streams.control_and_wait(id, control, timeout)
+    }
+
+    /// Every event since the last call, oldest first.
+    pub fn take_events(&self) -> Vec<RelayEvent> {
+        self.streams.shared.events.take()
+    }
+
+    /// Streams still running.
+    pub fn live(&self) -> usize {
+        self.streams.live.lock().unwrap().len()
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.streams.shared.stats
+    }
+
+    /// Stop every stream and the relay's threads, without waiting for them.
+    pub fn shutdown(&mut self) {
+        self.streams.closed.store(true, Ordering::SeqCst);
+        self.streams.live.lock().unwrap().clear();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Streams {
     /// Send a streamed completion upstream and relay it (`deferred`: register it now, send it
     /// on `Control::Go`).
     ///
     /// # Errors
-    /// The URL or a header is malformed, or `id` is already live.
+    /// The URL or a header is malformed, `id` is already live, or the relay has shut down.
     pub fn open(&self, request: StreamRequest<'_>) -> Result<(), String> {
         let StreamRequest {
             id,
@@ -165,6 +239,7 @@ impl Relay {
             traceparent,
             include_usage,
             deferred,
+            sink,
         } = request;
         let uri: hyper::Uri = url
             .parse()
@@ -186,16 +261,19 @@ impl Relay {
             hyper::header::HeaderValue::from_str(traceparent)
                 .map_err(|e| format!("bad traceparent {traceparent:?}: {e}"))?;
         }
+        if self.closed.load(Ordering::SeqCst) {
+            return Err("the relay has shut down".to_owned());
+        }
         let (tx, rx) = unbounded_channel();
         {
-            let mut streams = self.streams.lock().unwrap();
-            if streams.contains_key(&id) {
+            let mut live = self.live.lock().unwrap();
+            if live.contains_key(&id) {
                 return Err(format!("request {id} is already relayed"));
             }
-            streams.insert(id, tx);
+            live.insert(id, tx);
         }
         let shared = Arc::clone(&self.shared);
-        let streams = Arc::clone(&self.streams);
+        let live = Arc::clone(&self.live);
         let open = stream::Open {
             id,
             authority: format!("{}:{port}", authority.host()),
@@ -205,65 +283,68 @@ impl Relay {
             traceparent: traceparent.map(str::to_owned),
             include_usage,
             deferred,
+            sink,
         };
-        let Some(runtime) = self.runtime.as_ref() else {
-            self.streams.lock().unwrap().remove(&id);
-            return Err("the relay has shut down".to_owned());
-        };
-        runtime.spawn(async move {
+        self.handle.spawn(async move {
+            let sink = open.sink.clone();
             let closed = stream::run(Arc::clone(&shared), open, rx).await;
-            streams.lock().unwrap().remove(&id);
-            shared.events.push(id, closed);
+            live.lock().unwrap().remove(&id);
+            match sink {
+                Some(sink) => {
+                    let _ = sink.send(closed);
+                }
+                None => shared.events.push(id, closed),
+            }
         });
         Ok(())
     }
 
     /// Hand a live stream a control; false when the stream has already ended.
     pub fn control(&self, id: u64, control: Control) -> bool {
-        let streams = self.streams.lock().unwrap();
-        streams.get(&id).is_some_and(|tx| tx.send(control).is_ok())
+        let live = self.live.lock().unwrap();
+        live.get(&id).is_some_and(|tx| tx.send(control).is_ok())
     }
 
     /// `control`, then wait (at most `timeout`) until the stream has carried it out: an abort
     /// has closed the upstream socket when this returns, so vLLM hears of it before any
     /// request the host sends next. False when the stream had already ended.
     pub fn control_and_wait(&self, id: u64, control: Control, timeout: Duration) -> bool {
-        let (done, carried_out) = std::sync::mpsc::sync_channel(1);
-        {
-            let streams = self.streams.lock().unwrap();
-            let Some(tx) = streams.get(&id) else {
-                return false;
-            };
-            if tx.send(control).is_err() {
-                return false;
-            }
-            let _ = tx.send(Control::Ack(done));
-        }
+        let Some(carried_out) = self.control_acked(id, control) else {
+            return false;
+        };
         // Ok: carried out; disconnected: the stream ended on it (and dropped everything).
         let _ = carried_out.recv_timeout(timeout);
         true
     }
 
-    /// Every event since the last call, oldest first.
-    pub fn take_events(&self) -> Vec<RelayEvent> {
-        self.shared.events.take()
-    }
-
-    /// Streams still running.
-    pub fn live(&self) -> usize {
-        self.streams.lock().unwrap().len()
-    }
-
-    pub fn stats(&self) -> &Stats {
-        &self.shared.stats
-    }
-
-    /// Stop every stream and the relay's threads, without waiting for them.
-    pub fn shutdown(&mut self) {
-        self.streams.lock().unwrap().clear();
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
+    /// `control`, and a receiver that hears when the stream has carried it out (or ended);
+    /// None when the stream had already ended.
+    pub fn control_acked(
+        &self,
+        id: u64,
+        control: Control,
+    ) -> Option<std::sync::mpsc::Receiver<()>> {
+        let (done, carried_out) = std::sync::mpsc::sync_channel(1);
+        let live = self.live.lock().unwrap();
+        let tx = live.get(&id)?;
+        if tx.send(control).is_err() {
+            return None;
         }
+        let _ = tx.send(Control::Ack(done));
+        Some(carried_out)
+    }
+
+    /// Whether `id` is a live stream.
+    pub fn is_live(&self, id: u64) -> bool {
+        self.live.lock().unwrap().contains_key(&id)
+    }
+
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
     }
 }
 

@@ -80,6 +80,8 @@ pub struct Open {
     pub include_usage: bool,
     /// Wait for `Control::Go` before connecting (controls that come first still apply).
     pub deferred: bool,
+    /// Where its events go instead of the host's queue (the native front's task).
+    pub sink: Option<super::Sink>,
 }
 
 type ResponseFuture = Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
@@ -243,7 +245,33 @@ impl Task {
     }
 
     fn push(&self, event: RelayEvent) {
-        self.shared.events.push(self.id, event);
+        match &self.open.sink {
+            Some(sink) => {
+                let _ = sink.send(event);
+            }
+            None => self.shared.events.push(self.id, event),
+        }
+    }
+
+    /// Count tokens: batched for the host's queue, at once for a sink (whose task batches).
+    fn add_tokens(&self, n: u32) {
+        match &self.open.sink {
+            Some(sink) if n > 0 => {
+                let _ = sink.send(RelayEvent::Tokens(vec![(self.id, n)]));
+            }
+            Some(_) => {}
+            None => self.shared.events.add_tokens(self.id, n),
+        }
+    }
+
+    /// An event that need not wake the host (see `Events::push_quiet`).
+    fn push_quiet(&self, event: RelayEvent) {
+        match &self.open.sink {
+            Some(sink) => {
+                let _ = sink.send(event);
+            }
+            None => self.shared.events.push_quiet(event),
+        }
     }
 
     fn closed(mut self) -> RelayEvent {

@@ -95,7 +95,7 @@ impl Task {
             return Step::Go;
         }
         self.body = Some(response.into_body());
-        self.shared.events.push_quiet(RelayEvent::Started(self.id));
+        self.push_quiet(RelayEvent::Started(self.id));
         Step::Go
     }
 
@@ -135,7 +135,7 @@ impl Task {
                 Ok(shaped) => {
                     if shaped.new_tokens > 0 {
                         if self.first_sent {
-                            self.shared.events.add_tokens(self.id, shaped.new_tokens);
+                            self.add_tokens(shaped.new_tokens);
                         } else {
                             self.first_sent = true;
                             self.push(RelayEvent::FirstToken {
