@@ -21,6 +21,9 @@ use crate::trace;
 pub trait Divert: Send {
     /// Take `action` (true) when another host carries it out; false leaves it to the caller.
     fn divert(&mut self, action: &Action) -> bool;
+
+    /// Every action of one event has been offered.
+    fn batch_end(&mut self) {}
 }
 
 /// The runtime shared by the hosts of one process, its trace, and who carries out what.
@@ -102,6 +105,9 @@ impl Hosted {
             if !taken {
                 keep(&self.runtime, action);
             }
+        }
+        if let Some(divert) = self.divert.as_mut() {
+            divert.batch_end();
         }
         Ok(())
     }

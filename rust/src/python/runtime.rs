@@ -9,8 +9,8 @@ use super::convert::snapshot_to_py;
 use super::errors::{non_negative, ConfigError, InvalidArgumentError, TraceMismatchError};
 use super::signature::{Metrics, Signature, METRICS};
 use crate::governor::{Arrival, Route, Signals};
-use crate::runtime::{Event, Runtime};
 use crate::hosted::{Hosted, SharedRuntime};
+use crate::runtime::{Event, Runtime};
 use crate::trace;
 use std::sync::MutexGuard;
 
@@ -61,8 +61,8 @@ impl PyRuntime {
         let mut converted = Ok(());
         Hosted::lock(&self.shared).feed(now_us, event, |runtime, action| {
             if converted.is_ok() {
-                converted = action_to_py(py, runtime.governor(), action)
-                    .and_then(|a| list.append(a));
+                converted =
+                    action_to_py(py, runtime.governor(), action).and_then(|a| list.append(a));
             }
         })?;
         converted
@@ -534,7 +534,11 @@ impl PyRuntime {
     }
 
     fn request_kv(&self, request_id: u64, now_us: u64) -> Option<(u64, f64)> {
-        self.core().runtime().governor().ledger.usage(request_id, now_us)
+        self.core()
+            .runtime()
+            .governor()
+            .ledger
+            .usage(request_id, now_us)
     }
 
     fn tenant_service(&self, tenant: &str) -> PyResult<f64> {

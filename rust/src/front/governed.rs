@@ -1,0 +1,553 @@
+//! A governed completion served natively: the client's request in, the runtime's decisions
+//! carried out, the reply through the relay, the connection back for its next request.
+//!
+//! This is the Rust twin of the Python path's `StreamSession`/`RelayedSession` for the requests
+//! the front is sure of (a streamed completion of one choice that the checks accept; see
+//! `prepare.rs`); it declines everything else, and the app serves that as before. The task
+//! decides nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
+//! the client's window and departure) and carries out what the runtime answers (queue, start,
+//! abort, reply, cut, end), as the owner routes it here.
+
+use std::os::fd::FromRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::owner::{now_us, Order, Owner};
+use super::record::Record;
+use super::{Conn, Outcome, Request};
+use crate::relay::{Control, Failure, RelayEvent, StreamRequest, Streams};
+use crate::runtime::{Action, Event};
+use crate::types::Outcome as End;
+
+/// Token counts reach the runtime at most this late (KV ledger, fair share), as the relay
+/// batches them for Python.
+const TOKEN_FLUSH: Duration = Duration::from_millis(20);
+/// The longest a `Start` waits for the aborts before it to reach their sockets.
+const ABORT_WAIT: Duration = Duration::from_millis(100);
+const SSE_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\n\
+    content-type: text/event-stream; charset=utf-8\r\n\
+    cache-control: no-cache\r\n\
+    x-accel-buffering: no\r\n\
+    transfer-encoding: chunked\r\n";
+
+/// Where and how a backend gets its requests (indexed by the runtime's backend id).
+#[derive(Debug, Clone)]
+pub struct BackendRoute {
+    pub name: String,
+    /// `http://host:port` (the relay speaks plain http; a config with another scheme serves
+    /// no request natively).
+    pub url: String,
+    /// vLLM runs with `--scheduling-policy priority`: the body carries the core's priority.
+    pub priority_scheduling: bool,
+}
+
+/// What a native request needs from the gateway: the owner, the relay, the checks.
+pub struct Governed {
+    pub owner: Arc<Owner>,
+    pub streams: Streams,
+    pub checks: super::prepare::Checks,
+    pub keys: super::auth::KeyRing,
+    pub backends: Vec<BackendRoute>,
+}
+
+impl super::Native for Governed {
+    fn serve(
+        self: Arc<Self>,
+        request: Request,
+        conn: Conn,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>> {
+        Box::pin(async move { self.serve_request(request, conn).await })
+    }
+}
+
+/// A request the front took: what it asked, and what has happened to it so far.
+#[allow(clippy::struct_excessive_bools)] // one request's state flags, each read in one place
+struct Life {
+    id: u64,
+    prepared: super::prepare::Prepared,
+    /// The client's socket while it is ours (the relay holds it once attached).
+    stream: Option<tokio::net::TcpStream>,
+    peer: std::net::SocketAddr,
+    /// Bytes of the client's next request, read with this one (pipelining).
+    buffered: bytes::BytesMut,
+    keep_alive: bool,
+    record: Record,
+    /// The relay has the request (its events come on `events`).
+    opened: bool,
+    /// The relay has the client's socket.
+    attached: bool,
+    /// A terminal action (`Reply`, `Cut`, `End`) has come.
+    ended: bool,
+    /// Watch the client's socket for its departure (until it pipelines a next request).
+    watching: bool,
+    template: Option<String>,
+    failure: Option<Failure>,
+    pending_tokens: u64,
+    tokens_due: Option<tokio::time::Instant>,
+    /// The task is over: the connection (if any) goes back to the front.
+    finished: bool,
+}
+
+impl Governed {
+    async fn serve_request(self: Arc<Self>, request: Request, conn: Conn) -> Outcome {
+        use super::prepare::Endpoint;
+        let endpoint = match request.target.as_str() {
+            "/v1/chat/completions" => Endpoint::Chat,
+            "/v1/completions" => Endpoint::Completions,
+            _ => return Outcome::Declined(request, conn),
+        };
+        let authorization = header(&request, "authorization");
+        let Some(identity) = self.keys.authenticate(authorization) else {
+            return Outcome::Declined(request, conn);
+        };
+        let Some(prepared) = super::prepare::prepare(endpoint, &request.body, &self.checks) else {
+            return Outcome::Declined(request, conn);
+        };
+        // The relay streams one choice without continuous usage; the rest is Python's.
+        if !prepared.stream
+            || prepared.choices != 1
+            || prepared.continuous_usage
+            || prepared.unstreamed
+        {
+            return Outcome::Declined(request, conn);
+        }
+        let Ok(signals) = super::signals::read_signals(&request.headers) else {
+            return Outcome::Declined(request, conn);
+        };
+        let ids = self.owner.read(|runtime| {
+            let gov = runtime.governor();
+            Some((
+                gov.tenant_id(&identity.tenant).ok()?,
+                gov.pool_of(Some(&prepared.model)).ok()?,
+            ))
+        });
+        let Some((tenant, pool)) = ids else {
+            return Outcome::Declined(request, conn);
+        };
+        let id = self.owner.new_id();
+        let (tx, orders) = unbounded_channel();
+        self.owner.register(id, tx);
+        let arrived_us = now_us();
+        let event = Event::Arrive {
+            id,
+            tenant,
+            prompt: prepared.prompt_tokens,
+            max_tokens: prepared.generated,
+            stream: true,
+            pool,
+            chain: prepared.prefix_hashes.clone().unwrap_or_default(),
+            fingerprint: prepared.fingerprint,
+            retries: signals.retries,
+            deadline_ms: signals.deadline_ms,
+        };
+        if self.owner.feed(&event).is_err() {
+            // The runtime never took it: the app answers it (with the same error it raises).
+            self.owner.unregister(id);
+            return Outcome::Declined(request, conn);
+        }
+        let record = Record {
+            id,
+            tenant: identity.tenant.clone(),
+            tier: identity.tier.clone(),
+            arrived_us,
+            prompt_tokens: prepared.prompt_tokens,
+            max_tokens: prepared.max_tokens,
+            ..Record::default()
+        };
+        let life = Life {
+            id,
+            prepared,
+            stream: Some(conn.stream),
+            peer: conn.peer,
+            buffered: conn.buffered,
+            keep_alive: request.keep_alive,
+            record,
+            opened: false,
+            attached: false,
+            ended: false,
+            watching: true,
+            template: None,
+            failure: None,
+            pending_tokens: 0,
+            tokens_due: None,
+            finished: false,
+        };
+        let conn = self.run(life, orders).await;
+        self.owner.unregister(id);
+        Outcome::Served(conn)
+    }
+
+    async fn run(&self, mut life: Life, mut orders: UnboundedReceiver<Order>) -> Option<Conn> {
+        let (sink, mut events) = unbounded_channel();
+        let mut peek = [0u8; 1];
+        while !life.finished {
+            let watching = life.watching && !life.attached && life.stream.is_some();
+            tokio::select! {
+                biased;
+                order = orders.recv() => match order {
+                    Some(order) => self.carry(&mut life, order, &sink).await,
+                    None => life.finished = true,
+                },
+                event = events.recv(), if life.opened => match event {
+                    Some(event) => self.relayed(&mut life, event),
+                    None => life.finished = true,
+                },
+                seen = async { life.stream.as_ref().unwrap().peek(&mut peek).await }, if watching => {
+                    match seen {
+                        Ok(0) | Err(_) => {
+                            life.watching = false;
+                            let id = life.id;
+                            self.feed(&mut life, &Event::ClientGone { id });
+                        }
+                        // A pipelined next request: not ours, and the client is still there.
+                        Ok(_) => life.watching = false,
+                    }
+                }
+                () = async { tokio::time::sleep_until(life.tokens_due.unwrap()).await }, if life.tokens_due.is_some() => {
+                    self.flush_tokens(&mut life);
+                }
+            }
+        }
+        life.record.ended_us = now_us();
+        self.owner.record(std::mem::take(&mut life.record));
+        let stream = life.stream.take()?;
+        Some(Conn {
+            stream,
+            peer: life.peer,
+            buffered: life.buffered,
+        })
+    }
+
+    /// Feed an event about this request (its pending token counts first).
+    fn feed(&self, life: &mut Life, event: &Event) {
+        self.flush_tokens(life);
+        // An event the runtime refuses names a request it already ended: nothing to do.
+        let _ = self.owner.feed(event);
+    }
+
+    fn flush_tokens(&self, life: &mut Life) {
+        life.tokens_due = None;
+        if life.pending_tokens > 0 {
+            let n = std::mem::take(&mut life.pending_tokens);
+            let _ = self.owner.feed(&Event::Tokens { id: life.id, n });
+        }
+    }
+
+    /// Carry out one of the runtime's actions for this request.
+    async fn carry(&self, life: &mut Life, order: Order, sink: &crate::relay::Sink) {
+        match order.action {
+            Action::Start {
+                backend,
+                priority,
+                max_tokens,
+                ..
+            } => {
+                for abort in order.after {
+                    let _ =
+                        tokio::task::spawn_blocking(move || abort.recv_timeout(ABORT_WAIT)).await;
+                }
+                self.start(life, backend, priority, max_tokens, sink);
+            }
+            Action::Abort { .. } => {
+                // The owner handed the abort to the relay already (before any `Start`).
+                self.streams.control(life.id, Control::Abort);
+            }
+            Action::Reply {
+                status,
+                reason,
+                retry_after_s,
+                ..
+            } => {
+                life.ended = true;
+                reason.as_str().clone_into(&mut life.record.end);
+                life.record.refused = life.record.started_us.is_none() && !life.opened;
+                if life.opened {
+                    self.streams.control(life.id, Control::Close);
+                    life.record.upstream_aborted = life.record.started_us.is_some();
+                }
+                let failure = (reason.as_str() == "upstream_error")
+                    .then(|| life.failure.clone())
+                    .flatten();
+                let (bytes, code) = super::reply::error_reply(
+                    life.id,
+                    status,
+                    reason.as_str(),
+                    retry_after_s,
+                    failure.as_ref(),
+                    life.keep_alive,
+                );
+                life.record.error = Some((status, code));
+                self.write_and_finish(life, &bytes).await;
+            }
+            Action::Cut { reason, .. } => {
+                life.ended = true;
+                reason.as_str().clone_into(&mut life.record.end);
+                let frame = match reason.as_str() {
+                    "client_stall" => None,
+                    "upstream_error" => life.failure.as_ref().map(super::reply::in_band_error),
+                    other => {
+                        life.record.truncated = true;
+                        Some(super::reply::notice_frame(
+                            &life.prepared,
+                            life.template.as_deref(),
+                            other,
+                            life.id,
+                        ))
+                    }
+                };
+                let only_if_open = !matches!(reason.as_str(), "client_stall" | "upstream_error");
+                if life.opened {
+                    self.streams.control(
+                        life.id,
+                        Control::Cut {
+                            frame,
+                            only_if_open,
+                        },
+                    );
+                    if !life.attached {
+                        self.attach(life);
+                    }
+                } else {
+                    // Cut before it ever started: the reply is the notice alone.
+                    let mut bytes = head(life);
+                    if let Some(frame) = frame {
+                        bytes.extend_from_slice(&chunked(&frame));
+                    }
+                    bytes.extend_from_slice(&chunked(b"data: [DONE]\n\n"));
+                    bytes.extend_from_slice(b"0\r\n\r\n");
+                    self.write_and_finish(life, &bytes).await;
+                }
+            }
+            Action::End { outcome, .. } => {
+                life.ended = true;
+                outcome_name(outcome).clone_into(&mut life.record.end);
+                if !life.opened {
+                    life.stream = None; // the client left (or never got a reply): close
+                    life.finished = true;
+                } else if outcome != End::Completed {
+                    self.streams.control(life.id, Control::Close);
+                }
+            }
+            // Queued: the client waits. The rest are no request's own: routed elsewhere.
+            Action::Queued { .. }
+            | Action::Arm { .. }
+            | Action::Backend { .. }
+            | Action::Lease { .. }
+            | Action::Release { .. } => {}
+        }
+    }
+
+    fn start(
+        &self,
+        life: &mut Life,
+        backend: u32,
+        priority: i64,
+        max_tokens: Option<u64>,
+        sink: &crate::relay::Sink,
+    ) {
+        let route = &self.backends[backend as usize];
+        life.record.backend = Some(route.name.clone());
+        life.record.started_us = Some(now_us());
+        let body = super::prepare::upstream_body(
+            &life.prepared,
+            route.priority_scheduling.then_some(priority),
+            max_tokens,
+        );
+        let url = format!("{}{}", route.url, life.prepared.path());
+        let request_id = format!("llmflow-{}", life.id);
+        let opened = self.streams.open(StreamRequest {
+            id: life.id,
+            url: &url,
+            body,
+            request_id: &request_id,
+            traceparent: None,
+            include_usage: life.prepared.include_usage,
+            deferred: false,
+            sink: Some(sink.clone()),
+        });
+        match opened {
+            Ok(()) => life.opened = true,
+            Err(message) => {
+                // A URL the relay cannot speak to: the backend failed this request.
+                life.failure = Some(Failure::backend("backend_unavailable", message, true));
+                self.feed(
+                    life,
+                    &Event::Failed {
+                        id: life.id,
+                        status: 502,
+                        backend_down: true,
+                    },
+                );
+            }
+        }
+    }
+
+    /// One of the relay's events for this request.
+    fn relayed(&self, life: &mut Life, event: RelayEvent) {
+        let id = life.id;
+        match event {
+            RelayEvent::Started(_) => {
+                if !life.ended {
+                    self.feed(life, &Event::Started { id });
+                }
+            }
+            RelayEvent::FirstToken { n, template, .. } => {
+                life.template = template;
+                life.record.first_token_us = Some(now_us());
+                self.owner.record(Record {
+                    first_token_only: true,
+                    ..life.record.clone()
+                });
+                if !life.ended {
+                    self.feed(
+                        life,
+                        &Event::Tokens {
+                            id,
+                            n: u64::from(n),
+                        },
+                    );
+                }
+                if !life.attached {
+                    self.attach(life);
+                }
+            }
+            RelayEvent::Tokens(counts) => {
+                life.pending_tokens += counts.iter().map(|&(_, n)| u64::from(n)).sum::<u64>();
+                if life.tokens_due.is_none() {
+                    life.tokens_due = Some(tokio::time::Instant::now() + TOKEN_FLUSH);
+                }
+            }
+            RelayEvent::Done(_) => {
+                if !life.ended {
+                    self.feed(life, &Event::Done { id });
+                }
+            }
+            RelayEvent::Failed(_, failure) => {
+                let (status, backend_down) = (failure.status, failure.backend_down);
+                life.failure = Some(failure);
+                if !life.ended {
+                    self.feed(
+                        life,
+                        &Event::Failed {
+                            id,
+                            status,
+                            backend_down,
+                        },
+                    );
+                }
+            }
+            RelayEvent::WindowFull(_) => {
+                if !life.ended {
+                    self.feed(life, &Event::WindowFull { id });
+                }
+            }
+            RelayEvent::WindowDrained(_) => {
+                if !life.ended {
+                    self.feed(life, &Event::WindowDrained { id });
+                }
+            }
+            RelayEvent::ClientGone(_) => {
+                if !life.ended {
+                    self.feed(life, &Event::ClientGone { id });
+                }
+            }
+            RelayEvent::Closed {
+                socket,
+                upstream_complete,
+                completion_tokens,
+                ..
+            } => {
+                self.flush_tokens(life);
+                life.record.completion_tokens = completion_tokens;
+                if life.record.started_us.is_some() && !upstream_complete {
+                    life.record.upstream_aborted = true;
+                }
+                if !life.ended {
+                    // The relay ended it on its own (it cannot, short of a bug): end it here.
+                    self.feed(life, &Event::ClientGone { id });
+                }
+                life.stream = match socket {
+                    Some(fd) if life.keep_alive => readopt(fd),
+                    Some(fd) => {
+                        // SAFETY: the relay handed this socket back to us; we close it.
+                        drop(unsafe { std::net::TcpStream::from_raw_fd(fd) });
+                        None
+                    }
+                    None => None,
+                };
+                life.finished = true;
+            }
+        }
+    }
+
+    /// Give the relay the client's socket: it writes the head, the chunks and the end.
+    fn attach(&self, life: &mut Life) {
+        let head = head(life);
+        // The socket goes to the relay; the connection's other parts (its peer, the bytes of
+        // a pipelined next request) stay here until the socket comes back.
+        let Some(stream) = life.stream.take() else {
+            return;
+        };
+        let Ok(socket) = stream.into_std() else {
+            return;
+        };
+        life.attached = true;
+        let attach = Control::Attach {
+            socket,
+            head,
+            keep_alive: life.keep_alive,
+        };
+        // False: the stream had ended, and the relay closed the socket with it.
+        self.streams.control(life.id, attach);
+    }
+
+    async fn write_and_finish(&self, life: &mut Life, bytes: &[u8]) {
+        life.finished = true;
+        let Some(stream) = life.stream.as_mut() else {
+            return;
+        };
+        if stream.write_all(bytes).await.is_err() || !life.keep_alive {
+            life.stream = None;
+        }
+    }
+}
+
+fn head(life: &Life) -> Vec<u8> {
+    let mut head = SSE_HEAD.to_vec();
+    head.extend_from_slice(format!("x-request-id: llmflow-{}\r\n", life.id).as_bytes());
+    if !life.keep_alive {
+        head.extend_from_slice(b"connection: close\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    head
+}
+
+fn chunked(frame: &[u8]) -> Vec<u8> {
+    let mut out = format!("{:x}\r\n", frame.len()).into_bytes();
+    out.extend_from_slice(frame);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+fn header<'a>(request: &'a Request, name: &str) -> Option<&'a [u8]> {
+    request
+        .headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_slice())
+}
+
+fn outcome_name(outcome: End) -> &'static str {
+    outcome.as_str()
+}
+
+/// A socket the relay handed back, as the front's again.
+fn readopt(fd: i32) -> Option<tokio::net::TcpStream> {
+    // SAFETY: the relay gave up this open socket and nothing else holds it.
+    let socket = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    socket.set_nonblocking(true).ok()?;
+    tokio::net::TcpStream::from_std(socket).ok()
+}

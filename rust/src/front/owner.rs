@@ -1,0 +1,263 @@
+//! The runtime's owner when the native front serves beside Python: who carries out each action.
+//!
+//! Every host feeds the one [`Hosted`] runtime under its lock. The owner's [`Divert`] sends the
+//! actions of a request the front serves to that request's task, keeps the runtime's one timer
+//! on tokio (`Arm`), and lets Python carry out the rest: directly, when Python fed the event
+//! (the actions come back from its call), or through Python's inbox and its wake-up pipe, when
+//! a front task fed it. An `Abort` of a relayed stream is handed to the relay at once, and a
+//! `Start` in the same batch waits until it has reached the socket, so vLLM hears of the slot
+//! freed before the request that takes it (as the Python host's `control_and_wait` ensures).
+//!
+//! It decides nothing: every decision is the runtime's.
+
+use std::fs::File;
+use std::io::Write;
+use std::mem;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rustc_hash::FxHashMap;
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::watch;
+
+use crate::error::PolicyResult;
+use crate::hosted::{Divert, Hosted, SharedRuntime};
+use crate::relay::{Control, Streams};
+use crate::runtime::{Action, Event, Runtime};
+
+use super::record::Record;
+
+/// An action for a front task, with the aborts it must wait for before going upstream.
+#[derive(Debug)]
+pub struct Order {
+    pub action: Action,
+    pub after: Vec<std::sync::mpsc::Receiver<()>>,
+}
+
+/// What Python must hear from the front: actions of its own requests that a front task's
+/// event caused, and the records of the requests the front served (metrics, access log).
+#[derive(Default)]
+struct Inbox {
+    actions: Vec<Action>,
+    records: Vec<Record>,
+    /// A wake-up byte is on its way and Python has not taken the inbox since.
+    woken: bool,
+}
+
+/// The runtime, the front's requests, the timer, and Python's inbox.
+pub struct Owner {
+    runtime: SharedRuntime,
+    tasks: Arc<Mutex<FxHashMap<u64, UnboundedSender<Order>>>>,
+    inbox: Mutex<Inbox>,
+    notify: Mutex<File>,
+    next_id: AtomicU64,
+}
+
+/// The owner's part inside the runtime's lock.
+struct FrontDivert {
+    tasks: Arc<Mutex<FxHashMap<u64, UnboundedSender<Order>>>>,
+    timer: watch::Sender<Option<u64>>,
+    streams: Streams,
+    /// Aborts handed to the relay in the batch being routed.
+    aborts: Vec<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Divert for FrontDivert {
+    fn divert(&mut self, action: &Action) -> bool {
+        match action {
+            Action::Arm { at_us } => {
+                self.timer.send_replace(Some(*at_us));
+                return true;
+            }
+            Action::Abort { id } => {
+                if let Some(acked) = self.streams.control_acked(*id, Control::Abort) {
+                    self.aborts.push(acked);
+                }
+            }
+            _ => {}
+        }
+        let Some(id) = request_of(action) else {
+            return false;
+        };
+        let tasks = self.tasks.lock().unwrap();
+        let Some(task) = tasks.get(&id) else {
+            return false;
+        };
+        let after = if matches!(action, Action::Start { .. }) {
+            mem::take(&mut self.aborts)
+        } else {
+            Vec::new()
+        };
+        // A task that is gone ended its request already; nothing is left to carry out.
+        let _ = task.send(Order {
+            action: action.clone(),
+            after,
+        });
+        true
+    }
+
+    fn batch_end(&mut self) {
+        self.aborts.clear();
+    }
+}
+
+/// The request an action is for (None: the timer, a backend's health).
+fn request_of(action: &Action) -> Option<u64> {
+    match action {
+        Action::Start { id, .. }
+        | Action::Queued { id, .. }
+        | Action::Abort { id }
+        | Action::Reply { id, .. }
+        | Action::Cut { id, .. }
+        | Action::End { id, .. }
+        | Action::Lease { id, .. }
+        | Action::Release { id, .. } => {
+            // Leases are Python's I/O (the shared store) whoever serves the request.
+            (!matches!(action, Action::Lease { .. } | Action::Release { .. })).then_some(*id)
+        }
+        Action::Arm { .. } | Action::Backend { .. } => None,
+    }
+}
+
+impl Owner {
+    /// Take over `runtime`'s routing: from now on the front's requests, and the timer, are
+    /// carried out here. `notify` is the write end of Python's wake-up pipe.
+    pub fn attach(runtime: SharedRuntime, streams: Streams, notify: File) -> Arc<Self> {
+        let (timer, mut armed) = watch::channel(None::<u64>);
+        let tasks: Arc<Mutex<FxHashMap<u64, UnboundedSender<Order>>>> = Arc::default();
+        let handle = streams.handle().clone();
+        {
+            let mut hosted = Hosted::lock(&runtime);
+            // Python's host keeps its own counter from 1; the front's ids start far above it,
+            // so each stays unique in the one runtime and the trace.
+            hosted.set_divert(Box::new(FrontDivert {
+                tasks: Arc::clone(&tasks),
+                timer,
+                streams,
+                aborts: Vec::new(),
+            }));
+        }
+        let owner = Arc::new(Self {
+            runtime,
+            tasks,
+            inbox: Mutex::default(),
+            notify: Mutex::new(notify),
+            next_id: AtomicU64::new(FRONT_IDS),
+        });
+        let weak = Arc::downgrade(&owner);
+        handle.spawn(async move {
+            // The one timer: sleep until the instant last armed; a re-arm wakes the wait.
+            loop {
+                let at = *armed.borrow_and_update();
+                let fired = if let Some(at_us) = at {
+                    let wait = at_us.saturating_sub(now_us());
+                    let sleep = tokio::time::sleep(std::time::Duration::from_micros(wait));
+                    tokio::select! {
+                        () = sleep => true,
+                        changed = armed.changed() => {
+                            if changed.is_err() {
+                                return;
+                            }
+                            false
+                        }
+                    }
+                } else {
+                    if armed.changed().await.is_err() {
+                        return;
+                    }
+                    false
+                };
+                if fired {
+                    let Some(owner) = weak.upgrade() else { return };
+                    armed.borrow_and_update();
+                    let _ = owner.feed(&Event::Timer);
+                }
+            }
+        });
+        owner
+    }
+
+    /// A fresh request id for a request the front serves.
+    pub fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Serve request `id` here: its actions go to `task`.
+    pub fn register(&self, id: u64, task: UnboundedSender<Order>) {
+        self.tasks.lock().unwrap().insert(id, task);
+    }
+
+    /// The request has ended; nothing more is routed to its task.
+    pub fn unregister(&self, id: u64) {
+        self.tasks.lock().unwrap().remove(&id);
+    }
+
+    /// Feed an event from a front task now; actions of Python's requests go to its inbox.
+    ///
+    /// # Errors
+    /// The runtime refused the event.
+    pub fn feed(&self, event: &Event) -> PolicyResult<()> {
+        let mut python = Vec::new();
+        {
+            let mut hosted = Hosted::lock(&self.runtime);
+            hosted.feed(now_us(), event, |_, action| python.push(action.clone()))?;
+        }
+        if !python.is_empty() {
+            let mut inbox = self.inbox.lock().unwrap();
+            inbox.actions.append(&mut python);
+            self.wake(&mut inbox);
+        }
+        Ok(())
+    }
+
+    /// Read the runtime (ids of names, the model table) under its lock.
+    pub fn read<T>(&self, f: impl FnOnce(&Runtime) -> T) -> T {
+        f(Hosted::lock(&self.runtime).runtime())
+    }
+
+    /// A finished request's record, for Python's metrics and access log.
+    pub fn record(&self, record: Record) {
+        let mut inbox = self.inbox.lock().unwrap();
+        inbox.records.push(record);
+        self.wake(&mut inbox);
+    }
+
+    /// Everything Python must carry out or count, oldest first.
+    pub fn take(&self) -> (Vec<Action>, Vec<Record>) {
+        let mut inbox = self.inbox.lock().unwrap();
+        inbox.woken = false;
+        (mem::take(&mut inbox.actions), mem::take(&mut inbox.records))
+    }
+
+    pub fn runtime(&self) -> &SharedRuntime {
+        &self.runtime
+    }
+
+    /// Requests the front serves now.
+    pub fn live(&self) -> usize {
+        self.tasks.lock().unwrap().len()
+    }
+
+    fn wake(&self, inbox: &mut Inbox) {
+        if !inbox.woken {
+            inbox.woken = true;
+            // A full pipe already holds a wake-up; any other error means Python is gone.
+            let _ = self.notify.lock().unwrap().write(&[1]);
+        }
+    }
+}
+
+/// The first id the front gives a request (Python's host counts from 1).
+pub const FRONT_IDS: u64 = 1 << 40;
+
+/// The clock every host of the runtime reads: monotonic microseconds, as Python's
+/// `time.monotonic_ns() // 1000` (both `CLOCK_MONOTONIC`).
+pub fn now_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
+}

@@ -1,0 +1,34 @@
+//! What Python hears of a request the front served: one record at its end, for the metrics
+//! and the access log, which stay Python's (one registry, one file, one `/metrics`).
+
+/// One served request, as the metrics and the access log count it.
+#[allow(clippy::struct_excessive_bools)] // what happened to it, each read once in Python
+#[derive(Debug, Clone, Default)]
+pub struct Record {
+    /// Sent at its first token (the TTFT histogram hears it then), else at its end.
+    pub first_token_only: bool,
+    pub id: u64,
+    pub tenant: String,
+    pub tier: String,
+    /// Monotonic microseconds (the runtime's clock) of its arrival, its start upstream, its
+    /// first token, and its end.
+    pub arrived_us: u64,
+    pub started_us: Option<u64>,
+    pub first_token_us: Option<u64>,
+    pub ended_us: u64,
+    pub prompt_tokens: u64,
+    pub max_tokens: Option<u64>,
+    pub completion_tokens: u64,
+    /// How it ended, in the runtime's words: `completed`, or the reason of its `Reply`, `Cut`
+    /// or `End` (`queue_full`, `deadline`, `client_gone`, ...).
+    pub end: String,
+    /// The status and code of the error it was answered with, when it was.
+    pub error: Option<(u16, String)>,
+    /// Refused as it arrived (never admitted).
+    pub refused: bool,
+    /// The reply was cut with a notice.
+    pub truncated: bool,
+    /// The upstream request started and did not finish.
+    pub upstream_aborted: bool,
+    pub backend: Option<String>,
+}
