@@ -51,6 +51,9 @@ pub struct Governed {
     pub checks: super::prepare::Checks,
     pub keys: super::auth::KeyRing,
     pub backends: Vec<BackendRoute>,
+    /// A keyless gateway's own names (`server.allowed_hosts` and the like): a request whose
+    /// Host is another name, or that carries an Origin, is the app's to judge (`HostGuard`).
+    pub own_hosts: Option<Vec<String>>,
 }
 
 impl super::Native for Governed {
@@ -99,6 +102,9 @@ impl Governed {
             "/v1/completions" => Endpoint::Completions,
             _ => return Outcome::Declined(request, conn),
         };
+        if self.foreign(&request) {
+            return Outcome::Declined(request, conn);
+        }
         let authorization = header(&request, "authorization");
         let Some(identity) = self.keys.authenticate(authorization) else {
             return Outcome::Declined(request, conn);
@@ -512,6 +518,39 @@ impl Governed {
         if stream.write_all(bytes).await.is_err() || !life.keep_alive {
             life.stream = None;
         }
+    }
+}
+
+impl Governed {
+    /// Whether a keyless gateway's guard might refuse this request (the app then answers it;
+    /// this only ever declines: an IP literal or one of its own names as Host, and no Origin,
+    /// is what the guard lets through).
+    fn foreign(&self, request: &Request) -> bool {
+        let Some(own) = &self.own_hosts else {
+            return false;
+        };
+        if header(request, "origin").is_some() {
+            return true;
+        }
+        let Some(host) = header(request, "host") else {
+            return false;
+        };
+        let Ok(host) = std::str::from_utf8(host) else {
+            return true;
+        };
+        let name = host_name(host).to_ascii_lowercase();
+        !(name.is_empty() || name.parse::<std::net::IpAddr>().is_ok() || own.contains(&name))
+    }
+}
+
+/// The name part of a Host header (`[::1]:8080` -> `::1`, `example.com:80` -> `example.com`).
+fn host_name(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if !name.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
     }
 }
 
