@@ -1,0 +1,402 @@
+//! Pass-through to the FastAPI app, which uvicorn serves on a private unix socket.
+//!
+//! Each client connection gets one app connection, opened at its first passed request, kept
+//! for its keep-alive requests and closed when the client goes, so uvicorn sees the
+//! disconnect (`http.disconnect`) the moment the client does. The head is written again from
+//! the parsed request, plus `x-llmflow-peer: IP:PORT` (the client's address, which the app's
+//! `PeerFromFront` middleware makes the scope's `client`; one the client sent is dropped).
+//! Bodies are copied verbatim both ways, each read written at once: an SSE reply reaches
+//! the client chunk by chunk, an upload the app as it arrives, an interim `100 Continue` the
+//! client, and a `101 Switching Protocols` turns the two connections into one pipe (the
+//! WebSocket). The framing is followed only to know where each message ends. (A hyper client
+//! would re-encode heads and bodies, swallow interim replies and leave undefined what
+//! happens to a body still being sent when the app answers early, as its 413 does.)
+
+use std::future::{poll_fn, Future};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::task::Poll;
+use std::time::SystemTime;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use super::chunked::Chunked;
+use super::http::{error_json, http_date, Framing};
+use super::{Conn, Request};
+
+/// The header that carries the client's address to the app.
+pub const PEER_HEADER: &str = "x-llmflow-peer";
+const MAX_REPLY_HEAD: usize = 1 << 20; // the app's reply heads are small; past this it is broken
+const WATCH_BUFFER: usize = 64 * 1024; // pipelined bytes read ahead while a reply is written
+
+/// One client connection's connection to the app.
+pub struct Upstream {
+    stream: UnixStream,
+    /// Read from the app past the current reply (nothing, unless it upgraded).
+    buf: BytesMut,
+}
+
+/// A request's body: read whole already, or still on the client's socket.
+pub enum Body {
+    Read,
+    Wire(Framing),
+}
+
+/// What the client connection does after a passed request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum After {
+    /// Serve its next request.
+    KeepAlive,
+    /// The reply said close (or the client did): end it gracefully.
+    Close,
+    /// The client or the app went mid-request: drop it now.
+    Drop,
+}
+
+/// Why the upload stopped.
+enum Stop {
+    ClientGone,
+    AppClosed,
+}
+
+/// Why a reply did not come through whole.
+enum Failed {
+    /// The app closed before a byte of a reply: the client is answered 502.
+    Silent,
+    /// A side went mid-reply: the client's connection is dropped.
+    Cut,
+}
+
+struct Reply {
+    close: bool,
+    upgraded: bool,
+}
+
+/// Pass `request` to the app on `upstream` (opened on `app` if need be) and its reply to the
+/// client. On `After::Drop` or `After::Close` the caller drops the connection, the app's too.
+pub async fn forward(
+    app: &Path,
+    upstream: &mut Option<Upstream>,
+    conn: &mut Conn,
+    request: &Request,
+    body: Body,
+) -> After {
+    let Ok(up) = connect(app, upstream).await else {
+        return unreachable_app(&mut conn.stream).await;
+    };
+    let mut head = head_bytes(request, conn.peer);
+    if matches!(body, Body::Read) {
+        head.extend_from_slice(&request.body);
+    }
+    if up.stream.write_all(&head).await.is_err() {
+        return unreachable_app(&mut conn.stream).await;
+    }
+    let framing = match body {
+        Body::Read => Framing::Length(0),
+        Body::Wire(framing) => framing,
+    };
+    let sent = AtomicBool::new(false); // the body is all with the app
+    let Conn {
+        stream, buffered, ..
+    } = conn;
+    let Upstream {
+        stream: app_stream,
+        buf,
+    } = up;
+    let outcome = {
+        let (mut client_in, mut client_out) = stream.split();
+        let (mut app_in, mut app_out) = app_stream.split();
+        let mut upload = pin!(async {
+            upload(&mut client_in, buffered, &mut app_out, framing).await?;
+            sent.store(true, Relaxed);
+            watch(&mut client_in, buffered).await
+        });
+        let head_only = request.method == "HEAD";
+        let mut download = pin!(download(&mut app_in, buf, &mut client_out, head_only));
+        let reply = tokio::select! {
+            biased;
+            reply = &mut download => reply,
+            stop = &mut upload => match stop {
+                Err(Stop::ClientGone) => return After::Drop,
+                // The app stopped reading the body: its early answer is on its way; the rest
+                // of the body is the client's to stop sending (lingered over by the caller).
+                _ => match download.await {
+                    Ok(reply) if !reply.upgraded => return After::Close,
+                    other => other,
+                },
+            },
+        };
+        match reply {
+            Ok(reply) if reply.upgraded || sent.load(Relaxed) => Ok(reply),
+            Ok(reply) if reply.close || !request.keep_alive => return After::Close,
+            Ok(reply) => {
+                // Answered early on a kept-alive connection: the rest of the body still goes
+                // (uvicorn reads and drops it) before the next request.
+                let stopped = poll_fn(|cx| match upload.as_mut().poll(cx) {
+                    Poll::Ready(stop) => Poll::Ready(Some(stop)),
+                    Poll::Pending if sent.load(Relaxed) => Poll::Ready(None),
+                    Poll::Pending => Poll::Pending,
+                })
+                .await;
+                if stopped.is_some() {
+                    return After::Drop;
+                }
+                Ok(reply)
+            }
+            Err(failed) => Err(failed),
+        }
+    };
+    match outcome {
+        Ok(reply) if reply.upgraded => splice(stream, buffered, app_stream, buf).await,
+        Ok(reply) if !reply.close && request.keep_alive => After::KeepAlive,
+        Ok(_) => After::Close,
+        Err(Failed::Silent) => unreachable_app(stream).await,
+        Err(Failed::Cut) => After::Drop,
+    }
+}
+
+/// The connection to the app: the open one if the app has not closed it, else a new one.
+async fn connect<'a>(
+    app: &Path,
+    upstream: &'a mut Option<Upstream>,
+) -> std::io::Result<&'a mut Upstream> {
+    if let Some(up) = upstream.as_ref() {
+        // Readable now means closed (or broken): uvicorn sends nothing between replies.
+        let mut probe = [0u8; 1];
+        if !matches!(up.stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        {
+            *upstream = None;
+        }
+    }
+    if upstream.is_none() {
+        let stream = UnixStream::connect(app).await?;
+        *upstream = Some(Upstream {
+            stream,
+            buf: BytesMut::with_capacity(8192),
+        });
+    }
+    Ok(upstream.as_mut().expect("connected above"))
+}
+
+/// The request's head as the app gets it: the client's, with the client's address added.
+pub fn head_bytes(request: &Request, peer: SocketAddr) -> Vec<u8> {
+    let mut out = Vec::with_capacity(512);
+    out.extend_from_slice(request.method.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(request.target.as_bytes());
+    out.extend_from_slice(if request.version == 0 {
+        b" HTTP/1.0\r\n"
+    } else {
+        b" HTTP/1.1\r\n"
+    });
+    for (name, value) in request.headers.iter().filter(|(n, _)| n != PEER_HEADER) {
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(format!("{PEER_HEADER}: {peer}\r\n\r\n").as_bytes());
+    out
+}
+
+/// Copy the body from the client to the app as it arrives.
+async fn upload<R, W>(
+    client: &mut R,
+    buffered: &mut BytesMut,
+    app: &mut W,
+    framing: Framing,
+) -> Result<(), Stop>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut left = match framing {
+        Framing::Length(n) => n,
+        Framing::Chunked => u64::MAX,
+    };
+    let mut chunked = (framing == Framing::Chunked).then(Chunked::default);
+    while left > 0 && !chunked.as_ref().is_some_and(Chunked::done) {
+        if buffered.is_empty() && matches!(client.read_buf(buffered).await, Ok(0) | Err(_)) {
+            return Err(Stop::ClientGone);
+        }
+        let take = match chunked.as_mut() {
+            // A body that cannot be framed: the app's parser refuses it the same way.
+            Some(c) => c.feed(buffered).unwrap_or(buffered.len()),
+            None => left.min(buffered.len() as u64) as usize,
+        };
+        if chunked.is_none() {
+            left -= take as u64;
+        }
+        let part = buffered.split_to(take);
+        app.write_all(&part).await.map_err(|_| Stop::AppClosed)?;
+    }
+    Ok(())
+}
+
+/// While the reply is written: read ahead what the client pipelines, and hear it leave.
+async fn watch<R: AsyncRead + Unpin>(client: &mut R, buffered: &mut BytesMut) -> Result<(), Stop> {
+    loop {
+        if buffered.len() >= WATCH_BUFFER {
+            std::future::pending::<()>().await;
+        }
+        if matches!(client.read_buf(buffered).await, Ok(0) | Err(_)) {
+            return Err(Stop::ClientGone);
+        }
+    }
+}
+
+/// Copy the app's reply to the client: interim heads, the head, the body as it comes.
+async fn download<R, W>(
+    app: &mut R,
+    buf: &mut BytesMut,
+    client: &mut W,
+    head_only: bool,
+) -> Result<Reply, Failed>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut wrote = false;
+    loop {
+        let (len, status, framing, close) = loop {
+            match reply_head(buf) {
+                Ok(Some(head)) => break head,
+                Ok(None) if buf.len() < MAX_REPLY_HEAD => {}
+                _ => return Err(Failed::Cut),
+            }
+            if matches!(app.read_buf(buf).await, Ok(0) | Err(_)) {
+                return Err(if wrote { Failed::Cut } else { Failed::Silent });
+            }
+        };
+        let head = buf.split_to(len);
+        client.write_all(&head).await.map_err(|_| Failed::Cut)?;
+        wrote = true;
+        if status == 101 {
+            return Ok(Reply {
+                close: false,
+                upgraded: true,
+            });
+        }
+        if (100..200).contains(&status) {
+            continue; // 100 Continue: the final reply follows
+        }
+        let framing = if head_only || status == 204 || status == 304 {
+            Some(Framing::Length(0))
+        } else {
+            framing
+        };
+        copy_body(app, buf, client, framing).await?;
+        return Ok(Reply {
+            close: close || framing.is_none(),
+            upgraded: false,
+        });
+    }
+}
+
+/// A reply's head: its length, status, body framing (None: until the app closes) and whether
+/// it ends the connection.
+type ReplyHead = (usize, u16, Option<Framing>, bool);
+
+fn reply_head(buf: &[u8]) -> Result<Option<ReplyHead>, Failed> {
+    let mut headers = [httparse::EMPTY_HEADER; 128];
+    let mut reply = httparse::Response::new(&mut headers);
+    let len = match reply.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(Failed::Cut),
+    };
+    let (mut framing, mut close, mut keep) = (None, false, false);
+    for h in reply.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let n = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|t| t.trim().parse().ok());
+            framing = Some(Framing::Length(n.ok_or(Failed::Cut)?));
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            framing = Some(Framing::Chunked);
+        } else if h.name.eq_ignore_ascii_case("connection") {
+            for token in super::http::tokens(h.value) {
+                close |= token.eq_ignore_ascii_case(b"close");
+                keep |= token.eq_ignore_ascii_case(b"keep-alive");
+            }
+        }
+    }
+    let close = close || (reply.version == Some(0) && !keep);
+    Ok(Some((len, reply.code.unwrap_or(0), framing, close)))
+}
+
+/// Copy one reply body verbatim, each read from the app written to the client at once.
+async fn copy_body<R, W>(
+    app: &mut R,
+    buf: &mut BytesMut,
+    client: &mut W,
+    framing: Option<Framing>,
+) -> Result<(), Failed>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut left = match framing {
+        Some(Framing::Length(n)) => n,
+        _ => u64::MAX,
+    };
+    let mut chunked = (framing == Some(Framing::Chunked)).then(Chunked::default);
+    while left > 0 && !chunked.as_ref().is_some_and(Chunked::done) {
+        if buf.is_empty() {
+            match app.read_buf(buf).await {
+                Ok(0) if framing.is_none() => return Ok(()), // the body ends with the connection
+                Ok(0) | Err(_) => return Err(Failed::Cut),
+                Ok(_) => {}
+            }
+        }
+        let take = match chunked.as_mut() {
+            Some(c) => c.feed(buf).map_err(|_| Failed::Cut)?,
+            None => left.min(buf.len() as u64) as usize,
+        };
+        if chunked.is_none() && framing.is_some() {
+            left -= take as u64;
+        }
+        let part = buf.split_to(take);
+        client.write_all(&part).await.map_err(|_| Failed::Cut)?;
+    }
+    Ok(())
+}
+
+/// After a `101`: what either side sent early goes first, then bytes flow both ways until one
+/// side closes.
+async fn splice(
+    client: &mut tokio::net::TcpStream,
+    early: &mut BytesMut,
+    app: &mut UnixStream,
+    from_app: &mut BytesMut,
+) -> After {
+    if app.write_all(&early.split()).await.is_err()
+        || client.write_all(&from_app.split()).await.is_err()
+    {
+        return After::Drop;
+    }
+    let _ = tokio::io::copy_bidirectional(client, app).await;
+    After::Drop
+}
+
+/// The app's socket cannot be reached (it is starting or has stopped): a 502, then close.
+async fn unreachable_app(client: &mut tokio::net::TcpStream) -> After {
+    let body = error_json(
+        502,
+        "the gateway's application server is not reachable; retry shortly",
+        "backend_unavailable",
+    );
+    let head = format!(
+        "HTTP/1.1 502 Bad Gateway\r\ndate: {}\r\nserver: uvicorn\r\nx-llmflow-reason: \
+         backend_unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n",
+        http_date(SystemTime::now()),
+        body.len()
+    );
+    let _ = client.write_all(&[head.as_bytes(), &body].concat()).await;
+    After::Close
+}
