@@ -10,12 +10,13 @@
 //! framing (413 `body_too_large`, 415) is the app's: its middleware answers it, through the
 //! pass-through, exactly as before.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use bytes::{Buf, Bytes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{timeout_at, Instant};
 
+use super::answer::answer;
 use super::{Conn, Request};
 
 /// The bounds a request is read within (`limits.max_header_bytes`, `server.max_body_bytes`,
@@ -65,9 +66,6 @@ pub enum Refusal {
 
 const HEADER_OVERHEAD: usize = 4; // ": " and CRLF around each header, as handoff.py counts
 const LINGER: Duration = Duration::from_secs(2); // handoff.py's _LINGER_S
-const TIMED_OUT: &[u8] = b"{\"error\":{\"message\":\"the request was not received in time: send \
-    the headers and the body without pausing\",\"type\":\"invalid_request_error\",\"param\":null,\
-    \"code\":\"request_timeout\"}}";
 const FIRST_HEADERS: usize = 64; // headers parsed before the array is grown
 
 /// Read the next request's head on `conn`; `idle` is how long the client may send nothing.
@@ -263,126 +261,103 @@ pub async fn linger(mut conn: Conn) {
     }
 }
 
-/// The bytes of `refusal`'s answer, as the Python path writes them.
-pub fn answer(refusal: Refusal, now: SystemTime) -> Vec<u8> {
-    match refusal {
-        Refusal::HeadTooLarge(limit) => {
-            let message = format!(
-                "request line and headers are larger than the gateway's limit of {limit} bytes \
-                 (limits.max_header_bytes): send fewer or shorter headers"
-            );
-            uvicorn_error(
-                431,
-                "Request Header Fields Too Large",
-                &message,
-                "headers_too_large",
-                now,
-            )
-        }
-        Refusal::Invalid => uvicorn_error(
-            400,
-            "Bad Request",
-            "Invalid HTTP request received. Send a well-formed HTTP/1.1 request.",
-            "invalid_http",
-            now,
-        ),
-        Refusal::TimedOut => {
-            // handoff.py's _error_response with its _TIMED_OUT body: no uvicorn headers there.
-            let mut out = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n\
-                x-llmflow-reason: request_timeout\r\nconnection: close\r\n"
-                .to_vec();
-            out.extend_from_slice(
-                format!("content-length: {}\r\n\r\n", TIMED_OUT.len()).as_bytes(),
-            );
-            out.extend_from_slice(TIMED_OUT);
-            out
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max_header_bytes: usize) -> Limits {
+        Limits {
+            max_header_bytes,
+            max_body_bytes: 1 << 20,
+            read_timeout: Duration::from_secs(1),
+            keep_alive_timeout: Duration::from_secs(1),
         }
     }
-}
 
-// handoff.py's `_send_error`: uvicorn's default headers (date, server), the reason, the body.
-fn uvicorn_error(status: u16, phrase: &str, message: &str, code: &str, now: SystemTime) -> Vec<u8> {
-    let body = error_json(status, message, code);
-    let mut out = format!(
-        "HTTP/1.1 {status} {phrase}\r\ndate: {}\r\nserver: uvicorn\r\nx-llmflow-reason: {code}\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        http_date(now),
-        body.len()
-    )
-    .into_bytes();
-    out.extend_from_slice(&body);
-    out
-}
-
-/// `errors.py`'s `error_bytes`: `json.dumps(error_body(...))`, with its separators.
-pub fn error_json(status: u16, message: &str, code: &str) -> Vec<u8> {
-    let kind = match status {
-        401 => "authentication_error",
-        404 => "not_found_error",
-        429 => "rate_limit_error",
-        499 => "client_closed_request",
-        502 => "bad_gateway",
-        503 => "service_unavailable",
-        504 => "timeout_error",
-        s if s >= 500 => "server_error",
-        _ => "invalid_request_error",
-    };
-    format!(
-        "{{\"error\": {{\"message\": {}, \"type\": \"{kind}\", \"code\": {}, \"param\": null}}}}",
-        json_string(message),
-        json_string(code)
-    )
-    .into_bytes()
-}
-
-// Python's json.dumps of a str (ensure_ascii): escapes quotes, backslashes, controls, non-ASCII.
-fn json_string(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            ' '..='~' => out.push(c),
-            _ => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-        }
+    fn parsed(raw: &[u8]) -> Result<Parsed, Refusal> {
+        parse(raw, &limits(4096))
     }
-    out.push('"');
-    out
-}
 
-/// An IMF-fixdate (`Sat, 05 Dec 2026 12:05:27 GMT`), as uvicorn's `date` header.
-pub fn http_date(now: SystemTime) -> String {
-    const DAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Howard Hinnant's civil_from_days, on days since 1970-01-01 (a Thursday).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{}, {day:02} {} {year} {:02}:{:02}:{:02} GMT",
-        DAYS[(days % 7) as usize],
-        MONTHS[(month - 1) as usize],
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    // A complete head gives its length (the body and what follows are not its), lower-case
+    // names in order, raw values, the version and the framing.
+    #[test]
+    fn complete_head() {
+        let raw = b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nX-A: B c\r\n\r\n{}";
+        let (len, request, framing) = parsed(raw).unwrap().unwrap();
+        assert_eq!(&raw[len..], b"{}");
+        assert_eq!(
+            (request.method.as_str(), request.path(), request.version),
+            ("POST", "/v1/completions", 1)
+        );
+        let names: Vec<&str> = request.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["host", "content-length", "x-a"]);
+        assert_eq!(request.header("x-a"), Some(&b"B c"[..]));
+        assert_eq!(framing, Framing::Length(2));
+        assert!(request.keep_alive);
+        assert_eq!(parsed(&raw[..20]), Ok(None));
+    }
+
+    // Keep-alive: HTTP/1.1 unless `close`; HTTP/1.0 only with `keep-alive`.
+    #[test]
+    fn keep_alive_by_version() {
+        let ka = |raw: &[u8]| parsed(raw).unwrap().unwrap().1.keep_alive;
+        assert!(ka(b"GET / HTTP/1.1\r\n\r\n"));
+        assert!(!ka(b"GET / HTTP/1.1\r\nConnection: foo, Close\r\n\r\n"));
+        assert!(!ka(b"GET / HTTP/1.0\r\n\r\n"));
+        assert!(ka(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"));
+    }
+
+    // Framing: chunked last, or one length; both, two different lengths, a length that is not
+    // a number, or a coding other than chunked last are refused (request smuggling).
+    #[test]
+    fn framing_and_smuggling() {
+        let framing = |h: &str| {
+            parsed(format!("POST / HTTP/1.1\r\n{h}\r\n").as_bytes()).map(|p| p.unwrap().2)
+        };
+        assert_eq!(
+            framing("Transfer-Encoding: gzip, chunked\r\n"),
+            Ok(Framing::Chunked)
+        );
+        assert_eq!(
+            framing("Content-Length: 5\r\nContent-Length: 5\r\n"),
+            Ok(Framing::Length(5))
+        );
+        assert_eq!(framing(""), Ok(Framing::Length(0)));
+        for bad in [
+            "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+            "Content-Length: 5\r\nContent-Length: 6\r\n",
+            "Content-Length: -1\r\n",
+            "Content-Length: 1e3\r\n",
+            "Transfer-Encoding: chunked, gzip\r\n",
+        ] {
+            assert_eq!(framing(bad), Err(Refusal::Invalid), "{bad}");
+        }
+        assert_eq!(parsed(b"GET / HTTP/2.0\r\n\r\n"), Err(Refusal::Invalid));
+        assert_eq!(parsed(b"GET /\x01 HTTP/1.1\r\n\r\n"), Err(Refusal::Invalid));
+    }
+
+    // The head's size is measured as handoff.py measures it: target plus each header with 4.
+    #[test]
+    fn head_limit_as_python_counts() {
+        let value = "v".repeat(4096 - 1 - 4 - 1);
+        let at = format!("GET / HTTP/1.1\r\nx: {value}\r\n\r\n");
+        assert!(parse(at.as_bytes(), &limits(4096)).unwrap().is_some());
+        let over = format!("GET / HTTP/1.1\r\nx: {value}v\r\n\r\n");
+        assert_eq!(
+            parse(over.as_bytes(), &limits(4096)),
+            Err(Refusal::HeadTooLarge(4096))
+        );
+        // Many small headers grow the parser's array rather than fail.
+        let many = "h: x\r\n".repeat(300);
+        let raw = format!("GET / HTTP/1.1\r\n{many}\r\n");
+        assert_eq!(
+            parse(raw.as_bytes(), &limits(8192))
+                .unwrap()
+                .unwrap()
+                .1
+                .headers
+                .len(),
+            300
+        );
+    }
 }

@@ -8,6 +8,7 @@
 //! to the FastAPI app, which uvicorn serves on a private unix socket (`pass.rs`), losing
 //! nothing: method, target, headers, body, the client's address and its disconnects.
 
+pub mod answer;
 pub mod chunked;
 pub mod conn;
 pub mod http;
@@ -35,7 +36,7 @@ pub struct Conn {
 
 /// One request, its body read whole (a request offered to [`Native`]), or still on the wire
 /// (one passed to the app as it arrives).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     pub method: String,
     /// The raw request-target (path and query, as the client sent it).
@@ -145,13 +146,10 @@ async fn accept(
             accepted = listener.accept() => accepted,
             _ = closed.wait_for(|c| *c) => return,
         };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
-            Err(_) => {
-                // EMFILE and the like: the listener stays; try again once some have closed.
-                tokio::time::sleep(ACCEPT_BACKOFF).await;
-                continue;
-            }
+        let Ok((stream, peer)) = accepted else {
+            // EMFILE and the like: the listener stays; try again once some have closed.
+            tokio::time::sleep(ACCEPT_BACKOFF).await;
+            continue;
         };
         // Replies are written whole or chunk by chunk as they come: no Nagle delay on either.
         let _ = stream.set_nodelay(true);

@@ -24,8 +24,9 @@ use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
+use super::answer::uvicorn_error;
 use super::chunked::Chunked;
-use super::http::{error_json, http_date, Framing};
+use super::http::Framing;
 use super::{Conn, Request};
 
 /// The header that carries the client's address to the app.
@@ -385,18 +386,14 @@ async fn splice(
 
 /// The app's socket cannot be reached (it is starting or has stopped): a 502, then close.
 async fn unreachable_app(client: &mut tokio::net::TcpStream) -> After {
-    let body = error_json(
+    let message = "the gateway's application server is not reachable; retry shortly";
+    let answer = uvicorn_error(
         502,
-        "the gateway's application server is not reachable; retry shortly",
+        "Bad Gateway",
+        message,
         "backend_unavailable",
+        SystemTime::now(),
     );
-    let head = format!(
-        "HTTP/1.1 502 Bad Gateway\r\ndate: {}\r\nserver: uvicorn\r\nx-llmflow-reason: \
-         backend_unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
-         connection: close\r\n\r\n",
-        http_date(SystemTime::now()),
-        body.len()
-    );
-    let _ = client.write_all(&[head.as_bytes(), &body].concat()).await;
+    let _ = client.write_all(&answer).await;
     After::Close
 }

@@ -249,6 +249,12 @@ impl Relay {
         self.shared.events.take()
     }
 
+    /// The relay's tokio runtime, which the front door shares (one runtime per process, sized
+    /// by `server.workers`); None once shut down.
+    pub fn handle(&self) -> Option<tokio::runtime::Handle> {
+        self.runtime.as_ref().map(|r| r.handle().clone())
+    }
+
     /// Streams still running.
     pub fn live(&self) -> usize {
         self.streams.lock().unwrap().len()
