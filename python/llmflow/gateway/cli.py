@@ -1,9 +1,9 @@
 """`llmflow serve`: run the gateway under uvicorn, with a graceful drain on SIGINT/SIGTERM.
 
-With `server.front: native`, the extension's front door owns the port and uvicorn serves the
-app behind it on a private unix socket (`front.py`). With `admin.port` set, a second listener serves `/api/state`, `/dashboard` and `/metrics` (behind
+With `admin.port` set, a second listener serves `/api/state`, `/dashboard` and `/metrics` (behind
 `admin.api_key`) in the same process and event loop; it starts once the gateway has, and stops
-after the gateway's drain.
+after the gateway's drain. With `server.front: native`, the extension's front door owns the
+port and uvicorn serves the app behind it on a private unix socket (`front.py`).
 """
 
 from __future__ import annotations
