@@ -47,11 +47,13 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
                 Err(Ending::Closed) => return,
                 Err(Ending::Refused(refusal)) => return http::refuse(conn, refusal).await,
             };
+            let keep_alive = request.keep_alive;
             match native.serve(request, conn).await {
-                Outcome::Served(Some(next)) => {
+                Outcome::Served(Some(next)) if keep_alive => {
                     conn = next;
                     continue;
                 }
+                Outcome::Served(Some(last)) => return http::linger(last).await,
                 Outcome::Served(None) => return,
                 Outcome::Declined(declined, back) => {
                     (request, conn) = (declined, back);

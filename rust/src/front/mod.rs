@@ -11,6 +11,7 @@
 pub mod answer;
 pub mod chunked;
 pub mod conn;
+pub mod from_app;
 pub mod http;
 pub mod pass;
 
@@ -167,3 +168,6 @@ async fn accept(
         });
     }
 }
+
+#[cfg(test)]
+mod tests;
