@@ -20,7 +20,7 @@ from .harness import Harness, start_gateway, until
 pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
-_DATE = re.compile(rb"\r\ndate: [^\r]*\r\n|\"created\":\d+")  # what differs by the second
+_CLOCK = re.compile(rb"(\r\ndate: )[^\r]*|(\"created\":)\d+")  # what differs by the second
 
 
 def _chat(**extra: Any) -> bytes:
@@ -32,6 +32,12 @@ def _post(path: str, body: bytes, *extra: bytes) -> bytes:
     head = [b"POST " + path.encode() + b" HTTP/1.1", b"host: 127.0.0.1"]
     head += [b"content-type: application/json", b"content-length: %d" % len(body), *extra]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def _split(raw: bytes) -> tuple[bytes, bytes]:
+    """A request as its head and its body, to send a moment apart."""
+    head, body = raw.split(b"\r\n\r\n", 1)
+    return head + b"\r\n\r\n", body
 
 
 async def _open(h: Harness) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -73,33 +79,46 @@ async def _both(raw: tuple[bytes, ...], **sections: Any) -> tuple[bytes, bytes]:
     answers = []
     for front in ("python", "native"):
         async with start_gateway(front=front, **sections) as h:
-            answers.append(_DATE.sub(b"-", await _exchange(h, *raw)))
+            answers.append(_CLOCK.sub(lambda m: (m[1] or m[2]) + b"-", await _exchange(h, *raw)))
     return answers[0], answers[1]
 
 
-@pytest.mark.parametrize(
-    ("raw", "status"),
-    [
-        (b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n", b"200"),
-        (_post(CHAT, b"{}", b"connection: close"), b"400"),
-        (b"NOT HTTP\r\n\r\n", b"400"),
-        (b"GET / HTTP/1.1\r\nx: " + b"y" * 8000 + b"\r\n\r\n", b"431"),
-        # A head that never ends, growing past the limit (the Python listener counts the reads
-        # after the one the request began in)
-        ((b"GET / HTTP/1.1\r\n", b"x: y\r\n" * 1100), b"431"),
-        (_post(CHAT, b"{}", b"transfer-encoding: chunked"), b"400"),  # smuggling
-        (_post(CHAT, b"x" * 100, b"content-length: 3000")[:-50], b"400"),  # two lengths
-        (_post(CHAT, b"x" * 3000)[:-2900], b"413"),  # over server.max_body_bytes: the app's
-    ],
-    ids=["get", "post", "garbage", "head_431", "growing_431", "te_and_cl", "two_cl", "body_413"],
+_SMALL = _chat(max_tokens=2)
+_CHUNKED_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+    b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
 )
+_CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(_SMALL), _SMALL)
+# Each case: what the client sends (parts a moment apart), and the status it is answered with.
+_CASES: dict[str, tuple[tuple[bytes, ...], bytes]] = {
+    "get": ((b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n",), b"200"),
+    "post": ((_post(CHAT, b"{}", b"connection: close"),), b"400"),
+    "garbage": ((b"NOT HTTP\r\n\r\n",), b"400"),
+    "head_431": ((b"GET / HTTP/1.1\r\nx: " + b"y" * 8000 + b"\r\n\r\n",), b"431"),
+    # A head that never ends, growing past the limit (the Python listener counts the reads
+    # after the one the request began in)
+    "growing_431": ((b"GET / HTTP/1.1\r\n", b"x: y\r\n" * 1100), b"431"),
+    "te_and_cl": ((_post(CHAT, b"{}", b"transfer-encoding: chunked"),), b"400"),  # smuggling
+    "two_cl": ((_post(CHAT, b"x" * 100, b"content-length: 3000")[:-50],), b"400"),
+    "body_413": ((_post(CHAT, b"x" * 3000)[:-2900],), b"413"),  # the app's, over the limit
+    # the app's interim `100 Continue`, then its answer to the body sent after it
+    "expect_100": (
+        _split(_post(CHAT, b"{}", b"expect: 100-continue", b"connection: close")),
+        b"100",
+    ),
+    "chunked_body": ((_CHUNKED_HEAD, _CHUNKED), b"200"),
+    "timeout_408": ((b"GET /health HTTP/1.1\r\nhost: 127",), b"408"),  # then nothing
+}
+
+
+@pytest.mark.parametrize(("raw", "status"), _CASES.values(), ids=_CASES.keys())
 async def test_answers_are_the_python_listeners_byte_for_byte(
-    raw: bytes | tuple[bytes, ...], status: bytes
+    raw: tuple[bytes, ...], status: bytes
 ) -> None:
     """The app's answers through the front, and those the front writes itself."""
-    parts = raw if isinstance(raw, tuple) else (raw,)
     limits = {"max_header_bytes": 6000}
-    python, native = await _both(parts, server={"max_body_bytes": 2048}, limits=limits)
+    server = {"max_body_bytes": 2048, "read_timeout_ms": 300}
+    python, native = await _both(raw, server=server, limits=limits)
     assert python.startswith(b"HTTP/1.1 " + status + b" "), python
     assert native == python
 
