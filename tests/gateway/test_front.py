@@ -107,6 +107,7 @@ _CASES: dict[str, tuple[tuple[bytes, ...], bytes]] = {
         b"100",
     ),
     "chunked_body": ((_CHUNKED_HEAD, _CHUNKED), b"200"),
+    "bad_chunk": ((_CHUNKED_HEAD, b"zz\r\nhello\r\n0\r\n\r\n"), b"400"),
     "timeout_408": ((b"GET /health HTTP/1.1\r\nhost: 127",), b"408"),  # then nothing
 }
 

@@ -61,6 +61,8 @@ pub enum After {
 /// Why the upload stopped.
 enum Stop {
     ClientGone,
+    /// The app stopped reading, or the body cannot be framed (what was read went to the app,
+    /// whose parser refuses it as on the port): the app's answer is what the client gets.
     AppClosed,
 }
 
@@ -114,8 +116,8 @@ pub async fn forward(
             reply = &mut download => reply,
             stop = &mut upload => match stop {
                 Err(Stop::ClientGone) => return After::Drop,
-                // The app stopped reading the body: its early answer is on its way; the rest
-                // of the body is the client's to stop sending (lingered over by the caller).
+                // The app stopped reading the body (or it cannot be framed): its answer is on
+                // its way; the rest of the body is dropped by the caller's linger.
                 _ => match download.await {
                     Ok(reply) if !reply.upgraded => return After::Close,
                     other => other,
@@ -215,9 +217,14 @@ where
         if buffered.is_empty() && matches!(client.read_buf(buffered).await, Ok(0) | Err(_)) {
             return Err(Stop::ClientGone);
         }
-        let take = match chunked.as_mut() {
-            // A body that cannot be framed: the app's parser refuses it the same way.
-            Some(c) => c.feed(buffered).unwrap_or(buffered.len()),
+        let take = match chunked.as_mut().map(|c| c.feed(buffered)) {
+            Some(Ok(n)) => n,
+            Some(Err(_)) => {
+                // Nothing past a framing error is read: where this body ends is then unknown,
+                // and what follows must not reach the app as a request of its own.
+                let _ = app.write_all(&buffered.split()).await;
+                return Err(Stop::AppClosed);
+            }
             None => left.min(buffered.len() as u64) as usize,
         };
         if chunked.is_none() {
