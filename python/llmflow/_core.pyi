@@ -808,3 +808,41 @@ class Relay:
         """Every event since the last call, oldest first."""
     def inter_chunk(self) -> tuple[list[float], list[int], float]:
         """Gaps between writes to clients: bucket bounds (s), per-bucket counts (+Inf last), sum."""
+
+@final
+class Front:
+    """The native front door: the public listener and every client connection (tokio).
+
+    It runs on the relay's threads. Each request's head is read with the gateway's limits
+    (431 `headers_too_large`, 400 `invalid_http`, 408 `request_timeout`, answered as the
+    Python listener answers them); every request is passed to the app, which uvicorn serves
+    on the private unix socket `app_socket`, with the client's address as `x-llmflow-peer`.
+
+    Args:
+        relay: the relay whose threads serve the connections.
+        listen_fd: a bound, listening TCP socket (the front owns it from now on).
+        app_socket: the path of the unix socket uvicorn serves the app on.
+        max_header_bytes: the largest request line plus headers (`limits.max_header_bytes`).
+        max_body_bytes: the largest body read whole for the native routes
+            (`server.max_body_bytes`); larger ones go to the app, which refuses them.
+        read_timeout_ms: how long a client may take to send a request (`server.read_timeout_ms`).
+        keep_alive_timeout_ms: how long a kept-alive connection may sit idle between requests.
+
+    Raises:
+        InvalidArgumentError: a timeout is not positive, or the relay has shut down.
+        OSError: the listener cannot be served.
+    """
+
+    def __new__(
+        cls,
+        relay: Relay,
+        listen_fd: int,
+        app_socket: str,
+        *,
+        max_header_bytes: int,
+        max_body_bytes: int,
+        read_timeout_ms: float = 30000.0,
+        keep_alive_timeout_ms: float = 5000.0,
+    ) -> Front: ...
+    def close(self) -> None:
+        """Stop accepting and drop every connection."""

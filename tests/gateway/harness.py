@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import uvicorn
 from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
+from llmflow.gateway.front import FrontDoor
 from llmflow.gateway.handoff import HandoffProtocol
 from llmflow.gateway.listener import server_options
 from llmflow.sim import server as sim_server
@@ -34,6 +36,7 @@ __all__ = [
     "Harness",
     "assert_idle",
     "serve_asgi",
+    "serve_gateway",
     "settings_for",
     "start_gateway",
     "start_sim_gateway",
@@ -41,13 +44,22 @@ __all__ = [
 ]
 
 
+# Which listener `start_gateway` puts in front of the app by default: `python` (uvicorn on the
+# port) or `native` (the extension's front door; LLMFLOW_TEST_FRONT=native runs the suite so).
+FRONT = os.environ.get("LLMFLOW_TEST_FRONT", "python")
+
+
 @contextlib.asynccontextmanager
-async def serve_asgi(app: Any, **config: Any) -> AsyncIterator[tuple[str, QuietServer]]:
-    """Serve an ASGI app on `127.0.0.1:<ephemeral>`; yields (base URL, server)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
+async def serve_asgi(
+    app: Any, sock: socket.socket | None = None, **config: Any
+) -> AsyncIterator[tuple[str, QuietServer]]:
+    """Serve an ASGI app on `127.0.0.1:<ephemeral>` (or on `sock`, bound); yields (base URL,
+    server)."""
+    if sock is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1] if sock.family != socket.AF_UNIX else 0
     config.setdefault("http", HandoffProtocol)  # as `llmflow serve` runs it
     cfg = uvicorn.Config(app, log_level="critical", lifespan="on", access_log=False, **config)
     server = QuietServer(cfg)
@@ -156,25 +168,51 @@ async def assert_idle(h: Harness) -> None:
 
 
 @contextlib.asynccontextmanager
+async def serve_gateway(app: Any) -> AsyncIterator[str]:
+    """Serve a gateway app (`create_app`) as `llmflow serve` does: uvicorn on a loopback port,
+    or, with `server.front: native`, the front door on it and uvicorn on a private unix socket
+    behind; yields the base URL."""
+    settings = app.state.settings
+    if settings.server.front != "native":
+        async with serve_asgi(app, **server_options(settings, app)) as (url, _):
+            yield url
+        return
+    door = FrontDoor(settings, "127.0.0.1", 0)
+    options = server_options(settings, app, behind_front=True)
+    try:
+        async with serve_asgi(app, door.app_socket, uds=door.app_path, **options):
+            door.start(app.state.gateway)
+            try:
+                yield f"http://127.0.0.1:{door.port}"
+            finally:
+                door.close()  # before uvicorn stops: its connections from the front close
+    finally:
+        door.close()
+
+
+@contextlib.asynccontextmanager
 async def start_gateway(
     n_backends: int = 1,
     check_idle: bool = True,
     configure: Callable[[dict[str, FakeVllm]], None] | None = None,
     backend: dict[str, Any] | None = None,
     per_backend: dict[str, dict[str, Any]] | None = None,
+    front: str | None = None,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
-    """Fakes plus a gateway over them; on exit, asserts everything returned to zero."""
+    """Fakes plus a gateway over them (behind `front`: `python` or `native`, by default
+    LLMFLOW_TEST_FRONT's); on exit, asserts everything returned to zero."""
     fakes = {f"b{i}": FakeVllm() for i in range(n_backends)}
     if configure is not None:
         configure(fakes)
+    sections["server"] = {"front": front or FRONT, **sections.get("server", {})}
     async with contextlib.AsyncExitStack() as stack:
         urls = {}
         for name, fake in fakes.items():
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
         settings = settings_for(urls, backend, per_backend, **sections)
         app = create_app(settings)
-        url, _ = await stack.enter_async_context(serve_asgi(app, **server_options(settings, app)))
+        url = await stack.enter_async_context(serve_gateway(app))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         harness = Harness(url, app.state.gateway, client, fakes, app)
         yield harness
@@ -201,9 +239,10 @@ async def start_sim_gateway(
         max_model_len=4096,
         **(sim_options or {}),
     )
+    sections["server"] = {"front": FRONT, **sections.get("server", {})}
     async with serve_asgi(sim) as (sim_url, _):
         app = create_app(settings_for({"sim0": sim_url}, backend, **sections))
-        async with serve_asgi(app) as (url, _), httpx.AsyncClient(base_url=url) as client:
+        async with serve_gateway(app) as url, httpx.AsyncClient(base_url=url) as client:
             harness = Harness(url, app.state.gateway, client, {}, app, sim)
             yield harness
             await assert_idle(harness)

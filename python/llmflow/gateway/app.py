@@ -29,7 +29,7 @@ from llmflow.gateway.errors import install_handlers
 from llmflow.gateway.host import Host, now_us
 from llmflow.gateway.light import LightService
 from llmflow.gateway.metrics import GatewayMetrics
-from llmflow.gateway.middleware import BodyLimit, HostGuard, allowed_host_names
+from llmflow.gateway.middleware import BodyLimit, HostGuard, PeerFromFront, allowed_host_names
 from llmflow.gateway.protocol import install_schemas
 from llmflow.gateway.relay import RelayHost
 from llmflow.gateway.routes import admin, openai, ops, playground, vllm, websocket
@@ -105,7 +105,9 @@ class Gateway:
             from llmflow.gateway.shared_state import SharedSlots
 
             self.host.leases = self.shared = SharedSlots(settings, self.host)
-        self.relay = RelayHost(self.host, settings) if settings.server.relay else None
+        # The native front door runs on the relay's threads: the relay runs whenever it does.
+        relay = settings.server.relay or settings.server.front == "native"
+        self.relay = RelayHost(self.host, settings) if relay else None
         self.ctx: SessionContext | None = None
         self.service: CompletionService | None = None
         self.light: LightService | None = None
@@ -328,6 +330,8 @@ def create_app(settings: Settings | None = None, trace: TextIO | None = None) ->
         app.include_router(module.router)
     if settings.admin.port is None:  # no admin listener: the admin routes stay here
         app.include_router(admin.router)
+    if settings.server.front == "native":  # outermost: every layer sees the client's address
+        app.add_middleware(PeerFromFront)
     install_schemas(app)
     return app
 

@@ -2,7 +2,8 @@
 
 With `admin.port` set, a second listener serves `/api/state`, `/dashboard` and `/metrics` (behind
 `admin.api_key`) in the same process and event loop; it starts once the gateway has, and stops
-after the gateway's drain.
+after the gateway's drain. With `server.front: native`, the extension's front door owns the
+port and uvicorn serves the app behind it on a private unix socket (`front.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import uvicorn
 
 from llmflow.config import ConfigFileError, load_settings
 from llmflow.gateway.app import create_admin_app, create_app
+from llmflow.gateway.front import FrontDoor
 from llmflow.gateway.listener import server_options
 from llmflow.gateway.ws import FrameRedactor
 
@@ -51,15 +53,20 @@ class GatewayServer(uvicorn.Server):
     """
 
     companions: tuple[uvicorn.Server, ...] = ()
+    front: FrontDoor | None = None  # the native front door, started once the app has
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve; companions start once the gateway has (they read its state) and stop after."""
-        if not self.companions:
+        """Serve; companions start once the gateway has (they read its state) and stop after,
+        and so does the front door (it connects to the app's socket, and runs on the relay)."""
+        if not self.companions and self.front is None:
             await super().serve(sockets)
             return
         main = asyncio.create_task(super().serve(sockets))
         while not self.started and not main.done():
             await asyncio.sleep(0.01)
+        gateway = _find_gateway(self.config.loaded_app)
+        if self.front is not None and gateway is not None and not main.done():
+            self.front.start(gateway)
         others = [asyncio.create_task(c.serve()) for c in self.companions if not main.done()]
         await asyncio.wait([main, *others], return_when=asyncio.FIRST_COMPLETED)
         self.should_exit = True  # one ended (a companion could not bind): end them all
@@ -88,6 +95,8 @@ class GatewayServer(uvicorn.Server):
             gateway = _find_gateway(app)
         if gateway is not None:
             await gateway.drain()
+        if self.front is not None:  # drained: the port closes with the app's listener
+            self.front.close()
         for companion in self.companions:
             companion.should_exit = True
         await super().shutdown(sockets)  # type: ignore[arg-type]
@@ -161,20 +170,26 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("uvicorn.error").addFilter(FrameRedactor())  # no API key in a debug log
     trace = _private_file(args.trace) if args.trace else None
     app = create_app(settings, trace)
+    front = FrontDoor(settings) if settings.server.front == "native" else None
+    where = (
+        {"uds": front.app_path}
+        if front is not None
+        else {"host": settings.server.host, "port": settings.server.port}
+    )
     config = uvicorn.Config(
         app,
-        host=settings.server.host,
-        port=settings.server.port,
+        **where,
         log_level=args.log_level,
         lifespan="on",
         access_log=False,
         # streamed replies leave Python for the relay after the head; refusals are answered
         # below FastAPI; header and WebSocket message limits
-        **server_options(settings, app),
+        **server_options(settings, app, behind_front=front is not None),
         timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_ms / 1e3)
         + _FORCE_AFTER_DRAIN_S,
     )
     server = GatewayServer(config)
+    server.front = front
     admin = settings.admin
     log = logging.getLogger("llmflow.gateway")
     log.info(
@@ -191,8 +206,10 @@ def serve(args: argparse.Namespace) -> int:
                 admin.port,
             )
             server.companions = (_admin_server(app, settings, args.log_level),)
-        server.run()
+        server.run(sockets=[front.app_socket] if front is not None else None)
     finally:
+        if front is not None:
+            front.close()
         if trace is not None:
             trace.close()
     return 0

@@ -250,6 +250,9 @@ class HandoffProtocol(HttpToolsProtocol):
     read_timeout_s: float = 30.0
     write_timeout_s: float = 60.0
     refusals: RefusalDesk | None = None
+    # The socket can be lent to the relay: not behind the native front door, where this
+    # protocol serves a private unix socket that carries the front's connection, not the client's.
+    lends = True
     _write_timer: asyncio.TimerHandle | None = None
     _held: Held | None = None  # a completion request held for the fast path
     _read_timer: asyncio.TimerHandle | None = None
@@ -262,12 +265,15 @@ class HandoffProtocol(HttpToolsProtocol):
         read_timeout_s: float,
         refusals: RefusalDesk | None = None,
         write_timeout_s: float = 60.0,
+        lends: bool = True,
     ) -> type[HandoffProtocol]:
-        """This protocol with other read and write timeouts, and the fast path's desk if any."""
+        """This protocol with other read and write timeouts, and the fast path's desk if any
+        (`lends`: whether a reply's socket may be lent to the relay)."""
         attributes = {
             "read_timeout_s": read_timeout_s,
             "write_timeout_s": write_timeout_s,
             "refusals": refusals,
+            "lends": lends,
         }
         return type(cls.__name__, (cls,), attributes)
 
@@ -338,7 +344,7 @@ class HandoffProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._begun = True
         self._arm_read_timer()
-        if self.scope.get("http_version", "1.1") == "1.1":
+        if self.lends and self.scope.get("http_version", "1.1") == "1.1":
             extensions: dict[str, Any] = {EXTENSION: self._take}
             self.scope["extensions"] = extensions
 

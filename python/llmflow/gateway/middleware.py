@@ -1,5 +1,5 @@
 """Plain ASGI middleware: the request body's size and encoding, and a keyless gateway's Host and
-Origin, refused as OpenAI-style errors."""
+Origin, refused as OpenAI-style errors; behind the native front door, the client's address."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
     from llmflow.gateway.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimit", "HostGuard", "foreign_request"]
+__all__ = ["BodyLimit", "HostGuard", "PeerFromFront", "foreign_request"]
+
+PEER_HEADER = b"x-llmflow-peer"  # the client's address, from the native front door
 
 
 def foreign_request(
@@ -169,3 +171,32 @@ async def _send_error(
         }
     )
     await send({"type": f"{kind}.body", "body": body})
+
+
+class PeerFromFront:
+    """Behind the native front door: the client's address from the front's `x-llmflow-peer`.
+
+    uvicorn serves the app on a private unix socket there (`gateway/front.py`), so the scope
+    has no client address of its own; the front sends the client's `IP:PORT` on every request
+    (dropping one a client sent), and this makes it the scope's `client` and removes the
+    header, so the app sees the request as it would on the port. The header is trusted only
+    because nothing but the front can reach that socket.
+
+    Args:
+        app: the wrapped ASGI app.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Set `client` from the header, then pass the request on."""
+        if scope["type"] in ("http", "websocket"):
+            headers = scope["headers"]
+            for i in range(len(headers) - 1, -1, -1):  # the front appends it: last
+                if headers[i][0] == PEER_HEADER:
+                    host, _, port = headers[i][1].decode("latin-1").rpartition(":")
+                    client = (host.strip("[]"), int(port)) if port.isdigit() else None
+                    scope = {**scope, "client": client, "headers": headers[:i] + headers[i + 1 :]}
+                    break
+        await self.app(scope, receive, send)

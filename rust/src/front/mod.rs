@@ -1,31 +1,178 @@
-//! The native front door (placeholder for the integrator's branch; front-http owns this file).
+//! The native front door: the public listener and every client connection, in tokio.
+//!
+//! The Python side binds the public socket (so `llmflow serve` keeps its host and port
+//! handling, and tests their ephemeral ports) and hands its fd to [`Front`], which accepts on
+//! the relay's tokio runtime, one task per connection (`conn.rs`). Each request's head is read
+//! with the gateway's limits (`http.rs`). The governed generation routes are offered to a
+//! [`Native`] server (the integrator's); every other request, and every one it declines, goes
+//! to the FastAPI app, which uvicorn serves on a private unix socket (`pass.rs`), losing
+//! nothing: method, target, headers, body, the client's address and its disconnects.
+
+pub mod answer;
 pub mod governed;
 pub mod owner;
 pub mod record;
 mod stubs;
 pub use stubs::{auth, prepare, reply, signals};
+pub mod chunked;
+pub mod conn;
+pub mod from_app;
+pub mod http;
+pub mod pass;
 
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::sync::watch;
+
+pub use http::Limits;
+
+/// One client connection, between requests.
 pub struct Conn {
     pub stream: tokio::net::TcpStream,
-    pub peer: std::net::SocketAddr,
-    pub buffered: bytes::BytesMut,
+    pub peer: SocketAddr,
+    /// Bytes read past the current request: a pipelined next request.
+    pub buffered: BytesMut,
 }
+
+/// One request, its body read whole (a request offered to [`Native`]), or still on the wire
+/// (one passed to the app as it arrives).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     pub method: String,
+    /// The raw request-target (path and query, as the client sent it).
     pub target: String,
+    /// 0 = HTTP/1.0, 1 = HTTP/1.1.
     pub version: u8,
+    /// Lower-case names, raw values, in the client's order.
     pub headers: Vec<(String, Vec<u8>)>,
-    pub body: bytes::Bytes,
+    pub body: Bytes,
+    /// The connection may serve another request after this one.
     pub keep_alive: bool,
 }
+
+impl Request {
+    /// The first value of header `name` (lower-case).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// The path, without the query.
+    pub fn path(&self) -> &str {
+        self.target.split('?').next().unwrap_or_default()
+    }
+}
+
+/// What a [`Native`] server did with a request.
 pub enum Outcome {
+    /// Answered; the connection back for its next request, None when it is closed.
     Served(Option<Conn>),
+    /// Not served: pass it to the app (nothing of it was written to the client).
     Declined(Request, Conn),
 }
+
+/// Serves the governed generation routes in Rust (`POST /v1/chat/completions` and
+/// `/v1/completions`, body read whole, within the limit); the rest goes to the app.
 pub trait Native: Send + Sync + 'static {
     fn serve(
-        self: std::sync::Arc<Self>,
+        self: Arc<Self>,
         request: Request,
         conn: Conn,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
+    ) -> Pin<Box<dyn Future<Output = Outcome> + Send>>;
 }
+
+/// The front door: accepts on the public listener and serves each connection in a task.
+pub struct Front {
+    setup: Arc<conn::Setup>,
+    /// Set once by `close`: the accept loop and every connection end.
+    closed: watch::Sender<bool>,
+}
+
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10); // out of fds: let some close first
+
+impl Front {
+    /// Start accepting on `listener` (a bound, listening socket) on `runtime`, passing to the
+    /// app on the unix socket `app`.
+    ///
+    /// # Errors
+    /// The listener cannot be registered with the runtime.
+    pub fn start(
+        runtime: &tokio::runtime::Handle,
+        listener: std::net::TcpListener,
+        app: PathBuf,
+        limits: Limits,
+    ) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let listener = {
+            let _entered = runtime.enter();
+            tokio::net::TcpListener::from_std(listener)?
+        };
+        let setup = Arc::new(conn::Setup {
+            limits,
+            app,
+            native: RwLock::new(None),
+        });
+        let (closed, watching) = watch::channel(false);
+        runtime.spawn(accept(listener, Arc::clone(&setup), watching));
+        Ok(Self { setup, closed })
+    }
+
+    /// Serve the governed routes natively from now on (each request asks at its arrival).
+    pub fn set_native(&self, native: Arc<dyn Native>) {
+        *self.setup.native.write().expect("never poisoned") = Some(native);
+    }
+
+    /// Stop accepting and drop every connection (the process is stopping).
+    pub fn close(&self) {
+        self.closed.send_replace(true);
+    }
+}
+
+impl Drop for Front {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+async fn accept(
+    listener: tokio::net::TcpListener,
+    setup: Arc<conn::Setup>,
+    mut closed: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = closed.wait_for(|c| *c) => return,
+        };
+        let Ok((stream, peer)) = accepted else {
+            // EMFILE and the like: the listener stays; try again once some have closed.
+            tokio::time::sleep(ACCEPT_BACKOFF).await;
+            continue;
+        };
+        // Replies are written whole or chunk by chunk as they come: no Nagle delay on either.
+        let _ = stream.set_nodelay(true);
+        let conn = Conn {
+            stream,
+            peer,
+            buffered: BytesMut::with_capacity(8192),
+        };
+        let (setup, mut closed) = (Arc::clone(&setup), closed.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = conn::serve(setup, conn) => {}
+                _ = closed.wait_for(|c| *c) => {}
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

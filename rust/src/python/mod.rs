@@ -3,8 +3,8 @@
 //!
 //! Per-request calls take microseconds and keep the GIL; only construction parses JSON.
 //! `governor` wraps the `Governor` (its answers in `decisions`), `runtime` the sans-IO
-//! `Runtime` (its actions in `actions`), `light` the light lane and `relay` the per-chunk
-//! relay; `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
+//! `Runtime` (its actions in `actions`), `light` the light lane, `relay` the per-chunk
+//! relay and `front` the front door; `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
 //! Python objects, `functions` holds the module's free functions, and `signature` binds the
 //! arguments of the methods with more parameters than a Rust function should take.
 
@@ -12,6 +12,8 @@ mod actions;
 mod convert;
 mod decisions;
 mod errors;
+#[cfg(feature = "relay")]
+mod front;
 mod functions;
 mod governor;
 mod light;
@@ -44,6 +46,9 @@ pub mod _core {
     #[pymodule_export]
     use super::runtime::{replay_trace, PyRuntime};
 
+    #[cfg(feature = "relay")]
+    #[pymodule_export]
+    use super::front::PyFront;
     #[cfg(feature = "relay")]
     #[pymodule_export]
     use super::relay::PyRelay;

@@ -25,7 +25,7 @@ const CARRY_OUT_WAIT: Duration = Duration::from_millis(100);
 /// Relays streamed completions from vLLM to clients on threads of its own.
 #[pyclass(name = "Relay", module = "llmflow._core")]
 pub struct PyRelay {
-    inner: Relay,
+    pub(super) inner: Relay,
 }
 
 fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {

@@ -177,9 +177,10 @@ impl Relay {
         &self.streams
     }
 
-    /// The relay's tokio runtime (one per process: the native front runs on it too).
-    pub fn handle(&self) -> &tokio::runtime::Handle {
-        &self.streams.handle
+    /// The relay's tokio runtime, which the front door shares (one runtime per process, sized
+    /// by `server.workers`); None once shut down.
+    pub fn handle(&self) -> Option<tokio::runtime::Handle> {
+        self.runtime.as_ref().map(|r| r.handle().clone())
     }
 
     /// See [`Streams::open`].

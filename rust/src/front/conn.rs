@@ -1,0 +1,157 @@
+//! One client connection's life: read a request, offer it to the native server or pass it to
+//! the app, answer in order, keep the connection alive while both sides agree.
+//!
+//! Requests on one connection are served one after another, so pipelined requests are
+//! answered in order: what a client sent ahead waits in `Conn::buffered` (read ahead while
+//! the current reply is written) and is parsed when the reply is done.
+
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use super::http::{self, Ending, Framing, Limits};
+use super::pass::{self, After, Body, Upstream};
+use super::{Conn, Native, Outcome, Request};
+
+/// The governed generation routes, which the native server may serve.
+const NATIVE_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+/// What every connection of a front reads.
+pub struct Setup {
+    pub limits: Limits,
+    /// Where uvicorn serves the app.
+    pub app: std::path::PathBuf,
+    /// The native server, once one is plugged in (read per request).
+    pub native: RwLock<Option<Arc<dyn Native>>>,
+}
+
+/// Serve `conn` until it closes.
+pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
+    let limits = &setup.limits;
+    let mut upstream: Option<Upstream> = None;
+    // A fresh connection may wait the read timeout for its first request (as uvicorn's read
+    // timer allows); between requests, the keep-alive timeout.
+    let mut idle = limits.read_timeout;
+    loop {
+        let head = match http::read_head(&mut conn, limits, idle).await {
+            Ok(head) => head,
+            Err(Ending::Closed) => return,
+            Err(Ending::Refused(refusal)) => return http::refuse(conn, refusal).await,
+        };
+        idle = limits.keep_alive_timeout;
+        let mut request = head.request;
+        let mut body = Body::Wire(head.framing);
+        let native = setup.native.read().expect("never poisoned").clone();
+        if let (Some(native), Some(length)) = (native, offered(&request, head.framing, limits)) {
+            request.body = match http::read_body(&mut conn, length, head.deadline).await {
+                Ok(read) => read,
+                Err(Ending::Closed) => return,
+                Err(Ending::Refused(refusal)) => return http::refuse(conn, refusal).await,
+            };
+            let keep_alive = request.keep_alive;
+            match native.serve(request, conn).await {
+                Outcome::Served(Some(next)) if keep_alive => {
+                    conn = next;
+                    continue;
+                }
+                Outcome::Served(Some(last)) => return http::linger(last).await,
+                Outcome::Served(None) => return,
+                Outcome::Declined(declined, back) => {
+                    (request, conn) = (declined, back);
+                    body = Body::Read;
+                }
+            }
+        }
+        match pass::forward(
+            Path::new(&setup.app),
+            &mut upstream,
+            &mut conn,
+            &request,
+            body,
+        )
+        .await
+        {
+            After::KeepAlive => {}
+            After::Close => return http::linger(conn).await,
+            After::Drop => return,
+        }
+    }
+}
+
+/// The body length of a request the native server is offered, or None: a governed route,
+/// `POST`, a body of a declared length within the limit, nothing that changes how the
+/// exchange goes (`Expect`, `Upgrade`); the app serves everything else as before.
+fn offered(request: &Request, framing: Framing, limits: &Limits) -> Option<usize> {
+    let Framing::Length(length) = framing else {
+        return None;
+    };
+    let plain = request.method == "POST"
+        && NATIVE_PATHS.contains(&request.path())
+        && request.header("content-length").is_some()
+        && request.header("expect").is_none()
+        && request.header("upgrade").is_none();
+    let length = usize::try_from(length).ok()?;
+    (plain && length <= limits.max_body_bytes).then_some(length)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use super::*;
+
+    fn request(method: &str, target: &str, headers: &[(&str, &str)]) -> Request {
+        Request {
+            method: method.into(),
+            target: target.into(),
+            version: 1,
+            headers: headers
+                .iter()
+                .map(|(n, v)| ((*n).into(), v.as_bytes().to_vec()))
+                .collect(),
+            body: Bytes::new(),
+            keep_alive: true,
+        }
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            max_header_bytes: 8192,
+            max_body_bytes: 100,
+            read_timeout: Duration::from_secs(1),
+            keep_alive_timeout: Duration::from_secs(1),
+        }
+    }
+
+    // Only a plain POST to a governed route, with a declared body within the limit, is offered.
+    #[test]
+    fn offered_only_plain_governed_posts() {
+        let cl = ("content-length", "10");
+        let l = limits();
+        let post =
+            |t: &str, h: &[(&str, &str)]| offered(&request("POST", t, h), Framing::Length(10), &l);
+        assert_eq!(post("/v1/chat/completions", &[cl]), Some(10));
+        assert_eq!(post("/v1/completions?x=1", &[cl]), Some(10));
+        assert_eq!(post("/v1/embeddings", &[cl]), None);
+        assert_eq!(post("/v1/chat/completions", &[]), None);
+        assert_eq!(
+            post("/v1/chat/completions", &[cl, ("expect", "100-continue")]),
+            None
+        );
+        assert_eq!(
+            post("/v1/chat/completions", &[cl, ("upgrade", "h2c")]),
+            None
+        );
+        let get = request("GET", "/v1/completions", &[cl]);
+        assert_eq!(offered(&get, Framing::Length(10), &l), None);
+        let chunked = request(
+            "POST",
+            "/v1/completions",
+            &[("transfer-encoding", "chunked")],
+        );
+        assert_eq!(offered(&chunked, Framing::Chunked, &l), None);
+        let big = request("POST", "/v1/completions", &[("content-length", "101")]);
+        assert_eq!(offered(&big, Framing::Length(101), &l), None);
+    }
+}

@@ -1,0 +1,144 @@
+//! The app's reply, copied to the client as it comes (`pass.rs`): interim heads, the head,
+//! then the body, each read from the app written to the client at once (an SSE reply goes out
+//! chunk by chunk), its framing followed only to know where it ends.
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::chunked::Chunked;
+use super::http::{tokens, Framing};
+
+const MAX_REPLY_HEAD: usize = 1 << 20; // the app's reply heads are small; past this it is broken
+
+/// Why a reply did not come through whole.
+pub enum Failed {
+    /// The app closed before a byte of a reply: the client is answered 502.
+    Silent,
+    /// A side went mid-reply: the client's connection is dropped.
+    Cut,
+}
+
+/// A reply copied whole.
+pub struct Reply {
+    /// The connection ends after it (`connection: close`, or a body that ends with it).
+    pub close: bool,
+    /// `101 Switching Protocols`: the connection is the app's protocol's from now on.
+    pub upgraded: bool,
+}
+
+/// Copy the app's reply to the client: interim heads, the head, the body as it comes.
+pub async fn download<R, W>(
+    app: &mut R,
+    buf: &mut BytesMut,
+    client: &mut W,
+    head_only: bool,
+) -> Result<Reply, Failed>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut wrote = false;
+    loop {
+        let (len, status, framing, close) = loop {
+            match reply_head(buf) {
+                Ok(Some(head)) => break head,
+                Ok(None) if buf.len() < MAX_REPLY_HEAD => {}
+                _ => return Err(Failed::Cut),
+            }
+            if matches!(app.read_buf(buf).await, Ok(0) | Err(_)) {
+                return Err(if wrote { Failed::Cut } else { Failed::Silent });
+            }
+        };
+        let head = buf.split_to(len);
+        client.write_all(&head).await.map_err(|_| Failed::Cut)?;
+        wrote = true;
+        if status == 101 {
+            return Ok(Reply {
+                close: false,
+                upgraded: true,
+            });
+        }
+        if (100..200).contains(&status) {
+            continue; // 100 Continue: the final reply follows
+        }
+        let framing = if head_only || status == 204 || status == 304 {
+            Some(Framing::Length(0))
+        } else {
+            framing
+        };
+        copy_body(app, buf, client, framing).await?;
+        return Ok(Reply {
+            close: close || framing.is_none(),
+            upgraded: false,
+        });
+    }
+}
+
+/// A reply's head: its length, status, body framing (None: until the app closes) and whether
+/// it ends the connection.
+type ReplyHead = (usize, u16, Option<Framing>, bool);
+
+fn reply_head(buf: &[u8]) -> Result<Option<ReplyHead>, Failed> {
+    let mut headers = [httparse::EMPTY_HEADER; 128];
+    let mut reply = httparse::Response::new(&mut headers);
+    let len = match reply.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(Failed::Cut),
+    };
+    let (mut framing, mut close, mut keep) = (None, false, false);
+    for h in reply.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let n = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|t| t.trim().parse().ok());
+            framing = Some(Framing::Length(n.ok_or(Failed::Cut)?));
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            framing = Some(Framing::Chunked);
+        } else if h.name.eq_ignore_ascii_case("connection") {
+            for token in tokens(h.value) {
+                close |= token.eq_ignore_ascii_case(b"close");
+                keep |= token.eq_ignore_ascii_case(b"keep-alive");
+            }
+        }
+    }
+    let close = close || (reply.version == Some(0) && !keep);
+    Ok(Some((len, reply.code.unwrap_or(0), framing, close)))
+}
+
+/// Copy one reply body verbatim, each read from the app written to the client at once.
+async fn copy_body<R, W>(
+    app: &mut R,
+    buf: &mut BytesMut,
+    client: &mut W,
+    framing: Option<Framing>,
+) -> Result<(), Failed>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut left = match framing {
+        Some(Framing::Length(n)) => n,
+        _ => u64::MAX,
+    };
+    let mut chunked = (framing == Some(Framing::Chunked)).then(Chunked::default);
+    while left > 0 && !chunked.as_ref().is_some_and(Chunked::done) {
+        if buf.is_empty() {
+            match app.read_buf(buf).await {
+                Ok(0) if framing.is_none() => return Ok(()), // the body ends with the connection
+                Ok(0) | Err(_) => return Err(Failed::Cut),
+                Ok(_) => {}
+            }
+        }
+        let take = match chunked.as_mut() {
+            Some(c) => c.feed(buf).map_err(|_| Failed::Cut)?,
+            None => left.min(buf.len() as u64) as usize,
+        };
+        if chunked.is_none() && framing.is_some() {
+            left -= take as u64;
+        }
+        let part = buf.split_to(take);
+        client.write_all(&part).await.map_err(|_| Failed::Cut)?;
+    }
+    Ok(())
+}
