@@ -8,6 +8,8 @@ pub mod capacity;
 pub mod config;
 pub mod error;
 pub mod fair_queue;
+#[cfg(feature = "relay")]
+pub mod front;
 pub mod governor;
 pub mod kv;
 pub mod light;

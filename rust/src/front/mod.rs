@@ -1,0 +1,4 @@
+pub mod json;
+pub mod prepare;
+pub mod prompt;
+pub mod request;
