@@ -57,6 +57,7 @@ pub struct FrontConfig {
 /// A checked request: every value of Python's `Prepared` and `ClientOptions` but the
 /// identity (tenant and tier come from the API key, `auth.rs`) and the signals.
 #[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::struct_excessive_bools)] // Python's fields, one for one
 pub struct Prepared {
     pub endpoint: Endpoint,
     /// The model the client named (an alias stays an alias in the reply).
@@ -108,7 +109,11 @@ impl Prepared {
     }
 }
 
-const PYTHON_DUMPS: Style = Style { ascii: true, sort_keys: false, compact: false };
+const PYTHON_DUMPS: Style = Style {
+    ascii: true,
+    sort_keys: false,
+    compact: false,
+};
 // Fields a client may not set (`serving._STRIPPED`): the core computes the priority, and
 // kv_transfer_params would pin KV blocks or name a host for the connector to reach.
 const STRIPPED: [&str; 2] = ["priority", "kv_transfer_params"];
@@ -117,7 +122,9 @@ const STRIPPED: [&str; 2] = ["priority", "kv_transfer_params"];
 /// (or where this reading is unsure it would not).
 pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<Prepared> {
     let body = json::parse(raw)?;
-    let Json::Object(pairs) = &body else { return None };
+    let Json::Object(pairs) = &body else {
+        return None;
+    };
     if let Some(Json::Array(messages)) = body.get("messages") {
         if messages.len() as u64 > config.max_messages {
             return None;
@@ -134,7 +141,10 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
         return None;
     }
     let context = *config.models.get(request.model)?;
-    let model = config.aliases.get(request.model).map_or(request.model, String::as_str);
+    let model = config
+        .aliases
+        .get(request.model)
+        .map_or(request.model, String::as_str);
     if endpoint == Endpoint::Completions && request.max_tokens == Some(0) && !request.echo {
         return None; // no output is a request for the echoed prompt alone
     }
@@ -149,12 +159,17 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
     if request.max_tokens.is_some_and(|m| m > context) {
         return None;
     }
-    let hashes = config.prefix_models.contains(model).then(|| {
-        prompt::prefix_hashes(&request.prompt, config.block_size, config.bytes_per_token)
-    });
+    let hashes = config
+        .prefix_models
+        .contains(model)
+        .then(|| prompt::prefix_hashes(&request.prompt, config.block_size, config.bytes_per_token));
     let unstreamed = !request.stream && wants_prompt_logprobs(&body);
     let mut upstream = Json::Object(
-        pairs.iter().filter(|(k, _)| !STRIPPED.contains(&k.as_str())).cloned().collect(),
+        pairs
+            .iter()
+            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
+            .cloned()
+            .collect(),
     );
     set(&mut upstream, "model", Json::Str(model.to_owned()));
     if !unstreamed {
@@ -201,7 +216,10 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
 /// `session.body_fingerprint`: 64 bits of BLAKE2b keyed with the process's key, read
 /// little-endian, never 0 (which means none).
 pub fn fingerprint(raw: &[u8], key: &[u8]) -> u64 {
-    let hash = blake2b_simd::Params::new().hash_length(8).key(key).hash(raw);
+    let hash = blake2b_simd::Params::new()
+        .hash_length(8)
+        .key(key)
+        .hash(raw);
     let bytes: [u8; 8] = hash.as_bytes().try_into().expect("an 8-byte digest");
     u64::from_le_bytes(bytes).max(1)
 }
@@ -222,7 +240,9 @@ fn wants_prompt_logprobs(body: &Json) -> bool {
 
 /// `dict[key] = value`: in place when present (its position kept), else at the end.
 fn set(object: &mut Json, key: &str, value: Json) {
-    let Json::Object(pairs) = object else { unreachable!("an object") };
+    let Json::Object(pairs) = object else {
+        unreachable!("an object")
+    };
     match pairs.iter_mut().find(|(k, _)| k == key) {
         Some((_, slot)) => *slot = value,
         None => pairs.push((key.to_owned(), value)),

@@ -29,7 +29,10 @@ pub fn prompt_tokens(prompt: &Prompt<'_>, bytes_per_token: f64) -> Vec<u64> {
                     .map(|m| PER_MESSAGE + content_tokens(&m.content, bytes_per_token))
                     .sum::<u64>(),
         ],
-        Prompt::Texts(texts) => texts.iter().map(|t| text_tokens(t, bytes_per_token)).collect(),
+        Prompt::Texts(texts) => texts
+            .iter()
+            .map(|t| text_tokens(t, bytes_per_token))
+            .collect(),
         Prompt::Ids(ids) => ids.iter().map(|p| p.len() as u64).collect(),
     }
 }
@@ -79,7 +82,11 @@ fn chain(data: &[u8], chunk: usize) -> Vec<u64> {
 /// sort_keys=True, separators=(",", ":"))` writes them.
 fn chat_bytes(messages: &[Message<'_>]) -> Vec<u8> {
     let mut out = Vec::new();
-    let style = Style { ascii: true, sort_keys: true, compact: true };
+    let style = Style {
+        ascii: true,
+        sort_keys: true,
+        compact: true,
+    };
     for message in messages {
         out.push(b'<');
         out.extend_from_slice(message.role.as_bytes());
@@ -129,14 +136,20 @@ mod tests {
         )
         .unwrap();
         let request = chat(&body).unwrap();
-        assert_eq!(prompt_tokens(&request.prompt, 4.0), vec![3 + 4 + 2 + 4 + 1 + 576 + 4]);
+        assert_eq!(
+            prompt_tokens(&request.prompt, 4.0),
+            vec![3 + 4 + 2 + 4 + 1 + 576 + 4]
+        );
     }
 
     // Token ids count exactly, one entry per prompt of a batch.
     #[test]
     fn completion_estimate() {
         let body = parse(br#"{"model":"m","prompt":[[1,2,3],[4]]}"#).unwrap();
-        assert_eq!(prompt_tokens(&completion(&body).unwrap().prompt, 4.0), vec![3, 1]);
+        assert_eq!(
+            prompt_tokens(&completion(&body).unwrap().prompt, 4.0),
+            vec![3, 1]
+        );
     }
 
     // Ids hash as 4-byte little-endian words, block_size at a time, the first prompt only;
@@ -145,13 +158,22 @@ mod tests {
     fn hashes_chain_over_the_layout() {
         let ids = parse(br#"{"model":"m","prompt":[[1,2,3,4,5],[9]]}"#).unwrap();
         let hashes = prefix_hashes(&completion(&ids).unwrap().prompt, 2, 4.0);
-        let words: Vec<u8> = [1u32, 2, 3, 4, 5].iter().flat_map(|i| i.to_le_bytes()).collect();
-        assert_eq!(hashes, crate::routing::keyed_chain_hashes(&words, 8, MAX_BLOCKS));
+        let words: Vec<u8> = [1u32, 2, 3, 4, 5]
+            .iter()
+            .flat_map(|i| i.to_le_bytes())
+            .collect();
+        assert_eq!(
+            hashes,
+            crate::routing::keyed_chain_hashes(&words, 8, MAX_BLOCKS)
+        );
         assert_eq!(hashes.len(), 2);
         let a = parse(br#"{"model":"m","prompt":"0123456789abcdef-one-abc"}"#).unwrap();
         let b = parse(br#"{"model":"m","prompt":"0123456789abcdef-two-abc"}"#).unwrap();
         let (a, b) = (completion(&a).unwrap(), completion(&b).unwrap());
-        let (ha, hb) = (prefix_hashes(&a.prompt, 2, 4.0), prefix_hashes(&b.prompt, 2, 4.0));
+        let (ha, hb) = (
+            prefix_hashes(&a.prompt, 2, 4.0),
+            prefix_hashes(&b.prompt, 2, 4.0),
+        );
         assert_eq!(ha[0], hb[0]);
         assert_ne!(ha[2], hb[2]);
     }
@@ -164,7 +186,12 @@ mod tests {
                 .as_bytes(),
         )
         .unwrap();
-        let Prompt::Chat(messages) = chat(&body).unwrap().prompt else { panic!() };
-        assert_eq!(chat_bytes(&messages), br#"<u>[{"a":1.5,"text":"\u00e9","type":"text"}]<a>"#);
+        let Prompt::Chat(messages) = chat(&body).unwrap().prompt else {
+            panic!()
+        };
+        assert_eq!(
+            chat_bytes(&messages),
+            br#"<u>[{"a":1.5,"text":"\u00e9","type":"text"}]<a>"#
+        );
     }
 }

@@ -65,8 +65,8 @@ pub fn chat(body: &Json) -> Option<Request<'_>> {
         _ => return None,
     };
     let messages = messages.iter().map(message).collect::<Option<Vec<_>>>()?;
-    let max_completion = opt_int(body.get("max_completion_tokens"), 1)?;
-    let max_tokens = opt_int(body.get("max_tokens"), 1)?;
+    let max_completion = opt_int(body.get("max_completion_tokens"), 1).ok()?;
+    let max_tokens = opt_int(body.get("max_tokens"), 1).ok()?;
     let n = match body.get("n") {
         None | Some(Json::Null) => 1, // `request.n or 1`
         Some(value) => count(value, 1)?,
@@ -75,7 +75,7 @@ pub fn chat(body: &Json) -> Option<Request<'_>> {
     Some(Request {
         model: model(body)?,
         stream: opt_bool(body.get("stream"))?,
-        stream_options: stream_options(body.get("stream_options"))?,
+        stream_options: stream_options(body.get("stream_options")).ok()?,
         max_tokens: max_completion.or(max_tokens),
         n,
         echo: false,
@@ -94,8 +94,8 @@ pub fn completion(body: &Json) -> Option<Request<'_>> {
     Some(Request {
         model: model(body)?,
         stream: opt_bool(body.get("stream"))?,
-        stream_options: stream_options(body.get("stream_options"))?,
-        max_tokens: opt_int(body.get("max_tokens"), 0)?,
+        stream_options: stream_options(body.get("stream_options")).ok()?,
+        max_tokens: opt_int(body.get("max_tokens"), 0).ok()?,
         n,
         echo: opt_bool(body.get("echo"))?,
         prompt,
@@ -120,7 +120,9 @@ fn sampling(body: &Json) -> Option<()> {
     };
     let stop = match body.get("stop") {
         None | Some(Json::Null | Json::Str(_)) => true,
-        Some(Json::Array(items)) => items.len() <= 4 && items.iter().all(|s| matches!(s, Json::Str(_))),
+        Some(Json::Array(items)) => {
+            items.len() <= 4 && items.iter().all(|s| matches!(s, Json::Str(_)))
+        }
         Some(_) => false,
     };
     let seed = matches!(body.get("seed"), None | Some(Json::Null | Json::Int(_)));
@@ -130,7 +132,9 @@ fn sampling(body: &Json) -> Option<()> {
 }
 
 fn message(value: &Json) -> Option<Message<'_>> {
-    let Json::Str(role) = value.get("role")? else { return None };
+    let Json::Str(role) = value.get("role")? else {
+        return None;
+    };
     let content = match value.get("content") {
         None | Some(Json::Null) => Content::None,
         Some(Json::Str(text)) => Content::Text(text),
@@ -151,7 +155,13 @@ fn prompt(value: &Json) -> Option<Prompt<'_>> {
         Json::Array(items) => match items.first()? {
             Json::Str(_) => items
                 .iter()
-                .map(|p| if let Json::Str(s) = p { Some(s.as_str()) } else { None })
+                .map(|p| {
+                    if let Json::Str(s) = p {
+                        Some(s.as_str())
+                    } else {
+                        None
+                    }
+                })
                 .collect::<Option<Vec<_>>>()
                 .map(Prompt::Texts),
             Json::Array(_) => items
@@ -169,7 +179,8 @@ fn prompt(value: &Json) -> Option<Prompt<'_>> {
 }
 
 fn token_ids(ids: &[Json]) -> bool {
-    ids.iter().all(|id| matches!(id, Json::Int(i) if (0..=MAX_INT).contains(i)))
+    ids.iter()
+        .all(|id| matches!(id, Json::Int(i) if (0..=MAX_INT).contains(i)))
 }
 
 /// `bool | None = False`.
@@ -181,11 +192,14 @@ fn opt_bool(value: Option<&Json>) -> Option<bool> {
     }
 }
 
+/// A field pydantic refuses.
+struct Invalid;
+
 /// `int | None = Field(None, ge=least, le=MAX_INT)`.
-fn opt_int(value: Option<&Json>, least: i128) -> Option<Option<u64>> {
+fn opt_int(value: Option<&Json>, least: i128) -> Result<Option<u64>, Invalid> {
     match value {
-        None | Some(Json::Null) => Some(None),
-        Some(value) => count(value, least).map(Some),
+        None | Some(Json::Null) => Ok(None),
+        Some(value) => count(value, least).map(Some).ok_or(Invalid),
     }
 }
 
@@ -196,15 +210,16 @@ fn count(value: &Json, least: i128) -> Option<u64> {
     }
 }
 
-/// `StreamOptions | None`: `None` (the outer) when invalid; `Some(None)` when absent or null.
-fn stream_options(value: Option<&Json>) -> Option<Option<StreamOptions>> {
+/// `StreamOptions | None`.
+fn stream_options(value: Option<&Json>) -> Result<Option<StreamOptions>, Invalid> {
     match value {
-        None | Some(Json::Null) => Some(None),
-        Some(options @ Json::Object(_)) => Some(Some(StreamOptions {
-            include_usage: opt_bool(options.get("include_usage"))?,
-            continuous_usage_stats: opt_bool(options.get("continuous_usage_stats"))?,
+        None | Some(Json::Null) => Ok(None),
+        Some(options @ Json::Object(_)) => Ok(Some(StreamOptions {
+            include_usage: opt_bool(options.get("include_usage")).ok_or(Invalid)?,
+            continuous_usage_stats: opt_bool(options.get("continuous_usage_stats"))
+                .ok_or(Invalid)?,
         })),
-        Some(_) => None,
+        Some(_) => Err(Invalid),
     }
 }
 
@@ -234,7 +249,10 @@ mod tests {
             "stop":["a","b"],"seed":-3,"user":"u","tools":[{{"x":1}}]}}"#
         ))
         .unwrap();
-        assert_eq!((r.model, r.stream, r.n, r.max_tokens), ("m", true, 1, Some(9)));
+        assert_eq!(
+            (r.model, r.stream, r.n, r.max_tokens),
+            ("m", true, 1, Some(9))
+        );
         assert!(r.stream_options.unwrap().include_usage);
     }
 
@@ -276,10 +294,22 @@ mod tests {
         let batch = completion_of(r#"{"model":"m","prompt":[[1],[2,3]]}"#).unwrap();
         assert!(matches!(batch.prompt, Prompt::Ids(ref p) if p.len() == 2));
         for bad in [
-            r#"[1,"a"]"#, r#"["a",1]"#, r#"[[1],"a"]"#, "[-1]", "[2147483648]", "[true]", "[]",
-            "[[]]", "null", "1", "[1.0]",
+            r#"[1,"a"]"#,
+            r#"["a",1]"#,
+            r#"[[1],"a"]"#,
+            "[-1]",
+            "[2147483648]",
+            "[true]",
+            "[]",
+            "[[]]",
+            "null",
+            "1",
+            "[1.0]",
         ] {
-            assert!(completion_of(&format!(r#"{{"model":"m","prompt":{bad}}}"#)).is_none(), "{bad}");
+            assert!(
+                completion_of(&format!(r#"{{"model":"m","prompt":{bad}}}"#)).is_none(),
+                "{bad}"
+            );
         }
         assert!(completion_of(r#"{"model":"m","prompt":"a","n":null}"#).is_none());
     }

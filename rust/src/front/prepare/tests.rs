@@ -41,7 +41,10 @@ fn streamed_chat() {
     .unwrap();
     assert_eq!((p.asked_model.as_str(), p.model.as_str()), ("alias", "m"));
     assert!(p.stream && p.include_usage && !p.continuous_usage && !p.unstreamed);
-    assert_eq!((p.choices, p.prompt_tokens, p.planned_tokens, p.max_tokens), (1, 9, 91, None));
+    assert_eq!(
+        (p.choices, p.prompt_tokens, p.planned_tokens, p.max_tokens),
+        (1, 9, 91, None)
+    );
     assert_eq!(p.prefix_hashes, None);
     assert_eq!(
         String::from_utf8(p.body_bytes()).unwrap(),
@@ -65,8 +68,13 @@ fn completion_batch_and_cap() {
     let mut capped = config();
     capped.max_tokens = Some(10);
     let p = prepare(Endpoint::Completions, raw.as_bytes(), &capped).unwrap();
-    assert_eq!((p.choices, p.prompt_tokens, p.max_tokens, p.planned_tokens), (4, 3, Some(10), 40));
-    assert!(String::from_utf8(p.body_bytes()).unwrap().ends_with(r#""max_tokens": 10}"#));
+    assert_eq!(
+        (p.choices, p.prompt_tokens, p.max_tokens, p.planned_tokens),
+        (4, 3, Some(10), 40)
+    );
+    assert!(String::from_utf8(p.body_bytes())
+        .unwrap()
+        .ends_with(r#""max_tokens": 10}"#));
     assert_eq!(p.fingerprint, fingerprint(raw.as_bytes(), &[7; 32]));
     assert_ne!(p.fingerprint, fingerprint(raw.as_bytes(), &[8; 32]));
     // A cap the context already binds is not sent.
@@ -78,12 +86,22 @@ fn completion_batch_and_cap() {
 // Prompt logprobs, asked directly or through echo with logprobs, go upstream unstreamed.
 #[test]
 fn unstreamed_when_prompt_logprobs() {
-    for extra in [r#""prompt_logprobs":1"#, r#""prompt_logprobs":"x""#, r#""echo":true,"logprobs":0"#] {
+    for extra in [
+        r#""prompt_logprobs":1"#,
+        r#""prompt_logprobs":"x""#,
+        r#""echo":true,"logprobs":0"#,
+    ] {
         let p = completion(&format!(r#"{{"model":"m","prompt":"a",{extra}}}"#)).unwrap();
         assert!(p.unstreamed, "{extra}");
-        assert!(!String::from_utf8(p.body_bytes()).unwrap().contains("stream"));
+        assert!(!String::from_utf8(p.body_bytes())
+            .unwrap()
+            .contains("stream"));
     }
-    for extra in [r#""prompt_logprobs":0"#, r#""prompt_logprobs":false"#, r#""echo":true"#] {
+    for extra in [
+        r#""prompt_logprobs":0"#,
+        r#""prompt_logprobs":false"#,
+        r#""echo":true"#,
+    ] {
         let p = completion(&format!(r#"{{"model":"m","prompt":"a",{extra}}}"#)).unwrap();
         assert!(!p.unstreamed, "{extra}");
     }
@@ -109,7 +127,10 @@ fn declines_what_python_refuses() {
         format!(r#"{{"model":"m",{msg},"stream_options":{{"include_usage":true}}}}"#),
         format!(r#"{{"model":"m",{msg},"n":5}}"#),
         format!(r#"{{"model":"m",{msg},"max_tokens":101}}"#),
-        format!(r#"{{"model":"m","messages":[{{"role":"u","content":"{}"}}]}}"#, "x".repeat(400)),
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"u","content":"{}"}}]}}"#,
+            "x".repeat(400)
+        ),
         r#"{"model":"m","messages":[{"role":"u"},{"role":"u"},{"role":"u"},{"role":"u"}]}"#
             .to_owned(),
     ] {
