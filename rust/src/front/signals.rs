@@ -88,7 +88,15 @@ fn seconds_ms(value: &[u8]) -> Result<Option<u64>, Unsure> {
         return Ok(None); // Python's `decode("ascii")` or `float("")` fails: ignored
     }
     if !decimal(text) {
-        return Err(Unsure);
+        // What no `float()` text holds (its digits, signs, point, exponent, `_`, spaces and
+        // the letters of inf, infinity and nan) is surely ignored; the rest is unsure.
+        let floaty =
+            |b: &u8| b"0123456789+-.eE_ \t\n\r\x0b\x0c\x1c\x1d\x1e\x1finfatyINFATY".contains(b);
+        return if text.iter().all(floaty) {
+            Err(Unsure)
+        } else {
+            Ok(None)
+        };
     }
     let seconds: f64 = std::str::from_utf8(text)
         .ok()
@@ -181,43 +189,37 @@ mod tests {
         );
     }
 
-    // Timeouts in seconds, rounded half to even; the first that parses; ours wins.
+    // Timeouts in seconds, rounded half to even; past a day, junk or non-ASCII ignored.
+    #[test]
+    fn timeouts() {
+        let cases = [
+            ("600.0", Some(600_000)),
+            ("0.0005", None), // rounds to 0
+            ("0.0015", Some(2)),
+            ("0.0025", Some(2)),
+            ("1e-3", Some(1)),
+            ("-1", None),
+            ("86401", None),
+            ("é", None),
+            ("0x10", None),
+            ("5s", None),
+            (",\"usage\":{", None),
+        ];
+        for (value, ms) in cases {
+            let read = read(&[("x-stainless-timeout", value)]);
+            assert_eq!(read, Ok(signals(None, ms)), "{value}");
+        }
+    }
+
+    // The first timeout that parses; ours wins over it.
     #[test]
     fn deadlines() {
-        assert_eq!(
-            read(&[("x-stainless-read-timeout", "600.0")]),
-            Ok(signals(None, Some(600_000)))
-        );
-        assert_eq!(
-            read(&[("x-stainless-timeout", "0.0005")]),
-            Ok(signals(None, None))
-        ); // rounds to 0
-        assert_eq!(
-            read(&[("x-stainless-timeout", "0.0015")]),
-            Ok(signals(None, Some(2)))
-        );
-        assert_eq!(
-            read(&[("x-stainless-timeout", "0.0025")]),
-            Ok(signals(None, Some(2)))
-        );
-        assert_eq!(
-            read(&[("x-stainless-timeout", "é")]),
-            Ok(signals(None, None))
-        );
-        assert_eq!(
-            read(&[("x-stainless-timeout", "1e-3")]),
-            Ok(signals(None, Some(1)))
-        );
         let first = [
             ("x-stainless-timeout", "-1"),
             ("x-stainless-read-timeout", "2"),
             ("x-stainless-timeout", "3"),
         ];
         assert_eq!(read(&first), Ok(signals(None, Some(2_000))));
-        assert_eq!(
-            read(&[("x-stainless-timeout", "86401")]),
-            Ok(signals(None, None))
-        );
         let ours = [
             ("x-llmflow-deadline-ms", "1500"),
             ("x-stainless-timeout", "60"),
@@ -235,7 +237,7 @@ mod tests {
                 "{bad}"
             );
         }
-        for odd in ["1_0", "inf", "nan", "\u{1c}5", "0x10", "5s", "."] {
+        for odd in ["1_0", "inf", "nan", "\u{1c}5", "Infinity", "."] {
             assert_eq!(read(&[("x-stainless-timeout", odd)]), Err(Unsure), "{odd}");
         }
     }
