@@ -831,6 +831,71 @@ class Front:
     Raises:
         InvalidArgumentError: a timeout is not positive, or the relay has shut down.
         OSError: the listener cannot be served.
+# ---- the native front's pure checks (a test seam: tests hold each against Python's own) ----
+
+@final
+class FrontPrepared:
+    """A request the native front would serve: every value of Python's `Prepared` and its
+    `ClientOptions` but the identity and the signals."""
+
+    @property
+    def endpoint(self) -> Literal["chat", "completions"]: ...
+    @property
+    def path(self) -> str:
+        """The path vLLM serves it on."""
+    @property
+    def asked_model(self) -> str:
+        """The model the client named (`ClientOptions.model`)."""
+    @property
+    def model(self) -> str:
+        """The served model it routes to (an alias resolved)."""
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def choices(self) -> int:
+        """`n` for each prompt of a batch (`ClientOptions.n`)."""
+    @property
+    def include_usage(self) -> bool: ...
+    @property
+    def continuous_usage(self) -> bool: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def planned_tokens(self) -> int:
+        """What the batch may generate at its peak (`Prepared.max_tokens`)."""
+    @property
+    def max_tokens(self) -> int | None:
+        """The request's output bound after the gateway's cap (`limits.max_tokens`)."""
+    @property
+    def prefix_hashes(self) -> list[int] | None: ...
+    @property
+    def fingerprint(self) -> int: ...
+    @property
+    def unstreamed(self) -> bool: ...
+    @property
+    def body(self) -> bytes:
+        """The body vLLM gets, as `json.dumps(prepared.body).encode()` writes Python's."""
+    def upstream_body(self, priority: int | None = None, max_tokens: int | None = None) -> bytes:
+        """`session.upstream_body`'s bytes: with the core's priority and brownout bound."""
+
+@final
+class FrontChecks:
+    """`CompletionService.prepare`'s checks in Rust, with the service's arguments.
+
+    Args:
+        models: served model name (and alias) -> context length.
+        bytes_per_token: UTF-8 bytes per token of the prompt estimate.
+        streaming: `streaming.enabled`.
+        max_messages: `limits.max_messages`.
+        max_n: `limits.max_n`.
+        max_tokens: `limits.max_tokens`.
+        fingerprint_key: the body fingerprint's BLAKE2b key (64 bytes at most).
+        aliases: alias -> served model.
+        prefix_models: served models whose pool routes by prefix.
+        block_size: tokens per KV block.
+
+    Raises:
+        InvalidArgumentError: `bytes_per_token` not above 0, or the key too long.
     """
 
     def __new__(
@@ -846,3 +911,79 @@ class Front:
     ) -> Front: ...
     def close(self) -> None:
         """Stop accepting and drop every connection."""
+        models: Mapping[str, int],
+        bytes_per_token: float,
+        streaming: bool,
+        max_messages: int,
+        max_n: int,
+        max_tokens: int | None,
+        fingerprint_key: bytes,
+        *,
+        aliases: Mapping[str, str],
+        prefix_models: set[str] | frozenset[str],
+        block_size: int,
+    ) -> FrontChecks: ...
+    def prepare(
+        self, endpoint_name: Literal["chat", "completions"], raw: bytes
+    ) -> FrontPrepared | None:
+        """The request's values, or None where Python's `prepare` would refuse it (or the
+        native front is unsure it would not): the app then answers it.
+
+        Raises:
+            InvalidArgumentError: an endpoint other than chat or completions.
+        """
+
+@final
+class FrontKeys:
+    """`KeyRing.authenticate`'s checks in Rust.
+
+    Args:
+        enabled: whether API keys are configured.
+        anonymous: (tenant, tier) of every caller when they are not.
+        max_bytes: `limits.max_api_key_bytes`.
+        keys: (the key's UTF-8 bytes, tenant, tier) of each configured key.
+    """
+
+    def __new__(
+        cls,
+        enabled: bool,
+        anonymous: tuple[str, str],
+        max_bytes: int,
+        keys: list[tuple[bytes, str, str]],
+    ) -> FrontKeys: ...
+    def authenticate(self, authorization: bytes | None) -> tuple[str, str] | None:
+        """(tenant, tier) of an `Authorization` header's raw value, or None (Python's 401)."""
+
+def front_signals(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, int | None] | None:
+    """`read_signals` in Rust: (retries, deadline_ms), or None where Python answers 400 or
+    the reading is unsure."""
+
+def front_refusal_bytes(
+    reason: str,
+    status: int,
+    retry_after_s: int | None,
+    request_id: int,
+    default_headers: list[tuple[bytes, bytes]],
+    keep_alive: bool,
+    upstream: tuple[int, str, str, str | None] | None = None,
+) -> bytes:
+    """A runtime refusal's bytes on the wire, as `fastpath._reply_bytes(reply_error(...))`;
+    `upstream`: (status, code, message, vLLM's error JSON) of a backend's failure."""
+
+def front_cut_frame(
+    endpoint_name: Literal["chat", "completions"],
+    model: str,
+    template: str | None,
+    open_choices: list[int],
+    reason: str,
+    request_id: int,
+    now_s: int,
+) -> bytes:
+    """`encode_event(tail_chunk(...))`: the frame that ends a reply the runtime cut.
+
+    Raises:
+        InvalidArgumentError: an endpoint other than chat or completions.
+    """
+
+def front_in_band_error(error: str | None, message: str, code: str) -> bytes:
+    """`encode_event({"error": in_band_error(...)})`: vLLM's error object, else ours."""

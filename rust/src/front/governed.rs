@@ -48,7 +48,7 @@ pub struct BackendRoute {
 pub struct Governed {
     pub owner: Arc<Owner>,
     pub streams: Streams,
-    pub checks: super::prepare::Checks,
+    pub checks: super::prepare::FrontConfig,
     pub keys: super::auth::KeyRing,
     pub backends: Vec<BackendRoute>,
     /// A keyless gateway's own names (`server.allowed_hosts` and the like): a request whose
@@ -106,7 +106,7 @@ impl Governed {
             return Outcome::Declined(request, conn);
         }
         let authorization = header(&request, "authorization");
-        let Some(identity) = self.keys.authenticate(authorization) else {
+        let Some(identity) = self.keys.authenticate(authorization).cloned() else {
             return Outcome::Declined(request, conn);
         };
         let Some(prepared) = super::prepare::prepare(endpoint, &request.body, &self.checks) else {
@@ -120,7 +120,11 @@ impl Governed {
         {
             return Outcome::Declined(request, conn);
         }
-        let Ok(signals) = super::signals::read_signals(&request.headers) else {
+        let headers = request
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_bytes(), v.as_slice()));
+        let Ok(signals) = super::signals::read_signals(headers) else {
             return Outcome::Declined(request, conn);
         };
         let ids = self.owner.read(|runtime| {
@@ -141,7 +145,7 @@ impl Governed {
             id,
             tenant,
             prompt: prepared.prompt_tokens,
-            max_tokens: prepared.generated,
+            max_tokens: prepared.planned_tokens,
             stream: true,
             pool,
             chain: prepared.prefix_hashes.clone().unwrap_or_default(),
@@ -160,7 +164,7 @@ impl Governed {
             tier: identity.tier.clone(),
             arrived_us,
             prompt_tokens: prepared.prompt_tokens,
-            max_tokens: prepared.max_tokens,
+            max_tokens: Some(prepared.planned_tokens),
             ..Record::default()
         };
         let life = Life {
@@ -266,67 +270,8 @@ impl Governed {
                 reason,
                 retry_after_s,
                 ..
-            } => {
-                life.ended = true;
-                reason.as_str().clone_into(&mut life.record.end);
-                life.record.refused = life.record.started_us.is_none() && !life.opened;
-                if life.opened {
-                    self.streams.control(life.id, Control::Close);
-                    life.record.upstream_aborted = life.record.started_us.is_some();
-                }
-                let failure = (reason.as_str() == "upstream_error")
-                    .then(|| life.failure.clone())
-                    .flatten();
-                let (bytes, code) = super::reply::error_reply(
-                    life.id,
-                    status,
-                    reason.as_str(),
-                    retry_after_s,
-                    failure.as_ref(),
-                    life.keep_alive,
-                );
-                life.record.error = Some((status, code));
-                self.write_and_finish(life, &bytes).await;
-            }
-            Action::Cut { reason, .. } => {
-                life.ended = true;
-                reason.as_str().clone_into(&mut life.record.end);
-                let frame = match reason.as_str() {
-                    "client_stall" => None,
-                    "upstream_error" => life.failure.as_ref().map(super::reply::in_band_error),
-                    other => {
-                        life.record.truncated = true;
-                        Some(super::reply::notice_frame(
-                            &life.prepared,
-                            life.template.as_deref(),
-                            other,
-                            life.id,
-                        ))
-                    }
-                };
-                let only_if_open = !matches!(reason.as_str(), "client_stall" | "upstream_error");
-                if life.opened {
-                    self.streams.control(
-                        life.id,
-                        Control::Cut {
-                            frame,
-                            only_if_open,
-                        },
-                    );
-                    if !life.attached {
-                        self.attach(life);
-                    }
-                } else {
-                    // Cut before it ever started: the reply is the notice alone.
-                    let mut bytes = head(life);
-                    if let Some(frame) = frame {
-                        bytes.extend_from_slice(&chunked(&frame));
-                    }
-                    bytes.extend_from_slice(&chunked(b"data: [DONE]\n\n"));
-                    bytes.extend_from_slice(b"0\r\n\r\n");
-                    self.write_and_finish(life, &bytes).await;
-                }
-            }
+            } => self.reply(life, status, reason, retry_after_s).await,
+            Action::Cut { reason, .. } => self.cut(life, reason).await,
             Action::End { outcome, .. } => {
                 life.ended = true;
                 outcome_name(outcome).clone_into(&mut life.record.end);
@@ -346,6 +291,89 @@ impl Governed {
         }
     }
 
+    /// The runtime's `Reply`: an error status before any of the reply was written.
+    async fn reply(
+        &self,
+        life: &mut Life,
+        status: u16,
+        reason: crate::runtime::Reason,
+        retry_after_s: Option<u32>,
+    ) {
+        life.ended = true;
+        reason.as_str().clone_into(&mut life.record.end);
+        life.record.refused = life.record.started_us.is_none() && !life.opened;
+        if life.opened {
+            self.streams.control(life.id, Control::Close);
+            life.record.upstream_aborted = life.record.started_us.is_some();
+        }
+        let retry_after = retry_after_s.map(u64::from);
+        let error = match (&life.failure, reason.as_str()) {
+            (Some(f), "upstream_error") => super::reply::upstream_reply_error(
+                status,
+                retry_after,
+                life.id,
+                (f.status, f.code, &f.message),
+                f.error.as_deref(),
+            ),
+            _ => super::reply::reply_error(reason.as_str(), status, retry_after, life.id),
+        };
+        let date = super::answer::http_date(std::time::SystemTime::now());
+        let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
+        let bytes = error.response_bytes(&defaults, life.keep_alive);
+        life.record.error = Some((status, error.code));
+        self.write_and_finish(life, &bytes).await;
+    }
+
+    /// The runtime's `Cut`: end the reply now, with the notice (or the in-band error).
+    async fn cut(&self, life: &mut Life, reason: crate::runtime::Reason) {
+        life.ended = true;
+        reason.as_str().clone_into(&mut life.record.end);
+        let frame = match reason.as_str() {
+            "client_stall" => None,
+            "upstream_error" => life
+                .failure
+                .as_ref()
+                .map(|f| super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code)),
+            other => {
+                life.record.truncated = true;
+                let now_s = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                Some(super::reply::cut_frame(&super::reply::Cut {
+                    endpoint: life.prepared.endpoint,
+                    model: &life.prepared.asked_model,
+                    template: life.template.as_deref(),
+                    open_choices: &[0],
+                    reason: other,
+                    request_id: life.id,
+                    now_s,
+                }))
+            }
+        };
+        let only_if_open = !matches!(reason.as_str(), "client_stall" | "upstream_error");
+        if life.opened {
+            self.streams.control(
+                life.id,
+                Control::Cut {
+                    frame,
+                    only_if_open,
+                },
+            );
+            if !life.attached {
+                self.attach(life);
+            }
+        } else {
+            // Cut before it ever started: the reply is the notice alone.
+            let mut bytes = head(life);
+            if let Some(frame) = frame {
+                bytes.extend_from_slice(&chunked(&frame));
+            }
+            bytes.extend_from_slice(&chunked(b"data: [DONE]\n\n"));
+            bytes.extend_from_slice(b"0\r\n\r\n");
+            self.write_and_finish(life, &bytes).await;
+        }
+    }
+
     fn start(
         &self,
         life: &mut Life,
@@ -357,12 +385,10 @@ impl Governed {
         let route = &self.backends[backend as usize];
         life.record.backend = Some(route.name.clone());
         life.record.started_us = Some(now_us());
-        let body = super::prepare::upstream_body(
-            &life.prepared,
-            route.priority_scheduling.then_some(priority),
-            max_tokens,
-        );
-        let url = format!("{}{}", route.url, life.prepared.path());
+        let body = life
+            .prepared
+            .upstream_bytes(route.priority_scheduling.then_some(priority), max_tokens);
+        let url = format!("{}{}", route.url, life.prepared.endpoint.path());
         let request_id = format!("llmflow-{}", life.id);
         let opened = self.streams.open(StreamRequest {
             id: life.id,

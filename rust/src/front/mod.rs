@@ -9,16 +9,21 @@
 //! nothing: method, target, headers, body, the client's address and its disconnects.
 
 pub mod answer;
-pub mod governed;
-pub mod owner;
-pub mod record;
-mod stubs;
-pub use stubs::{auth, prepare, reply, signals};
+pub mod auth;
 pub mod chunked;
 pub mod conn;
 pub mod from_app;
+pub mod governed;
 pub mod http;
+pub mod json;
+pub mod owner;
 pub mod pass;
+pub mod prepare;
+pub mod prompt;
+pub mod record;
+pub mod reply;
+pub mod request;
+pub mod signals;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -65,3 +65,10 @@ impl PyFront {
         self.inner.close();
     }
 }
+
+impl PyFront {
+    /// Serve the governed routes with `native` from now on (`NativeRoutes.serve_on`).
+    pub(super) fn set_native(&self, native: std::sync::Arc<dyn crate::front::Native>) {
+        self.inner.set_native(native);
+    }
+}

@@ -3,8 +3,9 @@
 //!
 //! Per-request calls take microseconds and keep the GIL; only construction parses JSON.
 //! `governor` wraps the `Governor` (its answers in `decisions`), `runtime` the sans-IO
-//! `Runtime` (its actions in `actions`), `light` the light lane, `relay` the per-chunk
-//! relay and `front` the front door; `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
+//! `Runtime` (its actions in `actions`), `light` the light lane, `relay` the per-chunk relay,
+//! `front` the front door and `front_checks` the native front's pure checks (a test seam);
+//! `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
 //! Python objects, `functions` holds the module's free functions, and `signature` binds the
 //! arguments of the methods with more parameters than a Rust function should take.
 
@@ -14,9 +15,13 @@ mod decisions;
 mod errors;
 #[cfg(feature = "relay")]
 mod front;
+#[cfg(feature = "relay")]
+mod front_checks;
 mod functions;
 mod governor;
 mod light;
+#[cfg(feature = "relay")]
+mod native;
 #[cfg(feature = "relay")]
 mod relay;
 mod runtime;
@@ -51,7 +56,17 @@ pub mod _core {
     use super::front::PyFront;
     #[cfg(feature = "relay")]
     #[pymodule_export]
+    use super::native::PyNativeRoutes;
+    #[cfg(feature = "relay")]
+    #[pymodule_export]
     use super::relay::PyRelay;
+
+    #[cfg(feature = "relay")]
+    #[pymodule_export]
+    use super::front_checks::{
+        front_cut_frame, front_in_band_error, front_refusal_bytes, front_signals, PyFrontChecks,
+        PyFrontKeys, PyFrontPrepared,
+    };
 
     #[pymodule_init]
     fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {

@@ -35,7 +35,7 @@ fn signals(retries: Option<i64>, deadline_ms: Option<i64>) -> PyResult<Signals> 
 
 impl PyRuntime {
     /// The runtime this object shares with the native front, when one serves beside Python.
-    pub fn shared(&self) -> SharedRuntime {
+    pub(super) fn shared(&self) -> SharedRuntime {
         std::sync::Arc::clone(&self.shared)
     }
 

@@ -1,0 +1,193 @@
+//! `KeyRing.authenticate` (`gateway/auth.py`): an `Authorization: Bearer KEY` header to the
+//! tenant and tier the config gives that key.
+//!
+//! The same parse and the same digests as Python's, so a key opens the same tenant on both
+//! paths: the header's bytes are read as latin-1 (as every ASGI server gives them), the
+//! scheme matched without case, the key stripped as `str.strip` strips it, its length bounded
+//! before it is hashed, then its SHA-256 compared with every configured key's, all of them
+//! every time and each in constant time: how long a lookup takes says neither how much of a
+//! guess matched nor which key did. On any failure there is no identity: the front passes
+//! the request to the app, which answers the 401 with Python's message.
+
+use sha2::{Digest, Sha256};
+
+/// Who a request is from, as the config says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub tenant: String,
+    pub tier: String,
+}
+
+/// The configured API keys, by their digests.
+#[derive(Debug, Clone)]
+pub struct KeyRing {
+    enabled: bool,
+    anonymous: Identity,
+    max_bytes: usize,
+    keys: Vec<([u8; 32], Identity)>,
+}
+
+impl KeyRing {
+    /// `keys`: each key's UTF-8 bytes (Python's `key.encode("utf-8", "surrogatepass")`) and
+    /// whose it is; `enabled`: `settings.auth_enabled` (else every caller is `anonymous`);
+    /// `max_bytes`: `limits.max_api_key_bytes`.
+    pub fn new(
+        enabled: bool,
+        anonymous: Identity,
+        max_bytes: usize,
+        keys: Vec<(Vec<u8>, Identity)>,
+    ) -> Self {
+        let keys = keys
+            .into_iter()
+            .map(|(key, who)| (digest(&key), who))
+            .collect();
+        KeyRing {
+            enabled,
+            anonymous,
+            max_bytes,
+            keys,
+        }
+    }
+
+    /// The identity of a request's `Authorization` header (its raw bytes; `None` when
+    /// absent), or `None` where Python answers 401 (missing, not Bearer, too long, unknown).
+    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Option<&Identity> {
+        if !self.enabled {
+            return Some(&self.anonymous);
+        }
+        let presented = self.presented(authorization?)?;
+        let mut found = None;
+        for (known, who) in &self.keys {
+            // No early exit: every key is compared every time; the last match wins, as in
+            // Python's loop.
+            if equal(known, &presented) {
+                found = Some(who);
+            }
+        }
+        found
+    }
+
+    fn presented(&self, header: &[u8]) -> Option<[u8; 32]> {
+        const BEARER: &[u8] = b"bearer ";
+        // Latin-1 has no character outside ASCII whose lower case is ASCII: ASCII case
+        // folding is `str.lower()` here.
+        if header.len() < BEARER.len() || !header[..BEARER.len()].eq_ignore_ascii_case(BEARER) {
+            return None;
+        }
+        let key = strip(&header[BEARER.len()..]);
+        if key.len() > self.max_bytes {
+            return None; // checked before hashing: a megabyte key costs nothing
+        }
+        // The latin-1 text encoded as UTF-8, as Python hashes `key.encode("utf-8")`.
+        let mut hasher = Sha256::new();
+        let mut buf = [0u8; 4];
+        for &b in key {
+            hasher.update(char::from(b).encode_utf8(&mut buf).as_bytes());
+        }
+        Some(hasher.finalize().into())
+    }
+}
+
+fn digest(key: &[u8]) -> [u8; 32] {
+    Sha256::digest(key).into()
+}
+
+/// `hmac.compare_digest` for two digests: the time does not depend on where they differ.
+fn equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// `str.strip()` of latin-1 text: the characters `str.isspace` holds (`\t`..`\r`, the
+/// separators `\x1c`..`\x1f`, space, NEL `\x85`, NBSP `\xa0`).
+fn strip(text: &[u8]) -> &[u8] {
+    let space = |b: &u8| matches!(b, 0x09..=0x0d | 0x1c..=0x20 | 0x85 | 0xa0);
+    let start = text.iter().position(|b| !space(b)).unwrap_or(text.len());
+    let end = text
+        .iter()
+        .rposition(|b| !space(b))
+        .map_or(start, |i| i + 1);
+    &text[start..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who(tenant: &str) -> Identity {
+        Identity {
+            tenant: tenant.to_owned(),
+            tier: "gold".to_owned(),
+        }
+    }
+
+    fn ring() -> KeyRing {
+        let keys = vec![
+            (b"sk-alpha-000000".to_vec(), who("a")),
+            ("clé-0000000000".as_bytes().to_vec(), who("b")),
+        ];
+        KeyRing::new(true, who("anonymous"), 20, keys)
+    }
+
+    // Any case of the scheme, whitespace around the key; the tenant of the key.
+    #[test]
+    fn bearer_keys() {
+        let ring = ring();
+        for header in [
+            &b"Bearer sk-alpha-000000"[..],
+            b"bEaReR   sk-alpha-000000 \t",
+            b"BEARER sk-alpha-000000\xa0",
+        ] {
+            assert_eq!(ring.authenticate(Some(header)), Some(&who("a")));
+        }
+        // A non-ASCII key: its latin-1 bytes are the text Python hashes as UTF-8.
+        assert_eq!(
+            ring.authenticate(Some(b"Bearer cl\xe9-0000000000")),
+            Some(&who("b"))
+        );
+        assert_eq!(
+            ring.authenticate(Some("Bearer clé-0000000000".as_bytes())),
+            None
+        );
+    }
+
+    // Missing, another scheme, no space, too long, unknown: no identity.
+    #[test]
+    fn refusals() {
+        let ring = ring();
+        assert_eq!(ring.authenticate(None), None);
+        for header in [
+            &b""[..],
+            b"Basic sk-alpha-000000",
+            b"Bearersk-alpha-000000",
+            b"Bearer",
+            b"Bearer ",
+            b"Bearer sk-alpha-000001",
+            b"Bearer sk-alpha-000000-and-more-bytes",
+        ] {
+            assert_eq!(ring.authenticate(Some(header)), None, "{header:?}");
+        }
+    }
+
+    // With auth off every caller is the anonymous tenant, whatever it sends.
+    #[test]
+    fn anonymous_when_off() {
+        let ring = KeyRing::new(false, who("anonymous"), 20, vec![]);
+        assert_eq!(ring.authenticate(None), Some(&who("anonymous")));
+        assert_eq!(
+            ring.authenticate(Some(b"Bearer x")),
+            Some(&who("anonymous"))
+        );
+    }
+
+    // Two tenants under one key: the last configured wins, as Python's loop leaves it.
+    #[test]
+    fn last_match_wins() {
+        let keys = vec![
+            (b"k".to_vec(), who("first")),
+            (b"k".to_vec(), who("second")),
+        ];
+        let ring = KeyRing::new(true, who("anonymous"), 20, keys);
+        assert_eq!(ring.authenticate(Some(b"Bearer k")), Some(&who("second")));
+    }
+}

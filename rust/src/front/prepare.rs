@@ -1,0 +1,253 @@
+//! `CompletionService.prepare` (`gateway/serving.py`) for the native front: a body checked
+//! completely, without touching a backend, into the values the runtime and the upstream get.
+//!
+//! The native path serves a request only when this says yes, so yes must mean Python's
+//! `prepare` takes the same body with the same values: every check it makes (the strict
+//! decoder, the request models, `stream_options`, streaming on, a known model, the limits,
+//! the context) is made here, and any body it would refuse, or that this reading is unsure
+//! of, is `None`: the front then passes the request to the app, which answers it (with its
+//! own 400 or 404). No error is rendered here.
+
+use std::collections::{HashMap, HashSet};
+
+use super::json::{self, Json, Style};
+use super::prompt;
+use super::request::{self, Request};
+
+/// The two governed routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    /// The path vLLM serves it on (`serving._PATHS`).
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// What `prepare` reads of the config: `CompletionService`'s arguments.
+#[derive(Debug, Clone)]
+pub struct FrontConfig {
+    /// Served model name (and alias) -> context length, the smallest among its backends.
+    pub models: HashMap<String, u64>,
+    /// Alias -> the served model it routes to.
+    pub aliases: HashMap<String, String>,
+    /// Served models whose pool routes by prefix (their requests carry block hashes).
+    pub prefix_models: HashSet<String>,
+    /// Tokens per KV block (`kv.block_size`).
+    pub block_size: u64,
+    /// UTF-8 bytes per token of the prompt estimate (`server.bytes_per_token`).
+    pub bytes_per_token: f64,
+    /// `streaming.enabled`.
+    pub streaming: bool,
+    /// `limits.max_messages`, `limits.max_n`, `limits.max_tokens`.
+    pub max_messages: u64,
+    pub max_n: u64,
+    pub max_tokens: Option<u64>,
+    /// The key of the body fingerprint: the Python process's own, so both paths agree.
+    pub fingerprint_key: Vec<u8>,
+}
+
+/// A checked request: every value of Python's `Prepared` and `ClientOptions` but the
+/// identity (tenant and tier come from the API key, `auth.rs`) and the signals.
+#[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::struct_excessive_bools)] // Python's fields, one for one
+pub struct Prepared {
+    pub endpoint: Endpoint,
+    /// The model the client named (an alias stays an alias in the reply).
+    pub asked_model: String,
+    /// The served model it routes to.
+    pub model: String,
+    pub stream: bool,
+    /// Choices in all: `n` for each prompt of a batch.
+    pub choices: u64,
+    pub include_usage: bool,
+    pub continuous_usage: bool,
+    /// Every prompt's tokens together (`Prepared.prompt_tokens`).
+    pub prompt_tokens: u64,
+    /// What the batch may generate at its peak, which the core plans KV for
+    /// (`Prepared.max_tokens`).
+    pub planned_tokens: u64,
+    /// The request's own output bound, after the gateway's cap (`limits.max_tokens`).
+    pub max_tokens: Option<u64>,
+    /// Block hashes of the prompt, for a model whose pool routes by prefix.
+    pub prefix_hashes: Option<Vec<u64>>,
+    pub fingerprint: u64,
+    /// Sent as the client sent it, unstreamed (it asks for prompt logprobs).
+    pub unstreamed: bool,
+    /// The body vLLM gets, as an ordered object (`Prepared.body`).
+    pub body: Json,
+}
+
+impl Prepared {
+    /// The upstream body's bytes, as `json.dumps(body).encode()` writes Python's.
+    pub fn body_bytes(&self) -> Vec<u8> {
+        json::to_vec(&self.body, PYTHON_DUMPS)
+    }
+
+    /// `session.upstream_body`: the body with the core's `priority` (a backend scheduling by
+    /// priority) and its brownout bound, on the first output bound the body names.
+    pub fn upstream_bytes(&self, priority: Option<i64>, max_tokens: Option<u64>) -> Vec<u8> {
+        let mut body = self.body.clone();
+        if let Some(priority) = priority {
+            set(&mut body, "priority", Json::Int(i128::from(priority)));
+        }
+        if let Some(bound) = max_tokens {
+            let key = ["max_output_tokens", "max_completion_tokens"]
+                .into_iter()
+                .find(|k| body.get(k).is_some())
+                .unwrap_or("max_tokens");
+            set(&mut body, key, Json::Int(i128::from(bound)));
+        }
+        json::to_vec(&body, PYTHON_DUMPS)
+    }
+}
+
+const PYTHON_DUMPS: Style = Style {
+    ascii: true,
+    sort_keys: false,
+    compact: false,
+};
+// Fields a client may not set (`serving._STRIPPED`): the core computes the priority, and
+// kv_transfer_params would pin KV blocks or name a host for the connector to reach.
+const STRIPPED: [&str; 2] = ["priority", "kv_transfer_params"];
+
+/// Check a body as `CompletionService.prepare` does; `None` where Python would refuse it
+/// (or where this reading is unsure it would not).
+pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<Prepared> {
+    let body = json::parse(raw)?;
+    let Json::Object(pairs) = &body else {
+        return None;
+    };
+    if let Some(Json::Array(messages)) = body.get("messages") {
+        if messages.len() as u64 > config.max_messages {
+            return None;
+        }
+    }
+    let request: Request<'_> = match endpoint {
+        Endpoint::Chat => request::chat(&body)?,
+        Endpoint::Completions => request::completion(&body)?,
+    };
+    let options = request.stream_options;
+    // vLLM's own check: options only with `stream` (`{}` passes).
+    let options_given = body.get("stream_options").is_some_and(Json::truthy);
+    if (options_given && !request.stream) || (request.stream && !config.streaming) {
+        return None;
+    }
+    let context = *config.models.get(request.model)?;
+    let model = config
+        .aliases
+        .get(request.model)
+        .map_or(request.model, String::as_str);
+    if endpoint == Endpoint::Completions && request.max_tokens == Some(0) && !request.echo {
+        return None; // no output is a request for the echoed prompt alone
+    }
+    let prompts = prompt::prompt_tokens(&request.prompt, config.bytes_per_token);
+    let choices = request.n.checked_mul(prompts.len() as u64)?;
+    let cap = config.max_tokens;
+    let over_cap = matches!((cap, request.max_tokens), (Some(c), Some(m)) if m > c);
+    let longest = prompts.iter().copied().max().unwrap_or(0);
+    if choices > config.max_n || over_cap || longest >= context {
+        return None;
+    }
+    if request.max_tokens.is_some_and(|m| m > context) {
+        return None;
+    }
+    let hashes = config
+        .prefix_models
+        .contains(model)
+        .then(|| prompt::prefix_hashes(&request.prompt, config.block_size, config.bytes_per_token));
+    let unstreamed = !request.stream && wants_prompt_logprobs(&body);
+    let mut upstream = Json::Object(
+        pairs
+            .iter()
+            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
+            .cloned()
+            .collect(),
+    );
+    set(&mut upstream, "model", Json::Str(model.to_owned()));
+    if !unstreamed {
+        set(&mut upstream, "stream", Json::Bool(true));
+        let usage = vec![
+            ("include_usage".to_owned(), Json::Bool(true)),
+            ("continuous_usage_stats".to_owned(), Json::Bool(true)),
+        ];
+        set(&mut upstream, "stream_options", Json::Object(usage));
+    }
+    let mut max_tokens = request.max_tokens;
+    if let (None, Some(cap)) = (max_tokens, cap) {
+        if cap < context - longest {
+            max_tokens = Some(cap); // the gateway's bound holds upstream too
+            set(&mut upstream, "max_tokens", Json::Int(i128::from(cap)));
+        }
+    }
+    // KV for the batch at its peak: each prompt's `n` choices up to their bound, clamped to
+    // the context the prompt leaves, at least the one token vLLM counts for an echo alone.
+    let mut planned = 0u64;
+    for p in &prompts {
+        let left = context - p;
+        let each = max_tokens.map_or(left, |m| m.min(left)).max(1);
+        planned = planned.checked_add(request.n.checked_mul(each)?)?;
+    }
+    Some(Prepared {
+        endpoint,
+        asked_model: request.model.to_owned(),
+        model: model.to_owned(),
+        stream: request.stream,
+        choices,
+        include_usage: options.is_some_and(|o| o.include_usage),
+        continuous_usage: options.is_some_and(|o| o.continuous_usage_stats),
+        prompt_tokens: prompts.iter().sum(),
+        planned_tokens: planned,
+        max_tokens,
+        prefix_hashes: hashes,
+        fingerprint: fingerprint(raw, &config.fingerprint_key),
+        unstreamed,
+        body: upstream,
+    })
+}
+
+/// `session.body_fingerprint`: 64 bits of BLAKE2b keyed with the process's key, read
+/// little-endian, never 0 (which means none).
+pub fn fingerprint(raw: &[u8], key: &[u8]) -> u64 {
+    let hash = blake2b_simd::Params::new()
+        .hash_length(8)
+        .key(key)
+        .hash(raw);
+    let bytes: [u8; 8] = hash.as_bytes().try_into().expect("an 8-byte digest");
+    u64::from_le_bytes(bytes).max(1)
+}
+
+/// `serving._wants_prompt_logprobs`: prompt logprobs asked (`prompt_logprobs` neither null,
+/// false nor 0), or the prompt's own logprobs (`echo` with `logprobs`).
+fn wants_prompt_logprobs(body: &Json) -> bool {
+    let echoed = body.get("echo").is_some_and(Json::truthy)
+        && body.get("logprobs").is_some_and(|v| *v != Json::Null);
+    let asked = match body.get("prompt_logprobs") {
+        None | Some(Json::Null | Json::Bool(false)) => false,
+        Some(Json::Int(i)) => *i != 0,
+        Some(Json::Float(f)) => *f != 0.0,
+        Some(_) => true,
+    };
+    echoed || asked
+}
+
+/// `dict[key] = value`: in place when present (its position kept), else at the end.
+fn set(object: &mut Json, key: &str, value: Json) {
+    let Json::Object(pairs) = object else {
+        unreachable!("an object")
+    };
+    match pairs.iter_mut().find(|(k, _)| k == key) {
+        Some((_, slot)) => *slot = value,
+        None => pairs.push((key.to_owned(), value)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

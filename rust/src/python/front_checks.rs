@@ -1,0 +1,271 @@
+//! The PyO3 seam of the native front's pure checks (`front/`): the request checks, the API
+//! keys, the client signals and the reply bytes, callable from Python so that tests can hold
+//! each against the Python path's own function on the same input.
+
+use std::collections::{HashMap, HashSet};
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::front::auth::{Identity, KeyRing};
+use crate::front::prepare::{prepare, Endpoint, FrontConfig, Prepared};
+use crate::front::reply::{self, Cut};
+use crate::front::signals::read_signals;
+
+fn endpoint(name: &str) -> PyResult<Endpoint> {
+    match name {
+        "chat" => Ok(Endpoint::Chat),
+        "completions" => Ok(Endpoint::Completions),
+        _ => Err(super::InvalidArgumentError::new_err(format!(
+            "endpoint must be 'chat' or 'completions', got {name:?}"
+        ))),
+    }
+}
+
+/// `CompletionService.prepare`'s checks, with its arguments.
+#[pyclass(name = "FrontChecks", module = "llmflow._core", frozen)]
+pub struct PyFrontChecks {
+    pub(super) config: FrontConfig,
+}
+
+#[pymethods]
+impl PyFrontChecks {
+    #[new]
+    #[pyo3(signature = (
+        models, bytes_per_token, streaming, max_messages, max_n, max_tokens, fingerprint_key,
+        *, aliases, prefix_models, block_size
+    ))]
+    #[allow(clippy::too_many_arguments)] // CompletionService's own arguments, one for one
+    fn new(
+        models: HashMap<String, u64>,
+        bytes_per_token: f64,
+        streaming: bool,
+        max_messages: u64,
+        max_n: u64,
+        max_tokens: Option<u64>,
+        fingerprint_key: Vec<u8>,
+        aliases: HashMap<String, String>,
+        prefix_models: HashSet<String>,
+        block_size: u64,
+    ) -> PyResult<Self> {
+        if !(bytes_per_token.is_finite() && bytes_per_token > 0.0) || fingerprint_key.len() > 64 {
+            return Err(super::InvalidArgumentError::new_err(
+                "bytes_per_token must be a finite number above 0, fingerprint_key 64 bytes at most",
+            ));
+        }
+        let config = FrontConfig {
+            models,
+            aliases,
+            prefix_models,
+            block_size,
+            bytes_per_token,
+            streaming,
+            max_messages,
+            max_n,
+            max_tokens,
+            fingerprint_key,
+        };
+        Ok(Self { config })
+    }
+
+    fn prepare(&self, endpoint_name: &str, raw: &[u8]) -> PyResult<Option<PyFrontPrepared>> {
+        let prepared = prepare(endpoint(endpoint_name)?, raw, &self.config);
+        Ok(prepared.map(|inner| PyFrontPrepared { inner }))
+    }
+}
+
+/// A request the native front would serve: every value of Python's `Prepared`.
+#[pyclass(name = "FrontPrepared", module = "llmflow._core", frozen)]
+pub struct PyFrontPrepared {
+    inner: Prepared,
+}
+
+#[pymethods]
+impl PyFrontPrepared {
+    #[getter]
+    fn endpoint(&self) -> &'static str {
+        match self.inner.endpoint {
+            Endpoint::Chat => "chat",
+            Endpoint::Completions => "completions",
+        }
+    }
+    #[getter]
+    fn path(&self) -> &'static str {
+        self.inner.endpoint.path()
+    }
+    #[getter]
+    fn asked_model(&self) -> &str {
+        &self.inner.asked_model
+    }
+    #[getter]
+    fn model(&self) -> &str {
+        &self.inner.model
+    }
+    #[getter]
+    fn stream(&self) -> bool {
+        self.inner.stream
+    }
+    #[getter]
+    fn choices(&self) -> u64 {
+        self.inner.choices
+    }
+    #[getter]
+    fn include_usage(&self) -> bool {
+        self.inner.include_usage
+    }
+    #[getter]
+    fn continuous_usage(&self) -> bool {
+        self.inner.continuous_usage
+    }
+    #[getter]
+    fn prompt_tokens(&self) -> u64 {
+        self.inner.prompt_tokens
+    }
+    #[getter]
+    fn planned_tokens(&self) -> u64 {
+        self.inner.planned_tokens
+    }
+    #[getter]
+    fn max_tokens(&self) -> Option<u64> {
+        self.inner.max_tokens
+    }
+    #[getter]
+    fn prefix_hashes(&self) -> Option<Vec<u64>> {
+        self.inner.prefix_hashes.clone()
+    }
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint
+    }
+    #[getter]
+    fn unstreamed(&self) -> bool {
+        self.inner.unstreamed
+    }
+    #[getter]
+    fn body<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.body_bytes())
+    }
+
+    #[pyo3(signature = (priority=None, max_tokens=None))]
+    fn upstream_body<'py>(
+        &self,
+        py: Python<'py>,
+        priority: Option<i64>,
+        max_tokens: Option<u64>,
+    ) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.upstream_bytes(priority, max_tokens))
+    }
+}
+
+/// `KeyRing.authenticate`'s checks.
+#[pyclass(name = "FrontKeys", module = "llmflow._core", frozen)]
+pub struct PyFrontKeys {
+    pub(super) inner: KeyRing,
+}
+
+#[pymethods]
+impl PyFrontKeys {
+    #[new]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+    fn new(
+        enabled: bool,
+        anonymous: (String, String),
+        max_bytes: usize,
+        keys: Vec<(Vec<u8>, String, String)>,
+    ) -> Self {
+        let who = |(tenant, tier): (String, String)| Identity { tenant, tier };
+        let keys = keys
+            .into_iter()
+            .map(|(key, tenant, tier)| (key, who((tenant, tier))));
+        Self {
+            inner: KeyRing::new(enabled, who(anonymous), max_bytes, keys.collect()),
+        }
+    }
+
+    #[pyo3(signature = (authorization))]
+    fn authenticate(&self, authorization: Option<&[u8]>) -> Option<(String, String)> {
+        let who = self.inner.authenticate(authorization)?;
+        Some((who.tenant.clone(), who.tier.clone()))
+    }
+}
+
+/// `read_signals`: `(retries, deadline_ms)`, or None where Python answers 400 or this
+/// reading is unsure.
+#[pyfunction]
+#[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+pub fn front_signals(headers: Vec<(Vec<u8>, Vec<u8>)>) -> Option<(Option<u32>, Option<u64>)> {
+    let pairs = headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice()));
+    let signals = read_signals(pairs).ok()?;
+    Some((signals.retries, signals.deadline_ms))
+}
+
+/// The bytes of a runtime refusal on the wire (`fastpath._reply_bytes(reply_error(...))`);
+/// `upstream`: `(status, code, message, error JSON or None)` of a backend's failure, for the
+/// reason `upstream_error`.
+#[pyfunction]
+#[pyo3(signature = (reason, status, retry_after_s, request_id, default_headers, keep_alive, upstream=None))]
+#[allow(clippy::too_many_arguments)] // reply_error's and _reply_bytes' own arguments
+#[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+pub fn front_refusal_bytes<'py>(
+    py: Python<'py>,
+    reason: &str,
+    status: u16,
+    retry_after_s: Option<u64>,
+    request_id: u64,
+    default_headers: Vec<(Vec<u8>, Vec<u8>)>,
+    keep_alive: bool,
+    upstream: Option<(u16, String, String, Option<String>)>,
+) -> Bound<'py, PyBytes> {
+    let error = match &upstream {
+        Some((failed, code, message, error)) => reply::upstream_reply_error(
+            status,
+            retry_after_s,
+            request_id,
+            (*failed, code, message),
+            error.as_deref(),
+        ),
+        None => reply::reply_error(reason, status, retry_after_s, request_id),
+    };
+    let headers: Vec<(&[u8], &[u8])> = default_headers
+        .iter()
+        .map(|(n, v)| (n.as_slice(), v.as_slice()))
+        .collect();
+    PyBytes::new(py, &error.response_bytes(&headers, keep_alive))
+}
+
+/// `encode_event(tail_chunk(...))` of a reply the runtime cut.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // tail_chunk's own arguments, and the clock
+#[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+pub fn front_cut_frame<'py>(
+    py: Python<'py>,
+    endpoint_name: &str,
+    model: &str,
+    template: Option<&str>,
+    open_choices: Vec<u64>,
+    reason: &str,
+    request_id: u64,
+    now_s: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let cut = Cut {
+        endpoint: endpoint(endpoint_name)?,
+        model,
+        template,
+        open_choices: &open_choices,
+        reason,
+        request_id,
+        now_s,
+    };
+    Ok(PyBytes::new(py, &reply::cut_frame(&cut)))
+}
+
+/// `encode_event({"error": in_band_error(...)})`.
+#[pyfunction]
+pub fn front_in_band_error<'py>(
+    py: Python<'py>,
+    error: Option<&str>,
+    message: &str,
+    code: &str,
+) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &reply::in_band_error_frame(error, message, code))
+}

@@ -1,0 +1,142 @@
+//! The PyO3 seam of the native governed routes: `NativeRoutes(runtime, relay, ...)`, given to
+//! a `Front` with `set_native`, and `take()`, which hands Python what it must carry out and
+//! count (see `gateway/native.py`).
+
+use std::fs::File;
+use std::os::fd::FromRawFd;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::actions::action_to_py;
+use super::errors::InvalidArgumentError;
+use super::front::PyFront;
+use super::front_checks::{PyFrontChecks, PyFrontKeys};
+use super::relay::PyRelay;
+use super::runtime::PyRuntime;
+use crate::front::governed::{BackendRoute, Governed};
+use crate::front::owner::Owner;
+use crate::front::record::Record;
+use crate::hosted::Hosted;
+
+/// The governed completions served in Rust, against the runtime Python feeds too.
+#[pyclass(name = "NativeRoutes", module = "llmflow._core", frozen)]
+pub struct PyNativeRoutes {
+    governed: Arc<Governed>,
+}
+
+#[pymethods]
+impl PyNativeRoutes {
+    /// `backends`: (name, url, priority_scheduling) in the runtime's backend order;
+    /// `notify_fd`: the write end of the pipe that wakes Python for `take()`.
+    #[new]
+    #[pyo3(signature = (runtime, relay, notify_fd, checks, keys, backends, *, own_hosts=None))]
+    fn new(
+        runtime: &Bound<'_, PyRuntime>,
+        relay: &Bound<'_, PyRelay>,
+        notify_fd: i32,
+        checks: &Bound<'_, PyFrontChecks>,
+        keys: &Bound<'_, PyFrontKeys>,
+        backends: Vec<(String, String, bool)>,
+        own_hosts: Option<Vec<String>>,
+    ) -> PyResult<Self> {
+        if notify_fd < 0 {
+            return Err(InvalidArgumentError::new_err(format!(
+                "notify_fd must be a pipe's write end, got {notify_fd}"
+            )));
+        }
+        let shared = runtime.borrow().shared();
+        {
+            let hosted = Hosted::lock(&shared);
+            let names: Vec<&str> = (0..backends.len() as u32)
+                .map(|b| hosted.runtime().governor().backend_name(b))
+                .collect();
+            let given: Vec<&str> = backends.iter().map(|(n, _, _)| n.as_str()).collect();
+            if names != given {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "backends must be the runtime's, in its order: {names:?}, got {given:?}"
+                )));
+            }
+            if hosted.is_shared() {
+                return Err(InvalidArgumentError::new_err(
+                    "this runtime already has native routes",
+                ));
+            }
+        }
+        let streams = relay.borrow().inner.streams().clone();
+        // SAFETY: the caller hands over the pipe's write end; the owner writes and closes it.
+        let notify = unsafe { File::from_raw_fd(notify_fd) };
+        let owner = Owner::attach(shared, streams.clone(), notify);
+        let governed = Governed {
+            owner,
+            streams,
+            checks: checks.get().config.clone(),
+            keys: keys.get().inner.clone(),
+            backends: backends
+                .into_iter()
+                .map(|(name, url, priority_scheduling)| BackendRoute {
+                    name,
+                    url,
+                    priority_scheduling,
+                })
+                .collect(),
+            own_hosts: own_hosts.map(|h| h.into_iter().map(|n| n.to_lowercase()).collect()),
+        };
+        Ok(Self {
+            governed: Arc::new(governed),
+        })
+    }
+
+    /// Serve the governed routes of `front` natively from now on.
+    fn serve_on(&self, front: &Bound<'_, PyFront>) {
+        front.borrow().set_native(Arc::clone(&self.governed) as _);
+    }
+
+    /// (actions of Python's requests that a native request's event caused, records of the
+    /// native requests), each oldest first; empties the inbox.
+    fn take<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        let owner = &self.governed.owner;
+        let (actions, records) = owner.take();
+        let out = PyList::empty(py);
+        if !actions.is_empty() {
+            let hosted = Hosted::lock(owner.runtime());
+            for action in &actions {
+                out.append(action_to_py(py, hosted.runtime().governor(), action)?)?;
+            }
+        }
+        let rows = PyList::empty(py);
+        for record in &records {
+            rows.append(record_to_py(py, record)?)?;
+        }
+        Ok((out, rows))
+    }
+
+    /// Requests the front serves now (arrived and not yet ended).
+    #[getter]
+    fn live(&self) -> usize {
+        self.governed.owner.live()
+    }
+}
+
+fn record_to_py<'py>(py: Python<'py>, r: &Record) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("first_token_only", r.first_token_only)?;
+    d.set_item("id", r.id)?;
+    d.set_item("tenant", &r.tenant)?;
+    d.set_item("tier", &r.tier)?;
+    d.set_item("arrived_us", r.arrived_us)?;
+    d.set_item("started_us", r.started_us)?;
+    d.set_item("first_token_us", r.first_token_us)?;
+    d.set_item("ended_us", r.ended_us)?;
+    d.set_item("prompt_tokens", r.prompt_tokens)?;
+    d.set_item("max_tokens", r.max_tokens)?;
+    d.set_item("completion_tokens", r.completion_tokens)?;
+    d.set_item("end", &r.end)?;
+    d.set_item("error", r.error.as_ref().map(|(s, c)| (*s, c.as_str())))?;
+    d.set_item("refused", r.refused)?;
+    d.set_item("truncated", r.truncated)?;
+    d.set_item("upstream_aborted", r.upstream_aborted)?;
+    d.set_item("backend", &r.backend)?;
+    Ok(d)
+}
