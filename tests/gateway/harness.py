@@ -31,6 +31,7 @@ from .fake_vllm import FakeVllm
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
+    from typing import TextIO
 
 __all__ = [
     "Harness",
@@ -198,10 +199,12 @@ async def start_gateway(
     backend: dict[str, Any] | None = None,
     per_backend: dict[str, dict[str, Any]] | None = None,
     front: str | None = None,
+    trace: TextIO | None = None,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
     """Fakes plus a gateway over them (behind `front`: `python` or `native`, by default
-    LLMFLOW_TEST_FRONT's); on exit, asserts everything returned to zero."""
+    LLMFLOW_TEST_FRONT's; `trace`: where the runtime's trace goes); on exit, asserts
+    everything returned to zero."""
     fakes = {f"b{i}": FakeVllm() for i in range(n_backends)}
     if configure is not None:
         configure(fakes)
@@ -211,7 +214,7 @@ async def start_gateway(
         for name, fake in fakes.items():
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
         settings = settings_for(urls, backend, per_backend, **sections)
-        app = create_app(settings)
+        app = create_app(settings, trace)
         url = await stack.enter_async_context(serve_gateway(app))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         harness = Harness(url, app.state.gateway, client, fakes, app)

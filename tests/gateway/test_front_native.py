@@ -201,22 +201,23 @@ async def test_keep_alive_and_a_pipelined_second_request_are_answered_in_order()
         await assert_idle(h)
 
 
-async def test_the_metrics_count_native_requests(tmp_path: Any) -> None:
+@pytest.mark.parametrize("front", ["native", "python"])
+async def test_the_metrics_and_the_access_log_count_requests_on_either_front(tmp_path: Any, front: str) -> None:
     log = tmp_path / "access.csv"
     async with start_gateway(
-        front="native",
+        front=front,
         server={"access_log": str(log)},
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
     ) as h:
-        for _ in range(3):
-            status, _, headers = await _stream(h.client, CHAT, _body())
-            assert status == 200 and _native(headers)
         hold = asyncio.create_task(_stream(h.client, CHAT, _body(fake={"step": True})))
         await until(lambda: h.fake.running == 1)
         status, _, _ = await _stream(h.client, CHAT, _body())
         assert status == 429
         h.fake.release(10)
         await hold
+        for _ in range(3):
+            status, _, headers = await _stream(h.client, CHAT, _body())
+            assert status == 200 and _native(headers) == (front == "native")
         await until(lambda: h.gateway.runtime.live == 0)
         await asyncio.sleep(0.05)  # the records reach Python on its next wake-up
         metrics = (await h.client.get("/metrics")).text

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from typing import TextIO
 
     from llmflow.config import Settings
+    from llmflow.gateway.native import NativeInbox
     from llmflow.gateway.shared_state import SharedSlots
 
 __all__ = ["Gateway", "create_admin_app", "create_app"]
@@ -111,6 +112,8 @@ class Gateway:
         self.ctx: SessionContext | None = None
         self.service: CompletionService | None = None
         self.light: LightService | None = None
+        # What Python does for the completions the native front serves (`front.py` sets it).
+        self.native: NativeInbox | None = None
 
     async def start(self) -> None:
         """Start embedded backends, the scrape loop, and the service."""
@@ -203,8 +206,11 @@ class Gateway:
             if self.light is not None:
                 self.light.lane.start_draining()
         bound = time.monotonic() + self.settings.server.drain_timeout_ms / 1e3 + _CUT_GRACE_S
-        while self.ctx.sessions and time.monotonic() < bound:
+        while (self.ctx.sessions or self._native_live()) and time.monotonic() < bound:
             await asyncio.sleep(0.01)
+
+    def _native_live(self) -> int:
+        return self.native.native.live if self.native is not None else 0
 
     async def stop(self) -> None:
         """Drain, then stop scraping, cancel background work and close every connection."""
@@ -217,6 +223,8 @@ class Gateway:
             task.cancel("llmflow gateway shutting down")
         if self.tasks:
             await asyncio.wait(list(self.tasks))
+        if self.native is not None:
+            self.native.close()
         self.host.close()
         if self.relay is not None:
             self.relay.close()

@@ -15,6 +15,7 @@ started (its lifespan built the relay, and uvicorn listens on the unix socket).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -22,6 +23,8 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from llmflow._core import Front
+from llmflow.gateway.middleware import allowed_host_names
+from llmflow.gateway.native import native_routes, why_not_native
 
 if TYPE_CHECKING:
     from llmflow.config import Settings
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FrontDoor"]
 
+log = logging.getLogger("llmflow.gateway")
 _BACKLOG = 2048  # uvicorn's default backlog, for the listener the front takes over
 
 
@@ -67,6 +71,12 @@ class FrontDoor:
             max_body_bytes=s.server.max_body_bytes,
             read_timeout_ms=s.server.read_timeout_ms,
         )
+        reason = why_not_native(gateway)
+        if reason is not None:
+            log.info("the front passes every completion to the app (%s)", reason)
+            return
+        own = None if s.auth_enabled else allowed_host_names([s.server.host, *s.server.allowed_hosts])
+        gateway.native = native_routes(self._front, gateway, own)
 
     def close(self) -> None:
         """Stop accepting and drop the front's connections; remove the private socket's file

@@ -21,13 +21,72 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmflow._core import FrontChecks, FrontKeys, NativeRoutes
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.session import fingerprint_key
 
 if TYPE_CHECKING:
+    from llmflow._core import Front
+    from llmflow.gateway.app import Gateway
     from llmflow.gateway.host import Host
     from llmflow.gateway.metrics import GatewayMetrics
 
-__all__ = ["NativeInbox", "Served"]
+__all__ = ["NativeInbox", "Served", "native_routes", "why_not_native"]
+
+
+def why_not_native(gateway: Gateway) -> str | None:
+    """Why the front cannot serve this gateway's completions natively (None: it can).
+
+    What the native path does not do yet goes to Python: shadow mode's second runtime,
+    OpenTelemetry spans, a split (prefill/decode) pool's two hops, a backend over https.
+    """
+    s = gateway.settings
+    if gateway.relay is None:
+        return "server.relay is off"
+    if gateway.shadow is not None:
+        return "gate.mode is shadow"
+    if gateway.tracing is not None:
+        return "telemetry is on"
+    if any(b.role != "both" for b in s.backends):
+        return "a pool is split into prefill and decode"
+    if gateway.ctx is None or any(
+        not route.url.startswith("http://") for route in gateway.ctx.routes.values()
+    ):
+        return "a backend is not plain http"
+    return None
+
+
+def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | None) -> NativeInbox:
+    """Serve `gateway`'s governed completions natively on `front` (see `why_not_native`)."""
+    s, service, ctx = gateway.settings, gateway.service, gateway.ctx
+    assert service is not None and ctx is not None and gateway.relay is not None
+    limits = service.limits
+    checks = FrontChecks(
+        service.models, service.bytes_per_token, service.streaming, limits.max_messages,
+        limits.max_n, limits.max_tokens, fingerprint_key(),
+        aliases=service.aliases, prefix_models=set(service.prefix_models),
+        block_size=service.block_size,
+    )
+    keys = FrontKeys(
+        s.auth_enabled, (s.anonymous_tenant, s.default_tier), s.limits.max_api_key_bytes,
+        [(k.encode("utf-8", "surrogatepass"), t.name, t.tier)
+         for t in s.tenants for k in t.api_keys],
+    )
+    backends = [
+        (b.name, ctx.routes[b.name].url, ctx.routes[b.name].priority_scheduling)
+        for b in s.backends
+    ]
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    os.set_blocking(write_end, False)
+    native = NativeRoutes(
+        gateway.runtime, gateway.relay.relay, write_end, checks, keys, backends,
+        own_hosts=sorted(own_hosts) if own_hosts is not None else None,
+    )
+    inbox = NativeInbox(native, read_end, gateway.host, gateway.metrics)
+    inbox.start()
+    native.serve_on(front)
+    return inbox
 
 
 @dataclass(slots=True)

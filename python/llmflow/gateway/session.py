@@ -128,6 +128,11 @@ def body_fingerprint(raw: bytes) -> int:
 _FINGERPRINT_KEY = secrets.token_bytes(32)  # per process: the trace replays what it recorded
 
 
+def fingerprint_key() -> bytes:
+    """This process's fingerprint key (the native front fingerprints bodies with it too)."""
+    return _FINGERPRINT_KEY
+
+
 def upstream_body(prepared: Prepared, route: BackendRoute, start: Start | None) -> Json:
     """The body sent to vLLM: the prepared one, with the core's priority when the backend
     schedules by priority, and `max_tokens` clamped when the core browned the request out."""

@@ -185,7 +185,14 @@ impl Governed {
             tokens_due: None,
             finished: false,
         };
+        let mut guard = Abandon {
+            owner: &self.owner,
+            streams: &self.streams,
+            id,
+            armed: true,
+        };
         let conn = self.run(life, orders).await;
+        guard.armed = false;
         self.owner.unregister(id);
         Outcome::Served(conn)
     }
@@ -543,6 +550,26 @@ impl Governed {
         };
         if stream.write_all(bytes).await.is_err() || !life.keep_alive {
             life.stream = None;
+        }
+    }
+}
+
+/// Ends a request whose task is dropped before its end (the front closing its connections
+/// at shutdown): the runtime hears the client left, the relay closes the stream, so no slot,
+/// queue place or KV reservation outlives the task.
+struct Abandon<'a> {
+    owner: &'a Owner,
+    streams: &'a Streams,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.owner.feed(&Event::ClientGone { id: self.id });
+            self.streams.control(self.id, Control::Close);
+            self.owner.unregister(self.id);
         }
     }
 }
