@@ -110,7 +110,7 @@ async def _ask(client: httpx.AsyncClient, key: str, body: dict[str, Any]) -> tup
 async def _replay(h: Harness, shadow: bool) -> Seen:
     """The traffic, the same in both modes; returns what was seen of it."""
     seen, c, fake = Seen(), h.client, h.fake
-    sessions = h.gateway.ctx.sessions if h.gateway.ctx else set()
+    runtime = h.gateway.runtime  # the one that runs them (shadow: the forwarding one)
     seen.replies["r1"] = await _ask(c, BETA_KEY, _body(False))
     seen.replies["r2"] = await _ask(c, BETA_KEY, _body(False))  # over beta's rate
     held = {name: asyncio.create_task(_ask(c, ALPHA_KEY, _body(True, step=True)))
@@ -120,13 +120,13 @@ async def _replay(h: Harness, shadow: bool) -> Seen:
     # if a loaded loop fires the timer late (else one late fire could expire all three at once)
     await asyncio.sleep(0.3)
     held["a3"] = asyncio.create_task(_ask(c, ALPHA_KEY, _body(True, step=True)))
-    await until(lambda: len(sessions) == 3)
+    await until(lambda: runtime.live == 3)
     for name in ("a4", "a5"):  # no place left to wait in
         held[name] = asyncio.create_task(_ask(c, ALPHA_KEY, _body(False, step=True)))
-    await until(lambda: len(sessions) + held["a4"].done() + held["a5"].done() == 5)
+    await until(lambda: runtime.live + held["a4"].done() + held["a5"].done() == 5)
     if shadow:  # nothing is held back: all five reach vLLM (fails here on timeout if not)
         await until(lambda: fake.running == 5)
-    seen.held_back = len(sessions) - fake.running  # live here, not yet at vLLM
+    seen.held_back = runtime.live - fake.running  # live here, not yet at vLLM
     if shadow:  # /api/state shows the policy's view beside what runs
         state = (await c.get("/api/state")).json()
         assert (state["core"]["running"], state["core"]["queued"]) == (5, 0)
