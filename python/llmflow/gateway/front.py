@@ -66,6 +66,7 @@ class FrontDoor:
             max_header_bytes=s.limits.max_header_bytes,
             max_body_bytes=s.server.max_body_bytes,
             read_timeout_ms=s.server.read_timeout_ms,
+            write_timeout_ms=s.server.write_timeout_ms,
         )
 
     def close(self) -> None:
