@@ -14,7 +14,8 @@ use crate::front::{Front, Limits};
 /// The public listener and every client connection, served on the relay's threads.
 #[pyclass(name = "Front", module = "llmflow._core")]
 pub struct PyFront {
-    inner: Front,
+    /// The seam the native server plugs into (`Front::set_native`).
+    pub(super) inner: Front,
 }
 
 fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {
