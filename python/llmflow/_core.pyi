@@ -814,8 +814,9 @@ class Front:
     """The native front door: the public listener and every client connection (tokio).
 
     It runs on the relay's threads. Each request's head is read with the gateway's limits
-    (431 `headers_too_large`, 400 `invalid_http`, 408 `request_timeout`, answered as the
-    Python listener answers them); every request is passed to the app, which uvicorn serves
+    (431 `headers_too_large`, 400 `invalid_http`, 408 `request_timeout`, 503
+    `too_many_connections` when file descriptors run low, answered as the Python listener
+    answers them); every request is passed to the app, which uvicorn serves
     on the private unix socket `app_socket`, with the client's address as `x-llmflow-peer`.
 
     Args:
@@ -826,7 +827,8 @@ class Front:
         max_body_bytes: the largest body read whole for the native routes
             (`server.max_body_bytes`); larger ones go to the app, which refuses them.
         read_timeout_ms: how long a client may take to send a request (`server.read_timeout_ms`).
-        keep_alive_timeout_ms: how long a kept-alive connection may sit idle between requests.
+        write_timeout_ms: how long a client may take none of a reply before its connection is
+            dropped (`server.write_timeout_ms`).
 
     Raises:
         InvalidArgumentError: a timeout is not positive, or the relay has shut down.
@@ -907,7 +909,7 @@ class FrontChecks:
         max_header_bytes: int,
         max_body_bytes: int,
         read_timeout_ms: float = 30000.0,
-        keep_alive_timeout_ms: float = 5000.0,
+        write_timeout_ms: float = 60000.0,
     ) -> Front: ...
     def close(self) -> None:
         """Stop accepting and drop every connection."""

@@ -15,6 +15,8 @@ import pytest
 from fastapi import Request  # noqa: TC002 (FastAPI reads the route's annotation at runtime)
 from websockets.asyncio.client import connect
 
+from llmflow.gateway.middleware import PeerFromFront
+
 from .harness import Harness, start_gateway, until
 
 pytestmark = pytest.mark.anyio
@@ -212,3 +214,18 @@ async def test_a_client_reset_mid_body_or_mid_stream_reaches_the_app() -> None:
         await until(lambda: h.fake.aborted == 1)
         assert (h.fake.seen, h.fake.completed) == (1, 0)
         await until(lambda: h.fake.running == 0)
+
+
+@pytest.mark.parametrize(
+    ("sent", "client"),
+    [(b"[::1]:5001", ("::1", 5001)), (b"10.0.0.7:80", ("10.0.0.7", 80)), (b"junk", None)],
+)
+async def test_peer_from_front_reads_ipv4_and_ipv6(sent: bytes, client: Any) -> None:
+    seen: list[Any] = []
+
+    async def app(scope: Any, _receive: Any, _send: Any) -> None:
+        seen.append((scope["client"], scope["headers"]))
+
+    headers = [(b"host", b"x"), (b"x-llmflow-peer", sent)]
+    await PeerFromFront(app)({"type": "http", "client": None, "headers": headers}, None, None)  # type: ignore[arg-type]
+    assert seen == [(client, [(b"host", b"x")])]

@@ -70,6 +70,7 @@ class FrontDoor:
             max_header_bytes=s.limits.max_header_bytes,
             max_body_bytes=s.server.max_body_bytes,
             read_timeout_ms=s.server.read_timeout_ms,
+            write_timeout_ms=s.server.write_timeout_ms,
         )
         reason = why_not_native(gateway)
         if reason is not None:

@@ -7,9 +7,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::http::Refusal;
 
+const OUT_OF_FDS: &[u8] =
+    b"{\"error\":{\"message\":\"the gateway has no file descriptors left for \
+    new connections; retry shortly\",\"type\":\"server_error\",\"param\":null,\
+    \"code\":\"too_many_connections\"}}";
 const TIMED_OUT: &[u8] = b"{\"error\":{\"message\":\"the request was not received in time: send \
     the headers and the body without pausing\",\"type\":\"invalid_request_error\",\"param\":null,\
     \"code\":\"request_timeout\"}}";
+
 /// The bytes of `refusal`'s answer, as the Python path writes them.
 pub fn answer(refusal: Refusal, now: SystemTime) -> Vec<u8> {
     match refusal {
@@ -34,17 +39,34 @@ pub fn answer(refusal: Refusal, now: SystemTime) -> Vec<u8> {
             now,
         ),
         Refusal::TimedOut => {
-            // handoff.py's _error_response with its _TIMED_OUT body: no uvicorn headers there.
-            let mut out = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n\
-                x-llmflow-reason: request_timeout\r\nconnection: close\r\n"
-                .to_vec();
-            out.extend_from_slice(
-                format!("content-length: {}\r\n\r\n", TIMED_OUT.len()).as_bytes(),
-            );
-            out.extend_from_slice(TIMED_OUT);
-            out
+            python_error("408 Request Timeout", TIMED_OUT, "request_timeout", None)
         }
+        Refusal::OutOfFds => python_error(
+            "503 Service Unavailable",
+            OUT_OF_FDS,
+            "too_many_connections",
+            Some(1),
+        ),
     }
+}
+
+// handoff.py's `_error_response`: no uvicorn headers; Retry-After when given (a refusal no
+// runtime priced: handoff.py's TRANSPORT_RETRY_AFTER_S).
+fn python_error(status: &str, body: &[u8], code: &str, retry_after: Option<u32>) -> Vec<u8> {
+    let mut out = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-llmflow-reason: {code}\r\n"
+    );
+    if let Some(seconds) = retry_after {
+        let _ = write!(out, "retry-after: {seconds}\r\n");
+    }
+    let _ = write!(
+        out,
+        "connection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut out = out.into_bytes();
+    out.extend_from_slice(body);
+    out
 }
 
 // handoff.py's `_send_error`: uvicorn's default headers (date, server), the reason, the body.

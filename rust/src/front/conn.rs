@@ -8,7 +8,12 @@
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 
-use super::http::{self, Ending, Framing, Limits};
+use std::os::fd::AsRawFd;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::answer::answer;
+use super::http::{self, Ending, Framing, Limits, Refusal};
 use super::pass::{self, After, Body, Upstream};
 use super::{Conn, Native, Outcome, Request};
 
@@ -27,6 +32,9 @@ pub struct Setup {
 /// Serve `conn` until it closes.
 pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
     let limits = &setup.limits;
+    if fds_nearly_gone(&conn.stream) {
+        return refuse_for_fds(conn, limits).await;
+    }
     let mut upstream: Option<Upstream> = None;
     // A fresh connection may wait the read timeout for its first request (as uvicorn's read
     // timer allows); between requests, the keep-alive timeout.
@@ -61,18 +69,42 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
                 }
             }
         }
-        match pass::forward(
-            Path::new(&setup.app),
-            &mut upstream,
-            &mut conn,
-            &request,
-            body,
-        )
-        .await
-        {
+        let app = Path::new(&setup.app);
+        match pass::forward(app, &mut upstream, &mut conn, &request, body, limits).await {
             After::KeepAlive => {}
             After::Close => return http::linger(conn).await,
             After::Drop => return,
+        }
+    }
+}
+
+const FD_RESERVE: u64 = 64; // handoff.py's: descriptors kept for backends, scrapes, the relay
+
+/// Descriptors are handed out lowest first: a number this high means few are left.
+fn fds_nearly_gone(stream: &tokio::net::TcpStream) -> bool {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given and nothing else.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) } != 0 {
+        return false;
+    }
+    let fd = u64::try_from(stream.as_raw_fd()).unwrap_or(0);
+    fd.saturating_add(FD_RESERVE) >= limit.rlim_cur
+}
+
+/// handoff.py's answer to a connection accepted with descriptors nearly gone: a 503 once the
+/// client sends (a connection that sends nothing is closed by the read timeout), then close.
+async fn refuse_for_fds(mut conn: Conn, limits: &Limits) {
+    let read = tokio::time::timeout(
+        limits.read_timeout,
+        conn.stream.read_buf(&mut conn.buffered),
+    );
+    if let Ok(Ok(n)) = read.await {
+        if n > 0 {
+            let answer = answer(Refusal::OutOfFds, std::time::SystemTime::now());
+            let _ = conn.stream.write_all(&answer).await;
         }
     }
 }
@@ -121,6 +153,7 @@ mod tests {
             max_body_bytes: 100,
             read_timeout: Duration::from_secs(1),
             keep_alive_timeout: Duration::from_secs(1),
+            write_timeout: Duration::from_secs(1),
         }
     }
 

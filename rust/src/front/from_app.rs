@@ -2,6 +2,8 @@
 //! then the body, each read from the app written to the client at once (an SSE reply goes out
 //! chunk by chunk), its framing followed only to know where it ends.
 
+use std::time::Duration;
+
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -26,11 +28,28 @@ pub struct Reply {
     pub upgraded: bool,
 }
 
+/// The client's side of a reply: its socket, and how long it may take none of a write.
+pub struct Client<'a, W> {
+    pub stream: &'a mut W,
+    pub write_timeout: Duration,
+}
+
+impl<W: AsyncWrite + Unpin> Client<'_, W> {
+    /// Write `bytes`; a client gone, or one that took none of them for the write timeout (as
+    /// the Python listener's write timer aborts it), cuts the reply.
+    async fn write(&mut self, bytes: &[u8]) -> Result<(), Failed> {
+        match tokio::time::timeout(self.write_timeout, self.stream.write_all(bytes)).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(Failed::Cut),
+        }
+    }
+}
+
 /// Copy the app's reply to the client: interim heads, the head, the body as it comes.
 pub async fn download<R, W>(
     app: &mut R,
     buf: &mut BytesMut,
-    client: &mut W,
+    mut client: Client<'_, W>,
     head_only: bool,
 ) -> Result<Reply, Failed>
 where
@@ -50,7 +69,7 @@ where
             }
         };
         let head = buf.split_to(len);
-        client.write_all(&head).await.map_err(|_| Failed::Cut)?;
+        client.write(&head).await?;
         wrote = true;
         if status == 101 {
             return Ok(Reply {
@@ -66,7 +85,7 @@ where
         } else {
             framing
         };
-        copy_body(app, buf, client, framing).await?;
+        copy_body(app, buf, &mut client, framing).await?;
         return Ok(Reply {
             close: close || framing.is_none(),
             upgraded: false,
@@ -110,7 +129,7 @@ fn reply_head(buf: &[u8]) -> Result<Option<ReplyHead>, Failed> {
 async fn copy_body<R, W>(
     app: &mut R,
     buf: &mut BytesMut,
-    client: &mut W,
+    client: &mut Client<'_, W>,
     framing: Option<Framing>,
 ) -> Result<(), Failed>
 where
@@ -138,7 +157,7 @@ where
             left -= take as u64;
         }
         let part = buf.split_to(take);
-        client.write_all(&part).await.map_err(|_| Failed::Cut)?;
+        client.write(&part).await?;
     }
     Ok(())
 }

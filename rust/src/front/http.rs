@@ -19,8 +19,8 @@ use tokio::time::{timeout_at, Instant};
 use super::answer::answer;
 use super::{Conn, Request};
 
-/// The bounds a request is read within (`limits.max_header_bytes`, `server.max_body_bytes`,
-/// `server.read_timeout_ms`).
+/// The bounds a request is read and answered within (`limits.max_header_bytes`,
+/// `server.max_body_bytes`, `server.read_timeout_ms`, `server.write_timeout_ms`).
 #[derive(Debug, Clone)]
 pub struct Limits {
     pub max_header_bytes: usize,
@@ -29,7 +29,13 @@ pub struct Limits {
     pub read_timeout: Duration,
     /// Between requests on a kept-alive connection: closed quietly (uvicorn's 5 s).
     pub keep_alive_timeout: Duration,
+    /// A client that takes none of a reply's bytes this long is dropped (the Python
+    /// listener's write timer): it holds no fd or buffer for ever.
+    pub write_timeout: Duration,
 }
+
+/// uvicorn's `timeout_keep_alive`, which the Python listener runs with.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 /// How a request's body is framed on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +68,8 @@ pub enum Refusal {
     HeadTooLarge(usize),
     Invalid,
     TimedOut,
+    /// File descriptors are nearly gone: 503, keeping a reserve for the backends.
+    OutOfFds,
 }
 
 const HEADER_OVERHEAD: usize = 4; // ": " and CRLF around each header, as handoff.py counts
@@ -271,6 +279,7 @@ mod tests {
             max_body_bytes: 1 << 20,
             read_timeout: Duration::from_secs(1),
             keep_alive_timeout: Duration::from_secs(1),
+            write_timeout: Duration::from_secs(1),
         }
     }
 

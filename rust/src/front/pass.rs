@@ -24,10 +24,10 @@ use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use super::answer::uvicorn_error;
+use super::answer::{answer, uvicorn_error};
 use super::chunked::Chunked;
-use super::from_app::{download, Failed};
-use super::http::Framing;
+use super::from_app::{download, Client, Failed};
+use super::http::{Framing, Limits, Refusal};
 use super::{Conn, Request};
 
 /// The header that carries the client's address to the app.
@@ -74,9 +74,18 @@ pub async fn forward(
     conn: &mut Conn,
     request: &Request,
     body: Body,
+    limits: &Limits,
 ) -> After {
-    let Ok(up) = connect(app, upstream).await else {
-        return unreachable_app(&mut conn.stream).await;
+    let up = match connect(app, upstream).await {
+        Ok(up) => up,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+            // Out of descriptors for the app's side of this connection: the Python listener's
+            // answer to a connection it has no descriptors for.
+            let answer = answer(Refusal::OutOfFds, SystemTime::now());
+            let _ = conn.stream.write_all(&answer).await;
+            return After::Close;
+        }
+        Err(_) => return unreachable_app(&mut conn.stream).await,
     };
     if up
         .stream
@@ -110,7 +119,11 @@ pub async fn forward(
             watch(&mut client_in, buffered).await
         });
         let head_only = request.method == "HEAD";
-        let mut download = pin!(download(&mut app_in, buf, &mut client_out, head_only));
+        let to_client = Client {
+            stream: &mut client_out,
+            write_timeout: limits.write_timeout,
+        };
+        let mut download = pin!(download(&mut app_in, buf, to_client, head_only));
         let reply = tokio::select! {
             biased;
             reply = &mut download => reply,

@@ -102,6 +102,7 @@ fn native_then_declined_then_passed_in_order() {
         max_body_bytes: 1024,
         read_timeout: Duration::from_secs(5),
         keep_alive_timeout: Duration::from_secs(5),
+        write_timeout: Duration::from_secs(5),
     };
     let front = Front::start(runtime.handle(), listener, app_path.clone(), limits).unwrap();
     front.set_native(Arc::new(Picky));

@@ -8,12 +8,14 @@ use pyo3::prelude::*;
 
 use super::errors::InvalidArgumentError;
 use super::relay::PyRelay;
+use crate::front::http::KEEP_ALIVE;
 use crate::front::{Front, Limits};
 
 /// The public listener and every client connection, served on the relay's threads.
 #[pyclass(name = "Front", module = "llmflow._core")]
 pub struct PyFront {
-    inner: Front,
+    /// The seam the native server plugs into (`Front::set_native`).
+    pub(super) inner: Front,
 }
 
 fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {
@@ -29,7 +31,7 @@ fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {
 impl PyFront {
     #[new]
     #[pyo3(signature = (relay, listen_fd, app_socket, *, max_header_bytes, max_body_bytes,
-        read_timeout_ms=30000.0, keep_alive_timeout_ms=5000.0))]
+        read_timeout_ms=30000.0, write_timeout_ms=60000.0))]
     fn new(
         relay: &Bound<'_, PyRelay>,
         listen_fd: i32,
@@ -37,13 +39,14 @@ impl PyFront {
         max_header_bytes: usize,
         max_body_bytes: usize,
         read_timeout_ms: f64,
-        keep_alive_timeout_ms: f64,
+        write_timeout_ms: f64,
     ) -> PyResult<Self> {
         let limits = Limits {
             max_header_bytes,
             max_body_bytes,
             read_timeout: duration_ms("read_timeout_ms", read_timeout_ms)?,
-            keep_alive_timeout: duration_ms("keep_alive_timeout_ms", keep_alive_timeout_ms)?,
+            keep_alive_timeout: KEEP_ALIVE,
+            write_timeout: duration_ms("write_timeout_ms", write_timeout_ms)?,
         };
         let Some(runtime) = relay.borrow().inner.handle() else {
             return Err(InvalidArgumentError::new_err("the relay has shut down"));
