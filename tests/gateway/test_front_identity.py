@@ -103,7 +103,7 @@ _VALUES = st.one_of(
     st.text(alphabet="0123456789.eE+-_ \t", max_size=10).map(str.encode),
     st.sampled_from([b" 5 ", b"600.0", b"1_0", b"inf", b"\x1c5", b"1e3", b".5", b"5.", b"\xa05",
                      b"86400000", b"86400001", b"0", b"0.0005", b"0.0015", b"1e-3", b"\xc3\xa9",
-                     b"\x0b7\x0c", b"1000000", b"1000001", b"0001", b"\xd9\xa3"]),
+                     b"\x0b7\x0c", b"1000000", b"1000001", b"0001", b"\xd9\xa3", b"1e306"]),
     st.binary(max_size=10),
 )
 SIGNAL_HEADERS = st.lists(st.tuples(_NAMES, _VALUES), max_size=4)

@@ -168,6 +168,7 @@ async def test_a_malformed_deadline_of_ours_is_a_400(
         {"x-stainless-timeout": "-3"},
         {"x-stainless-timeout": "nan"},
         {"x-stainless-read-timeout": "inf"},
+        {"x-stainless-timeout": "1e306"},  # finite, but past any float as milliseconds
         {"x-stainless-retry-count": "-1"},
         {"x-stainless-retry-count": "many"},
         {"x-envoy-attempt-count": "0"},

@@ -88,7 +88,8 @@ def _seconds_ms(value: bytes) -> int | None:
         seconds = float(value.strip().decode("ascii"))
     except (UnicodeDecodeError, ValueError):
         return None
-    if not math.isfinite(seconds) or seconds <= 0:
+    # A finite number of seconds can still overflow as milliseconds (1e306): ignored too.
+    if not math.isfinite(seconds * 1000) or seconds <= 0:
         return None
     ms = round(seconds * 1000)
     return ms if 0 < ms <= _MAX_DEADLINE_MS else None

@@ -9,7 +9,7 @@
 //! guess matched nor which key did. On any failure there is no identity: the front passes
 //! the request to the app, which answers the 401 with Python's message.
 
-use sha2::{Digest, Sha256};
+use sha2::{Digest as _, Sha256};
 
 /// Who a request is from, as the config says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,8 +49,9 @@ impl KeyRing {
         }
     }
 
-    /// The identity of a request's `Authorization` header (its raw bytes; `None` when
-    /// absent), or `None` where Python answers 401 (missing, not Bearer, too long, unknown).
+    /// The identity of a request's `Authorization` header (the raw bytes of the first one, as
+    /// Starlette reads it; `None` when absent), or `None` where Python answers 401 (missing,
+    /// not Bearer, too long, unknown).
     pub fn authenticate(&self, authorization: Option<&[u8]>) -> Option<&Identity> {
         if !self.enabled {
             return Some(&self.anonymous);
@@ -79,12 +80,8 @@ impl KeyRing {
             return None; // checked before hashing: a megabyte key costs nothing
         }
         // The latin-1 text encoded as UTF-8, as Python hashes `key.encode("utf-8")`.
-        let mut hasher = Sha256::new();
-        let mut buf = [0u8; 4];
-        for &b in key {
-            hasher.update(char::from(b).encode_utf8(&mut buf).as_bytes());
-        }
-        Some(hasher.finalize().into())
+        let text: String = key.iter().map(|&b| char::from(b)).collect();
+        Some(digest(text.as_bytes()))
     }
 }
 

@@ -244,31 +244,36 @@ pub fn write_str(out: &mut Vec<u8>, s: &str, ascii: bool) {
     out.push(b'"');
     let bytes = s.as_bytes();
     let mut plain = 0; // start of the run of bytes that need no escape
-    for (at, c) in s.char_indices() {
-        let short: Option<&[u8]> = match c {
-            '"' => Some(b"\\\""),
-            '\\' => Some(b"\\\\"),
-            '\n' => Some(b"\\n"),
-            '\r' => Some(b"\\r"),
-            '\t' => Some(b"\\t"),
-            '\u{8}' => Some(b"\\b"),
-            '\u{c}' => Some(b"\\f"),
-            _ => None,
-        };
-        let escaped = short.is_some() || c < ' ' || (ascii && c > '~');
-        if !escaped {
+    let mut at = 0;
+    while at < bytes.len() {
+        let b = bytes[at];
+        // The common case first: printable ASCII, or DEL and any UTF-8 byte when not `ascii`.
+        if (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\' || (b >= 0x7f && !ascii) {
+            at += 1;
             continue;
         }
         out.extend_from_slice(&bytes[plain..at]);
-        plain = at + c.len_utf8();
-        if let Some(short) = short {
-            out.extend_from_slice(short);
-        } else {
+        let c = s[at..].chars().next().expect("a char starts here");
+        let short: &[u8] = match c {
+            '"' => b"\\\"",
+            '\\' => b"\\\\",
+            '\n' => b"\\n",
+            '\r' => b"\\r",
+            '\t' => b"\\t",
+            '\u{8}' => b"\\b",
+            '\u{c}' => b"\\f",
+            _ => b"",
+        };
+        if short.is_empty() {
             let mut units = [0u16; 2];
             for unit in c.encode_utf16(&mut units) {
                 write!(out, "\\u{unit:04x}").expect("a Vec takes every write");
             }
+        } else {
+            out.extend_from_slice(short);
         }
+        at += c.len_utf8();
+        plain = at;
     }
     out.extend_from_slice(&bytes[plain..]);
     out.push(b'"');

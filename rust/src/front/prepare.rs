@@ -122,19 +122,91 @@ const STRIPPED: [&str; 2] = ["priority", "kv_transfer_params"];
 /// (or where this reading is unsure it would not).
 pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<Prepared> {
     let body = json::parse(raw)?;
-    let Json::Object(pairs) = &body else {
-        return None;
+    let checked = check(endpoint, &body, config)?;
+    let Json::Object(pairs) = body else {
+        unreachable!("checked as an object")
     };
+    // The client's body moves upstream (no copy of its messages), less what it may not set.
+    let mut upstream = Json::Object(
+        pairs
+            .into_iter()
+            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
+            .collect(),
+    );
+    set(&mut upstream, "model", Json::Str(checked.model.clone()));
+    if !checked.unstreamed {
+        set(&mut upstream, "stream", Json::Bool(true));
+        let usage = vec![
+            ("include_usage".to_owned(), Json::Bool(true)),
+            ("continuous_usage_stats".to_owned(), Json::Bool(true)),
+        ];
+        set(&mut upstream, "stream_options", Json::Object(usage));
+    }
+    let (context, longest) = (checked.context, checked.prompts.iter().copied().max()?);
+    let mut max_tokens = checked.max_tokens;
+    if let (None, Some(cap)) = (max_tokens, config.max_tokens) {
+        if cap < context - longest {
+            max_tokens = Some(cap); // the gateway's bound holds upstream too
+            set(&mut upstream, "max_tokens", Json::Int(i128::from(cap)));
+        }
+    }
+    // KV for the batch at its peak: each prompt's `n` choices up to their bound, clamped to
+    // the context the prompt leaves, at least the one token vLLM counts for an echo alone.
+    let mut planned = 0u64;
+    for p in &checked.prompts {
+        let left = context - p;
+        let each = max_tokens.map_or(left, |m| m.min(left)).max(1);
+        planned = planned.checked_add(checked.n.checked_mul(each)?)?;
+    }
+    Some(Prepared {
+        endpoint,
+        asked_model: checked.asked_model,
+        model: checked.model,
+        stream: checked.stream,
+        choices: checked.choices,
+        include_usage: checked.options.is_some_and(|o| o.include_usage),
+        continuous_usage: checked.options.is_some_and(|o| o.continuous_usage_stats),
+        prompt_tokens: checked.prompts.iter().sum(),
+        planned_tokens: planned,
+        max_tokens,
+        prefix_hashes: checked.hashes,
+        fingerprint: fingerprint(raw, &config.fingerprint_key),
+        unstreamed: checked.unstreamed,
+        body: upstream,
+    })
+}
+
+/// What the checks derive from a body, before it moves upstream.
+struct Checked {
+    asked_model: String,
+    model: String,
+    stream: bool,
+    options: Option<request::StreamOptions>,
+    n: u64,
+    choices: u64,
+    max_tokens: Option<u64>,
+    context: u64,
+    prompts: Vec<u64>,
+    hashes: Option<Vec<u64>>,
+    unstreamed: bool,
+}
+
+/// Every refusal of `prepare`, in its order: the messages' count (before validation, which
+/// a million messages would cost), the model's fields, stream options without a stream,
+/// streaming off, an unknown model, no output without echo, the limits, the context.
+fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Option<Checked> {
+    if !matches!(body, Json::Object(_)) {
+        return None;
+    }
     if let Some(Json::Array(messages)) = body.get("messages") {
         if messages.len() as u64 > config.max_messages {
             return None;
         }
     }
     let request: Request<'_> = match endpoint {
-        Endpoint::Chat => request::chat(&body)?,
-        Endpoint::Completions => request::completion(&body)?,
+        Endpoint::Chat => request::chat(body)?,
+        Endpoint::Completions => request::completion(body)?,
     };
-    let options = request.stream_options;
     // vLLM's own check: options only with `stream` (`{}` passes).
     let options_given = body.get("stream_options").is_some_and(Json::truthy);
     if (options_given && !request.stream) || (request.stream && !config.streaming) {
@@ -150,8 +222,7 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
     }
     let prompts = prompt::prompt_tokens(&request.prompt, config.bytes_per_token);
     let choices = request.n.checked_mul(prompts.len() as u64)?;
-    let cap = config.max_tokens;
-    let over_cap = matches!((cap, request.max_tokens), (Some(c), Some(m)) if m > c);
+    let over_cap = matches!((config.max_tokens, request.max_tokens), (Some(c), Some(m)) if m > c);
     let longest = prompts.iter().copied().max().unwrap_or(0);
     if choices > config.max_n || over_cap || longest >= context {
         return None;
@@ -163,53 +234,18 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
         .prefix_models
         .contains(model)
         .then(|| prompt::prefix_hashes(&request.prompt, config.block_size, config.bytes_per_token));
-    let unstreamed = !request.stream && wants_prompt_logprobs(&body);
-    let mut upstream = Json::Object(
-        pairs
-            .iter()
-            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
-            .cloned()
-            .collect(),
-    );
-    set(&mut upstream, "model", Json::Str(model.to_owned()));
-    if !unstreamed {
-        set(&mut upstream, "stream", Json::Bool(true));
-        let usage = vec![
-            ("include_usage".to_owned(), Json::Bool(true)),
-            ("continuous_usage_stats".to_owned(), Json::Bool(true)),
-        ];
-        set(&mut upstream, "stream_options", Json::Object(usage));
-    }
-    let mut max_tokens = request.max_tokens;
-    if let (None, Some(cap)) = (max_tokens, cap) {
-        if cap < context - longest {
-            max_tokens = Some(cap); // the gateway's bound holds upstream too
-            set(&mut upstream, "max_tokens", Json::Int(i128::from(cap)));
-        }
-    }
-    // KV for the batch at its peak: each prompt's `n` choices up to their bound, clamped to
-    // the context the prompt leaves, at least the one token vLLM counts for an echo alone.
-    let mut planned = 0u64;
-    for p in &prompts {
-        let left = context - p;
-        let each = max_tokens.map_or(left, |m| m.min(left)).max(1);
-        planned = planned.checked_add(request.n.checked_mul(each)?)?;
-    }
-    Some(Prepared {
-        endpoint,
+    Some(Checked {
         asked_model: request.model.to_owned(),
         model: model.to_owned(),
         stream: request.stream,
+        options: request.stream_options,
+        n: request.n,
         choices,
-        include_usage: options.is_some_and(|o| o.include_usage),
-        continuous_usage: options.is_some_and(|o| o.continuous_usage_stats),
-        prompt_tokens: prompts.iter().sum(),
-        planned_tokens: planned,
-        max_tokens,
-        prefix_hashes: hashes,
-        fingerprint: fingerprint(raw, &config.fingerprint_key),
-        unstreamed,
-        body: upstream,
+        max_tokens: request.max_tokens,
+        context,
+        prompts,
+        hashes,
+        unstreamed: !request.stream && wants_prompt_logprobs(body),
     })
 }
 

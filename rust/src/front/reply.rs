@@ -117,6 +117,8 @@ pub fn upstream_reply_error(
     error: Option<&str>,
 ) -> ErrorReply {
     let (status, code, message) = failure;
+    // The text is the relay's (serde's): no key twice, no integer past 64 bits, so the strict
+    // reader holds it as Python's `json.loads` does.
     let own = if reply_status == status {
         error.and_then(|e| json::parse(e.as_bytes()))
     } else {
@@ -290,7 +292,8 @@ pub struct Cut<'a> {
 pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
     let chat = cut.endpoint == Endpoint::Chat;
     let notice = Json::Str(notice_for(cut.reason));
-    // `template or {...}`: an empty template is none (`json.loads` of the text, in its order).
+    // `template or {...}`: an empty template is none (`json.loads` of the text, in its order;
+    // the relay's text, which the strict reader holds as Python does).
     let mut chunk = match cut.template.and_then(|t| json::parse(t.as_bytes())) {
         Some(Json::Object(pairs)) if !pairs.is_empty() => pairs,
         _ => vec![

@@ -61,9 +61,15 @@ fn most(a: Option<u32>, b: Option<u32>) -> Option<u32> {
     }
 }
 
-/// `bytes.strip()`: ASCII whitespace (space, `\t \n \r \x0b \x0c`).
+/// `bytes.strip()`: ASCII whitespace, `\x0b` included (which `trim_ascii` keeps).
 fn strip(value: &[u8]) -> &[u8] {
-    value.trim_ascii()
+    let space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r' | b'\x0b' | b'\x0c');
+    let start = value.iter().position(|b| !space(b)).unwrap_or(value.len());
+    let end = value
+        .iter()
+        .rposition(|b| !space(b))
+        .map_or(start, |i| i + 1);
+    &value[start..end]
 }
 
 /// Digits only, at most `max_len` of them: the number, else `None`.
@@ -167,6 +173,9 @@ mod tests {
             read(&[("x-stainless-retry-count", " 2 ")]),
             Ok(signals(Some(2), None))
         );
+        // `bytes.strip` takes the vertical tab too.
+        let vertical = read(&[("x-stainless-retry-count", "\u{b}7\u{c}")]);
+        assert_eq!(vertical, Ok(signals(Some(7), None)));
         let both = [
             ("x-stainless-retry-count", "1"),
             ("x-envoy-attempt-count", "4"),
