@@ -41,10 +41,11 @@ class Profile:
     hold_settle_s: float  # after the last stream got its first token, before reading VmRSS
     modes: tuple[str, ...] = MODES
     burst_settle_s: float = 0.5  # burst: after the connections opened, before the burst
+    burst_every_level: bool = True  # False: bursts at the top level only
 
 
 FULL = Profile((1, 16, 64, 128, 256), 3, 4.0, 1.5, 4.0, 2048, 2, (1000, 5000), 2.0)
-QUICK = Profile((1, 64, 256), 1, 2.0, 1.2, 2.0, 1024, 1, (1000,), 1.0)
+QUICK = Profile((1, 64, 256), 1, 2.0, 1.2, 2.0, 1024, 1, (1000,), 1.0, burst_every_level=False)
 
 
 @dataclass
@@ -174,7 +175,8 @@ def rounded(value: float | None, digits: int = 3) -> float | None:
 
 def burst_levels(prof: Profile) -> tuple[int, ...]:
     """The levels a burst runs at: a burst of one stream is the staggered run, so not 1."""
-    return tuple(k for k in prof.levels if k > 1)
+    levels = prof.levels if prof.burst_every_level else (max(prof.levels),)
+    return tuple(k for k in levels if k > 1)
 
 
 async def levels(
