@@ -49,7 +49,8 @@ Usage:
                                                   # docs/img/, markdown tables on stdout
     python -m benchmarks.gateway_bench --llmflow-front python,native
                                                   # the same with both fronts, ~21 min
-    python -m benchmarks.gateway_bench --quick    # development run, ~2 min, outputs in /tmp
+    python -m benchmarks.gateway_bench --quick    # development run, ~2.5 min (bursts at the
+                                                  # top level only), outputs in /tmp
     python -m benchmarks.gateway_bench --burst-only
                                                   # the 256-stream burst only, every llmflow
                                                   # front and the router, 3 repeats, < 3 min,
