@@ -13,17 +13,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.gatewaybench import backend, phases, procs, report
+from benchmarks.gatewaybench import backend, peak, phases, procs, report
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = 5120  # llmflow slots and queue: every stream of every phase admitted (5,000 held)
+FRONTS = {"python": "llmflow", "native": "llmflow-native"}  # `server.front` -> arm name
+BURST_ONLY_LEVEL = 256
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -33,6 +35,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         description="llmflow's gateway against vllm-router and a direct connection, one run.",
     )
     p.add_argument("--quick", action="store_true", help="development run: a minute or two")
+    p.add_argument(
+        "--burst-only",
+        action="store_true",
+        help=f"only the {BURST_ONLY_LEVEL}-stream burst, every llmflow front and the router, "
+        "3 repeats, outputs in /tmp: under 3 minutes",
+    )
+    p.add_argument(
+        "--mode",
+        default=",".join(phases.MODES),
+        help="how each level's streams start: staggered (evenly over one request period), "
+        "burst (together), or both (the default)",
+    )
+    p.add_argument(
+        "--llmflow-front",
+        help="llmflow arms, by `server.front`: python, native or python,native (default: "
+        "python; --burst-only: python,native); an arm whose config `llmflow serve` refuses "
+        "is skipped with a note",
+    )
     p.add_argument("--levels", help="concurrency levels, e.g. 1,64,256 (default by profile)")
     p.add_argument("--repeats", type=int, help="interleaved repeats (default: 3, quick 1)")
     p.add_argument("--window", type=float, help="measured seconds per arm and level")
@@ -58,7 +78,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--render", type=Path, metavar="JSON", help="only redraw tables and charts from a result"
     )
     p.add_argument("--backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.burst_only:
+        args.mode, args.levels = "burst", args.levels or str(BURST_ONLY_LEVEL)
+        args.no_peak = args.no_memory = True
+        args.llmflow_workers = ""
+        args.llmflow_front = args.llmflow_front or "python,native"
+    args.modes = _choices(p, "--mode", args.mode, phases.MODES)
+    args.fronts = _choices(p, "--llmflow-front", args.llmflow_front or "python", tuple(FRONTS))
+    return args
+
+
+def _choices(
+    p: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]
+) -> tuple[str, ...]:
+    picked = tuple(x.strip() for x in value.split(",") if x.strip())
+    wrong = [x for x in picked if x not in allowed]
+    if wrong or not picked:
+        p.error(f"{flag}: {', '.join(wrong) or 'nothing'} is not one of {', '.join(allowed)}")
+    return picked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +134,7 @@ def profile(args: argparse.Namespace) -> phases.Profile:
         changes["window_s"] = args.window
     if args.memory:
         changes["memory_streams"] = tuple(int(x) for x in args.memory.split(","))
+    changes["modes"] = args.modes
     return phases.Profile(**{**prof.__dict__, **changes})
 
 
@@ -132,7 +171,7 @@ def _meta(args: argparse.Namespace, prof: phases.Profile, pin_text: str) -> dict
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git("rev-parse", "--short", "HEAD") + dirty,
         "command": " ".join(["python -m benchmarks.gateway_bench", *sys.argv[1:]]),
-        "profile": "quick" if args.quick else "full",
+        "profile": "quick" if args.quick else "burst-only" if args.burst_only else "full",
         "settings": prof.__dict__,
         "machine": f"{os.cpu_count()} vCPU {model}, {mem:.0f} GiB, Linux {platform.release()}",
         "pinning": pin_text,
@@ -168,6 +207,7 @@ async def run(args: argparse.Namespace) -> int:
         meta["llmflow_config"] = procs.llmflow_config(fake.port, CAP, config_path)
         harness = (fake.pid, os.getpid())
         arms = _Arms(fake.port, pins, harness, config_path, router_exe, logdir)
+        arms.fronts = _fronts(args, fake.port, arms, meta, result)
         await _timed_phases(args, prof, result, arms)
     if router_note:
         result["router_note"] = router_note
@@ -187,6 +227,37 @@ def _router(args: argparse.Namespace) -> tuple[Path | None, str]:
         return None, note
 
 
+def _fronts(
+    args: argparse.Namespace,
+    backend_port: int,
+    arms: _Arms,
+    meta: dict[str, Any],
+    result: dict[str, Any],
+) -> dict[str, Path]:
+    """The llmflow arms asked for, by arm name, with their configs: the python front's is the
+    bench's config as it always was; another front's is the same plus `server.front`, and
+    is left out, with a note, where `llmflow config check` refuses it."""
+    out: dict[str, Path] = {}
+    for front in args.fronts:
+        if front == "python":
+            out[FRONTS[front]] = arms.config
+            continue
+        path = arms.logdir / f"llmflow-{front}.yaml"
+        meta[f"llmflow_{front}_config"] = procs.llmflow_config(backend_port, CAP, path, front)
+        problem = procs.config_problem(path)
+        if problem:
+            _front_note(result, FRONTS[front], f"`llmflow config check` refuses it: {problem}")
+            continue
+        out[FRONTS[front]] = path
+    return out
+
+
+def _front_note(result: dict[str, Any], arm: str, why: str) -> None:
+    note = f"{arm} skipped: {why}"
+    print(f"NOTE: {note}", flush=True)
+    result.setdefault("front_notes", []).append(note)
+
+
 @dataclass
 class _Arms:
     """What every phase needs to start the arms again."""
@@ -197,12 +268,14 @@ class _Arms:
     config: Path  # llmflow's
     router_exe: Path | None
     logdir: Path
+    fronts: dict[str, Path] = field(default_factory=dict)  # llmflow arm -> its config
 
     def starters(self) -> dict[str, Callable[[], procs.Proc]]:
         """A fresh gateway process per arm, pinned to the gateway CPU."""
 
-        def llmflow() -> procs.Proc:
-            return procs.start_llmflow(self.config, self.pins["gateway"], self.logdir)
+        def llmflow(arm: str) -> Callable[[], procs.Proc]:
+            config = self.fronts[arm]
+            return lambda: procs.start_llmflow(config, self.pins["gateway"], self.logdir, name=arm)
 
         def router() -> procs.Proc:
             assert self.router_exe is not None
@@ -210,24 +283,54 @@ class _Arms:
                 self.router_exe, self.backend_port, self.pins["gateway"], self.logdir
             )
 
-        return {"llmflow": llmflow, **({"router": router} if self.router_exe else {})}
+        out = {arm: llmflow(arm) for arm in self.fronts}
+        return {**out, **({"router": router} if self.router_exe else {})}
+
+
+def _start(
+    starters: dict[str, Callable[[], procs.Proc]], result: dict[str, Any]
+) -> dict[str, procs.Proc]:
+    """Every arm started; an llmflow front other than python's that does not come up (a
+    build without it) is dropped from `starters` with a note, any other failure stops the run."""
+    running: dict[str, procs.Proc] = {}
+    try:
+        for name, start in list(starters.items()):
+            try:
+                running[name] = start()
+            except RuntimeError as exc:
+                if name not in set(FRONTS.values()) - {FRONTS["python"]}:
+                    raise
+                del starters[name]
+                _front_note(result, name, f"`llmflow serve` did not come up: {exc}")
+    except BaseException:
+        for proc in running.values():
+            proc.stop()
+        raise
+    return running
 
 
 async def _timed_phases(
     args: argparse.Namespace, prof: phases.Profile, result: dict[str, Any], arms: _Arms
 ) -> None:
     starters = arms.starters()
-    running = {name: start() for name, start in starters.items()}
+    running = _start(starters, result)
     try:
         targets = [phases.Target("direct", arms.backend_port, None, arms.harness)]
         targets += [phases.Target(n, p.port, p, arms.harness) for n, p in running.items()]
-        _log(f"== concurrency levels {prof.levels}, {prof.repeats} repeat(s), interleaved")
+        _log(
+            f"== concurrency levels {prof.levels} ({', '.join(prof.modes)}; bursts at "
+            f"{phases.burst_levels(prof)}), {prof.repeats} repeat(s), interleaved"
+        )
         runs = await phases.levels(targets, prof, _log)
         result["level_runs"], result["levels"] = runs, phases.summarise_levels(runs)
-        if not args.no_peak:
-            _log(f"== peak chunk rate: added gap p99 <= {phases.ADDED_GAP_LIMIT_MS:g} ms")
+        if args.no_peak:
+            pass
+        elif "staggered" not in prof.modes:
+            _log("NOTE: peak chunk rate skipped: it searches with staggered starts")
+        else:
+            _log(f"== peak chunk rate: added gap p99 <= {peak.ADDED_GAP_LIMIT_MS:g} ms")
             result["peak"] = [
-                await phases.peak(t, targets[0], result["levels"], prof, _log) for t in targets[1:]
+                await peak.search(t, targets[0], result["levels"], prof, _log) for t in targets[1:]
             ]
     finally:
         for proc in running.values():
@@ -265,10 +368,11 @@ async def _workers(
 
 
 def _outputs(args: argparse.Namespace, result: dict[str, Any], logdir: Path) -> int:
+    scratch = args.quick or args.burst_only  # a development or check run: nothing in the repo
     quick_dir = Path(tempfile.gettempdir()) / "gateway-bench-quick"
-    default_json = (quick_dir if args.quick else ROOT / "benchmarks" / "results") / "gateway.json"
+    default_json = (quick_dir if scratch else ROOT / "benchmarks" / "results") / "gateway.json"
     json_path = args.json or default_json
-    chart_dir = args.charts or (quick_dir if args.quick else ROOT / "docs" / "img")
+    chart_dir = args.charts or (quick_dir if scratch else ROOT / "docs" / "img")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     charts = report.charts(result, chart_dir)
     result["charts"] = [str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in charts]

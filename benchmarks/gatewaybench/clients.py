@@ -8,6 +8,12 @@ in the way, so a client costs the same whichever server answers it.
 
 A read that carries k events counts as one gap (since the previous read) and k-1 gaps of zero:
 chunks that TCP coalesced did arrive together.
+
+Two ways to start the streams: *staggered* (`run_streams`: evenly over one request period, so
+arrivals are spread as in steady traffic) and *burst* (`run_burst`: every connection opened
+first, then every stream's request written in one loop, so they arrive together; then each
+goes on closed-loop, and since every request takes the same time the later requests stay
+bunched in waves).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class Tally:
 
     measuring: bool = False
     ttfts: list[float] = field(default_factory=list)  # seconds, requests sent while measuring
+    burst_ttfts: list[float] = field(default_factory=list)  # seconds, a measured burst's requests
     gaps: list[float] = field(default_factory=list)  # seconds, non-zero inter-chunk gaps
     zero_gaps: int = 0  # chunks that came in the same read as the one before
     chunks: int = 0  # token events received while measuring ([DONE] not counted)
@@ -76,6 +83,7 @@ class ClientConn(asyncio.Protocol):
         self.timed = False  # sent while measuring: its TTFT counts
         self.first = False
         self.finished = False
+        self.in_burst = False  # the request in flight is a measured burst's: keep its TTFT
         self.tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -129,6 +137,9 @@ class ClientConn(asyncio.Protocol):
             self.first = True
             if self.timed:
                 tally.ttfts.append(now - self.sent_at)
+            if self.in_burst:
+                self.in_burst = False
+                tally.burst_ttfts.append(now - self.sent_at)
             if self.until_first:
                 self._resolve(True)
         elif tally.measuring:
@@ -207,6 +218,111 @@ async def run_streams(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return tally
+
+
+@dataclass
+class Burst:
+    """How a burst's requests went out."""
+
+    connect_s: float  # opening every connection (before the burst; not measured)
+    write_ms: float  # from the first stream's request write to the last one's
+
+
+async def run_burst(
+    port: int,
+    streams: int,
+    payload: bytes,
+    settle: float,
+    window: float,
+    on_window: tuple[Callable[[], None], Callable[[], None]] | None = None,
+) -> tuple[Tally, Burst]:
+    """`streams` closed-loop streams that start together, measured for `window` seconds from
+    the burst.
+
+    Every connection is opened first (at most 256 at once, then `settle` seconds so that the
+    server has accepted them all). One unmeasured burst of requests on them, run to its end,
+    warms the gateway (its connections to the backend, its state per client connection), so
+    that the figure is the same whether or not the gateway served traffic before. After
+    `settle` seconds more the window opens and one loop writes every stream's request, with
+    nothing awaited between the writes; then each stream goes on closed loop on its connection
+    as in `run_streams`. The burst's own TTFTs are also kept apart (`Tally.burst_ttfts`).
+    """
+    tally, stop = Tally(), asyncio.Event()
+    began = time.perf_counter()
+    conns = await open_conns(port, streams, tally)
+    connect_s = time.perf_counter() - began
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await asyncio.sleep(settle)
+        conns = await _reopened(port, tally, conns)
+        if conns:
+            await asyncio.wait([conn.request(payload) for conn in conns], timeout=30)
+        await asyncio.sleep(settle)
+        conns = await _reopened(port, tally, conns)
+        if on_window:
+            on_window[0]()
+        tally.measuring = True
+        for conn in conns:
+            conn.in_burst = True
+        sent = [conn.request(payload) for conn in conns]  # the burst: one tight loop
+        write_ms = (conns[-1].sent_at - conns[0].sent_at) * 1e3 if conns else 0.0
+        tasks = [
+            asyncio.create_task(_after_burst(port, tally, payload, conn, request, stop))
+            for conn, request in zip(conns, sent, strict=True)
+        ]
+        await asyncio.sleep(window)
+        tally.measuring = False
+        if on_window:
+            on_window[1]()
+        await asyncio.sleep(1.0)
+    finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in conns:
+            conn.close()
+    return tally, Burst(round(connect_s, 3), round(write_ms, 3))
+
+
+async def _reopened(port: int, tally: Tally, conns: list[ClientConn]) -> list[ClientConn]:
+    """`conns`, with any that closed (a refusal closes it) replaced by a new connection."""
+    return [c if c.transport is not None else await connect(port, tally) for c in conns]
+
+
+async def _after_burst(
+    port: int,
+    tally: Tally,
+    payload: bytes,
+    conn: ClientConn,
+    request: asyncio.Future[bool],
+    stop: asyncio.Event,
+) -> None:
+    """A burst's stream once its `request` is out: closed loop until `stop`."""
+    try:
+        await request
+        while not stop.is_set():
+            if conn.transport is None:
+                conn = await connect(port, tally)
+            await conn.request(payload)
+    finally:
+        conn.close()
+
+
+async def open_conns(port: int, k: int, tally: Tally, parallel: int = 256) -> list[ClientConn]:
+    """`k` connections, at most `parallel` opening at once (the listen backlog never overflows);
+    a connection that fails counts as an error in `tally` and is left out."""
+    gate = asyncio.Semaphore(parallel)
+
+    async def one() -> ClientConn | None:
+        async with gate:
+            try:
+                return await connect(port, tally)
+            except OSError:
+                tally.errors += 1
+                return None
+
+    return [c for c in await asyncio.gather(*(one() for _ in range(k))) if c is not None]
 
 
 async def hold_open(

@@ -1,8 +1,9 @@
-"""The phases: concurrency levels, peak chunk rate, memory per idle stream, relay workers.
+"""The phases: concurrency levels (staggered and burst starts), memory per idle stream, relay
+workers; the peak chunk-rate search is in `peak`.
 
-Every figure that says "added" is an arm minus the direct arm *of the same repeat and level*:
-the arms run interleaved (direct, llmflow, router, direct, llmflow, router ...) so that a
-noisy neighbour on the shared machine hits them alike, and the median over repeats is kept.
+Every figure that says "added" is an arm minus the direct arm *of the same repeat, mode and
+level*: the arms run interleaved (direct, llmflow, router, direct, llmflow, router ...) so that
+a noisy neighbour on the shared machine hits them alike, and the median over repeats is kept.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ if TYPE_CHECKING:
 
 TTFT_MS, ITL_MS, TOKENS = 20.0, 10.0, 101  # first token at 20 ms, then 100 more 10 ms apart
 PERIOD_S = (TTFT_MS + (TOKENS - 1) * ITL_MS) / 1e3  # one request, back to back: 1.02 s
-ADDED_GAP_LIMIT_MS = 5.0  # peak: the gateway adds at most this to the clients' gap p99
-HARNESS_DELIVERY = 0.95  # direct delivering less of its schedule: CPU 0 is the limit
+MODES = ("staggered", "burst")  # how a level's streams start: see `clients`
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,13 @@ class Profile:
     peak_bisect: int  # bisection steps between the last pass and the first failure
     memory_streams: tuple[int, ...]
     hold_settle_s: float  # after the last stream got its first token, before reading VmRSS
+    modes: tuple[str, ...] = MODES
+    burst_settle_s: float = 0.5  # burst: after the connections opened, before the burst
+    burst_every_level: bool = True  # False: bursts at the top level only
 
 
 FULL = Profile((1, 16, 64, 128, 256), 3, 4.0, 1.5, 4.0, 2048, 2, (1000, 5000), 2.0)
-QUICK = Profile((1, 64, 256), 1, 2.0, 1.2, 2.0, 1024, 1, (1000,), 1.0)
+QUICK = Profile((1, 64, 256), 1, 2.0, 1.2, 2.0, 1024, 1, (1000,), 1.0, burst_every_level=False)
 
 
 @dataclass
@@ -66,8 +69,14 @@ def nominal(streams: int) -> float:
     return streams * TOKENS / PERIOD_S
 
 
-async def measure(target: Target, streams: int, window: float, warmup: float) -> dict[str, Any]:
-    """Run `streams` paced streams through `target`; the window's figures."""
+async def measure(
+    target: Target, streams: int, window: float, warmup: float, burst_settle: float | None = None
+) -> dict[str, Any]:
+    """Run `streams` paced streams through `target`; the window's figures.
+
+    Staggered starts, warmed up for `warmup` seconds before the window; or, with
+    `burst_settle`, a burst: the window opens as every stream's request goes out at once.
+    """
     pid = target.proc.pid if target.proc else None
     marks: dict[str, float] = {}
 
@@ -86,10 +95,23 @@ async def measure(target: Target, streams: int, window: float, warmup: float) ->
         cpu_now("1")
 
     payload = clients.request_bytes(target.port, TOKENS, TTFT_MS, ITL_MS, hold=False)
-    tally = await clients.run_streams(
-        target.port, streams, payload, PERIOD_S, warmup, window, (begin, end)
+    if burst_settle is None:
+        tally = await clients.run_streams(
+            target.port, streams, payload, PERIOD_S, warmup, window, (begin, end)
+        )
+        return {"mode": "staggered", **_summary(target, streams, tally, marks)}
+    tally, burst = await clients.run_burst(
+        target.port, streams, payload, burst_settle, window, (begin, end)
     )
-    return _summary(target, streams, tally, marks)
+    return {
+        "mode": "burst",
+        **_summary(target, streams, tally, marks),
+        "burst_ttft_n": len(tally.burst_ttfts),
+        "burst_ttft_p50_ms": rounded(clients.percentile(tally.burst_ttfts, 50)),
+        "burst_ttft_p99_ms": rounded(clients.percentile(tally.burst_ttfts, 99)),
+        "burst_write_ms": burst.write_ms,
+        "connect_s": burst.connect_s,
+    }
 
 
 def _summary(
@@ -106,10 +128,10 @@ def _summary(
         "chunks_per_s": round(t.chunks / window),
         "requests": t.requests,
         "ttft_n": len(t.ttfts),
-        "ttft_p50_ms": _r(clients.percentile(t.ttfts, 50)),
-        "ttft_p99_ms": _r(clients.percentile(t.ttfts, 99)),
-        "gap_p50_ms": _r(clients.percentile(t.gaps, 50, t.zero_gaps)),
-        "gap_p99_ms": _r(clients.percentile(t.gaps, 99, t.zero_gaps)),
+        "ttft_p50_ms": rounded(clients.percentile(t.ttfts, 50)),
+        "ttft_p99_ms": rounded(clients.percentile(t.ttfts, 99)),
+        "gap_p50_ms": rounded(clients.percentile(t.gaps, 50, t.zero_gaps)),
+        "gap_p99_ms": rounded(clients.percentile(t.gaps, 99, t.zero_gaps)),
         "refused": t.refused,
         "statuses": t.statuses,
         "harness_cpu_util": round((marks["h1"] - marks["h0"]) / window, 3),
@@ -118,7 +140,7 @@ def _summary(
     if target.proc is not None:
         out["cpu_s"] = round(gateway_cpu, 3)
         out["cpu_util"] = round(gateway_cpu / window, 3)
-        out["cpu_us_per_chunk"] = _r(gateway_cpu / t.chunks * 1e6) if t.chunks else None
+        out["cpu_us_per_chunk"] = rounded(gateway_cpu / t.chunks * 1e6) if t.chunks else None
     return out
 
 
@@ -144,34 +166,50 @@ def _others(target: Target, marks: dict[str, float], window: float) -> dict[str,
     return {f"cpu{c}": round(max(0.0, busy(c) - u) / window, 3) for c, u in sorted(used.items())}
 
 
-def _r(value: float | None, digits: int = 3) -> float | None:
+def rounded(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
 # ---- concurrency levels, interleaved -------------------------------------------------------
 
 
+def burst_levels(prof: Profile) -> tuple[int, ...]:
+    """The levels a burst runs at: a burst of one stream is the staggered run, so not 1."""
+    levels = prof.levels if prof.burst_every_level else (max(prof.levels),)
+    return tuple(k for k in levels if k > 1)
+
+
 async def levels(
     targets: list[Target], prof: Profile, log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    """Every level, every arm, `prof.repeats` times, interleaved; the raw runs."""
+    """Every mode, level and arm, `prof.repeats` times, interleaved; the raw runs."""
     runs = []
     for rep in range(prof.repeats):
-        for level in prof.levels:
-            for target in targets:
-                run = await measure(target, level, prof.window_s, prof.warmup_s)
-                run["repeat"] = rep
-                runs.append(run)
-                log(_line(run))
-                await asyncio.sleep(0.3)
+        for mode in prof.modes:
+            settle = prof.burst_settle_s if mode == "burst" else None
+            for level in burst_levels(prof) if mode == "burst" else prof.levels:
+                for target in targets:
+                    run = await measure(target, level, prof.window_s, prof.warmup_s, settle)
+                    run["repeat"] = rep
+                    runs.append(run)
+                    log(line(run))
+                    await asyncio.sleep(0.3)
     return runs
 
 
-def _line(run: dict[str, Any]) -> str:
+def line(run: dict[str, Any]) -> str:
+    """One run as a progress line."""
     cpu = f" cpu {run['cpu_util']:.0%} {run['cpu_us_per_chunk']} us/chunk" if "cpu_s" in run else ""
+    burst = (
+        f" (burst {run['burst_ttft_p50_ms']} / {run['burst_ttft_p99_ms']}, written in "
+        f"{run['burst_write_ms']} ms)"
+        if run.get("mode") == "burst"
+        else ""
+    )
     return (
-        f"  {run['arm']:>8} x{run['streams']:<5} {run['chunks_per_s']:>7} chunks/s  ttft p50 "
-        f"{run['ttft_p50_ms']} p99 {run['ttft_p99_ms']} ms  gap p99 {run['gap_p99_ms']} ms"
+        f"  {run.get('mode', 'staggered')[:5]} {run['arm']:>14} x{run['streams']:<5} "
+        f"{run['chunks_per_s']:>7} chunks/s  ttft p50 {run['ttft_p50_ms']} p99 "
+        f"{run['ttft_p99_ms']} ms{burst}  gap p99 {run['gap_p99_ms']} ms"
         f"{cpu}  harness {run['harness_cpu_util']:.0%}  refused {run['refused']}"
     )
 
@@ -185,160 +223,61 @@ _MEDIANS = (
     "cpu_us_per_chunk",
     "harness_cpu_util",
 )
+_ADDED = ("ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms")
+_BURST_MEDIANS = ("burst_ttft_p50_ms", "burst_ttft_p99_ms", "burst_write_ms")
+_BURST_ADDED = ("burst_ttft_p50_ms", "burst_ttft_p99_ms")
 
 
 def summarise_levels(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per level and arm: medians over repeats, and the added figures against direct."""
-    direct = {(r["repeat"], r["streams"]): r for r in runs if r["arm"] == "direct"}
+    """Per mode, level and arm: medians over repeats, and the added figures against direct.
+
+    Runs from before the burst mode carry no mode: they are staggered."""
+    mode_of = [r.get("mode", "staggered") for r in runs]
+    direct = {
+        (m, r["repeat"], r["streams"]): r
+        for m, r in zip(mode_of, runs, strict=True)
+        if r["arm"] == "direct"
+    }
     rows = []
-    for level in sorted({r["streams"] for r in runs}):
-        for arm in dict.fromkeys(r["arm"] for r in runs):
-            mine = [r for r in runs if r["arm"] == arm and r["streams"] == level]
-            row: dict[str, Any] = {"arm": arm, "streams": level, "repeats": len(mine)}
-            for key in _MEDIANS:
-                row[key] = _median([r.get(key) for r in mine])
-            for key in ("ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms"):
-                added = [_minus(r[key], direct[(r["repeat"], level)][key]) for r in mine]
-                row["added_" + key] = _median(added)
-                present = [a for a in added if a is not None]
-                row[f"added_{key}_range"] = (
-                    [_r(min(present)), _r(max(present))] if present else None
-                )
-            for cpu in sorted({c for r in mine for c in r["others"]}):
-                row[f"others_{cpu}"] = _median([r["others"].get(cpu) for r in mine])
-            row["offered_chunks_per_s"] = offered(level)
-            row["ttft_n"] = sum(r["ttft_n"] for r in mine)
-            row["refused"] = sum(r["refused"] for r in mine)
-            rows.append(row)
+    for mode in dict.fromkeys(mode_of):
+        burst = mode == "burst"
+        ran = [r for m, r in zip(mode_of, runs, strict=True) if m == mode]
+        for level in sorted({r["streams"] for r in ran}):
+            for arm in dict.fromkeys(r["arm"] for r in ran):
+                mine = [r for r in ran if r["arm"] == arm and r["streams"] == level]
+                row: dict[str, Any] = {
+                    "mode": mode,
+                    "arm": arm,
+                    "streams": level,
+                    "repeats": len(mine),
+                }
+                for key in _MEDIANS + (_BURST_MEDIANS if burst else ()):
+                    row[key] = _median([r.get(key) for r in mine])
+                for key in _ADDED + (_BURST_ADDED if burst else ()):
+                    added = [
+                        minus(r.get(key), direct[(mode, r["repeat"], level)].get(key)) for r in mine
+                    ]
+                    row["added_" + key] = _median(added)
+                    present = [a for a in added if a is not None]
+                    row[f"added_{key}_range"] = (
+                        [rounded(min(present)), rounded(max(present))] if present else None
+                    )
+                for cpu in sorted({c for r in mine for c in r["others"]}):
+                    row[f"others_{cpu}"] = _median([r["others"].get(cpu) for r in mine])
+                row["offered_chunks_per_s"] = offered(level)
+                row["ttft_n"] = sum(r["ttft_n"] for r in mine)
+                row["refused"] = sum(r["refused"] for r in mine)
+                rows.append(row)
     return rows
 
 
-def _minus(a: float | None, b: float | None) -> float | None:
+def minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
 def _median(values: list[Any]) -> float | None:
     present = [v for v in values if v is not None]
     return round(statistics.median(present), 3) if present else None
-
-
-# ---- peak chunk rate -----------------------------------------------------------------------
-
-
-def _gateway_ok(added_gap_p99: float | None, refused: int) -> bool:
-    return added_gap_p99 is not None and added_gap_p99 <= ADDED_GAP_LIMIT_MS and refused == 0
-
-
-def _harness_ok(direct: dict[str, Any]) -> bool:
-    """Whether CPU 0 kept up: direct delivered what the backend's schedule offers."""
-    return bool(direct["chunks_per_s"] >= HARNESS_DELIVERY * nominal(direct["streams"]))
-
-
-async def peak(
-    gateway: Target,
-    direct: Target,
-    level_rows: list[dict[str, Any]],
-    prof: Profile,
-    log: Callable[[str], None],
-) -> dict[str, Any]:
-    """The most streams (x 100 chunks/s offered) at which the gateway adds <= 5 ms to the
-    clients' inter-chunk gap p99.
-
-    The levels phase's medians give the first bracket (every level up to `lo` passes, `hi`
-    fails); past the top level the streams double, then `peak_bisect` steps bisect. Each probe
-    runs direct and then the gateway at the same streams and is tried twice before it counts
-    as a failure (a neighbour's burst should not end the search). Where the gateway passes but
-    direct itself delivers under 95% of the schedule, the harness on CPU 0 is the limit, not
-    the gateway: the search stops there and says so (`bound: harness`).
-    """
-    rows = {r["streams"]: r for r in level_rows if r["arm"] == gateway.arm}
-    direct_rows = {r["streams"]: r for r in level_rows if r["arm"] == "direct"}
-    probes: list[dict[str, Any]] = []
-    lo, hi, bound = 0, None, "cap"
-    for level in sorted(rows):
-        if not _gateway_ok(rows[level]["added_gap_p99_ms"], rows[level]["refused"]):
-            hi, bound = level, "gateway"
-            break
-        if not _harness_ok(direct_rows[level]):
-            bound = "harness"
-            break
-        lo = level
-    streams = lo * 2
-    while bound == "cap" and streams <= prof.peak_max:
-        verdict = await _probe(gateway, direct, streams, prof, probes, log)
-        if verdict != "pass":
-            hi, bound = (streams, "gateway") if verdict == "fail" else (None, "harness")
-            break
-        lo, streams = streams, streams * 2
-    for _ in range(prof.peak_bisect):
-        if hi is None or hi - lo <= max(1, lo // 16):
-            break
-        mid = (lo + hi) // 2
-        verdict = await _probe(gateway, direct, mid, prof, probes, log)
-        if verdict == "harness":
-            bound = "harness"
-            break
-        lo, hi = (mid, hi) if verdict == "pass" else (lo, mid)
-    return {
-        "arm": gateway.arm,
-        "streams": lo,
-        "offered_chunks_per_s": offered(lo),
-        "first_failure_streams": hi,
-        "bound": bound,
-        "at_peak": _at(lo, rows, probes),
-        "probes": probes,
-    }
-
-
-async def _probe(
-    gateway: Target,
-    direct: Target,
-    streams: int,
-    prof: Profile,
-    probes: list[dict[str, Any]],
-    log: Callable[[str], None],
-) -> str:
-    """'pass', 'fail' (twice), or 'harness' (the gateway passed, direct missed its bound)."""
-    verdict = "fail"
-    for _ in range(2):
-        d = await measure(direct, streams, prof.peak_window_s, prof.warmup_s)
-        g = await measure(gateway, streams, prof.peak_window_s, prof.warmup_s)
-        added = _minus(g["gap_p99_ms"], d["gap_p99_ms"])
-        if not _gateway_ok(added, g["refused"]):
-            verdict = "fail"
-        elif not _harness_ok(d):
-            verdict = "harness"  # the gateway kept up with a harness that did not
-        else:
-            verdict = "pass"
-        probes.append(
-            {
-                "streams": streams,
-                "direct": d,
-                "gateway": g,
-                "verdict": verdict,
-                "added_gap_p99_ms": _r(added),
-            }
-        )
-        log(_line(d))
-        log(_line(g) + f"  added gap p99 {_r(added)} ms: {verdict}")
-        if verdict != "fail":
-            break
-    return verdict
-
-
-_AT_PEAK = ("chunks_per_s", "cpu_util", "gap_p99_ms", "harness_cpu_util", "cpu_us_per_chunk")
-
-
-def _at(
-    streams: int, rows: dict[int, dict[str, Any]], probes: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """The gateway's figures at its peak: the passing probe, else the levels phase's median."""
-    for p in reversed(probes):
-        if p["streams"] == streams and p["verdict"] == "pass":
-            g = p["gateway"]
-            return {k: g.get(k) for k in _AT_PEAK}
-    row = rows.get(streams, {})
-    return {k: row.get(k) for k in _AT_PEAK}
 
 
 # ---- memory per idle open stream -----------------------------------------------------------
@@ -371,7 +310,7 @@ async def memory(
         proc.stop()
         stopped = time.perf_counter() - stopping
     row = {
-        "arm": proc.name.split("-")[0],
+        "arm": proc.name,
         "streams": k,
         "first_tokens": len(tally.ttfts),
         "refused": tally.refused,
@@ -424,7 +363,7 @@ async def workers(
                 proc.stop()
             run.update(workers=n, repeat=rep, cpus=sorted(cpus))
             runs.append(run)
-            log(_line(run) + f"  (--workers {n}, CPUs {sorted(cpus)})")
+            log(line(run) + f"  (--workers {n}, CPUs {sorted(cpus)})")
     return runs
 
 

@@ -188,8 +188,11 @@ def start_backend(root: Path, cpus: set[int] | None, logdir: Path) -> Proc:
     return proc
 
 
-def llmflow_config(backend_port: int, cap: int, path: Path) -> dict[str, object]:
-    """Write llmflow's config for the bench and return it.
+def llmflow_config(
+    backend_port: int, cap: int, path: Path, front: str | None = None
+) -> dict[str, object]:
+    """Write llmflow's config for the bench and return it (with `front`, `server.front` set
+    to it; without, the key left out, so the default front serves).
 
     Policy defaults throughout (admission, fair queue, tiers, KV ledger and pressure,
     preemption breaker, deadlines), except:
@@ -209,8 +212,21 @@ def llmflow_config(backend_port: int, cap: int, path: Path) -> dict[str, object]
         "streaming": {"sse_flush_interval": 0},
         "sla": {"ttft_ms": SLA_MS},
     }
+    if front is not None:
+        config["server"] = {"front": front}
     path.write_text(json.dumps(config, indent=2))  # JSON is YAML
     return config
+
+
+def config_problem(path: Path) -> str | None:
+    """What `llmflow config check` says is wrong with the config at `path` (None: valid)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "llmflow.cli", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return None if out.returncode == 0 else (out.stderr or out.stdout).strip()
 
 
 def llmflow_workers_flag() -> bool:
@@ -225,7 +241,11 @@ def llmflow_workers_flag() -> bool:
 
 
 def start_llmflow(
-    config: Path, cpus: set[int] | None, logdir: Path, workers: int | None = None
+    config: Path,
+    cpus: set[int] | None,
+    logdir: Path,
+    workers: int | None = None,
+    name: str = "llmflow",
 ) -> Proc:
     """`llmflow serve` on a free port (optionally with `--workers N`), ready to serve."""
     port = free_port()
@@ -233,7 +253,7 @@ def start_llmflow(
     cmd += ["--port", str(port), "--log-level", "warning"]
     if workers is not None:
         cmd += ["--workers", str(workers)]
-    name = "llmflow" if workers is None else f"llmflow-w{workers}"
+    name = name if workers is None else f"{name}-w{workers}"
     proc = spawn(name, cmd, port, cpus, logdir)
     wait_http(proc, "/readyz")
     return proc

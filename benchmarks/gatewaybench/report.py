@@ -7,8 +7,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pathlib import Path
 
-_GATEWAYS = ("llmflow", "router")
-_COLOURS = {"llmflow": "tab:blue", "router": "tab:orange", "direct": "tab:gray"}
+_GATEWAYS = ("llmflow", "llmflow-native", "router")
+_COLOURS = {
+    "llmflow": "tab:blue",
+    "llmflow-native": "tab:green",
+    "router": "tab:orange",
+    "direct": "tab:gray",
+}
+_MODE_TITLES = {
+    "staggered": "Staggered starts (the streams start evenly over one request period):",
+    "burst": "Burst starts (every connection opened and warmed by one unmeasured burst, then "
+    "every stream's request written in one loop: *the burst*; then closed loop, so the later "
+    "requests come in waves too; TTFT: every request from the burst on):",
+}
 
 
 def _f(value: Any, fmt: str = "{:,.1f}") -> str:
@@ -28,9 +39,13 @@ def markdown(r: dict[str, Any]) -> str:
         f"{meta['machine']}; {meta['pinning']}{nice}. "
         f"Command: `{meta['command']}`. Load average at start {_load(meta['load_avg_start'])}, "
         f"at end {_load(meta.get('load_avg_end'))}.",
-        "",
-        _levels_table(r["levels"]),
     ]
+    for note in [*r.get("front_notes", []), r.get("router_note")]:
+        parts += ["", f"NOTE: {note}"] if note else []
+    parts += ["", _goals_table(r)]
+    for mode in dict.fromkeys(row.get("mode", "staggered") for row in r["levels"]):
+        rows = [row for row in r["levels"] if row.get("mode", "staggered") == mode]
+        parts += ["", _MODE_TITLES[mode], "", _levels_table(rows, burst=mode == "burst")]
     if r.get("peak"):
         parts += ["", _peak_table(r["peak"])]
     if r.get("memory"):
@@ -42,6 +57,75 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _goals_table(r: dict[str, Any]) -> str:
+    """Issue 23's goals, per llmflow arm, from this run's medians (`-`: not measured here)."""
+    levels = r["levels"]
+    top = max(row["streams"] for row in levels)
+
+    def row_of(arm: str, mode: str, streams: int) -> dict[str, Any]:
+        return next(
+            (
+                row
+                for row in levels
+                if row["arm"] == arm
+                and row["streams"] == streams
+                and row.get("mode", "staggered") == mode
+            ),
+            {},
+        )
+
+    held = max((m["streams"] for m in r.get("memory", [])), default=None)
+    memory = {m["arm"]: m for m in r.get("memory", []) if m["streams"] == held}
+    peaks = {p["arm"]: p for p in r.get("peak", [])}
+    router_cpu = row_of("router", "staggered", top).get("cpu_us_per_chunk")
+    out = [
+        f"Issue 23's goals (medians over repeats; added = arm - direct of the same repeat; "
+        f"at {top:,} streams; the router's row for comparison; the flood's goals are "
+        "`benchmarks/flood_floor.py`'s):",
+        "",
+        "| arm | added TTFT at 1 stream, p50 (<= 1 ms) "
+        "| added TTFT, staggered, p50 / p99 (<= 2 / 10 ms) "
+        "| added TTFT, the burst's requests, p50 / p99 (<= 2 / 10 ms) "
+        "| CPU per chunk, staggered, x the router's (<= 1.0) "
+        f"| KiB per idle open stream at {_f(held, '{:,}')} (<= 40) | peak streams |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm in dict.fromkeys(row["arm"] for row in levels):
+        if arm == "direct":
+            continue
+        one, stag, burst = (
+            row_of(arm, "staggered", 1),
+            row_of(arm, "staggered", top),
+            row_of(arm, "burst", top),
+        )
+        cpu = stag.get("cpu_us_per_chunk")
+        ratio = cpu / router_cpu if cpu is not None and router_cpu else None
+        peak, judge = peaks.get(arm), arm != "router"
+        out.append(
+            f"| {arm} | {_goal(one.get('added_ttft_p50_ms'), 1.0, judge)} "
+            f"| {_goal2(stag, 'added_ttft', judge)} "
+            f"| {_goal2(burst, 'added_burst_ttft', judge)} "
+            f"| {_goal(ratio, 1.0, judge, '{:.2f}x') if judge else ''} "
+            f"| {_goal(memory.get(arm, {}).get('kib_per_stream'), 40.0, judge)} "
+            f"| {_f(peak and peak['streams'], '{:,}')} |"
+        )
+    return "\n".join(out)
+
+
+def _goal(value: float | None, limit: float, judge: bool, fmt: str = "{:,.1f}") -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value) + (f" ({'met' if value <= limit else 'missed'})" if judge else "")
+
+
+def _goal2(row: dict[str, Any], key: str, judge: bool) -> str:
+    p50, p99 = row.get(key + "_p50_ms"), row.get(key + "_p99_ms")
+    if p50 is None or p99 is None:
+        return "-"
+    verdict = f" ({'met' if p50 <= 2.0 and p99 <= 10.0 else 'missed'})" if judge else ""
+    return f"{p50:,.1f} / {p99:,.1f}{verdict}"
+
+
 def _range(pair: Any) -> str:
     return "-" if not pair else f"{pair[0]:,.1f} - {pair[1]:,.1f}"
 
@@ -50,21 +134,30 @@ def _load(avg: Any) -> str:
     return "-" if not avg else " / ".join(f"{x:.1f}" for x in avg)
 
 
-def _levels_table(rows: list[dict[str, Any]]) -> str:
+def _levels_table(rows: list[dict[str, Any]], burst: bool = False) -> str:
+    burst_cols = (
+        "| the burst's TTFT p50 / p99 (ms) | added (ms) | burst written in (ms) " if burst else ""
+    )
     out = [
         "| streams (offered chunks/s) | arm | TTFT p50 / p99 (ms) | added TTFT p50 / p99 (ms) "
-        "| added TTFT p50, repeats' min-max (ms) "
+        f"| added TTFT p50, repeats' min-max (ms) {burst_cols}"
         "| gap p99 (ms) | added gap p99 (ms) | chunks/s | CPU per chunk (us) | gateway CPU "
         "| others' load on CPU 0 / 1 | refused |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|" + "---:|" * (3 * burst) + "---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         gateway = row["arm"] != "direct"
+        of_burst = (
+            f"| {_pair(row['burst_ttft_p50_ms'], row['burst_ttft_p99_ms'])} "
+            f"| {_added_burst(row) if gateway else ''} | {_f(row['burst_write_ms'], '{:.2f}')} "
+            if burst
+            else ""
+        )
         out.append(
             f"| {row['streams']:,} ({row['offered_chunks_per_s']:,.0f}) | {row['arm']} "
             f"| {_pair(row['ttft_p50_ms'], row['ttft_p99_ms'])} "
             f"| {_pair(row['added_ttft_p50_ms'], row['added_ttft_p99_ms']) if gateway else ''} "
-            f"| {_range(row.get('added_ttft_p50_ms_range')) if gateway else ''} "
+            f"| {_range(row.get('added_ttft_p50_ms_range')) if gateway else ''} {of_burst}"
             f"| {_f(row['gap_p99_ms'])} "
             f"| {_f(row['added_gap_p99_ms']) if gateway else ''} "
             f"| {row['chunks_per_s']:,.0f} "
@@ -73,6 +166,10 @@ def _levels_table(rows: list[dict[str, Any]]) -> str:
             f"| {_others(row)} | {row['refused']} |"
         )
     return "\n".join(out)
+
+
+def _added_burst(row: dict[str, Any]) -> str:
+    return _pair(row["added_burst_ttft_p50_ms"], row["added_burst_ttft_p99_ms"])
 
 
 def _others(row: dict[str, Any]) -> str:
@@ -142,8 +239,9 @@ def _workers_table(rows: list[dict[str, Any]]) -> str:
 
 
 def charts(r: dict[str, Any], outdir: Path) -> list[Path]:
-    """Added TTFT (p50, p99) and chunk rate / CPU per chunk against concurrency, llmflow and
-    the router side by side; returns the PNG paths."""
+    """Added TTFT (p50, p99) and chunk rate / CPU per chunk against concurrency, every llmflow
+    arm and the router side by side, staggered starts as solid lines and bursts dashed (their
+    TTFT: the burst's own requests'); returns the PNG paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,11 +252,10 @@ def charts(r: dict[str, Any], outdir: Path) -> list[Path]:
     paths = [outdir / "gateway-added-ttft.png", outdir / "gateway-chunks-cpu.png"]
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
-    for ax, key, label in zip(
-        axes, ("added_ttft_p50_ms", "added_ttft_p99_ms"), ("p50", "p99"), strict=True
-    ):
+    for ax, label in zip(axes, ("p50", "p99"), strict=True):
         for arm in _GATEWAYS:
-            _line(ax, rows, arm, key)
+            _line(ax, rows, arm, f"added_ttft_{label}_ms")
+            _line(ax, rows, arm, f"added_burst_ttft_{label}_ms", "burst")
         ax.set(title=f"added TTFT {label}", ylabel="ms over direct", xlabel="concurrent streams")
         ax.set_yscale("symlog", linthresh=1.0)
         _axes(ax, rows)
@@ -169,11 +266,13 @@ def charts(r: dict[str, Any], outdir: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for arm in ("direct", *_GATEWAYS):
         _line(axes[0], rows, arm, "chunks_per_s")
+        _line(axes[0], rows, arm, "chunks_per_s", "burst")
     levels = sorted({row["streams"] for row in rows})
     axes[0].plot(levels, [x * 100 for x in levels], ":", color="black", label="offered")
     axes[0].set(title="delivered chunks/s", ylabel="chunks/s", xlabel="concurrent streams")
     for arm in _GATEWAYS:
         _line(axes[1], rows, arm, "cpu_us_per_chunk")
+        _line(axes[1], rows, arm, "cpu_us_per_chunk", "burst")
     axes[1].set(title="gateway CPU per chunk", ylabel="us", xlabel="concurrent streams")
     for ax in axes:
         _axes(ax, rows)
@@ -184,11 +283,16 @@ def charts(r: dict[str, Any], outdir: Path) -> list[Path]:
     return paths
 
 
-def _line(ax: Any, rows: list[dict[str, Any]], arm: str, key: str) -> None:
-    mine = [row for row in rows if row["arm"] == arm and row.get(key) is not None]
+def _line(ax: Any, rows: list[dict[str, Any]], arm: str, key: str, mode: str = "staggered") -> None:
+    mine = [
+        row
+        for row in rows
+        if row["arm"] == arm and row.get("mode", "staggered") == mode and row.get(key) is not None
+    ]
     if mine:
         x, y = [row["streams"] for row in mine], [row[key] for row in mine]
-        ax.plot(x, y, "o-", color=_COLOURS[arm], label=arm)
+        style, label = ("o-", arm) if mode == "staggered" else ("s--", f"{arm}, burst")
+        ax.plot(x, y, style, color=_COLOURS[arm], label=label)
 
 
 def _axes(ax: Any, rows: list[dict[str, Any]]) -> None:
