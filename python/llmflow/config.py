@@ -216,7 +216,7 @@ class Server(_Section):
     workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
     # Who owns the public listener: `python` (uvicorn on the port, as ever) or `native` (the
     # extension's front door; the app is served by uvicorn on a private unix socket behind it).
-    front: Literal["native", "python"] = "python"
+    front: Literal["native", "python"] = "native"
     # one CSV row per request at its end, in the simulator's `--requests-out` columns
     access_log: str | None = None
     # The largest SSE event a backend may send (an `echo` with `logprobs` can be large); past

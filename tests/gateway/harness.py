@@ -46,8 +46,8 @@ __all__ = [
 
 
 # Which listener `start_gateway` puts in front of the app by default: `python` (uvicorn on the
-# port) or `native` (the extension's front door; LLMFLOW_TEST_FRONT=native runs the suite so).
-FRONT = os.environ.get("LLMFLOW_TEST_FRONT", "python")
+# port) or `native` (the extension's front door; the default; LLMFLOW_TEST_FRONT=python runs the suite on the other).
+FRONT = os.environ.get("LLMFLOW_TEST_FRONT", "native")
 
 
 @contextlib.asynccontextmanager

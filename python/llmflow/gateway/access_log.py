@@ -49,9 +49,10 @@ class AccessLog:
         # monotonic stamps (the sessions') to Unix time
         self._epoch = time.time() - time.monotonic()
 
-    def refused(self, prepared: Prepared, error: GatewayError) -> None:
-        """A request the runtime (or validation) refused as it arrived."""
-        now = time.time()
+    def refused(self, prepared: Prepared, error: GatewayError, at: float | None = None) -> None:
+        """A request the runtime (or validation) refused as it arrived (`at`: when, monotonic;
+        now if None)."""
+        now = at + self._epoch if at is not None else time.time()
         self._write(
             (
                 error.headers.get("X-Request-Id"),
@@ -87,7 +88,7 @@ class AccessLog:
                 1,
                 p.arrived + session.queue_wait_s + epoch if started else None,
                 first + epoch if first is not None else None,
-                time.time(),
+                session.ended_at + epoch if session.ended_at is not None else time.time(),
                 p.prompt_tokens,
                 p.max_tokens,
                 session.parser.completion_tokens,

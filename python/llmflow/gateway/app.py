@@ -201,13 +201,18 @@ class Gateway:
             self.draining = True
             if self.relay is not None:
                 self.relay.draining = True  # connections close after their reply
-            log.info("draining: %d live request(s)", len(self.ctx.sessions))
+            log.info("draining: %d live request(s)", len(self.ctx.sessions) + self._native_live())
             self.host.drain()
             if self.light is not None:
                 self.light.lane.start_draining()
         bound = time.monotonic() + self.settings.server.drain_timeout_ms / 1e3 + _CUT_GRACE_S
         while (self.ctx.sessions or self._native_live()) and time.monotonic() < bound:
             await asyncio.sleep(0.01)
+
+    def count_native(self) -> None:
+        """Take the native front's records now (a scrape, the state), not at its next tick."""
+        if self.native is not None:
+            self.native.drain()
 
     def _native_live(self) -> int:
         return self.native.native.live if self.native is not None else 0
@@ -238,6 +243,7 @@ class Gateway:
 
     def state(self) -> dict[str, Any]:
         """The JSON snapshot behind `/api/state` and the dashboard."""
+        self.count_native()
         sessions = list(self.ctx.sessions) if self.ctx else []
         core = self.runtime.snapshot(now_us())
         generated = {r["id"]: r["generated_tokens"] for r in core.get("requests", ())}

@@ -111,12 +111,13 @@ class GatewayMetrics:
         )
         self.registry.register(_StateCollector(self))
 
-    def rejected(self, prepared: Prepared, error: GatewayError) -> None:
-        """Count (and log) a request the core turned away as it arrived."""
+    def rejected(self, prepared: Prepared, error: GatewayError, at: float | None = None) -> None:
+        """Count (and log) a request the core turned away as it arrived (`at`: when,
+        monotonic, if not now)."""
         self.requests.labels(prepared.tier, "rejected", error.code).inc()
         self.outcomes["rejected", error.code] += 1
         if self.access_log is not None:
-            self.access_log.refused(prepared, error)
+            self.access_log.refused(prepared, error, at)
         if self.tracing is not None:
             self.tracing.refused(prepared, error, error.headers.get("X-Request-Id"))
 
@@ -137,7 +138,8 @@ class GatewayMetrics:
         if session.backend is not None:
             self.queue_wait.labels(tier).observe(session.queue_wait_s)
         if outcome == "completed":
-            self.e2e.labels(tier).observe(time.monotonic() - session.prepared.arrived)
+            ended = session.ended_at if session.ended_at is not None else time.monotonic()
+            self.e2e.labels(tier).observe(ended - session.prepared.arrived)
         if self.access_log is not None:
             self.access_log.ended(session)
         if self.tracing is not None:

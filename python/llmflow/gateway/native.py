@@ -8,7 +8,8 @@ still reach this loop, through one wake-up pipe:
   that an event of a native request caused: the slot it freed starts one of ours. The host
   carries them out as if its own call had returned them (`Host.carry`);
 - one record per native request at its first token and at its end, which the metrics and the
-  access log count as they count a session (one registry, one file, one `/metrics`).
+  access log count as they count a session (one registry, one file, one `/metrics`), at most
+  `RECORD_TICK_S` late.
 
 Nothing is decided here.
 """
@@ -31,7 +32,12 @@ if TYPE_CHECKING:
     from llmflow.gateway.host import Host
     from llmflow.gateway.metrics import GatewayMetrics
 
-__all__ = ["NativeInbox", "Served", "native_routes", "why_not_native"]
+__all__ = ["RECORD_TICK_S", "NativeInbox", "Served", "native_routes", "why_not_native"]
+
+# How late the metrics and the access log may hear of a native request: records wake nobody
+# (counting them must not take the CPU from a burst's first tokens); they are taken with
+# Python's next actions, or at this tick.
+RECORD_TICK_S = 0.1
 
 
 def why_not_native(gateway: Gateway) -> str | None:
@@ -124,6 +130,7 @@ class Served:
     queue_wait_s: float
     first_token_at: float | None
     error: GatewayError | None
+    ended_at: float | None = None
     parser: _Parser = field(default_factory=_Parser)
     admitted: _NotAdmitting = field(default_factory=_NotAdmitting)
     shadow: None = None
@@ -150,6 +157,7 @@ def served(record: dict[str, Any]) -> Served:
         (started / 1e6 - arrived) if started is not None else 0.0,
         first / 1e6 if first is not None else None,
         error,
+        record["ended_us"] / 1e6 if record["ended_us"] else None,
         _Parser(record["completion_tokens"]),
     )
 
@@ -168,19 +176,28 @@ class NativeInbox:
         self.native, self._wake_fd = native, wake_fd
         self.host, self.metrics = host, metrics
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        """Listen for wake-ups on the running loop."""
+        """Listen for wake-ups on the running loop, and take the records every tick."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._wake_fd, self.drain)
+        self._tick = self._loop.call_later(RECORD_TICK_S, self._on_tick)
 
     def close(self) -> None:
         """Stop listening, after taking what is left."""
         if self._loop is not None:
             self._loop.remove_reader(self._wake_fd)
             self._loop = None
+            if self._tick is not None:
+                self._tick.cancel()
             self.drain()
         os.close(self._wake_fd)
+
+    def _on_tick(self) -> None:
+        self.drain()
+        if self._loop is not None:
+            self._tick = self._loop.call_later(RECORD_TICK_S, self._on_tick)
 
     def drain(self) -> None:
         """Carry out and count everything the front queued since the last wake-up."""
@@ -199,7 +216,9 @@ class NativeInbox:
             metrics.first_token(session)  # type: ignore[arg-type]
             return
         if record["refused"] and session.error is not None:
-            metrics.rejected(session.prepared, session.error)  # type: ignore[arg-type]
+            metrics.rejected(  # type: ignore[arg-type]
+                session.prepared, session.error, session.ended_at
+            )
             return
         if record["truncated"]:
             metrics.truncated(session.end)

@@ -209,6 +209,7 @@ class StreamSession:
         self.start_action: Start | None = None  # the runtime's Start, once admitted
         self.queue_wait_s = 0.0
         self.first_token_at: float | None = None
+        self.ended_at: float | None = None  # monotonic, when it ended (`_done`)
         self.cancel_writer: Any = None  # set by the writer: called when the client stalls
         self.shadow: Verdict | None = None  # shadow mode: what the policy runtime did with it
         self.answer: Json | None = None  # vLLM's whole answer to an unstreamed request
@@ -381,6 +382,7 @@ class StreamSession:
     def _done(self) -> None:
         if self.done.is_set():
             return
+        self.ended_at = time.monotonic()
         self.ctx.sessions.discard(self)
         self.window.close()
         self.ready.set()

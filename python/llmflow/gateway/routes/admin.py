@@ -25,7 +25,9 @@ router = APIRouter(tags=["admin"], dependencies=[Depends(admin)])
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
-    return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE)
+    g = gateway(request)
+    g.count_native()  # what the native front served until now, counted before the scrape
+    return Response(g.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @router.get("/api/state", response_class=JSONResponse)
