@@ -90,6 +90,8 @@ struct Life {
     failure: Option<Failure>,
     pending_tokens: u64,
     tokens_due: Option<tokio::time::Instant>,
+    /// An error to answer with once the relay gives the connection back (`GiveBack`).
+    answer: Option<Vec<u8>>,
     /// The task is over: the connection (if any) goes back to the front.
     finished: bool,
 }
@@ -183,6 +185,7 @@ impl Governed {
             failure: None,
             pending_tokens: 0,
             tokens_due: None,
+            answer: None,
             finished: false,
         };
         let mut guard = Abandon {
@@ -209,7 +212,7 @@ impl Governed {
                     None => life.finished = true,
                 },
                 event = events.recv(), if life.opened => match event {
-                    Some(event) => self.relayed(&mut life, event),
+                    Some(event) => self.relayed(&mut life, event).await,
                     None => life.finished = true,
                 },
                 seen = async { life.stream.as_ref().unwrap().peek(&mut peek).await }, if watching => {
@@ -309,10 +312,6 @@ impl Governed {
         life.ended = true;
         reason.as_str().clone_into(&mut life.record.end);
         life.record.refused = life.record.started_us.is_none() && !life.opened;
-        if life.opened {
-            self.streams.control(life.id, Control::Close);
-            life.record.upstream_aborted = life.record.started_us.is_some();
-        }
         let retry_after = retry_after_s.map(u64::from);
         let error = match (&life.failure, reason.as_str()) {
             (Some(f), "upstream_error") => super::reply::upstream_reply_error(
@@ -328,6 +327,20 @@ impl Governed {
         let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
         let bytes = error.response_bytes(&defaults, life.keep_alive);
         life.record.error = Some((status, error.code));
+        if life.attached {
+            // The relay holds the connection, unwritten: it gives it back (`Closed`), and the
+            // answer is written then.
+            life.record.upstream_aborted = life.record.started_us.is_some();
+            life.answer = Some(bytes);
+            if !self.streams.control(life.id, Control::GiveBack) {
+                life.finished = true; // the stream had ended, and the socket with it
+            }
+            return;
+        }
+        if life.opened {
+            self.streams.control(life.id, Control::Close);
+            life.record.upstream_aborted = life.record.started_us.is_some();
+        }
         self.write_and_finish(life, &bytes).await;
     }
 
@@ -366,9 +379,6 @@ impl Governed {
                     only_if_open,
                 },
             );
-            if !life.attached {
-                self.attach(life);
-            }
         } else {
             // Cut before it ever started: the reply is the notice alone.
             let mut bytes = head(life);
@@ -408,7 +418,10 @@ impl Governed {
             sink: Some(sink.clone()),
         });
         match opened {
-            Ok(()) => life.opened = true,
+            Ok(()) => {
+                life.opened = true;
+                self.hold(life);
+            }
             Err(message) => {
                 // A URL the relay cannot speak to: the backend failed this request.
                 life.failure = Some(Failure::backend("backend_unavailable", message, true));
@@ -425,7 +438,7 @@ impl Governed {
     }
 
     /// One of the relay's events for this request.
-    fn relayed(&self, life: &mut Life, event: RelayEvent) {
+    async fn relayed(&self, life: &mut Life, event: RelayEvent) {
         let id = life.id;
         match event {
             RelayEvent::Started(_) => {
@@ -448,9 +461,6 @@ impl Governed {
                             n: u64::from(n),
                         },
                     );
-                }
-                if !life.attached {
-                    self.attach(life);
                 }
             }
             RelayEvent::Tokens(counts) => {
@@ -509,7 +519,7 @@ impl Governed {
                     self.feed(life, &Event::ClientGone { id });
                 }
                 life.stream = match socket {
-                    Some(fd) if life.keep_alive => readopt(fd),
+                    Some(fd) if life.keep_alive || life.answer.is_some() => readopt(fd),
                     Some(fd) => {
                         // SAFETY: the relay handed this socket back to us; we close it.
                         drop(unsafe { std::net::TcpStream::from_raw_fd(fd) });
@@ -517,13 +527,18 @@ impl Governed {
                     }
                     None => None,
                 };
-                life.finished = true;
+                match life.answer.take() {
+                    Some(answer) => self.write_and_finish(life, &answer).await,
+                    None => life.finished = true,
+                }
             }
         }
     }
 
-    /// Give the relay the client's socket: it writes the head, the chunks and the end.
-    fn attach(&self, life: &mut Life) {
+    /// Lend the relay the client's socket now: it writes the head with the first piece of the
+    /// reply (the first token, or a cut's notice), the rest, and the end, in the same task
+    /// that reads vLLM, and gives the socket back after a clean end (or unwritten, asked).
+    fn hold(&self, life: &mut Life) {
         let head = head(life);
         // The socket goes to the relay; the connection's other parts (its peer, the bytes of
         // a pipelined next request) stay here until the socket comes back.
@@ -534,13 +549,13 @@ impl Governed {
             return;
         };
         life.attached = true;
-        let attach = Control::Attach {
+        let hold = Control::Hold {
             socket,
             head,
             keep_alive: life.keep_alive,
         };
         // False: the stream had ended, and the relay closed the socket with it.
-        self.streams.control(life.id, attach);
+        self.streams.control(life.id, hold);
     }
 
     async fn write_and_finish(&self, life: &mut Life, bytes: &[u8]) {

@@ -79,12 +79,25 @@ impl Task {
         }
     }
 
+    /// A held connection's head goes out, before what waits (`Control::Hold`): at the first
+    /// token, or at the reply's end. Chunks before it (the role chunk) wait with it, so a
+    /// failure before any token can still be answered with a status of its own.
+    pub(super) fn release_head(&mut self) {
+        if let Some(head) = self.held_head.take() {
+            self.out.push_front(Piece {
+                bytes: head,
+                frame: false,
+            });
+        }
+    }
+
     /// `[DONE]` and the end of the chunked body, after whatever is held.
     pub(super) fn terminate(&mut self) {
         if self.terminated {
             return;
         }
         self.flush_held();
+        self.release_head();
         let mut tail = chunked(DONE_FRAME);
         tail.extend_from_slice(b"0\r\n\r\n");
         self.out.push_back(Piece {
@@ -99,6 +112,9 @@ impl Task {
         let Some(client) = self.client.as_ref() else {
             return Step::Go;
         };
+        if self.held_head.is_some() {
+            return Step::Go; // held: nothing goes out before the first token
+        }
         while !self.out.is_empty() {
             let slices: Vec<IoSlice<'_>> = self
                 .out

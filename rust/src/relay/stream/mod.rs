@@ -54,6 +54,17 @@ pub enum Control {
         frame: Option<Vec<u8>>,
         only_if_open: bool,
     },
+    /// Take the client's connection now, before the first token, but write nothing until
+    /// the reply's first piece (its first chunk, or a cut's notice): then `head`, then it, in
+    /// the same write. The native front holds a stream so, sparing the first token a hop.
+    Hold {
+        socket: std::net::TcpStream,
+        head: Vec<u8>,
+        keep_alive: bool,
+    },
+    /// Give a held connection back unwritten (`Closed` carries it): the host answers with an
+    /// error status instead. On a connection already written to, this is `Close`.
+    GiveBack,
     /// Close the upstream request (vLLM aborts it and frees its KV blocks).
     Abort,
     /// Drop everything now: upstream and client.
@@ -132,6 +143,10 @@ struct Task {
     driver_done: bool,
     terminated: bool,
     clean: bool,
+    /// The head of a held connection (`Control::Hold`), written before its first piece.
+    held_head: Option<Vec<u8>>,
+    /// A held connection given back unwritten (`Control::GiveBack`).
+    given_back: bool,
 }
 
 /// Run one stream to its end; returns the event that closes it.
@@ -172,6 +187,8 @@ pub async fn run(
         driver_done: false,
         terminated: false,
         clean: false,
+        held_head: None,
+        given_back: false,
     };
     task.run(&mut ctrl).await;
     task.closed()
@@ -194,7 +211,7 @@ impl Task {
             let reading = self.body.is_some()
                 && (self.draining_body || !(self.full && self.shared.config.pause_when_full));
             let driving = self.conn.is_some() && !self.driver_done;
-            let writing = self.client.is_some() && !self.out.is_empty();
+            let writing = self.client.is_some() && !self.out.is_empty() && self.held_head.is_none();
             let watching = self.client.is_some() && self.watch_client;
             let step = tokio::select! {
                 biased;
@@ -281,7 +298,7 @@ impl Task {
                 self.shared.pool.checkin(&self.open.authority, conn);
             }
         }
-        let socket = if self.clean && self.keep_alive && self.out.is_empty() {
+        let socket = if self.given_back || (self.clean && self.keep_alive && self.out.is_empty()) {
             self.client
                 .take()
                 .and_then(|c| c.into_std().ok())
@@ -310,21 +327,34 @@ impl Task {
                 head,
                 keep_alive,
             } => {
-                let client = socket
-                    .set_nonblocking(true)
-                    .and_then(|()| TcpStream::from_std(socket));
-                let Ok(client) = client else {
+                if !self.take_client(socket, keep_alive) {
                     return self.client_gone();
-                };
-                let _ = client.set_nodelay(true);
-                self.client = Some(client);
-                self.keep_alive = keep_alive;
-                self.watch_client = true;
+                }
                 self.out.push_front(Piece {
                     bytes: head,
                     frame: false,
                 });
                 self.write()
+            }
+            Control::Hold {
+                socket,
+                head,
+                keep_alive,
+            } => {
+                if !self.take_client(socket, keep_alive) {
+                    return self.client_gone();
+                }
+                self.held_head = Some(head);
+                Step::Go
+            }
+            Control::GiveBack => {
+                self.stop_upstream();
+                if self.held_head.take().is_some() {
+                    self.given_back = true;
+                } else {
+                    self.clean = false;
+                }
+                Step::Stop
             }
             Control::Cut {
                 frame: Some(frame),
@@ -368,6 +398,22 @@ impl Task {
                 Step::Go
             }
         }
+    }
+}
+
+impl Task {
+    fn take_client(&mut self, socket: std::net::TcpStream, keep_alive: bool) -> bool {
+        let client = socket
+            .set_nonblocking(true)
+            .and_then(|()| TcpStream::from_std(socket));
+        let Ok(client) = client else {
+            return false;
+        };
+        let _ = client.set_nodelay(true);
+        self.client = Some(client);
+        self.keep_alive = keep_alive;
+        self.watch_client = true;
+        true
     }
 }
 

@@ -138,6 +138,7 @@ impl Task {
                             self.add_tokens(shaped.new_tokens);
                         } else {
                             self.first_sent = true;
+                            self.release_head();
                             self.push(RelayEvent::FirstToken {
                                 id: self.id,
                                 n: shaped.new_tokens,
