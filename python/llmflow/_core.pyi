@@ -833,6 +833,22 @@ class Front:
     Raises:
         InvalidArgumentError: a timeout is not positive, or the relay has shut down.
         OSError: the listener cannot be served.
+    """
+
+    def __new__(
+        cls,
+        relay: Relay,
+        listen_fd: int,
+        app_socket: str,
+        *,
+        max_header_bytes: int,
+        max_body_bytes: int,
+        read_timeout_ms: float = 30000.0,
+        write_timeout_ms: float = 60000.0,
+    ) -> Front: ...
+    def close(self) -> None:
+        """Stop accepting and drop every connection."""
+
 # ---- the native front's pure checks (a test seam: tests hold each against Python's own) ----
 
 @final
@@ -902,17 +918,6 @@ class FrontChecks:
 
     def __new__(
         cls,
-        relay: Relay,
-        listen_fd: int,
-        app_socket: str,
-        *,
-        max_header_bytes: int,
-        max_body_bytes: int,
-        read_timeout_ms: float = 30000.0,
-        write_timeout_ms: float = 60000.0,
-    ) -> Front: ...
-    def close(self) -> None:
-        """Stop accepting and drop every connection."""
         models: Mapping[str, int],
         bytes_per_token: float,
         streaming: bool,
@@ -969,8 +974,9 @@ def front_refusal_bytes(
     keep_alive: bool,
     upstream: tuple[int, str, str, str | None] | None = None,
 ) -> bytes:
-    """A runtime refusal's bytes on the wire, as `fastpath._reply_bytes(reply_error(...))`;
-    `upstream`: (status, code, message, vLLM's error JSON) of a backend's failure."""
+    """A runtime refusal's bytes on the wire, as uvicorn writes `reply_error(...).response()`
+    (`tests/gateway/test_front_replies.py`); `upstream`: (status, code, message, vLLM's error
+    JSON) of a backend's failure."""
 
 def front_cut_frame(
     endpoint_name: Literal["chat", "completions"],
