@@ -58,9 +58,9 @@ ALLOWED = {
     # Connection I/O: after an error answer, how long the rest of a refused upload is read and
     # dropped before the socket closes (so the client reads the answer, not a reset); and how
     # long a client may take to send a request at all (slowloris), below any request.
-    ("gateway/handoff.py", "a timer of its own"),
+    ("gateway/guard.py", "a timer of its own"),
     # Connection I/O: how long a WebSocket with no request live may stay silent before it is
-    # closed (`server.ws_idle_timeout_ms`), below any request, as handoff's read timeout.
+    # closed (`server.ws_idle_timeout_ms`), below any request, as guard's read timeout.
     ("gateway/ws.py", "a timer of its own"),
     # The embedded simulated backend is a backend, not the gateway's lifecycle.
     ("gateway/embedded.py", "a timer of its own"),

@@ -210,13 +210,11 @@ class Server(_Section):
     # runtime's stall timer (backpressure.stall_timeout_ms) cuts a governed stream first.
     write_timeout_ms: DurationMs = Field(60_000.0, gt=0)
     bytes_per_token: float = Field(4.0, gt=0)  # prompt-length estimate for text (no tokenizer)
-    # Streams relayed by the Rust relay (socket hand-off after the first token); off streams
-    # every reply through Python, as any ASGI server without the hand-off does.
+    # The front door serves the governed streams itself, in Rust on the relay's threads (the
+    # ones it can: docs/gateway.md); off, it passes every request to the app, which streams
+    # every reply through Python.
     relay: bool = True
     workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
-    # Who owns the public listener: `python` (uvicorn on the port, as ever) or `native` (the
-    # extension's front door; the app is served by uvicorn on a private unix socket behind it).
-    front: Literal["native", "python"] = "native"
     # one CSV row per request at its end, in the simulator's `--requests-out` columns
     access_log: str | None = None
     # The largest SSE event a backend may send (an `echo` with `logprobs` can be large); past

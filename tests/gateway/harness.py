@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from llmflow.config import Settings, load_settings
 from llmflow.gateway.app import Gateway, create_app
 from llmflow.gateway.embedded import QuietServer
 from llmflow.gateway.front import FrontDoor
-from llmflow.gateway.handoff import HandoffProtocol
+from llmflow.gateway.guard import GuardProtocol
 from llmflow.gateway.listener import server_options
 from llmflow.sim import server as sim_server
 
@@ -45,11 +44,6 @@ __all__ = [
 ]
 
 
-# Which listener `start_gateway` puts in front of the app by default: `python` (uvicorn on the
-# port) or `native` (the extension's front door; the default; LLMFLOW_TEST_FRONT=python runs the suite on the other).
-FRONT = os.environ.get("LLMFLOW_TEST_FRONT", "native")
-
-
 @contextlib.asynccontextmanager
 async def serve_asgi(
     app: Any, sock: socket.socket | None = None, **config: Any
@@ -61,7 +55,7 @@ async def serve_asgi(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1] if sock.family != socket.AF_UNIX else 0
-    config.setdefault("http", HandoffProtocol)  # as `llmflow serve` runs it
+    config.setdefault("http", GuardProtocol)  # as `llmflow serve` runs the app's listener
     cfg = uvicorn.Config(app, log_level="critical", lifespan="on", access_log=False, **config)
     server = QuietServer(cfg)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -169,19 +163,15 @@ async def assert_idle(h: Harness) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(app: Any) -> AsyncIterator[str]:
-    """Serve a gateway app (`create_app`) as `llmflow serve` does: uvicorn on a loopback port,
-    or, with `server.front: native`, the front door on it and uvicorn on a private unix socket
-    behind; yields the base URL."""
+async def serve_gateway(app: Any, asgi: Any = None) -> AsyncIterator[str]:
+    """Serve a gateway app (`create_app`) as `llmflow serve` does: the front door on a loopback
+    port, uvicorn on a private unix socket behind it (serving `asgi`, a wrapper of `app`, when
+    given); yields the base URL."""
     settings = app.state.settings
-    if settings.server.front != "native":
-        async with serve_asgi(app, **server_options(settings, app)) as (url, _):
-            yield url
-        return
     door = FrontDoor(settings, "127.0.0.1", 0)
-    options = server_options(settings, app, behind_front=True)
+    options = server_options(settings, behind_front=True)
     try:
-        async with serve_asgi(app, door.app_socket, uds=door.app_path, **options):
+        async with serve_asgi(asgi or app, door.app_socket, uds=door.app_path, **options):
             door.start(app.state.gateway)
             try:
                 yield f"http://127.0.0.1:{door.port}"
@@ -198,17 +188,14 @@ async def start_gateway(
     configure: Callable[[dict[str, FakeVllm]], None] | None = None,
     backend: dict[str, Any] | None = None,
     per_backend: dict[str, dict[str, Any]] | None = None,
-    front: str | None = None,
     trace: TextIO | None = None,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
-    """Fakes plus a gateway over them (behind `front`: `python` or `native`, by default
-    LLMFLOW_TEST_FRONT's; `trace`: where the runtime's trace goes); on exit, asserts
-    everything returned to zero."""
+    """Fakes plus a gateway over them (`trace`: where the runtime's trace goes); on exit,
+    asserts everything returned to zero."""
     fakes = {f"b{i}": FakeVllm() for i in range(n_backends)}
     if configure is not None:
         configure(fakes)
-    sections["server"] = {"front": front or FRONT, **sections.get("server", {})}
     async with contextlib.AsyncExitStack() as stack:
         urls = {}
         for name, fake in fakes.items():
@@ -242,7 +229,6 @@ async def start_sim_gateway(
         max_model_len=4096,
         **(sim_options or {}),
     )
-    sections["server"] = {"front": FRONT, **sections.get("server", {})}
     async with serve_asgi(sim) as (sim_url, _):
         app = create_app(settings_for({"sim0": sim_url}, backend, **sections))
         async with serve_gateway(app) as url, httpx.AsyncClient(base_url=url) as client:

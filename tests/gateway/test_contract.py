@@ -410,12 +410,12 @@ async def test_every_refusal_obeys_the_contract(reason: str) -> None:
 
 
 async def test_every_path_renders_a_refusal_alike() -> None:
-    """One refusal (`queue_full`) through each way in: the fast path below FastAPI, the route
-    (a request the fast path does not hold), a stream (the relay's session), completions,
-    Responses, and a WebSocket."""
+    """One refusal (`queue_full`) through each way in: the route (unstreamed, with and without a
+    `traceparent`), a stream (the front's native path), completions, Responses, and a
+    WebSocket."""
     async with start_gateway(gate={**ONE_SLOT, "queue": {"max_waiting": 0}}) as h:
         first = await _held(h, max_tokens=1)
-        traced = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}  # not held
+        traced = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
         for path, body, headers in (
             (CHAT, chat(max_tokens=1), {}),
             (CHAT, chat(max_tokens=1), traced),

@@ -1,8 +1,9 @@
 """The governed routes served natively by the front door, checked from outside.
 
-With `server.front: native` a streamed completion the front is sure of never reaches Python:
-the front checks it, feeds the shared runtime, and relays vLLM's stream itself. These tests
-check what a client and vLLM see: the same bytes as the Python path, one cap for the native
+A streamed completion the front is sure of never reaches Python: the front checks it, feeds
+the shared runtime, and relays vLLM's stream itself. These tests check what a client and vLLM
+see: the same bytes as the Python path (`server.relay: false`: the front passes every request
+to the app), one cap for the native
 requests and the ones Python serves beside them, refusals byte for byte, departures that free
 everything at vLLM, keep-alive and pipelining, and the metrics and trace counting them.
 """
@@ -101,11 +102,11 @@ async def test_the_native_path_sends_what_the_python_path_sends(
     path: str, extra: dict[str, Any]
 ) -> None:
     replies = []
-    for front in ("native", "python"):
-        async with start_gateway(front=front) as h:
+    for native in (True, False):
+        async with start_gateway(server={"relay": native}) as h:
             status, text, headers = await _stream(h.client, path, _body(path, **extra))
             assert status == 200, text
-            assert _native(headers) == (front == "native")
+            assert _native(headers) == native
             assert headers["content-type"] == "text/event-stream; charset=utf-8"
             replies.append(_comparable(_events(text)))
             assert h.fake.completed == 1
@@ -123,7 +124,7 @@ async def test_the_native_path_sends_what_the_python_path_sends(
 
 async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_them() -> None:
     cap = 2
-    async with start_gateway(front="native", gate={"max_concurrency_per_gpu": cap}) as h:
+    async with start_gateway(gate={"max_concurrency_per_gpu": cap}) as h:
         streamed = _body(max_tokens=8, fake={"itl": 0.01})
         whole = {**streamed, "stream": False}  # not streamed: the front passes it to Python
         results = await asyncio.gather(
@@ -146,9 +147,10 @@ def _without_date(raw: bytes) -> bytes:
 
 async def test_a_native_refusal_is_the_python_paths_refusal_byte_for_byte() -> None:
     answers = []
-    for front in ("native", "python"):
+    for native in (True, False):
         async with start_gateway(
-            front=front, gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}}
+            server={"relay": native},
+            gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
         ) as h:
             hold = asyncio.create_task(_stream(h.client, CHAT, _body(fake={"step": True})))
             await until(lambda h=h: h.fake.running == 1)
@@ -166,7 +168,7 @@ async def test_a_native_refusal_is_the_python_paths_refusal_byte_for_byte() -> N
 
 
 async def test_a_client_that_leaves_while_queued_or_mid_stream_frees_everything() -> None:
-    async with start_gateway(front="native", gate={"max_concurrency_per_gpu": 1}) as h:
+    async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
         hold_reader, hold_writer = await _raw(h.url, _post(CHAT, _body(fake={"step": True})))
         await until(lambda: h.fake.running == 1)
         # queued behind it, then gone: vLLM never sees it
@@ -185,7 +187,7 @@ async def test_a_client_that_leaves_while_queued_or_mid_stream_frees_everything(
 
 
 async def test_keep_alive_and_a_pipelined_second_request_are_answered_in_order() -> None:
-    async with start_gateway(front="native") as h:
+    async with start_gateway() as h:
         first, second = _body(max_tokens=3), _body(COMPLETIONS, max_tokens=4)
         reader, writer = await _raw(h.url, _post(CHAT, first) + _post(COMPLETIONS, second))
         texts = []
@@ -201,12 +203,13 @@ async def test_keep_alive_and_a_pipelined_second_request_are_answered_in_order()
         await assert_idle(h)
 
 
-@pytest.mark.parametrize("front", ["native", "python"])
-async def test_the_metrics_and_the_access_log_count_requests_on_either_front(tmp_path: Any, front: str) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
+    tmp_path: Any, native: bool
+) -> None:
     log = tmp_path / "access.csv"
     async with start_gateway(
-        front=front,
-        server={"access_log": str(log)},
+        server={"access_log": str(log), "relay": native},
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
     ) as h:
         hold = asyncio.create_task(_stream(h.client, CHAT, _body(fake={"step": True})))
@@ -217,7 +220,8 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_front(tmp
         await hold
         for _ in range(3):
             status, _, headers = await _stream(h.client, CHAT, _body())
-            assert status == 200 and _native(headers) == (front == "native")
+            assert status == 200
+            assert _native(headers) == native
         await until(lambda: h.gateway.runtime.live == 0)
         metrics = (await h.client.get("/metrics")).text
         completed = re.search(r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)',
@@ -232,7 +236,7 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_front(tmp
 async def test_a_trace_of_native_requests_replays_bit_for_bit() -> None:
     trace = io.StringIO()
     async with start_gateway(
-        front="native", trace=trace, gate={"max_concurrency_per_gpu": 2}
+        trace=trace, gate={"max_concurrency_per_gpu": 2}
     ) as h:
         results = await asyncio.gather(*(_stream(h.client, CHAT, _body()) for _ in range(6)))
         assert all(status == 200 and _native(headers) for status, _, headers in results)

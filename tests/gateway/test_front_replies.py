@@ -1,11 +1,12 @@
 """The native front's reply bytes (`rust/src/front/reply.rs`) against the Python path's own.
 
-A refusal must go on the wire byte for byte as `fastpath._reply_bytes(reply_error(...))`
-writes it (status line, the server's headers, ours, Starlette's length and type, the body as
-`JSONResponse` renders it), for every reason, status, Retry-After and connection state, and
-with vLLM's own error object when it refused the request. A cut must end the stream with the
-frame `encode_event(tail_chunk(...))` writes, for any template the upstream's first chunk gave
-(text, numbers Python writes as `repr`, non-ASCII escaped), and a failure with the in-band
+A refusal must go on the wire byte for byte as uvicorn writes the Python path's
+`reply_error(...).response()` (`_reply_bytes`: status line, the server's headers, ours,
+Starlette's length and type, the body as `JSONResponse` renders it), for every reason,
+status, Retry-After and connection state, and with vLLM's own error object when it refused
+the request. A cut must end the stream with the frame `encode_event(tail_chunk(...))`
+writes, for any template the upstream's first chunk gave (text, numbers Python writes as
+`repr`, non-ASCII escaped), and a failure with the in-band
 error frame of `in_band_error`.
 """
 
@@ -13,19 +14,22 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from llmflow._core import front_cut_frame, front_in_band_error, front_refusal_bytes
 from llmflow.gateway import streaming
-from llmflow.gateway.fastpath import _reply_bytes
 from llmflow.gateway.session import _MESSAGES, in_band_error, reply_error
 from llmflow.gateway.streaming import NOTICES, ClientOptions, encode_event, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from llmflow.gateway.errors import GatewayError
 
 REASONS = [*sorted(_MESSAGES), "some_new_reason", "upstream_error"]
 STATUSES = [400, 401, 404, 413, 418, 422, 429, 499, 500, 502, 503, 504, 507, 599]
@@ -43,6 +47,22 @@ VALUES = st.recursive(
     ),
     max_leaves=8,
 )
+
+
+def _reply_bytes(
+    error: GatewayError, default_headers: list[tuple[bytes, bytes]], keep_alive: bool
+) -> bytes:
+    """What uvicorn's httptools protocol writes for `error.response()`: the same head, the
+    same body (the status line, the server's default headers, the response's, and
+    `connection: close` when the connection ends)."""
+    response = error.response()
+    out: list[bytes | memoryview] = [STATUS_LINE[error.status]]
+    for name, value in (*default_headers, *response.raw_headers):
+        out += [name, b": ", value, b"\r\n"]
+    if not keep_alive:
+        out.append(b"connection: close\r\n")
+    out += [b"\r\n", response.body]
+    return b"".join(out)
 
 
 def _reply(reason: str, status: int, retry_after_s: int | None, request_id: int) -> Any:

@@ -1,7 +1,8 @@
 """The Rust relay from outside: same bytes as the Python path, keep-alive, several threads.
 
-Every streaming test in this directory runs through the relay (the harness serves with
-`HandoffProtocol`, as `llmflow serve` does); these check what is particular to it.
+Every streamed completion the front serves natively runs through the relay
+(`server.relay: false` passes it to the app, which streams through Python instead); these
+check what is particular to it.
 """
 
 from __future__ import annotations

@@ -27,11 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmflow._core import replay_trace
 from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
-from llmflow.gateway.listener import server_options
 from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
 from .fake_vllm import FakeVllm
-from .harness import serve_asgi, settings_for, start_gateway, until
+from .harness import serve_asgi, serve_gateway, settings_for, start_gateway, until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -238,7 +237,7 @@ async def test_the_policy_runtime_trace_replays(tmp_path: Path) -> None:
             **SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}, "timeouts": {}})
         with path.open("w") as trace:
             app = create_app(settings, trace)
-            async with serve_asgi(app, **server_options(settings, app)) as (url, _), \
+            async with serve_gateway(app) as url, \
                     httpx.AsyncClient(base_url=url, timeout=30) as c:
                 held = [asyncio.create_task(_ask(c, ALPHA_KEY, _body(True, step=True)))
                         for _ in range(5)]

@@ -2,8 +2,8 @@
 
 One slot, held by a request the fake vLLM never answers, so a newcomer must wait. What reached
 vLLM is read at the fake (`bodies`): a request whose client deadline the queue cannot meet is
-answered 429 `client_deadline` with a Retry-After and never reaches it, on the fast path below
-FastAPI and on the route alike (a `traceparent` header sends a request the ordinary way); a
+answered 429 `client_deadline` with a Retry-After and never reaches it, with a `traceparent`
+header or without one alike; a
 queued one leaves when its deadline passes. The real `openai` client's own timeout header is
 honoured as it sends it. Unusable foreign headers are ignored; a malformed header of ours is a
 400.
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
 HOLD = {"model": "fake-model", "messages": [{"role": "user", "content": "hold"}],
         "fake": {"hang": True}}
-# The ordinary path: a `traceparent` is left to the route (fastpath._NOT_PLAIN).
+# Without and with a `traceparent` (which the route reads, for its span).
 ROUTE = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
-PATHS = [pytest.param({}, id="fast-path"), pytest.param(ROUTE, id="route")]
+PATHS = [pytest.param({}, id="plain"), pytest.param(ROUTE, id="route")]
 
 
 def _body(tag: str) -> dict[str, Any]:

@@ -227,9 +227,7 @@ async def test_an_upstream_that_never_finishes_its_head_is_given_up() -> None:
     server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     from llmflow.gateway.app import create_app
-    from llmflow.gateway.listener import server_options
-    from tests.gateway.harness import serve_asgi as serve
-    from tests.gateway.harness import settings_for
+    from tests.gateway.harness import serve_gateway, settings_for
 
     settings = settings_for(
         {"mute": f"http://127.0.0.1:{port}"},
@@ -237,7 +235,7 @@ async def test_an_upstream_that_never_finishes_its_head_is_given_up() -> None:
     )
     app = create_app(settings)
     try:
-        async with serve(app, **server_options(settings, app)) as (url, _):
+        async with serve_gateway(app) as url:
             import httpx
 
             async with httpx.AsyncClient(base_url=url, timeout=10) as c:

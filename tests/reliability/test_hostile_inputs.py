@@ -23,11 +23,11 @@ import httpx
 import pytest
 
 from llmflow.gateway.app import create_app
-from llmflow.gateway.listener import server_options
 from llmflow.sim.server_pd import KvTransfer
 from tests.gateway.harness import (
     SIM_MODEL,
     serve_asgi,
+    serve_gateway,
     settings_for,
     start_gateway,
     start_sim_gateway,
@@ -203,7 +203,7 @@ async def test_a_keyless_gateway_refuses_rebinding_and_cross_site_posts() -> Non
             reply = await exchange(h.url, raw.encode())
             assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
             assert b'"core"' not in reply
-        # a cross-site "simple" POST (text/plain, no preflight), on the fast path's size too
+        # a cross-site "simple" POST (text/plain, no preflight)
         body = json.dumps(chat(stream=False, max_tokens=2)).encode()
         for origin in ("https://evil.example", "null"):
             raw = post_bytes(CHAT, body, f"origin: {origin}\r\nconnection: close\r\n")
@@ -434,7 +434,7 @@ async def test_pipeline_depth_is_bounded() -> None:
     """5,000 requests pipelined in one go: on main every one was queued (RSS grew with
     them). Now at most MAX_PIPELINE wait behind the one answered; those are answered, in
     order, then the connection closes and the rest were never read."""
-    from llmflow.gateway.handoff import MAX_PIPELINE
+    from llmflow.gateway.guard import MAX_PIPELINE
 
     one = b"GET /v1/models HTTP/1.1\r\nhost: localhost\r\n\r\n"
     async with start_gateway() as h:
@@ -536,7 +536,7 @@ async def raw_gateway(**sections: Any) -> AsyncIterator[tuple[Any, RawBackend]]:
     app = create_app(settings)
     try:
         async with (
-            serve_asgi(app, **server_options(settings, app)) as (gw_url, _),
+            serve_gateway(app) as gw_url,
             httpx.AsyncClient(base_url=gw_url, timeout=10) as client,
         ):
             yield client, backend

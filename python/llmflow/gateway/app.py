@@ -106,9 +106,8 @@ class Gateway:
             from llmflow.gateway.shared_state import SharedSlots
 
             self.host.leases = self.shared = SharedSlots(settings, self.host)
-        # The native front door runs on the relay's threads: the relay runs whenever it does.
-        relay = settings.server.relay or settings.server.front == "native"
-        self.relay = RelayHost(self.host, settings) if relay else None
+        # The front door runs on the relay's threads (and so do the native streams).
+        self.relay = RelayHost(settings)
         self.ctx: SessionContext | None = None
         self.service: CompletionService | None = None
         self.light: LightService | None = None
@@ -156,13 +155,11 @@ class Gateway:
             },
             client_window=s.backpressure.client_window,
             pause_when_full=s.backpressure.pause_when_full,
-            relay=self.relay,
             tasks=self.tasks,
             tracing=self.tracing,
         )
-        if self.relay is not None:
-            self.relay.start()
-            self.metrics.relay = self.relay.relay
+        self.relay.start()
+        self.metrics.relay = self.relay.relay
         prefix_models = frozenset(m for m, policy, _ in self.pools if policy == "prefix")
         self.service = CompletionService(
             self.ctx,
@@ -199,8 +196,6 @@ class Gateway:
             return
         if not self.draining:
             self.draining = True
-            if self.relay is not None:
-                self.relay.draining = True  # connections close after their reply
             log.info("draining: %d live request(s)", len(self.ctx.sessions) + self._native_live())
             self.host.drain()
             if self.light is not None:
@@ -231,8 +226,7 @@ class Gateway:
         if self.native is not None:
             self.native.close()
         self.host.close()
-        if self.relay is not None:
-            self.relay.close()
+        self.relay.close()
         await self.upstream.aclose()
         for embedded in self.embedded:
             await embedded.stop()
@@ -335,17 +329,14 @@ def create_app(settings: Settings | None = None, trace: TextIO | None = None) ->
     app.state.trace = trace
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
-    app.state.own_hosts = None
     if not settings.auth_enabled:  # anyone who reaches the port may use it: only our own names
         names = allowed_host_names([settings.server.host, *settings.server.allowed_hosts])
-        app.state.own_hosts = names  # the fast path checks them too (`fastpath.py`)
         app.add_middleware(HostGuard, allowed=names)
     for module in (openai, vllm, ops, websocket, playground):
         app.include_router(module.router)
     if settings.admin.port is None:  # no admin listener: the admin routes stay here
         app.include_router(admin.router)
-    if settings.server.front == "native":  # outermost: every layer sees the client's address
-        app.add_middleware(PeerFromFront)
+    app.add_middleware(PeerFromFront)  # outermost: every layer sees the client's address
     install_schemas(app)
     return app
 

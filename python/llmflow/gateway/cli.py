@@ -2,8 +2,8 @@
 
 With `admin.port` set, a second listener serves `/api/state`, `/dashboard` and `/metrics` (behind
 `admin.api_key`) in the same process and event loop; it starts once the gateway has, and stops
-after the gateway's drain. With `server.front: native`, the extension's front door owns the
-port and uvicorn serves the app behind it on a private unix socket (`front.py`).
+after the gateway's drain. The extension's front door owns the public port; uvicorn serves
+the app behind it on a private unix socket (`front.py`).
 """
 
 from __future__ import annotations
@@ -170,21 +170,14 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("uvicorn.error").addFilter(FrameRedactor())  # no API key in a debug log
     trace = _private_file(args.trace) if args.trace else None
     app = create_app(settings, trace)
-    front = FrontDoor(settings) if settings.server.front == "native" else None
-    where = (
-        {"uds": front.app_path}
-        if front is not None
-        else {"host": settings.server.host, "port": settings.server.port}
-    )
+    front = FrontDoor(settings)  # the public port, bound now; uvicorn serves the app behind it
     config = uvicorn.Config(
         app,
-        **where,
+        uds=front.app_path,
         log_level=args.log_level,
         lifespan="on",
         access_log=False,
-        # streamed replies leave Python for the relay after the head; refusals are answered
-        # below FastAPI; header and WebSocket message limits
-        **server_options(settings, app, behind_front=front is not None),
+        **server_options(settings, behind_front=True),  # header and WebSocket message limits
         timeout_graceful_shutdown=math.ceil(settings.server.drain_timeout_ms / 1e3)
         + _FORCE_AFTER_DRAIN_S,
     )
@@ -206,10 +199,9 @@ def serve(args: argparse.Namespace) -> int:
                 admin.port,
             )
             server.companions = (_admin_server(app, settings, args.log_level),)
-        server.run(sockets=[front.app_socket] if front is not None else None)
+        server.run(sockets=[front.app_socket])
     finally:
-        if front is not None:
-            front.close()
+        front.close()
         if trace is not None:
             trace.close()
     return 0

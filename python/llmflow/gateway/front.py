@@ -1,12 +1,11 @@
-"""The native front door (`server.front: native`): the extension's `Front` owns the public port.
+"""The native front door: the extension's `Front` owns the public port.
 
 The front (`rust/src/front/`, on the relay's tokio threads) accepts every client connection,
 reads each request with the gateway's limits and passes it to the app, which uvicorn serves on
 a private unix socket in a directory of this process's own (mode 0700: only this user, hence
 only the front, can connect). The client's address travels as `x-llmflow-peer`, which
-`PeerFromFront` turns back into the scope's `client`. Because the app's connection is the
-front's, not the client's, uvicorn cannot lend it to the relay (`listener.server_options`
-with `behind_front`): streams take the Python path until the front serves them itself.
+`PeerFromFront` turns back into the scope's `client`. The governed streams the front is sure
+of it serves itself (`native.py`); what it passes on, the app serves as a whole, through Python.
 
 The public socket is bound here, before the app starts, so `llmflow serve` keeps its host and
 port handling (and a bind error shows at once); its fd goes to the `Front` once the app has
@@ -60,8 +59,6 @@ class FrontDoor:
 
     def start(self, gateway: Gateway) -> None:
         """Hand the listener to the front; call once the app has started (uvicorn listens)."""
-        if gateway.relay is None:
-            raise RuntimeError("the native front door runs on the relay's threads: none runs")
         s = self.settings
         self._front = Front(
             gateway.relay.relay,
@@ -76,7 +73,8 @@ class FrontDoor:
         if reason is not None:
             log.info("the front passes every completion to the app (%s)", reason)
             return
-        own = None if s.auth_enabled else allowed_host_names([s.server.host, *s.server.allowed_hosts])
+        hosts = [s.server.host, *s.server.allowed_hosts]
+        own = None if s.auth_enabled else allowed_host_names(hosts)
         gateway.native = native_routes(self._front, gateway, own)
 
     def close(self) -> None:

@@ -146,54 +146,6 @@ class Host:
             raise
         self.carry(actions)
 
-    def arrive_refused(
-        self,
-        party: Party,
-        tenant: str,
-        prompt: int,
-        max_tokens: int,
-        stream: bool,
-        *,
-        model: str | None = None,
-        fingerprint: int = 0,
-        signals: ClientSignals = NO_SIGNALS,
-    ) -> bool:
-        """Feed `arrive` only if the runtime says it refuses the request now.
-
-        The runtime's pure `refusal` query decides; a refused request is then fed to `arrive`
-        at the same instant, like any other (counters, the Retry-After spread and the trace as
-        on the ordinary path), and its party hears `on_reply`.
-
-        Returns:
-            True when it was refused; False, with nothing fed, when the runtime would start or
-            queue it (or cannot tell without `arrive`).
-        """
-        now = now_us()
-        retries, deadline_ms = signals.retries, signals.deadline_ms
-        refused = self.runtime.refusal(
-            tenant, prompt, max_tokens, now, model=model, fingerprint=fingerprint,
-            retries=retries, deadline_ms=deadline_ms,
-        )
-        if refused is None:
-            return False
-        request_id = self.new_id()
-        self.parties[request_id] = party
-        try:
-            # A refused request starts nowhere: its block hashes would route nothing.
-            actions = self.runtime.arrive(
-                request_id, tenant, prompt, max_tokens, stream, now, model=model,
-                fingerprint=fingerprint, retries=retries, deadline_ms=deadline_ms,
-            )
-        except BaseException:
-            del self.parties[request_id]
-            raise
-        self.carry(actions)
-        if request_id in self.parties:  # admitted after all: the core's tests say it cannot be
-            log.error("runtime.refusal disagreed with arrive for request %d", request_id)
-            self.client_gone(request_id)
-            return False
-        return True
-
     def started(self, request_id: int) -> None:
         self.carry(self.runtime.started(request_id, now_us()))
 

@@ -228,7 +228,7 @@ class LightReply(Response):
 
     It listens for the client's disconnect while it writes, so a client that leaves
     mid-reply closes the upstream response at once; so does one that reads nothing for
-    `server.write_timeout_ms` (the connection's write deadline, `handoff.py`), so a client
+    `server.write_timeout_ms` (the connection's write deadline, `guard.py`), so a client
     that never reads cannot hold a lane slot (or the reply) for ever.
     """
 

@@ -1,6 +1,6 @@
 """What Python does for the requests the native front serves: carry its share, count them.
 
-With `server.front: native`, the governed completions the front is sure of are served in Rust
+The governed completions the front is sure of are served in Rust
 (`rust/src/front/governed.rs`), against the same runtime the Python host feeds. Two things
 still reach this loop, through one wake-up pipe:
 
@@ -47,7 +47,7 @@ def why_not_native(gateway: Gateway) -> str | None:
     OpenTelemetry spans, a split (prefill/decode) pool's two hops, a backend over https.
     """
     s = gateway.settings
-    if gateway.relay is None:
+    if not s.server.relay:
         return "server.relay is off"
     if gateway.shadow is not None:
         return "gate.mode is shadow"
@@ -65,7 +65,8 @@ def why_not_native(gateway: Gateway) -> str | None:
 def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | None) -> NativeInbox:
     """Serve `gateway`'s governed completions natively on `front` (see `why_not_native`)."""
     s, service, ctx = gateway.settings, gateway.service, gateway.ctx
-    assert service is not None and ctx is not None and gateway.relay is not None
+    assert service is not None
+    assert ctx is not None
     limits = service.limits
     checks = FrontChecks(
         service.models, service.bytes_per_token, service.streaming, limits.max_messages,

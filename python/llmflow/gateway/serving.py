@@ -20,7 +20,6 @@ from llmflow.config import Limits
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.prefix import chat_prefix_hashes, completion_prefix_hashes
 from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest, decode_json
-from llmflow.gateway.relay import RelayedSession
 from llmflow.gateway.session import Prepared, StreamSession, body_fingerprint
 from llmflow.gateway.streaming import ClientOptions
 from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompts_tokens
@@ -181,12 +180,11 @@ class CompletionService:
             unstreamed=unstreamed,
         )
 
-    def admit(self, prepared: Prepared, relayed: bool = False) -> StreamSession:
+    def admit(self, prepared: Prepared) -> StreamSession:
         """Announce a prepared request to the runtime.
 
         Args:
             prepared: the validated request.
-            relayed: stream it through the Rust relay (the server can hand off the socket).
 
         Returns:
             Its session (started or waiting); go on with `StreamSession.start`.
@@ -195,12 +193,7 @@ class CompletionService:
             GatewayError: the runtime refused it at once: 429 with `Retry-After` (503 when the
                 reason is draining or no healthy backend).
         """
-        relay = self.ctx.relay
-        session = (
-            RelayedSession(self.ctx, prepared, relay)
-            if relayed and relay is not None
-            else StreamSession(self.ctx, prepared)
-        )
+        session = StreamSession(self.ctx, prepared)
         try:
             session.arrive()
         except GatewayError as exc:
@@ -212,12 +205,11 @@ class CompletionService:
         self,
         prepared: Prepared,
         receive: Receive,
-        relayed: bool = False,
         admitted: StreamSession | None = None,
     ) -> StreamSession:
-        """Run a prepared request as the runtime directs (`relayed`: as in `admit`).
+        """Run a prepared request as the runtime directs.
 
-        `admitted`: its session, when it was already admitted (by the protocol's fast path).
+        `admitted`: its session, when the route already admitted it (`/v1/responses`).
 
         Returns:
             The session: done, with its `response()` (non-streaming), or past its first token,
@@ -228,7 +220,7 @@ class CompletionService:
                 wait expired, 502/504 from the backend, 504 on first-token timeout (when so
                 configured); `ClientGone` when the client disconnected first.
         """
-        session = admitted if admitted is not None else self.admit(prepared, relayed)
+        session = admitted if admitted is not None else self.admit(prepared)
         departure = Departure()
         watcher = asyncio.create_task(_watch_disconnect(receive, departure))
         handed_over = False

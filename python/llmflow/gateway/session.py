@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from llmflow.gateway.host import Host
     from llmflow.gateway.http1 import Connection
     from llmflow.gateway.metrics import GatewayMetrics
-    from llmflow.gateway.relay import RelayHost
     from llmflow.gateway.shadow import Verdict
     from llmflow.gateway.streaming import ClientOptions, Item
     from llmflow.gateway.telemetry import Tracing
@@ -157,7 +156,6 @@ class SessionContext:
     metrics: GatewayMetrics
     client_window: int
     pause_when_full: bool
-    relay: RelayHost | None = None  # the Rust relay, when streams may use it
     tracing: Tracing | None = None  # OpenTelemetry spans (`telemetry.py`), when configured
     sessions: set[StreamSession] = field(default_factory=set)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -392,13 +390,12 @@ class StreamSession:
 
     async def _read(self) -> None:
         host = self.ctx.host
-        handed_over = False  # the read goes on in the Rust relay, which ends the request
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
                 if self._stop:  # cut between admission and this task's start
                     scope.cancel()
-                handed_over = await self._pump()
+                await self._pump()
             if not self._ended and self._upstream_complete:
                 self.end = "completed"
                 host.done(self.request_id)  # may linger in the runtime while the client owes
@@ -422,25 +419,17 @@ class StreamSession:
             host.failed(self.request_id, 502, False)
         finally:
             await self._close_upstream()
-            if not handed_over:
-                if not self._ended and not self._upstream_complete:  # the task was cancelled
-                    host.client_gone(self.request_id)
-                self._done()
+            if not self._ended and not self._upstream_complete:  # the task was cancelled
+                host.client_gone(self.request_id)
+            self._done()
 
-    async def _pump(self) -> bool:
-        """Send the request and read its stream; True if the relay took the read over."""
+    async def _pump(self) -> None:
+        """Send the request and read its stream."""
         route = self.ctx.routes[self.backend or ""]
         body = await self._upstream_request(route)
         if self._stop:
-            return False
-        if self._hand_over(route, body):
-            return True
+            return
         await self._stream_from(route, body)
-        return False
-
-    def _hand_over(self, route: BackendRoute, body: Json) -> bool:
-        """Give the request's read to another mover of bytes (`RelayedSession`); here none."""
-        return False
 
     async def _upstream_request(self, route: BackendRoute) -> Json:
         """The body to send `route`: after the prefill hop, for a split request."""

@@ -256,11 +256,6 @@ class ShadowHost(Host):
             self._mirror(request_id, "client_gone")  # the policy runtime must not keep it
             raise
 
-    def arrive_refused(self, *args: Any, **kwargs: Any) -> bool:
-        """Never: every request goes on to `arrive` (the forwarding runtime refuses nothing
-        the fast path could answer, and the policy runtime must hear each one)."""
-        return False
-
     # ---- per-request events: the sessions' (forwarding) and mirrored (policy) ----------------
 
     def started(self, request_id: int) -> None:

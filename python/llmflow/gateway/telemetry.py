@@ -159,7 +159,7 @@ class Tracing:
         return attributes
 
     def refused(self, prepared: Prepared, error: GatewayError, request_id: str | None) -> None:
-        """A request refused as it arrived (no session; the fast path's refusals too)."""
+        """A request refused as it arrived (no session)."""
         now = time.monotonic()
         root = self._tracer.start_span(
             "llmflow.request",

@@ -1,5 +1,5 @@
 //! The bytes of the answers the front writes itself, as the Python path writes them: below
-//! the app (`gateway/handoff.py`'s `_send_error` and `_error_response`), with uvicorn's default
+//! the app (`gateway/guard.py`'s `_send_error` and `_error_response`), with uvicorn's default
 //! headers where uvicorn's protocol adds them, so a client cannot tell which path answered.
 
 use std::fmt::Write as _;
@@ -50,8 +50,8 @@ pub fn answer(refusal: Refusal, now: SystemTime) -> Vec<u8> {
     }
 }
 
-// handoff.py's `_error_response`: no uvicorn headers; Retry-After when given (a refusal no
-// runtime priced: handoff.py's TRANSPORT_RETRY_AFTER_S).
+// guard.py's `_error_response`: no uvicorn headers; Retry-After when given (a refusal no
+// runtime priced: guard.py's TRANSPORT_RETRY_AFTER_S).
 fn python_error(status: &str, body: &[u8], code: &str, retry_after: Option<u32>) -> Vec<u8> {
     let mut out = format!(
         "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-llmflow-reason: {code}\r\n"
@@ -69,7 +69,7 @@ fn python_error(status: &str, body: &[u8], code: &str, retry_after: Option<u32>)
     out
 }
 
-// handoff.py's `_send_error`: uvicorn's default headers (date, server), the reason, the body.
+// guard.py's `_send_error`: uvicorn's default headers (date, server), the reason, the body.
 pub fn uvicorn_error(
     status: u16,
     phrase: &str,
@@ -190,7 +190,7 @@ mod tests {
             .contains("\"bad_gateway\""));
     }
 
-    // The 408 has handoff.py's own compact body and no uvicorn headers.
+    // The 408 has guard.py's own compact body and no uvicorn headers.
     #[test]
     fn timed_out_bytes() {
         let out = String::from_utf8(answer(Refusal::TimedOut, UNIX_EPOCH)).unwrap();

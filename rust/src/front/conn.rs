@@ -78,7 +78,7 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
     }
 }
 
-const FD_RESERVE: u64 = 64; // handoff.py's: descriptors kept for backends, scrapes, the relay
+const FD_RESERVE: u64 = 64; // guard.py's: descriptors kept for backends, scrapes, the relay
 
 /// Descriptors are handed out lowest first: a number this high means few are left.
 fn fds_nearly_gone(stream: &tokio::net::TcpStream) -> bool {
@@ -94,7 +94,7 @@ fn fds_nearly_gone(stream: &tokio::net::TcpStream) -> bool {
     fd.saturating_add(FD_RESERVE) >= limit.rlim_cur
 }
 
-/// handoff.py's answer to a connection accepted with descriptors nearly gone: a 503 once the
+/// guard.py's answer to a connection accepted with descriptors nearly gone: a 503 once the
 /// client sends (a connection that sends nothing is closed by the read timeout), then close.
 async fn refuse_for_fds(mut conn: Conn, limits: &Limits) {
     let read = tokio::time::timeout(

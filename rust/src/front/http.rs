@@ -1,7 +1,8 @@
 //! HTTP/1.1 requests off a client's socket, with the gateway's limits, answered as the Python
 //! path answers them.
 //!
-//! Today's listener (`gateway/handoff.py`, uvicorn with httptools) bounds a request's line and
+//! The Python listener (`gateway/guard.py`, uvicorn with httptools; on the port before the front,
+//! on the app's private socket and the admin port now) bounds a request's line and
 //! headers (`limits.max_header_bytes`: 431 `headers_too_large`), answers bytes it cannot parse
 //! with 400 `invalid_http`, and a request not received within `server.read_timeout_ms` with
 //! 408 `request_timeout`; each with an OpenAI-style body and `connection: close`, after which
@@ -62,7 +63,7 @@ pub enum Ending {
     Refused(Refusal),
 }
 
-/// An answer below the app, as `handoff.py` writes it.
+/// An answer below the app, as `guard.py` writes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     HeadTooLarge(usize),
@@ -72,8 +73,8 @@ pub enum Refusal {
     OutOfFds,
 }
 
-const HEADER_OVERHEAD: usize = 4; // ": " and CRLF around each header, as handoff.py counts
-const LINGER: Duration = Duration::from_secs(2); // handoff.py's _LINGER_S
+const HEADER_OVERHEAD: usize = 4; // ": " and CRLF around each header, as guard.py counts
+const LINGER: Duration = Duration::from_secs(2); // guard.py's _LINGER_S
 const FIRST_HEADERS: usize = 64; // headers parsed before the array is grown
 
 /// Read the next request's head on `conn`; `idle` is how long the client may send nothing.
@@ -167,7 +168,7 @@ fn build(req: &httparse::Request<'_, '_>, limits: &Limits) -> Result<(Request, F
     let (Some(method), Some(target), Some(version)) = (req.method, req.path, req.version) else {
         return Err(Refusal::Invalid);
     };
-    // handoff.py's measure of a complete head: the target and each header with its overhead.
+    // guard.py's measure of a complete head: the target and each header with its overhead.
     let size = target.len()
         + req
             .headers
@@ -247,7 +248,7 @@ pub fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
         .filter(|t| !t.is_empty())
 }
 
-/// Write `refusal`'s answer, then linger and close (`handoff.py`'s `_send_error`).
+/// Write `refusal`'s answer, then linger and close (`guard.py`'s `_send_error`).
 pub async fn refuse(mut conn: Conn, refusal: Refusal) {
     let _ = conn
         .stream
@@ -345,7 +346,7 @@ mod tests {
         assert_eq!(parsed(b"GET /\x01 HTTP/1.1\r\n\r\n"), Err(Refusal::Invalid));
     }
 
-    // The head's size is measured as handoff.py measures it: target plus each header with 4.
+    // The head's size is measured as guard.py measures it: target plus each header with 4.
     #[test]
     fn head_limit_as_python_counts() {
         let value = "v".repeat(4096 - 1 - 4 - 1);

@@ -2,7 +2,7 @@
 //!
 //! A refusal: `session.reply_error` (our message for the reason, `X-Request-Id`,
 //! `Retry-After`) rendered as `GatewayError.response()` (OpenAI's error body, the
-//! `x-llmflow-reason` header) and written as `fastpath._reply_bytes` writes it (uvicorn's
+//! `x-llmflow-reason` header) and written as uvicorn writes it (its
 //! status line, the server's default headers, Starlette's `content-length` and
 //! `content-type`, `connection: close` when the connection ends). A cut: the tail chunk with
 //! its notice (`streaming.tail_chunk`), or the in-band error (`session.in_band_error`), as
@@ -176,7 +176,8 @@ impl ErrorReply {
         Json::Object(vec![("error".to_owned(), error)])
     }
 
-    /// The whole response as uvicorn writes `response()` (`fastpath._reply_bytes`):
+    /// The whole response as uvicorn writes `response()` (`test_front_replies.py`'s
+    /// `_reply_bytes`):
     /// `default_headers` are the server's own (`server`, `date`), in order.
     pub fn response_bytes(&self, default_headers: &[(&[u8], &[u8])], keep_alive: bool) -> Vec<u8> {
         let body = json::to_vec(&self.body(), STARLETTE);

@@ -199,7 +199,7 @@ pub fn front_signals(headers: Vec<(Vec<u8>, Vec<u8>)>) -> Option<(Option<u32>, O
     Some((signals.retries, signals.deadline_ms))
 }
 
-/// The bytes of a runtime refusal on the wire (`fastpath._reply_bytes(reply_error(...))`);
+/// The bytes of a runtime refusal on the wire (uvicorn's writing of `reply_error(...).response()`);
 /// `upstream`: `(status, code, message, error JSON or None)` of a backend's failure, for the
 /// reason `upstream_error`.
 #[pyfunction]

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
-from llmflow.gateway.fastpath import admitted_of
 from llmflow.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -17,7 +16,6 @@ from llmflow.gateway.protocol import (
     ModelList,
     request_body,
 )
-from llmflow.gateway.relay import RelayedSession, RelayStream, relayable
 from llmflow.gateway.routes.deps import gateway, identity, service
 from llmflow.gateway.signals import read_signals
 from llmflow.gateway.sse import SessionStream
@@ -57,17 +55,10 @@ async def models(request: Request, _who: Annotated[Identity, Depends(identity)])
 
 async def _complete(endpoint: Endpoint, request: Request) -> Response:
     svc, settings = service(request), gateway(request).settings
-    admitted = admitted_of(request.scope)  # checked and fed to the runtime below FastAPI
-    if admitted is None:
-        prepared = svc.prepare(endpoint, identity(request), await request.body())
-        prepared.traceparent = request.headers.get("traceparent")  # continued by its span
-        prepared.signals = read_signals(request.headers.raw)
-        session = await svc.serve(prepared, request.receive, relayable(request.scope, prepared))
-    else:
-        prepared = admitted.prepared
-        session = await svc.serve(prepared, request.receive, admitted=admitted.session)
+    prepared = svc.prepare(endpoint, identity(request), await request.body())
+    prepared.traceparent = request.headers.get("traceparent")  # continued by its span
+    prepared.signals = read_signals(request.headers.raw)
+    session = await svc.serve(prepared, request.receive)
     if not prepared.options.stream:
         return JSONResponse(session.response(), headers=session.reply_headers)
-    if isinstance(session, RelayedSession) and session.opened:
-        return RelayStream(session)
     return SessionStream(session, settings.streaming.sse_flush_interval / 1e3)

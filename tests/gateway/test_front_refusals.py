@@ -1,16 +1,12 @@
-"""Refusals answered below FastAPI are the refusals FastAPI would have answered.
+"""A flood's refusals, answered by the front door, are the refusals the Python path answers.
 
-Two gateways, built alike over two fakes, take the same requests: one serves with the fast
-path (`server_options(settings, app)`, as `llmflow serve` does), the other without it. Each app
-is wrapped in a counter of the HTTP requests that reach it, so a test sees from outside which
-way a request went. Compared: the status line, every header but `date`, the body byte for
-byte, and the runtime's trace line for each arrival.
-
-The Retry-After of a crowd's refusals grows with the refusals before it and decays with time,
-and the runtime leaves a request to `arrive` when a periodic recompute falls due (every 100 ms;
-that request takes the ordinary path). Where a test compares exact figures or counts the
-ordinary path's requests, the gateways' clock (`host.now_us`, the runtime's only time input) is
-held still (`frozen`), so both runtimes decide at the same instant.
+Two gateways, built alike over two fakes, take the same requests: one as `llmflow serve` runs
+it (the front serves the streamed completions natively), the other with `server.relay: false`
+(the front passes every request to the app, which serves it through Python). Each app is
+wrapped in a counter of the HTTP requests that reach it, so a test sees from outside which way
+a request went. Compared: the status line, every header but `date` and `x-request-id` (the
+native path numbers its requests from its own range), the body byte for byte, and the
+runtime's trace line for each arrival (its time, its timers' and the request ids aside).
 """
 
 from __future__ import annotations
@@ -26,12 +22,10 @@ import httpx
 import pytest
 
 from llmflow._core import replay_trace
-from llmflow.gateway import host
 from llmflow.gateway.app import Gateway, create_app
-from llmflow.gateway.listener import server_options
 
 from .fake_vllm import FakeVllm
-from .harness import serve_asgi, settings_for, until
+from .harness import serve_asgi, serve_gateway, settings_for, until
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -55,6 +49,7 @@ REFUSED = [  # (path, body): requests the gateway refuses while the one slot is 
     ("/v1/completions", {"model": "fake-model", "prompt": "once upon", "max_tokens": 5}),
     ("/v1/completions", {"model": "fake-model", "prompt": [1, 2, 3], "stream": True}),
 ]
+STREAMED = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 SECTIONS: dict[str, Any] = {
     "gate": {"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
     "streaming": {"sse_flush_interval": 0, "first_token_timeout_ms": None},
@@ -89,9 +84,18 @@ class Served:
     holds: list[asyncio.Task[httpx.Response]] = field(default_factory=list)
 
     def arrivals(self) -> list[dict[str, Any]]:
-        """The trace's arrive lines."""
+        """The trace's arrive lines (once the gateway has stopped and flushed it), without
+        their time, the ids numbered by arrival."""
         lines = [json.loads(line) for line in self.trace.getvalue().splitlines()[1:]]
-        return [line for line in lines if "arrive" in line["ev"]]
+        arrivals = [line for line in lines if "arrive" in line["ev"]]
+        for line in arrivals:  # a timer's instant is the clock's, which differs by gateway
+            line["act"] = [a for a in line["act"] if "arm" not in a]
+        ids = {line["ev"]["arrive"]["id"]: n for n, line in enumerate(arrivals)}
+        text = json.dumps([{"ev": line["ev"], "act": line["act"]} for line in arrivals])
+        for rid, n in sorted(ids.items(), reverse=True):  # longest first: 1099511627776, 1
+            text = text.replace(f'"id": {rid}', f'"id": "r{n}"')
+        out: list[dict[str, Any]] = json.loads(text)
+        return out
 
     async def hold_the_slot(self) -> None:
         self.holds.append(asyncio.create_task(self.client.post(CHAT, json=HANG, headers=KEY)))
@@ -99,17 +103,17 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served(fast: bool, **sections: Any) -> AsyncIterator[Served]:
-    """A gateway over its own fake, with the fast path or without it."""
+async def served(native: bool, **sections: Any) -> AsyncIterator[Served]:
+    """A gateway over its own fake, serving streams natively or passing them to the app."""
     fake = FakeVllm()
     async with contextlib.AsyncExitStack() as stack:
         fake_url, _ = await stack.enter_async_context(serve_asgi(fake.app))
-        settings = settings_for({"b0": fake_url}, **{**SECTIONS, **sections})
+        server = {"relay": native, **sections.pop("server", {})}
+        settings = settings_for({"b0": fake_url}, **{**SECTIONS, **sections, "server": server})
         trace = io.StringIO()
         app = create_app(settings, trace)
         counted = Counted(app)
-        options = server_options(settings, app if fast else None)
-        url, _ = await stack.enter_async_context(serve_asgi(counted, **options))
+        url = await stack.enter_async_context(serve_gateway(app, counted))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         s = Served(url, app.state.gateway, counted, trace, fake, client)
         try:
@@ -121,21 +125,13 @@ async def served(fast: bool, **sections: Any) -> AsyncIterator[Served]:
             await until(lambda: fake.running == 0 and s.gateway.runtime.live == 0)
 
 
-@pytest.fixture
-def frozen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gateways' clock, held at the time the test starts."""
-    now = host.now_us()
-    monkeypatch.setattr(host, "now_us", lambda: now)
-
-
 def _seen(r: httpx.Response) -> tuple[int, dict[str, str], bytes]:
-    headers = {k: v for k, v in r.headers.items() if k != "date"}
+    headers = {k: v for k, v in r.headers.items() if k not in ("date", "x-request-id")}
     return r.status_code, headers, r.content
 
 
-@pytest.mark.usefixtures("frozen")
-async def test_a_fast_refusal_is_the_ordinary_one_on_the_wire_and_in_the_trace() -> None:
-    async with served(fast=True) as fast, served(fast=False) as slow:
+async def test_a_native_refusal_is_the_python_paths_on_the_wire_and_in_the_trace() -> None:
+    async with served(native=True) as fast, served(native=False) as slow:
         for gw in (fast, slow):
             await gw.hold_the_slot()
         base = (fast.counted.requests, slow.counted.requests)
@@ -148,14 +144,10 @@ async def test_a_fast_refusal_is_the_ordinary_one_on_the_wire_and_in_the_trace()
             retries.append(int(a.headers["retry-after"]))
         assert retries == sorted(retries)  # the crowd is spread over the drain time
         assert retries[0] < retries[-1]
-        # The fast gateway's app never saw them; the other one's saw every one.
-        assert fast.counted.requests - base[0] == 0
+        # The native gateway's app saw only the unstreamed ones; the other one's saw every one.
+        unstreamed = sum(not body.get("stream") for _, body in REFUSED)
+        assert fast.counted.requests - base[0] == 2 * unstreamed
         assert slow.counted.requests - base[1] == 2 * len(REFUSED)
-        assert fast.arrivals() == slow.arrivals()
-        refusals = fast.arrivals()[1:]  # after the held slot's
-        assert len(refusals) == 2 * len(REFUSED)
-        replies = [a["reply"] for r in refusals for a in r["act"] if "reply" in a]
-        assert [r["retry_after_s"] for r in replies] == retries
         metrics = [(await gw.client.get("/metrics")).text for gw in (fast, slow)]
         rejected = [
             [x for x in m.splitlines() if x.startswith('llmflow_requests_total{outcome="rejected"')]
@@ -163,49 +155,68 @@ async def test_a_fast_refusal_is_the_ordinary_one_on_the_wire_and_in_the_trace()
         ]
         assert rejected[0] == rejected[1]
         assert any(line.endswith(f" {2.0 * len(REFUSED)}") for line in rejected[0]), rejected
+    # the gateways have stopped: their traces are flushed
+    assert fast.arrivals() == slow.arrivals()
+    refusals = fast.arrivals()[1:]  # after the held slot's
+    assert len(refusals) == 2 * len(REFUSED)
+    replies = [a["reply"] for r in refusals for a in r["act"] if "reply" in a]
+    assert [r["retry_after_s"] for r in replies] == retries
     assert replay_trace(fast.trace.getvalue())[0] > 0  # replays bit for bit
 
 
 @pytest.mark.parametrize(
     ("body", "headers", "status", "code"),
     [
-        (b'{"model": "fake-model", "messages": [', KEY, 400, "invalid_json"),
-        (b'{"model": "fake-model", "messages": "hi"}', KEY, 400, "invalid_request"),
-        (b'{"model": "gpt-17", "messages": %s}' % MESSAGES, KEY, 404, "model_not_found"),
-        (b'{"model": "fake-model", "messages": %s, "n": 500}' % MESSAGES, KEY, 400, "n_too_large"),
+        (b'{"model": "fake-model", "stream": true, "messages": [', KEY, 400, "invalid_json"),
+        (b'{"model": "fake-model", "stream": true, "messages": "hi"}', KEY, 400, "invalid_request"),
         (
-            b'{"model": "fake-model", "messages": %s}' % MESSAGES,
+            b'{"model": "gpt-17", "stream": true, "messages": %s}' % MESSAGES,
+            KEY,
+            404,
+            "model_not_found",
+        ),
+        (
+            b'{"model": "fake-model", "stream": true, "messages": %s, "n": 500}' % MESSAGES,
+            KEY,
+            400,
+            "n_too_large",
+        ),
+        (
+            b'{"model": "fake-model", "stream": true, "messages": %s}' % MESSAGES,
             {"authorization": "Bearer no"},
             401,
             "invalid_api_key",
         ),
-        (b'{"model": "fake-model", "messages": %s}' % MESSAGES, {}, 401, "invalid_api_key"),
+        (
+            b'{"model": "fake-model", "stream": true, "messages": %s}' % MESSAGES,
+            {},
+            401,
+            "invalid_api_key",
+        ),
     ],
     ids=["json", "type", "model", "limit", "wrong-key", "no-key"],
 )
 async def test_bad_input_under_a_flood_gets_its_own_error(
     body: bytes, headers: dict[str, str], status: int, code: str
 ) -> None:
-    """While every good request is refused, a bad one still gets its 4xx, from the app."""
-    async with served(fast=True) as fast, served(fast=False) as slow:
+    """While every good request is refused, a bad one still gets its 4xx, as Python's."""
+    async with served(native=True) as fast, served(native=False) as slow:
         for gw in (fast, slow):
             await gw.hold_the_slot()
-        before = fast.counted.requests
         a, b = [await gw.client.post(CHAT, content=body, headers=headers) for gw in (fast, slow)]
         assert a.status_code == status, a.text
         assert a.json()["error"]["code"] == code
         assert _seen(a) == _seen(b)
-        assert fast.counted.requests == before + 1  # it went the ordinary way
-        assert len(fast.arrivals()) == 1  # and never reached the runtime (the held slot's did)
+    assert len(fast.arrivals()) == 1  # it never reached the runtime (the held slot's did)
 
 
 async def test_requests_the_runtime_admits_go_on_unchanged_on_the_same_connection() -> None:
     """Refusals, then, once the slot is free, a served request on the same keep-alive
-    connection: the held request reaches the app with its whole body."""
-    async with served(fast=True) as gw:
+    connection: it reaches vLLM with its whole body."""
+    async with served(native=True) as gw:
         await gw.hold_the_slot()
         reader, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
-        body = json.dumps(REFUSED[0][1]).encode()
+        body = json.dumps({**STREAMED, "max_tokens": 3}).encode()
         request = (
             b"POST /v1/chat/completions HTTP/1.1\r\n"
             b"host: localhost\r\nauthorization: Bearer k-crowd\r\n"
@@ -216,33 +227,36 @@ async def test_requests_the_runtime_admits_go_on_unchanged_on_the_same_connectio
             assert (await _response(reader))[0] == 429
         gw.holds.pop().cancel()
         await until(lambda: gw.fake.running == 0 and gw.gateway.runtime.live == 0)
-        seen = gw.fake.seen
+        seen, reached = gw.fake.seen, gw.counted.requests
         writer.write(request[:-5])  # the body in two pieces
         await asyncio.sleep(0.05)
         writer.write(request[-5:])
-        status, payload = await _response(reader)
-        assert status == 200, payload
-        assert json.loads(payload)["choices"][0]["message"]["content"]
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        stream = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)  # the chunked end
+        assert b'"content"' in stream, stream
+        assert b"data: [DONE]" in stream, stream
         assert gw.fake.seen == seen + 1
-        assert gw.fake.bodies[-1]["messages"] == REFUSED[0][1]["messages"]
+        assert gw.fake.bodies[-1]["messages"] == STREAMED["messages"]
+        assert gw.counted.requests == reached  # served natively, not by the app
         writer.close()
 
 
 async def test_a_queued_request_whose_client_leaves_frees_its_place() -> None:
-    """Fed to the runtime below FastAPI, a queued request is still the route's to end: its
-    client leaving takes it out of the queue, and nothing of it reaches the backend."""
+    """A queued native request is still the runtime's to end: its client leaving takes it out
+    of the queue, and nothing of it reaches the backend."""
     async with served(
-        fast=True, gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 2}}
+        native=True, gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 2}}
     ) as gw:
         await gw.hold_the_slot()
         _, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
-        body = json.dumps({**REFUSED[0][1], "max_tokens": 4}).encode()
+        body = json.dumps({**STREAMED, "max_tokens": 4}).encode()
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\n"
             b"host: localhost\r\nauthorization: Bearer k-crowd\r\n"
             b"content-length: %d\r\n\r\n" % len(body) + body
         )
-        await until(lambda: gw.counted.requests == 2)  # the route has it
+        await until(lambda: gw.gateway.runtime.queued == 1)
         state = (await gw.client.get("/api/state")).json()["core"]
         assert (state["running"], state["queued"]) == (1, 1), state
         writer.close()
@@ -250,13 +264,13 @@ async def test_a_queued_request_whose_client_leaves_frees_its_place() -> None:
         state = (await gw.client.get("/api/state")).json()["core"]
         assert (state["running"], state["queued"]) == (1, 0), state
         assert gw.fake.seen == 1  # the held slot's request only
+        assert gw.counted.requests == 1 + 2  # the held slot's and the two states, not this one
 
 
-@pytest.mark.usefixtures("frozen")
 async def test_http_1_0_and_connection_close_get_their_refusal_then_eof() -> None:
-    async with served(fast=True) as gw:
+    async with served(native=True) as gw:
         await gw.hold_the_slot()
-        body = json.dumps(REFUSED[0][1]).encode()
+        body = json.dumps(STREAMED).encode()
         for first_line, extra in ((b"HTTP/1.0", b""), (b"HTTP/1.1", b"connection: close\r\n")):
             reader, writer = await asyncio.open_connection(
                 *gw.url.removeprefix("http://").split(":")
