@@ -7,10 +7,8 @@ Four kinds of process on loopback:
   at 20 ms, then 100 tokens 10 ms apart (so 256 streams offer 25.6k chunks/s);
 - `llmflow serve` with admission, the fair queue and the KV ledger active (default policy,
   except a slot cap and queue of 5,120 so that nothing queues, `sse_flush_interval: 0`, and
-  the TTFT SLA at one hour: see `gatewaybench/procs.py:llmflow_config`); one arm per front
-  asked for (`--llmflow-front`): `llmflow` leaves `server.front` at its default (python),
-  `llmflow-native` adds `server: {front: native}`; a front whose config `llmflow config check`
-  refuses, or whose `llmflow serve` does not come up, is skipped with a note;
+  the TTFT SLA at one hour: see `gatewaybench/procs.py:llmflow_config`), the native front
+  door on its port;
 - `vllm-router==0.1.17` from PyPI, in a venv of its own under
   `~/.cache/llmflow/vllm-router-0.1.17` (installed on first use), started as
   `vllm-router --host 127.0.0.1 --port P --worker-urls http://127.0.0.1:U --policy round_robin
@@ -47,16 +45,14 @@ Usage:
     python -m benchmarks.gateway_bench            # everything, ~16 min; JSON in
                                                   # benchmarks/results/gateway.json, charts in
                                                   # docs/img/, markdown tables on stdout
-    python -m benchmarks.gateway_bench --llmflow-front python,native
-                                                  # the same with both fronts, ~21 min
     python -m benchmarks.gateway_bench --quick    # development run, ~2.5 min (bursts at the
                                                   # top level only), outputs in /tmp
     python -m benchmarks.gateway_bench --burst-only
-                                                  # the 256-stream burst only, every llmflow
-                                                  # front and the router, 3 repeats, < 3 min,
+                                                  # the 256-stream burst only, llmflow and
+                                                  # the router, 3 repeats, < 3 min,
                                                   # outputs in /tmp
     options: --levels 1,64,256 --repeats N --window S --memory 1000,5000
-             --mode staggered,burst --llmflow-front python,native
+             --mode staggered,burst
              --llmflow-workers 1,2 (or '') --no-router --no-peak --no-memory
              --nice -10 (the arms take CPU from other work first; opt-in)
              --json PATH --charts DIR

@@ -48,8 +48,7 @@ _BUCKETS = (
     ("auth (SHA-256, compare)", ("authenticate (",)),
     ("session objects", ("StreamSession", "__init__ (llmflow/gateway/session.py")),
     ("error reply (JSONResponse, send)", ("response (llmflow/gateway/errors.py", "JSONResponse")),
-    ("fast path (fastpath.py)", ("llmflow/gateway/fastpath.py",)),
-    ("HTTP parsing (httptools callbacks)", ("httptools_impl.py", "handoff.py")),
+    ("HTTP parsing (httptools callbacks)", ("httptools_impl.py", "guard.py")),
     ("starlette/fastapi routing, middleware", ("starlette/", "fastapi/", "middleware.py")),
     ("anyio / asyncio tasks", ("anyio/", "asyncio/")),
 )

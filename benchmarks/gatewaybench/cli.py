@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = 5120  # llmflow slots and queue: every stream of every phase admitted (5,000 held)
-FRONTS = {"python": "llmflow", "native": "llmflow-native"}  # `server.front` -> arm name
 BURST_ONLY_LEVEL = 256
 
 
@@ -38,7 +37,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--burst-only",
         action="store_true",
-        help=f"only the {BURST_ONLY_LEVEL}-stream burst, every llmflow front and the router, "
+        help=f"only the {BURST_ONLY_LEVEL}-stream burst, llmflow and the router, "
         "3 repeats, outputs in /tmp: under 3 minutes",
     )
     p.add_argument(
@@ -46,12 +45,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(phases.MODES),
         help="how each level's streams start: staggered (evenly over one request period), "
         "burst (together), or both (the default)",
-    )
-    p.add_argument(
-        "--llmflow-front",
-        help="llmflow arms, by `server.front`: python, native or python,native (default: "
-        "python; --burst-only: python,native); an arm whose config `llmflow serve` refuses "
-        "is skipped with a note",
     )
     p.add_argument("--levels", help="concurrency levels, e.g. 1,64,256 (default by profile)")
     p.add_argument("--repeats", type=int, help="interleaved repeats (default: 3, quick 1)")
@@ -83,9 +76,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.mode, args.levels = "burst", args.levels or str(BURST_ONLY_LEVEL)
         args.no_peak = args.no_memory = True
         args.llmflow_workers = ""
-        args.llmflow_front = args.llmflow_front or "python,native"
     args.modes = _choices(p, "--mode", args.mode, phases.MODES)
-    args.fronts = _choices(p, "--llmflow-front", args.llmflow_front or "python", tuple(FRONTS))
     return args
 
 
@@ -207,7 +198,6 @@ async def run(args: argparse.Namespace) -> int:
         meta["llmflow_config"] = procs.llmflow_config(fake.port, CAP, config_path)
         harness = (fake.pid, os.getpid())
         arms = _Arms(fake.port, pins, harness, config_path, router_exe, logdir)
-        arms.fronts = _fronts(args, fake.port, arms, meta, result)
         await _timed_phases(args, prof, result, arms)
     if router_note:
         result["router_note"] = router_note
@@ -227,37 +217,6 @@ def _router(args: argparse.Namespace) -> tuple[Path | None, str]:
         return None, note
 
 
-def _fronts(
-    args: argparse.Namespace,
-    backend_port: int,
-    arms: _Arms,
-    meta: dict[str, Any],
-    result: dict[str, Any],
-) -> dict[str, Path]:
-    """The llmflow arms asked for, by arm name, with their configs: the python front's is the
-    bench's config as it always was; another front's is the same plus `server.front`, and
-    is left out, with a note, where `llmflow config check` refuses it."""
-    out: dict[str, Path] = {}
-    for front in args.fronts:
-        if front == "python":
-            out[FRONTS[front]] = arms.config
-            continue
-        path = arms.logdir / f"llmflow-{front}.yaml"
-        meta[f"llmflow_{front}_config"] = procs.llmflow_config(backend_port, CAP, path, front)
-        problem = procs.config_problem(path)
-        if problem:
-            _front_note(result, FRONTS[front], f"`llmflow config check` refuses it: {problem}")
-            continue
-        out[FRONTS[front]] = path
-    return out
-
-
-def _front_note(result: dict[str, Any], arm: str, why: str) -> None:
-    note = f"{arm} skipped: {why}"
-    print(f"NOTE: {note}", flush=True)
-    result.setdefault("front_notes", []).append(note)
-
-
 @dataclass
 class _Arms:
     """What every phase needs to start the arms again."""
@@ -268,14 +227,12 @@ class _Arms:
     config: Path  # llmflow's
     router_exe: Path | None
     logdir: Path
-    fronts: dict[str, Path] = field(default_factory=dict)  # llmflow arm -> its config
 
     def starters(self) -> dict[str, Callable[[], procs.Proc]]:
         """A fresh gateway process per arm, pinned to the gateway CPU."""
 
-        def llmflow(arm: str) -> Callable[[], procs.Proc]:
-            config = self.fronts[arm]
-            return lambda: procs.start_llmflow(config, self.pins["gateway"], self.logdir, name=arm)
+        def llmflow() -> procs.Proc:
+            return procs.start_llmflow(self.config, self.pins["gateway"], self.logdir)
 
         def router() -> procs.Proc:
             assert self.router_exe is not None
@@ -283,25 +240,15 @@ class _Arms:
                 self.router_exe, self.backend_port, self.pins["gateway"], self.logdir
             )
 
-        out = {arm: llmflow(arm) for arm in self.fronts}
-        return {**out, **({"router": router} if self.router_exe else {})}
+        return {"llmflow": llmflow, **({"router": router} if self.router_exe else {})}
 
 
-def _start(
-    starters: dict[str, Callable[[], procs.Proc]], result: dict[str, Any]
-) -> dict[str, procs.Proc]:
-    """Every arm started; an llmflow front other than python's that does not come up (a
-    build without it) is dropped from `starters` with a note, any other failure stops the run."""
+def _start(starters: dict[str, Callable[[], procs.Proc]]) -> dict[str, procs.Proc]:
+    """Every arm started; any failure stops the run."""
     running: dict[str, procs.Proc] = {}
     try:
-        for name, start in list(starters.items()):
-            try:
-                running[name] = start()
-            except RuntimeError as exc:
-                if name not in set(FRONTS.values()) - {FRONTS["python"]}:
-                    raise
-                del starters[name]
-                _front_note(result, name, f"`llmflow serve` did not come up: {exc}")
+        for name, start in starters.items():
+            running[name] = start()
     except BaseException:
         for proc in running.values():
             proc.stop()
@@ -313,7 +260,7 @@ async def _timed_phases(
     args: argparse.Namespace, prof: phases.Profile, result: dict[str, Any], arms: _Arms
 ) -> None:
     starters = arms.starters()
-    running = _start(starters, result)
+    running = _start(starters)
     try:
         targets = [phases.Target("direct", arms.backend_port, None, arms.harness)]
         targets += [phases.Target(n, p.port, p, arms.harness) for n, p in running.items()]

@@ -188,11 +188,8 @@ def start_backend(root: Path, cpus: set[int] | None, logdir: Path) -> Proc:
     return proc
 
 
-def llmflow_config(
-    backend_port: int, cap: int, path: Path, front: str | None = None
-) -> dict[str, object]:
-    """Write llmflow's config for the bench and return it (with `front`, `server.front` set
-    to it; without, the key left out, so the default front serves).
+def llmflow_config(backend_port: int, cap: int, path: Path) -> dict[str, object]:
+    """Write llmflow's config for the bench and return it.
 
     Policy defaults throughout (admission, fair queue, tiers, KV ledger and pressure,
     preemption breaker, deadlines), except:
@@ -212,8 +209,6 @@ def llmflow_config(
         "streaming": {"sse_flush_interval": 0},
         "sla": {"ttft_ms": SLA_MS},
     }
-    if front is not None:
-        config["server"] = {"front": front}
     path.write_text(json.dumps(config, indent=2))  # JSON is YAML
     return config
 
