@@ -226,7 +226,8 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
         metrics = (await h.client.get("/metrics")).text
         completed = re.search(r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)',
                               metrics)
-        assert completed is not None and float(completed.group(1)) == 4
+        assert completed is not None
+        assert float(completed.group(1)) == 4
         assert "llmflow_ttft_seconds_count" in metrics
         rows = log.read_text().splitlines()
         assert len(rows) == 1 + 5  # the header, four served, one refused
