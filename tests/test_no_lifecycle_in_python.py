@@ -62,6 +62,9 @@ ALLOWED = {
     # Connection I/O: how long a WebSocket with no request live may stay silent before it is
     # closed (`server.ws_idle_timeout_ms`), below any request, as guard's read timeout.
     ("gateway/ws.py", "a timer of its own"),
+    # The native front's records reach the metrics and the access log at this tick at the
+    # latest: counting, not a request rule.
+    ("gateway/native.py", "a timer of its own"),
     # The embedded simulated backend is a backend, not the gateway's lifecycle.
     ("gateway/embedded.py", "a timer of its own"),
     # The simulated Redis's round trip and the sync period are I/O timing (inputs to the
@@ -111,3 +114,88 @@ def test_the_check_can_fail(tmp_path: Path) -> None:
     ]
     for line in old:
         assert any(re.search(p, line) for p in SUSPECTS.values()), line
+
+
+# ---- the Rust hosts: the native front and the relay carry out actions; they decide nothing ----
+
+RUST = PACKAGE.parent.parent / "rust" / "src"
+RUST_HOSTS = sorted(
+    p
+    for p in [*(RUST / "front").rglob("*.rs"), *(RUST / "relay").rglob("*.rs"), RUST / "hosted.rs"]
+    if p.name != "tests.rs"
+)
+
+RUST_SUSPECTS = {
+    "a timer of its own": r"\btokio::time::(sleep|sleep_until|interval|timeout)\b|\brecv_timeout\(",
+    "a deadline or stall setting": (
+        r"stall_timeout|first_token_timeout|total_ms|max_wait_ms|queue_timeout"
+    ),
+    "Retry-After arithmetic": (
+        r"retry_after\w*\s*[-+*/]|retry_after\w*\.(max|min|div)|retry_after\w*\s*=.*\.(ceil|max|min)\("
+    ),
+    "the governor's decisions": (
+        r"\.(submit|dispatch|expire|finish|refusal|next_deadline_us)\(|Governor::new"
+    ),
+    "health or lease bookkeeping": r"\b(healthy|set_health|leases?_held|on_loss)\b\s*[=(]",
+}
+
+# (file, suspect) pairs that are not lifecycle, each with why.
+RUST_ALLOWED = {
+    # The runtime's ONE timer: its `Arm` action carried out on tokio.
+    ("front/owner.rs", "a timer of its own"),
+    # Token counts batched for the runtime (at most 20 ms late, as the relay batches them for
+    # Python), and the wait for aborts to reach their sockets before a `Start` goes upstream:
+    # I/O pacing, not a request rule.
+    ("front/governed.rs", "a timer of its own"),
+    # Connection I/O: how long a client may take to send a request at all (slowloris), how
+    # long a connection idles between requests, and a back-off when descriptors run out.
+    ("front/conn.rs", "a timer of its own"),
+    ("front/mod.rs", "a timer of its own"),
+    # Connection I/O: a client that takes none of a passed reply for server.write_timeout_ms.
+    ("front/from_app.rs", "a timer of its own"),
+    # Upstream I/O: the connect timeout, the coalescing interval, the token batch, how long
+    # vLLM's body may take to end after [DONE], the host's wait for a control to be carried out.
+    ("relay/mod.rs", "a timer of its own"),
+    ("relay/upstream.rs", "a timer of its own"),
+    ("relay/stream/mod.rs", "a timer of its own"),
+}
+
+
+def _rust_code_lines(path: Path) -> list[tuple[int, str]]:
+    """Source lines without comments (`//`, `///`, `//!`) and without the test module."""
+    text = path.read_text(encoding="utf-8")
+    text = text.split("#[cfg(test)]", 1)[0]
+    # String literals go first (a reason's name in a message is no rule), then comments.
+    text = re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', text)
+    return [
+        (number, code)
+        for number, line in enumerate(text.splitlines(), 1)
+        if (code := line.split("//", 1)[0]).strip()
+    ]
+
+
+@pytest.mark.parametrize("path", RUST_HOSTS, ids=lambda p: str(p.relative_to(RUST)))
+def test_the_rust_hosts_hold_no_lifecycle(path: Path) -> None:
+    name = str(path.relative_to(RUST))
+    found = [
+        f"{name}:{number}: {what}: {code.strip()}"
+        for number, code in _rust_code_lines(path)
+        for what, pattern in RUST_SUSPECTS.items()
+        if (name, what) not in RUST_ALLOWED and re.search(pattern, code)
+    ]
+    assert not found, "lifecycle logic belongs in rust/src/runtime/:\n" + "\n".join(found)
+
+
+def test_the_rust_check_can_fail() -> None:
+    """The patterns catch what a host deciding for itself would write."""
+    deciding = [
+        "let deadline = tokio::time::sleep(Duration::from_millis(first_token_timeout_ms));",
+        "let retry_after_s = (wait_s / drain).ceil() as u64 + 1;",
+        "let wait = retry_after_s * 2;",
+        "if let Decision::Admitted(_) = gov.submit(arrival, now) {",
+        "for expired in gov.expire(now) {",
+        "set_health(backend, false);",
+        "let stall = Instant::now() + config.stall_timeout;",
+    ]
+    for line in deciding:
+        assert any(re.search(p, line) for p in RUST_SUSPECTS.values()), line

@@ -130,3 +130,119 @@ impl std::fmt::Debug for Hosted {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::sample_json;
+
+    fn hosted() -> Hosted {
+        let json = format!(r#"{{"policy": {}, "lifecycle": {{}}}}"#, sample_json());
+        Hosted::new(Runtime::from_json(&json).unwrap(), Some(String::new()))
+    }
+
+    fn arrive(id: u64) -> Event {
+        Event::Arrive {
+            id,
+            tenant: 0,
+            prompt: 10,
+            max_tokens: 10,
+            stream: true,
+            pool: 0,
+            chain: vec![],
+            fingerprint: 0,
+            retries: None,
+            deadline_ms: None,
+        }
+    }
+
+    /// Claims the timer and the actions of one request, as the front's owner does.
+    struct Claim {
+        id: u64,
+        taken: Arc<Mutex<Vec<Action>>>,
+        batches: Arc<Mutex<u32>>,
+    }
+
+    impl Divert for Claim {
+        fn divert(&mut self, action: &Action) -> bool {
+            let mine = match action {
+                Action::Arm { .. } => true,
+                Action::Start { id, .. } | Action::Queued { id, .. } => *id == self.id,
+                _ => false,
+            };
+            if mine {
+                self.taken.lock().unwrap().push(action.clone());
+            }
+            mine
+        }
+
+        fn batch_end(&mut self) {
+            *self.batches.lock().unwrap() += 1;
+        }
+    }
+
+    fn feed(h: &mut Hosted, now: u64, event: &Event) -> Vec<Action> {
+        let mut kept = Vec::new();
+        h.feed(now, event, |_, a| kept.push(a.clone())).unwrap();
+        kept
+    }
+
+    #[test]
+    fn alone_every_action_is_the_callers_and_its_clock_is_its_own() {
+        let mut h = hosted();
+        let kept = feed(&mut h, 5_000, &arrive(1));
+        assert!(kept
+            .iter()
+            .any(|a| matches!(a, Action::Start { id: 1, .. })));
+        assert!(kept.iter().any(|a| matches!(a, Action::Arm { .. })));
+        // a host alone may feed an earlier instant (tests do): it is not moved
+        feed(&mut h, 1_000, &Event::Started { id: 1 });
+        assert!(h.take_trace().contains("\"t\":1000"));
+    }
+
+    #[test]
+    fn a_divert_takes_its_requests_and_the_timer_and_the_rest_stays_with_the_caller() {
+        let mut h = hosted();
+        let taken = Arc::new(Mutex::new(Vec::new()));
+        let batches = Arc::new(Mutex::new(0));
+        h.set_divert(Box::new(Claim {
+            id: 7,
+            taken: Arc::clone(&taken),
+            batches: Arc::clone(&batches),
+        }));
+        let kept = feed(&mut h, 10_000, &arrive(7));
+        assert!(
+            kept.is_empty(),
+            "all of request 7's actions and the Arm: {kept:?}"
+        );
+        let kept = feed(&mut h, 11_000, &arrive(8));
+        assert!(kept
+            .iter()
+            .any(|a| matches!(a, Action::Start { id: 8, .. })));
+        assert!(!kept.iter().any(|a| matches!(a, Action::Arm { .. })));
+        let taken = taken.lock().unwrap();
+        assert!(taken
+            .iter()
+            .any(|a| matches!(a, Action::Start { id: 7, .. })));
+        assert!(taken
+            .iter()
+            .all(|a| !matches!(a, Action::Start { id: 8, .. })));
+        assert_eq!(*batches.lock().unwrap(), 2, "one batch end per event fed");
+    }
+
+    #[test]
+    fn shared_the_clock_never_runs_back_for_the_other_host() {
+        let mut h = hosted();
+        h.set_divert(Box::new(Claim {
+            id: 0,
+            taken: Arc::default(),
+            batches: Arc::default(),
+        }));
+        feed(&mut h, 20_000, &arrive(1));
+        // stamped a moment before the event another host fed: fed at that host's instant
+        feed(&mut h, 19_990, &Event::Started { id: 1 });
+        let trace = h.take_trace();
+        assert!(!trace.contains("\"t\":19990"), "{trace}");
+        assert_eq!(trace.matches("\"t\":20000").count(), 2, "{trace}");
+    }
+}

@@ -208,7 +208,8 @@ async def test_a_queued_request_displaced_by_a_lighter_tenant_gets_429() -> None
         assert int(r.headers["retry-after"]) >= 1
         h.fake.release(3)
         assert [(await t).status_code for t in (running, first, light)] == [200] * 3
-        assert h.gateway.metrics.outcomes["rejected", "displaced"] == 1
+        # the native front counts at its next tick (`native.RECORD_TICK_S`)
+        await until(lambda: h.gateway.metrics.outcomes["rejected", "displaced"] == 1)
 
 
 async def test_stream_requests_are_400_when_streaming_is_disabled() -> None:

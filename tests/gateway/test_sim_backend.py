@@ -32,7 +32,8 @@ async def test_openai_client_streams_and_completes_through_the_simulator() -> No
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks).strip()
         assert reply.usage is not None
         assert reply.usage.completion_tokens == 6
-        assert h.gateway.metrics.outcomes["completed", "completed"] == 2
+        # the native front counts at its next tick (`native.RECORD_TICK_S`)
+        await until(lambda: h.gateway.metrics.outcomes["completed", "completed"] == 2)
 
 
 async def test_a_disconnect_aborts_the_request_in_the_simulator() -> None:
