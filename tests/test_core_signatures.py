@@ -39,8 +39,6 @@ def runtime() -> Runtime:
         (Governor.submit, "(self, /, request_id, tenant, prompt_tokens, max_tokens, now_us, *, "
                           "model=None, prefix_hashes=None)"),
         (Governor.observe_backend, f"(self, /, backend, now_us, {METRICS})"),
-        (Relay.open, "(self, /, request_id, url, body, x_request_id, include_usage, "
-                     "deferred=False, traceparent=None)"),
     ],
 )
 def test_signature_as_python_shows_it(method: Any, shown: str) -> None:
@@ -144,20 +142,6 @@ def test_negative_signals_are_refused_with_their_name() -> None:
 
 
 def test_relay_calls_of_the_wrong_shape() -> None:
-    read, write = os.pipe()
-    os.close(read)
-    relay = Relay(write, threads=1)
-    try:
-        with pytest.raises(TypeError, match=r"^Relay\.open\(\) takes from 5 to 7 positional "
-                                            r"arguments but 8 were given$"):
-            relay.open(1, "http://127.0.0.1:9/v1/completions", b"{}", "rid", True, False, None,
-                       1)  # type: ignore[call-arg]
-        with pytest.raises(TypeError, match=r"^argument 'body': 'str' object is not an "
-                                            r"instance of 'bytes'$"):
-            relay.open(1, "http://127.0.0.1:9/v1/completions", "{}",  # type: ignore[arg-type]
-                       "rid", True)
-    finally:
-        relay.shutdown()
     read, write = os.pipe()
     try:
         with pytest.raises(TypeError, match=r"^Relay\.__new__\(\) got an unexpected keyword "

@@ -748,7 +748,8 @@ class Relay:
     """Relays streamed completions from vLLM to clients on threads of its own (tokio).
 
     I/O only: it de-frames SSE, cuts usage, counts tokens and writes to the client's socket;
-    every decision stays with the `Runtime`, which the host feeds the relay's events.
+    every decision stays with the `Runtime`. The front door (`Front`) and its native streams
+    run on it (`NativeRoutes` opens them); Python opens none, so its `events` stay empty.
 
     Args:
         notify_fd: the write end of the host's wake-up pipe (the relay owns it from now on);
@@ -775,30 +776,6 @@ class Relay:
         connect_timeout_ms: float = 5000.0,
         max_event_bytes: int = 16777216,
     ) -> Relay: ...
-    def open(
-        self,
-        request_id: int,
-        url: str,
-        body: bytes,
-        x_request_id: str,
-        include_usage: bool,
-        deferred: bool = False,
-        traceparent: str | None = None,
-    ) -> None:
-        """Send a streamed completion to `url` and relay it; the client attaches later.
-
-        With `deferred`, the stream exists at once (controls apply) but sends on `go`.
-        `traceparent` is sent upstream as W3C `traceparent` beside `X-Request-Id`."""
-    def go(self, request_id: int) -> bool:
-        """Send a deferred stream's request upstream now."""
-    def attach(self, request_id: int, fd: int, head: bytes, keep_alive: bool) -> bool:
-        """Hand the stream the client's socket (owned by the relay from now on)."""
-    def cut(self, request_id: int, frame: bytes | None, only_if_open: bool = False) -> bool:
-        """End the reply with `frame` and `[DONE]`, or close the connection now (`None`)."""
-    def abort(self, request_id: int) -> bool:
-        """Close the upstream request (vLLM aborts it)."""
-    def close(self, request_id: int) -> bool:
-        """Drop the stream now, upstream and client."""
     def shutdown(self) -> None:
         """Stop every stream and the relay's threads (the relay is unusable afterwards)."""
     @property

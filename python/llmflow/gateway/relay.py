@@ -5,8 +5,8 @@ runtime: each stream's events go to its own task there, not to Python. This host
 relay with the config's window, pause, flush interval and thread count, gives `/metrics` its
 inter-chunk histogram (`metrics.relay`), and stops it with the gateway.
 
-The relay still reports through a wake-up pipe for streams opened from Python (`Relay.open`);
-the gateway opens none, so the pipe is only drained here.
+The relay reports through a wake-up pipe only for streams opened without a task of their own;
+the front's all have one and Python opens none, so the pipe is only drained here.
 """
 
 from __future__ import annotations

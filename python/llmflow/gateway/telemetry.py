@@ -5,9 +5,10 @@ to its end, with the runtime's decision as attributes (tenant, tier, queued time
 Retry-After, backend, truncation, outcome; in shadow mode what the policy would have done), and
 two children: `llmflow.queue` (arrival to start, or to the refusal of a request that waited)
 and `llmflow.upstream` (kind CLIENT, from the request going out to vLLM to the reply's end). The
-upstream span's context goes to vLLM as W3C `traceparent`, by the Python reader or by the Rust
-relay (`Relay.open(traceparent=...)`), so vLLM's own spans (`--otlp-traces-endpoint`) are its
-children; a client's incoming `traceparent` is continued (the request span is its child).
+upstream span's context goes to vLLM as W3C `traceparent`, by the Python reader (with telemetry
+on, the front passes every completion to the app), so vLLM's own spans
+(`--otlp-traces-endpoint`) are its children; a client's incoming `traceparent` is continued
+(the request span is its child).
 
 Spans are built from the session's own timestamps when the request ends, except the upstream
 span, which exists from the moment its `traceparent` is sent. Nothing of the prompt, the reply

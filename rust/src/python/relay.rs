@@ -1,7 +1,7 @@
-//! The PyO3 seam of the relay: open, attach, cut, abort, close; events as tuples.
-//!
-//! Events are plain tuples (`("done", id)`, ...) because the host reads a batch of them per
-//! wake-up and dispatches on the first item; a class per event would cost more than it says.
+//! The PyO3 seam of the relay: built by the gateway for the front door to run on (its streams
+//! are the front's: Python opens none), its write-gap histogram for `/metrics`, and its event
+//! queue drained as tuples (`("done", id)`, ...): a class per event would cost more than it
+//! says.
 
 use std::fs::File;
 use std::os::fd::FromRawFd;
@@ -13,14 +13,7 @@ use pyo3::{intern, IntoPyObjectExt};
 
 use super::errors::InvalidArgumentError;
 use super::signature::Signature;
-use crate::relay::{
-    Control, Relay, RelayConfig, RelayEvent, StreamRequest, DEFAULT_MAX_EVENT_BYTES, GAP_BOUNDS_S,
-};
-
-/// The longest the host waits for a stream to carry out a cut, an abort or a close: the
-/// upstream socket is closed before the runtime's next `Start` goes out (a stream busy for
-/// longer is closed a moment later all the same).
-const CARRY_OUT_WAIT: Duration = Duration::from_millis(100);
+use crate::relay::{Relay, RelayConfig, RelayEvent, DEFAULT_MAX_EVENT_BYTES, GAP_BOUNDS_S};
 
 /// Relays streamed completions from vLLM to clients on threads of its own.
 #[pyclass(name = "Relay", module = "llmflow._core")]
@@ -89,101 +82,6 @@ impl PyRelay {
         let inner = Relay::new(config, notify)
             .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
         Ok(Self { inner })
-    }
-
-    /// Send a streamed completion to `url` and relay it; the client attaches later. With
-    /// `deferred`, the stream exists at once (controls apply) but waits for `go` to send.
-    /// `traceparent` goes upstream as W3C `traceparent` (OpenTelemetry), beside `X-Request-Id`.
-    #[pyo3(signature = (*args, **kwargs), text_signature = "($self, request_id, url, body, \
-        x_request_id, include_usage, deferred=False, traceparent=None)")]
-    fn open(&self, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-        const OPEN: Signature = Signature {
-            full_name: "Relay.open()",
-            positional: &[
-                "request_id",
-                "url",
-                "body",
-                "x_request_id",
-                "include_usage",
-                "deferred",
-                "traceparent",
-            ],
-            optional: 2,
-            keyword_only: &[],
-        };
-        let a = OPEN.bind(args, kwargs)?;
-        let (id, url, body): (u64, &str, &[u8]) = (a.get(0)?, a.get(1)?, a.get(2)?);
-        let (request_id, include_usage): (&str, bool) = (a.get(3)?, a.get(4)?);
-        let deferred: bool = a.get_or(5, false)?;
-        let traceparent: Option<&str> = a.get_or(6, None)?;
-        let request = StreamRequest {
-            id,
-            url,
-            body: body.to_vec(),
-            request_id,
-            traceparent,
-            include_usage,
-            deferred,
-            sink: None,
-        };
-        self.inner
-            .open(request)
-            .map_err(InvalidArgumentError::new_err)
-    }
-
-    /// Send a deferred stream's request upstream now.
-    fn go(&self, request_id: u64) -> bool {
-        self.inner.control(request_id, Control::Go)
-    }
-
-    /// Give the stream the client's socket (the relay owns `fd` from now on, and closes it
-    /// if the stream is gone). Returns False when the stream had already ended.
-    fn attach(&self, request_id: u64, fd: i32, head: &[u8], keep_alive: bool) -> bool {
-        // SAFETY: the caller hands over a connected TCP socket it no longer uses.
-        let socket = unsafe { std::net::TcpStream::from_raw_fd(fd) };
-        self.inner.control(
-            request_id,
-            Control::Attach {
-                socket,
-                head: head.to_vec(),
-                keep_alive,
-            },
-        )
-    }
-
-    /// End the reply with `frame` (then `[DONE]`), or close the connection now (`None`).
-    #[pyo3(signature = (request_id, frame, only_if_open=false))]
-    fn cut(
-        &self,
-        py: Python<'_>,
-        request_id: u64,
-        frame: Option<&[u8]>,
-        only_if_open: bool,
-    ) -> bool {
-        let control = Control::Cut {
-            frame: frame.map(<[u8]>::to_vec),
-            only_if_open,
-        };
-        py.detach(|| {
-            self.inner
-                .control_and_wait(request_id, control, CARRY_OUT_WAIT)
-        })
-    }
-
-    /// Close the upstream request (vLLM aborts it); returns once the socket is closed.
-    fn abort(&self, py: Python<'_>, request_id: u64) -> bool {
-        py.detach(|| {
-            self.inner
-                .control_and_wait(request_id, Control::Abort, CARRY_OUT_WAIT)
-        })
-    }
-
-    /// Drop the stream now, upstream and client; returns once it is done.
-    fn close(&self, py: Python<'_>, request_id: u64) -> bool {
-        py.detach(|| {
-            self.inner
-                .control_and_wait(request_id, Control::Close, CARRY_OUT_WAIT)
-        })
     }
 
     /// Stop every stream and the relay's threads (the relay is unusable afterwards).

@@ -1,6 +1,6 @@
 //! Arguments bound by hand, for the methods whose Python signature has more parameters than a
 //! Rust function should take (`Runtime.arrive`, `Runtime.scrape_ok`, `Governor.submit`,
-//! `Governor.observe_backend`, `Relay()`, `Relay.open`): the method takes `*args, **kwargs`
+//! `Governor.observe_backend`, `Relay()`): the method takes `*args, **kwargs`
 //! and one `Signature` binds them by PyO3's own rules, in its order (the call's shape first,
 //! then each argument converted in turn), with its messages, so Python sees the same method
 //! as before (`text_signature` keeps `inspect.signature` and the stubs true).

@@ -1,18 +1,18 @@
 //! The per-chunk relay: streams bytes from vLLM to clients on threads of its own.
 //!
-//! The gateway's Python host admits a request and, when the runtime says `Start`, opens it
-//! here ([`Relay::open`]). From then on every upstream chunk is read, de-framed, shaped
-//! (usage cut, tokens counted) and written to the client's socket by one task on the relay's
-//! tokio threads; Python sees a handful of events per request ([`RelayEvent`]: started, first
-//! token, batched token counts, done, window full/drained, client gone, closed), and carries
-//! out the runtime's answers to them as [`Control`]s. The relay is I/O only: it reads clocks
-//! and sockets and decides nothing (no admission, deadline, stall or health rule lives here;
-//! the runtime keeps them all).
+//! The front door's native path (`front/governed.rs`) admits a request and, when the runtime
+//! says `Start`, opens it here ([`Relay::open`]). From then on every upstream chunk is read,
+//! de-framed, shaped (usage cut, tokens counted) and written to the client's socket by one task
+//! on the relay's tokio threads; the request's task hears a handful of events ([`RelayEvent`]:
+//! started, first token, batched token counts, done, window full/drained, client gone, closed,
+//! through its sink; a stream without one queues them behind a wake-up pipe) and carries out
+//! the runtime's answers to them as [`Control`]s. The relay is I/O only: it reads clocks and
+//! sockets and decides nothing (no admission, deadline, stall or health rule lives here; the
+//! runtime keeps them all).
 //!
-//! The client's connection reaches the relay by hand-off: after the first token the host
-//! detaches the socket from its HTTP server and attaches it to the stream, which then writes
-//! the head and the chunks itself, and hands the socket back after a clean end so the client's
-//! keep-alive connection goes on serving.
+//! The client's connection is lent to the stream, which writes the head and the chunks
+//! itself, and hands the socket back after a clean end so the client's keep-alive connection
+//! goes on serving.
 
 pub mod chunk;
 pub mod events;
