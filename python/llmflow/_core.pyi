@@ -826,6 +826,57 @@ class Front:
     def close(self) -> None:
         """Stop accepting and drop every connection."""
 
+@final
+class NativeRoutes:
+    """The governed completions served in Rust, end to end, against a runtime Python feeds too.
+
+    From its construction the runtime's actions for the requests it serves, and the runtime's
+    one timer (`Arm`), are carried out in Rust; Python's `Runtime` calls return the rest.
+    `serve_on(front)` then has the front offer it every `POST /v1/chat/completions` and
+    `/v1/completions`; what it is not sure of (see `gateway/native.py`) it passes to the app.
+
+    Args:
+        runtime: the runtime Python's host feeds (it may get native routes once).
+        relay: the relay whose threads stream the replies.
+        notify_fd: the write end of a non-blocking pipe: a byte when `take()` has actions.
+        checks: the request checks (`FrontChecks`).
+        keys: the API keys (`FrontKeys`).
+        backends: (name, base URL, priority scheduling) of each backend, in the runtime's
+            order.
+        own_hosts: a keyless gateway's own host names (requests naming another Host, or
+            carrying an Origin, go to the app's guard); None with API keys.
+
+    Raises:
+        InvalidArgumentError: `backends` are not the runtime's, `notify_fd` is negative, or
+            the runtime already has native routes.
+    """
+
+    def __new__(
+        cls,
+        runtime: Runtime,
+        relay: Relay,
+        notify_fd: int,
+        checks: FrontChecks,
+        keys: FrontKeys,
+        backends: list[tuple[str, str, bool]],
+        *,
+        own_hosts: list[str] | None = None,
+    ) -> NativeRoutes: ...
+    def serve_on(self, front: Front) -> None:
+        """Serve `front`'s governed routes natively from now on."""
+    def take(self) -> tuple[list[Action], list[dict[str, Any]]]:
+        """Empty the inbox: (actions of Python's requests that a native request's event
+        caused, to carry out in order; the native requests' records, each a dict: `id`,
+        `tenant`, `tier`, `arrived_us`, `started_us`, `first_token_us`, `ended_us`,
+        `prompt_tokens`, `max_tokens`, `completion_tokens`, `end`, `error` ((status, code) or
+        None), `refused`, `truncated`, `upstream_aborted`, `backend`, `first_token_only`)."""
+    def streams(self) -> list[dict[str, Any]]:
+        """The requests it serves now: `id`, `tenant`, `tier`, `arrived_us`, `backend` (None
+        while queued), `streaming` (past its first token), oldest first."""
+    @property
+    def live(self) -> int:
+        """Requests it serves now (arrived and not yet ended)."""
+
 # ---- the native front's pure checks (a test seam: tests hold each against Python's own) ----
 
 @final

@@ -209,6 +209,27 @@ class Gateway:
         if self.native is not None:
             self.native.drain()
 
+    def _native_streams(self, generated: dict[int, int]) -> list[dict[str, Any]]:
+        """The requests the native front serves, shaped as `_stream_state`'s (their window of
+        unwritten chunks is the relay's: not counted here, None)."""
+        if self.native is None:
+            return []
+        now = now_us()
+        return [
+            {
+                "id": s["id"],
+                "tenant": s["tenant"],
+                "tier": s["tier"],
+                "backend": s["backend"],
+                "queued": s["backend"] is None,
+                "streaming": s["streaming"],
+                "tokens": generated.get(s["id"], 0),
+                "window": None,
+                "age_s": round((now - s["arrived_us"]) / 1e6, 3),
+            }
+            for s in self.native.native.streams()
+        ]
+
     def _native_live(self) -> int:
         return self.native.native.live if self.native is not None else 0
 
@@ -248,7 +269,10 @@ class Gateway:
             "backends": {n: s.as_json() for n, s in self.scraper.states.items()}
             if self.scraper
             else {},
-            "streams": [_stream_state(s, generated) for s in sessions],
+            "streams": [
+                *(_stream_state(s, generated) for s in sessions),
+                *self._native_streams(generated),
+            ],
             "outcomes": [
                 {"outcome": o, "reason": r, "count": c}
                 for (o, r), c in sorted(self.metrics.outcomes.items())

@@ -217,9 +217,8 @@ class NativeInbox:
             metrics.first_token(session)  # type: ignore[arg-type]
             return
         if record["refused"] and session.error is not None:
-            metrics.rejected(  # type: ignore[arg-type]
-                session.prepared, session.error, session.ended_at
-            )
+            prepared: Any = session.prepared  # the fields `rejected` reads of a `Prepared`
+            metrics.rejected(prepared, session.error, session.ended_at)
             return
         if record["truncated"]:
             metrics.truncated(session.end)

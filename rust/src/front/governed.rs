@@ -66,6 +66,15 @@ impl super::Native for Governed {
     }
 }
 
+/// A request the checks accepted: who sent it, what it asks, how the runtime names them.
+struct Accepted {
+    identity: super::auth::Identity,
+    prepared: super::prepare::Prepared,
+    signals: super::signals::ClientSignals,
+    tenant: u32,
+    pool: u32,
+}
+
 /// A request the front took: what it asked, and what has happened to it so far.
 #[allow(clippy::struct_excessive_bools)] // one request's state flags, each read in one place
 struct Life {
@@ -97,52 +106,72 @@ struct Life {
 }
 
 impl Governed {
-    async fn serve_request(self: Arc<Self>, request: Request, conn: Conn) -> Outcome {
+    /// What the native path needs of a request it is sure of, or None: the app serves it.
+    fn accept(&self, request: &Request) -> Option<Accepted> {
         use super::prepare::Endpoint;
         let endpoint = match request.target.as_str() {
             "/v1/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
-            _ => return Outcome::Declined(request, conn),
+            _ => return None,
         };
-        if self.foreign(&request) {
-            return Outcome::Declined(request, conn);
+        if self.foreign(request) {
+            return None;
         }
-        let authorization = header(&request, "authorization");
-        let Some(identity) = self.keys.authenticate(authorization).cloned() else {
-            return Outcome::Declined(request, conn);
-        };
-        let Some(prepared) = super::prepare::prepare(endpoint, &request.body, &self.checks) else {
-            return Outcome::Declined(request, conn);
-        };
+        let identity = self
+            .keys
+            .authenticate(header(request, "authorization"))?
+            .clone();
+        let prepared = super::prepare::prepare(endpoint, &request.body, &self.checks)?;
         // The relay streams one choice without continuous usage; the rest is Python's.
         if !prepared.stream
             || prepared.choices != 1
             || prepared.continuous_usage
             || prepared.unstreamed
         {
-            return Outcome::Declined(request, conn);
+            return None;
         }
         let headers = request
             .headers
             .iter()
             .map(|(n, v)| (n.as_bytes(), v.as_slice()));
-        let Ok(signals) = super::signals::read_signals(headers) else {
-            return Outcome::Declined(request, conn);
-        };
-        let ids = self.owner.read(|runtime| {
+        let signals = super::signals::read_signals(headers).ok()?;
+        let (tenant, pool) = self.owner.read(|runtime| {
             let gov = runtime.governor();
             Some((
                 gov.tenant_id(&identity.tenant).ok()?,
                 gov.pool_of(Some(&prepared.model)).ok()?,
             ))
-        });
-        let Some((tenant, pool)) = ids else {
+        })?;
+        Some(Accepted {
+            identity,
+            prepared,
+            signals,
+            tenant,
+            pool,
+        })
+    }
+
+    async fn serve_request(self: Arc<Self>, request: Request, conn: Conn) -> Outcome {
+        let Some(Accepted {
+            identity,
+            prepared,
+            signals,
+            tenant,
+            pool,
+        }) = self.accept(&request)
+        else {
             return Outcome::Declined(request, conn);
         };
         let id = self.owner.new_id();
         let (tx, orders) = unbounded_channel();
-        self.owner.register(id, tx);
         let arrived_us = now_us();
+        let live = super::owner::Live {
+            tenant: identity.tenant.clone(),
+            tier: identity.tier.clone(),
+            arrived_us,
+            ..super::owner::Live::default()
+        };
+        self.owner.register(id, tx, live);
         let event = Event::Arrive {
             id,
             tenant,
@@ -169,7 +198,7 @@ impl Governed {
             max_tokens: Some(prepared.planned_tokens),
             ..Record::default()
         };
-        let life = Life {
+        let state = Life {
             id,
             prepared,
             stream: Some(conn.stream),
@@ -194,7 +223,7 @@ impl Governed {
             id,
             armed: true,
         };
-        let conn = self.run(life, orders).await;
+        let conn = self.run(state, orders).await;
         guard.armed = false;
         self.owner.unregister(id);
         Outcome::Served(conn)
@@ -401,6 +430,8 @@ impl Governed {
     ) {
         let route = &self.backends[backend as usize];
         life.record.backend = Some(route.name.clone());
+        self.owner
+            .update(life.id, |l| l.backend = Some(route.name.clone()));
         life.record.started_us = Some(now_us());
         let body = life
             .prepared
@@ -449,6 +480,7 @@ impl Governed {
             RelayEvent::FirstToken { n, template, .. } => {
                 life.template = template;
                 life.record.first_token_us = Some(now_us());
+                self.owner.update(id, |l| l.streaming = true);
                 self.owner.record(Record {
                     first_token_only: true,
                     ..life.record.clone()

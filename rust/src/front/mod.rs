@@ -147,6 +147,30 @@ impl Drop for Front {
     }
 }
 
+/// Unsent bytes the kernel holds for a client before the socket stops being writable.
+///
+/// Without a bound, Linux grows a socket's send buffer (up to `tcp_wmem`'s 4 MiB) for a
+/// client that reads nothing, so a stream's writes never block, its window of unwritten chunks
+/// never fills, and the runtime's stall rule never hears of it: vLLM generates the whole reply
+/// into kernel buffers. With it, what a stalled client costs is its receive window plus this,
+/// and the window fills within a few chunks of the client stopping.
+const MAX_UNSENT: libc::c_int = 16 * 1024;
+
+fn bound_unsent(stream: &tokio::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let value = MAX_UNSENT;
+    // SAFETY: a valid socket fd and a c_int option value of the stated size.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NOTSENT_LOWAT,
+            (&raw const value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
 async fn accept(
     listener: tokio::net::TcpListener,
     setup: Arc<conn::Setup>,
@@ -164,6 +188,7 @@ async fn accept(
         };
         // Replies are written whole or chunk by chunk as they come: no Nagle delay on either.
         let _ = stream.set_nodelay(true);
+        bound_unsent(&stream);
         let conn = Conn {
             stream,
             peer,

@@ -44,10 +44,23 @@ struct Inbox {
     woken: bool,
 }
 
+/// A request the front serves, as `/api/state` lists it among the live streams.
+#[derive(Debug, Clone, Default)]
+pub struct Live {
+    pub tenant: String,
+    pub tier: String,
+    pub arrived_us: u64,
+    /// Where it was started (None: it waits).
+    pub backend: Option<String>,
+    /// Its first token has gone out.
+    pub streaming: bool,
+}
+
 /// The runtime, the front's requests, the timer, and Python's inbox.
 pub struct Owner {
     runtime: SharedRuntime,
     tasks: Arc<Mutex<FxHashMap<u64, UnboundedSender<Order>>>>,
+    live: Mutex<FxHashMap<u64, Live>>,
     inbox: Mutex<Inbox>,
     notify: Mutex<File>,
     next_id: AtomicU64,
@@ -140,6 +153,7 @@ impl Owner {
         let owner = Arc::new(Self {
             runtime,
             tasks,
+            live: Mutex::default(),
             inbox: Mutex::default(),
             notify: Mutex::new(notify),
             next_id: AtomicU64::new(FRONT_IDS),
@@ -183,13 +197,30 @@ impl Owner {
     }
 
     /// Serve request `id` here: its actions go to `task`.
-    pub fn register(&self, id: u64, task: UnboundedSender<Order>) {
+    pub fn register(&self, id: u64, task: UnboundedSender<Order>, live: Live) {
+        self.live.lock().unwrap().insert(id, live);
         self.tasks.lock().unwrap().insert(id, task);
     }
 
     /// The request has ended; nothing more is routed to its task.
     pub fn unregister(&self, id: u64) {
         self.tasks.lock().unwrap().remove(&id);
+        self.live.lock().unwrap().remove(&id);
+    }
+
+    /// Note what happened to a live request (its start, its first token).
+    pub fn update(&self, id: u64, f: impl FnOnce(&mut Live)) {
+        if let Some(live) = self.live.lock().unwrap().get_mut(&id) {
+            f(live);
+        }
+    }
+
+    /// The requests the front serves now, for `/api/state`.
+    pub fn streams(&self) -> Vec<(u64, Live)> {
+        let live = self.live.lock().unwrap();
+        let mut out: Vec<(u64, Live)> = live.iter().map(|(&id, l)| (id, l.clone())).collect();
+        out.sort_unstable_by_key(|&(id, _)| id);
+        out
     }
 
     /// Feed an event from a front task now; actions of Python's requests go to its inbox.

@@ -112,6 +112,23 @@ impl PyNativeRoutes {
         Ok((out, rows))
     }
 
+    /// The requests the front serves now, as dicts (`id`, `tenant`, `tier`, `arrived_us`,
+    /// `backend`, `streaming`), oldest first.
+    fn streams<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for (id, live) in self.governed.owner.streams() {
+            let d = PyDict::new(py);
+            d.set_item("id", id)?;
+            d.set_item("tenant", &live.tenant)?;
+            d.set_item("tier", &live.tier)?;
+            d.set_item("arrived_us", live.arrived_us)?;
+            d.set_item("backend", &live.backend)?;
+            d.set_item("streaming", live.streaming)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
     /// Requests the front serves now (arrived and not yet ended).
     #[getter]
     fn live(&self) -> usize {
