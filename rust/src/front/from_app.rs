@@ -53,7 +53,7 @@ pub async fn download<R, W>(
     head_only: bool,
 ) -> Result<Reply, Failed>
 where
-    R: AsyncRead + Unpin,
+    R: AppSide,
     W: AsyncWrite + Unpin,
 {
     let mut wrote = false;
@@ -85,7 +85,7 @@ where
         } else {
             framing
         };
-        copy_body(app, buf, &mut client, framing).await?;
+        copy_body(app, buf, &mut client, framing, close).await?;
         return Ok(Reply {
             close: close || framing.is_none(),
             upgraded: false,
@@ -125,15 +125,45 @@ fn reply_head(buf: &[u8]) -> Result<Option<ReplyHead>, Failed> {
     Ok(Some((len, reply.code.unwrap_or(0), framing, close)))
 }
 
+/// The app's side of a passed request: can it tell, without reading, that the app hung up?
+pub trait AppSide: AsyncRead + Unpin {
+    /// The app closed its side (data may still wait unread before the end).
+    fn hung_up(&self) -> bool;
+}
+
+impl AppSide for tokio::net::unix::ReadHalf<'_> {
+    fn hung_up(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let stream: &tokio::net::UnixStream = self.as_ref();
+        let mut poll = libc::pollfd {
+            fd: stream.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, a zero timeout: a check, never a wait.
+        let ready = unsafe { libc::poll(&raw mut poll, 1, 0) };
+        ready > 0 && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
+/// How often a write waiting on a client that reads nothing checks whether the app hung up.
+const HANG_UP_CHECK: Duration = Duration::from_millis(100);
+
 /// Copy one reply body verbatim, each read from the app written to the client at once.
+///
+/// While a write waits on a client that reads nothing, the app's side is checked: an app that
+/// hangs up on a framed reply it did not say would end the connection has cut it (the
+/// runtime's stall rule, a drain; `guard.py` aborts a connection whose buffer does not
+/// flush), so the client's connection is dropped then, not when the write timeout gives up.
 async fn copy_body<R, W>(
     app: &mut R,
     buf: &mut BytesMut,
     client: &mut Client<'_, W>,
     framing: Option<Framing>,
+    close: bool,
 ) -> Result<(), Failed>
 where
-    R: AsyncRead + Unpin,
+    R: AppSide,
     W: AsyncWrite + Unpin,
 {
     let mut left = match framing {
@@ -141,6 +171,7 @@ where
         _ => u64::MAX,
     };
     let mut chunked = (framing == Some(Framing::Chunked)).then(Chunked::default);
+    let watch = framing.is_some() && !close;
     while left > 0 && !chunked.as_ref().is_some_and(Chunked::done) {
         if buf.is_empty() {
             match app.read_buf(buf).await {
@@ -157,7 +188,40 @@ where
             left -= take as u64;
         }
         let part = buf.split_to(take);
-        client.write(&part).await?;
+        let mut write = std::pin::pin!(client.write(&part));
+        loop {
+            tokio::select! {
+                written = &mut write => {
+                    written?;
+                    break;
+                }
+                () = tokio::time::sleep(HANG_UP_CHECK), if watch => {
+                    if app.hung_up() && !reply_complete(chunked.as_ref(), left, buf) {
+                        return Err(Failed::Cut); // the app cut it: drop the client now
+                    }
+                }
+            }
+        }
     }
     Ok(())
+}
+
+/// Whether what is already read (`buf`, after the part being written) ends the reply.
+fn reply_complete(chunked: Option<&Chunked>, left: u64, buf: &BytesMut) -> bool {
+    match chunked {
+        Some(c) => {
+            let mut rest = c.clone();
+            let mut probe = buf.clone();
+            while !probe.is_empty() && !rest.done() {
+                match rest.feed(&probe) {
+                    Ok(0) | Err(_) => return false,
+                    Ok(n) => {
+                        let _ = probe.split_to(n);
+                    }
+                }
+            }
+            rest.done()
+        }
+        None => buf.len() as u64 >= left,
+    }
 }
