@@ -19,6 +19,7 @@ two sides cannot disagree on what a valid file is.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -214,7 +215,9 @@ class Server(_Section):
     # ones it can: docs/gateway.md); off, it passes every request to the app, which streams
     # every reply through Python.
     relay: bool = True
-    workers: int = Field(1, ge=1, le=64)  # relay threads (`llmflow serve --workers`)
+    # Threads of the front door and the relay (`llmflow serve --workers`); None: one per CPU
+    # this process may run on (`threads`). The runtime stays one, whatever the count.
+    workers: int | None = Field(None, ge=1, le=64)
     # one CSV row per request at its end, in the simulator's `--requests-out` columns
     access_log: str | None = None
     # The largest SSE event a backend may send (an `echo` with `logprobs` can be large); past
@@ -225,6 +228,11 @@ class Server(_Section):
     # Host names a keyless gateway answers besides IP literals, `localhost` and `host`: any
     # other Host (DNS rebinding) or a cross-origin Origin gets 403 (docs/reliability.md).
     allowed_hosts: list[str] = []
+
+    @property
+    def threads(self) -> int:
+        """`workers`, or the CPUs this process may run on (its affinity mask), at most 64."""
+        return self.workers or min(len(os.sched_getaffinity(0)), 64)
 
 
 class Telemetry(_Section):

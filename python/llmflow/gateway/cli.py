@@ -144,8 +144,9 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--workers",
         type=int,
         metavar="N",
-        help="threads that relay streamed replies (default: server.workers, 1); admission, "
-        "the queue and the KV ledger stay one, shared by all of them",
+        help="threads of the front door and the relay (default: server.workers, else one per "
+        "CPU this process may run on); admission, the queue and the KV ledger stay one, "
+        "shared by all of them",
     )
     p.add_argument(
         "--trace",

@@ -42,7 +42,7 @@ class RelayHost:
         self._wake_fd = read_end
         self.relay = Relay(
             write_end,
-            threads=settings.server.workers,
+            threads=settings.server.threads,
             client_window=settings.backpressure.client_window,
             pause_when_full=settings.backpressure.pause_when_full,
             flush_interval_ms=settings.streaming.sse_flush_interval,
