@@ -609,6 +609,9 @@ class Runtime:
         what each sync renews. Empty without `lifecycle.leases`."""
     def drain(self, now_us: int) -> list[Action]:
         """Stop admitting; cut whatever is live when the drain timeout passes."""
+    def carried(self) -> None:
+        """The host has carried out every action it was handed (its `Abort`s have reached their
+        sockets): the native front's `Start`s of the same events go upstream now."""
     def take_trace(self) -> str:
         """The JSONL trace recorded since the last call (header first); "" when not tracing."""
     @property

@@ -22,9 +22,16 @@ pub trait Divert: Send {
     /// Take `action` (true) when another host carries it out; false leaves it to the caller.
     fn divert(&mut self, action: &Action) -> bool;
 
-    /// Every action of one event has been offered.
-    fn batch_end(&mut self) {}
+    /// Every action of one event has been offered. Returns the gates of what it took that must
+    /// wait for the caller's share to be carried out first (see [`Gate`]).
+    fn batch_end(&mut self) -> Vec<Gate> {
+        Vec::new()
+    }
 }
+
+/// Held by the host that carries out an `Abort` another host's `Start` must wait for: dropped
+/// (or sent on) once the abort has reached its socket, which lets the `Start` go upstream.
+pub type Gate = std::sync::mpsc::SyncSender<()>;
 
 /// The runtime shared by the hosts of one process, its trace, and who carries out what.
 pub struct Hosted {
@@ -34,6 +41,10 @@ pub struct Hosted {
     /// may be stamped a few microseconds before one already fed.
     last_us: u64,
     divert: Option<Box<dyn Divert>>,
+    /// Gates of the last event fed (`take_gates`), and those Python holds until it has carried
+    /// out what it was given (`python_carried`).
+    gates: Vec<Gate>,
+    python_gates: Vec<Gate>,
 }
 
 /// A [`Hosted`] runtime behind its lock.
@@ -46,6 +57,8 @@ impl Hosted {
             trace,
             last_us: 0,
             divert: None,
+            gates: Vec::new(),
+            python_gates: Vec::new(),
         }
     }
 
@@ -107,9 +120,25 @@ impl Hosted {
             }
         }
         if let Some(divert) = self.divert.as_mut() {
-            divert.batch_end();
+            self.gates = divert.batch_end();
         }
         Ok(())
+    }
+
+    /// The gates of the last event fed: the caller holds them until it has carried out its
+    /// own actions of that event (Python: `hold_for_python`).
+    pub fn take_gates(&mut self) -> Vec<Gate> {
+        std::mem::take(&mut self.gates)
+    }
+
+    /// Gates Python holds until it has carried out what it was handed (`python_carried`).
+    pub fn hold_for_python(&mut self, gates: Vec<Gate>) {
+        self.python_gates.extend(gates);
+    }
+
+    /// Python has carried out every action it was handed: the `Start`s waiting on them go.
+    pub fn python_carried(&mut self) {
+        self.python_gates.clear();
     }
 
     /// The trace lines recorded since the last call ("" when not tracing).
@@ -176,8 +205,9 @@ mod tests {
             mine
         }
 
-        fn batch_end(&mut self) {
+        fn batch_end(&mut self) -> Vec<Gate> {
             *self.batches.lock().unwrap() += 1;
+            Vec::new()
         }
     }
 

@@ -102,6 +102,7 @@ class Host:
             self._trace.write(self.runtime.take_trace())
         for action in actions:
             self._carry_by_type[type(action)](action)
+        self.runtime.carried()  # a native `Start` behind one of these aborts may go now
 
     # ---- events ------------------------------------------------------------------------------
 

@@ -17,6 +17,10 @@ use super::http::{self, Ending, Framing, Limits, Refusal};
 use super::pass::{self, After, Body, Upstream};
 use super::{Conn, Native, Outcome, Request};
 
+/// Requests a connection may have queued behind the one being answered (`guard.py`'s
+/// `MAX_PIPELINE`): a client that pipelines more is answered those, then closed.
+const MAX_PIPELINE: usize = 16;
+
 /// The governed generation routes, which the native server may serve.
 const NATIVE_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
 
@@ -39,7 +43,18 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
     // A fresh connection may wait the read timeout for its first request (as uvicorn's read
     // timer allows); between requests, the keep-alive timeout.
     let mut idle = limits.read_timeout;
+    // Requests the client sent before the one ahead of them was answered, in a row.
+    let mut pipelined = 0;
     loop {
+        pipelined = if conn.buffered.is_empty() {
+            0
+        } else {
+            pipelined + 1
+        };
+        if pipelined > MAX_PIPELINE {
+            // guard.py's bound: those queued are answered, the rest never read.
+            return http::linger(conn).await;
+        }
         let head = match http::read_head(&mut conn, limits, idle).await {
             Ok(head) => head,
             Err(Ending::Closed) => return,

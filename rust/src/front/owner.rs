@@ -21,7 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::watch;
 
 use crate::error::PolicyResult;
-use crate::hosted::{Divert, Hosted, SharedRuntime};
+use crate::hosted::{Divert, Gate, Hosted, SharedRuntime};
 use crate::relay::{Control, Streams};
 use crate::runtime::{Action, Event, Runtime};
 
@@ -40,6 +40,7 @@ pub struct Order {
 struct Inbox {
     actions: Vec<Action>,
     records: Vec<Record>,
+    gates: Vec<Gate>,
     /// A wake-up byte is on its way and Python has not taken the inbox since.
     woken: bool,
 }
@@ -73,6 +74,10 @@ struct FrontDivert {
     streams: Streams,
     /// Aborts handed to the relay in the batch being routed.
     aborts: Vec<std::sync::mpsc::Receiver<()>>,
+    /// An `Abort` the caller carries out (a request Python serves) came in this batch: the
+    /// front's `Start`s after it wait behind a gate until it has.
+    caller_aborts: bool,
+    gates: Vec<Gate>,
 }
 
 impl Divert for FrontDivert {
@@ -94,10 +99,17 @@ impl Divert for FrontDivert {
         };
         let tasks = self.tasks.lock().unwrap();
         let Some(task) = tasks.get(&id) else {
+            self.caller_aborts |= matches!(action, Action::Abort { .. });
             return false;
         };
         let after = if matches!(action, Action::Start { .. }) {
-            mem::take(&mut self.aborts)
+            let mut after = mem::take(&mut self.aborts);
+            if self.caller_aborts {
+                let (gate, opened) = std::sync::mpsc::sync_channel(1);
+                self.gates.push(gate);
+                after.push(opened);
+            }
+            after
         } else {
             Vec::new()
         };
@@ -109,8 +121,10 @@ impl Divert for FrontDivert {
         true
     }
 
-    fn batch_end(&mut self) {
+    fn batch_end(&mut self) -> Vec<Gate> {
         self.aborts.clear();
+        self.caller_aborts = false;
+        mem::take(&mut self.gates)
     }
 }
 
@@ -148,6 +162,8 @@ impl Owner {
                 timer,
                 streams,
                 aborts: Vec::new(),
+                caller_aborts: false,
+                gates: Vec::new(),
             }));
         }
         let owner = Arc::new(Self {
@@ -229,13 +245,15 @@ impl Owner {
     /// The runtime refused the event.
     pub fn feed(&self, event: &Event) -> PolicyResult<()> {
         let mut python = Vec::new();
-        {
+        let gates = {
             let mut hosted = Hosted::lock(&self.runtime);
             hosted.feed(now_us(), event, |_, action| python.push(action.clone()))?;
-        }
+            hosted.take_gates()
+        };
         if !python.is_empty() {
             let mut inbox = self.inbox.lock().unwrap();
             inbox.actions.append(&mut python);
+            inbox.gates.extend(gates);
             self.wake(&mut inbox);
         }
         Ok(())
@@ -253,11 +271,22 @@ impl Owner {
         self.inbox.lock().unwrap().records.push(record);
     }
 
-    /// Everything Python must carry out or count, oldest first.
+    /// Everything Python must carry out or count, oldest first. The gates of those actions
+    /// are Python's to hold until it has carried them out (`Runtime.carried`).
     pub fn take(&self) -> (Vec<Action>, Vec<Record>) {
-        let mut inbox = self.inbox.lock().unwrap();
-        inbox.woken = false;
-        (mem::take(&mut inbox.actions), mem::take(&mut inbox.records))
+        let (actions, records, gates) = {
+            let mut inbox = self.inbox.lock().unwrap();
+            inbox.woken = false;
+            (
+                mem::take(&mut inbox.actions),
+                mem::take(&mut inbox.records),
+                mem::take(&mut inbox.gates),
+            )
+        };
+        if !gates.is_empty() {
+            Hosted::lock(&self.runtime).hold_for_python(gates);
+        }
+        (actions, records)
     }
 
     pub fn runtime(&self) -> &SharedRuntime {

@@ -59,12 +59,16 @@ impl PyRuntime {
         list: &Bound<'_, pyo3::types::PyList>,
     ) -> PyResult<()> {
         let mut converted = Ok(());
-        Hosted::lock(&self.shared).feed(now_us, event, |runtime, action| {
+        let mut hosted = Hosted::lock(&self.shared);
+        hosted.feed(now_us, event, |runtime, action| {
             if converted.is_ok() {
                 converted =
                     action_to_py(py, runtime.governor(), action).and_then(|a| list.append(a));
             }
         })?;
+        // A native `Start` behind an `Abort` Python carries out waits for `carried()`.
+        let gates = hosted.take_gates();
+        hosted.hold_for_python(gates);
         converted
     }
 
@@ -465,6 +469,12 @@ impl PyRuntime {
 
     fn drain(&mut self, py: Python<'_>, now_us: u64) -> PyResult<Py<PyAny>> {
         self.feed(py, now_us, &Event::Drain)
+    }
+
+    /// The host has carried out every action it was handed: the native front's `Start`s that
+    /// waited for its aborts to reach their sockets go upstream now.
+    fn carried(&self) {
+        self.core().python_carried();
     }
 
     /// The trace lines recorded since the last call (the header first), or "" when not tracing.
