@@ -162,6 +162,9 @@ impl Governed {
         else {
             return Outcome::Declined(request, conn);
         };
+        // The request's head and body are read: only whether the connection goes on is kept.
+        let keep_alive = request.keep_alive;
+        drop(request);
         let id = self.owner.new_id();
         let (tx, orders) = unbounded_channel();
         let arrived_us = now_us();
@@ -203,8 +206,14 @@ impl Governed {
             prepared,
             stream: Some(conn.stream),
             peer: conn.peer,
-            buffered: conn.buffered,
-            keep_alive: request.keep_alive,
+            // An idle stream keeps no read buffer (the front's 8 KiB): a pipelined request's
+            // bytes, if any, are kept as they are.
+            buffered: if conn.buffered.is_empty() {
+                bytes::BytesMut::new()
+            } else {
+                conn.buffered
+            },
+            keep_alive,
             record,
             opened: false,
             attached: false,
@@ -451,6 +460,8 @@ impl Governed {
         match opened {
             Ok(()) => {
                 life.opened = true;
+                // Sent: the body's tree is not needed again (a cut names the asked model).
+                life.prepared.body = super::json::Json::Null;
                 self.hold(life);
             }
             Err(message) => {
