@@ -162,9 +162,6 @@ impl Governed {
         else {
             return Outcome::Declined(request, conn);
         };
-        // The request's head and body are read: only whether the connection goes on is kept.
-        let keep_alive = request.keep_alive;
-        drop(request);
         let id = self.owner.new_id();
         let (tx, orders) = unbounded_channel();
         let arrived_us = now_us();
@@ -192,6 +189,9 @@ impl Governed {
             self.owner.unregister(id);
             return Outcome::Declined(request, conn);
         }
+        // Taken: of the request's head and body, only whether the connection goes on is kept.
+        let keep_alive = request.keep_alive;
+        drop(request);
         let record = Record {
             id,
             tenant: identity.tenant.clone(),
