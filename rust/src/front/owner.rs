@@ -87,7 +87,13 @@ impl Divert for FrontDivert {
                 self.timer.send_replace(Some(*at_us));
                 return true;
             }
-            Action::Abort { id } => {
+            // Whatever ends a relayed stream early stops its upstream request here, at once, and a
+            // `Start` of the same event waits until it has (the stream's own task then writes
+            // the notice or the error): vLLM never runs more than the runtime let in.
+            Action::Abort { id }
+            | Action::Cut { id, .. }
+            | Action::Reply { id, .. }
+            | Action::End { id, .. } => {
                 if let Some(acked) = self.streams.control_acked(*id, Control::Abort) {
                     self.aborts.push(acked);
                 }
@@ -99,7 +105,14 @@ impl Divert for FrontDivert {
         };
         let tasks = self.tasks.lock().unwrap();
         let Some(task) = tasks.get(&id) else {
-            self.caller_aborts |= matches!(action, Action::Abort { .. });
+            // A request Python serves: whatever ends it closes its upstream socket there.
+            self.caller_aborts |= matches!(
+                action,
+                Action::Abort { .. }
+                    | Action::Cut { .. }
+                    | Action::Reply { .. }
+                    | Action::End { .. }
+            );
             return false;
         };
         let after = if matches!(action, Action::Start { .. }) {

@@ -147,6 +147,8 @@ struct Task {
     held_head: Option<Vec<u8>>,
     /// A held connection given back unwritten (`Control::GiveBack`).
     given_back: bool,
+    /// `[DONE]` came and the host has not yet heard `Done` (it does when the body ends).
+    done_pending: bool,
 }
 
 /// Run one stream to its end; returns the event that closes it.
@@ -189,6 +191,7 @@ pub async fn run(
         clean: false,
         held_head: None,
         given_back: false,
+        done_pending: false,
     };
     task.run(&mut ctrl).await;
     task.closed()
@@ -247,7 +250,12 @@ impl Task {
                         Ok(_) => { self.watch_client = false; Step::Go } // pipelined bytes: not ours
                     }
                 }
-                () = async { tokio::time::sleep_until(self.drain_until.unwrap().into()).await }, if written && draining => {
+                () = async { tokio::time::sleep_until(self.drain_until.unwrap().into()).await }, if draining => {
+                    // The body did not end in time after `[DONE]`: given up, the connection
+                    // with it (it cannot serve again), and the host hears `Done`.
+                    self.body = None;
+                    self.conn = None;
+                    self.upstream_ended();
                     Step::Go
                 }
                 () = async { tokio::time::sleep_until(self.flush_at.unwrap()).await }, if self.flush_at.is_some() => {
@@ -292,6 +300,7 @@ impl Task {
     }
 
     fn closed(mut self) -> RelayEvent {
+        self.upstream_ended(); // before `Closed`: a `[DONE]` the body's end never followed
         if let Some(conn) = self.conn.take() {
             let drained = self.upstream_complete && self.body.is_none() && !self.driver_done;
             if drained && !conn.sender.is_closed() {

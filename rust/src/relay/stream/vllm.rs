@@ -109,8 +109,12 @@ impl Task {
                 Some(Err(_)) => {
                     self.body = None;
                     self.conn = None;
+                    self.upstream_ended();
                 }
-                None => self.body = None, // read to the end: the connection can serve again
+                None => {
+                    self.body = None; // read to the end: the connection can serve again
+                    self.upstream_ended();
+                }
             }
             return Step::Go;
         }
@@ -168,7 +172,10 @@ impl Task {
             self.drain_until = Some(now + BODY_END_WAIT);
             self.upstream_complete = true;
             self.clean = true;
-            self.push(RelayEvent::Done(self.id));
+            // The host hears `Done` when the body ends (`upstream_ended`), not at `[DONE]`:
+            // vLLM's request is over then, so the slot the runtime frees on `Done` is free at
+            // vLLM too when the next request takes it.
+            self.done_pending = true;
             self.terminate();
         }
         self.write()
@@ -183,6 +190,14 @@ impl Task {
         self.conn = None;
         self.push(RelayEvent::Failed(self.id, failure));
         Step::Go
+    }
+
+    /// The upstream reply is over (its body ended, or was given up after `[DONE]`): the
+    /// host hears `Done` now.
+    pub(super) fn upstream_ended(&mut self) {
+        if std::mem::take(&mut self.done_pending) {
+            self.push(RelayEvent::Done(self.id));
+        }
     }
 
     pub(super) fn stop_upstream(&mut self) {
