@@ -22,6 +22,7 @@ import pytest
 from llmflow._core import replay_trace
 
 from .harness import assert_idle, start_gateway, until
+from .test_relay import _comparable, _events
 
 if TYPE_CHECKING:
     import httpx
@@ -39,22 +40,6 @@ def _body(path: str = CHAT, **extra: Any) -> dict[str, Any]:
     else:
         body["prompt"] = "hi"
     return body
-
-
-def _events(text: str) -> list[Any]:
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def _comparable(events: list[Any]) -> list[Any]:
-    return [
-        {k: v for k, v in e.items() if k not in ("id", "created")} if isinstance(e, dict) else e
-        for e in events
-    ]
 
 
 async def _stream(

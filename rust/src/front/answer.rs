@@ -91,17 +91,7 @@ pub fn uvicorn_error(
 
 /// `errors.py`'s `error_bytes`: `json.dumps(error_body(...))`, with its separators.
 pub fn error_json(status: u16, message: &str, code: &str) -> Vec<u8> {
-    let kind = match status {
-        401 => "authentication_error",
-        404 => "not_found_error",
-        429 => "rate_limit_error",
-        499 => "client_closed_request",
-        502 => "bad_gateway",
-        503 => "service_unavailable",
-        504 => "timeout_error",
-        s if s >= 500 => "server_error",
-        _ => "invalid_request_error",
-    };
+    let kind = super::reply::error_type(status);
     format!(
         "{{\"error\": {{\"message\": {}, \"type\": \"{kind}\", \"code\": {}, \"param\": null}}}}",
         json_string(message),

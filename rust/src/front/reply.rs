@@ -143,7 +143,7 @@ fn reply_headers(retry_after_s: Option<u64>, request_id: u64) -> Vec<(String, St
 }
 
 /// `errors._TYPES`: the OpenAI error type of a status.
-fn error_type(status: u16) -> &'static str {
+pub(super) fn error_type(status: u16) -> &'static str {
     match status {
         400 | 405 | 413 | 415 | 431 => "invalid_request_error",
         401 => "authentication_error",
