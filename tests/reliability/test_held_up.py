@@ -210,18 +210,26 @@ async def test_an_upstream_that_never_finishes_its_head_is_given_up() -> None:
     """A backend that accepts the request and never sends its headers: the first-token
     deadline answers the client and the connection upstream is closed (the backend sees
     the disconnect), freeing the slot."""
-    accepted: list[int] = [0, 0]  # connections, of them closed by the gateway
+    completions: list[int] = [0, 0]  # completions received, of them closed by the gateway
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted[0] += 1
-        request = await reader.readuntil(b"\r\n\r\n")
+        try:
+            request = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            # A client may connect and leave before writing (a scrape cancelled at shutdown).
+            writer.close()
+            return
         if request.startswith(b"GET /metrics"):
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-length: 30\r\n\r\nvllm:num_requests_running 0.0\n"
             )
             await writer.drain()
+            await reader.read()
+            writer.close()
+            return
+        completions[0] += 1
         await reader.read()  # never answer a completion; wait for the gateway to leave
-        accepted[1] += 1
+        completions[1] += 1
         writer.close()
 
     server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
@@ -243,7 +251,8 @@ async def test_an_upstream_that_never_finishes_its_head_is_given_up() -> None:
                 assert r.status_code == 504, r.text
                 state = (await c.get("/api/state")).json()["core"]
                 assert (state["running"], state["queued"]) == (0, 0)
-            await until(lambda: accepted[1] >= 1, timeout_s=3)  # the backend saw it go
+            assert completions[0] == 1
+            await until(lambda: completions[1] == 1, timeout_s=3)  # the backend saw it go
     finally:
         server.close()
 
