@@ -187,15 +187,6 @@ async def _mix(h: Harness, crowd: list[Client]) -> None:
     await assert_idle(h)
 
 
-# Issue 23, open: with the native front serving streams on tokio beside the Python host, the
-# fake vLLM has been seen running 3 requests on a cap of 2 for a moment (some crowds, some
-# seeds: `--hypothesis-seed=13`). The ordering rules between the two hosts (an abort reaches
-# its socket before a `Start` of the same event goes upstream: `front/owner.rs`'s gates) closed
-# two such races; one is left. The assertion is kept as it was; non-strict, so its fix shows.
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 23: a Start can still reach vLLM before the slot it takes is free there",
-)
 @settings(max_examples=EXAMPLES)
 @given(crowd=st.lists(clients, min_size=1, max_size=10))
 def test_random_client_mixes_leave_the_gateway_idle(served: Served, crowd: list[Client]) -> None:

@@ -26,14 +26,18 @@ answers what the gateway sends unstreamed.
 
 It speaks vLLM's streaming format: a role chunk first, one chunk per token with continuous usage
 when asked, a usage-only chunk when `include_usage` is set, then `data: [DONE]`. It counts what a
-test needs to check: requests seen, running now, aborted by the client, completed, peak running,
-and the bodies it received.
+test needs to check: requests seen, running now, aborted by the client, completed, peak running
+(requests a client held open at once, read from the sockets: a request whose client has closed
+its connection does not count against the next one, even before this loop has noticed), and
+the bodies it received.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -77,6 +81,7 @@ class FakeVllm:
 
     def __post_init__(self) -> None:
         self._steps: asyncio.Queue[None] | None = None
+        self._held: list[_HeldBy] = []
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
@@ -130,6 +135,7 @@ class FakeVllm:
         return PlainTextResponse(text)
 
     async def _complete(self, request: Request) -> Response:
+        held = _HeldBy(request, [h for h in self._held if h.held()])  # as it arrives
         body = await request.json()
         self.seen += 1
         self.bodies.append(body)
@@ -147,17 +153,19 @@ class FakeVllm:
                 status_code=plan["status"],
             )
         if plan.get("hang"):
-            return StreamingResponse(self._hang(), media_type="text/event-stream")
+            return StreamingResponse(self._hang(held), media_type="text/event-stream")
         chat = request.url.path.endswith("chat/completions")
         if not body.get("stream"):  # what the gateway sends unstreamed (prompt logprobs)
-            return JSONResponse(self._whole(body, chat))
-        return StreamingResponse(self._stream(body, plan, chat), media_type="text/event-stream")
+            return JSONResponse(self._whole(body, chat, held))
+        return StreamingResponse(
+            self._stream(body, plan, chat, held), media_type="text/event-stream"
+        )
 
-    def _whole(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    def _whole(self, body: dict[str, Any], chat: bool, held: _HeldBy) -> dict[str, Any]:
         n = int(body.get("max_tokens") or 8)
         text = "".join(f"t{i} " for i in range(n))
-        self._enter()
-        self._leave(True)
+        self._enter(held)
+        self._leave(held, True)
         self.tokens_sent += n
         return {
             "id": f"cmpl-fake{self.seen}",
@@ -168,22 +176,29 @@ class FakeVllm:
             "fake_whole": True,  # a field only this answer has: it must reach the client
         }
 
-    async def _hang(self) -> Any:
-        self._enter()
+    async def _hang(self, held: _HeldBy) -> Any:
+        self._enter(held)
         finished = False
         try:
             await asyncio.Event().wait()
             finished = True
             yield b""
         finally:
-            self._leave(finished)
+            self._leave(held, finished)
 
-    def _enter(self) -> None:
+    def _enter(self, held: _HeldBy) -> None:
         self.running += 1
-        self.peak_running = max(self.peak_running, self.running)
+        # Peak running counts the requests the client held open when this one arrived (or
+        # holds now): one whose connection was already closed is vLLM's to abort, even before
+        # this loop has got round to noticing (vLLM's API server notices it first, and adds a
+        # new request to the engine only after tokenizing it).
+        alongside = sum(h in held.before or h.held() for h in self._held)
+        self._held.append(held)
+        self.peak_running = max(self.peak_running, 1 + alongside)
 
-    def _leave(self, finished: bool | None) -> None:
+    def _leave(self, held: _HeldBy, finished: bool | None) -> None:
         self.running -= 1
+        self._held.remove(held)
         if finished is None:
             self.broken += 1
         elif finished:
@@ -191,8 +206,10 @@ class FakeVllm:
         else:
             self.aborted += 1
 
-    async def _stream(self, body: dict[str, Any], plan: dict[str, Any], chat: bool) -> Any:
-        self._enter()
+    async def _stream(
+        self, body: dict[str, Any], plan: dict[str, Any], chat: bool, held: _HeldBy
+    ) -> Any:
+        self._enter(held)
         finished: bool | None = False
         try:
             n = int(plan.get("tokens") or body.get("max_tokens") or 8)
@@ -256,7 +273,34 @@ class FakeVllm:
             yield b"data: [DONE]\n\n"
             finished = True
         finally:
-            self._leave(finished)
+            self._leave(held, finished)
+
+
+class _HeldBy:
+    """Whether a request's client still holds its connection open, as the kernel sees it now
+    (the client's FIN or reset has arrived, whether or not this server's loop has read it), and
+    which other requests were held open when it arrived (`before`)."""
+
+    def __init__(self, request: Request, before: list[_HeldBy]) -> None:
+        self.before = before
+        cycle = getattr(request.receive, "__self__", None)  # uvicorn's request cycle
+        self._transport = getattr(cycle, "transport", None)
+        self._fd = -1
+        if self._transport is not None:
+            self._fd = self._transport.get_extra_info("socket").fileno()
+
+    def held(self) -> bool:
+        if self._transport is None:
+            return True
+        if self._transport.is_closing():
+            return False
+        with socket.socket(fileno=os.dup(self._fd)) as sock:
+            try:
+                return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+            except BlockingIOError:
+                return True  # open, nothing pipelined
+            except OSError:
+                return False  # reset
 
 
 _ENGINE_ERROR = {
