@@ -25,8 +25,6 @@ use crate::types::Outcome as End;
 /// Token counts reach the runtime at most this late (KV ledger, fair share), as the relay
 /// batches them for Python.
 const TOKEN_FLUSH: Duration = Duration::from_millis(20);
-/// The longest a `Start` waits for the aborts before it to reach their sockets.
-const ABORT_WAIT: Duration = Duration::from_millis(100);
 const SSE_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\n\
     content-type: text/event-stream; charset=utf-8\r\n\
     cache-control: no-cache\r\n\
@@ -303,9 +301,10 @@ impl Governed {
                 max_tokens,
                 ..
             } => {
-                for abort in order.after {
-                    let _ =
-                        tokio::task::spawn_blocking(move || abort.recv_timeout(ABORT_WAIT)).await;
+                if !order.after.is_empty() {
+                    let after = order.after;
+                    let wait = move || crate::hosted::wait_all(&after, crate::hosted::ABORT_WAIT);
+                    let _ = tokio::task::spawn_blocking(wait).await;
                 }
                 self.start(life, backend, priority, max_tokens, sink);
             }

@@ -97,7 +97,7 @@ impl PyNativeRoutes {
     /// native requests), each oldest first; empties the inbox.
     fn take<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
         let owner = &self.governed.owner;
-        let (actions, records) = owner.take();
+        let (actions, records) = py.detach(|| owner.take());
         let out = PyList::empty(py);
         if !actions.is_empty() {
             let hosted = Hosted::lock(owner.runtime());
