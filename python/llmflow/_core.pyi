@@ -1026,3 +1026,25 @@ def front_cut_frame(
 
 def front_in_band_error(error: str | None, message: str, code: str) -> bytes:
     """`encode_event({"error": in_band_error(...)})`: vLLM's error object, else ours."""
+
+def front_whole_reply(
+    endpoint_name: Literal["chat", "completions"],
+    model: str,
+    payloads: list[bytes],
+    now_s: int,
+    cut: tuple[str, int] | None = None,
+) -> bytes | str:
+    """A non-streamed reply assembled from an upstream stream's `data:` payloads, as the
+    native front assembles it: the body `JSONResponse(Accumulator.response(usage))` renders,
+    or the failure's message at the first payload it does not take.
+
+    Args:
+        endpoint_name: the route.
+        model: the model the client named.
+        payloads: the stream's payloads, in order.
+        now_s: the clock's whole seconds (the `created` of a reply no chunk named).
+        cut: `(reason, request_id)` of a cut after the payloads.
+
+    Raises:
+        InvalidArgumentError: an endpoint other than chat or completions.
+    """

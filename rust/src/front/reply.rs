@@ -291,13 +291,22 @@ pub struct Cut<'a> {
 
 /// `encode_event(tail_chunk(...))`: the SSE frame that ends a reply the runtime cut.
 pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
-    let chat = cut.endpoint == Endpoint::Chat;
-    let notice = Json::Str(notice_for(cut.reason));
     // `template or {...}`: an empty template is none (`json.loads` of the text, in its order;
     // the relay's text, which the strict reader holds as Python does).
-    let mut chunk = match cut.template.and_then(|t| json::parse(t.as_bytes())) {
-        Some(Json::Object(pairs)) if !pairs.is_empty() => pairs,
-        _ => vec![
+    let base = match cut.template.and_then(|t| json::parse(t.as_bytes())) {
+        Some(Json::Object(pairs)) if !pairs.is_empty() => Some(pairs),
+        _ => None,
+    };
+    frame(&tail_chunk(cut, base))
+}
+
+/// `tail_chunk(...)`: the chunk that ends a reply the runtime cut, on `base` (the template as
+/// an ordered object, when there is one; `cut.template` is not read).
+pub fn tail_chunk(cut: &Cut<'_>, base: Option<Vec<(String, Json)>>) -> Json {
+    let chat = cut.endpoint == Endpoint::Chat;
+    let notice = Json::Str(notice_for(cut.reason));
+    let mut chunk = base.unwrap_or_else(|| {
+        vec![
             (
                 "id".to_owned(),
                 Json::Str(format!(
@@ -308,8 +317,8 @@ pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
             ),
             ("created".to_owned(), Json::Int(i128::from(cut.now_s))),
             ("model".to_owned(), Json::Str(cut.model.to_owned())),
-        ],
-    };
+        ]
+    });
     let choices = cut
         .open_choices
         .iter()
@@ -350,7 +359,7 @@ pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
             None => chunk.push((key.to_owned(), value)),
         }
     }
-    frame(&Json::Object(chunk))
+    Json::Object(chunk)
 }
 
 /// `encode_event({"error": in_band_error(...)})`: a started stream's failure, in-band.
