@@ -740,7 +740,8 @@ class LightLane:
 
 RelayEvent = tuple[Any, ...]
 """One relay event: `("started", id)`, `("first_token", id, n, template_json | None)`,
-`("tokens", [(id, n), ...])`, `("done", id)`,
+`("tokens", [(id, n), ...])`, `("payload", id, data)` (a stream the front assembles whole),
+`("done", id)`,
 `("failed", id, status, code, message, backend_down, error_json | None)` (`error_json`: the
 error object of a backend's 4xx, passed to the client as it is), `("window_full", id)`,
 `("window_drained", id)`, `("client_gone", id)`, `("closed", id, socket_fd | None,

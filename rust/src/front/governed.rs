@@ -96,6 +96,9 @@ struct Life {
     /// Watch the client's socket for its departure (until it pipelines a next request).
     watching: bool,
     template: Option<String>,
+    /// The reply being assembled, for a client that did not ask for a stream (the relay gives
+    /// this task its payloads; the client's socket stays here).
+    whole: Option<super::whole::Whole>,
     failure: Option<Failure>,
     pending_tokens: u64,
     tokens_due: Option<tokio::time::Instant>,
@@ -122,12 +125,9 @@ impl Governed {
             .authenticate(header(request, "authorization"))?
             .clone();
         let prepared = super::prepare::prepare(endpoint, &request.body, &self.checks)?;
-        // The relay streams one choice without continuous usage; the rest is Python's.
-        if !prepared.stream
-            || prepared.choices != 1
-            || prepared.continuous_usage
-            || prepared.unstreamed
-        {
+        // One choice, streamed without continuous usage or assembled whole (`whole.rs`);
+        // several choices, continuous usage and prompt logprobs (asked unstreamed) are Python's.
+        if prepared.choices != 1 || prepared.continuous_usage || prepared.unstreamed {
             return None;
         }
         let headers = request
@@ -177,7 +177,7 @@ impl Governed {
             tenant,
             prompt: prepared.prompt_tokens,
             max_tokens: prepared.planned_tokens,
-            stream: true,
+            stream: prepared.stream,
             pool,
             chain: prepared.prefix_hashes.clone().unwrap_or_default(),
             fingerprint: prepared.fingerprint,
@@ -201,6 +201,8 @@ impl Governed {
             max_tokens: Some(prepared.planned_tokens),
             ..Record::default()
         };
+        let whole = (!prepared.stream)
+            .then(|| super::whole::Whole::new(prepared.endpoint, &prepared.asked_model));
         let state = Life {
             id,
             prepared,
@@ -220,6 +222,7 @@ impl Governed {
             ended: false,
             watching: true,
             template: None,
+            whole,
             failure: None,
             pending_tokens: 0,
             tokens_due: None,
@@ -328,6 +331,12 @@ impl Governed {
                     life.finished = true;
                 } else if outcome != End::Completed {
                     self.streams.control(life.id, Control::Close);
+                    if life.whole.is_some() {
+                        life.stream = None; // the client left: nothing to write
+                    }
+                } else if let Some(whole) = &life.whole {
+                    // Written once the relay's stream is over (`Closed`: its token count).
+                    life.answer = Some(self.whole_bytes(life, whole, None));
                 }
             }
             // Queued: the client waits. The rest are no request's own: routed elsewhere.
@@ -386,6 +395,18 @@ impl Governed {
     async fn cut(&self, life: &mut Life, reason: crate::runtime::Reason) {
         life.ended = true;
         reason.as_str().clone_into(&mut life.record.end);
+        if let Some(mut whole) = life.whole.take() {
+            // Not streamed: what came so far, the open choice ended with the notice.
+            life.record.truncated = whole.cut(reason.as_str(), life.id, unix_now_s());
+            let bytes = self.whole_bytes(life, &whole, Some(reason.as_str()));
+            if life.opened {
+                self.streams.control(life.id, Control::Close);
+                life.answer = Some(bytes); // written when the stream is over (`Closed`)
+            } else {
+                self.write_and_finish(life, &bytes).await;
+            }
+            return;
+        }
         let frame = match reason.as_str() {
             "client_stall" => None,
             "upstream_error" => life
@@ -394,9 +415,7 @@ impl Governed {
                 .map(|f| super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code)),
             other => {
                 life.record.truncated = true;
-                let now_s = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
+                let now_s = unix_now_s();
                 Some(super::reply::cut_frame(&super::reply::Cut {
                     endpoint: life.prepared.endpoint,
                     model: &life.prepared.asked_model,
@@ -455,6 +474,7 @@ impl Governed {
             traceparent: None,
             include_usage: life.prepared.include_usage,
             deferred: false,
+            whole: life.whole.is_some(),
             sink: Some(sink.clone()),
         });
         match opened {
@@ -462,7 +482,9 @@ impl Governed {
                 life.opened = true;
                 // Sent: the body's tree is not needed again (a cut names the asked model).
                 life.prepared.body = super::json::Json::Null;
-                self.hold(life);
+                if life.whole.is_none() {
+                    self.hold(life);
+                }
             }
             Err(message) => {
                 // A URL the relay cannot speak to: the backend failed this request.
@@ -512,6 +534,7 @@ impl Governed {
                     life.tokens_due = Some(tokio::time::Instant::now() + TOKEN_FLUSH);
                 }
             }
+            RelayEvent::Payload(_, payload) => self.fold(life, &payload),
             RelayEvent::Done(_) => {
                 if !life.ended {
                     self.feed(life, &Event::Done { id });
@@ -561,20 +584,40 @@ impl Governed {
                     // The relay ended it on its own (it cannot, short of a bug): end it here.
                     self.feed(life, &Event::ClientGone { id });
                 }
-                life.stream = match socket {
-                    Some(fd) if life.keep_alive || life.answer.is_some() => readopt(fd),
-                    Some(fd) => {
-                        // SAFETY: the relay handed this socket back to us; we close it.
-                        drop(unsafe { std::net::TcpStream::from_raw_fd(fd) });
-                        None
-                    }
-                    None => None,
-                };
+                if life.attached {
+                    life.stream = match socket {
+                        Some(fd) if life.keep_alive || life.answer.is_some() => readopt(fd),
+                        Some(fd) => {
+                            // SAFETY: the relay handed this socket back to us; we close it.
+                            drop(unsafe { std::net::TcpStream::from_raw_fd(fd) });
+                            None
+                        }
+                        None => None,
+                    };
+                }
                 match life.answer.take() {
                     Some(answer) => self.write_and_finish(life, &answer).await,
                     None => life.finished = true,
                 }
             }
+        }
+    }
+
+    /// One upstream payload into the reply assembled whole.
+    fn fold(&self, life: &mut Life, payload: &[u8]) {
+        let Some(whole) = life.whole.as_mut().filter(|_| !life.ended) else {
+            return;
+        };
+        if let Err(unread) = whole.feed(payload) {
+            // As the Python path fails a reply it cannot read: the backend's failure.
+            self.streams.control(life.id, Control::Abort);
+            life.failure = Some(Failure::backend("backend_error", unread.message(), false));
+            let failed = Event::Failed {
+                id: life.id,
+                status: 502,
+                backend_down: false,
+            };
+            self.feed(life, &failed);
         }
     }
 
@@ -599,6 +642,15 @@ impl Governed {
         };
         // False: the stream had ended, and the relay closed the socket with it.
         self.streams.control(life.id, hold);
+    }
+
+    /// The bytes of a reply assembled whole (`cut`: the runtime's reason, when it cut it).
+    fn whole_bytes(&self, life: &Life, whole: &super::whole::Whole, cut: Option<&str>) -> Vec<u8> {
+        let _ = self;
+        let body = whole.body(unix_now_s());
+        let date = super::answer::http_date(std::time::SystemTime::now());
+        let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
+        super::reply::whole_response(&body, life.id, cut, &defaults, life.keep_alive)
     }
 
     async fn write_and_finish(&self, life: &mut Life, bytes: &[u8]) {
@@ -688,6 +740,13 @@ fn header<'a>(request: &'a Request, name: &str) -> Option<&'a [u8]> {
         .iter()
         .find(|(n, _)| n == name)
         .map(|(_, v)| v.as_slice())
+}
+
+/// The clock's whole seconds (a reply's `created` when no chunk named one).
+fn unix_now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn outcome_name(outcome: End) -> &'static str {
