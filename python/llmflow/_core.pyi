@@ -849,6 +849,8 @@ class NativeRoutes:
             order.
         own_hosts: a keyless gateway's own host names (requests naming another Host, or
             carrying an Origin, go to the app's guard); None with API keys.
+        write_timeout_ms: how long a client may take none of a reply written whole
+            (`server.write_timeout_ms`) before its connection is dropped.
 
     Raises:
         InvalidArgumentError: `backends` are not the runtime's, `notify_fd` is negative, or
@@ -865,6 +867,7 @@ class NativeRoutes:
         backends: list[tuple[str, str, bool]],
         *,
         own_hosts: list[str] | None = None,
+        write_timeout_ms: float = 60000.0,
     ) -> NativeRoutes: ...
     def serve_on(self, front: Front) -> None:
         """Serve `front`'s governed routes natively from now on."""

@@ -54,6 +54,9 @@ pub struct Governed {
     /// A keyless gateway's own names (`server.allowed_hosts` and the like): a request whose
     /// Host is another name, or that carries an Origin, is the app's to judge (`HostGuard`).
     pub own_hosts: Option<Vec<String>>,
+    /// How long a client may take none of a reply this task writes (`server.write_timeout_ms`,
+    /// as the Python listener's write timer).
+    pub write_timeout: Duration,
 }
 
 impl super::Native for Governed {
@@ -106,6 +109,8 @@ struct Life {
     answer: Option<Vec<u8>>,
     /// The task is over: the connection (if any) goes back to the front.
     finished: bool,
+    /// Orders of `arrive`'s own answer not yet carried out (a `Reply` among them: refused).
+    arrival_orders: usize,
 }
 
 impl Governed {
@@ -228,6 +233,7 @@ impl Governed {
             tokens_due: None,
             answer: None,
             finished: false,
+            arrival_orders: 0,
         };
         let mut guard = Abandon {
             owner: &self.owner,
@@ -244,12 +250,17 @@ impl Governed {
     async fn run(&self, mut life: Life, mut orders: UnboundedReceiver<Order>) -> Option<Conn> {
         let (sink, mut events) = unbounded_channel();
         let mut peek = [0u8; 1];
+        // What `arrive` answered is in the channel already, and nothing else yet.
+        life.arrival_orders = orders.len();
         while !life.finished {
             let watching = life.watching && !life.attached && life.stream.is_some();
             tokio::select! {
                 biased;
                 order = orders.recv() => match order {
-                    Some(order) => self.carry(&mut life, order, &sink).await,
+                    Some(order) => {
+                        self.carry(&mut life, order, &sink).await;
+                        life.arrival_orders = life.arrival_orders.saturating_sub(1);
+                    }
                     None => life.finished = true,
                 },
                 event = events.recv(), if life.opened => match event {
@@ -358,7 +369,9 @@ impl Governed {
     ) {
         life.ended = true;
         reason.as_str().clone_into(&mut life.record.end);
-        life.record.refused = life.record.started_us.is_none() && !life.opened;
+        // Refused at its arrival (a rejection), not ended later while it waited (as the
+        // Python path counts a `Reply` raised from `arrive` only).
+        life.record.refused = life.arrival_orders > 0;
         let retry_after = retry_after_s.map(u64::from);
         let error = match (&life.failure, reason.as_str()) {
             (Some(f), "upstream_error") => super::reply::upstream_reply_error(
@@ -387,6 +400,11 @@ impl Governed {
         if life.opened {
             self.streams.control(life.id, Control::Close);
             life.record.upstream_aborted = life.record.started_us.is_some();
+            if life.whole.is_some() {
+                // Written when the stream is over (`Closed`: the tokens it counted).
+                life.answer = Some(bytes);
+                return;
+            }
         }
         self.write_and_finish(life, &bytes).await;
     }
@@ -513,7 +531,9 @@ impl Governed {
             RelayEvent::FirstToken { n, template, .. } => {
                 life.template = template;
                 life.record.first_token_us = Some(now_us());
-                self.owner.update(id, |l| l.streaming = true);
+                if life.whole.is_none() {
+                    self.owner.update(id, |l| l.streaming = true); // it is not, for a whole one
+                }
                 self.owner.record(Record {
                     first_token_only: true,
                     ..life.record.clone()
@@ -658,7 +678,7 @@ impl Governed {
         let Some(stream) = life.stream.as_mut() else {
             return;
         };
-        if stream.write_all(bytes).await.is_err() || !life.keep_alive {
+        if !write_in_time(stream, bytes, self.write_timeout).await || !life.keep_alive {
             life.stream = None;
         }
     }
@@ -740,6 +760,22 @@ fn header<'a>(request: &'a Request, name: &str) -> Option<&'a [u8]> {
         .iter()
         .find(|(n, _)| n == name)
         .map(|(_, v)| v.as_slice())
+}
+
+/// Write `bytes`, a client that takes none of them for `timeout` failing the write (a whole
+/// reply can be far larger than the socket's buffers).
+async fn write_in_time(
+    stream: &mut tokio::net::TcpStream,
+    mut bytes: &[u8],
+    timeout: Duration,
+) -> bool {
+    while !bytes.is_empty() {
+        match tokio::time::timeout(timeout, stream.write(bytes)).await {
+            Ok(Ok(n)) if n > 0 => bytes = &bytes[n..],
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// The clock's whole seconds (a reply's `created` when no chunk named one).
