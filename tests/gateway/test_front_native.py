@@ -11,21 +11,23 @@ everything at vLLM, keep-alive and pipelining, and the metrics and trace countin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import re
-from typing import TYPE_CHECKING, Any
+import socket
+from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from llmflow._core import replay_trace
+from llmflow.gateway.app import create_app
 
-from .harness import assert_idle, start_gateway, until
+from .fake_vllm import FakeVllm
+from .harness import assert_idle, serve_asgi, serve_gateway, settings_for, start_gateway, until
 from .test_relay import _comparable, _events
-
-if TYPE_CHECKING:
-    import httpx
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -210,8 +212,9 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
             assert _native(headers) == native
         await until(lambda: h.gateway.runtime.live == 0)
         metrics = (await h.client.get("/metrics")).text
-        completed = re.search(r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)',
-                              metrics)
+        completed = re.search(
+            r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics
+        )
         assert completed is not None
         assert float(completed.group(1)) == 4
         assert "llmflow_ttft_seconds_count" in metrics
@@ -222,9 +225,7 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
 
 async def test_a_trace_of_native_requests_replays_bit_for_bit() -> None:
     trace = io.StringIO()
-    async with start_gateway(
-        trace=trace, gate={"max_concurrency_per_gpu": 2}
-    ) as h:
+    async with start_gateway(trace=trace, gate={"max_concurrency_per_gpu": 2}) as h:
         results = await asyncio.gather(*(_stream(h.client, CHAT, _body()) for _ in range(6)))
         assert all(status == 200 and _native(headers) for status, _, headers in results)
         await until(lambda: h.gateway.runtime.live == 0)
@@ -300,9 +301,7 @@ async def test_a_whole_reply_is_the_python_paths_byte_for_byte(
 async def test_a_whole_reply_cut_by_its_deadline_is_the_python_paths() -> None:
     # Two tokens come, then the fake holds the rest until the total deadline cuts the reply.
     body = _whole_body(max_tokens=50, fake={"step": True})
-    native, python = await _whole_on_both_paths(
-        CHAT, body, steps=2, timeouts={"total_ms": 400}
-    )
+    native, python = await _whole_on_both_paths(CHAT, body, steps=2, timeouts={"total_ms": 400})
     assert native == python
     head, _, text = native.partition(b"\r\n\r\n")
     assert b"\r\nx-llmflow-reason: deadline" in head
@@ -385,3 +384,42 @@ async def test_a_whole_reply_keeps_the_connection_for_a_pipelined_next_request()
         writer.close()
         assert h.fake.completed == 2
         await assert_idle(h)
+
+
+async def test_an_unreachable_backend_is_502_then_503_on_the_native_path() -> None:
+    """vLLM gone after the gateway started: the relay's connect is refused, the request gets
+    502 backend_unavailable, the backend is marked down by that request, and the next one
+    gets 503 no_healthy_backend with a Retry-After; nothing stays held."""
+    fake = FakeVllm()
+    async with contextlib.AsyncExitStack() as stack:
+        fake_url, server = await stack.enter_async_context(serve_asgi(fake.app))
+        app = create_app(settings_for({"b0": fake_url}))
+        url = await stack.enter_async_context(serve_gateway(app))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
+        server.should_exit = True  # vLLM stops: its port refuses connections
+        port = int(fake_url.rsplit(":", 1)[1])
+        await until(lambda: _refused("127.0.0.1", port))
+        gateway = app.state.gateway
+        for stream, status, code in (
+            (True, 502, "backend_unavailable"),
+            (False, 503, "no_healthy_backend"),
+        ):
+            r = await client.post(CHAT, json={**_body(), "stream": stream})
+            assert _native(dict(r.headers)), r.headers
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+            if status == 502:
+                state = gateway.scraper.states["b0"]
+                await until(lambda state=state: not state.healthy)  # the request marked it
+                await until(lambda state=state: state.failures >= 1)  # no scrape revives it
+        assert int(r.headers["retry-after"]) >= 1
+        await until(lambda: gateway.runtime.live == 0)
+        assert (gateway.runtime.running, gateway.runtime.queued) == (0, 0)
+        assert fake.seen == 0
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
