@@ -454,8 +454,7 @@ impl Governed {
             request_id: &request_id,
             traceparent: None,
             include_usage: life.prepared.include_usage,
-            deferred: false,
-            sink: Some(sink.clone()),
+            sink: sink.clone(),
         });
         match opened {
             Ok(()) => {

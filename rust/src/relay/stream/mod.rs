@@ -40,13 +40,6 @@ use vllm::connect;
 /// What the host asks of a stream (each carries out a runtime action).
 #[derive(Debug)]
 pub enum Control {
-    /// Take over the client's connection (after the first token): write `head`, then the
-    /// chunks. `keep_alive`: hand the socket back after a clean end, for the next request.
-    Attach {
-        socket: std::net::TcpStream,
-        head: Vec<u8>,
-        keep_alive: bool,
-    },
     /// End the reply: stop reading upstream, write `frame` (the notice or the error; when
     /// `only_if_open`, only if the choice has not finished), then `[DONE]`. Without a frame
     /// (a stalled client), close the connection at once.
@@ -56,7 +49,8 @@ pub enum Control {
     },
     /// Take the client's connection now, before the first token, but write nothing until
     /// the reply's first piece (its first chunk, or a cut's notice): then `head`, then it, in
-    /// the same write. The native front holds a stream so, sparing the first token a hop.
+    /// the same write. `keep_alive`: hand the socket back after a clean end, for the next
+    /// request.
     Hold {
         socket: std::net::TcpStream,
         head: Vec<u8>,
@@ -69,8 +63,6 @@ pub enum Control {
     Abort,
     /// Drop everything now: upstream and client.
     Close,
-    /// Send the request upstream now (a stream opened `deferred` waits for this).
-    Go,
     /// Say when every control before this one has been carried out (the host waits for an
     /// abort to reach the socket before the runtime's next `Start` goes upstream).
     Ack(std::sync::mpsc::SyncSender<()>),
@@ -89,10 +81,8 @@ pub struct Open {
     /// Sent as W3C `traceparent` (the gateway's upstream span), when tracing.
     pub traceparent: Option<String>,
     pub include_usage: bool,
-    /// Wait for `Control::Go` before connecting (controls that come first still apply).
-    pub deferred: bool,
-    /// Where its events go instead of the host's queue (the native front's task).
-    pub sink: Option<super::Sink>,
+    /// Where its events go (the native front's task).
+    pub sink: super::Sink,
 }
 
 type ResponseFuture = Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
@@ -109,8 +99,6 @@ struct Task {
     shared: Arc<Shared>,
     id: u64,
     open: Open,
-    /// Opened deferred and not yet told to go.
-    waiting_go: bool,
     connecting: Option<ConnectFuture>,
     /// The connection to vLLM, its driver polled by this task (dropping it closes the socket).
     conn: Option<Conn>,
@@ -128,7 +116,7 @@ struct Task {
     client: Option<TcpStream>,
     keep_alive: bool,
     watch_client: bool,
-    /// Wire pieces not yet written (chunk-encoded frames; the head first once attached).
+    /// Wire pieces not yet written (chunk-encoded frames; the head first once released).
     out: VecDeque<Piece>,
     /// Bytes of `out[0]` already written.
     written: usize,
@@ -157,10 +145,9 @@ pub async fn run(
     open: Open,
     mut ctrl: UnboundedReceiver<Control>,
 ) -> RelayEvent {
-    let connecting = (!open.deferred).then(|| connect(&shared, &open.authority));
+    let connecting = Some(connect(&shared, &open.authority));
     let max_event_bytes = shared.config.max_event_bytes;
     let mut task = Task {
-        waiting_go: open.deferred,
         id: open.id,
         shaper: ChunkShaper::new(open.include_usage),
         shared,
@@ -270,32 +257,13 @@ impl Task {
     }
 
     fn push(&self, event: RelayEvent) {
-        match &self.open.sink {
-            Some(sink) => {
-                let _ = sink.send(event);
-            }
-            None => self.shared.events.push(self.id, event),
-        }
+        let _ = self.open.sink.send(event);
     }
 
-    /// Count tokens: batched for the host's queue, at once for a sink (whose task batches).
+    /// Count tokens (the request's task batches them).
     fn add_tokens(&self, n: u32) {
-        match &self.open.sink {
-            Some(sink) if n > 0 => {
-                let _ = sink.send(RelayEvent::Tokens(vec![(self.id, n)]));
-            }
-            Some(_) => {}
-            None => self.shared.events.add_tokens(self.id, n),
-        }
-    }
-
-    /// An event that need not wake the host (see `Events::push_quiet`).
-    fn push_quiet(&self, event: RelayEvent) {
-        match &self.open.sink {
-            Some(sink) => {
-                let _ = sink.send(event);
-            }
-            None => self.shared.events.push_quiet(event),
+        if n > 0 {
+            self.push(RelayEvent::Tokens(vec![(self.id, n)]));
         }
     }
 
@@ -331,20 +299,6 @@ impl Task {
 
     fn control(&mut self, control: Control) -> Step {
         match control {
-            Control::Attach {
-                socket,
-                head,
-                keep_alive,
-            } => {
-                if !self.take_client(socket, keep_alive) {
-                    return self.client_gone();
-                }
-                self.out.push_front(Piece {
-                    bytes: head,
-                    frame: false,
-                });
-                self.write()
-            }
             Control::Hold {
                 socket,
                 head,
@@ -382,7 +336,7 @@ impl Task {
                     self.terminate();
                 }
                 if self.client.is_none() {
-                    return Step::Go; // written once the client is attached
+                    return Step::Go; // written once the client's socket is lent
                 }
                 self.write()
             }
@@ -393,13 +347,6 @@ impl Task {
             }
             Control::Abort => {
                 self.stop_upstream();
-                Step::Go
-            }
-            Control::Go => {
-                if self.waiting_go {
-                    self.waiting_go = false;
-                    self.connecting = Some(connect(&self.shared, &self.open.authority));
-                }
                 Step::Go
             }
             Control::Ack(done) => {

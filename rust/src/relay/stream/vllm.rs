@@ -95,7 +95,7 @@ impl Task {
             return Step::Go;
         }
         self.body = Some(response.into_body());
-        self.push_quiet(RelayEvent::Started(self.id));
+        self.push(RelayEvent::Started(self.id));
         Step::Go
     }
 
@@ -204,7 +204,6 @@ impl Task {
         if self.upstream_complete && self.draining_body {
             return; // the reply is whole: let the connection finish and serve again
         }
-        self.waiting_go = false;
         self.connecting = None;
         self.response = None;
         self.body = None;
