@@ -39,8 +39,9 @@ pub enum RelayEvent {
         n: u32,
         template: Option<String>,
     },
-    /// Tokens generated since the last report, per request.
-    Tokens(Vec<(u64, u32)>),
+    /// Tokens generated since the last report: the stream tallies them and hands them over
+    /// at most every `token_flush`, and always before any other event of its own.
+    Tokens(u64, u32),
     /// Upstream sent `[DONE]` and its body ended (or was given up on after it).
     Done(u64),
     /// Upstream failed (before or after the first token).

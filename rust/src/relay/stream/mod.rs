@@ -137,6 +137,12 @@ struct Task {
     given_back: bool,
     /// `[DONE]` came and the host has not yet heard `Done` (it does when the body ends).
     done_pending: bool,
+    /// Tokens counted since the last report (`RelayEvent::Tokens`).
+    tokens: u32,
+    /// When `tokens` are reported (`token_flush` after the first of them), if they wait.
+    tokens_due: Option<tokio::time::Instant>,
+    /// The timer of `tokens_due`, made once and reset (a chunk arms no new one).
+    token_timer: Pin<Box<tokio::time::Sleep>>,
 }
 
 /// Run one stream to its end; returns the event that closes it.
@@ -179,6 +185,9 @@ pub async fn run(
         held_head: None,
         given_back: false,
         done_pending: false,
+        tokens: 0,
+        tokens_due: None,
+        token_timer: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
     };
     task.run(&mut ctrl).await;
     task.closed()
@@ -249,6 +258,10 @@ impl Task {
                     self.flush_held();
                     self.write()
                 }
+                () = self.token_timer.as_mut(), if self.tokens_due.is_some() => {
+                    self.report_tokens();
+                    Step::Go
+                }
             };
             if matches!(step, Step::Stop) {
                 return;
@@ -256,19 +269,38 @@ impl Task {
         }
     }
 
-    fn push(&self, event: RelayEvent) {
+    /// Send an event to the request's task, after the tokens counted before it.
+    fn push(&mut self, event: RelayEvent) {
+        self.report_tokens();
         let _ = self.open.sink.send(event);
     }
 
-    /// Count tokens (the request's task batches them).
-    fn add_tokens(&self, n: u32) {
-        if n > 0 {
-            self.push(RelayEvent::Tokens(vec![(self.id, n)]));
+    /// Count tokens: they go to the request's task `token_flush` after the first of them
+    /// (or with its next event, before it), so a chunk wakes nobody but this task.
+    fn add_tokens(&mut self, n: u32) {
+        if n == 0 {
+            return;
+        }
+        self.tokens = self.tokens.saturating_add(n);
+        if self.tokens_due.is_none() {
+            let due = tokio::time::Instant::now() + self.shared.config.token_flush;
+            self.tokens_due = Some(due);
+            self.token_timer.as_mut().reset(due);
+        }
+    }
+
+    /// The tokens counted and not yet reported, now.
+    fn report_tokens(&mut self) {
+        self.tokens_due = None;
+        if self.tokens > 0 {
+            let n = std::mem::take(&mut self.tokens);
+            let _ = self.open.sink.send(RelayEvent::Tokens(self.id, n));
         }
     }
 
     fn closed(mut self) -> RelayEvent {
         self.upstream_ended(); // before `Closed`: a `[DONE]` the body's end never followed
+        self.report_tokens();
         if let Some(conn) = self.conn.take() {
             let drained = self.upstream_complete && self.body.is_none() && !self.driver_done;
             if drained && !conn.sender.is_closed() {
