@@ -6,6 +6,7 @@
 use serde_json::{Map, Value};
 
 use super::events::Failure;
+use super::sse::find;
 
 /// What one upstream payload becomes.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -426,12 +427,17 @@ fn merge_choice(ca: &mut Value, cb: &Value) {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
-
+/// Where `needle` last starts in `haystack` (as `sse::find`, from the end).
 fn rfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).rposition(|w| w == needle)
+    let (&first, rest) = needle.split_first()?;
+    let mut end = haystack.len();
+    while let Some(at) = memchr::memrchr(first, &haystack[..end]) {
+        if haystack[at + 1..].starts_with(rest) {
+            return Some(at);
+        }
+        end = at;
+    }
+    None
 }
 
 fn trim_spaces(mut s: &[u8]) -> &[u8] {
