@@ -240,7 +240,12 @@ impl Task {
                         Err(_) => self.client_gone(),
                     }
                 }
-                seen = async { self.client.as_ref().unwrap().peek(&mut peek_buf).await }, if watching => {
+                // Polled, not awaited: each turn of the loop would make and drop a readiness
+                // future (two locks of the socket's waiters) for a socket that rarely speaks.
+                seen = std::future::poll_fn(|cx| {
+                    let mut buf = tokio::io::ReadBuf::new(&mut peek_buf);
+                    self.client.as_ref().unwrap().poll_peek(cx, &mut buf)
+                }), if watching => {
                     match seen {
                         Ok(0) | Err(_) => self.client_gone(),
                         Ok(_) => { self.watch_client = false; Step::Go } // pipelined bytes: not ours
