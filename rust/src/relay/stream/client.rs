@@ -116,14 +116,19 @@ impl Task {
             return Step::Go; // held: nothing goes out before the first token
         }
         while !self.out.is_empty() {
-            let mut slices = [IoSlice::new(&[]); WRITE_BATCH];
-            let mut count = 0;
-            for (slice, piece) in slices.iter_mut().zip(&self.out) {
-                let from = if count == 0 { self.written } else { 0 };
-                *slice = IoSlice::new(&piece.bytes[from..]);
-                count += 1;
-            }
-            match client.try_write_vectored(&slices[..count]) {
+            let wrote = if self.out.len() == 1 {
+                client.try_write(&self.out[0].bytes[self.written..]) // a chunk as it comes
+            } else {
+                let mut slices = [IoSlice::new(&[]); WRITE_BATCH];
+                let mut count = 0;
+                for (slice, piece) in slices.iter_mut().zip(&self.out) {
+                    let from = if count == 0 { self.written } else { 0 };
+                    *slice = IoSlice::new(&piece.bytes[from..]);
+                    count += 1;
+                }
+                client.try_write_vectored(&slices[..count])
+            };
+            match wrote {
                 Ok(0) => return self.client_gone(),
                 Ok(mut n) => {
                     let now = Instant::now();
