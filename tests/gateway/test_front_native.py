@@ -423,6 +423,8 @@ def _refused(host: str, port: int) -> bool:
     except ConnectionRefusedError:
         return True
     return False
+
+
 async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -> None:
     # The relay tallies a stream's tokens and hands them over in batches: the trace (what
     # the runtime was fed) must still hold every token the client read, all before its Done.
@@ -453,3 +455,26 @@ async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -
             done.add(event["done"]["id"])
     assert fed == read
     assert done == set(read)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+async def test_a_stream_cut_by_its_deadline_keeps_the_connection(native: bool) -> None:
+    """The cut ends the reply whole (notice, `[DONE]`, last chunk) and promised no close: the
+    connection serves the client's next request, on either path (a client's pool reuses it)."""
+    async with start_gateway(server={"relay": native}, timeouts={"total_ms": 300}) as h:
+        held = _body(max_tokens=50, fake={"step": True})
+        reader, writer = await _raw(h.url, _post(CHAT, held))
+        h.fake.release(2)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert b"connection: close" not in head.lower()
+        cut = (await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)).decode()
+        assert '"reason":"deadline"' in cut
+        assert "data: [DONE]" in cut
+        h.fake.release(100)  # let the fake's own task end
+        writer.write(_post(COMPLETIONS, _body(COMPLETIONS, max_tokens=2)))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        assert _native({"x-request-id": re.search(r"llmflow-\d+", head.decode()).group()}) == native  # type: ignore[union-attr]
+        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)
+        writer.close()
+        await assert_idle(h)

@@ -91,6 +91,9 @@ struct Life {
     attached: bool,
     /// A terminal action (`Reply`, `Cut`, `End`) has come.
     ended: bool,
+    /// The relay was told to end the reply with a frame of its own (`Cut`): it writes it to
+    /// the end and hands the socket back, and the `End` after it closes nothing.
+    cut_in_band: bool,
     /// Watch the client's socket for its departure (until it pipelines a next request).
     watching: bool,
     template: Option<String>,
@@ -218,6 +221,7 @@ impl Governed {
             opened: false,
             attached: false,
             ended: false,
+            cut_in_band: false,
             watching: true,
             template: None,
             whole,
@@ -320,7 +324,7 @@ impl Governed {
                 if !life.opened {
                     life.stream = None; // the client left (or never got a reply): close
                     life.finished = true;
-                } else if outcome != End::Completed {
+                } else if outcome != End::Completed && !life.cut_in_band {
                     self.streams.control(life.id, Control::Close);
                     if life.whole.is_some() {
                         life.stream = None; // the client left: nothing to write
@@ -427,6 +431,9 @@ impl Governed {
         };
         let only_if_open = !matches!(reason.as_str(), "client_stall" | "upstream_error");
         if life.opened {
+            // A reply ended in-band is written to its end by the relay, which then hands the
+            // connection back; one cut without a frame (a stalled client) is closed.
+            life.cut_in_band = frame.is_some();
             self.streams.control(
                 life.id,
                 Control::Cut {

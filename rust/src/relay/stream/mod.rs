@@ -368,7 +368,6 @@ impl Task {
             } => {
                 self.stop_upstream();
                 if !self.terminated {
-                    self.clean = false;
                     self.flush_held();
                     if let Some(last) = self.shaper.take_held() {
                         self.push_frame(&last);
@@ -377,6 +376,10 @@ impl Task {
                         self.push_frame(&frame);
                     }
                     self.terminate();
+                    // The reply ends whole (the notice, `[DONE]`, the last chunk): once it is
+                    // written the connection serves the client's next request, as after any
+                    // reply (the head promised nothing else).
+                    self.clean = true;
                 }
                 if self.client.is_none() {
                     return Step::Go; // written once the client's socket is lent
