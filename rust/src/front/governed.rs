@@ -75,6 +75,14 @@ struct Accepted {
     pool: u32,
 }
 
+/// What the checks make of a request: serve it, answer it with the error Python's path
+/// answers (before the runtime hears of it, as there), or pass it to the app.
+enum Checked {
+    Accept(Accepted),
+    Refuse(super::reply::ErrorReply),
+    Decline,
+}
+
 /// A request the front took: what it asked, and what has happened to it so far.
 #[allow(clippy::struct_excessive_bools)] // one request's state flags, each read in one place
 struct Life {
@@ -106,21 +114,37 @@ struct Life {
 }
 
 impl Governed {
-    /// What the native path needs of a request it is sure of, or None: the app serves it.
-    fn accept(&self, request: &Request) -> Option<Accepted> {
+    /// What the native path needs of a request it is sure of, or the error Python answers it
+    /// with, in the order Python's checks run (the middleware, the key, the body).
+    fn accept(&self, request: &Request) -> Checked {
         use super::prepare::Endpoint;
         let endpoint = match request.target.as_str() {
             "/v1/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
-            _ => return None,
+            _ => return Checked::Decline,
         };
-        if self.foreign(request) {
-            return None;
+        if self.foreign(request) || encoded(request) {
+            return Checked::Decline;
         }
-        let identity = self
-            .keys
-            .authenticate(header(request, "authorization"))?
-            .clone();
+        let identity = match self.keys.check(header(request, "authorization")) {
+            Ok(identity) => identity.clone(),
+            Err(message) => {
+                return Checked::Refuse(super::reply::ErrorReply::unauthorized(message))
+            }
+        };
+        match self.accept_body(endpoint, identity, request) {
+            Some(accepted) => Checked::Accept(accepted),
+            None => Checked::Decline,
+        }
+    }
+
+    /// The body's part of `accept`, once the key is known.
+    fn accept_body(
+        &self,
+        endpoint: super::prepare::Endpoint,
+        identity: super::auth::Identity,
+        request: &Request,
+    ) -> Option<Accepted> {
         let prepared = super::prepare::prepare(endpoint, &request.body, &self.checks)?;
         // The relay streams one choice without continuous usage; the rest is Python's.
         if !prepared.stream
@@ -152,15 +176,16 @@ impl Governed {
     }
 
     async fn serve_request(self: Arc<Self>, request: Request, conn: Conn) -> Outcome {
-        let Some(Accepted {
+        let Accepted {
             identity,
             prepared,
             signals,
             tenant,
             pool,
-        }) = self.accept(&request)
-        else {
-            return Outcome::Declined(request, conn);
+        } = match self.accept(&request) {
+            Checked::Accept(accepted) => accepted,
+            Checked::Refuse(error) => return refuse(&error, request.keep_alive, conn).await,
+            Checked::Decline => return Outcome::Declined(request, conn),
         };
         let id = self.owner.new_id();
         let (tx, orders) = unbounded_channel();
@@ -651,6 +676,30 @@ impl Governed {
         };
         let name = host_name(host).to_ascii_lowercase();
         !(name.is_empty() || name.parse::<std::net::IpAddr>().is_ok() || own.contains(&name))
+    }
+}
+
+/// Whether the body is compressed (`BodyLimit` answers 415 before anything else looks).
+fn encoded(request: &Request) -> bool {
+    request.headers.iter().any(|(n, v)| {
+        n == "content-encoding"
+            && !matches!(
+                v.trim_ascii().to_ascii_lowercase().as_slice(),
+                b"" | b"identity"
+            )
+    })
+}
+
+/// Answer a request the checks refuse as uvicorn writes the app's `GatewayError`: the runtime
+/// never hears of it, and the connection goes on as the app's would (kept alive unless the
+/// client ends it).
+async fn refuse(error: &super::reply::ErrorReply, keep_alive: bool, mut conn: Conn) -> Outcome {
+    let date = super::answer::http_date(std::time::SystemTime::now());
+    let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
+    let bytes = error.response_bytes(&defaults, keep_alive);
+    match conn.stream.write_all(&bytes).await {
+        Ok(()) => Outcome::Served(Some(conn)),
+        Err(_) => Outcome::Served(None),
     }
 }
 
