@@ -970,6 +970,28 @@ class FrontChecks:
         Raises:
             InvalidArgumentError: an endpoint other than chat or completions.
         """
+    def refusal(
+        self,
+        endpoint_name: Literal["chat", "completions"],
+        raw: bytes,
+        default_headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> bytes | None:
+        """The error the native front answers a body with, as it goes on the wire: Python's
+        `prepare` refuses the body so (`GatewayError.response()` as uvicorn writes it).
+
+        Args:
+            endpoint_name: `"chat"` or `"completions"`.
+            raw: the request body.
+            default_headers: the server's own headers (`date`, `server`), in order.
+            keep_alive: whether the connection goes on after it.
+
+        Returns:
+            The response's bytes, or None: the front serves the body, or passes it to the app.
+
+        Raises:
+            InvalidArgumentError: an endpoint other than chat or completions.
+        """
 
 @final
 class FrontKeys:

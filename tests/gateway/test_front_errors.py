@@ -31,6 +31,17 @@ CASES = [  # (id, path, authorization or None, body, status, code)
     ("basic", CHAT, "Basic k-crowd", GOOD, 401, "invalid_api_key"),
     ("long-key", CHAT, LONG_KEY, GOOD, 401, "invalid_api_key"),
     ("bad-key-bad-body", CHAT, "Bearer no", b"{", 401, "invalid_api_key"),
+    ("cut-short", CHAT, KEY["authorization"], GOOD[:-9], 400, "invalid_json"),
+    ("not-an-object", "/v1/completions", KEY["authorization"], b"[1, 2]", 400, "invalid_json"),
+    ("nan", CHAT, KEY["authorization"], GOOD[:-1] + b', "top_p": NaN}', 400, "invalid_json"),
+    ("empty", CHAT, KEY["authorization"], b"", 400, "invalid_json"),
+    ("bom", CHAT, KEY["authorization"], b"\xef\xbb\xbf" + GOOD, 400, "invalid_json"),
+    ("not-utf8", CHAT, KEY["authorization"], GOOD.replace(b"hi", b"h\xe9"), 400, "invalid_json"),
+    ("deep", CHAT, KEY["authorization"], b'{"x": ' + b"[" * 300 + b"]" * 300 + b"}", 400,
+     "invalid_json"),
+    ("infinite", CHAT, KEY["authorization"], GOOD[:-1] + b', "x": 1e999}', 400, "invalid_json"),
+    ("lines", CHAT, KEY["authorization"], b'{\n  "model": "fake-model",\n  "stream": tru\n}', 400,
+     "invalid_json"),
 ]
 _DATE = re.compile(rb"\r\ndate: [^\r]*")
 

@@ -132,20 +132,22 @@ impl Governed {
                 return Checked::Refuse(super::reply::ErrorReply::unauthorized(message))
             }
         };
-        match self.accept_body(endpoint, identity, request) {
-            Some(accepted) => Checked::Accept(accepted),
-            None => Checked::Decline,
+        match super::prepare::checked(endpoint, &request.body, &self.checks) {
+            Ok(prepared) => self
+                .accept_body(identity, prepared, request)
+                .map_or(Checked::Decline, Checked::Accept),
+            Err(super::prepare::NotServed::Refused(error)) => Checked::Refuse(*error),
+            Err(super::prepare::NotServed::Unsure) => Checked::Decline,
         }
     }
 
-    /// The body's part of `accept`, once the key is known.
+    /// The rest of `accept`, once the key and the body are known good.
     fn accept_body(
         &self,
-        endpoint: super::prepare::Endpoint,
         identity: super::auth::Identity,
+        prepared: super::prepare::Prepared,
         request: &Request,
     ) -> Option<Accepted> {
-        let prepared = super::prepare::prepare(endpoint, &request.body, &self.checks)?;
         // The relay streams one choice without continuous usage; the rest is Python's.
         if !prepared.stream
             || prepared.choices != 1

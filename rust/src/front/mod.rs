@@ -12,6 +12,7 @@ pub mod answer;
 pub mod auth;
 pub mod chunked;
 pub mod conn;
+pub mod decode;
 pub mod from_app;
 pub mod governed;
 pub mod http;

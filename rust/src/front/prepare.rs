@@ -4,15 +4,28 @@
 //! The native path serves a request only when this says yes, so yes must mean Python's
 //! `prepare` takes the same body with the same values: every check it makes (the strict
 //! decoder, the request models, `stream_options`, streaming on, a known model, the limits,
-//! the context) is made here, and any body it would refuse, or that this reading is unsure
-//! of, is `None`: the front then passes the request to the app, which answers it (with its
-//! own 400 or 404). No error is rendered here.
+//! the context) is made here. A body it would refuse is refused here with Python's error
+//! where the reading is sure of it (`NotServed::Refused`: the front answers it, byte for
+//! byte as the app would), and any other body it would refuse, or that this reading is
+//! unsure of, is `NotServed::Unsure`: the front then passes the request to the app, which
+//! answers it (with its own 400 or 404).
 
 use std::collections::{HashMap, HashSet};
 
 use super::json::{self, Json, Style};
 use super::prompt;
+use super::reply::ErrorReply;
 use super::request::{self, Request};
+
+/// Why the checks do not serve a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NotServed {
+    /// Python refuses it with this error (`GatewayError`), before the runtime hears of it.
+    Refused(Box<ErrorReply>),
+    /// Python may take it, or refuse it with an error this reading does not write: the app
+    /// answers it.
+    Unsure,
+}
 
 /// The two governed routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +134,24 @@ const STRIPPED: [&str; 2] = ["priority", "kv_transfer_params"];
 /// Check a body as `CompletionService.prepare` does; `None` where Python would refuse it
 /// (or where this reading is unsure it would not).
 pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<Prepared> {
-    let body = json::parse(raw)?;
+    checked(endpoint, raw, config).ok()
+}
+
+/// `prepare`, with Python's error where the reading is sure Python refuses the body.
+pub fn checked(
+    endpoint: Endpoint,
+    raw: &[u8],
+    config: &FrontConfig,
+) -> Result<Prepared, NotServed> {
+    // Not one serde reads as an object: `decode_json` says what is wrong, or takes it.
+    let Some(body @ Json::Object(_)) = json::parse(raw) else {
+        return Err(
+            super::decode::refusal(raw).map_or(NotServed::Unsure, |message| {
+                let error = ErrorReply::checks(400, message, "invalid_json", None);
+                NotServed::Refused(Box::new(error))
+            }),
+        );
+    };
     let checked = check(endpoint, &body, config)?;
     let Json::Object(pairs) = body else {
         unreachable!("checked as an object")
@@ -142,7 +172,8 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
         ];
         set(&mut upstream, "stream_options", Json::Object(usage));
     }
-    let (context, longest) = (checked.context, checked.prompts.iter().copied().max()?);
+    let longest = checked.prompts.iter().copied().max();
+    let (context, longest) = (checked.context, longest.ok_or(NotServed::Unsure)?);
     let mut max_tokens = checked.max_tokens;
     if let (None, Some(cap)) = (max_tokens, config.max_tokens) {
         if cap < context - longest {
@@ -156,9 +187,12 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
     for p in &checked.prompts {
         let left = context - p;
         let each = max_tokens.map_or(left, |m| m.min(left)).max(1);
-        planned = planned.checked_add(checked.n.checked_mul(each)?)?;
+        let choices = checked.n.checked_mul(each);
+        planned = choices
+            .and_then(|c| planned.checked_add(c))
+            .ok_or(NotServed::Unsure)?;
     }
-    Some(Prepared {
+    Ok(Prepared {
         endpoint,
         asked_model: checked.asked_model,
         model: checked.model,
@@ -194,47 +228,49 @@ struct Checked {
 /// Every refusal of `prepare`, in its order: the messages' count (before validation, which
 /// a million messages would cost), the model's fields, stream options without a stream,
 /// streaming off, an unknown model, no output without echo, the limits, the context.
-fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Option<Checked> {
+fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checked, NotServed> {
+    use NotServed::Unsure;
     if !matches!(body, Json::Object(_)) {
-        return None;
+        return Err(Unsure);
     }
     if let Some(Json::Array(messages)) = body.get("messages") {
         if messages.len() as u64 > config.max_messages {
-            return None;
+            return Err(Unsure);
         }
     }
     let request: Request<'_> = match endpoint {
-        Endpoint::Chat => request::chat(body)?,
-        Endpoint::Completions => request::completion(body)?,
-    };
+        Endpoint::Chat => request::chat(body),
+        Endpoint::Completions => request::completion(body),
+    }
+    .ok_or(Unsure)?;
     // vLLM's own check: options only with `stream` (`{}` passes).
     let options_given = body.get("stream_options").is_some_and(Json::truthy);
     if (options_given && !request.stream) || (request.stream && !config.streaming) {
-        return None;
+        return Err(Unsure);
     }
-    let context = *config.models.get(request.model)?;
+    let context = *config.models.get(request.model).ok_or(Unsure)?;
     let model = config
         .aliases
         .get(request.model)
         .map_or(request.model, String::as_str);
     if endpoint == Endpoint::Completions && request.max_tokens == Some(0) && !request.echo {
-        return None; // no output is a request for the echoed prompt alone
+        return Err(Unsure); // no output is a request for the echoed prompt alone
     }
     let prompts = prompt::prompt_tokens(&request.prompt, config.bytes_per_token);
-    let choices = request.n.checked_mul(prompts.len() as u64)?;
+    let choices = request.n.checked_mul(prompts.len() as u64).ok_or(Unsure)?;
     let over_cap = matches!((config.max_tokens, request.max_tokens), (Some(c), Some(m)) if m > c);
     let longest = prompts.iter().copied().max().unwrap_or(0);
     if choices > config.max_n || over_cap || longest >= context {
-        return None;
+        return Err(Unsure);
     }
     if request.max_tokens.is_some_and(|m| m > context) {
-        return None;
+        return Err(Unsure);
     }
     let hashes = config
         .prefix_models
         .contains(model)
         .then(|| prompt::prefix_hashes(&request.prompt, config.block_size, config.bytes_per_token));
-    Some(Checked {
+    Ok(Checked {
         asked_model: request.model.to_owned(),
         model: model.to_owned(),
         stream: request.stream,

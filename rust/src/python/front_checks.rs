@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::front::auth::{Identity, KeyRing};
-use crate::front::prepare::{prepare, Endpoint, FrontConfig, Prepared};
+use crate::front::prepare::{checked, prepare, Endpoint, FrontConfig, NotServed, Prepared};
 use crate::front::reply::{self, Cut};
 use crate::front::signals::read_signals;
 
@@ -71,6 +71,24 @@ impl PyFrontChecks {
     fn prepare(&self, endpoint_name: &str, raw: &[u8]) -> PyResult<Option<PyFrontPrepared>> {
         let prepared = prepare(endpoint(endpoint_name)?, raw, &self.config);
         Ok(prepared.map(|inner| PyFrontPrepared { inner }))
+    }
+
+    /// The error the front answers this body with, on the wire (None: it serves the body, or
+    /// passes it to the app).
+    #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+    fn refusal<'py>(
+        &self,
+        py: Python<'py>,
+        endpoint_name: &str,
+        raw: &[u8],
+        default_headers: Vec<(Vec<u8>, Vec<u8>)>,
+        keep_alive: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let Err(NotServed::Refused(error)) = checked(endpoint(endpoint_name)?, raw, &self.config)
+        else {
+            return Ok(None);
+        };
+        Ok(Some(wire(py, &error, &default_headers, keep_alive)))
     }
 }
 
