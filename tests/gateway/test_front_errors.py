@@ -40,6 +40,22 @@ CASES = [  # (id, path, authorization or None, body, status, code)
     ("deep", CHAT, KEY["authorization"], b'{"x": ' + b"[" * 300 + b"]" * 300 + b"}", 400,
      "invalid_json"),
     ("infinite", CHAT, KEY["authorization"], GOOD[:-1] + b', "x": 1e999}', 400, "invalid_json"),
+    ("unknown-model", CHAT, KEY["authorization"], GOOD.replace(b"fake-model", b"gpt-17"), 404,
+     "model_not_found"),
+    ("too-long", "/v1/completions", KEY["authorization"],
+     b'{"model": "fake-model", "stream": true, "prompt": "%s"}' % (b"lorem " * 4000), 400,
+     "context_length_exceeded"),
+    ("past-context", CHAT, KEY["authorization"], GOOD[:-1] + b', "max_tokens": 5000}', 400,
+     "context_length_exceeded"),
+    ("n", "/v1/completions", KEY["authorization"],
+     b'{"model": "fake-model", "prompt": ["a", "b"], "n": 100, "stream": true}', 400,
+     "n_too_large"),
+    ("no-output", "/v1/completions", KEY["authorization"],
+     b'{"model": "fake-model", "prompt": "a", "max_tokens": 0}', 400, "invalid_request"),
+    ("options", CHAT, KEY["authorization"], GOOD.replace(b"true", b'false, "stream_options": '
+     b'{"include_usage": true}'), 400, "invalid_request"),
+    ("messages", CHAT, KEY["authorization"], GOOD.replace(b'"messages": [', b'"messages": [' +
+     b'{"role": "user", "content": "a"}, ' * 3000), 400, "too_many_messages"),
     ("lines", CHAT, KEY["authorization"], b'{\n  "model": "fake-model",\n  "stream": tru\n}', 400,
      "invalid_json"),
 ]

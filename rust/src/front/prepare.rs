@@ -234,8 +234,14 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
         return Err(Unsure);
     }
     if let Some(Json::Array(messages)) = body.get("messages") {
-        if messages.len() as u64 > config.max_messages {
-            return Err(Unsure);
+        let limit = config.max_messages;
+        if messages.len() as u64 > limit {
+            let message = format!(
+                "messages has {} entries, over this gateway's limit of {limit} \
+                 (limits.max_messages): send fewer, or merge them",
+                messages.len()
+            );
+            return Err(refused(400, message, "too_many_messages", "messages"));
         }
     }
     let request: Request<'_> = match endpoint {
@@ -244,28 +250,37 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
     }
     .ok_or(Unsure)?;
     // vLLM's own check: options only with `stream` (`{}` passes).
-    let options_given = body.get("stream_options").is_some_and(Json::truthy);
-    if (options_given && !request.stream) || (request.stream && !config.streaming) {
-        return Err(Unsure);
+    if body.get("stream_options").is_some_and(Json::truthy) && !request.stream {
+        let message = "Stream options can only be defined when `stream=True`.".to_owned();
+        return Err(refused(400, message, "invalid_request", "stream_options"));
     }
-    let context = *config.models.get(request.model).ok_or(Unsure)?;
+    if request.stream && !config.streaming {
+        let message = "streaming is disabled on this gateway (streaming.enabled)".to_owned();
+        return Err(refused(400, message, "streaming_disabled", "stream"));
+    }
+    let Some(&context) = config.models.get(request.model) else {
+        let message = format!("The model `{}` does not exist.", request.model);
+        return Err(refused(404, message, "model_not_found", "model"));
+    };
     let model = config
         .aliases
         .get(request.model)
         .map_or(request.model, String::as_str);
     if endpoint == Endpoint::Completions && request.max_tokens == Some(0) && !request.echo {
-        return Err(Unsure); // no output is a request for the echoed prompt alone
+        // no output is a request for the echoed prompt alone
+        let message = "max_tokens must be at least 1, got 0 (0 is allowed only with echo)";
+        return Err(refused(
+            400,
+            message.to_owned(),
+            "invalid_request",
+            "max_tokens",
+        ));
     }
     let prompts = prompt::prompt_tokens(&request.prompt, config.bytes_per_token);
     let choices = request.n.checked_mul(prompts.len() as u64).ok_or(Unsure)?;
-    let over_cap = matches!((config.max_tokens, request.max_tokens), (Some(c), Some(m)) if m > c);
+    limits(choices, prompts.len() as u64, request.max_tokens, config)?;
     let longest = prompts.iter().copied().max().unwrap_or(0);
-    if choices > config.max_n || over_cap || longest >= context {
-        return Err(Unsure);
-    }
-    if request.max_tokens.is_some_and(|m| m > context) {
-        return Err(Unsure);
-    }
+    within_context(longest, request.max_tokens, context)?;
     let hashes = config
         .prefix_models
         .contains(model)
@@ -283,6 +298,83 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
         hashes,
         unstreamed: !request.stream && wants_prompt_logprobs(body),
     })
+}
+
+/// `GatewayError(status, message, code, param=param)`, Python's refusal of the body.
+fn refused(status: u16, message: String, code: &str, param: &str) -> NotServed {
+    NotServed::Refused(Box::new(ErrorReply::checks(
+        status,
+        message,
+        code,
+        Some(param),
+    )))
+}
+
+/// `serving._check_limits`: the choices of the batch, then the output bound, against the
+/// gateway's limits.
+fn limits(
+    choices: u64,
+    prompts: u64,
+    max_tokens: Option<u64>,
+    config: &FrontConfig,
+) -> Result<(), NotServed> {
+    let limit = config.max_n;
+    if choices > limit {
+        let asked = if prompts == 1 {
+            format!("n is {choices}")
+        } else {
+            format!(
+                "{prompts} prompts x n {} make {choices} choices",
+                choices / prompts
+            )
+        };
+        let message = format!(
+            "{asked}, over this gateway's limit of {limit} choices per request (limits.max_n): \
+             ask for fewer, or send several requests"
+        );
+        return Err(refused(400, message, "n_too_large", "n"));
+    }
+    if let (Some(cap), Some(asked)) = (config.max_tokens, max_tokens) {
+        if asked > cap {
+            let message = format!(
+                "max_tokens is {asked}, over this gateway's limit of {cap} (limits.max_tokens): \
+                 ask for at most {cap}"
+            );
+            return Err(refused(400, message, "max_tokens_too_large", "max_tokens"));
+        }
+    }
+    Ok(())
+}
+
+/// `serving._check_context` (vLLM's rule): a prompt must leave room for one token, and the
+/// output bound may not pass the context.
+fn within_context(prompt: u64, max_tokens: Option<u64>, context: u64) -> Result<(), NotServed> {
+    if prompt >= context {
+        let message = format!(
+            "This model's maximum context length is {context} tokens. However, your prompt \
+             contains about {prompt} tokens, which leaves no room for output. Please reduce the \
+             length of the input prompt."
+        );
+        return Err(refused(
+            400,
+            message,
+            "context_length_exceeded",
+            "input_tokens",
+        ));
+    }
+    if let Some(asked) = max_tokens.filter(|&m| m > context) {
+        let message = format!(
+            "max_tokens={asked} cannot be greater than this model's maximum context length of \
+             {context} tokens. Please request fewer output tokens."
+        );
+        return Err(refused(
+            400,
+            message,
+            "context_length_exceeded",
+            "max_tokens",
+        ));
+    }
+    Ok(())
 }
 
 /// `session.body_fingerprint`: 64 bits of BLAKE2b keyed with the process's key, read
