@@ -56,6 +56,16 @@ CASES = [  # (id, path, authorization or None, body, status, code)
      b'{"include_usage": true}'), 400, "invalid_request"),
     ("messages", CHAT, KEY["authorization"], GOOD.replace(b'"messages": [', b'"messages": [' +
      b'{"role": "user", "content": "a"}, ' * 3000), 400, "too_many_messages"),
+    ("wrong-type", CHAT, KEY["authorization"], GOOD.replace(b"true", b'"yes"'), 400,
+     "invalid_request"),
+    ("no-model", CHAT, KEY["authorization"], GOOD.replace(b'"model": "fake-model", ', b""), 400,
+     "invalid_request"),
+    ("no-messages", CHAT, KEY["authorization"], b'{"model": "fake-model", "stream": true}', 400,
+     "invalid_request"),
+    ("prompt-shape", "/v1/completions", KEY["authorization"],
+     b'{"model": "fake-model", "prompt": [1, "two", {"x": 3.5}], "stream": true}', 400,
+     "invalid_request"),
+    ("bound", CHAT, KEY["authorization"], GOOD[:-1] + b', "top_p": 1.5}', 400, "invalid_request"),
     ("lines", CHAT, KEY["authorization"], b'{\n  "model": "fake-model",\n  "stream": tru\n}', 400,
      "invalid_json"),
 ]

@@ -16,6 +16,7 @@ pub mod decode;
 pub mod from_app;
 pub mod governed;
 pub mod http;
+pub mod invalid;
 pub mod json;
 pub mod owner;
 pub mod pass;

@@ -244,11 +244,17 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
             return Err(refused(400, message, "too_many_messages", "messages"));
         }
     }
-    let request: Request<'_> = match endpoint {
+    let parsed = match endpoint {
         Endpoint::Chat => request::chat(body),
         Endpoint::Completions => request::completion(body),
-    }
-    .ok_or(Unsure)?;
+    };
+    let Some(request): Option<Request<'_>> = parsed else {
+        // pydantic's first error, where this reading is sure of it (`serving._invalid`).
+        return Err(super::invalid::first_error(endpoint, body)
+            .map_or(Unsure, |(message, param)| {
+                refused(400, message, "invalid_request", &param)
+            }));
+    };
     // vLLM's own check: options only with `stream` (`{}` passes).
     if body.get("stream_options").is_some_and(Json::truthy) && !request.stream {
         let message = "Stream options can only be defined when `stream=True`.".to_owned();
