@@ -269,14 +269,17 @@ def _assert_refused_alike(
     byte (`GatewayError.response()` as uvicorn writes it)."""
     keep_alive = len(raw) % 2 == 0  # either, as the body falls
     refused = checks.refusal(endpoint, raw, SERVER, keep_alive)  # type: ignore[arg-type]
+    error: GatewayError | None = None
     try:
         service.prepare(endpoint, IDENTITY, raw)  # type: ignore[arg-type]
     except GatewayError as exc:
-        event(f"Rust {'answers' if refused else 'passes on'} Python's {exc.code}")
-        if refused is not None:
-            assert refused == _reply_bytes(exc, SERVER, keep_alive), raw
-    else:
+        error = exc
+    if error is None:
         assert refused is None, f"Rust refuses what Python accepts: {raw!r}"
+        return
+    event(f"Rust {'answers' if refused else 'passes on'} Python's {error.code}")
+    if refused is not None:
+        assert refused == _reply_bytes(error, SERVER, keep_alive), raw
 
 
 _PIECES = st.sampled_from([  # bytes that steer a JSON reader, alone or as they come in bodies
