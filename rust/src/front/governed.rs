@@ -3,7 +3,8 @@
 //!
 //! This is the Rust twin of the Python path's `StreamSession`/`RelayedSession` for the requests
 //! the front is sure of (a streamed completion of one choice that the checks accept; see
-//! `prepare.rs`); it declines everything else, and the app serves that as before. The task
+//! `prepare.rs`). What the checks refuse it answers with the app's error (`accept`), before
+//! the runtime hears of it; it declines everything else, and the app serves that as before. The task
 //! decides nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
 //! the client's window and departure) and carries out what the runtime answers (queue, start,
 //! abort, reply, cut, end), as the owner routes it here.
