@@ -2,11 +2,12 @@
 //! `serving._invalid` words it: `{field}: {pydantic's message} (got {repr(input):.80})`.
 //!
 //! Only the common cases, each read as pydantic reads it: a required field missing, a
-//! top-level field of the wrong type or past its bound, a prompt of no shape the union takes.
+//! top-level field of the wrong type or past its bound, a prompt of no shape the union takes,
+//! a chat message that is no object, has no role or content of no shape.
 //! pydantic validates the fields in the model's order, so the first error is the first field
 //! that fails; this walks them in that order and names an error only when every field
-//! before it is sure to pass and the failing one is sure to fail so. A nested field
-//! (a message, `stream_options`' keys, `stop`'s union) or an input whose `repr` needs
+//! before it is sure to pass and the failing one is sure to fail so. Another nested field
+//! (`stream_options`' keys, `stop`'s union) or an input whose `repr` needs
 //! Unicode's tables (non-ASCII text) is unsure: the app answers it.
 
 use std::fmt::Write as _;
@@ -54,6 +55,8 @@ enum Field<'a> {
     Valid,
     /// Its message, and the input it names (none for a missing field).
     Invalid(String, Option<&'a Json>),
+    /// An error inside it: the path below the field (`.0.role`), the message, the input.
+    Inside(String, String, Option<&'a Json>),
     Unsure,
 }
 
@@ -68,16 +71,22 @@ pub fn first_error(endpoint: Endpoint, body: &Json) -> Option<(String, String)> 
         match field(endpoint, name, body.get(name)) {
             Field::Valid => {}
             Field::Unsure => return None,
-            Field::Invalid(message, input) => {
-                let got = match input {
-                    None => String::new(),
-                    Some(value) => format!(" (got {})", truncated(&repr(value)?, 80)),
-                };
-                return Some((format!("{name}: {message}{got}"), name.to_owned()));
+            Field::Invalid(message, input) => return worded(name.to_owned(), &message, input),
+            Field::Inside(path, message, input) => {
+                return worded(format!("{name}{path}"), &message, input);
             }
         }
     }
     None
+}
+
+/// `_invalid`: `{param}: {message} (got {repr(input):.80})`, and the param.
+fn worded(param: String, message: &str, input: Option<&Json>) -> Option<(String, String)> {
+    let got = match input {
+        None => String::new(),
+        Some(value) => format!(" (got {})", truncated(&repr(value)?, 80)),
+    };
+    Some((format!("{param}: {message}{got}"), param))
 }
 
 fn field<'a>(endpoint: Endpoint, name: &str, value: Option<&'a Json>) -> Field<'a> {
@@ -131,9 +140,11 @@ fn field<'a>(endpoint: Endpoint, name: &str, value: Option<&'a Json>) -> Field<'
                 "List should have at least 1 item after validation, not 0",
                 value,
             ),
-            // A message's own error is nested (`messages.0.role`): unsure.
-            Json::Array(items) if items.iter().all(chat_message) => Field::Valid,
-            Json::Array(_) => Field::Unsure,
+            Json::Array(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(i, item)| chat_message(i, item))
+                .unwrap_or(Field::Valid),
             _ => invalid("Input should be a valid list", value),
         },
         "prompt" => prompt(value),
@@ -158,14 +169,31 @@ fn field<'a>(endpoint: Endpoint, name: &str, value: Option<&'a Json>) -> Field<'
     }
 }
 
-/// `ChatMessage`: a role, and content none, text or typed parts (objects).
-fn chat_message(value: &Json) -> bool {
-    let content = match value.get("content") {
-        None | Some(Json::Null | Json::Str(_)) => true,
-        Some(Json::Array(parts)) => parts.iter().all(|p| matches!(p, Json::Object(_))),
-        Some(_) => false,
+/// The first error of message `i` (`ChatMessage`: a role, and content none, text or typed
+/// parts), or None when it passes. Content of no shape is the union's first member's error.
+fn chat_message(i: usize, value: &Json) -> Option<Field<'_>> {
+    const DICT: &str = "Input should be a valid dictionary or instance of ChatMessage";
+    const STRING: &str = "Input should be a valid string";
+    if !matches!(value, Json::Object(_)) {
+        return Some(Field::Inside(format!(".{i}"), DICT.to_owned(), Some(value)));
+    }
+    let at = |key: &str, message: &str, input| {
+        Some(Field::Inside(
+            format!(".{i}.{key}"),
+            message.to_owned(),
+            input,
+        ))
     };
-    matches!(value.get("role"), Some(Json::Str(_))) && content
+    match value.get("role") {
+        None => return at("role", "Field required", None),
+        Some(Json::Str(_)) => {}
+        Some(role) => return at("role", STRING, Some(role)),
+    }
+    match value.get("content") {
+        None | Some(Json::Null | Json::Str(_)) => None,
+        Some(Json::Array(parts)) if parts.iter().all(|p| matches!(p, Json::Object(_))) => None,
+        Some(content) => at("content", STRING, Some(content)),
+    }
 }
 
 fn invalid<'a>(message: &str, input: &'a Json) -> Field<'a> {
@@ -333,6 +361,24 @@ mod tests {
             chat(r#"{"model":"m","messages":[{"role":"u"}],"n":0}"#).as_deref(),
             Some("n: Input should be greater than or equal to 1 (got 0)")
         );
+        assert_eq!(
+            first(
+                Endpoint::Chat,
+                r#"{"model":"m","n":0,"messages":[{"role":"u"},{"role":1,"content":5}]}"#
+            ),
+            Some((
+                "messages.1.role: Input should be a valid string (got 1)".to_owned(),
+                "messages.1.role".to_owned()
+            ))
+        );
+        assert_eq!(
+            chat(r#"{"model":"m","messages":[{"role":"u","content":[{"a":1}, 3]}]}"#).as_deref(),
+            Some("messages.0.content: Input should be a valid string (got [{'a': 1}, 3])")
+        );
+        assert_eq!(
+            chat(r#"{"model":"m","messages":[null]}"#).as_deref(),
+            Some("messages.0: Input should be a valid dictionary or instance of ChatMessage (got None)")
+        );
         let completions = |t| first(Endpoint::Completions, t).map(|(m, _)| m);
         assert_eq!(
             completions(r#"{"model":"m","prompt":[1,"a",{"k":[null,true,1.5]}]}"#).as_deref(),
@@ -352,8 +398,6 @@ mod tests {
     fn unsure_or_valid() {
         for text in [
             r#"{"model":"m","messages":[{"role":"u"}]}"#,
-            r#"{"model":"m","messages":[{"content":"x"}]}"#,
-            r#"{"model":"m","messages":[{"content":"x"}],"n":0}"#,
             r#"{"model":"m","stop":1,"messages":[]}"#,
             r#"{"model":"é","stream":"é","messages":[]}"#,
         ] {
