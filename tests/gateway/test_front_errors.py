@@ -4,8 +4,9 @@ Two gateways, built alike over two fakes, take the same raw requests: one as `ll
 runs it (the front answers what its checks refuse), the other with `server.relay: false`
 (the front passes every completion to the app, whose answer is the reference). Compared:
 every byte of the response but the `date` header's line, with the connection kept alive and
-with it closed. Each app counts the HTTP requests reaching it, so a test sees from outside
-that the front answered natively; the trace shows the runtime never heard of the request.
+with it closed (`connection: close`, HTTP/1.0), and whether the gateway then ends the
+connection or keeps it open. Each app counts the HTTP requests reaching it, so a test sees
+from outside that the front answered natively; the trace shows the runtime never heard of it.
 After a refusal, a good request on the same keep-alive connection is served as usual.
 """
 
@@ -74,12 +75,19 @@ CASES = [  # (id, path, authorization or None, body, status, code)
 _DATE = re.compile(rb"\r\ndate: [^\r]*")
 
 
-async def _exchange(gw: Served, request: bytes) -> bytes:
-    """One request on a fresh connection, its response read whole."""
+async def _exchange(gw: Served, request: bytes, closes: bool) -> bytes:
+    """One request on a fresh connection, its response read whole; the gateway ends the
+    connection after it when `closes`, and else keeps it open."""
     reader, writer = await asyncio.open_connection(*gw.url.removeprefix("http://").split(":"))
     try:
         writer.write(request)
-        return await _response(reader)
+        response = await _response(reader)
+        if closes:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        else:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.05)
+        return response
     finally:
         writer.close()
 
@@ -94,8 +102,10 @@ async def _response(reader: asyncio.StreamReader) -> bytes:
     return head + await asyncio.wait_for(reader.readexactly(length), 10)
 
 
-def _request(path: str, authorization: str | None, body: bytes, close: bool = False) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+def _request(
+    path: str, authorization: str | None, body: bytes, close: bool = False, version: str = "1.1"
+) -> bytes:
+    head = f"POST {path} HTTP/{version}\r\nhost: localhost\r\ncontent-type: application/json\r\n"
     if authorization is not None:
         head += f"authorization: {authorization}\r\n"
     if close:
@@ -113,9 +123,10 @@ async def test_bad_input_is_answered_natively_with_the_apps_bytes(
 ) -> None:
     async with served(native=True) as fast, served(native=False) as slow:
         before = fast.counted.requests
-        for close in (False, True):
-            request = _request(path, authorization, body, close)
-            a, b = [await _exchange(gw, request) for gw in (fast, slow)]
+        for close, version in ((False, "1.1"), (True, "1.1"), (False, "1.0")):
+            request = _request(path, authorization, body, close, version)
+            closes = close or version == "1.0"
+            a, b = [await _exchange(gw, request, closes) for gw in (fast, slow)]
             assert a.startswith(b"HTTP/1.1 %d " % status), a
             assert json.loads(a.split(b"\r\n\r\n", 1)[1])["error"]["code"] == code
             assert _DATE.sub(b"", a) == _DATE.sub(b"", b)
