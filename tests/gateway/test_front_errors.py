@@ -68,6 +68,8 @@ CASES = [  # (id, path, authorization or None, body, status, code)
      "invalid_request"),
     ("no-role", CHAT, KEY["authorization"], GOOD.replace(b'"role": "user", ', b""), 400,
      "invalid_request"),
+    ("stop", CHAT, KEY["authorization"], GOOD[:-1] + b', "stop": ["a", "b", "c", "d", "e"]}', 400,
+     "invalid_request"),
     ("bound", CHAT, KEY["authorization"], GOOD[:-1] + b', "top_p": 1.5}', 400, "invalid_request"),
     ("lines", CHAT, KEY["authorization"], b'{\n  "model": "fake-model",\n  "stream": tru\n}', 400,
      "invalid_json"),

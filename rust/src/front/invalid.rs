@@ -3,11 +3,11 @@
 //!
 //! Only the common cases, each read as pydantic reads it: a required field missing, a
 //! top-level field of the wrong type or past its bound, a prompt of no shape the union takes,
-//! a chat message that is no object, has no role or content of no shape.
+//! a chat message that is no object, has no role or content of no shape, `stop` of no shape,
+//! `stream_options` no object or with a flag that is not a boolean.
 //! pydantic validates the fields in the model's order, so the first error is the first field
 //! that fails; this walks them in that order and names an error only when every field
-//! before it is sure to pass and the failing one is sure to fail so. Another nested field
-//! (`stream_options`' keys, `stop`'s union) or an input whose `repr` needs
+//! before it is sure to pass and the failing one is sure to fail so. An input whose `repr` needs
 //! Unicode's tables (non-ASCII text) is unsure: the app answers it.
 
 use std::fmt::Write as _;
@@ -148,25 +148,37 @@ fn field<'a>(endpoint: Endpoint, name: &str, value: Option<&'a Json>) -> Field<'
             _ => invalid("Input should be a valid list", value),
         },
         "prompt" => prompt(value),
-        // `stream_options` and `stop`: nested or a union, refused only by the app.
-        _ => match (name, value) {
-            (_, Json::Null) | ("stop", Json::Str(_)) => Field::Valid,
-            ("stop", Json::Array(items))
+        // `str | list[str] (at most 4) | None`: no shape is the union's first member's error.
+        "stop" => nullable(value, |v| match v {
+            Json::Str(_) => Field::Valid,
+            Json::Array(items)
                 if items.len() <= 4 && items.iter().all(|s| matches!(s, Json::Str(_))) =>
             {
                 Field::Valid
             }
-            ("stream_options", Json::Object(pairs))
-                if pairs.iter().all(|(k, v)| {
-                    !matches!(k.as_str(), "include_usage" | "continuous_usage_stats")
-                        || matches!(v, Json::Null | Json::Bool(_))
-                }) =>
-            {
-                Field::Valid
-            }
-            _ => Field::Unsure,
-        },
+            _ => invalid("Input should be a valid string", v),
+        }),
+        "stream_options" => nullable(value, stream_options),
+        _ => Field::Unsure,
     }
+}
+
+/// `StreamOptions`: an object whose two flags are `bool | None` (in that order).
+fn stream_options(value: &Json) -> Field<'_> {
+    if !matches!(value, Json::Object(_)) {
+        let message = "Input should be a valid dictionary or instance of StreamOptions";
+        return invalid(message, value);
+    }
+    for key in ["include_usage", "continuous_usage_stats"] {
+        match value.get(key) {
+            None | Some(Json::Null | Json::Bool(_)) => {}
+            Some(flag) => {
+                let message = "Input should be a valid boolean".to_owned();
+                return Field::Inside(format!(".{key}"), message, Some(flag));
+            }
+        }
+    }
+    Field::Valid
 }
 
 /// The first error of message `i` (`ChatMessage`: a role, and content none, text or typed
@@ -379,6 +391,20 @@ mod tests {
             chat(r#"{"model":"m","messages":[null]}"#).as_deref(),
             Some("messages.0: Input should be a valid dictionary or instance of ChatMessage (got None)")
         );
+        assert_eq!(
+            chat(r#"{"model":"m","messages":[],"stop":["a",1]}"#).as_deref(),
+            Some("stop: Input should be a valid string (got ['a', 1])")
+        );
+        assert_eq!(
+            first(
+                Endpoint::Chat,
+                r#"{"model":"m","stream_options":{"continuous_usage_stats":"x","include_usage":2}}"#
+            ),
+            Some((
+                "stream_options.include_usage: Input should be a valid boolean (got 2)".to_owned(),
+                "stream_options.include_usage".to_owned()
+            ))
+        );
         let completions = |t| first(Endpoint::Completions, t).map(|(m, _)| m);
         assert_eq!(
             completions(r#"{"model":"m","prompt":[1,"a",{"k":[null,true,1.5]}]}"#).as_deref(),
@@ -398,7 +424,6 @@ mod tests {
     fn unsure_or_valid() {
         for text in [
             r#"{"model":"m","messages":[{"role":"u"}]}"#,
-            r#"{"model":"m","stop":1,"messages":[]}"#,
             r#"{"model":"é","stream":"é","messages":[]}"#,
         ] {
             assert_eq!(first(Endpoint::Chat, text), None, "{text}");
