@@ -740,7 +740,8 @@ class LightLane:
 
 RelayEvent = tuple[Any, ...]
 """One relay event: `("started", id)`, `("first_token", id, n, template_json | None)`,
-`("tokens", [(id, n), ...])`, `("done", id)`,
+`("tokens", [(id, n), ...])`, `("payload", id, data)` (a stream the front assembles whole),
+`("done", id)`,
 `("failed", id, status, code, message, backend_down, error_json | None)` (`error_json`: the
 error object of a backend's 4xx, passed to the client as it is), `("window_full", id)`,
 `("window_drained", id)`, `("client_gone", id)`, `("closed", id, socket_fd | None,
@@ -848,6 +849,8 @@ class NativeRoutes:
             order.
         own_hosts: a keyless gateway's own host names (requests naming another Host, or
             carrying an Origin, go to the app's guard); None with API keys.
+        write_timeout_ms: how long a client may take none of a reply written whole
+            (`server.write_timeout_ms`) before its connection is dropped.
 
     Raises:
         InvalidArgumentError: `backends` are not the runtime's, `notify_fd` is negative, or
@@ -864,6 +867,7 @@ class NativeRoutes:
         backends: list[tuple[str, str, bool]],
         *,
         own_hosts: list[str] | None = None,
+        write_timeout_ms: float = 60000.0,
     ) -> NativeRoutes: ...
     def serve_on(self, front: Front) -> None:
         """Serve `front`'s governed routes natively from now on."""
@@ -1064,3 +1068,25 @@ def front_cut_frame(
 
 def front_in_band_error(error: str | None, message: str, code: str) -> bytes:
     """`encode_event({"error": in_band_error(...)})`: vLLM's error object, else ours."""
+
+def front_whole_reply(
+    endpoint_name: Literal["chat", "completions"],
+    model: str,
+    payloads: list[bytes],
+    now_s: int,
+    cut: tuple[str, int] | None = None,
+) -> bytes | str:
+    """A non-streamed reply assembled from an upstream stream's `data:` payloads, as the
+    native front assembles it: the body `JSONResponse(Accumulator.response(usage))` renders,
+    or the failure's message at the first payload it does not take.
+
+    Args:
+        endpoint_name: the route.
+        model: the model the client named.
+        payloads: the stream's payloads, in order.
+        now_s: the clock's whole seconds (the `created` of a reply no chunk named).
+        cut: `(reason, request_id)` of a cut after the payloads.
+
+    Raises:
+        InvalidArgumentError: an endpoint other than chat or completions.
+    """

@@ -11,7 +11,9 @@
 //! Decisions stay in the runtime: this file routes actions and keeps time monotonic across
 //! hosts; it decides nothing.
 
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::error::PolicyResult;
 use crate::runtime::{Action, Event, Runtime};
@@ -23,15 +25,59 @@ pub trait Divert: Send {
     fn divert(&mut self, action: &Action) -> bool;
 
     /// Every action of one event has been offered. Returns the gates of what it took that must
-    /// wait for the caller's share to be carried out first (see [`Gate`]).
-    fn batch_end(&mut self) -> Vec<Gate> {
-        Vec::new()
+    /// wait for the caller's share to be carried out first (see [`Gate`]), and what the
+    /// caller's own `Start`s of the event must wait for first (the aborts it took before them).
+    fn batch_end(&mut self) -> BatchEnd {
+        BatchEnd::default()
     }
 }
 
 /// Held by the host that carries out an `Abort` another host's `Start` must wait for: dropped
 /// (or sent on) once the abort has reached its socket, which lets the `Start` go upstream.
 pub type Gate = std::sync::mpsc::SyncSender<()>;
+
+/// What one event's routing leaves the hosts to wait for (see [`Divert::batch_end`]).
+#[derive(Default)]
+pub struct BatchEnd {
+    pub gates: Vec<Gate>,
+    /// The caller's `Start`s go upstream only once these are heard.
+    pub caller_waits: Vec<Arc<Ack>>,
+}
+
+/// Heard once, by any number of waiters: an abort that reached its socket, or a gate that
+/// opened. Every `Start` after it in its event waits for it, whichever host carries it out, so
+/// vLLM hears of the slot freed before the request that takes it.
+pub struct Ack(Mutex<Option<Receiver<()>>>);
+
+impl Ack {
+    pub fn new(heard: Receiver<()>) -> Arc<Self> {
+        Arc::new(Self(Mutex::new(Some(heard))))
+    }
+
+    /// Block until it is heard (its sender sent or dropped), or `deadline` passes.
+    pub fn wait(&self, deadline: Instant) {
+        let mut heard = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(rx) = heard.as_ref() {
+            let _ = rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
+        *heard = None; // heard, or given up on: later waiters need not wait again
+    }
+}
+
+/// The longest a `Start` waits for the aborts before it to reach their sockets (a relay
+/// stream's task carries an abort out within microseconds; Python, within a loop turn).
+pub const ABORT_WAIT: Duration = Duration::from_millis(100);
+
+/// Wait for every one of `acks`, `limit` in all.
+pub fn wait_all(acks: &[Arc<Ack>], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    for ack in acks {
+        ack.wait(deadline);
+    }
+}
 
 /// The runtime shared by the hosts of one process, its trace, and who carries out what.
 pub struct Hosted {
@@ -45,6 +91,8 @@ pub struct Hosted {
     /// out what it was given (`python_carried`).
     gates: Vec<Gate>,
     python_gates: Vec<Gate>,
+    /// What the caller's `Start`s of the last event fed wait for (`take_caller_waits`).
+    caller_waits: Vec<Arc<Ack>>,
 }
 
 /// A [`Hosted`] runtime behind its lock.
@@ -59,6 +107,7 @@ impl Hosted {
             divert: None,
             gates: Vec::new(),
             python_gates: Vec::new(),
+            caller_waits: Vec::new(),
         }
     }
 
@@ -120,7 +169,9 @@ impl Hosted {
             }
         }
         if let Some(divert) = self.divert.as_mut() {
-            self.gates = divert.batch_end();
+            let end = divert.batch_end();
+            self.gates = end.gates;
+            self.caller_waits = end.caller_waits;
         }
         Ok(())
     }
@@ -129,6 +180,12 @@ impl Hosted {
     /// own actions of that event (Python: `hold_for_python`).
     pub fn take_gates(&mut self) -> Vec<Gate> {
         std::mem::take(&mut self.gates)
+    }
+
+    /// What the caller's own `Start`s of the last event fed must wait for before going
+    /// upstream (`wait_all`, outside the lock).
+    pub fn take_caller_waits(&mut self) -> Vec<Arc<Ack>> {
+        std::mem::take(&mut self.caller_waits)
     }
 
     /// Gates Python holds until it has carried out what it was handed (`python_carried`).
@@ -205,9 +262,9 @@ mod tests {
             mine
         }
 
-        fn batch_end(&mut self) -> Vec<Gate> {
+        fn batch_end(&mut self) -> BatchEnd {
             *self.batches.lock().unwrap() += 1;
-            Vec::new()
+            BatchEnd::default()
         }
     }
 

@@ -11,21 +11,23 @@ everything at vLLM, keep-alive and pipelining, and the metrics and trace countin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import re
-from typing import TYPE_CHECKING, Any
+import socket
+from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from llmflow._core import replay_trace
+from llmflow.gateway.app import create_app
 
-from .harness import assert_idle, start_gateway, until
+from .fake_vllm import FakeVllm
+from .harness import assert_idle, serve_asgi, serve_gateway, settings_for, start_gateway, until
 from .test_relay import _comparable, _events
-
-if TYPE_CHECKING:
-    import httpx
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -111,7 +113,8 @@ async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_
     cap = 2
     async with start_gateway(gate={"max_concurrency_per_gpu": cap}) as h:
         streamed = _body(max_tokens=8, fake={"itl": 0.01})
-        whole = {**streamed, "stream": False}  # not streamed: the front passes it to Python
+        # two choices: the front passes it to Python
+        whole = {**streamed, "stream": False, "n": 2}
         results = await asyncio.gather(
             *(_stream(h.client, CHAT, streamed) for _ in range(6)),
             *(h.client.post(CHAT, json=whole) for _ in range(6)),
@@ -209,8 +212,9 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
             assert _native(headers) == native
         await until(lambda: h.gateway.runtime.live == 0)
         metrics = (await h.client.get("/metrics")).text
-        completed = re.search(r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)',
-                              metrics)
+        completed = re.search(
+            r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics
+        )
         assert completed is not None
         assert float(completed.group(1)) == 4
         assert "llmflow_ttft_seconds_count" in metrics
@@ -221,9 +225,7 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
 
 async def test_a_trace_of_native_requests_replays_bit_for_bit() -> None:
     trace = io.StringIO()
-    async with start_gateway(
-        trace=trace, gate={"max_concurrency_per_gpu": 2}
-    ) as h:
+    async with start_gateway(trace=trace, gate={"max_concurrency_per_gpu": 2}) as h:
         results = await asyncio.gather(*(_stream(h.client, CHAT, _body()) for _ in range(6)))
         assert all(status == 200 and _native(headers) for status, _, headers in results)
         await until(lambda: h.gateway.runtime.live == 0)
@@ -231,3 +233,193 @@ async def test_a_trace_of_native_requests_replays_bit_for_bit() -> None:
     events, actions = replay_trace(trace.getvalue())
     assert events >= 6 * 3  # each request's arrive, started and done at least
     assert actions >= 6 * 2  # each one's start and end at least
+
+
+# ---- replies not streamed: assembled from the upstream stream ------------------------------
+
+
+def _whole_body(path: str = CHAT, **extra: Any) -> dict[str, Any]:
+    return {**_body(path, **extra), "stream": False}
+
+
+def _wire(raw: bytes) -> bytes:
+    """A reply as it went on the wire, less what differs by path or by run: the date, the
+    request ids (the front numbers from its own range), the `created` clock; its
+    `content-length` checked against the body it heads, then left out (the ids' lengths
+    differ)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = re.search(rb"\r\ncontent-length: (\d+)", head)
+    assert length is not None, raw
+    assert int(length.group(1)) == len(body), raw
+    head = re.sub(rb"\r\ncontent-length: \d+", b"", _without_date(head))
+    body = re.sub(rb'"created":\d+', b'"created":0', body)
+    return re.sub(rb"llmflow-\d+", b"llmflow-ID", head + b"\r\n\r\n" + body)
+
+
+async def _whole_on_both_paths(
+    path: str, body: dict[str, Any], steps: int | None = None, **sections: Any
+) -> list[bytes]:
+    """The raw reply to `body`, not streamed, from the native front and from the Python path
+    (`relay: false`); `steps`: the fake emits that many tokens, then holds the rest."""
+    replies = []
+    server = sections.pop("server", {})
+    for native in (True, False):
+        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+            reader, writer = await _raw(h.url, _post(path, body, close=True))
+            if steps is not None:
+                h.fake.release(steps)
+            raw = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            request_id = int(re.search(rb"x-request-id: llmflow-(\d+)", raw).group(1))  # type: ignore[union-attr]
+            assert (request_id >= NATIVE_IDS) == native, raw
+            sent = h.fake.bodies[-1] if h.fake.bodies else {}
+            if sent:  # vLLM was asked for a stream, with continuous usage, either way
+                assert sent["stream"] is True
+                assert sent["stream_options"]["continuous_usage_stats"] is True
+            h.fake.release(100)  # a held reply, cut: let the fake's own task end
+            await until(lambda h=h: h.gateway.runtime.live == 0)
+            replies.append(_wire(raw))
+    return replies
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [(CHAT, {}), (COMPLETIONS, {}), (CHAT, {"max_tokens": 1}), (COMPLETIONS, {"echo": False})],
+)
+async def test_a_whole_reply_is_the_python_paths_byte_for_byte(
+    path: str, extra: dict[str, Any]
+) -> None:
+    native, python = await _whole_on_both_paths(path, _whole_body(path, **extra))
+    assert native == python
+    head, _, body = native.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    reply = json.loads(body)
+    assert reply["usage"]["completion_tokens"] == extra.get("max_tokens", 5)
+    assert "llmflow" not in reply
+
+
+async def test_a_whole_reply_cut_by_its_deadline_is_the_python_paths() -> None:
+    # Two tokens come, then the fake holds the rest until the total deadline cuts the reply.
+    body = _whole_body(max_tokens=50, fake={"step": True})
+    native, python = await _whole_on_both_paths(CHAT, body, steps=2, timeouts={"total_ms": 400})
+    assert native == python
+    head, _, text = native.partition(b"\r\n\r\n")
+    assert b"\r\nx-llmflow-reason: deadline" in head
+    reply = json.loads(text)
+    assert reply["choices"][0]["message"]["content"].startswith("t0 t1 \n\n[llmflow: reply")
+    assert reply["llmflow"] == {"truncated": True, "reason": "deadline"}
+
+
+@pytest.mark.parametrize(
+    "fake",
+    [
+        {"status": 500},
+        {"status": 400},
+        {"error_after": 2},
+        {"error_after": 1, "error_param": "logprobs"},
+        {"crash_after": 2},
+    ],
+    ids=["500", "400", "in-band-500", "in-band-400", "crash"],
+)
+async def test_an_upstream_failure_of_a_whole_reply_is_the_python_paths(
+    fake: dict[str, Any],
+) -> None:
+    """vLLM's own error object (its 4xx) keeps its keys' order; a connection that breaks is
+    worded by each path's HTTP client (hyper's words, or Python's): all but that message is
+    the same."""
+    body = _whole_body(fake=fake)
+    native, python = await _whole_on_both_paths(CHAT, body, check_idle=False)
+    assert not native.startswith(b"HTTP/1.1 200 ")
+    if "crash_after" in fake:
+        broke = rb'"message":"backend stream broke: [^"]*"'
+        native, python = (re.sub(broke, b"BROKE", raw) for raw in (native, python))
+        assert b"BROKE" in native
+    assert native == python
+
+
+@pytest.mark.parametrize("mode", ["error", "degrade"])
+async def test_a_whole_reply_past_its_first_token_timeout_is_the_python_paths(mode: str) -> None:
+    streaming = {"first_token_timeout_ms": 200, "on_first_token_timeout": mode}
+    body = _whole_body(COMPLETIONS, fake={"hang": True})
+    native, python = await _whole_on_both_paths(COMPLETIONS, body, streaming=streaming)
+    assert native == python
+    if mode == "error":
+        assert native.startswith(b"HTTP/1.1 504 ")
+    else:
+        head, _, text = native.partition(b"\r\n\r\n")
+        assert b"\r\nx-llmflow-reason: first_token_timeout" in head
+        assert json.loads(text)["choices"][0]["text"].startswith("[llmflow: the model did not")
+
+
+async def test_a_client_that_leaves_before_its_whole_reply_frees_everything() -> None:
+    async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
+        _, writer = await _raw(h.url, _post(CHAT, _whole_body(fake={"step": True})))
+        await until(lambda: h.fake.running == 1)
+        h.fake.release(2)
+        await until(lambda: h.fake.tokens_sent == 2)
+        writer.close()
+        await until(lambda: h.fake.aborted == 1)
+        await until(lambda: h.gateway.runtime.live == 0)
+        # the slot is free again: the next one is served whole, natively
+        r = await h.client.post(CHAT, json=_whole_body(max_tokens=3))
+        assert r.status_code == 200
+        assert _native(dict(r.headers))
+        assert r.json()["choices"][0]["message"]["content"] == "t0 t1 t2 "
+        await assert_idle(h)
+
+
+async def test_a_whole_reply_keeps_the_connection_for_a_pipelined_next_request() -> None:
+    async with start_gateway() as h:
+        first, second = _whole_body(max_tokens=2), _body(COMPLETIONS, max_tokens=3)
+        reader, writer = await _raw(h.url, _post(CHAT, first) + _post(COMPLETIONS, second))
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(re.search(rb"content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        whole = json.loads(await reader.readexactly(length))
+        assert whole["object"] == "chat.completion"
+        assert whole["choices"][0]["message"]["content"] == "t0 t1 "
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"text/event-stream" in head
+        assert '"text_completion"' in (await reader.readuntil(b"0\r\n\r\n")).decode()
+        writer.close()
+        assert h.fake.completed == 2
+        await assert_idle(h)
+
+
+async def test_an_unreachable_backend_is_502_then_503_on_the_native_path() -> None:
+    """vLLM gone after the gateway started: the relay's connect is refused, the request gets
+    502 backend_unavailable, the backend is marked down by that request, and the next one
+    gets 503 no_healthy_backend with a Retry-After; nothing stays held."""
+    fake = FakeVllm()
+    async with contextlib.AsyncExitStack() as stack:
+        fake_url, server = await stack.enter_async_context(serve_asgi(fake.app))
+        app = create_app(settings_for({"b0": fake_url}))
+        url = await stack.enter_async_context(serve_gateway(app))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
+        server.should_exit = True  # vLLM stops: its port refuses connections
+        port = int(fake_url.rsplit(":", 1)[1])
+        await until(lambda: _refused("127.0.0.1", port))
+        gateway = app.state.gateway
+        for stream, status, code in (
+            (True, 502, "backend_unavailable"),
+            (False, 503, "no_healthy_backend"),
+        ):
+            r = await client.post(CHAT, json={**_body(), "stream": stream})
+            assert _native(dict(r.headers)), r.headers
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+            if status == 502:
+                state = gateway.scraper.states["b0"]
+                await until(lambda state=state: not state.healthy)  # the request marked it
+                await until(lambda state=state: state.failures >= 1)  # no scrape revives it
+        assert int(r.headers["retry-after"]) >= 1
+        await until(lambda: gateway.runtime.live == 0)
+        assert (gateway.runtime.running, gateway.runtime.queued) == (0, 0)
+        assert fake.seen == 0
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False

@@ -144,9 +144,9 @@ async def test_a_native_refusal_is_the_python_paths_on_the_wire_and_in_the_trace
             retries.append(int(a.headers["retry-after"]))
         assert retries == sorted(retries)  # the crowd is spread over the drain time
         assert retries[0] < retries[-1]
-        # The native gateway's app saw only the unstreamed ones; the other one's saw every one.
-        unstreamed = sum(not body.get("stream") for _, body in REFUSED)
-        assert fast.counted.requests - base[0] == 2 * unstreamed
+        # The native gateway's app saw none of them (streamed or not, the front refused each);
+        # the other one's saw every one.
+        assert fast.counted.requests - base[0] == 0
         assert slow.counted.requests - base[1] == 2 * len(REFUSED)
         metrics = [(await gw.client.get("/metrics")).text for gw in (fast, slow)]
         rejected = [
@@ -264,7 +264,8 @@ async def test_a_queued_request_whose_client_leaves_frees_its_place() -> None:
         state = (await gw.client.get("/api/state")).json()["core"]
         assert (state["running"], state["queued"]) == (1, 0), state
         assert gw.fake.seen == 1  # the held slot's request only
-        assert gw.counted.requests == 1 + 2  # the held slot's and the two states, not this one
+        # the two states only: neither this one nor the held slot's (not streamed, the front's)
+        assert gw.counted.requests == 2
 
 
 async def test_http_1_0_and_connection_close_get_their_refusal_then_eof() -> None:
@@ -287,7 +288,7 @@ async def test_http_1_0_and_connection_close_get_their_refusal_then_eof() -> Non
             assert status == 429
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the gateway
             writer.close()
-        assert gw.counted.requests == 1  # only the held slot's request reached the app
+        assert gw.counted.requests == 0  # none reached the app (the held slot's is the front's)
 
 
 async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes]:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from llmflow._core import Relay, Runtime
+    from llmflow._core import NativeRoutes, Relay, Runtime
     from llmflow.gateway.access_log import AccessLog
     from llmflow.gateway.errors import GatewayError
     from llmflow.gateway.host import Host
@@ -63,6 +63,7 @@ class GatewayMetrics:
         self.tiers = tuple(tiers)
         self.scraper: Scraper | None = None
         self.relay: Relay | None = None  # relayed streams' write gaps live in the relay
+        self.native: NativeRoutes | None = None  # the front's own requests, for the tier gauges
         self.draining: Callable[[], bool] = lambda: False
         self.access_log: AccessLog | None = None  # `server.access_log`
         self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
@@ -230,6 +231,8 @@ class _StateCollector:
         running: Tally[str] = Tally(dict.fromkeys(self.m.tiers, 0))
         for party in host.parties.values():
             (queued if party.queued else running)[party.tier] += 1
+        for live in self.m.native.streams() if self.m.native is not None else ():
+            (queued if live["backend"] is None else running)[live["tier"]] += 1
         by_tier = GaugeMetricFamily(
             "llmflow_queue_length", "Requests waiting, by tier", labels=["tier"]
         )

@@ -89,7 +89,9 @@ def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | No
     native = NativeRoutes(
         gateway.runtime, gateway.relay.relay, write_end, checks, keys, backends,
         own_hosts=sorted(own_hosts) if own_hosts is not None else None,
+        write_timeout_ms=s.server.write_timeout_ms,
     )
+    gateway.metrics.native = native  # its requests count in the per-tier gauges
     inbox = NativeInbox(native, read_end, gateway.host, gateway.metrics)
     inbox.start()
     native.serve_on(front)

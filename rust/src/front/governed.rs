@@ -2,10 +2,10 @@
 //! carried out, the reply through the relay, the connection back for its next request.
 //!
 //! This is the Rust twin of the Python path's `StreamSession`/`RelayedSession` for the requests
-//! the front is sure of (a streamed completion of one choice that the checks accept; see
-//! `prepare.rs`). What the checks refuse it answers with the app's error (`accept`), before
-//! the runtime hears of it; it declines everything else, and the app serves that as before. The task
-//! decides nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
+//! the front is sure of (a completion of one choice that the checks accept; see `prepare.rs`).
+//! What the checks refuse it answers with the app's error (`accept`), before the runtime hears
+//! of it; it declines everything else, and the app serves that as before. The task decides
+//! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
 //! the client's window and departure) and carries out what the runtime answers (queue, start,
 //! abort, reply, cut, end), as the owner routes it here.
 
@@ -26,8 +26,6 @@ use crate::types::Outcome as End;
 /// Token counts reach the runtime at most this late (KV ledger, fair share), as the relay
 /// batches them for Python.
 const TOKEN_FLUSH: Duration = Duration::from_millis(20);
-/// The longest a `Start` waits for the aborts before it to reach their sockets.
-const ABORT_WAIT: Duration = Duration::from_millis(100);
 const SSE_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\n\
     content-type: text/event-stream; charset=utf-8\r\n\
     cache-control: no-cache\r\n\
@@ -55,6 +53,9 @@ pub struct Governed {
     /// A keyless gateway's own names (`server.allowed_hosts` and the like): a request whose
     /// Host is another name, or that carries an Origin, is the app's to judge (`HostGuard`).
     pub own_hosts: Option<Vec<String>>,
+    /// How long a client may take none of a reply this task writes (`server.write_timeout_ms`,
+    /// as the Python listener's write timer).
+    pub write_timeout: Duration,
 }
 
 impl super::Native for Governed {
@@ -105,6 +106,9 @@ struct Life {
     /// Watch the client's socket for its departure (until it pipelines a next request).
     watching: bool,
     template: Option<String>,
+    /// The reply being assembled, for a client that did not ask for a stream (the relay gives
+    /// this task its payloads; the client's socket stays here).
+    whole: Option<super::whole::Whole>,
     failure: Option<Failure>,
     pending_tokens: u64,
     tokens_due: Option<tokio::time::Instant>,
@@ -112,6 +116,8 @@ struct Life {
     answer: Option<Vec<u8>>,
     /// The task is over: the connection (if any) goes back to the front.
     finished: bool,
+    /// Orders of `arrive`'s own answer not yet carried out (a `Reply` among them: refused).
+    arrival_orders: usize,
 }
 
 impl Governed {
@@ -149,12 +155,9 @@ impl Governed {
         prepared: super::prepare::Prepared,
         request: &Request,
     ) -> Option<Accepted> {
-        // The relay streams one choice without continuous usage; the rest is Python's.
-        if !prepared.stream
-            || prepared.choices != 1
-            || prepared.continuous_usage
-            || prepared.unstreamed
-        {
+        // One choice, streamed without continuous usage or assembled whole (`whole.rs`);
+        // several choices, continuous usage and prompt logprobs (asked unstreamed) are Python's.
+        if prepared.choices != 1 || prepared.continuous_usage || prepared.unstreamed {
             return None;
         }
         let headers = request
@@ -205,7 +208,7 @@ impl Governed {
             tenant,
             prompt: prepared.prompt_tokens,
             max_tokens: prepared.planned_tokens,
-            stream: true,
+            stream: prepared.stream,
             pool,
             chain: prepared.prefix_hashes.clone().unwrap_or_default(),
             fingerprint: prepared.fingerprint,
@@ -229,6 +232,8 @@ impl Governed {
             max_tokens: Some(prepared.planned_tokens),
             ..Record::default()
         };
+        let whole = (!prepared.stream)
+            .then(|| super::whole::Whole::new(prepared.endpoint, &prepared.asked_model));
         let state = Life {
             id,
             prepared,
@@ -248,11 +253,13 @@ impl Governed {
             ended: false,
             watching: true,
             template: None,
+            whole,
             failure: None,
             pending_tokens: 0,
             tokens_due: None,
             answer: None,
             finished: false,
+            arrival_orders: 0,
         };
         let mut guard = Abandon {
             owner: &self.owner,
@@ -269,12 +276,17 @@ impl Governed {
     async fn run(&self, mut life: Life, mut orders: UnboundedReceiver<Order>) -> Option<Conn> {
         let (sink, mut events) = unbounded_channel();
         let mut peek = [0u8; 1];
+        // What `arrive` answered is in the channel already, and nothing else yet.
+        life.arrival_orders = orders.len();
         while !life.finished {
             let watching = life.watching && !life.attached && life.stream.is_some();
             tokio::select! {
                 biased;
                 order = orders.recv() => match order {
-                    Some(order) => self.carry(&mut life, order, &sink).await,
+                    Some(order) => {
+                        self.carry(&mut life, order, &sink).await;
+                        life.arrival_orders = life.arrival_orders.saturating_sub(1);
+                    }
                     None => life.finished = true,
                 },
                 event = events.recv(), if life.opened => match event {
@@ -331,9 +343,10 @@ impl Governed {
                 max_tokens,
                 ..
             } => {
-                for abort in order.after {
-                    let _ =
-                        tokio::task::spawn_blocking(move || abort.recv_timeout(ABORT_WAIT)).await;
+                if !order.after.is_empty() {
+                    let after = order.after;
+                    let wait = move || crate::hosted::wait_all(&after, crate::hosted::ABORT_WAIT);
+                    let _ = tokio::task::spawn_blocking(wait).await;
                 }
                 self.start(life, backend, priority, max_tokens, sink);
             }
@@ -356,6 +369,12 @@ impl Governed {
                     life.finished = true;
                 } else if outcome != End::Completed {
                     self.streams.control(life.id, Control::Close);
+                    if life.whole.is_some() {
+                        life.stream = None; // the client left: nothing to write
+                    }
+                } else if let Some(whole) = &life.whole {
+                    // Written once the relay's stream is over (`Closed`: its token count).
+                    life.answer = Some(self.whole_bytes(life, whole, None));
                 }
             }
             // Queued: the client waits. The rest are no request's own: routed elsewhere.
@@ -377,7 +396,9 @@ impl Governed {
     ) {
         life.ended = true;
         reason.as_str().clone_into(&mut life.record.end);
-        life.record.refused = life.record.started_us.is_none() && !life.opened;
+        // Refused at its arrival (a rejection), not ended later while it waited (as the
+        // Python path counts a `Reply` raised from `arrive` only).
+        life.record.refused = life.arrival_orders > 0;
         let retry_after = retry_after_s.map(u64::from);
         let error = match (&life.failure, reason.as_str()) {
             (Some(f), "upstream_error") => super::reply::upstream_reply_error(
@@ -406,6 +427,11 @@ impl Governed {
         if life.opened {
             self.streams.control(life.id, Control::Close);
             life.record.upstream_aborted = life.record.started_us.is_some();
+            if life.whole.is_some() {
+                // Written when the stream is over (`Closed`: the tokens it counted).
+                life.answer = Some(bytes);
+                return;
+            }
         }
         self.write_and_finish(life, &bytes).await;
     }
@@ -414,6 +440,18 @@ impl Governed {
     async fn cut(&self, life: &mut Life, reason: crate::runtime::Reason) {
         life.ended = true;
         reason.as_str().clone_into(&mut life.record.end);
+        if let Some(mut whole) = life.whole.take() {
+            // Not streamed: what came so far, the open choice ended with the notice.
+            life.record.truncated = whole.cut(reason.as_str(), life.id, unix_now_s());
+            let bytes = self.whole_bytes(life, &whole, Some(reason.as_str()));
+            if life.opened {
+                self.streams.control(life.id, Control::Close);
+                life.answer = Some(bytes); // written when the stream is over (`Closed`)
+            } else {
+                self.write_and_finish(life, &bytes).await;
+            }
+            return;
+        }
         let frame = match reason.as_str() {
             "client_stall" => None,
             "upstream_error" => life
@@ -422,9 +460,7 @@ impl Governed {
                 .map(|f| super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code)),
             other => {
                 life.record.truncated = true;
-                let now_s = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
+                let now_s = unix_now_s();
                 Some(super::reply::cut_frame(&super::reply::Cut {
                     endpoint: life.prepared.endpoint,
                     model: &life.prepared.asked_model,
@@ -483,6 +519,7 @@ impl Governed {
             traceparent: None,
             include_usage: life.prepared.include_usage,
             deferred: false,
+            whole: life.whole.is_some(),
             sink: Some(sink.clone()),
         });
         match opened {
@@ -490,7 +527,9 @@ impl Governed {
                 life.opened = true;
                 // Sent: the body's tree is not needed again (a cut names the asked model).
                 life.prepared.body = super::json::Json::Null;
-                self.hold(life);
+                if life.whole.is_none() {
+                    self.hold(life);
+                }
             }
             Err(message) => {
                 // A URL the relay cannot speak to: the backend failed this request.
@@ -519,7 +558,9 @@ impl Governed {
             RelayEvent::FirstToken { n, template, .. } => {
                 life.template = template;
                 life.record.first_token_us = Some(now_us());
-                self.owner.update(id, |l| l.streaming = true);
+                if life.whole.is_none() {
+                    self.owner.update(id, |l| l.streaming = true); // it is not, for a whole one
+                }
                 self.owner.record(Record {
                     first_token_only: true,
                     ..life.record.clone()
@@ -540,6 +581,7 @@ impl Governed {
                     life.tokens_due = Some(tokio::time::Instant::now() + TOKEN_FLUSH);
                 }
             }
+            RelayEvent::Payload(_, payload) => self.fold(life, &payload),
             RelayEvent::Done(_) => {
                 if !life.ended {
                     self.feed(life, &Event::Done { id });
@@ -589,20 +631,40 @@ impl Governed {
                     // The relay ended it on its own (it cannot, short of a bug): end it here.
                     self.feed(life, &Event::ClientGone { id });
                 }
-                life.stream = match socket {
-                    Some(fd) if life.keep_alive || life.answer.is_some() => readopt(fd),
-                    Some(fd) => {
-                        // SAFETY: the relay handed this socket back to us; we close it.
-                        drop(unsafe { std::net::TcpStream::from_raw_fd(fd) });
-                        None
-                    }
-                    None => None,
-                };
+                if life.attached {
+                    life.stream = match socket {
+                        Some(fd) if life.keep_alive || life.answer.is_some() => readopt(fd),
+                        Some(fd) => {
+                            // SAFETY: the relay handed this socket back to us; we close it.
+                            drop(unsafe { std::net::TcpStream::from_raw_fd(fd) });
+                            None
+                        }
+                        None => None,
+                    };
+                }
                 match life.answer.take() {
                     Some(answer) => self.write_and_finish(life, &answer).await,
                     None => life.finished = true,
                 }
             }
+        }
+    }
+
+    /// One upstream payload into the reply assembled whole.
+    fn fold(&self, life: &mut Life, payload: &[u8]) {
+        let Some(whole) = life.whole.as_mut().filter(|_| !life.ended) else {
+            return;
+        };
+        if let Err(unread) = whole.feed(payload) {
+            // As the Python path fails a reply it cannot read: the backend's failure.
+            self.streams.control(life.id, Control::Abort);
+            life.failure = Some(Failure::backend("backend_error", unread.message(), false));
+            let failed = Event::Failed {
+                id: life.id,
+                status: 502,
+                backend_down: false,
+            };
+            self.feed(life, &failed);
         }
     }
 
@@ -629,12 +691,21 @@ impl Governed {
         self.streams.control(life.id, hold);
     }
 
+    /// The bytes of a reply assembled whole (`cut`: the runtime's reason, when it cut it).
+    fn whole_bytes(&self, life: &Life, whole: &super::whole::Whole, cut: Option<&str>) -> Vec<u8> {
+        let _ = self;
+        let body = whole.body(unix_now_s());
+        let date = super::answer::http_date(std::time::SystemTime::now());
+        let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
+        super::reply::whole_response(&body, life.id, cut, &defaults, life.keep_alive)
+    }
+
     async fn write_and_finish(&self, life: &mut Life, bytes: &[u8]) {
         life.finished = true;
         let Some(stream) = life.stream.as_mut() else {
             return;
         };
-        if stream.write_all(bytes).await.is_err() || !life.keep_alive {
+        if !write_in_time(stream, bytes, self.write_timeout).await || !life.keep_alive {
             life.stream = None;
         }
     }
@@ -740,6 +811,29 @@ fn header<'a>(request: &'a Request, name: &str) -> Option<&'a [u8]> {
         .iter()
         .find(|(n, _)| n == name)
         .map(|(_, v)| v.as_slice())
+}
+
+/// Write `bytes`, a client that takes none of them for `timeout` failing the write (a whole
+/// reply can be far larger than the socket's buffers).
+async fn write_in_time(
+    stream: &mut tokio::net::TcpStream,
+    mut bytes: &[u8],
+    timeout: Duration,
+) -> bool {
+    while !bytes.is_empty() {
+        match tokio::time::timeout(timeout, stream.write(bytes)).await {
+            Ok(Ok(n)) if n > 0 => bytes = &bytes[n..],
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// The clock's whole seconds (a reply's `created` when no chunk named one).
+fn unix_now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn outcome_name(outcome: End) -> &'static str {

@@ -262,7 +262,9 @@ pub async fn refuse(mut conn: Conn, refusal: Refusal) {
 pub async fn linger(mut conn: Conn) {
     let _ = conn.stream.shutdown().await;
     let until = Instant::now() + LINGER;
-    let mut sink = [0u8; 8192];
+    // On the heap, and only while lingering: an array here would sit in every connection's
+    // task (its future holds the largest state of any await), idle streams included.
+    let mut sink = vec![0u8; 8192];
     while let Ok(Ok(n)) = timeout_at(until, conn.stream.read(&mut sink)).await {
         if n == 0 {
             break;

@@ -389,7 +389,10 @@ mod tests {
         );
         assert_eq!(
             chat(r#"{"model":"m","messages":[null]}"#).as_deref(),
-            Some("messages.0: Input should be a valid dictionary or instance of ChatMessage (got None)")
+            Some(
+                "messages.0: Input should be a valid dictionary or instance of ChatMessage \
+                 (got None)"
+            )
         );
         assert_eq!(
             chat(r#"{"model":"m","messages":[],"stop":["a",1]}"#).as_deref(),

@@ -21,17 +21,16 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::watch;
 
 use crate::error::PolicyResult;
-use crate::hosted::{Divert, Gate, Hosted, SharedRuntime};
+use crate::hosted::{wait_all, Ack, BatchEnd, Divert, Gate, Hosted, SharedRuntime, ABORT_WAIT};
 use crate::relay::{Control, Streams};
 use crate::runtime::{Action, Event, Runtime};
 
 use super::record::Record;
 
 /// An action for a front task, with the aborts it must wait for before going upstream.
-#[derive(Debug)]
 pub struct Order {
     pub action: Action,
-    pub after: Vec<std::sync::mpsc::Receiver<()>>,
+    pub after: Vec<Arc<Ack>>,
 }
 
 /// What Python must hear from the front: actions of its own requests that a front task's
@@ -41,6 +40,8 @@ struct Inbox {
     actions: Vec<Action>,
     records: Vec<Record>,
     gates: Vec<Gate>,
+    /// What Python's `Start`s among `actions` wait for (front aborts before them).
+    waits: Vec<Arc<Ack>>,
     /// A wake-up byte is on its way and Python has not taken the inbox since.
     woken: bool,
 }
@@ -73,11 +74,15 @@ struct FrontDivert {
     timer: watch::Sender<Option<u64>>,
     streams: Streams,
     /// Aborts handed to the relay in the batch being routed.
-    aborts: Vec<std::sync::mpsc::Receiver<()>>,
+    aborts: Vec<Arc<Ack>>,
     /// An `Abort` the caller carries out (a request Python serves) came in this batch: the
     /// front's `Start`s after it wait behind a gate until it has.
     caller_aborts: bool,
+    /// That gate, opened once the caller has carried out its actions.
+    gate: Option<Arc<Ack>>,
     gates: Vec<Gate>,
+    /// The relay's aborts the caller's own `Start`s of this batch wait for.
+    caller_waits: Vec<Arc<Ack>>,
 }
 
 impl Divert for FrontDivert {
@@ -95,7 +100,7 @@ impl Divert for FrontDivert {
             | Action::Reply { id, .. }
             | Action::End { id, .. } => {
                 if let Some(acked) = self.streams.control_acked(*id, Control::Abort) {
-                    self.aborts.push(acked);
+                    self.aborts.push(Ack::new(acked));
                 }
             }
             _ => {}
@@ -105,7 +110,11 @@ impl Divert for FrontDivert {
         };
         let tasks = self.tasks.lock().unwrap();
         let Some(task) = tasks.get(&id) else {
-            // A request Python serves: whatever ends it closes its upstream socket there.
+            // A request Python serves: its `Start` goes once the relay's aborts before it have
+            // reached their sockets; whatever ends it closes its upstream socket there.
+            if matches!(action, Action::Start { .. }) {
+                self.caller_waits.clone_from(&self.aborts);
+            }
             self.caller_aborts |= matches!(
                 action,
                 Action::Abort { .. }
@@ -116,11 +125,15 @@ impl Divert for FrontDivert {
             return false;
         };
         let after = if matches!(action, Action::Start { .. }) {
-            let mut after = mem::take(&mut self.aborts);
+            let mut after = self.aborts.clone();
             if self.caller_aborts {
-                let (gate, opened) = std::sync::mpsc::sync_channel(1);
-                self.gates.push(gate);
-                after.push(opened);
+                let gates = &mut self.gates;
+                let gate = self.gate.get_or_insert_with(|| {
+                    let (gate, opened) = std::sync::mpsc::sync_channel(1);
+                    gates.push(gate);
+                    Ack::new(opened)
+                });
+                after.push(Arc::clone(gate));
             }
             after
         } else {
@@ -134,10 +147,14 @@ impl Divert for FrontDivert {
         true
     }
 
-    fn batch_end(&mut self) -> Vec<Gate> {
+    fn batch_end(&mut self) -> BatchEnd {
         self.aborts.clear();
         self.caller_aborts = false;
-        mem::take(&mut self.gates)
+        self.gate = None;
+        BatchEnd {
+            gates: mem::take(&mut self.gates),
+            caller_waits: mem::take(&mut self.caller_waits),
+        }
     }
 }
 
@@ -176,7 +193,9 @@ impl Owner {
                 streams,
                 aborts: Vec::new(),
                 caller_aborts: false,
+                gate: None,
                 gates: Vec::new(),
+                caller_waits: Vec::new(),
             }));
         }
         let owner = Arc::new(Self {
@@ -258,15 +277,16 @@ impl Owner {
     /// The runtime refused the event.
     pub fn feed(&self, event: &Event) -> PolicyResult<()> {
         let mut python = Vec::new();
-        let gates = {
+        let (gates, waits) = {
             let mut hosted = Hosted::lock(&self.runtime);
             hosted.feed(now_us(), event, |_, action| python.push(action.clone()))?;
-            hosted.take_gates()
+            (hosted.take_gates(), hosted.take_caller_waits())
         };
         if !python.is_empty() {
             let mut inbox = self.inbox.lock().unwrap();
             inbox.actions.append(&mut python);
             inbox.gates.extend(gates);
+            inbox.waits.extend(waits);
             self.wake(&mut inbox);
         }
         Ok(())
@@ -285,20 +305,24 @@ impl Owner {
     }
 
     /// Everything Python must carry out or count, oldest first. The gates of those actions
-    /// are Python's to hold until it has carried them out (`Runtime.carried`).
+    /// are Python's to hold until it has carried them out (`Runtime.carried`). It returns once
+    /// the relay's aborts that Python's `Start`s among them follow have reached their sockets
+    /// (call it without the GIL).
     pub fn take(&self) -> (Vec<Action>, Vec<Record>) {
-        let (actions, records, gates) = {
+        let (actions, records, gates, waits) = {
             let mut inbox = self.inbox.lock().unwrap();
             inbox.woken = false;
             (
                 mem::take(&mut inbox.actions),
                 mem::take(&mut inbox.records),
                 mem::take(&mut inbox.gates),
+                mem::take(&mut inbox.waits),
             )
         };
         if !gates.is_empty() {
             Hosted::lock(&self.runtime).hold_for_python(gates);
         }
+        wait_all(&waits, ABORT_WAIT);
         (actions, records)
     }
 

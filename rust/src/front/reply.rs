@@ -203,38 +203,82 @@ impl ErrorReply {
     /// `default_headers` are the server's own (`server`, `date`), in order.
     pub fn response_bytes(&self, default_headers: &[(&[u8], &[u8])], keep_alive: bool) -> Vec<u8> {
         let body = json::to_vec(&self.body(), STARLETTE);
-        let mut out = Vec::with_capacity(body.len() + 256);
-        out.extend_from_slice(b"HTTP/1.1 ");
-        out.extend_from_slice(self.status.to_string().as_bytes());
-        out.push(b' ');
-        out.extend_from_slice(phrase(self.status).as_bytes());
-        out.extend_from_slice(b"\r\n");
-        let length = body.len().to_string();
-        let own = self.headers.iter().map(|(n, v)| (n.as_str(), v.as_str()));
-        let reason = std::iter::once(("x-llmflow-reason", self.code.as_str()));
-        let starlette = [
-            ("content-length", length.as_str()),
-            ("content-type", "application/json"),
-        ];
-        let mut header = |name: &[u8], value: &[u8]| {
-            out.extend_from_slice(name);
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value);
-            out.extend_from_slice(b"\r\n");
-        };
-        for (name, value) in default_headers {
-            header(name, value);
-        }
-        for (name, value) in own.chain(reason).chain(starlette) {
-            header(name.to_ascii_lowercase().as_bytes(), &latin1(value));
-        }
-        if !keep_alive {
-            out.extend_from_slice(b"connection: close\r\n");
-        }
-        out.extend_from_slice(b"\r\n");
-        out.extend_from_slice(&body);
-        out
+        let own: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .chain(std::iter::once(("x-llmflow-reason", self.code.as_str())))
+            .collect();
+        json_response(self.status, &own, &body, default_headers, keep_alive)
     }
+}
+
+/// A `JSONResponse` as uvicorn writes it: its status line, the server's `default_headers`
+/// (`date`, `server`), the response's own headers (lower-cased, Latin-1), Starlette's
+/// `content-length` and `content-type`, `connection: close` when the connection ends, the
+/// body.
+pub fn json_response(
+    status: u16,
+    own: &[(&str, &str)],
+    body: &[u8],
+    default_headers: &[(&[u8], &[u8])],
+    keep_alive: bool,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body.len() + 256);
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.to_string().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(phrase(status).as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let length = body.len().to_string();
+    let starlette = [
+        ("content-length", length.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let mut header = |name: &[u8], value: &[u8]| {
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    };
+    for (name, value) in default_headers {
+        header(name, value);
+    }
+    for (name, value) in own.iter().chain(&starlette) {
+        header(name.to_ascii_lowercase().as_bytes(), &latin1(value));
+    }
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body);
+    out
+}
+
+/// The non-streamed reply's bytes (`JSONResponse(session.response(),
+/// headers=session.reply_headers)`): 200, its id, and `x-llmflow-reason` when the runtime cut
+/// it with a reason that names itself in a cut reply (`contract.REFUSALS[...].cut`).
+pub fn whole_response(
+    body: &[u8],
+    request_id: u64,
+    cut: Option<&str>,
+    default_headers: &[(&[u8], &[u8])],
+    keep_alive: bool,
+) -> Vec<u8> {
+    let id = format!("llmflow-{request_id}");
+    let mut own = vec![("X-Request-Id", id.as_str())];
+    if let Some(reason) = cut.filter(|r| names_itself_when_cut(r)) {
+        own.push(("x-llmflow-reason", reason));
+    }
+    json_response(200, &own, body, default_headers, keep_alive)
+}
+
+/// `contract.REFUSALS[reason].cut`: the reasons that may end a started reply in-band.
+fn names_itself_when_cut(reason: &str) -> bool {
+    matches!(
+        reason,
+        "deadline" | "shutdown" | "first_token_timeout" | "backend_error" | "client_stall"
+    )
 }
 
 const STARLETTE: Style = Style {
@@ -313,13 +357,22 @@ pub struct Cut<'a> {
 
 /// `encode_event(tail_chunk(...))`: the SSE frame that ends a reply the runtime cut.
 pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
-    let chat = cut.endpoint == Endpoint::Chat;
-    let notice = Json::Str(notice_for(cut.reason));
     // `template or {...}`: an empty template is none (`json.loads` of the text, in its order;
     // the relay's text, which the strict reader holds as Python does).
-    let mut chunk = match cut.template.and_then(|t| json::parse(t.as_bytes())) {
-        Some(Json::Object(pairs)) if !pairs.is_empty() => pairs,
-        _ => vec![
+    let base = match cut.template.and_then(|t| json::parse(t.as_bytes())) {
+        Some(Json::Object(pairs)) if !pairs.is_empty() => Some(pairs),
+        _ => None,
+    };
+    frame(&tail_chunk(cut, base))
+}
+
+/// `tail_chunk(...)`: the chunk that ends a reply the runtime cut, on `base` (the template as
+/// an ordered object, when there is one; `cut.template` is not read).
+pub fn tail_chunk(cut: &Cut<'_>, base: Option<Vec<(String, Json)>>) -> Json {
+    let chat = cut.endpoint == Endpoint::Chat;
+    let notice = Json::Str(notice_for(cut.reason));
+    let mut chunk = base.unwrap_or_else(|| {
+        vec![
             (
                 "id".to_owned(),
                 Json::Str(format!(
@@ -330,8 +383,8 @@ pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
             ),
             ("created".to_owned(), Json::Int(i128::from(cut.now_s))),
             ("model".to_owned(), Json::Str(cut.model.to_owned())),
-        ],
-    };
+        ]
+    });
     let choices = cut
         .open_choices
         .iter()
@@ -372,7 +425,7 @@ pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
             None => chunk.push((key.to_owned(), value)),
         }
     }
-    frame(&Json::Object(chunk))
+    Json::Object(chunk)
 }
 
 /// `encode_event({"error": in_band_error(...)})`: a started stream's failure, in-band.

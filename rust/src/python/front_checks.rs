@@ -312,3 +312,30 @@ pub fn front_in_band_error<'py>(
 ) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &reply::in_band_error_frame(error, message, code))
 }
+
+/// A non-streamed reply assembled from upstream `payloads` (each a `data:` payload), as the
+/// native front assembles it (`front/whole.rs`): `JSONResponse`'s body, or the failure's
+/// message at the first payload the fold does not take. `cut`: `(reason, request_id)` of a
+/// cut after the payloads; `now_s`: the clock's whole seconds.
+#[pyfunction]
+#[pyo3(signature = (endpoint_name, model, payloads, now_s, cut=None))]
+#[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+pub fn front_whole_reply(
+    py: Python<'_>,
+    endpoint_name: &str,
+    model: &str,
+    payloads: Vec<Vec<u8>>,
+    now_s: u64,
+    cut: Option<(String, u64)>,
+) -> PyResult<Py<PyAny>> {
+    let mut whole = crate::front::whole::Whole::new(endpoint(endpoint_name)?, model);
+    for payload in &payloads {
+        if let Err(unread) = whole.feed(payload) {
+            return Ok(unread.message().into_pyobject(py)?.into_any().unbind());
+        }
+    }
+    if let Some((reason, request_id)) = cut {
+        whole.cut(&reason, request_id, now_s);
+    }
+    Ok(PyBytes::new(py, &whole.body(now_s)).into_any().unbind())
+}

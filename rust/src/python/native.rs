@@ -31,7 +31,11 @@ impl PyNativeRoutes {
     /// `backends`: (name, url, priority_scheduling) in the runtime's backend order;
     /// `notify_fd`: the write end of the pipe that wakes Python for `take()`.
     #[new]
-    #[pyo3(signature = (runtime, relay, notify_fd, checks, keys, backends, *, own_hosts=None))]
+    #[pyo3(signature = (
+        runtime, relay, notify_fd, checks, keys, backends, *, own_hosts=None,
+        write_timeout_ms=60_000.0
+    ))]
+    #[allow(clippy::too_many_arguments)] // the gateway's parts, one for one
     fn new(
         runtime: &Bound<'_, PyRuntime>,
         relay: &Bound<'_, PyRelay>,
@@ -40,7 +44,13 @@ impl PyNativeRoutes {
         keys: &Bound<'_, PyFrontKeys>,
         backends: Vec<(String, String, bool)>,
         own_hosts: Option<Vec<String>>,
+        write_timeout_ms: f64,
     ) -> PyResult<Self> {
+        if !(write_timeout_ms.is_finite() && write_timeout_ms > 0.0) {
+            return Err(InvalidArgumentError::new_err(format!(
+                "write_timeout_ms must be a finite number above 0, got {write_timeout_ms}"
+            )));
+        }
         if notify_fd < 0 {
             return Err(InvalidArgumentError::new_err(format!(
                 "notify_fd must be a pipe's write end, got {notify_fd}"
@@ -82,6 +92,7 @@ impl PyNativeRoutes {
                 })
                 .collect(),
             own_hosts: own_hosts.map(|h| h.into_iter().map(|n| n.to_lowercase()).collect()),
+            write_timeout: std::time::Duration::from_secs_f64(write_timeout_ms / 1e3),
         };
         Ok(Self {
             governed: Arc::new(governed),
@@ -97,7 +108,7 @@ impl PyNativeRoutes {
     /// native requests), each oldest first; empties the inbox.
     fn take<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
         let owner = &self.governed.owner;
-        let (actions, records) = owner.take();
+        let (actions, records) = py.detach(|| owner.take());
         let out = PyList::empty(py);
         if !actions.is_empty() {
             let hosted = Hosted::lock(owner.runtime());

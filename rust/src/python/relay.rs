@@ -106,6 +106,9 @@ impl PyRelay {
                 }
                 RelayEvent::Tokens(batch) => (intern!(py, "tokens"), batch).into_pyobject(py)?,
                 RelayEvent::Done(id) => (intern!(py, "done"), id).into_pyobject(py)?,
+                RelayEvent::Payload(id, payload) => {
+                    (intern!(py, "payload"), id, payload).into_pyobject(py)?
+                }
                 RelayEvent::Failed(id, f) => (
                     intern!(py, "failed"),
                     id,

@@ -9,7 +9,7 @@ use super::convert::snapshot_to_py;
 use super::errors::{non_negative, ConfigError, InvalidArgumentError, TraceMismatchError};
 use super::signature::{Metrics, Signature, METRICS};
 use crate::governor::{Arrival, Route, Signals};
-use crate::hosted::{Hosted, SharedRuntime};
+use crate::hosted::{wait_all, Hosted, SharedRuntime, ABORT_WAIT};
 use crate::runtime::{Event, Runtime};
 use crate::trace;
 use std::sync::MutexGuard;
@@ -69,6 +69,12 @@ impl PyRuntime {
         // A native `Start` behind an `Abort` Python carries out waits for `carried()`.
         let gates = hosted.take_gates();
         hosted.hold_for_python(gates);
+        // Python's own `Start`s wait for the relay's aborts before them to reach their sockets.
+        let waits = hosted.take_caller_waits();
+        drop(hosted);
+        if !waits.is_empty() {
+            py.detach(|| wait_all(&waits, ABORT_WAIT));
+        }
         converted
     }
 

@@ -78,19 +78,18 @@ impl ChunkShaper {
             return Err(wrong_shape("a chunk that is not a JSON object"));
         };
         if let Some(error) = chunk.get("error") {
-            return Err(in_band_failure(error));
+            return Err(in_band_failure(error, data));
         }
         if let Some(problem) = malformed(&chunk) {
             return Err(wrong_shape(problem));
         }
         if self.template.is_none() && chunk.contains_key("id") {
-            let mut t = Map::new();
-            for key in ["id", "created", "model"] {
-                if let Some(v) = chunk.get(key) {
-                    t.insert(key.to_owned(), v.clone());
-                }
-            }
-            self.template = Some(Value::Object(t).to_string());
+            // In this order, as `ChunkParser.template` holds it (a `Map` would sort the keys).
+            let fields: Vec<String> = ["id", "created", "model"]
+                .iter()
+                .filter_map(|key| chunk.get(*key).map(|v| format!("\"{key}\":{v}")))
+                .collect();
+            self.template = Some(format!("{{{}}}", fields.join(",")));
         }
         let new_tokens = self.count(&chunk);
         let choices = chunk.get("choices").and_then(Value::as_array);
@@ -244,7 +243,7 @@ fn wrong_shape(problem: &str) -> Failure {
 /// A 4xx `code` is vLLM refusing the request (a parameter it checks only once the stream has
 /// begun, e.g. `logprobs` over its maximum): the client's error, with vLLM's object; anything
 /// else is the backend failing (502).
-fn in_band_failure(error: &Value) -> Failure {
+fn in_band_failure(error: &Value, data: &[u8]) -> Failure {
     let message = error
         .get("message")
         .and_then(Value::as_str)
@@ -256,7 +255,7 @@ fn in_band_failure(error: &Value) -> Failure {
             code: "backend_rejected",
             message,
             backend_down: false,
-            error: Some(error.to_string()),
+            error: raw_error(data),
         };
     }
     Failure::backend(
@@ -264,6 +263,18 @@ fn in_band_failure(error: &Value) -> Failure {
         format!("backend failed mid-stream: {message}"),
         false,
     )
+}
+
+/// The `error` object of a body or an event (`{"error": {...}}`), as the backend wrote it: its
+/// keys in their order (the client hears vLLM's object as Python's `json.loads` keeps it).
+pub fn raw_error(raw: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Body<'a> {
+        #[serde(borrow)]
+        error: Option<&'a serde_json::value::RawValue>,
+    }
+    let error = serde_json::from_slice::<Body<'_>>(raw).ok()?.error?.get();
+    error.starts_with('{').then(|| error.to_owned())
 }
 
 /// `data: {json}\n\n`, compact.
@@ -477,7 +488,11 @@ mod tests {
         let mut s = ChunkShaper::new(false);
         let a = s.feed(&chunk(1, "a", "null")).unwrap();
         assert_eq!(a.new_tokens, 1);
-        assert!(s.template.as_deref().unwrap().contains("\"id\":\"c1\""));
+        // the template's fields in ChunkParser's order, not sorted
+        assert_eq!(
+            s.template.as_deref(),
+            Some(r#"{"id":"c1","created":1,"model":"m"}"#)
+        );
         assert!(!String::from_utf8(a.frame.unwrap())
             .unwrap()
             .contains("usage"));
@@ -554,8 +569,11 @@ mod tests {
         let err = s.feed(raw).unwrap_err();
         assert_eq!((err.status, err.code), (400, "backend_rejected"));
         assert_eq!(err.message, "too many logprobs");
-        let object: Value = serde_json::from_str(&err.error.unwrap()).unwrap();
-        assert_eq!(object["param"], "logprobs");
+        // vLLM's object as it wrote it, its keys in their order
+        assert_eq!(
+            err.error.unwrap(),
+            r#"{"message":"too many logprobs","type":"BadRequestError","param":"logprobs","code":400}"#
+        );
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub enum RelayEvent {
     },
     /// Tokens generated since the last report, per request.
     Tokens(Vec<(u64, u32)>),
+    /// One `data:` payload of a stream opened `whole`, after its tokens were counted: the
+    /// host assembles the reply (a client that did not ask for a stream).
+    Payload(u64, Vec<u8>),
     /// Upstream sent `[DONE]`.
     Done(u64),
     /// Upstream failed (before or after the first token).

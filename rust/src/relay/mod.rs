@@ -116,6 +116,9 @@ pub struct StreamRequest<'a> {
     pub include_usage: bool,
     /// Register it now, send it on `Control::Go`.
     pub deferred: bool,
+    /// Give each payload to the sink (`RelayEvent::Payload`) instead of writing chunks to a
+    /// client: the host assembles a reply not streamed. It needs a sink.
+    pub whole: bool,
     /// Its events go here, each as it happens (token counts unbatched), instead of the
     /// host's queue.
     pub sink: Option<Sink>,
@@ -240,8 +243,12 @@ impl Streams {
             traceparent,
             include_usage,
             deferred,
+            whole,
             sink,
         } = request;
+        if whole && sink.is_none() {
+            return Err("a stream assembled whole needs a sink".to_owned());
+        }
         let uri: hyper::Uri = url
             .parse()
             .map_err(|e| format!("bad backend URL {url:?}: {e}"))?;
@@ -284,6 +291,7 @@ impl Streams {
             traceparent: traceparent.map(str::to_owned),
             include_usage,
             deferred,
+            whole,
             sink,
         };
         self.handle.spawn(async move {

@@ -127,3 +127,25 @@ fn in_band_errors() {
         "data: {\"error\":{\"message\":\"backend failed mid-stream: boom\",\"type\":\"bad_gateway\",\"code\":\"backend_error\"}}\n\n"
     );
 }
+
+// A whole reply goes out as uvicorn writes `JSONResponse(..., headers=reply_headers)`: the
+// server's headers, its id, the reason only of a cut that names itself, Starlette's length
+// and type, `connection: close` when the connection ends.
+#[test]
+fn whole_replies() {
+    let defaults: [(&[u8], &[u8]); 1] = [(b"server", b"uvicorn")];
+    let done = whole_response(b"{}", 5, None, &defaults, true);
+    assert_eq!(
+        String::from_utf8(done).unwrap(),
+        "HTTP/1.1 200 OK\r\nserver: uvicorn\r\nx-request-id: llmflow-5\r\ncontent-length: 2\r\n\
+         content-type: application/json\r\n\r\n{}"
+    );
+    let cut = whole_response(b"{}", 5, Some("deadline"), &defaults, false);
+    let cut = String::from_utf8(cut).unwrap();
+    assert!(cut.contains("x-request-id: llmflow-5\r\nx-llmflow-reason: deadline\r\n"));
+    assert!(cut.ends_with("connection: close\r\n\r\n{}"));
+    let quiet = whole_response(b"{}", 5, Some("upstream_error"), &defaults, true);
+    assert!(!String::from_utf8(quiet)
+        .unwrap()
+        .contains("x-llmflow-reason"));
+}

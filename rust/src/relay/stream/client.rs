@@ -96,6 +96,10 @@ impl Task {
         if self.terminated {
             return;
         }
+        self.terminated = true;
+        if self.open.whole {
+            return; // nothing is written: the host has had every payload
+        }
         self.flush_held();
         self.release_head();
         let mut tail = chunked(DONE_FRAME);
@@ -104,7 +108,6 @@ impl Task {
             bytes: tail,
             frame: false,
         });
-        self.terminated = true;
     }
 
     /// Write what the socket takes now, without waiting.

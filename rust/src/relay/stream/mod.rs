@@ -91,6 +91,8 @@ pub struct Open {
     pub include_usage: bool,
     /// Wait for `Control::Go` before connecting (controls that come first still apply).
     pub deferred: bool,
+    /// Give the payloads to the sink, write nothing to a client (a reply not streamed).
+    pub whole: bool,
     /// Where its events go instead of the host's queue (the native front's task).
     pub sink: Option<super::Sink>,
 }
@@ -162,7 +164,8 @@ pub async fn run(
     let mut task = Task {
         waiting_go: open.deferred,
         id: open.id,
-        shaper: ChunkShaper::new(open.include_usage),
+        // A reply assembled whole holds back no finishing chunk (its frames are not sent).
+        shaper: ChunkShaper::new(open.include_usage || open.whole),
         shared,
         open,
         connecting,
@@ -206,7 +209,10 @@ impl Task {
     async fn run(&mut self, ctrl: &mut UnboundedReceiver<Control>) {
         let mut peek_buf = [0u8; 1];
         loop {
-            let written = self.terminated && self.out.is_empty() && self.client.is_some();
+            // Everything written; a reply assembled whole has no client and nothing to write.
+            let written = self.terminated
+                && self.out.is_empty()
+                && (self.client.is_some() || self.open.whole);
             let draining = self.body.is_some() && self.draining_body;
             if written && !(draining && self.drain_until.is_some_and(|t| Instant::now() < t)) {
                 return; // everything written (and the upstream body read to its end, or given up)

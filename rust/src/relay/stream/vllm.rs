@@ -150,7 +150,9 @@ impl Task {
                             });
                         }
                     }
-                    if let Some(frame) = shaped.frame {
+                    if self.open.whole {
+                        self.push(RelayEvent::Payload(self.id, payload));
+                    } else if let Some(frame) = shaped.frame {
                         self.add_frame(frame, now);
                     }
                 }
@@ -165,7 +167,7 @@ impl Task {
             );
         }
         if decoded.done {
-            if let Some(frame) = self.shaper.take_held() {
+            if let Some(frame) = self.shaper.take_held().filter(|_| !self.open.whole) {
                 self.add_frame(frame, now);
             }
             self.draining_body = true;
@@ -268,10 +270,7 @@ pub(super) fn error_message(raw: &[u8]) -> Option<String> {
 
 /// The `error` object of an OpenAI-style error body, as JSON text (what vLLM's 4xx says).
 pub(super) fn error_object(raw: &[u8]) -> Option<String> {
-    let body = serde_json::from_slice::<serde_json::Value>(raw).ok()?;
-    body.get("error")
-        .filter(|e| e.is_object())
-        .map(serde_json::Value::to_string)
+    crate::relay::chunk::raw_error(raw)
 }
 
 pub(super) fn value_text(v: &serde_json::Value) -> String {
