@@ -54,6 +54,8 @@ Usage:
     options: --levels 1,64,256 --repeats N --window S --memory 1000,5000
              --mode staggered,burst
              --llmflow-workers 1,2 (or '') --no-router --no-peak --no-memory
+             --baseline DIR (another checkout's python/, its extension built: the arm
+             llmflow-base, beside this checkout's llmflow in the same run)
              --nice -10 (the arms take CPU from other work first; opt-in)
              --json PATH --charts DIR
     python -m benchmarks.gateway_bench --render benchmarks/results/gateway.json

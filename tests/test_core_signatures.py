@@ -5,7 +5,6 @@ wrong shape, a value of the wrong type, or a keyword it does not take."""
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any
 
 import pytest
@@ -142,11 +141,6 @@ def test_negative_signals_are_refused_with_their_name() -> None:
 
 
 def test_relay_calls_of_the_wrong_shape() -> None:
-    read, write = os.pipe()
-    try:
-        with pytest.raises(TypeError, match=r"^Relay\.__new__\(\) got an unexpected keyword "
-                                            r"argument 'thread'$"):
-            Relay(write, thread=1)  # type: ignore[call-arg]  # refused before it takes the fd
-    finally:
-        os.close(read)
-        os.close(write)
+    with pytest.raises(TypeError, match=r"^Relay\.__new__\(\) got an unexpected keyword "
+                                        r"argument 'thread'$"):
+        Relay(thread=1)  # type: ignore[call-arg]

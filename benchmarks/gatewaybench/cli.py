@@ -62,6 +62,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="run the driver and every server at this nice value (e.g. -10, needs root): on a "
         "shared machine the arms then lose less CPU to other work, which loses more to them",
     )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="another checkout's python/ directory (its llmflow and built extension), run as "
+        "the arm llmflow-base beside this one: an A/B in one run",
+    )
     p.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     p.add_argument("--no-peak", action="store_true", help="skip the peak chunk-rate search")
     p.add_argument("--no-memory", action="store_true", help="skip the idle-stream memory phase")
@@ -197,7 +204,7 @@ async def run(args: argparse.Namespace) -> int:
         config_path = logdir / "llmflow.yaml"
         meta["llmflow_config"] = procs.llmflow_config(fake.port, CAP, config_path)
         harness = (fake.pid, os.getpid())
-        arms = _Arms(fake.port, pins, harness, config_path, router_exe, logdir)
+        arms = _Arms(fake.port, pins, harness, config_path, router_exe, logdir, args.baseline)
         await _timed_phases(args, prof, result, arms)
     if router_note:
         result["router_note"] = router_note
@@ -227,6 +234,7 @@ class _Arms:
     config: Path  # llmflow's
     router_exe: Path | None
     logdir: Path
+    baseline: Path | None = None  # another checkout's python/: the arm llmflow-base
 
     def starters(self) -> dict[str, Callable[[], procs.Proc]]:
         """A fresh gateway process per arm, pinned to the gateway CPU."""
@@ -240,7 +248,20 @@ class _Arms:
                 self.router_exe, self.backend_port, self.pins["gateway"], self.logdir
             )
 
-        return {"llmflow": llmflow, **({"router": router} if self.router_exe else {})}
+        def base() -> procs.Proc:
+            return procs.start_llmflow(
+                self.config,
+                self.pins["gateway"],
+                self.logdir,
+                name="llmflow-base",
+                pythonpath=self.baseline,
+            )
+
+        return {
+            "llmflow": llmflow,
+            **({"llmflow-base": base} if self.baseline else {}),
+            **({"router": router} if self.router_exe else {}),
+        }
 
 
 def _start(starters: dict[str, Callable[[], procs.Proc]]) -> dict[str, procs.Proc]:

@@ -81,12 +81,18 @@ def spawn(
     cpus: set[int] | None,
     logdir: Path,
     cwd: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> Proc:
     """Start `cmd` with its output in `logdir/name.log`, pinned to `cpus` (None: unpinned)."""
     log = logdir / f"{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_child_setup(cpus), cwd=cwd
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_child_setup(cpus),
+            cwd=cwd,
+            env=env,
         )
     return Proc(name, port, popen, cpus, log)
 
@@ -241,15 +247,20 @@ def start_llmflow(
     logdir: Path,
     workers: int | None = None,
     name: str = "llmflow",
+    pythonpath: Path | None = None,
 ) -> Proc:
-    """`llmflow serve` on a free port (optionally with `--workers N`), ready to serve."""
+    """`llmflow serve` on a free port (optionally with `--workers N`; with `pythonpath`, the
+    `llmflow` found there, e.g. another checkout's `python/`), ready to serve."""
     port = free_port()
+    env = None
+    if pythonpath is not None:
+        env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     cmd = [sys.executable, "-m", "llmflow.cli", "serve", "--config", str(config)]
     cmd += ["--port", str(port), "--log-level", "warning"]
     if workers is not None:
         cmd += ["--workers", str(workers)]
     name = name if workers is None else f"{name}-w{workers}"
-    proc = spawn(name, cmd, port, cpus, logdir)
+    proc = spawn(name, cmd, port, cpus, logdir, env=env)
     wait_http(proc, "/readyz")
     return proc
 

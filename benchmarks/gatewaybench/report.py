@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pathlib import Path
 
-_GATEWAYS = ("llmflow", "llmflow-native", "router")
+_GATEWAYS = ("llmflow", "llmflow-native", "llmflow-base", "router")
 _COLOURS = {
     "llmflow": "tab:blue",
     "llmflow-native": "tab:green",
+    "llmflow-base": "tab:purple",
     "router": "tab:orange",
     "direct": "tab:gray",
 }

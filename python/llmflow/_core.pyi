@@ -738,31 +738,20 @@ class LightLane:
     def live(self) -> int:
         """Light requests held on every backend together."""
 
-RelayEvent = tuple[Any, ...]
-"""One relay event: `("started", id)`, `("first_token", id, n, template_json | None)`,
-`("tokens", [(id, n), ...])`, `("payload", id, data)` (a stream the front assembles whole),
-`("done", id)`,
-`("failed", id, status, code, message, backend_down, error_json | None)` (`error_json`: the
-error object of a backend's 4xx, passed to the client as it is), `("window_full", id)`,
-`("window_drained", id)`, `("client_gone", id)`, `("closed", id, socket_fd | None,
-upstream_complete, completion_tokens)`."""
-
 @final
 class Relay:
     """Relays streamed completions from vLLM to clients on threads of its own (tokio).
 
     I/O only: it de-frames SSE, cuts usage, counts tokens and writes to the client's socket;
     every decision stays with the `Runtime`. The front door (`Front`) and its native streams
-    run on it (`NativeRoutes` opens them); Python opens none, so its `events` stay empty.
+    run on it (`NativeRoutes` opens them); Python opens none.
 
     Args:
-        notify_fd: the write end of the host's wake-up pipe (the relay owns it from now on);
-            a byte arrives when events are waiting.
         threads: relay threads (`llmflow serve --workers`).
         client_window: unwritten chunks a client may owe before its window is full.
         pause_when_full: stop reading upstream while full (else merge overflow).
         flush_interval_ms: coalescing interval; 0 writes each chunk at once.
-        token_flush_ms: how often batched token counts are reported.
+        token_flush_ms: how often a stream reports its token counts (batched) to its request.
         connect_timeout_ms: giving up on connecting to a backend (it is then down).
         max_event_bytes: the largest SSE event a backend may send; a longer one fails the
             stream (`failed`, a 502, the backend not marked down), holding no more than this.
@@ -770,7 +759,6 @@ class Relay:
 
     def __new__(
         cls,
-        notify_fd: int,
         *,
         threads: int = 1,
         client_window: int = 8,
@@ -785,8 +773,6 @@ class Relay:
     @property
     def live(self) -> int:
         """Streams still running."""
-    def events(self) -> list[RelayEvent]:
-        """Every event since the last call, oldest first."""
     def inter_chunk(self) -> tuple[list[float], list[int], float]:
         """Gaps between writes to clients: bucket bounds (s), per-bucket counts (+Inf last), sum."""
 

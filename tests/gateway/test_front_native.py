@@ -423,3 +423,33 @@ def _refused(host: str, port: int) -> bool:
     except ConnectionRefusedError:
         return True
     return False
+async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -> None:
+    # The relay tallies a stream's tokens and hands them over in batches: the trace (what
+    # the runtime was fed) must still hold every token the client read, all before its Done.
+    trace = io.StringIO()
+    async with start_gateway(trace=trace) as h:
+        body = _body(max_tokens=30, fake={"itl": 0.002})
+        results = await asyncio.gather(*(_stream(h.client, CHAT, body) for _ in range(3)))
+        await until(lambda: h.gateway.runtime.live == 0)
+    read: dict[int, int] = {}
+    for status, text, headers in results:
+        assert status == 200
+        assert _native(headers)
+        chunks = [e for e in _events(text) if isinstance(e, dict)]
+        read[int(headers["x-request-id"].removeprefix("llmflow-"))] = sum(
+            1 for c in chunks for choice in c["choices"] if choice["delta"].get("content")
+        )
+    assert sorted(read.values()) == [30, 30, 30]
+    fed: dict[int, int] = dict.fromkeys(read, 0)
+    done: set[int] = set()
+    for line in trace.getvalue().splitlines()[1:]:  # after the header (the config)
+        event = json.loads(line)["ev"]
+        if not isinstance(event, dict):
+            continue
+        if "tokens" in event and event["tokens"]["id"] in fed:
+            assert event["tokens"]["id"] not in done, "tokens fed after the request's Done"
+            fed[event["tokens"]["id"]] += event["tokens"]["n"]
+        elif "done" in event:
+            done.add(event["done"]["id"])
+    assert fed == read
+    assert done == set(read)

@@ -158,7 +158,6 @@ class Gateway:
             tasks=self.tasks,
             tracing=self.tracing,
         )
-        self.relay.start()
         self.metrics.relay = self.relay.relay
         prefix_models = frozenset(m for m, policy, _ in self.pools if policy == "prefix")
         self.service = CompletionService(

@@ -23,9 +23,6 @@ use crate::relay::{Control, Failure, RelayEvent, StreamRequest, Streams};
 use crate::runtime::{Action, Event};
 use crate::types::Outcome as End;
 
-/// Token counts reach the runtime at most this late (KV ledger, fair share), as the relay
-/// batches them for Python.
-const TOKEN_FLUSH: Duration = Duration::from_millis(20);
 const SSE_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\n\
     content-type: text/event-stream; charset=utf-8\r\n\
     cache-control: no-cache\r\n\
@@ -110,8 +107,6 @@ struct Life {
     /// this task its payloads; the client's socket stays here).
     whole: Option<super::whole::Whole>,
     failure: Option<Failure>,
-    pending_tokens: u64,
-    tokens_due: Option<tokio::time::Instant>,
     /// An error to answer with once the relay gives the connection back (`GiveBack`).
     answer: Option<Vec<u8>>,
     /// The task is over: the connection (if any) goes back to the front.
@@ -255,8 +250,6 @@ impl Governed {
             template: None,
             whole,
             failure: None,
-            pending_tokens: 0,
-            tokens_due: None,
             answer: None,
             finished: false,
             arrival_orders: 0,
@@ -298,14 +291,11 @@ impl Governed {
                         Ok(0) | Err(_) => {
                             life.watching = false;
                             let id = life.id;
-                            self.feed(&mut life, &Event::ClientGone { id });
+                            self.feed(&Event::ClientGone { id });
                         }
                         // A pipelined next request: not ours, and the client is still there.
                         Ok(_) => life.watching = false,
                     }
-                }
-                () = async { tokio::time::sleep_until(life.tokens_due.unwrap()).await }, if life.tokens_due.is_some() => {
-                    self.flush_tokens(&mut life);
                 }
             }
         }
@@ -319,19 +309,10 @@ impl Governed {
         })
     }
 
-    /// Feed an event about this request (its pending token counts first).
-    fn feed(&self, life: &mut Life, event: &Event) {
-        self.flush_tokens(life);
+    /// Feed an event about this request.
+    fn feed(&self, event: &Event) {
         // An event the runtime refuses names a request it already ended: nothing to do.
         let _ = self.owner.feed(event);
-    }
-
-    fn flush_tokens(&self, life: &mut Life) {
-        life.tokens_due = None;
-        if life.pending_tokens > 0 {
-            let n = std::mem::take(&mut life.pending_tokens);
-            let _ = self.owner.feed(&Event::Tokens { id: life.id, n });
-        }
     }
 
     /// Carry out one of the runtime's actions for this request.
@@ -518,9 +499,8 @@ impl Governed {
             request_id: &request_id,
             traceparent: None,
             include_usage: life.prepared.include_usage,
-            deferred: false,
             whole: life.whole.is_some(),
-            sink: Some(sink.clone()),
+            sink: sink.clone(),
         });
         match opened {
             Ok(()) => {
@@ -534,14 +514,11 @@ impl Governed {
             Err(message) => {
                 // A URL the relay cannot speak to: the backend failed this request.
                 life.failure = Some(Failure::backend("backend_unavailable", message, true));
-                self.feed(
-                    life,
-                    &Event::Failed {
-                        id: life.id,
-                        status: 502,
-                        backend_down: true,
-                    },
-                );
+                self.feed(&Event::Failed {
+                    id: life.id,
+                    status: 502,
+                    backend_down: true,
+                });
             }
         }
     }
@@ -552,7 +529,7 @@ impl Governed {
         match event {
             RelayEvent::Started(_) => {
                 if !life.ended {
-                    self.feed(life, &Event::Started { id });
+                    self.feed(&Event::Started { id });
                 }
             }
             RelayEvent::FirstToken { n, template, .. } => {
@@ -566,54 +543,47 @@ impl Governed {
                     ..life.record.clone()
                 });
                 if !life.ended {
-                    self.feed(
-                        life,
-                        &Event::Tokens {
-                            id,
-                            n: u64::from(n),
-                        },
-                    );
-                }
-            }
-            RelayEvent::Tokens(counts) => {
-                life.pending_tokens += counts.iter().map(|&(_, n)| u64::from(n)).sum::<u64>();
-                if life.tokens_due.is_none() {
-                    life.tokens_due = Some(tokio::time::Instant::now() + TOKEN_FLUSH);
+                    self.feed(&Event::Tokens {
+                        id,
+                        n: u64::from(n),
+                    });
                 }
             }
             RelayEvent::Payload(_, payload) => self.fold(life, &payload),
+            // The stream tallied them (at most `token_flush` late, and before its next event).
+            RelayEvent::Tokens(_, n) => self.feed(&Event::Tokens {
+                id,
+                n: u64::from(n),
+            }),
             RelayEvent::Done(_) => {
                 if !life.ended {
-                    self.feed(life, &Event::Done { id });
+                    self.feed(&Event::Done { id });
                 }
             }
             RelayEvent::Failed(_, failure) => {
                 let (status, backend_down) = (failure.status, failure.backend_down);
                 life.failure = Some(failure);
                 if !life.ended {
-                    self.feed(
-                        life,
-                        &Event::Failed {
-                            id,
-                            status,
-                            backend_down,
-                        },
-                    );
+                    self.feed(&Event::Failed {
+                        id,
+                        status,
+                        backend_down,
+                    });
                 }
             }
             RelayEvent::WindowFull(_) => {
                 if !life.ended {
-                    self.feed(life, &Event::WindowFull { id });
+                    self.feed(&Event::WindowFull { id });
                 }
             }
             RelayEvent::WindowDrained(_) => {
                 if !life.ended {
-                    self.feed(life, &Event::WindowDrained { id });
+                    self.feed(&Event::WindowDrained { id });
                 }
             }
             RelayEvent::ClientGone(_) => {
                 if !life.ended {
-                    self.feed(life, &Event::ClientGone { id });
+                    self.feed(&Event::ClientGone { id });
                 }
             }
             RelayEvent::Closed {
@@ -622,14 +592,13 @@ impl Governed {
                 completion_tokens,
                 ..
             } => {
-                self.flush_tokens(life);
                 life.record.completion_tokens = completion_tokens;
                 if life.record.started_us.is_some() && !upstream_complete {
                     life.record.upstream_aborted = true;
                 }
                 if !life.ended {
                     // The relay ended it on its own (it cannot, short of a bug): end it here.
-                    self.feed(life, &Event::ClientGone { id });
+                    self.feed(&Event::ClientGone { id });
                 }
                 if life.attached {
                     life.stream = match socket {
@@ -664,7 +633,7 @@ impl Governed {
                 status: 502,
                 backend_down: false,
             };
-            self.feed(life, &failed);
+            self.feed(&failed);
         }
     }
 

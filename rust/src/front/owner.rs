@@ -6,7 +6,7 @@
 //! (the actions come back from its call), or through Python's inbox and its wake-up pipe, when
 //! a front task fed it. An `Abort` of a relayed stream is handed to the relay at once, and a
 //! `Start` in the same batch waits until it has reached the socket, so vLLM hears of the slot
-//! freed before the request that takes it (as the Python host's `control_and_wait` ensures).
+//! freed before the request that takes it.
 //!
 //! It decides nothing: every decision is the runtime's.
 

@@ -1,19 +1,15 @@
 //! The PyO3 seam of the relay: built by the gateway for the front door to run on (its streams
-//! are the front's: Python opens none), its write-gap histogram for `/metrics`, and its event
-//! queue drained as tuples (`("done", id)`, ...): a class per event would cost more than it
-//! says.
+//! are the front's: Python opens none), and its write-gap histogram for `/metrics`.
 
-use std::fs::File;
-use std::os::fd::FromRawFd;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
-use pyo3::{intern, IntoPyObjectExt};
+use pyo3::types::{PyDict, PyTuple};
+use pyo3::IntoPyObjectExt;
 
 use super::errors::InvalidArgumentError;
 use super::signature::Signature;
-use crate::relay::{Relay, RelayConfig, RelayEvent, DEFAULT_MAX_EVENT_BYTES, GAP_BOUNDS_S};
+use crate::relay::{Relay, RelayConfig, DEFAULT_MAX_EVENT_BYTES, GAP_BOUNDS_S};
 
 /// Relays streamed completions from vLLM to clients on threads of its own.
 #[pyclass(name = "Relay", module = "llmflow._core")]
@@ -33,13 +29,13 @@ fn duration_ms(name: &str, ms: f64) -> PyResult<Duration> {
 #[pymethods]
 impl PyRelay {
     #[new]
-    #[pyo3(signature = (*args, **kwargs), text_signature = "(notify_fd, *, threads=1, \
+    #[pyo3(signature = (*args, **kwargs), text_signature = "(*, threads=1, \
         client_window=8, pause_when_full=True, flush_interval_ms=0.0, token_flush_ms=20.0, \
         connect_timeout_ms=5000.0, max_event_bytes=16777216)")]
     fn new(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         const NEW: Signature = Signature {
             full_name: "Relay.__new__()",
-            positional: &["notify_fd"],
+            positional: &[],
             optional: 0,
             keyword_only: &[
                 "threads",
@@ -52,13 +48,12 @@ impl PyRelay {
             ],
         };
         let a = NEW.bind(args, kwargs)?;
-        let notify_fd: i32 = a.get(0)?;
-        let (threads, client_window): (usize, usize) = (a.get_or(1, 1)?, a.get_or(2, 8)?);
-        let pause_when_full: bool = a.get_or(3, true)?;
-        let flush_interval_ms: f64 = a.get_or(4, 0.0)?;
-        let token_flush_ms: f64 = a.get_or(5, 20.0)?;
-        let connect_timeout_ms: f64 = a.get_or(6, 5000.0)?;
-        let max_event_bytes: usize = a.get_or(7, DEFAULT_MAX_EVENT_BYTES)?;
+        let (threads, client_window): (usize, usize) = (a.get_or(0, 1)?, a.get_or(1, 8)?);
+        let pause_when_full: bool = a.get_or(2, true)?;
+        let flush_interval_ms: f64 = a.get_or(3, 0.0)?;
+        let token_flush_ms: f64 = a.get_or(4, 20.0)?;
+        let connect_timeout_ms: f64 = a.get_or(5, 5000.0)?;
+        let max_event_bytes: usize = a.get_or(6, DEFAULT_MAX_EVENT_BYTES)?;
         if threads == 0 || client_window == 0 {
             return Err(InvalidArgumentError::new_err(
                 "threads and client_window must be at least 1",
@@ -77,10 +72,8 @@ impl PyRelay {
             connect_timeout: duration_ms("connect_timeout_ms", connect_timeout_ms)?,
             max_event_bytes,
         };
-        // SAFETY: the caller hands over the write end of its wake-up pipe; the relay owns it.
-        let notify = unsafe { File::from_raw_fd(notify_fd) };
-        let inner = Relay::new(config, notify)
-            .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+        let inner =
+            Relay::new(config).map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
         Ok(Self { inner })
     }
 
@@ -93,54 +86,6 @@ impl PyRelay {
     #[getter]
     fn live(&self) -> usize {
         self.inner.live()
-    }
-
-    /// Every event since the last call, oldest first, as tuples.
-    fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let list = PyList::empty(py);
-        for event in self.inner.take_events() {
-            let item: Bound<'py, PyTuple> = match event {
-                RelayEvent::Started(id) => (intern!(py, "started"), id).into_pyobject(py)?,
-                RelayEvent::FirstToken { id, n, template } => {
-                    (intern!(py, "first_token"), id, n, template).into_pyobject(py)?
-                }
-                RelayEvent::Tokens(batch) => (intern!(py, "tokens"), batch).into_pyobject(py)?,
-                RelayEvent::Done(id) => (intern!(py, "done"), id).into_pyobject(py)?,
-                RelayEvent::Payload(id, payload) => {
-                    (intern!(py, "payload"), id, payload).into_pyobject(py)?
-                }
-                RelayEvent::Failed(id, f) => (
-                    intern!(py, "failed"),
-                    id,
-                    f.status,
-                    f.code,
-                    f.message,
-                    f.backend_down,
-                    f.error,
-                )
-                    .into_pyobject(py)?,
-                RelayEvent::WindowFull(id) => (intern!(py, "window_full"), id).into_pyobject(py)?,
-                RelayEvent::WindowDrained(id) => {
-                    (intern!(py, "window_drained"), id).into_pyobject(py)?
-                }
-                RelayEvent::ClientGone(id) => (intern!(py, "client_gone"), id).into_pyobject(py)?,
-                RelayEvent::Closed {
-                    id,
-                    socket,
-                    upstream_complete,
-                    completion_tokens,
-                } => (
-                    intern!(py, "closed"),
-                    id,
-                    socket,
-                    upstream_complete,
-                    completion_tokens,
-                )
-                    .into_pyobject(py)?,
-            };
-            list.append(item)?;
-        }
-        Ok(list)
     }
 
     /// Gaps between writes to clients: (bucket upper bounds in s, per-bucket counts with the

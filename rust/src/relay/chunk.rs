@@ -3,9 +3,13 @@
 //! choices, continuous usage, non-streaming replies) is `gateway/streaming.py`; both follow the
 //! same rules, and `tests/gateway/test_relay_chunks.py` feeds both the same payloads.
 
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
 use serde_json::{Map, Value};
 
 use super::events::Failure;
+use super::sse::find;
 
 /// What one upstream payload becomes.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -36,6 +40,11 @@ pub struct ChunkShaper {
 const USAGE_KEY: &[u8] = b",\"usage\":{";
 const TOKENS_KEY: &[u8] = b"\"completion_tokens\":";
 const TEXT_DELTAS: [&str; 3] = ["content", "reasoning_content", "reasoning"];
+// What a chunk's head (all before its usage) is searched for, each searcher made once.
+static NO_CHOICES: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\":[]"));
+static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
+static FINISHING: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"finish_reason\":\""));
 
 impl ChunkShaper {
     /// `include_usage`: the client asked for `stream_options.include_usage` (it then gets
@@ -135,10 +144,11 @@ impl ChunkShaper {
             return None;
         }
         let head = &data[..cut];
-        if find(head, b"\"choices\":[]").is_some() || find(head, b"\"error\"").is_some() {
+        if NO_CHOICES.find(head).is_some() || ERROR.find(head).is_some() {
             return None;
         }
-        if !self.include_usage && find(head, b"\"finish_reason\":\"").is_some() {
+        let finishing = FINISHING.find(head).is_some();
+        if !self.include_usage && finishing {
             return None; // the last chunk waits for the fingerprint (`held`)
         }
         let at = find(&data[cut..], TOKENS_KEY)? + cut + TOKENS_KEY.len();
@@ -153,9 +163,7 @@ impl ChunkShaper {
         let total: u64 = std::str::from_utf8(&digits[..end]).ok()?.parse().ok()?;
         let new = total.saturating_sub(self.completion_tokens);
         self.completion_tokens = total;
-        if find(head, b"\"finish_reason\":\"").is_some() {
-            self.finished = true;
-        }
+        self.finished |= finishing;
         let tail: &[u8] = b"}";
         let mut frame = Vec::with_capacity(head.len() + tail.len() + 8);
         frame.extend_from_slice(b"data: ");
@@ -437,12 +445,17 @@ fn merge_choice(ca: &mut Value, cb: &Value) {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
-
+/// Where `needle` last starts in `haystack` (as `sse::find`, from the end).
 fn rfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).rposition(|w| w == needle)
+    let (&first, rest) = needle.split_first()?;
+    let mut end = haystack.len();
+    while let Some(at) = memchr::memrchr(first, &haystack[..end]) {
+        if haystack[at + 1..].starts_with(rest) {
+            return Some(at);
+        }
+        end = at;
+    }
+    None
 }
 
 fn trim_spaces(mut s: &[u8]) -> &[u8] {

@@ -5,7 +5,7 @@
 //! de-framed, shaped (usage cut, tokens counted) and written to the client's socket by one task
 //! on the relay's tokio threads; the request's task hears a handful of events ([`RelayEvent`]:
 //! started, first token, batched token counts, done, window full/drained, client gone, closed,
-//! through its sink; a stream without one queues them behind a wake-up pipe) and carries out
+//! through its sink) and carries out
 //! the runtime's answers to them as [`Control`]s. The relay is I/O only: it reads clocks and
 //! sockets and decides nothing (no admission, deadline, stall or health rule lives here; the
 //! runtime keeps them all).
@@ -20,7 +20,6 @@ pub mod sse;
 pub mod stream;
 pub mod upstream;
 
-use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -44,7 +43,7 @@ pub struct RelayConfig {
     pub pause_when_full: bool,
     /// Coalescing interval (`streaming.sse_flush_interval`); zero writes every chunk at once.
     pub flush_interval: Duration,
-    /// How often token counts go to the host.
+    /// How often a stream hands its token counts to its request's task.
     pub token_flush: Duration,
     /// Giving up on connecting to a backend.
     pub connect_timeout: Duration,
@@ -91,14 +90,12 @@ impl Stats {
 
 /// What every stream task shares.
 pub struct Shared {
-    pub events: events::Events,
     pub pool: upstream::Pool,
     pub config: RelayConfig,
     pub stats: Stats,
 }
 
-/// Where a stream's events go: the host's queue (Python, behind the wake-up pipe), or a task
-/// of the native front that serves the request.
+/// Where a stream's events go: the task of the native front that serves the request.
 pub type Sink = tokio::sync::mpsc::UnboundedSender<RelayEvent>;
 
 /// A streamed completion to relay: the request's head and body, and how to relay it.
@@ -114,14 +111,11 @@ pub struct StreamRequest<'a> {
     pub traceparent: Option<&'a str>,
     /// The client asked for the usage chunk (else it is cut from the stream).
     pub include_usage: bool,
-    /// Register it now, send it on `Control::Go`.
-    pub deferred: bool,
     /// Give each payload to the sink (`RelayEvent::Payload`) instead of writing chunks to a
-    /// client: the host assembles a reply not streamed. It needs a sink.
+    /// client: the host assembles a reply not streamed.
     pub whole: bool,
-    /// Its events go here, each as it happens (token counts unbatched), instead of the
-    /// host's queue.
-    pub sink: Option<Sink>,
+    /// Its events go here, each as it happens (token counts batched).
+    pub sink: Sink,
 }
 
 /// The live streams and what opening one needs: cheap to clone, so the native front opens
@@ -141,27 +135,17 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Start the relay's threads; `notify` is the write end of the host's wake-up pipe.
-    pub fn new(config: RelayConfig, notify: File) -> std::io::Result<Self> {
+    /// Start the relay's threads.
+    pub fn new(config: RelayConfig) -> std::io::Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.threads.max(1))
             .thread_name("llmflow-relay")
             .enable_all()
             .build()?;
         let shared = Arc::new(Shared {
-            events: events::Events::new(notify),
             pool: upstream::Pool::default(),
             config,
             stats: Stats::default(),
-        });
-        let ticker = Arc::clone(&shared);
-        runtime.spawn(async move {
-            let mut tick = tokio::time::interval(ticker.config.token_flush);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                ticker.events.flush_tokens();
-            }
         });
         let streams = Streams {
             handle: runtime.handle().clone(),
@@ -199,16 +183,6 @@ impl Relay {
         self.streams.control(id, control)
     }
 
-    /// See [`Streams::control_and_wait`].
-    pub fn control_and_wait(&self, id: u64, control: Control, timeout: Duration) -> bool {
-        self.streams.control_and_wait(id, control, timeout)
-    }
-
-    /// Every event since the last call, oldest first.
-    pub fn take_events(&self) -> Vec<RelayEvent> {
-        self.streams.shared.events.take()
-    }
-
     /// Streams still running.
     pub fn live(&self) -> usize {
         self.streams.live.lock().unwrap().len()
@@ -229,8 +203,7 @@ impl Relay {
 }
 
 impl Streams {
-    /// Send a streamed completion upstream and relay it (`deferred`: register it now, send it
-    /// on `Control::Go`).
+    /// Send a streamed completion upstream and relay it.
     ///
     /// # Errors
     /// The URL or a header is malformed, `id` is already live, or the relay has shut down.
@@ -242,13 +215,9 @@ impl Streams {
             request_id,
             traceparent,
             include_usage,
-            deferred,
             whole,
             sink,
         } = request;
-        if whole && sink.is_none() {
-            return Err("a stream assembled whole needs a sink".to_owned());
-        }
         let uri: hyper::Uri = url
             .parse()
             .map_err(|e| format!("bad backend URL {url:?}: {e}"))?;
@@ -290,20 +259,14 @@ impl Streams {
             request_id: request_id.to_owned(),
             traceparent: traceparent.map(str::to_owned),
             include_usage,
-            deferred,
             whole,
             sink,
         };
         self.handle.spawn(async move {
             let sink = open.sink.clone();
-            let closed = stream::run(Arc::clone(&shared), open, rx).await;
+            let closed = stream::run(shared, open, rx).await;
             live.lock().unwrap().remove(&id);
-            match sink {
-                Some(sink) => {
-                    let _ = sink.send(closed);
-                }
-                None => shared.events.push(id, closed),
-            }
+            let _ = sink.send(closed);
         });
         Ok(())
     }
@@ -314,20 +277,9 @@ impl Streams {
         live.get(&id).is_some_and(|tx| tx.send(control).is_ok())
     }
 
-    /// `control`, then wait (at most `timeout`) until the stream has carried it out: an abort
-    /// has closed the upstream socket when this returns, so vLLM hears of it before any
-    /// request the host sends next. False when the stream had already ended.
-    pub fn control_and_wait(&self, id: u64, control: Control, timeout: Duration) -> bool {
-        let Some(carried_out) = self.control_acked(id, control) else {
-            return false;
-        };
-        // Ok: carried out; disconnected: the stream ended on it (and dropped everything).
-        let _ = carried_out.recv_timeout(timeout);
-        true
-    }
-
-    /// `control`, and a receiver that hears when the stream has carried it out (or ended);
-    /// None when the stream had already ended.
+    /// `control`, and a receiver that hears when the stream has carried it out (or ended: the
+    /// sender is dropped); None when the stream had already ended. An abort has closed the
+    /// upstream socket when it hears, so vLLM learns of it before the request sent next.
     pub fn control_acked(
         &self,
         id: u64,

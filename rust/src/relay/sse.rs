@@ -118,8 +118,19 @@ fn strip_cr(buf: &mut Vec<u8>, start: usize) {
     buf.truncate(write);
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+/// Where `needle` first starts in `haystack` (its first byte found by `memchr`: these needles
+/// are short and the haystacks a chunk long, too short for a searcher's set-up to pay).
+pub(super) fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    let (&first, rest) = needle.split_first()?;
+    let mut from = 0;
+    while let Some(i) = memchr::memchr(first, &haystack[from..]) {
+        let at = from + i;
+        if haystack[at + 1..].starts_with(rest) {
+            return Some(at);
+        }
+        from = at + 1;
+    }
+    None
 }
 
 fn trim(mut s: &[u8]) -> &[u8] {

@@ -119,20 +119,19 @@ impl Task {
             return Step::Go; // held: nothing goes out before the first token
         }
         while !self.out.is_empty() {
-            let slices: Vec<IoSlice<'_>> = self
-                .out
-                .iter()
-                .take(WRITE_BATCH)
-                .enumerate()
-                .map(|(i, piece)| {
-                    IoSlice::new(if i == 0 {
-                        &piece.bytes[self.written..]
-                    } else {
-                        &piece.bytes
-                    })
-                })
-                .collect();
-            match client.try_write_vectored(&slices) {
+            let wrote = if self.out.len() == 1 {
+                client.try_write(&self.out[0].bytes[self.written..]) // a chunk as it comes
+            } else {
+                let mut slices = [IoSlice::new(&[]); WRITE_BATCH];
+                let mut count = 0;
+                for (slice, piece) in slices.iter_mut().zip(&self.out) {
+                    let from = if count == 0 { self.written } else { 0 };
+                    *slice = IoSlice::new(&piece.bytes[from..]);
+                    count += 1;
+                }
+                client.try_write_vectored(&slices[..count])
+            };
+            match wrote {
                 Ok(0) => return self.client_gone(),
                 Ok(mut n) => {
                     let now = Instant::now();
@@ -180,10 +179,22 @@ pub(super) struct Piece {
     pub(super) frame: bool,
 }
 
-/// One HTTP/1.1 chunk carrying `data`.
+/// One HTTP/1.1 chunk carrying `data` (one allocation: a chunk goes out per token).
 pub(super) fn chunked(data: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(data.len() + 12);
-    out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    let mut size = [0u8; 16];
+    let mut at = size.len();
+    let mut n = data.len();
+    loop {
+        at -= 1;
+        size[at] = b"0123456789abcdef"[n & 0xf];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut out = Vec::with_capacity(size.len() - at + data.len() + 4);
+    out.extend_from_slice(&size[at..]);
+    out.extend_from_slice(b"\r\n");
     out.extend_from_slice(data);
     out.extend_from_slice(b"\r\n");
     out

@@ -40,13 +40,6 @@ use vllm::connect;
 /// What the host asks of a stream (each carries out a runtime action).
 #[derive(Debug)]
 pub enum Control {
-    /// Take over the client's connection (after the first token): write `head`, then the
-    /// chunks. `keep_alive`: hand the socket back after a clean end, for the next request.
-    Attach {
-        socket: std::net::TcpStream,
-        head: Vec<u8>,
-        keep_alive: bool,
-    },
     /// End the reply: stop reading upstream, write `frame` (the notice or the error; when
     /// `only_if_open`, only if the choice has not finished), then `[DONE]`. Without a frame
     /// (a stalled client), close the connection at once.
@@ -56,7 +49,8 @@ pub enum Control {
     },
     /// Take the client's connection now, before the first token, but write nothing until
     /// the reply's first piece (its first chunk, or a cut's notice): then `head`, then it, in
-    /// the same write. The native front holds a stream so, sparing the first token a hop.
+    /// the same write. `keep_alive`: hand the socket back after a clean end, for the next
+    /// request.
     Hold {
         socket: std::net::TcpStream,
         head: Vec<u8>,
@@ -69,8 +63,6 @@ pub enum Control {
     Abort,
     /// Drop everything now: upstream and client.
     Close,
-    /// Send the request upstream now (a stream opened `deferred` waits for this).
-    Go,
     /// Say when every control before this one has been carried out (the host waits for an
     /// abort to reach the socket before the runtime's next `Start` goes upstream).
     Ack(std::sync::mpsc::SyncSender<()>),
@@ -89,12 +81,10 @@ pub struct Open {
     /// Sent as W3C `traceparent` (the gateway's upstream span), when tracing.
     pub traceparent: Option<String>,
     pub include_usage: bool,
-    /// Wait for `Control::Go` before connecting (controls that come first still apply).
-    pub deferred: bool,
     /// Give the payloads to the sink, write nothing to a client (a reply not streamed).
     pub whole: bool,
-    /// Where its events go instead of the host's queue (the native front's task).
-    pub sink: Option<super::Sink>,
+    /// Where its events go (the native front's task).
+    pub sink: super::Sink,
 }
 
 type ResponseFuture = Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
@@ -111,8 +101,6 @@ struct Task {
     shared: Arc<Shared>,
     id: u64,
     open: Open,
-    /// Opened deferred and not yet told to go.
-    waiting_go: bool,
     connecting: Option<ConnectFuture>,
     /// The connection to vLLM, its driver polled by this task (dropping it closes the socket).
     conn: Option<Conn>,
@@ -130,7 +118,7 @@ struct Task {
     client: Option<TcpStream>,
     keep_alive: bool,
     watch_client: bool,
-    /// Wire pieces not yet written (chunk-encoded frames; the head first once attached).
+    /// Wire pieces not yet written (chunk-encoded frames; the head first once released).
     out: VecDeque<Piece>,
     /// Bytes of `out[0]` already written.
     written: usize,
@@ -151,6 +139,12 @@ struct Task {
     given_back: bool,
     /// `[DONE]` came and the host has not yet heard `Done` (it does when the body ends).
     done_pending: bool,
+    /// Tokens counted since the last report (`RelayEvent::Tokens`).
+    tokens: u32,
+    /// When `tokens` are reported (`token_flush` after the first of them), if they wait.
+    tokens_due: Option<tokio::time::Instant>,
+    /// The timer of `tokens_due`, made once and reset (a chunk arms no new one).
+    token_timer: Pin<Box<tokio::time::Sleep>>,
 }
 
 /// Run one stream to its end; returns the event that closes it.
@@ -159,10 +153,9 @@ pub async fn run(
     open: Open,
     mut ctrl: UnboundedReceiver<Control>,
 ) -> RelayEvent {
-    let connecting = (!open.deferred).then(|| connect(&shared, &open.authority));
+    let connecting = Some(connect(&shared, &open.authority));
     let max_event_bytes = shared.config.max_event_bytes;
     let mut task = Task {
-        waiting_go: open.deferred,
         id: open.id,
         // A reply assembled whole holds back no finishing chunk (its frames are not sent).
         shaper: ChunkShaper::new(open.include_usage || open.whole),
@@ -195,6 +188,9 @@ pub async fn run(
         held_head: None,
         given_back: false,
         done_pending: false,
+        tokens: 0,
+        tokens_due: None,
+        token_timer: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
     };
     task.run(&mut ctrl).await;
     task.closed()
@@ -250,7 +246,12 @@ impl Task {
                         Err(_) => self.client_gone(),
                     }
                 }
-                seen = async { self.client.as_ref().unwrap().peek(&mut peek_buf).await }, if watching => {
+                // Polled, not awaited: each turn of the loop would make and drop a readiness
+                // future (two locks of the socket's waiters) for a socket that rarely speaks.
+                seen = std::future::poll_fn(|cx| {
+                    let mut buf = tokio::io::ReadBuf::new(&mut peek_buf);
+                    self.client.as_ref().unwrap().poll_peek(cx, &mut buf)
+                }), if watching => {
                     match seen {
                         Ok(0) | Err(_) => self.client_gone(),
                         Ok(_) => { self.watch_client = false; Step::Go } // pipelined bytes: not ours
@@ -268,6 +269,10 @@ impl Task {
                     self.flush_held();
                     self.write()
                 }
+                () = self.token_timer.as_mut(), if self.tokens_due.is_some() => {
+                    self.report_tokens();
+                    Step::Go
+                }
             };
             if matches!(step, Step::Stop) {
                 return;
@@ -275,38 +280,38 @@ impl Task {
         }
     }
 
-    fn push(&self, event: RelayEvent) {
-        match &self.open.sink {
-            Some(sink) => {
-                let _ = sink.send(event);
-            }
-            None => self.shared.events.push(self.id, event),
+    /// Send an event to the request's task, after the tokens counted before it.
+    fn push(&mut self, event: RelayEvent) {
+        self.report_tokens();
+        let _ = self.open.sink.send(event);
+    }
+
+    /// Count tokens: they go to the request's task `token_flush` after the first of them
+    /// (or with its next event, before it), so a chunk wakes nobody but this task.
+    fn add_tokens(&mut self, n: u32) {
+        if n == 0 {
+            return;
+        }
+        self.tokens = self.tokens.saturating_add(n);
+        if self.tokens_due.is_none() {
+            let due = tokio::time::Instant::now() + self.shared.config.token_flush;
+            self.tokens_due = Some(due);
+            self.token_timer.as_mut().reset(due);
         }
     }
 
-    /// Count tokens: batched for the host's queue, at once for a sink (whose task batches).
-    fn add_tokens(&self, n: u32) {
-        match &self.open.sink {
-            Some(sink) if n > 0 => {
-                let _ = sink.send(RelayEvent::Tokens(vec![(self.id, n)]));
-            }
-            Some(_) => {}
-            None => self.shared.events.add_tokens(self.id, n),
-        }
-    }
-
-    /// An event that need not wake the host (see `Events::push_quiet`).
-    fn push_quiet(&self, event: RelayEvent) {
-        match &self.open.sink {
-            Some(sink) => {
-                let _ = sink.send(event);
-            }
-            None => self.shared.events.push_quiet(event),
+    /// The tokens counted and not yet reported, now.
+    fn report_tokens(&mut self) {
+        self.tokens_due = None;
+        if self.tokens > 0 {
+            let n = std::mem::take(&mut self.tokens);
+            let _ = self.open.sink.send(RelayEvent::Tokens(self.id, n));
         }
     }
 
     fn closed(mut self) -> RelayEvent {
         self.upstream_ended(); // before `Closed`: a `[DONE]` the body's end never followed
+        self.report_tokens();
         if let Some(conn) = self.conn.take() {
             let drained = self.upstream_complete && self.body.is_none() && !self.driver_done;
             if drained && !conn.sender.is_closed() {
@@ -337,20 +342,6 @@ impl Task {
 
     fn control(&mut self, control: Control) -> Step {
         match control {
-            Control::Attach {
-                socket,
-                head,
-                keep_alive,
-            } => {
-                if !self.take_client(socket, keep_alive) {
-                    return self.client_gone();
-                }
-                self.out.push_front(Piece {
-                    bytes: head,
-                    frame: false,
-                });
-                self.write()
-            }
             Control::Hold {
                 socket,
                 head,
@@ -388,7 +379,7 @@ impl Task {
                     self.terminate();
                 }
                 if self.client.is_none() {
-                    return Step::Go; // written once the client is attached
+                    return Step::Go; // written once the client's socket is lent
                 }
                 self.write()
             }
@@ -399,13 +390,6 @@ impl Task {
             }
             Control::Abort => {
                 self.stop_upstream();
-                Step::Go
-            }
-            Control::Go => {
-                if self.waiting_go {
-                    self.waiting_go = false;
-                    self.connecting = Some(connect(&self.shared, &self.open.authority));
-                }
                 Step::Go
             }
             Control::Ack(done) => {

@@ -95,7 +95,7 @@ impl Task {
             return Step::Go;
         }
         self.body = Some(response.into_body());
-        self.push_quiet(RelayEvent::Started(self.id));
+        self.push(RelayEvent::Started(self.id));
         Step::Go
     }
 
@@ -151,7 +151,8 @@ impl Task {
                         }
                     }
                     if self.open.whole {
-                        self.push(RelayEvent::Payload(self.id, payload));
+                        // Not an event the runtime hears: the tokens tallied stay batched.
+                        let _ = self.open.sink.send(RelayEvent::Payload(self.id, payload));
                     } else if let Some(frame) = shaped.frame {
                         self.add_frame(frame, now);
                     }
@@ -206,7 +207,6 @@ impl Task {
         if self.upstream_complete && self.draining_body {
             return; // the reply is whole: let the connection finish and serve again
         }
-        self.waiting_go = false;
         self.connecting = None;
         self.response = None;
         self.body = None;
