@@ -960,6 +960,28 @@ class FrontChecks:
         Raises:
             InvalidArgumentError: an endpoint other than chat or completions.
         """
+    def refusal(
+        self,
+        endpoint_name: Literal["chat", "completions"],
+        raw: bytes,
+        default_headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> bytes | None:
+        """The error the native front answers a body with, as it goes on the wire: Python's
+        `prepare` refuses the body so (`GatewayError.response()` as uvicorn writes it).
+
+        Args:
+            endpoint_name: `"chat"` or `"completions"`.
+            raw: the request body.
+            default_headers: the server's own headers (`date`, `server`), in order.
+            keep_alive: whether the connection goes on after it.
+
+        Returns:
+            The response's bytes, or None: the front serves the body, or passes it to the app.
+
+        Raises:
+            InvalidArgumentError: an endpoint other than chat or completions.
+        """
 
 @final
 class FrontKeys:
@@ -981,6 +1003,22 @@ class FrontKeys:
     ) -> FrontKeys: ...
     def authenticate(self, authorization: bytes | None) -> tuple[str, str] | None:
         """(tenant, tier) of an `Authorization` header's raw value, or None (Python's 401)."""
+    def refusal(
+        self,
+        authorization: bytes | None,
+        default_headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> bytes | None:
+        """The 401 the native front answers for this header, as it goes on the wire.
+
+        Args:
+            authorization: the header's raw value, or None when absent.
+            default_headers: the server's own headers (`date`, `server`), in order.
+            keep_alive: whether the connection goes on after it.
+
+        Returns:
+            The response's bytes, or None when the key opens a tenant.
+        """
 
 def front_signals(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, int | None] | None:
     """`read_signals` in Rust: (retries, deadline_ms), or None where Python answers 400 or

@@ -28,6 +28,8 @@ from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import _FINGERPRINT_KEY, BackendRoute, Prepared, upstream_body
 
+from .test_front_replies import SERVER, _reply_bytes
+
 IDENTITY = Identity("acme", "vip")
 MODELS = {"m": 64, "alias": 64, "p": 2048, "wide": 4096}  # served name (and alias) -> context
 ALIASES = {"alias": "m"}
@@ -257,6 +259,73 @@ def test_rust_accepts_only_what_python_accepts_with_its_values(
     event(f"Rust {'accepts' if rust else 'declines'}, Python {'accepts' if python else 'refuses'}")
     if rust is not None:
         _assert_same(endpoint, raw, rust, python)
+    _assert_refused_alike(service, checks, endpoint, raw)
+
+
+def _assert_refused_alike(
+    service: CompletionService, checks: FrontChecks, endpoint: str, raw: bytes
+) -> None:
+    """Where Rust refuses a body, Python refuses it, and the response is Python's byte for
+    byte (`GatewayError.response()` as uvicorn writes it)."""
+    keep_alive = len(raw) % 2 == 0  # either, as the body falls
+    refused = checks.refusal(endpoint, raw, SERVER, keep_alive)  # type: ignore[arg-type]
+    error: GatewayError | None = None
+    try:
+        service.prepare(endpoint, IDENTITY, raw)  # type: ignore[arg-type]
+    except GatewayError as exc:
+        error = exc
+    if error is None:
+        assert refused is None, f"Rust refuses what Python accepts: {raw!r}"
+        return
+    event(f"Rust {'answers' if refused else 'passes on'} Python's {error.code}")
+    if refused is not None:
+        assert refused == _reply_bytes(error, SERVER, keep_alive), raw
+
+
+_PIECES = st.sampled_from([  # bytes that steer a JSON reader, alone or as they come in bodies
+    b"{", b"}", b"[", b"]", b",", b":", b'"', b"\\", b"\\u", b"\\ud800", b"\\udc00", b" ", b"\n",
+    b"\t", b"\x00", b"\x1f", b"\x7f", b"\xff", b"\xc3", b"\xef\xbb\xbf", b"-", b"+", b".", b"e",
+    b"E", b"0", b"9", b"1e400", b"-0", b"NaN", b"Infinity", b"-Infinity", b"nul", b"true",
+    b"fals", b"1" * 310, b"e999", b"[" * 201, b"\r\n",
+])
+
+
+@st.composite
+def mangled(draw: st.DrawFn, endpoint: str) -> bytes:
+    """A body's bytes with one to three edits: cut short, a piece inserted, a span deleted, a
+    byte replaced, or the whole thing swapped for a few pieces."""
+    raw = draw(raws(endpoint))
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(raw)))
+        edit = draw(st.sampled_from(["cut", "insert", "delete", "replace", "pieces"]))
+        event(f"edit: {edit}")
+        if edit == "cut":
+            raw = raw[:at]
+        elif edit == "insert":
+            raw = raw[:at] + draw(_PIECES) + raw[at:]
+        elif edit == "delete":
+            raw = raw[:at] + raw[at + draw(st.integers(1, 8)) :]
+        elif edit == "replace":
+            raw = raw[:at] + bytes([draw(st.integers(0, 255))]) + raw[at + 1 :]
+        else:
+            raw = b"".join(draw(st.lists(_PIECES, max_size=6)))
+    return raw
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_mangled_body_is_refused_as_python_refuses_it_or_passed_on(
+    endpoint: str, data: st.DataObject
+) -> None:
+    """Whatever the bytes, the front either answers with Python's error, byte for byte, or
+    passes the request to the app (and serves only what Python serves, with its values)."""
+    service, checks = data.draw(CONFIGS)
+    raw = data.draw(mangled(endpoint))
+    rust = checks.prepare(endpoint, raw)  # type: ignore[arg-type]
+    if rust is not None:
+        _assert_same(endpoint, raw, rust, _python(service, endpoint, raw))
+    _assert_refused_alike(service, checks, endpoint, raw)
 
 
 # ---- what clients send: all accepted ----------------------------------------------------------

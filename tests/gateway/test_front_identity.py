@@ -20,6 +20,7 @@ from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.signals import ClientSignals, read_signals
 
 from .harness import settings_for
+from .test_front_replies import SERVER, _reply_bytes
 
 TENANTS = [
     {"name": "acme", "tier": "vip", "api_keys": ["sk-acme-0123456789"]},
@@ -80,6 +81,13 @@ def test_a_key_opens_the_same_tenant_on_both_paths(
     python = _python_identity(ring, header)
     event(f"python: {python}")
     assert front.authenticate(header) == python
+    # Where Python answers 401, the front answers it natively, with the same bytes.
+    refused = None
+    try:
+        ring.authenticate(header.decode("latin-1") if header is not None else None)
+    except GatewayError as exc:
+        refused = _reply_bytes(exc, SERVER, keep_alive=True)
+    assert front.refusal(header, SERVER, True) == refused
 
 
 def test_each_key_opens_its_tenant() -> None:

@@ -6,8 +6,8 @@
 //! scheme matched without case, the key stripped as `str.strip` strips it, its length bounded
 //! before it is hashed, then its SHA-256 compared with every configured key's, all of them
 //! every time and each in constant time: how long a lookup takes says neither how much of a
-//! guess matched nor which key did. On any failure there is no identity: the front passes
-//! the request to the app, which answers the 401 with Python's message.
+//! guess matched nor which key did. On any failure there is no identity, and the 401's
+//! message is Python's (`_presented`, `authenticate`), which the front answers with.
 
 use sha2::{Digest as _, Sha256};
 
@@ -53,10 +53,16 @@ impl KeyRing {
     /// Starlette reads it; `None` when absent), or `None` where Python answers 401 (missing,
     /// not Bearer, too long, unknown).
     pub fn authenticate(&self, authorization: Option<&[u8]>) -> Option<&Identity> {
+        self.check(authorization).ok()
+    }
+
+    /// The identity of a request's `Authorization` header, or the message of the 401 that
+    /// Python answers (`GatewayError(401, message, "invalid_api_key")`).
+    pub fn check(&self, authorization: Option<&[u8]>) -> Result<&Identity, String> {
         if !self.enabled {
-            return Some(&self.anonymous);
+            return Ok(&self.anonymous);
         }
-        let presented = self.presented(authorization?)?;
+        let presented = self.presented(authorization.unwrap_or_default())?;
         let mut found = None;
         for (known, who) in &self.keys {
             // No early exit: every key is compared every time; the last match wins, as in
@@ -65,23 +71,29 @@ impl KeyRing {
                 found = Some(who);
             }
         }
-        found
+        found.ok_or_else(|| "invalid API key".to_owned())
     }
 
-    fn presented(&self, header: &[u8]) -> Option<[u8; 32]> {
+    fn presented(&self, header: &[u8]) -> Result<[u8; 32], String> {
         const BEARER: &[u8] = b"bearer ";
         // Latin-1 has no character outside ASCII whose lower case is ASCII: ASCII case
-        // folding is `str.lower()` here.
+        // folding is `str.lower()` here. An empty header is a missing one (`not authorization`).
         if header.len() < BEARER.len() || !header[..BEARER.len()].eq_ignore_ascii_case(BEARER) {
-            return None;
+            return Err("missing API key: send 'Authorization: Bearer KEY'".to_owned());
         }
         let key = strip(&header[BEARER.len()..]);
         if key.len() > self.max_bytes {
-            return None; // checked before hashing: a megabyte key costs nothing
+            // Checked before hashing: a megabyte key costs nothing. A latin-1 character is
+            // one byte: Python's `len` of the text is this length.
+            return Err(format!(
+                "API key is longer than {} bytes, so it cannot be valid: check what is sent in \
+                 'Authorization: Bearer KEY'",
+                self.max_bytes
+            ));
         }
         // The latin-1 text encoded as UTF-8, as Python hashes `key.encode("utf-8")`.
         let text: String = key.iter().map(|&b| char::from(b)).collect();
-        Some(digest(text.as_bytes()))
+        Ok(digest(text.as_bytes()))
     }
 }
 
@@ -164,6 +176,24 @@ mod tests {
         ] {
             assert_eq!(ring.authenticate(Some(header)), None, "{header:?}");
         }
+    }
+
+    // Each refusal with the message Python's 401 says.
+    #[test]
+    fn refusal_messages() {
+        let ring = ring();
+        let missing = "missing API key: send 'Authorization: Bearer KEY'";
+        for header in [None, Some(&b""[..]), Some(b"Basic x"), Some(b"Bearer")] {
+            assert_eq!(ring.check(header), Err(missing.to_owned()), "{header:?}");
+        }
+        let long = "API key is longer than 20 bytes, so it cannot be valid: check what is sent \
+                    in 'Authorization: Bearer KEY'";
+        assert_eq!(ring.check(Some(&[b'k'; 28])), Err(missing.to_owned()));
+        let mut header = b"Bearer ".to_vec();
+        header.extend_from_slice(&[b'k'; 21]);
+        assert_eq!(ring.check(Some(&header)), Err(long.to_owned()));
+        header.pop();
+        assert_eq!(ring.check(Some(&header)), Err("invalid API key".to_owned()));
     }
 
     // With auth off every caller is the anonymous tenant, whatever it sends.

@@ -2,9 +2,10 @@
 //! carried out, the reply through the relay, the connection back for its next request.
 //!
 //! This is the Rust twin of the Python path's `StreamSession`/`RelayedSession` for the requests
-//! the front is sure of (a streamed completion of one choice that the checks accept; see
-//! `prepare.rs`); it declines everything else, and the app serves that as before. The task
-//! decides nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
+//! the front is sure of (a completion of one choice that the checks accept; see `prepare.rs`).
+//! What the checks refuse it answers with the app's error (`accept`), before the runtime hears
+//! of it; it declines everything else, and the app serves that as before. The task decides
+//! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
 //! the client's window and departure) and carries out what the runtime answers (queue, start,
 //! abort, reply, cut, end), as the owner routes it here.
 
@@ -73,6 +74,14 @@ struct Accepted {
     pool: u32,
 }
 
+/// What the checks make of a request: serve it, answer it with the error Python's path
+/// answers (before the runtime hears of it, as there), or pass it to the app.
+enum Checked {
+    Accept(Accepted),
+    Refuse(super::reply::ErrorReply),
+    Decline,
+}
+
 /// A request the front took: what it asked, and what has happened to it so far.
 #[allow(clippy::struct_excessive_bools)] // one request's state flags, each read in one place
 struct Life {
@@ -110,22 +119,40 @@ struct Life {
 }
 
 impl Governed {
-    /// What the native path needs of a request it is sure of, or None: the app serves it.
-    fn accept(&self, request: &Request) -> Option<Accepted> {
+    /// What the native path needs of a request it is sure of, or the error Python answers it
+    /// with, in the order Python's checks run (the middleware, the key, the body).
+    fn accept(&self, request: &Request) -> Checked {
         use super::prepare::Endpoint;
         let endpoint = match request.target.as_str() {
             "/v1/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
-            _ => return None,
+            _ => return Checked::Decline,
         };
-        if self.foreign(request) {
-            return None;
+        if self.foreign(request) || encoded(request) {
+            return Checked::Decline;
         }
-        let identity = self
-            .keys
-            .authenticate(header(request, "authorization"))?
-            .clone();
-        let prepared = super::prepare::prepare(endpoint, &request.body, &self.checks)?;
+        let identity = match self.keys.check(header(request, "authorization")) {
+            Ok(identity) => identity.clone(),
+            Err(message) => {
+                return Checked::Refuse(super::reply::ErrorReply::unauthorized(message))
+            }
+        };
+        match super::prepare::checked(endpoint, &request.body, &self.checks) {
+            Ok(prepared) => self
+                .accept_body(identity, prepared, request)
+                .map_or(Checked::Decline, Checked::Accept),
+            Err(super::prepare::NotServed::Refused(error)) => Checked::Refuse(*error),
+            Err(super::prepare::NotServed::Unsure) => Checked::Decline,
+        }
+    }
+
+    /// The rest of `accept`, once the key and the body are known good.
+    fn accept_body(
+        &self,
+        identity: super::auth::Identity,
+        prepared: super::prepare::Prepared,
+        request: &Request,
+    ) -> Option<Accepted> {
         // One choice, streamed without continuous usage or assembled whole (`whole.rs`);
         // several choices, continuous usage and prompt logprobs (asked unstreamed) are Python's.
         if prepared.choices != 1 || prepared.continuous_usage || prepared.unstreamed {
@@ -153,15 +180,16 @@ impl Governed {
     }
 
     async fn serve_request(self: Arc<Self>, request: Request, conn: Conn) -> Outcome {
-        let Some(Accepted {
+        let Accepted {
             identity,
             prepared,
             signals,
             tenant,
             pool,
-        }) = self.accept(&request)
-        else {
-            return Outcome::Declined(request, conn);
+        } = match self.accept(&request) {
+            Checked::Accept(accepted) => accepted,
+            Checked::Refuse(error) => return refuse(&error, request.keep_alive, conn).await,
+            Checked::Decline => return Outcome::Declined(request, conn),
         };
         let id = self.owner.new_id();
         let (tx, orders) = unbounded_channel();
@@ -698,6 +726,30 @@ impl Governed {
         };
         let name = host_name(host).to_ascii_lowercase();
         !(name.is_empty() || name.parse::<std::net::IpAddr>().is_ok() || own.contains(&name))
+    }
+}
+
+/// Whether the body is compressed (`BodyLimit` answers 415 before anything else looks).
+fn encoded(request: &Request) -> bool {
+    request.headers.iter().any(|(n, v)| {
+        n == "content-encoding"
+            && !matches!(
+                v.trim_ascii().to_ascii_lowercase().as_slice(),
+                b"" | b"identity"
+            )
+    })
+}
+
+/// Answer a request the checks refuse as uvicorn writes the app's `GatewayError`: the runtime
+/// never hears of it, and the connection goes on as the app's would (kept alive unless the
+/// client ends it).
+async fn refuse(error: &super::reply::ErrorReply, keep_alive: bool, mut conn: Conn) -> Outcome {
+    let date = super::answer::http_date(std::time::SystemTime::now());
+    let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
+    let bytes = error.response_bytes(&defaults, keep_alive);
+    match conn.stream.write_all(&bytes).await {
+        Ok(()) => Outcome::Served(Some(conn)),
+        Err(_) => Outcome::Served(None),
     }
 }
 

@@ -4,15 +4,28 @@
 //! The native path serves a request only when this says yes, so yes must mean Python's
 //! `prepare` takes the same body with the same values: every check it makes (the strict
 //! decoder, the request models, `stream_options`, streaming on, a known model, the limits,
-//! the context) is made here, and any body it would refuse, or that this reading is unsure
-//! of, is `None`: the front then passes the request to the app, which answers it (with its
-//! own 400 or 404). No error is rendered here.
+//! the context) is made here. A body it would refuse is refused here with Python's error
+//! where the reading is sure of it (`NotServed::Refused`: the front answers it, byte for
+//! byte as the app would), and any other body it would refuse, or that this reading is
+//! unsure of, is `NotServed::Unsure`: the front then passes the request to the app, which
+//! answers it (with its own 400 or 404).
 
 use std::collections::{HashMap, HashSet};
 
 use super::json::{self, Json, Style};
 use super::prompt;
+use super::reply::ErrorReply;
 use super::request::{self, Request};
+
+/// Why the checks do not serve a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NotServed {
+    /// Python refuses it with this error (`GatewayError`), before the runtime hears of it.
+    Refused(Box<ErrorReply>),
+    /// Python may take it, or refuse it with an error this reading does not write: the app
+    /// answers it.
+    Unsure,
+}
 
 /// The two governed routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +134,24 @@ const STRIPPED: [&str; 2] = ["priority", "kv_transfer_params"];
 /// Check a body as `CompletionService.prepare` does; `None` where Python would refuse it
 /// (or where this reading is unsure it would not).
 pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<Prepared> {
-    let body = json::parse(raw)?;
+    checked(endpoint, raw, config).ok()
+}
+
+/// `prepare`, with Python's error where the reading is sure Python refuses the body.
+pub fn checked(
+    endpoint: Endpoint,
+    raw: &[u8],
+    config: &FrontConfig,
+) -> Result<Prepared, NotServed> {
+    // Not one serde reads as an object: `decode_json` says what is wrong, or takes it.
+    let Some(body @ Json::Object(_)) = json::parse(raw) else {
+        return Err(
+            super::decode::refusal(raw).map_or(NotServed::Unsure, |message| {
+                let error = ErrorReply::checks(400, message, "invalid_json", None);
+                NotServed::Refused(Box::new(error))
+            }),
+        );
+    };
     let checked = check(endpoint, &body, config)?;
     let Json::Object(pairs) = body else {
         unreachable!("checked as an object")
@@ -142,7 +172,8 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
         ];
         set(&mut upstream, "stream_options", Json::Object(usage));
     }
-    let (context, longest) = (checked.context, checked.prompts.iter().copied().max()?);
+    let longest = checked.prompts.iter().copied().max();
+    let (context, longest) = (checked.context, longest.ok_or(NotServed::Unsure)?);
     let mut max_tokens = checked.max_tokens;
     if let (None, Some(cap)) = (max_tokens, config.max_tokens) {
         if cap < context - longest {
@@ -156,9 +187,12 @@ pub fn prepare(endpoint: Endpoint, raw: &[u8], config: &FrontConfig) -> Option<P
     for p in &checked.prompts {
         let left = context - p;
         let each = max_tokens.map_or(left, |m| m.min(left)).max(1);
-        planned = planned.checked_add(checked.n.checked_mul(each)?)?;
+        let choices = checked.n.checked_mul(each);
+        planned = choices
+            .and_then(|c| planned.checked_add(c))
+            .ok_or(NotServed::Unsure)?;
     }
-    Some(Prepared {
+    Ok(Prepared {
         endpoint,
         asked_model: checked.asked_model,
         model: checked.model,
@@ -194,47 +228,70 @@ struct Checked {
 /// Every refusal of `prepare`, in its order: the messages' count (before validation, which
 /// a million messages would cost), the model's fields, stream options without a stream,
 /// streaming off, an unknown model, no output without echo, the limits, the context.
-fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Option<Checked> {
+fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checked, NotServed> {
+    use NotServed::Unsure;
     if !matches!(body, Json::Object(_)) {
-        return None;
+        return Err(Unsure);
     }
     if let Some(Json::Array(messages)) = body.get("messages") {
-        if messages.len() as u64 > config.max_messages {
-            return None;
+        let limit = config.max_messages;
+        if messages.len() as u64 > limit {
+            let message = format!(
+                "messages has {} entries, over this gateway's limit of {limit} \
+                 (limits.max_messages): send fewer, or merge them",
+                messages.len()
+            );
+            return Err(refused(400, message, "too_many_messages", "messages"));
         }
     }
-    let request: Request<'_> = match endpoint {
-        Endpoint::Chat => request::chat(body)?,
-        Endpoint::Completions => request::completion(body)?,
+    let parsed = match endpoint {
+        Endpoint::Chat => request::chat(body),
+        Endpoint::Completions => request::completion(body),
+    };
+    let Some(request): Option<Request<'_>> = parsed else {
+        // pydantic's first error, where this reading is sure of it (`serving._invalid`).
+        return Err(super::invalid::first_error(endpoint, body)
+            .map_or(Unsure, |(message, param)| {
+                refused(400, message, "invalid_request", &param)
+            }));
     };
     // vLLM's own check: options only with `stream` (`{}` passes).
-    let options_given = body.get("stream_options").is_some_and(Json::truthy);
-    if (options_given && !request.stream) || (request.stream && !config.streaming) {
-        return None;
+    if body.get("stream_options").is_some_and(Json::truthy) && !request.stream {
+        let message = "Stream options can only be defined when `stream=True`.".to_owned();
+        return Err(refused(400, message, "invalid_request", "stream_options"));
     }
-    let context = *config.models.get(request.model)?;
+    if request.stream && !config.streaming {
+        let message = "streaming is disabled on this gateway (streaming.enabled)".to_owned();
+        return Err(refused(400, message, "streaming_disabled", "stream"));
+    }
+    let Some(&context) = config.models.get(request.model) else {
+        let message = format!("The model `{}` does not exist.", request.model);
+        return Err(refused(404, message, "model_not_found", "model"));
+    };
     let model = config
         .aliases
         .get(request.model)
         .map_or(request.model, String::as_str);
     if endpoint == Endpoint::Completions && request.max_tokens == Some(0) && !request.echo {
-        return None; // no output is a request for the echoed prompt alone
+        // no output is a request for the echoed prompt alone
+        let message = "max_tokens must be at least 1, got 0 (0 is allowed only with echo)";
+        return Err(refused(
+            400,
+            message.to_owned(),
+            "invalid_request",
+            "max_tokens",
+        ));
     }
     let prompts = prompt::prompt_tokens(&request.prompt, config.bytes_per_token);
-    let choices = request.n.checked_mul(prompts.len() as u64)?;
-    let over_cap = matches!((config.max_tokens, request.max_tokens), (Some(c), Some(m)) if m > c);
+    let choices = request.n.checked_mul(prompts.len() as u64).ok_or(Unsure)?;
+    limits(choices, prompts.len() as u64, request.max_tokens, config)?;
     let longest = prompts.iter().copied().max().unwrap_or(0);
-    if choices > config.max_n || over_cap || longest >= context {
-        return None;
-    }
-    if request.max_tokens.is_some_and(|m| m > context) {
-        return None;
-    }
+    within_context(longest, request.max_tokens, context)?;
     let hashes = config
         .prefix_models
         .contains(model)
         .then(|| prompt::prefix_hashes(&request.prompt, config.block_size, config.bytes_per_token));
-    Some(Checked {
+    Ok(Checked {
         asked_model: request.model.to_owned(),
         model: model.to_owned(),
         stream: request.stream,
@@ -247,6 +304,83 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Option<Checke
         hashes,
         unstreamed: !request.stream && wants_prompt_logprobs(body),
     })
+}
+
+/// `GatewayError(status, message, code, param=param)`, Python's refusal of the body.
+fn refused(status: u16, message: String, code: &str, param: &str) -> NotServed {
+    NotServed::Refused(Box::new(ErrorReply::checks(
+        status,
+        message,
+        code,
+        Some(param),
+    )))
+}
+
+/// `serving._check_limits`: the choices of the batch, then the output bound, against the
+/// gateway's limits.
+fn limits(
+    choices: u64,
+    prompts: u64,
+    max_tokens: Option<u64>,
+    config: &FrontConfig,
+) -> Result<(), NotServed> {
+    let limit = config.max_n;
+    if choices > limit {
+        let asked = if prompts == 1 {
+            format!("n is {choices}")
+        } else {
+            format!(
+                "{prompts} prompts x n {} make {choices} choices",
+                choices / prompts
+            )
+        };
+        let message = format!(
+            "{asked}, over this gateway's limit of {limit} choices per request (limits.max_n): \
+             ask for fewer, or send several requests"
+        );
+        return Err(refused(400, message, "n_too_large", "n"));
+    }
+    if let (Some(cap), Some(asked)) = (config.max_tokens, max_tokens) {
+        if asked > cap {
+            let message = format!(
+                "max_tokens is {asked}, over this gateway's limit of {cap} (limits.max_tokens): \
+                 ask for at most {cap}"
+            );
+            return Err(refused(400, message, "max_tokens_too_large", "max_tokens"));
+        }
+    }
+    Ok(())
+}
+
+/// `serving._check_context` (vLLM's rule): a prompt must leave room for one token, and the
+/// output bound may not pass the context.
+fn within_context(prompt: u64, max_tokens: Option<u64>, context: u64) -> Result<(), NotServed> {
+    if prompt >= context {
+        let message = format!(
+            "This model's maximum context length is {context} tokens. However, your prompt \
+             contains about {prompt} tokens, which leaves no room for output. Please reduce the \
+             length of the input prompt."
+        );
+        return Err(refused(
+            400,
+            message,
+            "context_length_exceeded",
+            "input_tokens",
+        ));
+    }
+    if let Some(asked) = max_tokens.filter(|&m| m > context) {
+        let message = format!(
+            "max_tokens={asked} cannot be greater than this model's maximum context length of \
+             {context} tokens. Please request fewer output tokens."
+        );
+        return Err(refused(
+            400,
+            message,
+            "context_length_exceeded",
+            "max_tokens",
+        ));
+    }
+    Ok(())
 }
 
 /// `session.body_fingerprint`: 64 bits of BLAKE2b keyed with the process's key, read

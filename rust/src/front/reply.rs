@@ -85,6 +85,28 @@ pub struct ErrorReply {
     pub upstream: Option<Json>,
 }
 
+impl ErrorReply {
+    /// `GatewayError(status, message, code, param=param)`: an error the checks answer before
+    /// the runtime hears of the request (no headers of its own but the reason).
+    pub fn checks(status: u16, message: String, code: &str, param: Option<&str>) -> Self {
+        ErrorReply {
+            status,
+            message,
+            code: code.to_owned(),
+            param: param.map(str::to_owned),
+            headers: Vec::new(),
+            upstream: None,
+        }
+    }
+
+    /// `auth._unauthorized(message)`: a 401 that asks for a bearer key.
+    pub fn unauthorized(message: String) -> Self {
+        let mut error = Self::checks(401, message, "invalid_api_key", None);
+        error.headers = vec![("WWW-Authenticate".to_owned(), "Bearer".to_owned())];
+        error
+    }
+}
+
 /// `session.reply_error` for a runtime `Reply` of the native path (no upstream failure).
 pub fn reply_error(
     reason: &str,

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::front::auth::{Identity, KeyRing};
-use crate::front::prepare::{prepare, Endpoint, FrontConfig, Prepared};
+use crate::front::prepare::{checked, prepare, Endpoint, FrontConfig, NotServed, Prepared};
 use crate::front::reply::{self, Cut};
 use crate::front::signals::read_signals;
 
@@ -71,6 +71,24 @@ impl PyFrontChecks {
     fn prepare(&self, endpoint_name: &str, raw: &[u8]) -> PyResult<Option<PyFrontPrepared>> {
         let prepared = prepare(endpoint(endpoint_name)?, raw, &self.config);
         Ok(prepared.map(|inner| PyFrontPrepared { inner }))
+    }
+
+    /// The error the front answers this body with, on the wire (None: it serves the body, or
+    /// passes it to the app).
+    #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+    fn refusal<'py>(
+        &self,
+        py: Python<'py>,
+        endpoint_name: &str,
+        raw: &[u8],
+        default_headers: Vec<(Vec<u8>, Vec<u8>)>,
+        keep_alive: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let Err(NotServed::Refused(error)) = checked(endpoint(endpoint_name)?, raw, &self.config)
+        else {
+            return Ok(None);
+        };
+        Ok(Some(wire(py, &error, &default_headers, keep_alive)))
     }
 }
 
@@ -187,6 +205,35 @@ impl PyFrontKeys {
         let who = self.inner.authenticate(authorization)?;
         Some((who.tenant.clone(), who.tier.clone()))
     }
+
+    /// The 401 the front answers for this header, on the wire (None: the key opens a tenant).
+    #[pyo3(signature = (authorization, default_headers, keep_alive))]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
+    fn refusal<'py>(
+        &self,
+        py: Python<'py>,
+        authorization: Option<&[u8]>,
+        default_headers: Vec<(Vec<u8>, Vec<u8>)>,
+        keep_alive: bool,
+    ) -> Option<Bound<'py, PyBytes>> {
+        let message = self.inner.check(authorization).err()?;
+        let error = reply::ErrorReply::unauthorized(message);
+        Some(wire(py, &error, &default_headers, keep_alive))
+    }
+}
+
+/// An error's response bytes as the front writes them (`default_headers`: the server's own).
+fn wire<'py>(
+    py: Python<'py>,
+    error: &reply::ErrorReply,
+    default_headers: &[(Vec<u8>, Vec<u8>)],
+    keep_alive: bool,
+) -> Bound<'py, PyBytes> {
+    let headers: Vec<(&[u8], &[u8])> = default_headers
+        .iter()
+        .map(|(n, v)| (n.as_slice(), v.as_slice()))
+        .collect();
+    PyBytes::new(py, &error.response_bytes(&headers, keep_alive))
 }
 
 /// `read_signals`: `(retries, deadline_ms)`, or None where Python answers 400 or this
@@ -226,11 +273,7 @@ pub fn front_refusal_bytes<'py>(
         ),
         None => reply::reply_error(reason, status, retry_after_s, request_id),
     };
-    let headers: Vec<(&[u8], &[u8])> = default_headers
-        .iter()
-        .map(|(n, v)| (n.as_slice(), v.as_slice()))
-        .collect();
-    PyBytes::new(py, &error.response_bytes(&headers, keep_alive))
+    wire(py, &error, &default_headers, keep_alive)
 }
 
 /// `encode_event(tail_chunk(...))` of a reply the runtime cut.
