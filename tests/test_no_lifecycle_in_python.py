@@ -143,10 +143,12 @@ RUST_SUSPECTS = {
 RUST_ALLOWED = {
     # The runtime's ONE timer: its `Arm` action carried out on tokio.
     ("front/owner.rs", "a timer of its own"),
-    # Token counts batched for the runtime (at most 20 ms late, as the relay batches them for
-    # Python), and the wait for aborts to reach their sockets before a `Start` goes upstream:
-    # I/O pacing, not a request rule.
+    # A whole reply's write timeout (server.write_timeout_ms), and the wait for aborts to
+    # reach their sockets before a `Start` goes upstream: I/O pacing, not a request rule.
     ("front/governed.rs", "a timer of its own"),
+    # An `Ack`'s bound wait: a `Start` waits at most ABORT_WAIT for the aborts before it to
+    # reach their sockets (ordering of I/O between the hosts, no request's rule).
+    ("hosted.rs", "a timer of its own"),
     # Connection I/O: how long a client may take to send a request at all (slowloris), how
     # long a connection idles between requests, and a back-off when descriptors run out.
     ("front/conn.rs", "a timer of its own"),
