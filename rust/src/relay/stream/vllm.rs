@@ -13,14 +13,7 @@ impl Task {
         let mut conn = match conn {
             Ok(conn) => conn,
             Err(e) => {
-                self.push(RelayEvent::Failed(
-                    self.id,
-                    Failure::backend(
-                        "backend_unavailable",
-                        format!("backend unreachable: {e}"),
-                        true,
-                    ),
-                ));
+                self.push(RelayEvent::Failed(self.id, connect_failure(&e)));
                 return Step::Go;
             }
         };
@@ -286,4 +279,62 @@ pub(super) fn source_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+/// A failed connect, as the Python path's upstream words it: out of file descriptors is the
+/// gateway's own shortage and says nothing of the backend (it stays up); anything else marks
+/// the backend down, in the OS's words for the error (never the address).
+fn connect_failure(e: &io::Error) -> Failure {
+    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+        return Failure::backend(
+            "gateway_out_of_fds",
+            "the gateway has no file descriptor left".to_owned(),
+            false,
+        );
+    }
+    let why = match e.raw_os_error() {
+        // io::Error shows an OS error as "<strerror> (os error N)": Python's `os.strerror` part.
+        Some(errno) => {
+            let shown = e.to_string();
+            shown
+                .strip_suffix(&format!(" (os error {errno})"))
+                .unwrap_or(&shown)
+                .to_owned()
+        }
+        None if e.kind() == io::ErrorKind::TimedOut => "TimeoutError".to_owned(),
+        None => e.kind().to_string(),
+    };
+    Failure::backend(
+        "backend_unavailable",
+        format!("backend unreachable: {why}"),
+        true,
+    )
+}
+
+#[cfg(test)]
+mod connect_failure_tests {
+    use super::*;
+
+    #[test]
+    fn out_of_descriptors_is_the_gateways_own_and_leaves_the_backend_up() {
+        for errno in [libc::EMFILE, libc::ENFILE] {
+            let f = connect_failure(&io::Error::from_raw_os_error(errno));
+            assert_eq!(
+                (f.status, f.code, f.backend_down),
+                (502, "gateway_out_of_fds", false)
+            );
+        }
+    }
+
+    #[test]
+    fn a_refused_connect_marks_the_backend_down_in_the_os_words() {
+        let f = connect_failure(&io::Error::from_raw_os_error(libc::ECONNREFUSED));
+        assert_eq!((f.code, f.backend_down), ("backend_unavailable", true));
+        assert_eq!(f.message, "backend unreachable: Connection refused");
+        let timed_out = io::Error::new(io::ErrorKind::TimedOut, "connect timed out");
+        assert_eq!(
+            connect_failure(&timed_out).message,
+            "backend unreachable: TimeoutError"
+        );
+    }
 }
