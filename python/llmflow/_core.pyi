@@ -1055,6 +1055,10 @@ def front_cut_frame(
 def front_in_band_error(error: str | None, message: str, code: str) -> bytes:
     """`encode_event({"error": in_band_error(...)})`: vLLM's error object, else ours."""
 
+def front_cut_names_itself(reason: str) -> bool:
+    """Whether a reply cut for `reason` names it in `x-llmflow-reason`, as the front decides
+    (`contract.REFUSALS[reason].cut` on the Python side)."""
+
 def front_whole_reply(
     endpoint_name: Literal["chat", "completions"],
     model: str,

@@ -22,8 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from llmflow._core import front_cut_frame, front_in_band_error, front_refusal_bytes
+from llmflow._core import (
+    front_cut_frame,
+    front_cut_names_itself,
+    front_in_band_error,
+    front_refusal_bytes,
+)
 from llmflow.gateway import streaming
+from llmflow.gateway.contract import REFUSALS
 from llmflow.gateway.session import _MESSAGES, in_band_error, reply_error
 from llmflow.gateway.streaming import NOTICES, ClientOptions, encode_event, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
@@ -37,7 +43,10 @@ SERVER = [(b"server", b"uvicorn")]
 # JSON as vLLM's error objects and chunk templates hold it (integers within 64 bits: the
 # relay's text of them is serde's, which holds no larger)
 _SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=10),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.text(max_size=10),
     st.floats(allow_nan=False, allow_infinity=False),
 )
 VALUES = st.recursive(
@@ -113,7 +122,12 @@ def test_upstream_refusal_bytes_are_pythons(
     python = reply_error(_reply("upstream_error", status, None, 9), upstream)
     expected = _reply_bytes(python, SERVER, True)
     got = front_refusal_bytes(
-        "upstream_error", status, None, 9, SERVER, True,
+        "upstream_error",
+        status,
+        None,
+        9,
+        SERVER,
+        True,
         upstream=(failed, "backend_rejected", message, text),
     )
     assert got == expected
@@ -183,3 +197,11 @@ def test_floats_are_written_as_python_writes_them() -> None:
     expected = encode_event(tail_chunk(options, json.loads(template), [0], "deadline", 1))
     assert front_cut_frame("chat", "m", template, [0], "deadline", 1, 0) == expected
     assert b"[1e+16,1000000000000000.0,1.5e-07,0.0001,1e-05,-0.0,5e-324," in expected
+
+
+def test_a_cut_names_its_reason_where_the_contract_says() -> None:
+    """The front's `x-llmflow-reason` on a cut whole reply follows `REFUSALS[r].cut`."""
+    assert {r: front_cut_names_itself(r) for r in REFUSALS} == {
+        r: rule.cut for r, rule in REFUSALS.items()
+    }
+    assert not front_cut_names_itself("completed")

@@ -274,7 +274,7 @@ pub fn whole_response(
 }
 
 /// `contract.REFUSALS[reason].cut`: the reasons that may end a started reply in-band.
-fn names_itself_when_cut(reason: &str) -> bool {
+pub fn names_itself_when_cut(reason: &str) -> bool {
     matches!(
         reason,
         "deadline" | "shutdown" | "first_token_timeout" | "backend_error" | "client_stall"

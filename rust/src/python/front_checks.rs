@@ -339,3 +339,10 @@ pub fn front_whole_reply(
     }
     Ok(PyBytes::new(py, &whole.body(now_s)).into_any().unbind())
 }
+
+/// Whether a reply cut for `reason` names it in `x-llmflow-reason`, as the front decides
+/// (`contract.REFUSALS[reason].cut` on the Python side).
+#[pyfunction]
+pub fn front_cut_names_itself(reason: &str) -> bool {
+    crate::front::reply::names_itself_when_cut(reason)
+}
