@@ -115,10 +115,10 @@ def test_disconnect_mid_stream_aborts_in_vllm(
                 if chunks >= 20 and (path == "relay" or _tokens(line) >= 20):
                     break
             # vLLM's gauge follows its engine's steps, published by its API process; in full
-            # suites on a loaded machine it still read 0 twenty tokens in, and once for 2 s more,
-            # so it gets up to 5 s to show the request running (poll returns at the first read
-            # of 1; the 1,900 tokens asked for take longer than that to run out)
-            poll(lambda: vllm.metrics(m)[RUNNING] == 1, 5.0)
+            # suites on a loaded machine it still read 0 twenty tokens in, once for 2 s more and
+            # once for over 5 s, so it gets up to 15 s to show the request running (poll returns
+            # at the first read of 1; the 1,900 tokens asked for take longer than that to run out)
+            poll(lambda: vllm.metrics(m)[RUNNING] == 1, 15.0)
         took = poll(lambda: vllm.metrics(m)[RUNNING] == 0, ABORT_WITHIN_S)
         after = vllm.metrics(m)[GENERATED]
         time.sleep(0.5)
