@@ -17,7 +17,7 @@ their median).
 
 Run from the repo root, with the project's python::
 
-    LLMFLOW_VLLM_PYTHON=$(scripts/vllm_env.sh | tail -1) PYTHONPATH=$PWD/python:$PWD/tests:\
+    LLMFLOW_VLLM_PYTHON=$(scripts/vllm_env.sh | tail -1) PYTHONPATH=$PWD:$PWD/python:$PWD/tests:\
 $PWD/tests/integration python tests/integration/record_case.py kv-starved \
 sim/fidelity-cases/vllm-cpu-kv-starved
 """
