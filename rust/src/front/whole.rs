@@ -2,8 +2,9 @@
 //!
 //! The gateway always streams upstream; a client that asked for one JSON object gets the
 //! stream's chunks folded into the shape vLLM gives an unstreamed request. This is the twin of
-//! `streaming.Accumulator` fed as `StreamSession` feeds it (`ChunkParser.feed`'s checks, every
-//! chunk that is not an error, the tail of a cut, `response(parser.usage)`), and its bytes are
+//! `streaming.Accumulator` fed as `StreamSession` feeds it (every chunk that is not an error, the
+//! tail of a cut, `response(parser.usage)`); `ChunkParser.feed`'s shape checks are the relay's
+//! (`relay::chunk::ChunkShaper`, which sees every payload before this does), and its bytes are
 //! those of `JSONResponse`: Python's key order, `ensure_ascii=False`, compact separators.
 //! `property_tests/test_whole_reply.py` holds it against the Python accumulator on random
 //! streams.
@@ -107,20 +108,12 @@ const STARLETTE: Style = Style {
 
 /// A chunk the fold cannot take as the Python path takes it: the request fails (502).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Unread {
-    /// The shape `ChunkParser` refuses (`_malformed`): its message, as Python words it.
-    Malformed(&'static str),
-    /// What the Python fold raises on, or would hold in a way this tree does not.
-    Unsure,
-}
+pub struct Unread;
 
 impl Unread {
-    /// The failure's message (`ChunkParser`'s, or `StreamSession._read`'s for the rest).
+    /// The failure's message (`StreamSession._read`'s).
     pub fn message(&self) -> String {
-        match self {
-            Unread::Malformed(problem) => format!("backend sent {problem} in its stream"),
-            Unread::Unsure => "the gateway could not read the backend's reply".to_owned(),
-        }
+        "the gateway could not read the backend's reply".to_owned()
     }
 }
 
@@ -185,12 +178,9 @@ impl Whole {
     /// # Errors
     /// The payload is not a chunk the Python path folds the same way ([`Unread`]).
     pub fn feed(&mut self, payload: &[u8]) -> Result<(), Unread> {
-        let chunk = json::parse(payload).ok_or(Unread::Unsure)?;
-        if let Some(problem) = malformed(&chunk) {
-            return Err(Unread::Malformed(problem));
-        }
+        let chunk = json::parse(payload).ok_or(Unread)?;
         if chunk.get("error").is_some() {
-            return Err(Unread::Unsure); // the relay fails a stream on its in-band error first
+            return Err(Unread); // the relay fails a stream on its in-band error first
         }
         self.add(&chunk)
     }
@@ -224,7 +214,7 @@ impl Whole {
 
     fn add(&mut self, chunk: &Json) -> Result<(), Unread> {
         let Json::Object(pairs) = chunk else {
-            return Err(Unread::Unsure);
+            return Err(Unread);
         };
         let choices = match chunk.get("choices") {
             Some(Json::Array(choices)) => choices.as_slice(),
@@ -329,41 +319,13 @@ impl Whole {
     }
 }
 
-/// `ChunkParser`'s `_malformed`: what is wrong with a chunk's shape, if anything.
-fn malformed(chunk: &Json) -> Option<&'static str> {
-    if !matches!(chunk, Json::Object(_)) {
-        return Some("a chunk that is not a JSON object");
-    }
-    match chunk.get("choices") {
-        None | Some(Json::Null) => {}
-        Some(Json::Array(choices)) => {
-            for choice in choices {
-                if !matches!(choice, Json::Object(_)) {
-                    return Some("a choice that is not an object");
-                }
-                if !matches!(
-                    choice.get("delta"),
-                    None | Some(Json::Null | Json::Object(_))
-                ) {
-                    return Some("a choice whose delta is not an object");
-                }
-            }
-        }
-        Some(_) => return Some("choices that are not a list"),
-    }
-    match chunk.get("usage") {
-        None | Some(Json::Null | Json::Object(_)) => None,
-        Some(_) => Some("usage that is not an object"),
-    }
-}
-
 /// `choice.get("index", 0)`, where it is an integer (Python would key a float or a string
 /// as itself, and fail to sort a mix).
 fn index_of(item: &Json) -> Result<i128, Unread> {
     match item.get("index") {
         None => Ok(0),
         Some(Json::Int(i)) => Ok(*i),
-        Some(_) => Err(Unread::Unsure),
+        Some(_) => Err(Unread),
     }
 }
 
@@ -376,21 +338,21 @@ fn check_tools(choice: &Json) -> Result<(), Unread> {
         return Ok(()); // `delta.get("tool_calls") or ()`
     }
     let Json::Array(calls) = calls else {
-        return Err(Unread::Unsure);
+        return Err(Unread);
     };
     for call in calls {
         if !matches!(call, Json::Object(_)) {
-            return Err(Unread::Unsure);
+            return Err(Unread);
         }
         index_of(call)?;
         if let Some(function) = call.get("function").filter(|f| f.truthy()) {
             if !matches!(function, Json::Object(_)) {
-                return Err(Unread::Unsure);
+                return Err(Unread);
             }
             match function.get("arguments") {
                 Some(Json::Str(_)) | None => {}
                 Some(other) if !other.truthy() => {}
-                Some(_) => return Err(Unread::Unsure), // `str += <not str>`
+                Some(_) => return Err(Unread), // `str += <not str>`
             }
         }
     }

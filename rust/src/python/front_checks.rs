@@ -329,7 +329,13 @@ pub fn front_whole_reply(
     cut: Option<(String, u64)>,
 ) -> PyResult<Py<PyAny>> {
     let mut whole = crate::front::whole::Whole::new(endpoint(endpoint_name)?, model);
+    // As a whole stream runs: the relay's shaper checks each payload (and fails the stream
+    // on a shape `ChunkParser` refuses) before the fold sees it.
+    let mut shaper = crate::relay::chunk::ChunkShaper::new(true);
     for payload in &payloads {
+        if let Err(failure) = shaper.feed(payload) {
+            return Ok(failure.message.into_pyobject(py)?.into_any().unbind());
+        }
         if let Err(unread) = whole.feed(payload) {
             return Ok(unread.message().into_pyobject(py)?.into_any().unbind());
         }
