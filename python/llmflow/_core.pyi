@@ -292,6 +292,12 @@ def config_problem(config: Mapping[str, Any]) -> tuple[str, str] | None:
         ConfigError: `config` is not a mapping.
     """
 
+def json_refusal(raw: bytes) -> str | None:
+    """What a request body that is not one JSON object of finite numbers is refused with:
+    the message of `decode_json`'s 400 (`invalid_json`), read by the jiter the native front
+    reads bodies with, so both paths say the same at the same line and column. None: the body
+    is one such object."""
+
 def kv_slots(
     vram_bytes: float,
     weights_bytes: float,

@@ -113,6 +113,9 @@ class BackendView(Protocol):
     async def next_phase(self) -> int:
         """The peak running since the last call."""
 
+    async def sync(self) -> None:
+        """Bring `running`, `records` and `runs` up to the backend's state as of now."""
+
 
 @dataclass
 class Backend:
@@ -136,6 +139,9 @@ class Backend:
         """The peak running since the last call; the next phase's peak starts from now."""
         peak, self.phase_peak = self.phase_peak, self.running
         return peak
+
+    async def sync(self) -> None:
+        """Nothing to do: this is the backend itself."""
 
     def state(self) -> dict[str, Any]:
         """The counters and records as JSON, with this process's clock (`GET /_conformance`)."""

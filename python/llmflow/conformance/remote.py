@@ -58,7 +58,13 @@ class RemoteBackend:
 
     def runs(self, tag: str) -> list[Record]:
         """Every request the backend received with `tag`, as of the last refresh."""
+        if self._task is not None and self._task.done():
+            self._task.result()  # the mirror stopped: say why rather than read stale copies
         return self.records.get(tag, [])
+
+    async def sync(self) -> None:
+        """Refresh the mirror now (a refresh a poll started before now may predate a request)."""
+        await self._refresh()
 
     async def next_phase(self) -> int:
         """The peak running since the last call (asked of the backend itself)."""
@@ -69,6 +75,8 @@ class RemoteBackend:
 
     async def _poll(self) -> None:
         while True:
+            # A refresh that fails is retried; a body that is not the backend's state (JSON,
+            # keys) would fail every time, and ends the poll with its error (`runs` raises it).
             with contextlib.suppress(httpx.HTTPError):
                 await self._refresh()
             await asyncio.sleep(_POLL_S)

@@ -101,6 +101,7 @@ async def run(options: Options, backend: BackendView, say: Callable[[str], None]
         await phases.fresh(gw, limits, ev)
     finally:
         await gw.aclose()
+    await backend.sync()
     return rows(options.claims(), limits, ev, backend)
 
 
@@ -122,10 +123,12 @@ async def _preflight(
     while True:
         tag = f"preflight-{attempt}"
         out = await gw.request(Plan(tag, tokens=4))
+        await backend.sync()  # a standing backend's mirror may predate this request
         if out.verdict() == "complete" and backend.runs(tag):
             return
         if time.monotonic() > deadline or out.status in (400, 401, 403, 404):
-            raise SuiteError(_preflight_failure(out, bool(backend.runs(tag))))
+            tried = f"{attempt + 1} tries in {within_s - (deadline - time.monotonic()):.1f} s"
+            raise SuiteError(f"{_preflight_failure(out, bool(backend.runs(tag)))} ({tried})")
         attempt += 1
         await asyncio.sleep(0.5)
 

@@ -10,7 +10,6 @@ dicts on the hot path; `ModelList` documents `/v1/models`.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 from pydantic_core import from_json
 
+from llmflow._core import json_refusal
 from llmflow.gateway.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -36,20 +36,9 @@ __all__ = [
     "request_body",
 ]
 
-MAX_DEPTH = 200  # nesting the decoder accepts (jiter's recursion limit); OpenAI bodies use < 10
 MAX_INT = 2**31 - 1  # largest token count or choice count a request may name (vLLM's int32)
-_POSITION = re.compile(r" at line (\d+) column (\d+)$")
 # A number that may overflow a float to +-inf: an exponent of 3+ digits or 309+ digits in a row.
 _MAYBE_HUGE = re.compile(rb"[0-9][eE][+]?[0-9]{3}|[0-9]{309}")
-_ESCAPE = "a \\u escape takes 4 hex digits, and a UTF-16 surrogate must come as a pair"
-_HINTS = (  # jiter's message -> what the client should fix
-    ("recursion limit exceeded", f"arrays and objects nest deeper than {MAX_DEPTH} levels"),
-    ("number out of range", "a number has more digits than the gateway reads (4,300)"),
-    ("hex escape", _ESCAPE),
-    ("surrogate", _ESCAPE),
-    ("unicode code point", "the body is not UTF-8; send it UTF-8 encoded"),
-    ("control character", "a string holds a raw control character; escape it (\\n, \\u0000)"),
-)
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
@@ -58,7 +47,9 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     This is the one place a client's JSON is parsed (HTTP bodies and WebSocket messages), so
     the whole class of parser-exhausting input stops here: deep nesting, numbers too long to
     convert, invalid UTF-8, lone surrogates, `NaN`/`Infinity` (not JSON), numbers that
-    overflow a float, and a top level that is not an object.
+    overflow a float, and a top level that is not an object. A refusal is worded by the core
+    (`json_refusal`, which the native front answers with too), so its line and column are the
+    same on both paths whichever jiter this pydantic-core was built with.
 
     Args:
         raw: the body as received.
@@ -69,63 +60,19 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     Raises:
         GatewayError: 400 `invalid_json`, its message saying where and what to change.
     """
+    body: dict[str, Any] | object
     try:
         body = from_json(raw, allow_inf_nan=False, cache_strings=False)
     except ValueError as exc:
-        raise _not_json(raw, str(exc)) from None
-    if not isinstance(body, dict):
-        got = type(body).__name__ if body is not None else "null"
-        raise GatewayError(
-            400, f"request body must be a JSON object ({{...}}), got {got}", "invalid_json"
-        )
-    if _MAYBE_HUGE.search(raw) and not _all_finite(body):
-        raise GatewayError(
-            400,
-            "a number in the request body is too large for a float (it would be Infinity); "
-            "send a finite number",
-            "invalid_json",
-        )
-    return body
-
-
-def _not_json(raw: bytes, detail: str) -> GatewayError:
-    hint = next((h for key, h in _HINTS if key in detail), None)
-    if hint is None and detail.startswith(("expected value", "invalid number")):
-        offset = _offset(raw, detail)
-        around = raw[max(offset - 1, 0) : offset + 4]  # jiter points at or just past a sign
-        if b"NaN" in around or b"Inf" in around:
-            hint = "NaN and Infinity are not JSON; send a finite number or null"
-        elif raw.startswith(b"\xef\xbb\xbf"):
-            hint = "the body starts with a byte-order mark; send UTF-8 without one"
-    if not raw.strip():
-        hint = "the body is empty; send a JSON object"
-    message = f"request body is not valid JSON: {detail}"
-    return GatewayError(400, f"{message} ({hint})" if hint else message, "invalid_json")
-
-
-def _offset(raw: bytes, detail: str) -> int:
-    match = _POSITION.search(detail)
-    if match is None:
-        return 0
-    line, column = int(match.group(1)), int(match.group(2))
-    start = 0
-    for _ in range(line - 1):
-        start = raw.find(b"\n", start) + 1
-    return start + max(column - 1, 0)
-
-
-def _all_finite(value: Any) -> bool:
-    stack = [value]  # iterative: depth is bounded by the decoder, but no recursion is needed
-    while stack:
-        item = stack.pop()
-        if isinstance(item, float):
-            if not math.isfinite(item):
-                return False
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return True
+        body = exc
+    if isinstance(body, dict) and not _MAYBE_HUGE.search(raw):
+        return body
+    message = json_refusal(raw)  # the core's walk also finds a float that overflowed
+    if message is None and isinstance(body, dict):
+        return body
+    if message is None:  # not reached while this pydantic-core's jiter and the core's agree
+        message = f"request body is not valid JSON: {body}"
+    raise GatewayError(400, message, "invalid_json")
 
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]

@@ -1,20 +1,21 @@
-//! `protocol.decode_json`'s refusals: a body that is not one JSON object of finite numbers,
-//! answered with the 400 Python answers, message, line and column included.
+//! `decode_json`'s refusals: a body that is not one JSON object of finite numbers, worded
+//! once for both paths. The front answers them natively; Python's `protocol.decode_json` asks
+//! for the same message (`_core.json_refusal`) whenever its own parse refuses a body, so the
+//! line and column are this jiter's on both, whichever jiter the installed pydantic-core runs
+//! (they differ between versions on where an invalid UTF-8 byte is).
 //!
 //! The front reads bodies with serde (`json.rs`); only one serde will not hold comes here. It
-//! is read again with jiter, the parser `pydantic_core.from_json` runs, walked as its Python
-//! builder walks it (`jiter/src/python.rs`: the same calls, the same recursion limit), so an
-//! error is jiter's own at the same byte. The message around it is `decode_json`'s: its hints
-//! and its reading of the position back into an offset. A body jiter reads as one object of
-//! finite numbers is one serde refused for what it cannot hold as Python does (a key twice,
-//! `-0`, an integer past 64 bits): Python takes it, and the front is unsure of it.
+//! is read again with jiter, walked as pydantic-core's Python builder walks it
+//! (`jiter/src/python.rs`: the same calls, the same recursion limit). A body jiter reads as
+//! one object of finite numbers is one serde refused for what it cannot hold as Python does (a
+//! key twice, `-0`, an integer past 64 bits): Python takes it, and the front is unsure of it.
 
 use jiter::{Jiter, JiterErrorType, JsonErrorType, LinePosition, NumberAny, Peek};
 
-/// `protocol.MAX_DEPTH`: jiter's recursion limit (`DEFAULT_RECURSION_LIMIT`).
+/// The nesting a body may have: jiter's recursion limit (`DEFAULT_RECURSION_LIMIT`).
 const MAX_DEPTH: u8 = 200;
 const ESCAPE: &str = "a \\u escape takes 4 hex digits, and a UTF-16 surrogate must come as a pair";
-/// `protocol._HINTS`: jiter's message -> what the client should fix.
+/// jiter's message -> what the client should fix.
 const HINTS: [(&str, &str); 6] = [
     (
         "recursion limit exceeded",
@@ -148,7 +149,7 @@ fn failure(error: jiter::JiterError) -> Failure {
     (message, error.index)
 }
 
-/// `protocol._not_json`: the parser's message, where, and a hint at what to fix.
+/// The parser's message, where, and a hint at what to fix.
 fn not_json(raw: &[u8], error: &str, index: usize) -> String {
     let position = LinePosition::find(raw, index);
     let detail = format!("{error} at {position}");
@@ -182,8 +183,8 @@ fn not_json(raw: &[u8], error: &str, index: usize) -> String {
     }
 }
 
-/// `protocol._offset`: the line and column read back into a byte offset, as Python does
-/// (`bytes.find` of a missing newline is -1: the next search starts at 0 again).
+/// The line and column read back into a byte offset (a missing newline starts the next
+/// search at 0 again, as Python's `bytes.find` of -1 did when this was Python's).
 fn offset(raw: &[u8], position: &LinePosition) -> usize {
     let mut start = 0;
     for _ in 1..position.line {

@@ -75,3 +75,13 @@ pub fn config_problem(
         Err(other) => Err(other.into()),
     }
 }
+
+/// `decode_json`'s 400 for a body that is not one JSON object of finite numbers: the message
+/// the front answers natively (`front::decode`), so the app's refusal is worded by the same
+/// parser at the same line and column whatever pydantic-core's own jiter is. None: the body is
+/// one such object.
+#[cfg(feature = "relay")]
+#[pyfunction]
+pub fn json_refusal(raw: &[u8]) -> Option<String> {
+    crate::front::decode::refusal(raw)
+}

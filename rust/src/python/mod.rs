@@ -56,6 +56,9 @@ pub mod _core {
     use super::front::PyFront;
     #[cfg(feature = "relay")]
     #[pymodule_export]
+    use super::functions::json_refusal;
+    #[cfg(feature = "relay")]
+    #[pymodule_export]
     use super::native::PyNativeRoutes;
     #[cfg(feature = "relay")]
     #[pymodule_export]
