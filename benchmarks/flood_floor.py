@@ -16,6 +16,15 @@ CPU 0:
 For each: 10,000 connections are opened, then 5,000 requests all at once, then 5,000 paced at
 1,000/s, and the 429s' latency (write to last byte read) is reported as p50/p99.
 
+A VIP client in a process of its own (`benchmarks/vip_probe.py`, on the client's CPU) sends
+one small chat request after another: for a second before the flood, then through each burst.
+llmflow serves it (8 tokens from the simulated vLLM); nginx answers it the 429 it answers
+everyone, which is the floor for any request in that flood on this machine. Its latencies are
+reported per phase (the issue's goal: p99 <= 50 ms during the all-at-once flood). Beside it,
+while llmflow runs, a second VIP client sends the same request straight to the simulated vLLM
+(which shares the client's CPU with the flood): what the backend itself takes then, so the
+difference is what the gateway adds.
+
 Usage: `python -m benchmarks.flood_floor [--repeats 2] [--json OUT]` (needs `nginx` on PATH:
 `apt-get install nginx-light`; the fd limit raised to 12,000 or more).
 """
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import resource
@@ -44,7 +54,12 @@ from tests.processes import GatewayProcess, SimServeProcess, free_port
 from tests.reliability.flood import burst, chat_request, open_conns, percentile
 from tests.reliability.test_flood import BURST, CONNECTIONS, MODEL, PACED_PER_S, _config
 
+from benchmarks.vip_probe import Probe
+
 CLIENT_CPU, SERVER_CPU = {0}, {1}
+# The VIP probe's phases (its labels); the flood test's VIP key.
+BEFORE, ALL_AT_ONCE, PACED = 1, 2, 3
+VIP_KEY = "k-vip"
 
 _NGINX_CONF = """
 daemon off;
@@ -95,17 +110,25 @@ async def _refused_reply(port: int) -> tuple[bytes, str]:
     raise RuntimeError("no request was refused: the gateway's queue did not fill")
 
 
-async def _flood(port: int) -> dict[str, Any]:
-    """The test's bursts on fresh connections: 429 latency percentiles, in ms."""
+async def _flood(port: int, probes: dict[str, Probe]) -> dict[str, Any]:
+    """The test's bursts on fresh connections: 429 latency percentiles, in ms, and each
+    probe's latencies by phase."""
     conns = await open_conns(port, CONNECTIONS)
     request = chat_request("k-crowd", MODEL)
     out: dict[str, Any] = {}
+    for probe in probes.values():
+        probe.phase(BEFORE)
+    await asyncio.sleep(1.0)
     try:
-        for name, per_s, part in (
-            ("all_at_once", None, conns[:BURST]),
-            ("paced", PACED_PER_S, conns[BURST : 2 * BURST]),
+        for name, label, per_s, part in (
+            ("all_at_once", ALL_AT_ONCE, None, conns[:BURST]),
+            ("paced", PACED, PACED_PER_S, conns[BURST : 2 * BURST]),
         ):
+            for probe in probes.values():
+                probe.phase(label)
             answers = await burst(part, request, per_s)
+            for probe in probes.values():
+                probe.phase(0)
             refused = [t for s, t in answers if s == 429]
             out[name] = {
                 "refused": len(refused),
@@ -116,7 +139,55 @@ async def _flood(port: int) -> dict[str, Any]:
     finally:
         for conn in conns:
             conn.writer.close()
+        seen = {name: probe.stop() for name, probe in probes.items()}
+    for (probe_name, vip), (phase, label) in itertools.product(
+        seen.items(), (("before", BEFORE), ("all_at_once", ALL_AT_ONCE), ("paced", PACED))
+    ):
+        samples = vip.get(label, [])
+        seconds = [s for _, s in samples]
+        out[f"{probe_name}_{phase}"] = {
+            "requests": len(samples),
+            "statuses": sorted({status for status, _ in samples}),
+            "p50_ms": round(percentile(seconds, 0.50) * 1e3, 1) if seconds else None,
+            "p99_ms": round(percentile(seconds, 0.99) * 1e3, 1) if seconds else None,
+            "max_ms": round(max(seconds) * 1e3, 1) if seconds else None,
+            "all_ms": [round(s * 1e3, 1) for s in seconds],
+        }
     return out
+
+
+def _probe(port: int, *, stream: bool) -> Probe:
+    return Probe(port, chat_request(VIP_KEY, MODEL, stream=stream), CLIENT_CPU)
+
+
+def _vip_table(runs: list[dict[str, Any]]) -> None:
+    print("\n| server | VIP client | run | before: n, p50 / p99 (ms) | in the all-at-once flood: "
+          "n, p50 / p99 / max (ms) | in the paced flood: n, p50 / p99 / max (ms) |")
+    print("|---|---|---|---|---|---|")
+    for run, probe in itertools.product(runs, ("vip", "vip_direct")):
+        if f"{probe}_before" not in run:
+            continue
+        b, a, p = run[f"{probe}_before"], run[f"{probe}_all_at_once"], run[f"{probe}_paced"]
+        print(
+            f"| {run['server']} | {_PROBES[probe]} | {run['repeat'] + 1} | {b['requests']}, "
+            f"{b['p50_ms']} / {b['p99_ms']} | {a['requests']}, {a['p50_ms']} / {a['p99_ms']} / "
+            f"{a['max_ms']} | {p['requests']}, {p['p50_ms']} / {p['p99_ms']} / {p['max_ms']} |"
+        )
+    for server, probe in itertools.product(("llmflow", "nginx"), ("vip", "vip_direct")):
+        for phase in ("all_at_once", "paced"):
+            during = sorted(
+                s
+                for run in runs
+                if run["server"] == server and f"{probe}_{phase}" in run
+                for s in run[f"{probe}_{phase}"]["all_ms"]
+            )
+            if during:
+                print(f"{server}, {_PROBES[probe]}, {phase} flood, every run: {len(during)} "
+                      f"requests, p50 {percentile(during, 0.5)} ms, p99 "
+                      f"{percentile(during, 0.99)} ms, max {during[-1]} ms")
+
+
+_PROBES = {"vip": "through the server", "vip_direct": "straight to the simulated vLLM"}
 
 
 @contextlib.contextmanager
@@ -155,6 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--vip-stream", action="store_true",
+                        help="the VIP asks for a streamed reply (timed to its last byte)")
     args = parser.parse_args()
     if shutil.which("nginx") is None:
         sys.exit("nginx is not on PATH: apt-get install nginx-light")
@@ -174,13 +247,18 @@ def main() -> None:
                 try:
                     body, retry_after = asyncio.run(_refused_reply(gw.port))
                     time.sleep(2.0)  # the filling requests finish
-                    figures = asyncio.run(_flood(gw.port))
+                    probes = {"vip": _probe(gw.port, stream=args.vip_stream),
+                              "vip_direct": _probe(backend.port, stream=args.vip_stream)}
+                    figures = asyncio.run(_flood(gw.port, probes))
                     runs.append({"server": "llmflow", "repeat": repeat, **figures})
                 finally:
                     gw.stop()
             with _nginx(workdir, body, retry_after) as port:
-                runs.append({"server": "nginx", "repeat": repeat, **asyncio.run(_flood(port))})
-            print(json.dumps(runs[-2]), json.dumps(runs[-1]), sep="\n", flush=True)
+                figures = asyncio.run(_flood(port, {"vip": _probe(port, stream=False)}))
+                runs.append({"server": "nginx", "repeat": repeat, **figures})
+            for run in runs[-2:]:
+                print(json.dumps({k: v for k, v in run.items() if not k.startswith("vip")}),
+                      flush=True)
     print("\n| server | run | all at once p50 / p99 (ms) | paced 1,000/s p50 / p99 (ms) |")
     print("|---|---|---|---|")
     for run in runs:
@@ -189,7 +267,12 @@ def main() -> None:
             f"| {run['server']} | {run['repeat'] + 1} | {a['p50_ms']} / {a['p99_ms']} "
             f"| {p['p50_ms']} / {p['p99_ms']} |"
         )
+    _vip_table(runs)
     if args.json:
+        for run in runs:  # every sample where there are few (nginx answers 100,000s)
+            for figures in run.values():
+                if isinstance(figures, dict) and figures.get("requests", 0) > 2000:
+                    del figures["all_ms"]
         result = {"date": time.strftime("%Y-%m-%d"), "runs": runs}
         args.json.write_text(json.dumps(result, indent=2))
 

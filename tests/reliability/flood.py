@@ -12,10 +12,11 @@ import time
 __all__ = ["Conn", "burst", "chat_request", "open_conns", "percentile"]
 
 
-def chat_request(key: str, model: str) -> bytes:
-    """A small streamed-or-not chat completion as raw HTTP/1.1 bytes."""
+def chat_request(key: str, model: str, *, stream: bool = False) -> bytes:
+    """A small chat completion (8 tokens, streamed or not) as raw HTTP/1.1 bytes."""
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        | ({"stream": True} if stream else {})
     ).encode()
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\n"
