@@ -16,8 +16,8 @@ CPU 0:
 For each: 10,000 connections are opened, then 5,000 requests all at once, then 5,000 paced at
 1,000/s, and the 429s' latency (write to last byte read) is reported as p50/p99.
 
-A VIP client in a process of its own (`benchmarks/vip_probe.py`, on the client's CPU) sends
-one small chat request after another: for a second before the flood, then through each burst.
+A VIP client in a process of its own (`tests/reliability/vip_probe.py`, on the client's CPU)
+sends one small chat request after another: for a second before the flood, then through each burst.
 llmflow serves it (8 tokens from the simulated vLLM); nginx answers it the 429 it answers
 everyone, which is the floor for any request in that flood on this machine. Its latencies are
 reported per phase (the issue's goal: p99 <= 50 ms during the all-at-once flood). Beside it,
@@ -53,8 +53,7 @@ if TYPE_CHECKING:
 from tests.processes import GatewayProcess, SimServeProcess, free_port
 from tests.reliability.flood import burst, chat_request, open_conns, percentile
 from tests.reliability.test_flood import BURST, CONNECTIONS, MODEL, PACED_PER_S, _config
-
-from benchmarks.vip_probe import Probe
+from tests.reliability.vip_probe import Probe
 
 CLIENT_CPU, SERVER_CPU = {0}, {1}
 # The VIP probe's phases (its labels); the flood test's VIP key.
