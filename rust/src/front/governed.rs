@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::owner::{now_us, Order, Owner};
 use super::record::Record;
 use super::{Conn, Outcome, Request};
-use crate::relay::{Control, Failure, RelayEvent, StreamRequest, Streams};
+use crate::relay::{Control, Ending, Failure, RelayEvent, StreamRequest, Streams};
 use crate::runtime::{Action, Event};
 use crate::types::Outcome as End;
 
@@ -230,8 +230,9 @@ impl Governed {
             max_tokens: Some(prepared.planned_tokens),
             ..Record::default()
         };
-        let whole = (!prepared.stream)
-            .then(|| super::whole::Whole::new(prepared.endpoint, &prepared.asked_model));
+        let whole = (!prepared.stream).then(|| {
+            super::whole::Whole::new(prepared.endpoint, &prepared.asked_model, prepared.choices)
+        });
         let state = Life {
             id,
             prepared,
@@ -437,41 +438,49 @@ impl Governed {
             }
             return;
         }
-        let frame = match reason.as_str() {
+        let ending = match reason.as_str() {
             "client_stall" => None,
-            "upstream_error" => life
-                .failure
-                .as_ref()
-                .map(|f| super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code)),
+            "upstream_error" => life.failure.as_ref().map(|f| {
+                let frame =
+                    super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code);
+                Ending::Frame(frame)
+            }),
             other => {
-                life.record.truncated = true;
-                let now_s = unix_now_s();
-                Some(super::reply::cut_frame(&super::reply::Cut {
-                    endpoint: life.prepared.endpoint,
-                    model: &life.prepared.asked_model,
-                    template: life.template.as_deref(),
-                    open_choices: &[0],
-                    reason: other,
-                    request_id: life.id,
-                    now_s,
-                }))
+                let (endpoint, model) = (life.prepared.endpoint, life.prepared.asked_model.clone());
+                let (reason, request_id, now_s) = (other.to_owned(), life.id, unix_now_s());
+                let notice = move |open_choices: &[u64], template: Option<&str>| {
+                    super::reply::cut_frame(&super::reply::Cut {
+                        endpoint,
+                        model: &model,
+                        template,
+                        open_choices,
+                        reason: &reason,
+                        request_id,
+                        now_s,
+                    })
+                };
+                Some(Ending::Notice(Box::new(notice)))
             }
         };
-        let only_if_open = !matches!(reason.as_str(), "client_stall" | "upstream_error");
         if life.opened {
             // A reply ended in-band is written to its end by the relay, which then hands the
-            // connection back; one cut without a frame (a stalled client) is closed.
-            life.cut_in_band = frame.is_some();
-            self.streams.control(
-                life.id,
-                Control::Cut {
-                    frame,
-                    only_if_open,
-                },
-            );
+            // connection back; one cut without a frame (a stalled client) is closed. The relay
+            // knows which choices are still open: the notice names them (none: no notice).
+            life.cut_in_band = ending.is_some();
+            life.record.truncated = matches!(ending, Some(Ending::Notice(_)));
+            self.streams.control(life.id, Control::Cut(ending));
         } else {
-            // Cut before it ever started: the reply is the notice alone.
+            // Cut before it ever started: the reply is the notice alone, for every choice.
             let mut bytes = head(life);
+            let open: Vec<u64> = (0..life.prepared.choices).collect();
+            let frame = match ending {
+                Some(Ending::Frame(frame)) => Some(frame),
+                Some(Ending::Notice(notice)) => {
+                    life.record.truncated = true;
+                    Some(notice(&open, life.template.as_deref()))
+                }
+                None => None,
+            };
             if let Some(frame) = frame {
                 bytes.extend_from_slice(&chunked(&frame));
             }
@@ -506,6 +515,8 @@ impl Governed {
             request_id: &request_id,
             traceparent: None,
             include_usage: life.prepared.include_usage,
+            continuous_usage: life.prepared.continuous_usage,
+            choices: life.prepared.choices,
             whole: life.whole.is_some(),
             sink: sink.clone(),
         });

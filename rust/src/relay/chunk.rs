@@ -1,7 +1,9 @@
 //! The chunk logic of a relayed stream: count new tokens, cut the usage the client did not ask
-//! for, and coalesce chunks. The Python twin for the paths the relay does not take (several
-//! choices, continuous usage, non-streaming replies) is `gateway/streaming.py`; both follow the
-//! same rules, and `tests/gateway/test_relay_chunks.py` feeds both the same payloads.
+//! for, hold a finishing chunk for the fingerprint behind it, and coalesce chunks. The Python
+//! twin (`gateway/streaming.py`, `ChunkParser`) follows the same rules, and
+//! `tests/gateway/test_relay_chunks.py` feeds both the same payloads. A chunk the relay
+//! rewrites is written as `encode_event` writes it (`front::json`: its keys in their order,
+//! `ensure_ascii`, compact), so the client reads the bytes the Python path sends.
 
 use std::sync::LazyLock;
 
@@ -10,33 +12,75 @@ use serde_json::{Map, Value};
 
 use super::events::Failure;
 use super::sse::find;
+use crate::front::json::{self, Json, Style};
+
+/// The last frame of a reply the host cut.
+pub enum Ending {
+    /// Written as it is (the in-band error).
+    Frame(Vec<u8>),
+    /// The notice for the choices still open, written only if one is: the host's function
+    /// makes its frame from their indexes and the stream's template (`tail_chunk`).
+    Notice(NoticeFrame),
+}
+
+/// Makes a cut's notice from the open choices' indexes and the template, when one came.
+pub type NoticeFrame = Box<dyn FnOnce(&[u64], Option<&str>) -> Vec<u8> + Send>;
+
+impl std::fmt::Debug for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Frame(frame) => write!(f, "Frame({} bytes)", frame.len()),
+            Self::Notice(_) => f.write_str("Notice"),
+        }
+    }
+}
 
 /// What one upstream payload becomes.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Shaped {
-    /// The SSE frame for the client (`data: {...}\n\n`), or nothing to forward.
+    /// The SSE frames for the client (`data: {...}\n\n`, one or more), or nothing to forward.
     pub frame: Option<Vec<u8>>,
     /// Tokens generated since the previous payload.
     pub new_tokens: u32,
 }
 
-/// Reads one single-choice stream's payloads. Upstream is always asked for continuous usage
+/// Reads one stream's payloads (`ChunkParser`). Upstream is always asked for continuous usage
 /// stats, so each chunk states the tokens generated so far (chunks without usage count one
-/// token per text delta).
+/// token per text delta). A stream of one choice whose client asked for no continuous usage
+/// is relayed byte for byte, its usage cut off unparsed (`passthrough`); any other chunk is
+/// parsed, shaped and written again.
 #[derive(Debug)]
 pub struct ChunkShaper {
     include_usage: bool,
+    /// The client asked for `stream_options.continuous_usage_stats`: each chunk keeps its usage.
+    continuous_usage: bool,
+    /// The reply's choices (`n`, times the prompts of a batch).
+    choices: u64,
+    /// Chunks go through unparsed, their usage cut (`ChunkParser._fast`).
+    fast: bool,
     completion_tokens: u64,
-    /// The choice sent a `finish_reason` (a cut adds no notice after it).
-    pub finished: bool,
+    /// Indexes of the choices that sent a `finish_reason` (a cut adds no notice for them).
+    finished: Vec<u64>,
     /// `{"id","created","model"}` of the upstream reply, as JSON, once a chunk named them.
     pub template: Option<String>,
-    /// The finishing chunk of a client that asked for no usage, held for the usage chunk
-    /// right behind it: vLLM stamps `system_fingerprint` on a stream's last chunk when no
-    /// usage chunk follows, and upstream is always asked for one (`take_held`).
-    held: Option<Map<String, Value>>,
+    /// The finishing chunks of a client that asked for no usage, held for the usage chunk
+    /// behind them: vLLM stamps `system_fingerprint` on a stream's last chunks when no usage
+    /// chunk follows, and upstream is always asked for one (`take_held`).
+    held: Vec<Json>,
 }
 
+/// `encode_event`'s `json.dumps(chunk, separators=(",", ":"))`.
+const ENCODE_EVENT: Style = Style {
+    ascii: true,
+    sort_keys: false,
+    compact: true,
+};
+/// How the template is handed over (any order and escape reads back the same).
+const TEMPLATE: Style = Style {
+    ascii: false,
+    sort_keys: false,
+    compact: true,
+};
 const USAGE_KEY: &[u8] = b",\"usage\":{";
 const TOKENS_KEY: &[u8] = b"\"completion_tokens\":";
 const TEXT_DELTAS: [&str; 3] = ["content", "reasoning_content", "reasoning"];
@@ -47,21 +91,39 @@ static FINISHING: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"finish_reason\":\""));
 
 impl ChunkShaper {
-    /// `include_usage`: the client asked for `stream_options.include_usage` (it then gets
-    /// the final usage chunk, and no usage key on the others, as vLLM sends them).
+    /// A stream of one choice without continuous usage; `include_usage`: the client asked for
+    /// `stream_options.include_usage` (it then gets the final usage chunk, and no usage key on
+    /// the others, as vLLM sends them).
     pub fn new(include_usage: bool) -> Self {
+        Self::shaped(include_usage, false, 1)
+    }
+
+    /// A stream whose client asked for `include_usage` and `continuous_usage` (each chunk
+    /// keeps its usage), of `choices` choices.
+    pub fn shaped(include_usage: bool, continuous_usage: bool, choices: u64) -> Self {
         Self {
             include_usage,
+            continuous_usage,
+            choices,
+            fast: choices == 1 && !continuous_usage,
             completion_tokens: 0,
-            finished: false,
+            finished: Vec::new(),
             template: None,
-            held: None,
+            held: Vec::new(),
         }
     }
 
     /// Generated tokens counted so far.
     pub fn completion_tokens(&self) -> u64 {
         self.completion_tokens
+    }
+
+    /// Indexes of the choices that have not sent a finish reason, in order (a cut's notice
+    /// names them).
+    pub fn open_choices(&self) -> Vec<u64> {
+        (0..self.choices)
+            .filter(|i| !self.finished.contains(i))
+            .collect()
     }
 
     /// Read one `data:` payload.
@@ -71,70 +133,118 @@ impl ChunkShaper {
     /// says what the backend sent: a chunk read wrong would lose its text without a word),
     /// or it is vLLM's in-band error event (`in_band_failure`).
     pub fn feed(&mut self, data: &[u8]) -> Result<Shaped, Failure> {
-        if self.template.is_some() && self.held.is_none() {
+        if self.fast && self.template.is_some() {
             if let Some(shaped) = self.passthrough(data) {
                 return Ok(shaped);
             }
         }
-        let value: Value = serde_json::from_slice(data).map_err(|e| {
-            Failure::backend(
-                "backend_error",
-                format!("backend sent bad data: {e}"),
-                false,
-            )
-        })?;
-        let Value::Object(mut chunk) = value else {
+        let chunk = read(data)?;
+        let Json::Object(mut pairs) = chunk else {
             return Err(wrong_shape("a chunk that is not a JSON object"));
         };
-        if let Some(error) = chunk.get("error") {
-            return Err(in_band_failure(error, data));
+        if get(&pairs, "error").is_some() {
+            let value: Value = serde_json::from_slice(data).unwrap_or_default();
+            return Err(in_band_failure(&value["error"], data));
         }
-        if let Some(problem) = malformed(&chunk) {
+        if let Some(problem) = malformed(&pairs) {
             return Err(wrong_shape(problem));
         }
-        if self.template.is_none() && chunk.contains_key("id") {
-            // In this order, as `ChunkParser.template` holds it (a `Map` would sort the keys).
-            let fields: Vec<String> = ["id", "created", "model"]
+        if self.template.is_none() && get(&pairs, "id").is_some() {
+            // In this order, as `ChunkParser.template` holds it.
+            let fields = ["id", "created", "model"]
                 .iter()
-                .filter_map(|key| chunk.get(*key).map(|v| format!("\"{key}\":{v}")))
+                .filter_map(|k| get(&pairs, k).map(|v| ((*k).to_owned(), v.clone())))
                 .collect();
-            self.template = Some(format!("{{{}}}", fields.join(",")));
+            let template = json::to_vec(&Json::Object(fields), TEMPLATE);
+            self.template = Some(String::from_utf8(template).expect("JSON text is UTF-8"));
         }
-        let new_tokens = self.count(&chunk);
-        let choices = chunk.get("choices").and_then(Value::as_array);
-        let finishing = choices.is_some_and(|cs| cs.iter().any(|c| !c["finish_reason"].is_null()));
-        let usage_only = choices.is_none_or(Vec::is_empty);
-        self.finished |= finishing;
-        if usage_only {
-            if let Some(mut held) = self.held.take() {
-                if let Some(fingerprint) = chunk.get("system_fingerprint") {
-                    held.insert("system_fingerprint".to_owned(), fingerprint.clone());
+        let new_tokens = self.count(&pairs);
+        let (finishing, usage_only) = match get(&pairs, "choices") {
+            Some(Json::Array(choices)) => {
+                let mut finishing = false;
+                for choice in choices {
+                    if choice
+                        .get("finish_reason")
+                        .is_some_and(|f| *f != Json::Null)
+                    {
+                        finishing = true;
+                        let index = match choice.get("index") {
+                            None => Some(0),
+                            Some(Json::Int(i)) => u64::try_from(*i).ok(),
+                            Some(_) => None, // a key no `range(n)` index equals
+                        };
+                        if let Some(i) = index.filter(|i| !self.finished.contains(i)) {
+                            self.finished.push(i);
+                        }
+                    }
                 }
-                let frame = Some(frame_of(&Value::Object(held)));
-                return Ok(Shaped { frame, new_tokens });
+                (finishing, choices.is_empty())
             }
-            let frame = self.include_usage.then(|| frame_of(&Value::Object(chunk)));
+            _ => (false, true),
+        };
+        if usage_only {
+            // The usage-only chunk that ends an include_usage stream: the held chunks take its
+            // fingerprint and go first.
+            let mut frames = Vec::new();
+            if !self.held.is_empty() {
+                let fingerprint = get(&pairs, "system_fingerprint")
+                    .filter(|f| **f != Json::Null)
+                    .cloned();
+                for mut held in std::mem::take(&mut self.held) {
+                    if let (Some(fingerprint), Json::Object(held)) = (&fingerprint, &mut held) {
+                        set(held, "system_fingerprint", fingerprint.clone());
+                    }
+                    frames.extend_from_slice(&python_frame(&held));
+                }
+            }
+            if self.include_usage {
+                frames.extend_from_slice(&python_frame(&Json::Object(pairs)));
+            }
+            let frame = (!frames.is_empty()).then_some(frames);
             return Ok(Shaped { frame, new_tokens });
         }
-        chunk.remove("usage");
-        let mut frame = self.take_held().unwrap_or_default();
+        if !self.continuous_usage {
+            pairs.retain(|(k, _)| k != "usage"); // vLLM sends a chunk no usage key unless asked
+        }
         if finishing && !self.include_usage {
-            self.held = Some(chunk);
+            self.held.push(Json::Object(pairs));
             return Ok(Shaped {
-                frame: (!frame.is_empty()).then_some(frame),
+                frame: None,
                 new_tokens,
             });
         }
-        frame.extend_from_slice(&frame_of(&Value::Object(chunk)));
         Ok(Shaped {
-            frame: Some(frame),
+            frame: Some(python_frame(&Json::Object(pairs))),
             new_tokens,
         })
     }
 
-    /// The held finishing chunk's frame, if one waits (the stream ended or was cut first).
+    /// The held finishing chunks' frames, if any wait (the stream ended or was cut first).
     pub fn take_held(&mut self) -> Option<Vec<u8>> {
-        self.held.take().map(|h| frame_of(&Value::Object(h)))
+        if self.held.is_empty() {
+            return None;
+        }
+        let mut frames = Vec::new();
+        for held in std::mem::take(&mut self.held) {
+            frames.extend_from_slice(&python_frame(&held));
+        }
+        Some(frames)
+    }
+
+    /// The frames that end a cut reply (`StreamSession.on_cut`): the finishing chunks still
+    /// held, then the ending (a notice only while a choice is open).
+    pub fn cut(&mut self, ending: Ending) -> Vec<Vec<u8>> {
+        let mut frames: Vec<Vec<u8>> = self.take_held().into_iter().collect();
+        match ending {
+            Ending::Frame(frame) => frames.push(frame),
+            Ending::Notice(notice) => {
+                let open = self.open_choices();
+                if !open.is_empty() {
+                    frames.push(notice(&open, self.template.as_deref()));
+                }
+            }
+        }
+        frames
     }
 
     /// vLLM puts continuous usage last: cut it off without parsing the chunk.
@@ -163,7 +273,9 @@ impl ChunkShaper {
         let total: u64 = std::str::from_utf8(&digits[..end]).ok()?.parse().ok()?;
         let new = total.saturating_sub(self.completion_tokens);
         self.completion_tokens = total;
-        self.finished |= finishing;
+        if finishing && !self.finished.contains(&0) {
+            self.finished.push(0);
+        }
         let tail: &[u8] = b"}";
         let mut frame = Vec::with_capacity(head.len() + tail.len() + 8);
         frame.extend_from_slice(b"data: ");
@@ -176,56 +288,109 @@ impl ChunkShaper {
         })
     }
 
-    fn count(&mut self, chunk: &Map<String, Value>) -> u32 {
-        if let Some(total) = chunk
-            .get("usage")
+    fn count(&mut self, chunk: &[(String, Json)]) -> u32 {
+        let total = get(chunk, "usage")
             .and_then(|u| u.get("completion_tokens"))
-            .and_then(Value::as_u64)
-        {
+            .and_then(|t| match t {
+                Json::Int(i) => u64::try_from(*i).ok(),
+                _ => None,
+            });
+        if let Some(total) = total {
             let new = total.saturating_sub(self.completion_tokens);
             self.completion_tokens = total;
             return u32::try_from(new).unwrap_or(u32::MAX);
         }
-        let new = chunk
-            .get("choices")
-            .and_then(Value::as_array)
-            .map_or(0, |cs| cs.iter().filter(|c| has_text(c)).count());
+        let new = match get(chunk, "choices") {
+            Some(Json::Array(choices)) => choices.iter().filter(|c| has_text(c)).count(),
+            _ => 0,
+        };
         self.completion_tokens += new as u64;
         new as u32
     }
 }
 
-fn has_text(choice: &Value) -> bool {
+/// A payload as Python's `json.loads` holds it (an object's keys in their order); what the
+/// strict reader declines (an integer past 64 bits, `-0`, a key twice) is read by serde
+/// instead, its keys sorted.
+fn read(data: &[u8]) -> Result<Json, Failure> {
+    if let Some(chunk) = json::parse(data) {
+        return Ok(chunk);
+    }
+    let value: Value = serde_json::from_slice(data).map_err(|e| {
+        Failure::backend(
+            "backend_error",
+            format!("backend sent bad data: {e}"),
+            false,
+        )
+    })?;
+    Ok(from_value(value))
+}
+
+fn from_value(value: Value) -> Json {
+    match value {
+        Value::Null => Json::Null,
+        Value::Bool(b) => Json::Bool(b),
+        Value::Number(n) => n.as_i64().map_or_else(
+            || {
+                n.as_u64().map_or_else(
+                    || Json::Float(n.as_f64().unwrap_or(0.0)),
+                    |u| Json::Int(i128::from(u)),
+                )
+            },
+            |i| Json::Int(i128::from(i)),
+        ),
+        Value::String(s) => Json::Str(s),
+        Value::Array(items) => Json::Array(items.into_iter().map(from_value).collect()),
+        Value::Object(map) => {
+            Json::Object(map.into_iter().map(|(k, v)| (k, from_value(v))).collect())
+        }
+    }
+}
+
+fn get<'a>(pairs: &'a [(String, Json)], key: &str) -> Option<&'a Json> {
+    pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+}
+
+/// `d[key] = value`: a key it has keeps its place.
+fn set(pairs: &mut Vec<(String, Json)>, key: &str, value: Json) {
+    match pairs.iter_mut().find(|(k, _)| k == key) {
+        Some((_, slot)) => *slot = value,
+        None => pairs.push((key.to_owned(), value)),
+    }
+}
+
+/// `encode_event(chunk)`.
+fn python_frame(chunk: &Json) -> Vec<u8> {
+    let mut out = b"data: ".to_vec();
+    json::write(&mut out, chunk, ENCODE_EVENT);
+    out.extend_from_slice(b"\n\n");
+    out
+}
+
+fn has_text(choice: &Json) -> bool {
+    let text = |v: Option<&Json>| matches!(v, Some(Json::Str(s)) if !s.is_empty());
     if let Some(delta) = choice.get("delta") {
-        let Some(delta) = delta.as_object() else {
+        let Json::Object(_) = delta else {
             return false;
         };
-        return TEXT_DELTAS.iter().any(|k| {
-            delta
-                .get(*k)
-                .and_then(Value::as_str)
-                .is_some_and(|s| !s.is_empty())
-        });
+        return TEXT_DELTAS.iter().any(|k| text(delta.get(k)));
     }
-    choice
-        .get("text")
-        .and_then(Value::as_str)
-        .is_some_and(|s| !s.is_empty())
+    text(choice.get("text"))
 }
 
 /// What is wrong with a chunk's shape, if anything: `choices` a list of objects whose `delta`
 /// (when present) is an object, `usage` an object (`gateway/streaming.py` checks the same).
-fn malformed(chunk: &Map<String, Value>) -> Option<&'static str> {
-    match chunk.get("choices") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(choices)) => {
+fn malformed(chunk: &[(String, Json)]) -> Option<&'static str> {
+    match get(chunk, "choices") {
+        None | Some(Json::Null) => {}
+        Some(Json::Array(choices)) => {
             for choice in choices {
-                let Value::Object(choice) = choice else {
+                let Json::Object(_) = choice else {
                     return Some("a choice that is not an object");
                 };
                 if !matches!(
                     choice.get("delta"),
-                    None | Some(Value::Null | Value::Object(_))
+                    None | Some(Json::Null | Json::Object(_))
                 ) {
                     return Some("a choice whose delta is not an object");
                 }
@@ -233,8 +398,8 @@ fn malformed(chunk: &Map<String, Value>) -> Option<&'static str> {
         }
         Some(_) => return Some("choices that are not a list"),
     }
-    match chunk.get("usage") {
-        None | Some(Value::Null | Value::Object(_)) => None,
+    match get(chunk, "usage") {
+        None | Some(Json::Null | Json::Object(_)) => None,
         Some(_) => Some("usage that is not an object"),
     }
 }
@@ -516,9 +681,9 @@ mod tests {
             frame.starts_with("data: {\"id\":\"c1\"") && frame.ends_with("null}]}\n\n"),
             "{frame}"
         );
-        assert!(!s.finished);
+        assert_eq!(s.open_choices(), [0]);
         s.feed(&chunk(4, "d", "\"length\"")).unwrap();
-        assert!(s.finished);
+        assert!(s.open_choices().is_empty());
         assert_eq!(s.completion_tokens(), 4);
     }
 
@@ -561,6 +726,69 @@ mod tests {
         let mut cut = ChunkShaper::new(false);
         cut.feed(&chunk(1, "a", "\"stop\"")).unwrap();
         assert!(cut.take_held().is_some()); // a stream that ends without it still sends it
+    }
+
+    fn choice_chunk(index: u64, text: &str, finish: &str, done: u64) -> Vec<u8> {
+        format!(
+            r#"{{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{{"index":{index},"delta":{{"content":"{text}"}},"logprobs":null,"finish_reason":{finish}}}],"usage":{{"prompt_tokens":3,"total_tokens":{},"completion_tokens":{done}}}}}"#,
+            done + 3
+        )
+        .into_bytes()
+    }
+
+    // Continuous usage asked: each chunk keeps its usage, written as Python writes it (its
+    // keys in their order, non-ASCII escaped).
+    #[test]
+    fn continuous_usage_keeps_each_chunks_usage_in_pythons_bytes() {
+        let mut s = ChunkShaper::shaped(false, true, 1);
+        for (i, text) in ["a", r"\u00e9"].iter().enumerate() {
+            let raw = choice_chunk(0, text, "null", i as u64 + 1);
+            let frame = s.feed(&raw).unwrap().frame.unwrap();
+            let mut expected = b"data: ".to_vec();
+            expected.extend_from_slice(&raw);
+            expected.extend_from_slice(b"\n\n");
+            assert_eq!(
+                String::from_utf8(frame).unwrap(),
+                String::from_utf8(expected).unwrap()
+            );
+        }
+        assert_eq!(s.completion_tokens(), 2);
+    }
+
+    // Two choices, no usage asked: a choice that finishes first waits, with the other's, for
+    // the usage chunk's fingerprint; a cut names only the choice still open.
+    #[test]
+    fn several_choices_hold_their_finishing_chunks_and_a_cut_names_the_open_ones() {
+        let mut s = ChunkShaper::shaped(false, false, 3);
+        assert!(s
+            .feed(&choice_chunk(0, "a", "\"stop\"", 1))
+            .unwrap()
+            .frame
+            .is_none());
+        let other = s
+            .feed(&choice_chunk(1, "b", "null", 2))
+            .unwrap()
+            .frame
+            .unwrap();
+        assert!(String::from_utf8(other).unwrap().contains(r#""index":1"#));
+        assert_eq!(s.open_choices(), [1, 2]);
+        let named = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = std::sync::Arc::clone(&named);
+        let notice = move |open: &[u64], template: Option<&str>| {
+            assert_eq!(template, Some(r#"{"id":"c1","created":1,"model":"m"}"#));
+            seen.lock().unwrap().extend_from_slice(open);
+            b"data: notice\n\n".to_vec()
+        };
+        let frames = s.cut(Ending::Notice(Box::new(notice)));
+        assert_eq!(*named.lock().unwrap(), [1, 2]);
+        assert_eq!(frames.len(), 2); // the held chunk of choice 0, then the notice
+        assert!(String::from_utf8_lossy(&frames[0]).contains(r#""finish_reason":"stop""#));
+        let mut done = ChunkShaper::shaped(false, false, 1);
+        done.feed(&choice_chunk(0, "a", "\"stop\"", 1)).unwrap();
+        let cut = done.cut(Ending::Notice(Box::new(
+            |_: &[u64], _: Option<&str>| unreachable!(),
+        )));
+        assert_eq!(cut.len(), 1); // every choice finished: no notice
     }
 
     // vLLM's in-band error event is the stream's failure, not a chunk to pass on.

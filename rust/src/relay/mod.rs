@@ -28,6 +28,7 @@ use bytes::Bytes;
 use rustc_hash::FxHashMap;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
+pub use chunk::Ending;
 pub use events::{Failure, RelayEvent};
 pub use sse::DEFAULT_MAX_EVENT_BYTES;
 pub use stream::Control;
@@ -111,6 +112,11 @@ pub struct StreamRequest<'a> {
     pub traceparent: Option<&'a str>,
     /// The client asked for the usage chunk (else it is cut from the stream).
     pub include_usage: bool,
+    /// The client asked for `continuous_usage_stats`: each chunk keeps its usage.
+    pub continuous_usage: bool,
+    /// The reply's choices (`n`, times the prompts of a batch): a cut's notice names those
+    /// still open.
+    pub choices: u64,
     /// Give each payload to the sink (`RelayEvent::Payload`) instead of writing chunks to a
     /// client: the host assembles a reply not streamed.
     pub whole: bool,
@@ -215,6 +221,8 @@ impl Streams {
             request_id,
             traceparent,
             include_usage,
+            continuous_usage,
+            choices,
             whole,
             sink,
         } = request;
@@ -259,6 +267,8 @@ impl Streams {
             request_id: request_id.to_owned(),
             traceparent: traceparent.map(str::to_owned),
             include_usage,
+            continuous_usage,
+            choices,
             whole,
             sink,
         };

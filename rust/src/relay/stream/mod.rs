@@ -26,7 +26,7 @@ use hyper::Response;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::chunk::ChunkShaper;
+use super::chunk::{ChunkShaper, Ending};
 use super::events::RelayEvent;
 use super::upstream::Conn;
 use super::Shared;
@@ -40,13 +40,10 @@ use vllm::connect;
 /// What the host asks of a stream (each carries out a runtime action).
 #[derive(Debug)]
 pub enum Control {
-    /// End the reply: stop reading upstream, write `frame` (the notice or the error; when
-    /// `only_if_open`, only if the choice has not finished), then `[DONE]`. Without a frame
-    /// (a stalled client), close the connection at once.
-    Cut {
-        frame: Option<Vec<u8>>,
-        only_if_open: bool,
-    },
+    /// End the reply: stop reading upstream, write the finishing chunks still held, the
+    /// ending (the notice or the error), then `[DONE]`. Without an ending (a stalled client),
+    /// close the connection at once.
+    Cut(Option<Ending>),
     /// Take the client's connection now, before the first token, but write nothing until
     /// the reply's first piece (its first chunk, or a cut's notice): then `head`, then it, in
     /// the same write. `keep_alive`: hand the socket back after a clean end, for the next
@@ -81,6 +78,10 @@ pub struct Open {
     /// Sent as W3C `traceparent` (the gateway's upstream span), when tracing.
     pub traceparent: Option<String>,
     pub include_usage: bool,
+    /// Each chunk keeps its usage (`stream_options.continuous_usage_stats`).
+    pub continuous_usage: bool,
+    /// The reply's choices (`n`, times the prompts of a batch).
+    pub choices: u64,
     /// Give the payloads to the sink, write nothing to a client (a reply not streamed).
     pub whole: bool,
     /// Where its events go (the native front's task).
@@ -158,7 +159,11 @@ pub async fn run(
     let mut task = Task {
         id: open.id,
         // A reply assembled whole holds back no finishing chunk (its frames are not sent).
-        shaper: ChunkShaper::new(open.include_usage || open.whole),
+        shaper: ChunkShaper::shaped(
+            open.include_usage || open.whole,
+            open.continuous_usage,
+            open.choices,
+        ),
         shared,
         open,
         connecting,
@@ -362,17 +367,11 @@ impl Task {
                 }
                 Step::Stop
             }
-            Control::Cut {
-                frame: Some(frame),
-                only_if_open,
-            } => {
+            Control::Cut(Some(ending)) => {
                 self.stop_upstream();
                 if !self.terminated {
                     self.flush_held();
-                    if let Some(last) = self.shaper.take_held() {
-                        self.push_frame(&last);
-                    }
-                    if !only_if_open || !self.shaper.finished {
+                    for frame in self.shaper.cut(ending) {
                         self.push_frame(&frame);
                     }
                     self.terminate();
@@ -386,7 +385,7 @@ impl Task {
                 }
                 self.write()
             }
-            Control::Cut { frame: None, .. } | Control::Close => {
+            Control::Cut(None) | Control::Close => {
                 self.clean = false;
                 self.stop_upstream();
                 Step::Stop
