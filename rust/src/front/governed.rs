@@ -153,9 +153,9 @@ impl Governed {
         prepared: super::prepare::Prepared,
         request: &Request,
     ) -> Option<Accepted> {
-        // One choice, streamed without continuous usage or assembled whole (`whole.rs`);
-        // several choices, continuous usage and prompt logprobs (asked unstreamed) are Python's.
-        if prepared.choices != 1 || prepared.continuous_usage || prepared.unstreamed {
+        // Streamed, or assembled whole from the stream (`whole.rs`), any number of choices;
+        // prompt logprobs (asked unstreamed: vLLM's answer goes on as it is) are Python's.
+        if prepared.unstreamed {
             return None;
         }
         let headers = request
