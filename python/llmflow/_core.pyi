@@ -1065,6 +1065,10 @@ def front_cut_names_itself(reason: str) -> bool:
     """Whether a reply cut for `reason` names it in `x-llmflow-reason`, as the front decides
     (`contract.REFUSALS[reason].cut` on the Python side)."""
 
+def front_merge_frames(frames: list[bytes]) -> list[bytes]:
+    """The relay's coalescing of the frames waiting for the flush interval: as
+    `[encode_item(c) for c in merge_chunks(items)]` writes them."""
+
 def front_stream_frames(
     endpoint_name: Literal["chat", "completions"],
     model: str,

@@ -371,12 +371,12 @@ pub fn front_stream_frames(
     let mut out = Vec::new();
     for payload in &payloads {
         match shaper.feed(payload) {
-            Ok(fed) => out.extend(fed.frame.unwrap_or_default()),
+            Ok(fed) => out.extend(fed.before.into_iter().chain(fed.frame).flatten()),
             Err(failure) => return Ok(failure.message.into_pyobject(py)?.into_any().unbind()),
         }
     }
     match cut {
-        None => out.extend(shaper.take_held().unwrap_or_default()),
+        None => out.extend(shaper.take_held().into_iter().flatten()),
         Some((reason, request_id)) => {
             let model = model.to_owned();
             let notice = move |open_choices: &[u64], template: Option<&str>| {
@@ -395,6 +395,16 @@ pub fn front_stream_frames(
         }
     }
     Ok(PyBytes::new(py, &out).into_any().unbind())
+}
+
+/// The relay's coalescing of frames waiting for the flush interval (`merge_frames`, the
+/// twin of `streaming.merge_chunks`).
+#[pyfunction]
+pub fn front_merge_frames(py: Python<'_>, frames: Vec<Vec<u8>>) -> Vec<Bound<'_, PyBytes>> {
+    crate::relay::chunk::merge_frames(frames)
+        .iter()
+        .map(|frame| PyBytes::new(py, frame))
+        .collect()
 }
 
 /// Whether a reply cut for `reason` names it in `x-llmflow-reason`, as the front decides

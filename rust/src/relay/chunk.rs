@@ -8,7 +8,7 @@
 use std::sync::LazyLock;
 
 use memchr::memmem::Finder;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::events::Failure;
 use super::sse::find;
@@ -38,7 +38,10 @@ impl std::fmt::Debug for Ending {
 /// What one upstream payload becomes.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Shaped {
-    /// The SSE frames for the client (`data: {...}\n\n`, one or more), or nothing to forward.
+    /// Frames to send first, each one chunk: the finishing chunks that waited for this one's
+    /// fingerprint (`ChunkParser.take_held`).
+    pub before: Vec<Vec<u8>>,
+    /// The SSE frame for the client (`data: {...}\n\n`), or nothing to forward.
     pub frame: Option<Vec<u8>>,
     /// Tokens generated since the previous payload.
     pub new_tokens: u32,
@@ -185,23 +188,26 @@ impl ChunkShaper {
         if usage_only {
             // The usage-only chunk that ends an include_usage stream: the held chunks take its
             // fingerprint and go first.
-            let mut frames = Vec::new();
-            if !self.held.is_empty() {
-                let fingerprint = get(&pairs, "system_fingerprint")
-                    .filter(|f| **f != Json::Null)
-                    .cloned();
-                for mut held in std::mem::take(&mut self.held) {
+            let fingerprint = get(&pairs, "system_fingerprint")
+                .filter(|f| **f != Json::Null)
+                .cloned();
+            let before = std::mem::take(&mut self.held)
+                .into_iter()
+                .map(|mut held| {
                     if let (Some(fingerprint), Json::Object(held)) = (&fingerprint, &mut held) {
                         set(held, "system_fingerprint", fingerprint.clone());
                     }
-                    frames.extend_from_slice(&python_frame(&held));
-                }
-            }
-            if self.include_usage {
-                frames.extend_from_slice(&python_frame(&Json::Object(pairs)));
-            }
-            let frame = (!frames.is_empty()).then_some(frames);
-            return Ok(Shaped { frame, new_tokens });
+                    python_frame(&held)
+                })
+                .collect();
+            let frame = self
+                .include_usage
+                .then(|| python_frame(&Json::Object(pairs)));
+            return Ok(Shaped {
+                before,
+                frame,
+                new_tokens,
+            });
         }
         if !self.continuous_usage {
             pairs.retain(|(k, _)| k != "usage"); // vLLM sends a chunk no usage key unless asked
@@ -211,30 +217,29 @@ impl ChunkShaper {
             return Ok(Shaped {
                 frame: None,
                 new_tokens,
+                ..Shaped::default()
             });
         }
         Ok(Shaped {
             frame: Some(python_frame(&Json::Object(pairs))),
             new_tokens,
+            ..Shaped::default()
         })
     }
 
-    /// The held finishing chunks' frames, if any wait (the stream ended or was cut first).
-    pub fn take_held(&mut self) -> Option<Vec<u8>> {
-        if self.held.is_empty() {
-            return None;
-        }
-        let mut frames = Vec::new();
-        for held in std::mem::take(&mut self.held) {
-            frames.extend_from_slice(&python_frame(&held));
-        }
-        Some(frames)
+    /// The held finishing chunks' frames, one each (the stream ended, or was cut, before the
+    /// usage chunk came).
+    pub fn take_held(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.held)
+            .iter()
+            .map(python_frame)
+            .collect()
     }
 
     /// The frames that end a cut reply (`StreamSession.on_cut`): the finishing chunks still
     /// held, then the ending (a notice only while a choice is open).
     pub fn cut(&mut self, ending: Ending) -> Vec<Vec<u8>> {
-        let mut frames: Vec<Vec<u8>> = self.take_held().into_iter().collect();
+        let mut frames = self.take_held();
         match ending {
             Ending::Frame(frame) => frames.push(frame),
             Ending::Notice(notice) => {
@@ -285,6 +290,7 @@ impl ChunkShaper {
         Some(Shaped {
             frame: Some(frame),
             new_tokens: u32::try_from(new).unwrap_or(u32::MAX),
+            ..Shaped::default()
         })
     }
 
@@ -450,27 +456,19 @@ pub fn raw_error(raw: &[u8]) -> Option<String> {
     error.starts_with('{').then(|| error.to_owned())
 }
 
-/// `data: {json}\n\n`, compact.
-pub fn frame_of(chunk: &Value) -> Vec<u8> {
-    let mut out = b"data: ".to_vec();
-    serde_json::to_writer(&mut out, chunk).expect("a JSON value serializes");
-    out.extend_from_slice(b"\n\n");
-    out
-}
-
-/// Coalesce consecutive frames into as few valid chunks as possible (order kept). Frames
-/// that do not parse, or cannot merge (tool calls, a finished choice, errors), stay as they
-/// are.
+/// Coalesce consecutive frames into as few valid chunks as possible, order kept
+/// (`merge_chunks`): with two or more, every frame is read and written again as
+/// `encode_event` writes it; a frame that does not read stays as it is.
 pub fn merge_frames(frames: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
     if frames.len() < 2 {
         return frames;
     }
-    let mut out: Vec<Result<Value, Vec<u8>>> = Vec::with_capacity(frames.len());
+    let mut out: Vec<Result<Json, Vec<u8>>> = Vec::with_capacity(frames.len());
     for frame in frames {
         let parsed = frame
             .strip_prefix(b"data: ")
             .and_then(|f| f.strip_suffix(b"\n\n"))
-            .and_then(|p| serde_json::from_slice::<Value>(p).ok());
+            .and_then(|p| read(p).ok());
         match parsed {
             Some(b) => {
                 let merged = match out.last_mut() {
@@ -485,15 +483,14 @@ pub fn merge_frames(frames: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
         }
     }
     out.into_iter()
-        .map(|item| item.map_or_else(|raw| raw, |v| frame_of(&v)))
+        .map(|item| item.map_or_else(|raw| raw, |v| python_frame(&v)))
         .collect()
 }
 
-fn merge_into(a: &mut Value, b: &Value) -> bool {
-    let (Some(ca), Some(cb)) = (
-        a.get("choices").and_then(Value::as_array),
-        b.get("choices").and_then(Value::as_array),
-    ) else {
+/// `_merge_into`: fold chunk `b` into `a` when the result is itself a valid chunk.
+fn merge_into(a: &mut Json, b: &Json) -> bool {
+    let (Some(Json::Array(ca)), Some(Json::Array(cb))) = (a.get("choices"), b.get("choices"))
+    else {
         return false;
     };
     if ca.is_empty()
@@ -503,7 +500,6 @@ fn merge_into(a: &mut Value, b: &Value) -> bool {
     {
         return false;
     }
-    let index = |c: &Value| c.get("index").and_then(Value::as_u64).unwrap_or(0);
     for choice_b in cb {
         if let Some(choice_a) = ca.iter().find(|c| index(c) == index(choice_b)) {
             if !mergeable(choice_a, choice_b) {
@@ -511,31 +507,37 @@ fn merge_into(a: &mut Value, b: &Value) -> bool {
             }
         }
     }
-    let b_choices = cb.clone();
-    let a_obj = a.as_object_mut().expect("has choices, so an object");
-    let ca = a_obj
-        .get_mut("choices")
-        .and_then(Value::as_array_mut)
-        .expect("checked above");
-    for choice_b in b_choices {
-        match ca.iter_mut().find(|c| index(c) == index(&choice_b)) {
-            Some(choice_a) => merge_choice(choice_a, &choice_b),
-            None => ca.push(choice_b),
+    let Json::Object(pairs) = a else {
+        return false;
+    };
+    let Some((_, Json::Array(ca))) = pairs.iter_mut().find(|(k, _)| k == "choices") else {
+        return false;
+    };
+    for choice_b in cb {
+        match ca.iter_mut().find(|c| index(c) == index(choice_b)) {
+            Some(choice_a) => merge_choice(choice_a, choice_b),
+            None => ca.push(choice_b.clone()),
         }
     }
     for key in ["usage", "llmflow"] {
         if let Some(v) = b.get(key) {
-            a_obj.insert(key.to_owned(), v.clone());
+            set(pairs, key, v.clone());
         }
     }
     true
 }
 
-fn empty(v: &Value) -> bool {
+/// `choice.get("index", 0)`.
+fn index(choice: &Json) -> Json {
+    choice.get("index").cloned().unwrap_or(Json::Int(0))
+}
+
+/// `v in (None, "", [])`.
+fn empty(v: &Json) -> bool {
     match v {
-        Value::Null => true,
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
+        Json::Null => true,
+        Json::Str(s) => s.is_empty(),
+        Json::Array(a) => a.is_empty(),
         _ => false,
     }
 }
@@ -549,64 +551,71 @@ const MERGEABLE_KEYS: [&str; 6] = [
     "stop_reason",
 ];
 
-fn mergeable(ca: &Value, cb: &Value) -> bool {
-    if !ca["finish_reason"].is_null() || !empty(&ca["logprobs"]) || !empty(&cb["logprobs"]) {
+/// `_choice_mergeable`: neither carries more than text (an open choice, no logprobs, no
+/// other field, no delta but text and the role).
+fn mergeable(ca: &Json, cb: &Json) -> bool {
+    let truthy = |c: &Json, key: &str| c.get(key).is_some_and(Json::truthy);
+    if ca.get("finish_reason").is_some_and(|f| *f != Json::Null)
+        || truthy(ca, "logprobs")
+        || truthy(cb, "logprobs")
+    {
         return false;
     }
-    let keys_ok = |c: &Value| {
-        c.as_object()
-            .is_some_and(|o| o.keys().all(|k| MERGEABLE_KEYS.contains(&k.as_str())))
+    let keys_ok = |c: &Json| match c {
+        Json::Object(pairs) => pairs
+            .iter()
+            .all(|(k, _)| MERGEABLE_KEYS.contains(&k.as_str())),
+        _ => false,
     };
     if !keys_ok(ca) || !keys_ok(cb) {
         return false;
     }
-    let delta_ok = |c: &Value| {
-        c.get("delta").and_then(Value::as_object).is_none_or(|d| {
-            d.iter()
-                .all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v))
-        })
+    let delta_ok = |c: &Json| match c.get("delta") {
+        Some(Json::Object(delta)) => delta
+            .iter()
+            .all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v)),
+        _ => true,
     };
     delta_ok(ca) && delta_ok(cb)
 }
 
-fn merge_choice(ca: &mut Value, cb: &Value) {
-    let a = ca.as_object_mut().expect("a choice is an object");
-    if let Some(text) = cb.get("text") {
-        let joined = format!(
-            "{}{}",
-            a.get("text").and_then(Value::as_str).unwrap_or(""),
-            text.as_str().unwrap_or("")
-        );
-        a.insert("text".to_owned(), Value::String(joined));
+/// `_merge_choice`: `cb`'s text after `ca`'s, its finish and stop reasons.
+fn merge_choice(ca: &mut Json, cb: &Json) {
+    let Json::Object(a) = ca else {
+        return;
+    };
+    let text_of = |v: Option<&Json>| match v {
+        Some(Json::Str(s)) => s.clone(),
+        _ => String::new(),
+    };
+    if cb.get("text").is_some() {
+        let joined = text_of(get(a, "text")) + &text_of(cb.get("text"));
+        set(a, "text", Json::Str(joined));
     }
     if let Some(delta_b) = cb.get("delta") {
-        let delta = a
-            .entry("delta")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if !delta.is_object() {
-            *delta = Value::Object(Map::new());
+        if !matches!(get(a, "delta"), Some(Json::Object(_))) {
+            set(a, "delta", Json::Object(Vec::new()));
         }
-        let delta = delta.as_object_mut().expect("made an object");
-        for (key, value) in delta_b.as_object().into_iter().flatten() {
-            if TEXT_DELTAS.contains(&key.as_str()) {
-                if let Some(s) = value.as_str() {
-                    let joined = format!(
-                        "{}{s}",
-                        delta.get(key).and_then(Value::as_str).unwrap_or("")
-                    );
-                    delta.insert(key.clone(), Value::String(joined));
+        let Some((_, Json::Object(delta))) = a.iter_mut().find(|(k, _)| k == "delta") else {
+            unreachable!("set to an object above");
+        };
+        if let Json::Object(pairs) = delta_b {
+            for (key, value) in pairs {
+                if TEXT_DELTAS.contains(&key.as_str()) {
+                    if let Json::Str(s) = value {
+                        let joined = text_of(get(delta, key)) + s;
+                        set(delta, key, Json::Str(joined));
+                    }
+                } else if key == "role" && get(delta, "role").is_none() {
+                    delta.push((key.clone(), value.clone()));
                 }
-            } else if key == "role" && !delta.contains_key("role") {
-                delta.insert(key.clone(), value.clone());
             }
         }
     }
-    a.insert(
-        "finish_reason".to_owned(),
-        cb.get("finish_reason").cloned().unwrap_or(Value::Null),
-    );
+    let finish = cb.get("finish_reason").cloned().unwrap_or(Json::Null);
+    set(a, "finish_reason", finish);
     if let Some(stop) = cb.get("stop_reason") {
-        a.insert("stop_reason".to_owned(), stop.clone());
+        set(a, "stop_reason", stop.clone());
     }
 }
 
@@ -717,15 +726,17 @@ mod tests {
         let last = s.feed(&chunk(2, "b", "\"length\"")).unwrap();
         assert_eq!((last.frame, last.new_tokens), (None, 1));
         let usage = br#"{"id":"c1","choices":[],"usage":{"completion_tokens":2},"system_fingerprint":"fp-1"}"#;
-        let frame = String::from_utf8(s.feed(usage).unwrap().frame.unwrap()).unwrap();
+        let fed = s.feed(usage).unwrap();
+        assert_eq!((fed.before.len(), fed.frame), (1, None)); // the usage chunk is not asked for
+        let frame = String::from_utf8(fed.before[0].clone()).unwrap();
         let sent: Value = serde_json::from_str(frame.trim().trim_start_matches("data: ")).unwrap();
         assert_eq!(sent["system_fingerprint"], "fp-1");
         assert_eq!(sent["choices"][0]["finish_reason"], "length");
         assert!(sent.get("usage").is_none());
-        assert!(s.take_held().is_none());
+        assert!(s.take_held().is_empty());
         let mut cut = ChunkShaper::new(false);
         cut.feed(&chunk(1, "a", "\"stop\"")).unwrap();
-        assert!(cut.take_held().is_some()); // a stream that ends without it still sends it
+        assert_eq!(cut.take_held().len(), 1); // a stream that ends without it still sends it
     }
 
     fn choice_chunk(index: u64, text: &str, finish: &str, done: u64) -> Vec<u8> {

@@ -146,8 +146,10 @@ impl Task {
                     if self.open.whole {
                         // Not an event the runtime hears: the tokens tallied stay batched.
                         let _ = self.open.sink.send(RelayEvent::Payload(self.id, payload));
-                    } else if let Some(frame) = shaped.frame {
-                        self.add_frame(frame, now);
+                    } else {
+                        for frame in shaped.before.into_iter().chain(shaped.frame) {
+                            self.add_frame(frame, now);
+                        }
                     }
                 }
                 Err(failure) => return self.fail_with(failure),
@@ -161,8 +163,11 @@ impl Task {
             );
         }
         if decoded.done {
-            if let Some(frame) = self.shaper.take_held().filter(|_| !self.open.whole) {
-                self.add_frame(frame, now);
+            let held = self.shaper.take_held();
+            if !self.open.whole {
+                for frame in held {
+                    self.add_frame(frame, now);
+                }
             }
             self.draining_body = true;
             self.drain_until = Some(now + BODY_END_WAIT);
