@@ -113,11 +113,12 @@ async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_
     cap = 2
     async with start_gateway(gate={"max_concurrency_per_gpu": cap}) as h:
         streamed = _body(max_tokens=8, fake={"itl": 0.01})
-        # prompt logprobs, asked unstreamed: the front passes it to Python
-        whole = {**streamed, "stream": False, "prompt_logprobs": 1}
+        # a page's request (same origin): the front passes it to Python, which judges it
+        whole = {**streamed, "stream": False}
+        page = {"origin": h.url}
         results = await asyncio.gather(
             *(_stream(h.client, CHAT, streamed) for _ in range(6)),
-            *(h.client.post(CHAT, json=whole) for _ in range(6)),
+            *(h.client.post(CHAT, json=whole, headers=page) for _ in range(6)),
         )
         native = results[:6]
         python: list[httpx.Response] = list(results[6:])  # type: ignore[arg-type]
@@ -257,10 +258,15 @@ def _wire(raw: bytes) -> bytes:
 
 
 async def _whole_on_both_paths(
-    path: str, body: dict[str, Any], steps: int | None = None, **sections: Any
+    path: str,
+    body: dict[str, Any],
+    steps: int | None = None,
+    unstreamed: bool = False,
+    **sections: Any,
 ) -> list[bytes]:
     """The raw reply to `body`, not streamed, from the native front and from the Python path
-    (`relay: false`); `steps`: the fake emits that many tokens, then holds the rest."""
+    (`relay: false`); `steps`: the fake emits that many tokens, then holds the rest;
+    `unstreamed`: the request asks what vLLM computes only unstreamed (prompt logprobs)."""
     replies = []
     server = sections.pop("server", {})
     for native in (True, False):
@@ -273,7 +279,10 @@ async def _whole_on_both_paths(
             request_id = int(re.search(rb"x-request-id: llmflow-(\d+)", raw).group(1))  # type: ignore[union-attr]
             assert (request_id >= NATIVE_IDS) == native, raw
             sent = h.fake.bodies[-1] if h.fake.bodies else {}
-            if sent:  # vLLM was asked for a stream, with continuous usage, either way
+            if sent and unstreamed:  # sent as the client sent it, either way
+                assert sent["stream"] is False
+                assert "stream_options" not in sent
+            elif sent:  # vLLM was asked for a stream, with continuous usage, either way
                 assert sent["stream"] is True
                 assert sent["stream_options"]["continuous_usage_stats"] is True
             h.fake.release(100)  # a held reply, cut: let the fake's own task end
@@ -622,3 +631,59 @@ async def test_a_whole_reply_of_several_choices_cut_by_its_deadline_is_the_pytho
     assert contents[0].startswith("t0 t1 \n\n[llmflow: reply")
     assert contents[2].startswith("t0 t1 \n\n[llmflow: reply")
     assert reply["llmflow"] == {"truncated": True, "reason": "deadline"}
+
+
+# ---- prompt logprobs: asked of vLLM unstreamed -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        (COMPLETIONS, {"prompt_logprobs": 1}),
+        (COMPLETIONS, {"echo": True, "logprobs": 2}),
+        (CHAT, {"prompt_logprobs": 1}),
+    ],
+    ids=["completions", "echo", "chat"],
+)
+async def test_an_unstreamed_answer_is_the_python_paths_byte_for_byte(
+    path: str, extra: dict[str, Any]
+) -> None:
+    native, python = await _whole_on_both_paths(
+        path, {**_whole_body(path), **extra}, unstreamed=True
+    )
+    assert native == python
+    head, _, body = native.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    reply = json.loads(body)
+    assert reply["fake_whole"] is True  # vLLM's own answer, every field of it
+    assert reply["choices"][0]["prompt_logprobs"] == [None, {"7": -1.5}]
+    assert reply["usage"]["completion_tokens"] == 5
+
+
+async def test_an_unstreamed_answer_cut_by_its_deadline_is_the_python_paths() -> None:
+    # vLLM takes 2 s to answer; the total deadline cuts the request at 300 ms: the reply is
+    # the notice for every choice, on either path.
+    body = {**_whole_body(COMPLETIONS, n=2, fake={"ttft": 2}), "prompt_logprobs": 1}
+    native, python = await _whole_on_both_paths(
+        COMPLETIONS, body, unstreamed=True, timeouts={"total_ms": 300}
+    )
+    assert native == python
+    head, _, text = native.partition(b"\r\n\r\n")
+    assert b"\r\nx-llmflow-reason: deadline" in head
+    reply = json.loads(text)
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert all(c["text"].startswith("\n\n[llmflow: reply") for c in reply["choices"])
+
+
+async def test_an_unstreamed_answer_counts_its_tokens_and_frees_everything() -> None:
+    trace = io.StringIO()
+    async with start_gateway(trace=trace) as h:
+        body = {**_whole_body(COMPLETIONS, max_tokens=7), "prompt_logprobs": 1}
+        r = await h.client.post(COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        assert _native(dict(r.headers))
+        await until(lambda: h.gateway.runtime.live == 0)
+        await assert_idle(h)
+    fed = [json.loads(line)["ev"] for line in trace.getvalue().splitlines()[1:]]
+    tokens = [e["tokens"]["n"] for e in fed if isinstance(e, dict) and "tokens" in e]
+    assert tokens == [7]  # all at once, from the answer's usage

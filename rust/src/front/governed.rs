@@ -109,6 +109,9 @@ struct Life {
     /// The reply being assembled, for a client that did not ask for a stream (the relay gives
     /// this task its payloads; the client's socket stays here).
     whole: Option<super::whole::Whole>,
+    /// vLLM's answer to a request sent unstreamed (`RelayEvent::Answer`): the reply, unless
+    /// a cut came first.
+    unstreamed_answer: Option<Vec<u8>>,
     failure: Option<Failure>,
     /// An error to answer with once the relay gives the connection back (`GiveBack`).
     answer: Option<Vec<u8>>,
@@ -154,10 +157,7 @@ impl Governed {
         request: &Request,
     ) -> Option<Accepted> {
         // Streamed, or assembled whole from the stream (`whole.rs`), any number of choices;
-        // prompt logprobs (asked unstreamed: vLLM's answer goes on as it is) are Python's.
-        if prepared.unstreamed {
-            return None;
-        }
+        // or asked unstreamed (prompt logprobs: vLLM's answer goes on as it wrote it).
         let headers = request
             .headers
             .iter()
@@ -254,6 +254,7 @@ impl Governed {
             watching: true,
             template: None,
             whole,
+            unstreamed_answer: None,
             failure: None,
             answer: None,
             finished: false,
@@ -517,6 +518,7 @@ impl Governed {
             include_usage: life.prepared.include_usage,
             continuous_usage: life.prepared.continuous_usage,
             choices: life.prepared.choices,
+            unstreamed: life.prepared.unstreamed,
             whole: life.whole.is_some(),
             sink: sink.clone(),
         });
@@ -568,6 +570,11 @@ impl Governed {
                 }
             }
             RelayEvent::Payload(_, payload) => self.fold(life, &payload),
+            RelayEvent::Answer(_, answer) => {
+                if !life.ended {
+                    life.unstreamed_answer = Some(answer);
+                }
+            }
             // The stream tallied them (at most `token_flush` late, and before its next event).
             RelayEvent::Tokens(_, n) => self.feed(&Event::Tokens {
                 id,
@@ -681,7 +688,11 @@ impl Governed {
     /// The bytes of a reply assembled whole (`cut`: the runtime's reason, when it cut it).
     fn whole_bytes(&self, life: &Life, whole: &super::whole::Whole, cut: Option<&str>) -> Vec<u8> {
         let _ = self;
-        let body = whole.body(unix_now_s());
+        // vLLM's answer once it came, even past a cut (as `StreamSession.response`).
+        let body = life.unstreamed_answer.as_ref().map_or_else(
+            || whole.body(unix_now_s()),
+            |answer| super::whole::answer_body(answer),
+        );
         let date = super::answer::http_date(std::time::SystemTime::now());
         let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
         super::reply::whole_response(&body, life.id, cut, &defaults, life.keep_alive)

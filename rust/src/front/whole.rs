@@ -117,6 +117,13 @@ impl Unread {
     }
 }
 
+/// The body of vLLM's answer to a request sent unstreamed, as `JSONResponse(answer)` renders
+/// it (the Python path's `json.loads`, then Starlette's rendering); an answer this reader does
+/// not hold as Python does (a key twice, an integer past 64 bits) goes as vLLM wrote it.
+pub fn answer_body(answer: &[u8]) -> Vec<u8> {
+    json::parse(answer).map_or_else(|| answer.to_vec(), |a| json::to_vec(&a, STARLETTE))
+}
+
 /// One tool call being assembled: `{"function": {"arguments", "name"?}, "id"?, "type"?}`.
 #[derive(Debug, Clone, Default)]
 struct Tool {

@@ -121,6 +121,11 @@ impl ChunkShaper {
         self.completion_tokens
     }
 
+    /// An unstreamed answer's tokens, all at once (its usage's `completion_tokens`).
+    pub fn answered(&mut self, tokens: u64) {
+        self.completion_tokens = tokens;
+    }
+
     /// Indexes of the choices that have not sent a finish reason, in order (a cut's notice
     /// names them).
     pub fn open_choices(&self) -> Vec<u64> {

@@ -100,6 +100,7 @@ pub struct Shared {
 pub type Sink = tokio::sync::mpsc::UnboundedSender<RelayEvent>;
 
 /// A streamed completion to relay: the request's head and body, and how to relay it.
+#[allow(clippy::struct_excessive_bools)] // the reply's shape, as the client asked it
 pub struct StreamRequest<'a> {
     /// The host's id of the request (its events and controls name it).
     pub id: u64,
@@ -117,6 +118,9 @@ pub struct StreamRequest<'a> {
     /// The reply's choices (`n`, times the prompts of a batch): a cut's notice names those
     /// still open.
     pub choices: u64,
+    /// Sent as it is, unstreamed: vLLM answers one JSON object, which goes to the sink whole
+    /// (`RelayEvent::Answer`; the request asked for prompt logprobs). Implies `whole`.
+    pub unstreamed: bool,
     /// Give each payload to the sink (`RelayEvent::Payload`) instead of writing chunks to a
     /// client: the host assembles a reply not streamed.
     pub whole: bool,
@@ -223,6 +227,7 @@ impl Streams {
             include_usage,
             continuous_usage,
             choices,
+            unstreamed,
             whole,
             sink,
         } = request;
@@ -269,7 +274,8 @@ impl Streams {
             include_usage,
             continuous_usage,
             choices,
-            whole,
+            unstreamed,
+            whole: whole || unstreamed,
             sink,
         };
         self.handle.spawn(async move {

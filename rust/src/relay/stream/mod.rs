@@ -66,6 +66,7 @@ pub enum Control {
 }
 
 /// A request to relay.
+#[allow(clippy::struct_excessive_bools)] // the reply's shape, as the client asked it
 pub struct Open {
     pub id: u64,
     /// The backend, `host:port`.
@@ -82,6 +83,8 @@ pub struct Open {
     pub continuous_usage: bool,
     /// The reply's choices (`n`, times the prompts of a batch).
     pub choices: u64,
+    /// vLLM answers one JSON object (`RelayEvent::Answer`), not a stream.
+    pub unstreamed: bool,
     /// Give the payloads to the sink, write nothing to a client (a reply not streamed).
     pub whole: bool,
     /// Where its events go (the native front's task).
@@ -96,6 +99,9 @@ const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
 const BODY_END_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 const WRITE_BATCH: usize = 64; // pieces per vectored write
+/// The most of an unstreamed answer read (`upstream._ANSWER_LIMIT`); past it the answer is
+/// cut there, and reads as JSON no more.
+const ANSWER_LIMIT: usize = 16 * 1024 * 1024;
 
 #[allow(clippy::struct_excessive_bools)] // one task's state flags, each read in one place
 struct Task {
@@ -146,6 +152,8 @@ struct Task {
     tokens_due: Option<tokio::time::Instant>,
     /// The timer of `tokens_due`, made once and reset (a chunk arms no new one).
     token_timer: Pin<Box<tokio::time::Sleep>>,
+    /// An unstreamed answer's bytes so far (from its 200 to its body's end).
+    answer: Option<Vec<u8>>,
 }
 
 /// Run one stream to its end; returns the event that closes it.
@@ -196,6 +204,7 @@ pub async fn run(
         tokens: 0,
         tokens_due: None,
         token_timer: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
+        answer: None,
     };
     task.run(&mut ctrl).await;
     task.closed()
