@@ -687,3 +687,20 @@ async def test_an_unstreamed_answer_counts_its_tokens_and_frees_everything() -> 
     fed = [json.loads(line)["ev"] for line in trace.getvalue().splitlines()[1:]]
     tokens = [e["tokens"]["n"] for e in fed if isinstance(e, dict) and "tokens" in e]
     assert tokens == [7]  # all at once, from the answer's usage
+
+
+async def test_a_client_that_leaves_before_its_unstreamed_answer_frees_everything() -> None:
+    async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
+        body = {**_whole_body(COMPLETIONS, fake={"ttft": 0.5}), "prompt_logprobs": 1}
+        _, writer = await _raw(h.url, _post(COMPLETIONS, body))
+        await until(lambda: h.fake.running == 1)
+        writer.close()
+        await until(lambda: h.gateway.runtime.live == 0)
+        assert h.gateway.runtime.running == 0  # the slot is free before vLLM answers
+        # the next one takes it, natively, and gets vLLM's answer
+        r = await h.client.post(COMPLETIONS, json={**body, "fake": {}})
+        assert r.status_code == 200, r.text
+        assert _native(dict(r.headers))
+        assert r.json()["choices"][0]["prompt_logprobs"] == [None, {"7": -1.5}]
+        await until(lambda: h.fake.running == 0)
+        await assert_idle(h)
