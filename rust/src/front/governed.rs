@@ -2,7 +2,8 @@
 //! carried out, the reply through the relay, the connection back for its next request.
 //!
 //! This is the Rust twin of the Python path's `StreamSession`/`RelayedSession` for the requests
-//! the front is sure of (a completion of one choice that the checks accept; see `prepare.rs`).
+//! the front is sure of (a completion the checks accept, of any number of choices, streamed,
+//! whole, or asked unstreamed; see `prepare.rs`).
 //! What the checks refuse it answers with the app's error (`accept`), before the runtime hears
 //! of it; it declines everything else, and the app serves that as before. The task decides
 //! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,

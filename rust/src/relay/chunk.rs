@@ -1,7 +1,7 @@
 //! The chunk logic of a relayed stream: count new tokens, cut the usage the client did not ask
 //! for, hold a finishing chunk for the fingerprint behind it, and coalesce chunks. The Python
 //! twin (`gateway/streaming.py`, `ChunkParser`) follows the same rules, and
-//! `tests/gateway/test_relay_chunks.py` feeds both the same payloads. A chunk the relay
+//! `property_tests/test_stream_frames.py` feeds both the same payloads. A chunk the relay
 //! rewrites is written as `encode_event` writes it (`front::json`: its keys in their order,
 //! `ensure_ascii`, compact), so the client reads the bytes the Python path sends.
 
