@@ -5,7 +5,8 @@ the stream folded into vLLM's unstreamed reply. The Python path folds it with `C
 and `Accumulator` and renders it with `JSONResponse`; the native front with
 `rust/src/front/whole.rs`. Fed the same payloads (text and reasoning deltas, tool call
 deltas, logprobs, token ids, finish and stop reasons, continuous usage, top-level fields, the
-marker, a cut's tail), both must give the same bytes, or both fail the request with the same
+marker, a cut's tail naming the choices still open), for one choice or several (`n`, or the
+prompts of a batch), both must give the same bytes, or both fail the request with the same
 message.
 """
 
@@ -38,11 +39,11 @@ _UNREAD = "the gateway could not read the backend's reply"  # `StreamSession._re
 
 
 def python_reply(
-    endpoint: str, model: str, payloads: list[bytes], cut: tuple[str, int] | None
+    endpoint: str, model: str, payloads: list[bytes], cut: tuple[str, int] | None, n: int = 1
 ) -> bytes | str:
     """What `StreamSession` makes of the payloads for a client that did not stream: the
     response's body, or the message the request fails with."""
-    options = ClientOptions(endpoint, model, False)  # type: ignore[arg-type]
+    options = ClientOptions(endpoint, model, False, n)  # type: ignore[arg-type]
     parser, accumulator = ChunkParser(options), Accumulator(options)
     for payload in payloads:
         try:
@@ -83,12 +84,13 @@ def streams(draw: Any) -> tuple[str, list[bytes]]:
         st.sampled_from(sorted(NOTICES)) | st.text(max_size=8), st.integers(0, 2**64 - 1)
     ),
     now_s=st.integers(0, 2**40),
+    n=st.sampled_from([1, 1, 2, 3]),
 )
 def test_the_native_whole_reply_is_the_python_paths(
-    stream: tuple[str, list[bytes]], model: str, cut: tuple[str, int] | None, now_s: int
+    stream: tuple[str, list[bytes]], model: str, cut: tuple[str, int] | None, now_s: int, n: int
 ) -> None:
     endpoint, payloads = stream
     with patch.object(streaming, "time", SimpleNamespace(time=lambda: now_s + 0.75)):
-        expected = python_reply(endpoint, model, payloads, cut)
-    got = front_whole_reply(endpoint, model, payloads, now_s, cut)  # type: ignore[arg-type]
+        expected = python_reply(endpoint, model, payloads, cut, n)
+    got = front_whole_reply(endpoint, model, payloads, now_s, cut, n)  # type: ignore[arg-type]
     assert got == expected

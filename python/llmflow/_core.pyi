@@ -1065,12 +1065,46 @@ def front_cut_names_itself(reason: str) -> bool:
     """Whether a reply cut for `reason` names it in `x-llmflow-reason`, as the front decides
     (`contract.REFUSALS[reason].cut` on the Python side)."""
 
+def front_merge_frames(frames: list[bytes]) -> list[bytes]:
+    """The relay's coalescing of the frames waiting for the flush interval: as
+    `[encode_item(c) for c in merge_chunks(items)]` writes them."""
+
+def front_stream_frames(
+    endpoint_name: Literal["chat", "completions"],
+    model: str,
+    payloads: list[bytes],
+    now_s: int,
+    include_usage: bool,
+    continuous_usage: bool,
+    n: int,
+    cut: tuple[str, int] | None = None,
+) -> bytes | str:
+    """What the relay writes to a streaming client for an upstream stream's `data:` payloads,
+    before any coalescing: each payload's frames, then the finishing chunks still held (at
+    `[DONE]`), or the frames of a cut after the payloads (the held chunks, the notice naming
+    the choices still open); or the failure's message at the first payload that fails it.
+
+    Args:
+        endpoint_name: the route.
+        model: the model the client named.
+        payloads: the stream's payloads, in order.
+        now_s: the clock's whole seconds (the `created` of a notice no chunk named).
+        include_usage: the client asked for `stream_options.include_usage`.
+        continuous_usage: the client asked for `stream_options.continuous_usage_stats`.
+        n: the choices asked for (`ClientOptions.n`).
+        cut: `(reason, request_id)` of a cut after the payloads.
+
+    Raises:
+        InvalidArgumentError: an endpoint other than chat or completions.
+    """
+
 def front_whole_reply(
     endpoint_name: Literal["chat", "completions"],
     model: str,
     payloads: list[bytes],
     now_s: int,
     cut: tuple[str, int] | None = None,
+    n: int = 1,
 ) -> bytes | str:
     """A non-streamed reply assembled from an upstream stream's `data:` payloads, as the
     native front assembles it: the body `JSONResponse(Accumulator.response(usage))` renders,
@@ -1082,6 +1116,7 @@ def front_whole_reply(
         payloads: the stream's payloads, in order.
         now_s: the clock's whole seconds (the `created` of a reply no chunk named).
         cut: `(reason, request_id)` of a cut after the payloads.
+        n: the choices asked for (`ClientOptions.n`).
 
     Raises:
         InvalidArgumentError: an endpoint other than chat or completions.

@@ -16,7 +16,14 @@ Each request may carry a `fake` object (the gateway passes unknown fields throug
   when the engine fails under a started stream; with `error_param` (str) the event is vLLM's
   refusal of a parameter instead (`"code": 400`, that `param`), as vLLM sends one it checks
   only once the stream has begun (`logprobs` over its maximum);
-- `close_after` (int): after that many tokens end the body cleanly, without `[DONE]`.
+- `close_after` (int): after that many tokens end the body cleanly, without `[DONE]`;
+- `choice_tokens` (list of int): with several choices, how many tokens each generates (a
+  choice that finishes early sends its finishing chunk while the others go on).
+
+A request for several choices (`n`, times the prompts of a completions `prompt` list, indexed
+`prompt * n + choice` as vLLM does) streams one chunk per choice per step, interleaved, each
+with the usage so far over all choices when continuous usage is asked; a `step` reply emits
+one step (a token of every unfinished choice) per `release()`.
 
 A request without `"stream": true` gets one JSON answer (`fake_whole: true` in it), as vLLM
 answers what the gateway sends unstreamed.
@@ -156,16 +163,23 @@ class FakeVllm:
             return StreamingResponse(self._hang(held), media_type="text/event-stream")
         chat = request.url.path.endswith("chat/completions")
         if not body.get("stream"):  # what the gateway sends unstreamed (prompt logprobs)
-            return JSONResponse(self._whole(body, chat, held))
+            return JSONResponse(await self._whole(body, plan, chat, held))
         return StreamingResponse(
             self._stream(body, plan, chat, held), media_type="text/event-stream"
         )
 
-    def _whole(self, body: dict[str, Any], chat: bool, held: _HeldBy) -> dict[str, Any]:
+    async def _whole(
+        self, body: dict[str, Any], plan: dict[str, Any], chat: bool, held: _HeldBy
+    ) -> dict[str, Any]:
         n = int(body.get("max_tokens") or 8)
         text = "".join(f"t{i} " for i in range(n))
         self._enter(held)
-        self._leave(held, True)
+        finished = False
+        try:  # it runs as long as its stream would (`ttft`, then `itl` per token)
+            await asyncio.sleep(float(plan.get("ttft", 0.0)) + float(plan.get("itl", 0.0)) * n)
+            finished = True
+        finally:
+            self._leave(held, finished)
         self.tokens_sent += n
         return {
             "id": f"cmpl-fake{self.seen}",
@@ -223,21 +237,19 @@ class FakeVllm:
             continuous = bool(options.get("continuous_usage_stats"))
             prompt = 10
             await asyncio.sleep(float(plan.get("ttft", 0.0)))
+            counts = [int(c) for c in plan.get("choice_tokens") or [n] * _choices(body, chat)]
             if chat:
-                yield _frame(
-                    base,
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                    _usage(prompt, 0) if continuous else None,
-                )
+                for index in range(len(counts)):
+                    role = {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _frame(base, [role], _usage(prompt, 0) if continuous else None)
             pad = int(plan.get("chunk_bytes", 0))
-            for i in range(n):
+            sent = 0
+            for i in range(max(counts, default=0)):
                 if plan.get("step"):
                     await self.steps.get()
                 elif i and plan.get("itl"):
@@ -261,13 +273,20 @@ class FakeVllm:
                     finished = None
                     return
                 text = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
-                finish = "length" if i == n - 1 else None
-                choice: dict[str, Any] = (
-                    {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-                )
-                choice.update(logprobs=None, finish_reason=finish)
-                self.tokens_sent += 1
-                yield _frame(base, [choice], _usage(prompt, i + 1) if continuous else None)
+                for index, count in enumerate(counts):
+                    if i >= count:
+                        continue
+                    finish = "length" if i == count - 1 else None
+                    choice: dict[str, Any] = (
+                        {"index": index, "delta": {"content": text}}
+                        if chat
+                        else {"index": index, "text": text}
+                    )
+                    choice.update(logprobs=None, finish_reason=finish)
+                    self.tokens_sent += 1
+                    sent += 1
+                    yield _frame(base, [choice], _usage(prompt, sent) if continuous else None)
+            n = sent
             if options.get("include_usage"):
                 yield _frame(base, [], _usage(prompt, n))
             yield b"data: [DONE]\n\n"
@@ -319,6 +338,14 @@ def _refusal(param: str) -> dict[str, Any]:
         "param": param,
         "code": 400,
     }
+
+
+def _choices(body: dict[str, Any], chat: bool) -> int:
+    """The choices of a request: `n`, times the prompts of a completions batch."""
+    prompt = body.get("prompt")
+    batch = not chat and isinstance(prompt, list) and bool(prompt)
+    prompts = len(prompt) if batch and not isinstance(prompt[0], int) else 1
+    return int(body.get("n") or 1) * prompts
 
 
 def _due(plan: dict[str, Any], key: str, i: int) -> bool:

@@ -113,11 +113,12 @@ async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_
     cap = 2
     async with start_gateway(gate={"max_concurrency_per_gpu": cap}) as h:
         streamed = _body(max_tokens=8, fake={"itl": 0.01})
-        # two choices: the front passes it to Python
-        whole = {**streamed, "stream": False, "n": 2}
+        # a page's request (same origin): the front passes it to Python, which judges it
+        whole = {**streamed, "stream": False}
+        page = {"origin": h.url}
         results = await asyncio.gather(
             *(_stream(h.client, CHAT, streamed) for _ in range(6)),
-            *(h.client.post(CHAT, json=whole) for _ in range(6)),
+            *(h.client.post(CHAT, json=whole, headers=page) for _ in range(6)),
         )
         native = results[:6]
         python: list[httpx.Response] = list(results[6:])  # type: ignore[arg-type]
@@ -257,10 +258,15 @@ def _wire(raw: bytes) -> bytes:
 
 
 async def _whole_on_both_paths(
-    path: str, body: dict[str, Any], steps: int | None = None, **sections: Any
+    path: str,
+    body: dict[str, Any],
+    steps: int | None = None,
+    unstreamed: bool = False,
+    **sections: Any,
 ) -> list[bytes]:
     """The raw reply to `body`, not streamed, from the native front and from the Python path
-    (`relay: false`); `steps`: the fake emits that many tokens, then holds the rest."""
+    (`relay: false`); `steps`: the fake emits that many tokens, then holds the rest;
+    `unstreamed`: the request asks what vLLM computes only unstreamed (prompt logprobs)."""
     replies = []
     server = sections.pop("server", {})
     for native in (True, False):
@@ -273,7 +279,10 @@ async def _whole_on_both_paths(
             request_id = int(re.search(rb"x-request-id: llmflow-(\d+)", raw).group(1))  # type: ignore[union-attr]
             assert (request_id >= NATIVE_IDS) == native, raw
             sent = h.fake.bodies[-1] if h.fake.bodies else {}
-            if sent:  # vLLM was asked for a stream, with continuous usage, either way
+            if sent and unstreamed:  # sent as the client sent it, either way
+                assert sent["stream"] is False
+                assert "stream_options" not in sent
+            elif sent:  # vLLM was asked for a stream, with continuous usage, either way
                 assert sent["stream"] is True
                 assert sent["stream_options"]["continuous_usage_stats"] is True
             h.fake.release(100)  # a held reply, cut: let the fake's own task end
@@ -477,4 +486,221 @@ async def test_a_stream_cut_by_its_deadline_keeps_the_connection(native: bool) -
         assert _native({"x-request-id": re.search(r"llmflow-\d+", head.decode()).group()}) == native  # type: ignore[union-attr]
         await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)
         writer.close()
+        await assert_idle(h)
+
+
+# ---- several choices and continuous usage --------------------------------------------------
+
+
+def _sse_body(text: str) -> str:
+    """A streamed reply's body less what differs by run: the `created` clock."""
+    return re.sub(r'"created":\d+', '"created":0', text)
+
+
+async def _streams_on_both_paths(
+    path: str, body: dict[str, Any], steps: int | None = None, **sections: Any
+) -> list[str]:
+    """The body of the streamed reply to `body` from the native front and from the Python
+    path (`relay: false`), each checked to be served where it should; `steps`: the fake
+    emits that many steps, then holds the rest."""
+    replies = []
+    server = sections.pop("server", {})
+    for native in (True, False):
+        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+            request = asyncio.create_task(_stream(h.client, path, body))
+            if steps is not None:
+                await until(lambda h=h: h.fake.running == 1)
+                h.fake.release(steps)
+            status, text, headers = await asyncio.wait_for(request, 10)
+            assert status == 200, text
+            assert _native(headers) == native
+            sent = h.fake.bodies[-1]  # vLLM streamed it either way, with continuous usage
+            assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+            h.fake.release(100)  # a held reply, cut: let the fake's own task end
+            await until(lambda h=h: h.gateway.runtime.live == 0)
+            replies.append(_sse_body(text))
+    return replies
+
+
+def _chunks(text: str) -> list[dict[str, Any]]:
+    return [e for e in _events(text) if isinstance(e, dict)]
+
+
+_BOTH = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        (CHAT, {"n": 2}),
+        (CHAT, {"n": 3, "fake": {"choice_tokens": [2, 5, 3]}}),
+        (CHAT, {"n": 2, "stream_options": {"include_usage": True}}),
+        (COMPLETIONS, {"n": 2, "fake": {"choice_tokens": [4, 1]}}),
+        (COMPLETIONS, {"prompt": ["hi", "there"], "n": 2}),
+        (CHAT, {"stream_options": _BOTH}),
+        (CHAT, {"stream_options": {"continuous_usage_stats": True}}),
+        (COMPLETIONS, {"stream_options": _BOTH}),
+        (CHAT, {"n": 2, "stream_options": _BOTH, "fake": {"choice_tokens": [1, 3]}}),
+    ],
+    ids=[
+        "chat-n2", "chat-n3-uneven", "chat-n2-usage", "completions-n2-uneven", "prompt-list",
+        "chat-continuous", "chat-continuous-no-usage-chunk", "completions-continuous",
+        "chat-n2-continuous",
+    ],
+)
+async def test_several_choices_and_continuous_usage_stream_natively_as_python_sends_them(
+    path: str, extra: dict[str, Any]
+) -> None:
+    native, python = await _streams_on_both_paths(path, {**_body(path), **extra})
+    assert native == python
+    chunks = _chunks(native)
+    options = extra.get("stream_options", {})
+    n = extra.get("n", 1) * len(extra.get("prompt", [""]))
+    finished = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert sorted(finished) == list(range(n))  # every choice ends, once
+    with_usage = [chunk for chunk in chunks if chunk.get("usage")]
+    if options.get("continuous_usage_stats"):
+        # every chunk states the tokens so far, and the tallies only grow
+        assert all(chunk.get("usage") for chunk in chunks)
+        tallies = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+        assert tallies == sorted(tallies)
+    else:
+        assert all(not chunk["choices"] for chunk in with_usage)
+    usage_chunk = [chunk for chunk in chunks if not chunk["choices"]]
+    assert len(usage_chunk) == (1 if options.get("include_usage") else 0)
+    if usage_chunk:
+        counts = extra.get("fake", {}).get("choice_tokens") or [5] * n
+        assert usage_chunk[0]["usage"]["completion_tokens"] == sum(counts)
+
+
+async def test_a_cut_names_the_choices_still_open_on_the_native_path_as_on_pythons() -> None:
+    # Choice 0 finishes at its first token; two steps come, then the deadline cuts 1 and 2.
+    body = _body(max_tokens=50, n=3, fake={"step": True, "choice_tokens": [1, 50, 50]})
+    native, python = await _streams_on_both_paths(CHAT, body, steps=2, timeouts={"total_ms": 400})
+    assert native == python
+    chunks = _chunks(native)
+    tail = chunks[-1]
+    assert tail["llmflow"] == {"truncated": True, "reason": "deadline"}
+    assert [c["index"] for c in tail["choices"]] == [1, 2]
+    assert all(c["delta"]["content"].startswith("\n\n[llmflow: reply") for c in tail["choices"])
+    # choice 0's own finishing chunk came before the notice, with no notice of its own
+    zero = [c for chunk in chunks for c in chunk["choices"] if c["index"] == 0]
+    assert [c["finish_reason"] for c in zero if c["finish_reason"]] == ["length"]
+
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        (CHAT, {"n": 2}),
+        (CHAT, {"n": 3, "fake": {"choice_tokens": [2, 5, 3]}}),
+        (COMPLETIONS, {"n": 2, "fake": {"choice_tokens": [4, 1]}}),
+        (COMPLETIONS, {"prompt": ["hi", "there", "you"]}),
+        (CHAT, {"n": 2, "stream_options": None}),
+    ],
+    ids=["chat-n2", "chat-n3-uneven", "completions-n2-uneven", "prompt-list", "chat-n2-null"],
+)
+async def test_a_whole_reply_of_several_choices_is_the_python_paths_byte_for_byte(
+    path: str, extra: dict[str, Any]
+) -> None:
+    native, python = await _whole_on_both_paths(path, {**_whole_body(path), **extra})
+    assert native == python
+    head, _, body = native.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    reply = json.loads(body)
+    n = extra.get("n", 1) * len(extra.get("prompt", [""]))
+    counts = extra.get("fake", {}).get("choice_tokens") or [5] * n
+    assert [c["index"] for c in reply["choices"]] == list(range(n))
+    for choice, count in zip(reply["choices"], counts, strict=True):
+        text = choice["message"]["content"] if path == CHAT else choice["text"]
+        assert text == "".join(f"t{i} " for i in range(count))
+        assert choice["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == sum(counts)
+
+
+async def test_a_whole_reply_of_several_choices_cut_by_its_deadline_is_the_python_paths() -> None:
+    # Choice 1 finishes at its first token; two steps come, then the deadline cuts 0 and 2.
+    body = _whole_body(max_tokens=50, n=3, fake={"step": True, "choice_tokens": [50, 1, 50]})
+    native, python = await _whole_on_both_paths(CHAT, body, steps=2, timeouts={"total_ms": 400})
+    assert native == python
+    head, _, text = native.partition(b"\r\n\r\n")
+    assert b"\r\nx-llmflow-reason: deadline" in head
+    reply = json.loads(text)
+    contents = [c["message"]["content"] for c in reply["choices"]]
+    assert contents[1] == "t0 "
+    assert contents[0].startswith("t0 t1 \n\n[llmflow: reply")
+    assert contents[2].startswith("t0 t1 \n\n[llmflow: reply")
+    assert reply["llmflow"] == {"truncated": True, "reason": "deadline"}
+
+
+# ---- prompt logprobs: asked of vLLM unstreamed -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        (COMPLETIONS, {"prompt_logprobs": 1}),
+        (COMPLETIONS, {"echo": True, "logprobs": 2}),
+        (CHAT, {"prompt_logprobs": 1}),
+    ],
+    ids=["completions", "echo", "chat"],
+)
+async def test_an_unstreamed_answer_is_the_python_paths_byte_for_byte(
+    path: str, extra: dict[str, Any]
+) -> None:
+    native, python = await _whole_on_both_paths(
+        path, {**_whole_body(path), **extra}, unstreamed=True
+    )
+    assert native == python
+    head, _, body = native.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    reply = json.loads(body)
+    assert reply["fake_whole"] is True  # vLLM's own answer, every field of it
+    assert reply["choices"][0]["prompt_logprobs"] == [None, {"7": -1.5}]
+    assert reply["usage"]["completion_tokens"] == 5
+
+
+async def test_an_unstreamed_answer_cut_by_its_deadline_is_the_python_paths() -> None:
+    # vLLM takes 2 s to answer; the total deadline cuts the request at 300 ms: the reply is
+    # the notice for every choice, on either path.
+    body = {**_whole_body(COMPLETIONS, n=2, fake={"ttft": 2}), "prompt_logprobs": 1}
+    native, python = await _whole_on_both_paths(
+        COMPLETIONS, body, unstreamed=True, timeouts={"total_ms": 300}
+    )
+    assert native == python
+    head, _, text = native.partition(b"\r\n\r\n")
+    assert b"\r\nx-llmflow-reason: deadline" in head
+    reply = json.loads(text)
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert all(c["text"].startswith("\n\n[llmflow: reply") for c in reply["choices"])
+
+
+async def test_an_unstreamed_answer_counts_its_tokens_and_frees_everything() -> None:
+    trace = io.StringIO()
+    async with start_gateway(trace=trace) as h:
+        body = {**_whole_body(COMPLETIONS, max_tokens=7), "prompt_logprobs": 1}
+        r = await h.client.post(COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        assert _native(dict(r.headers))
+        await until(lambda: h.gateway.runtime.live == 0)
+        await assert_idle(h)
+    fed = [json.loads(line)["ev"] for line in trace.getvalue().splitlines()[1:]]
+    tokens = [e["tokens"]["n"] for e in fed if isinstance(e, dict) and "tokens" in e]
+    assert tokens == [7]  # all at once, from the answer's usage
+
+
+async def test_a_client_that_leaves_before_its_unstreamed_answer_frees_everything() -> None:
+    async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
+        body = {**_whole_body(COMPLETIONS, fake={"ttft": 0.5}), "prompt_logprobs": 1}
+        _, writer = await _raw(h.url, _post(COMPLETIONS, body))
+        await until(lambda: h.fake.running == 1)
+        writer.close()
+        await until(lambda: h.gateway.runtime.live == 0)
+        assert h.gateway.runtime.running == 0  # the slot is free before vLLM answers
+        # the next one takes it, natively, and gets vLLM's answer
+        r = await h.client.post(COMPLETIONS, json={**body, "fake": {}})
+        assert r.status_code == 200, r.text
+        assert _native(dict(r.headers))
+        assert r.json()["choices"][0]["prompt_logprobs"] == [None, {"7": -1.5}]
+        await until(lambda: h.fake.running == 0)
         await assert_idle(h)

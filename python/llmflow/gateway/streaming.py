@@ -33,6 +33,8 @@ Item = Union["Json", bytes]
 
 _DIGITS = frozenset(b"0123456789 ")
 _TEXT_DELTAS = frozenset({"content", "reasoning_content", "reasoning"})
+# A choice's fields that a merge carries (any other, such as `token_ids`, keeps it apart).
+_MERGEABLE = frozenset({"index", "delta", "text", "finish_reason", "logprobs", "stop_reason"})
 NOTICES = {  # visible text appended when the gateway cuts a reply
     "deadline": "\n\n[llmflow: reply truncated: the request reached its total deadline]",
     "first_token_timeout": "[llmflow: the model did not start answering in time; please retry]",
@@ -255,7 +257,7 @@ def _merge_into(a: Json, b: Json) -> bool:
 def _choice_mergeable(ca: Json, cb: Json) -> bool:
     if ca.get("finish_reason") is not None or ca.get("logprobs") or cb.get("logprobs"):
         return False
-    if set(ca) | set(cb) > {"index", "delta", "text", "finish_reason", "logprobs", "stop_reason"}:
+    if not set(ca) | set(cb) <= _MERGEABLE:
         return False
     for key, value in (cb.get("delta") or {}).items():
         if key not in _TEXT_DELTAS and key != "role" and value not in (None, "", []):

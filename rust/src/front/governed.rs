@@ -2,7 +2,8 @@
 //! carried out, the reply through the relay, the connection back for its next request.
 //!
 //! This is the Rust twin of the Python path's `StreamSession`/`RelayedSession` for the requests
-//! the front is sure of (a completion of one choice that the checks accept; see `prepare.rs`).
+//! the front is sure of (a completion the checks accept, of any number of choices, streamed,
+//! whole, or asked unstreamed; see `prepare.rs`).
 //! What the checks refuse it answers with the app's error (`accept`), before the runtime hears
 //! of it; it declines everything else, and the app serves that as before. The task decides
 //! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
@@ -19,7 +20,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::owner::{now_us, Order, Owner};
 use super::record::Record;
 use super::{Conn, Outcome, Request};
-use crate::relay::{Control, Failure, RelayEvent, StreamRequest, Streams};
+use crate::relay::{Control, Ending, Failure, RelayEvent, StreamRequest, Streams};
 use crate::runtime::{Action, Event};
 use crate::types::Outcome as End;
 
@@ -109,6 +110,9 @@ struct Life {
     /// The reply being assembled, for a client that did not ask for a stream (the relay gives
     /// this task its payloads; the client's socket stays here).
     whole: Option<super::whole::Whole>,
+    /// vLLM's answer to a request sent unstreamed (`RelayEvent::Answer`): the reply, unless
+    /// a cut came first.
+    unstreamed_answer: Option<Vec<u8>>,
     failure: Option<Failure>,
     /// An error to answer with once the relay gives the connection back (`GiveBack`).
     answer: Option<Vec<u8>>,
@@ -153,11 +157,8 @@ impl Governed {
         prepared: super::prepare::Prepared,
         request: &Request,
     ) -> Option<Accepted> {
-        // One choice, streamed without continuous usage or assembled whole (`whole.rs`);
-        // several choices, continuous usage and prompt logprobs (asked unstreamed) are Python's.
-        if prepared.choices != 1 || prepared.continuous_usage || prepared.unstreamed {
-            return None;
-        }
+        // Streamed, or assembled whole from the stream (`whole.rs`), any number of choices;
+        // or asked unstreamed (prompt logprobs: vLLM's answer goes on as it wrote it).
         let headers = request
             .headers
             .iter()
@@ -230,8 +231,9 @@ impl Governed {
             max_tokens: Some(prepared.planned_tokens),
             ..Record::default()
         };
-        let whole = (!prepared.stream)
-            .then(|| super::whole::Whole::new(prepared.endpoint, &prepared.asked_model));
+        let whole = (!prepared.stream).then(|| {
+            super::whole::Whole::new(prepared.endpoint, &prepared.asked_model, prepared.choices)
+        });
         let state = Life {
             id,
             prepared,
@@ -253,6 +255,7 @@ impl Governed {
             watching: true,
             template: None,
             whole,
+            unstreamed_answer: None,
             failure: None,
             answer: None,
             finished: false,
@@ -437,41 +440,49 @@ impl Governed {
             }
             return;
         }
-        let frame = match reason.as_str() {
+        let ending = match reason.as_str() {
             "client_stall" => None,
-            "upstream_error" => life
-                .failure
-                .as_ref()
-                .map(|f| super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code)),
+            "upstream_error" => life.failure.as_ref().map(|f| {
+                let frame =
+                    super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code);
+                Ending::Frame(frame)
+            }),
             other => {
-                life.record.truncated = true;
-                let now_s = unix_now_s();
-                Some(super::reply::cut_frame(&super::reply::Cut {
-                    endpoint: life.prepared.endpoint,
-                    model: &life.prepared.asked_model,
-                    template: life.template.as_deref(),
-                    open_choices: &[0],
-                    reason: other,
-                    request_id: life.id,
-                    now_s,
-                }))
+                let (endpoint, model) = (life.prepared.endpoint, life.prepared.asked_model.clone());
+                let (reason, request_id, now_s) = (other.to_owned(), life.id, unix_now_s());
+                let notice = move |open_choices: &[u64], template: Option<&str>| {
+                    super::reply::cut_frame(&super::reply::Cut {
+                        endpoint,
+                        model: &model,
+                        template,
+                        open_choices,
+                        reason: &reason,
+                        request_id,
+                        now_s,
+                    })
+                };
+                Some(Ending::Notice(Box::new(notice)))
             }
         };
-        let only_if_open = !matches!(reason.as_str(), "client_stall" | "upstream_error");
         if life.opened {
             // A reply ended in-band is written to its end by the relay, which then hands the
-            // connection back; one cut without a frame (a stalled client) is closed.
-            life.cut_in_band = frame.is_some();
-            self.streams.control(
-                life.id,
-                Control::Cut {
-                    frame,
-                    only_if_open,
-                },
-            );
+            // connection back; one cut without a frame (a stalled client) is closed. The relay
+            // knows which choices are still open: the notice names them (none: no notice).
+            life.cut_in_band = ending.is_some();
+            life.record.truncated = matches!(ending, Some(Ending::Notice(_)));
+            self.streams.control(life.id, Control::Cut(ending));
         } else {
-            // Cut before it ever started: the reply is the notice alone.
+            // Cut before it ever started: the reply is the notice alone, for every choice.
             let mut bytes = head(life);
+            let open: Vec<u64> = (0..life.prepared.choices).collect();
+            let frame = match ending {
+                Some(Ending::Frame(frame)) => Some(frame),
+                Some(Ending::Notice(notice)) => {
+                    life.record.truncated = true;
+                    Some(notice(&open, life.template.as_deref()))
+                }
+                None => None,
+            };
             if let Some(frame) = frame {
                 bytes.extend_from_slice(&chunked(&frame));
             }
@@ -506,6 +517,9 @@ impl Governed {
             request_id: &request_id,
             traceparent: None,
             include_usage: life.prepared.include_usage,
+            continuous_usage: life.prepared.continuous_usage,
+            choices: life.prepared.choices,
+            unstreamed: life.prepared.unstreamed,
             whole: life.whole.is_some(),
             sink: sink.clone(),
         });
@@ -557,6 +571,11 @@ impl Governed {
                 }
             }
             RelayEvent::Payload(_, payload) => self.fold(life, &payload),
+            RelayEvent::Answer(_, answer) => {
+                if !life.ended {
+                    life.unstreamed_answer = Some(answer);
+                }
+            }
             // The stream tallied them (at most `token_flush` late, and before its next event).
             RelayEvent::Tokens(_, n) => self.feed(&Event::Tokens {
                 id,
@@ -670,7 +689,11 @@ impl Governed {
     /// The bytes of a reply assembled whole (`cut`: the runtime's reason, when it cut it).
     fn whole_bytes(&self, life: &Life, whole: &super::whole::Whole, cut: Option<&str>) -> Vec<u8> {
         let _ = self;
-        let body = whole.body(unix_now_s());
+        // vLLM's answer once it came, even past a cut (as `StreamSession.response`).
+        let body = life.unstreamed_answer.as_ref().map_or_else(
+            || whole.body(unix_now_s()),
+            |answer| super::whole::answer_body(answer),
+        );
         let date = super::answer::http_date(std::time::SystemTime::now());
         let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
         super::reply::whole_response(&body, life.id, cut, &defaults, life.keep_alive)

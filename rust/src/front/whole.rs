@@ -117,6 +117,13 @@ impl Unread {
     }
 }
 
+/// The body of vLLM's answer to a request sent unstreamed, as `JSONResponse(answer)` renders
+/// it (the Python path's `json.loads`, then Starlette's rendering); an answer this reader does
+/// not hold as Python does (a key twice, an integer past 64 bits) goes as vLLM wrote it.
+pub fn answer_body(answer: &[u8]) -> Vec<u8> {
+    json::parse(answer).map_or_else(|| answer.to_vec(), |a| json::to_vec(&a, STARLETTE))
+}
+
 /// One tool call being assembled: `{"function": {"arguments", "name"?}, "id"?, "type"?}`.
 #[derive(Debug, Clone, Default)]
 struct Tool {
@@ -147,6 +154,8 @@ pub struct Whole {
     endpoint: Endpoint,
     /// The model the client named (the reply's, when no chunk named one).
     model: String,
+    /// The choices asked for (`n`, times the prompts of a batch): the reply has each.
+    n: u64,
     choices: Vec<(i128, Choice)>,
     /// `{"id","created","model"}` of the first chunk that had an id, in its order.
     template: Option<Vec<(String, Json)>>,
@@ -160,10 +169,12 @@ pub struct Whole {
 }
 
 impl Whole {
-    pub fn new(endpoint: Endpoint, model: &str) -> Self {
+    /// `n`: the choices asked for (`ClientOptions.n`).
+    pub fn new(endpoint: Endpoint, model: &str, n: u64) -> Self {
         Self {
             endpoint,
             model: model.to_owned(),
+            n,
             choices: Vec::new(),
             template: None,
             marker: None,
@@ -185,17 +196,20 @@ impl Whole {
         self.add(&chunk)
     }
 
-    /// A cut: the tail chunk with the notice and the marker folded in, when the choice is
-    /// still open (`StreamSession.on_cut` for a reply not streamed). Returns whether it was.
+    /// A cut: the tail chunk with the notice and the marker folded in, for the choices still
+    /// open (`StreamSession.on_cut` for a reply not streamed). Returns whether one was.
     pub fn cut(&mut self, reason: &str, request_id: u64, now_s: u64) -> bool {
-        if self.finished.contains(&0) {
+        let open: Vec<u64> = (0..self.n)
+            .filter(|&i| !self.finished.contains(&i128::from(i)))
+            .collect();
+        if open.is_empty() {
             return false;
         }
         let cut = Cut {
             endpoint: self.endpoint,
             model: &self.model,
             template: None,
-            open_choices: &[0],
+            open_choices: &open,
             reason,
             request_id,
             now_s,
@@ -270,11 +284,11 @@ impl Whole {
                 ("model".to_owned(), Json::Str(self.model.clone())),
             ]
         });
+        // `sorted(set(self._choices) | set(range(n)))`
         let mut indexes: Vec<i128> = self.choices.iter().map(|(i, _)| *i).collect();
-        if !indexes.contains(&0) {
-            indexes.push(0); // `range(n)`, n = 1
-        }
+        indexes.extend((0..self.n).map(i128::from));
         indexes.sort_unstable();
+        indexes.dedup();
         let empty = Choice::default();
         let choices = indexes
             .iter()

@@ -316,9 +316,9 @@ pub fn front_in_band_error<'py>(
 /// A non-streamed reply assembled from upstream `payloads` (each a `data:` payload), as the
 /// native front assembles it (`front/whole.rs`): `JSONResponse`'s body, or the failure's
 /// message at the first payload the fold does not take. `cut`: `(reason, request_id)` of a
-/// cut after the payloads; `now_s`: the clock's whole seconds.
+/// cut after the payloads; `now_s`: the clock's whole seconds; `n`: the choices asked for.
 #[pyfunction]
-#[pyo3(signature = (endpoint_name, model, payloads, now_s, cut=None))]
+#[pyo3(signature = (endpoint_name, model, payloads, now_s, cut=None, n=1))]
 #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
 pub fn front_whole_reply(
     py: Python<'_>,
@@ -327,11 +327,12 @@ pub fn front_whole_reply(
     payloads: Vec<Vec<u8>>,
     now_s: u64,
     cut: Option<(String, u64)>,
+    n: u64,
 ) -> PyResult<Py<PyAny>> {
-    let mut whole = crate::front::whole::Whole::new(endpoint(endpoint_name)?, model);
+    let mut whole = crate::front::whole::Whole::new(endpoint(endpoint_name)?, model, n);
     // As a whole stream runs: the relay's shaper checks each payload (and fails the stream
     // on a shape `ChunkParser` refuses) before the fold sees it.
-    let mut shaper = crate::relay::chunk::ChunkShaper::new(true);
+    let mut shaper = crate::relay::chunk::ChunkShaper::shaped(true, false, n);
     for payload in &payloads {
         if let Err(failure) = shaper.feed(payload) {
             return Ok(failure.message.into_pyobject(py)?.into_any().unbind());
@@ -344,6 +345,66 @@ pub fn front_whole_reply(
         whole.cut(&reason, request_id, now_s);
     }
     Ok(PyBytes::new(py, &whole.body(now_s)).into_any().unbind())
+}
+
+/// What the relay writes to a streaming client for upstream `payloads` (each a `data:`
+/// payload), before any coalescing: every frame the shaper gives, in order, then the held
+/// finishing chunks at `[DONE]`, or with `cut` (`(reason, request_id)`) the cut's frames as
+/// the relay writes them (`ChunkShaper::cut`, the front's notice); or the failure's message
+/// at the first payload that fails the stream. `now_s`: the clock's whole seconds.
+#[pyfunction]
+#[pyo3(signature = (endpoint_name, model, payloads, now_s, include_usage, continuous_usage, n, cut=None))]
+#[allow(clippy::needless_pass_by_value, clippy::too_many_arguments)] // PyO3 hands over owned
+pub fn front_stream_frames(
+    py: Python<'_>,
+    endpoint_name: &str,
+    model: &str,
+    payloads: Vec<Vec<u8>>,
+    now_s: u64,
+    include_usage: bool,
+    continuous_usage: bool,
+    n: u64,
+    cut: Option<(String, u64)>,
+) -> PyResult<Py<PyAny>> {
+    let endpoint = endpoint(endpoint_name)?;
+    let mut shaper = crate::relay::chunk::ChunkShaper::shaped(include_usage, continuous_usage, n);
+    let mut out = Vec::new();
+    for payload in &payloads {
+        match shaper.feed(payload) {
+            Ok(fed) => out.extend(fed.before.into_iter().chain(fed.frame).flatten()),
+            Err(failure) => return Ok(failure.message.into_pyobject(py)?.into_any().unbind()),
+        }
+    }
+    match cut {
+        None => out.extend(shaper.take_held().into_iter().flatten()),
+        Some((reason, request_id)) => {
+            let model = model.to_owned();
+            let notice = move |open_choices: &[u64], template: Option<&str>| {
+                reply::cut_frame(&Cut {
+                    endpoint,
+                    model: &model,
+                    template,
+                    open_choices,
+                    reason: &reason,
+                    request_id,
+                    now_s,
+                })
+            };
+            let ending = crate::relay::Ending::Notice(Box::new(notice));
+            out.extend(shaper.cut(ending).into_iter().flatten());
+        }
+    }
+    Ok(PyBytes::new(py, &out).into_any().unbind())
+}
+
+/// The relay's coalescing of frames waiting for the flush interval (`merge_frames`, the
+/// twin of `streaming.merge_chunks`).
+#[pyfunction]
+pub fn front_merge_frames(py: Python<'_>, frames: Vec<Vec<u8>>) -> Vec<Bound<'_, PyBytes>> {
+    crate::relay::chunk::merge_frames(frames)
+        .iter()
+        .map(|frame| PyBytes::new(py, frame))
+        .collect()
 }
 
 /// Whether a reply cut for `reason` names it in `x-llmflow-reason`, as the front decides

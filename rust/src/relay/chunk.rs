@@ -1,42 +1,89 @@
 //! The chunk logic of a relayed stream: count new tokens, cut the usage the client did not ask
-//! for, and coalesce chunks. The Python twin for the paths the relay does not take (several
-//! choices, continuous usage, non-streaming replies) is `gateway/streaming.py`; both follow the
-//! same rules, and `tests/gateway/test_relay_chunks.py` feeds both the same payloads.
+//! for, hold a finishing chunk for the fingerprint behind it, and coalesce chunks. The Python
+//! twin (`gateway/streaming.py`, `ChunkParser`) follows the same rules, and
+//! `property_tests/test_stream_frames.py` feeds both the same payloads. A chunk the relay
+//! rewrites is written as `encode_event` writes it (`front::json`: its keys in their order,
+//! `ensure_ascii`, compact), so the client reads the bytes the Python path sends.
 
 use std::sync::LazyLock;
 
 use memchr::memmem::Finder;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::events::Failure;
 use super::sse::find;
+use crate::front::json::{self, Json, Style};
+
+/// The last frame of a reply the host cut.
+pub enum Ending {
+    /// Written as it is (the in-band error).
+    Frame(Vec<u8>),
+    /// The notice for the choices still open, written only if one is: the host's function
+    /// makes its frame from their indexes and the stream's template (`tail_chunk`).
+    Notice(NoticeFrame),
+}
+
+/// Makes a cut's notice from the open choices' indexes and the template, when one came.
+pub type NoticeFrame = Box<dyn FnOnce(&[u64], Option<&str>) -> Vec<u8> + Send>;
+
+impl std::fmt::Debug for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Frame(frame) => write!(f, "Frame({} bytes)", frame.len()),
+            Self::Notice(_) => f.write_str("Notice"),
+        }
+    }
+}
 
 /// What one upstream payload becomes.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Shaped {
+    /// Frames to send first, each one chunk: the finishing chunks that waited for this one's
+    /// fingerprint (`ChunkParser.take_held`).
+    pub before: Vec<Vec<u8>>,
     /// The SSE frame for the client (`data: {...}\n\n`), or nothing to forward.
     pub frame: Option<Vec<u8>>,
     /// Tokens generated since the previous payload.
     pub new_tokens: u32,
 }
 
-/// Reads one single-choice stream's payloads. Upstream is always asked for continuous usage
+/// Reads one stream's payloads (`ChunkParser`). Upstream is always asked for continuous usage
 /// stats, so each chunk states the tokens generated so far (chunks without usage count one
-/// token per text delta).
+/// token per text delta). A stream of one choice whose client asked for no continuous usage
+/// is relayed byte for byte, its usage cut off unparsed (`passthrough`); any other chunk is
+/// parsed, shaped and written again.
 #[derive(Debug)]
 pub struct ChunkShaper {
     include_usage: bool,
+    /// The client asked for `stream_options.continuous_usage_stats`: each chunk keeps its usage.
+    continuous_usage: bool,
+    /// The reply's choices (`n`, times the prompts of a batch).
+    choices: u64,
+    /// Chunks go through unparsed, their usage cut (`ChunkParser._fast`).
+    fast: bool,
     completion_tokens: u64,
-    /// The choice sent a `finish_reason` (a cut adds no notice after it).
-    pub finished: bool,
+    /// Indexes of the choices that sent a `finish_reason` (a cut adds no notice for them).
+    finished: Vec<u64>,
     /// `{"id","created","model"}` of the upstream reply, as JSON, once a chunk named them.
     pub template: Option<String>,
-    /// The finishing chunk of a client that asked for no usage, held for the usage chunk
-    /// right behind it: vLLM stamps `system_fingerprint` on a stream's last chunk when no
-    /// usage chunk follows, and upstream is always asked for one (`take_held`).
-    held: Option<Map<String, Value>>,
+    /// The finishing chunks of a client that asked for no usage, held for the usage chunk
+    /// behind them: vLLM stamps `system_fingerprint` on a stream's last chunks when no usage
+    /// chunk follows, and upstream is always asked for one (`take_held`).
+    held: Vec<Json>,
 }
 
+/// `encode_event`'s `json.dumps(chunk, separators=(",", ":"))`.
+const ENCODE_EVENT: Style = Style {
+    ascii: true,
+    sort_keys: false,
+    compact: true,
+};
+/// How the template is handed over (any order and escape reads back the same).
+const TEMPLATE: Style = Style {
+    ascii: false,
+    sort_keys: false,
+    compact: true,
+};
 const USAGE_KEY: &[u8] = b",\"usage\":{";
 const TOKENS_KEY: &[u8] = b"\"completion_tokens\":";
 const TEXT_DELTAS: [&str; 3] = ["content", "reasoning_content", "reasoning"];
@@ -47,21 +94,44 @@ static FINISHING: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"finish_reason\":\""));
 
 impl ChunkShaper {
-    /// `include_usage`: the client asked for `stream_options.include_usage` (it then gets
-    /// the final usage chunk, and no usage key on the others, as vLLM sends them).
+    /// A stream of one choice without continuous usage; `include_usage`: the client asked for
+    /// `stream_options.include_usage` (it then gets the final usage chunk, and no usage key on
+    /// the others, as vLLM sends them).
     pub fn new(include_usage: bool) -> Self {
+        Self::shaped(include_usage, false, 1)
+    }
+
+    /// A stream whose client asked for `include_usage` and `continuous_usage` (each chunk
+    /// keeps its usage), of `choices` choices.
+    pub fn shaped(include_usage: bool, continuous_usage: bool, choices: u64) -> Self {
         Self {
             include_usage,
+            continuous_usage,
+            choices,
+            fast: choices == 1 && !continuous_usage,
             completion_tokens: 0,
-            finished: false,
+            finished: Vec::new(),
             template: None,
-            held: None,
+            held: Vec::new(),
         }
     }
 
     /// Generated tokens counted so far.
     pub fn completion_tokens(&self) -> u64 {
         self.completion_tokens
+    }
+
+    /// An unstreamed answer's tokens, all at once (its usage's `completion_tokens`).
+    pub fn answered(&mut self, tokens: u64) {
+        self.completion_tokens = tokens;
+    }
+
+    /// Indexes of the choices that have not sent a finish reason, in order (a cut's notice
+    /// names them).
+    pub fn open_choices(&self) -> Vec<u64> {
+        (0..self.choices)
+            .filter(|i| !self.finished.contains(i))
+            .collect()
     }
 
     /// Read one `data:` payload.
@@ -71,70 +141,120 @@ impl ChunkShaper {
     /// says what the backend sent: a chunk read wrong would lose its text without a word),
     /// or it is vLLM's in-band error event (`in_band_failure`).
     pub fn feed(&mut self, data: &[u8]) -> Result<Shaped, Failure> {
-        if self.template.is_some() && self.held.is_none() {
+        if self.fast && self.template.is_some() {
             if let Some(shaped) = self.passthrough(data) {
                 return Ok(shaped);
             }
         }
-        let value: Value = serde_json::from_slice(data).map_err(|e| {
-            Failure::backend(
-                "backend_error",
-                format!("backend sent bad data: {e}"),
-                false,
-            )
-        })?;
-        let Value::Object(mut chunk) = value else {
+        let chunk = read(data)?;
+        let Json::Object(mut pairs) = chunk else {
             return Err(wrong_shape("a chunk that is not a JSON object"));
         };
-        if let Some(error) = chunk.get("error") {
-            return Err(in_band_failure(error, data));
+        if get(&pairs, "error").is_some() {
+            let value: Value = serde_json::from_slice(data).unwrap_or_default();
+            return Err(in_band_failure(&value["error"], data));
         }
-        if let Some(problem) = malformed(&chunk) {
+        if let Some(problem) = malformed(&pairs) {
             return Err(wrong_shape(problem));
         }
-        if self.template.is_none() && chunk.contains_key("id") {
-            // In this order, as `ChunkParser.template` holds it (a `Map` would sort the keys).
-            let fields: Vec<String> = ["id", "created", "model"]
+        if self.template.is_none() && get(&pairs, "id").is_some() {
+            // In this order, as `ChunkParser.template` holds it.
+            let fields = ["id", "created", "model"]
                 .iter()
-                .filter_map(|key| chunk.get(*key).map(|v| format!("\"{key}\":{v}")))
+                .filter_map(|k| get(&pairs, k).map(|v| ((*k).to_owned(), v.clone())))
                 .collect();
-            self.template = Some(format!("{{{}}}", fields.join(",")));
+            let template = json::to_vec(&Json::Object(fields), TEMPLATE);
+            self.template = Some(String::from_utf8(template).expect("JSON text is UTF-8"));
         }
-        let new_tokens = self.count(&chunk);
-        let choices = chunk.get("choices").and_then(Value::as_array);
-        let finishing = choices.is_some_and(|cs| cs.iter().any(|c| !c["finish_reason"].is_null()));
-        let usage_only = choices.is_none_or(Vec::is_empty);
-        self.finished |= finishing;
-        if usage_only {
-            if let Some(mut held) = self.held.take() {
-                if let Some(fingerprint) = chunk.get("system_fingerprint") {
-                    held.insert("system_fingerprint".to_owned(), fingerprint.clone());
+        let new_tokens = self.count(&pairs);
+        let (finishing, usage_only) = match get(&pairs, "choices") {
+            Some(Json::Array(choices)) => {
+                let mut finishing = false;
+                for choice in choices {
+                    if choice
+                        .get("finish_reason")
+                        .is_some_and(|f| *f != Json::Null)
+                    {
+                        finishing = true;
+                        let index = match choice.get("index") {
+                            None => Some(0),
+                            Some(Json::Int(i)) => u64::try_from(*i).ok(),
+                            Some(_) => None, // a key no `range(n)` index equals
+                        };
+                        if let Some(i) = index.filter(|i| !self.finished.contains(i)) {
+                            self.finished.push(i);
+                        }
+                    }
                 }
-                let frame = Some(frame_of(&Value::Object(held)));
-                return Ok(Shaped { frame, new_tokens });
+                (finishing, choices.is_empty())
             }
-            let frame = self.include_usage.then(|| frame_of(&Value::Object(chunk)));
-            return Ok(Shaped { frame, new_tokens });
-        }
-        chunk.remove("usage");
-        let mut frame = self.take_held().unwrap_or_default();
-        if finishing && !self.include_usage {
-            self.held = Some(chunk);
+            _ => (false, true),
+        };
+        if usage_only {
+            // The usage-only chunk that ends an include_usage stream: the held chunks take its
+            // fingerprint and go first.
+            let fingerprint = get(&pairs, "system_fingerprint")
+                .filter(|f| **f != Json::Null)
+                .cloned();
+            let before = std::mem::take(&mut self.held)
+                .into_iter()
+                .map(|mut held| {
+                    if let (Some(fingerprint), Json::Object(held)) = (&fingerprint, &mut held) {
+                        set(held, "system_fingerprint", fingerprint.clone());
+                    }
+                    python_frame(&held)
+                })
+                .collect();
+            let frame = self
+                .include_usage
+                .then(|| python_frame(&Json::Object(pairs)));
             return Ok(Shaped {
-                frame: (!frame.is_empty()).then_some(frame),
+                before,
+                frame,
                 new_tokens,
             });
         }
-        frame.extend_from_slice(&frame_of(&Value::Object(chunk)));
+        if !self.continuous_usage {
+            pairs.retain(|(k, _)| k != "usage"); // vLLM sends a chunk no usage key unless asked
+        }
+        if finishing && !self.include_usage {
+            self.held.push(Json::Object(pairs));
+            return Ok(Shaped {
+                frame: None,
+                new_tokens,
+                ..Shaped::default()
+            });
+        }
         Ok(Shaped {
-            frame: Some(frame),
+            frame: Some(python_frame(&Json::Object(pairs))),
             new_tokens,
+            ..Shaped::default()
         })
     }
 
-    /// The held finishing chunk's frame, if one waits (the stream ended or was cut first).
-    pub fn take_held(&mut self) -> Option<Vec<u8>> {
-        self.held.take().map(|h| frame_of(&Value::Object(h)))
+    /// The held finishing chunks' frames, one each (the stream ended, or was cut, before the
+    /// usage chunk came).
+    pub fn take_held(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.held)
+            .iter()
+            .map(python_frame)
+            .collect()
+    }
+
+    /// The frames that end a cut reply (`StreamSession.on_cut`): the finishing chunks still
+    /// held, then the ending (a notice only while a choice is open).
+    pub fn cut(&mut self, ending: Ending) -> Vec<Vec<u8>> {
+        let mut frames = self.take_held();
+        match ending {
+            Ending::Frame(frame) => frames.push(frame),
+            Ending::Notice(notice) => {
+                let open = self.open_choices();
+                if !open.is_empty() {
+                    frames.push(notice(&open, self.template.as_deref()));
+                }
+            }
+        }
+        frames
     }
 
     /// vLLM puts continuous usage last: cut it off without parsing the chunk.
@@ -163,7 +283,9 @@ impl ChunkShaper {
         let total: u64 = std::str::from_utf8(&digits[..end]).ok()?.parse().ok()?;
         let new = total.saturating_sub(self.completion_tokens);
         self.completion_tokens = total;
-        self.finished |= finishing;
+        if finishing && !self.finished.contains(&0) {
+            self.finished.push(0);
+        }
         let tail: &[u8] = b"}";
         let mut frame = Vec::with_capacity(head.len() + tail.len() + 8);
         frame.extend_from_slice(b"data: ");
@@ -173,59 +295,113 @@ impl ChunkShaper {
         Some(Shaped {
             frame: Some(frame),
             new_tokens: u32::try_from(new).unwrap_or(u32::MAX),
+            ..Shaped::default()
         })
     }
 
-    fn count(&mut self, chunk: &Map<String, Value>) -> u32 {
-        if let Some(total) = chunk
-            .get("usage")
+    fn count(&mut self, chunk: &[(String, Json)]) -> u32 {
+        let total = get(chunk, "usage")
             .and_then(|u| u.get("completion_tokens"))
-            .and_then(Value::as_u64)
-        {
+            .and_then(|t| match t {
+                Json::Int(i) => u64::try_from(*i).ok(),
+                _ => None,
+            });
+        if let Some(total) = total {
             let new = total.saturating_sub(self.completion_tokens);
             self.completion_tokens = total;
             return u32::try_from(new).unwrap_or(u32::MAX);
         }
-        let new = chunk
-            .get("choices")
-            .and_then(Value::as_array)
-            .map_or(0, |cs| cs.iter().filter(|c| has_text(c)).count());
+        let new = match get(chunk, "choices") {
+            Some(Json::Array(choices)) => choices.iter().filter(|c| has_text(c)).count(),
+            _ => 0,
+        };
         self.completion_tokens += new as u64;
         new as u32
     }
 }
 
-fn has_text(choice: &Value) -> bool {
+/// A payload as Python's `json.loads` holds it (an object's keys in their order); what the
+/// strict reader declines (an integer past 64 bits, `-0`, a key twice) is read by serde
+/// instead, its keys sorted.
+fn read(data: &[u8]) -> Result<Json, Failure> {
+    if let Some(chunk) = json::parse(data) {
+        return Ok(chunk);
+    }
+    let value: Value = serde_json::from_slice(data).map_err(|e| {
+        Failure::backend(
+            "backend_error",
+            format!("backend sent bad data: {e}"),
+            false,
+        )
+    })?;
+    Ok(from_value(value))
+}
+
+fn from_value(value: Value) -> Json {
+    match value {
+        Value::Null => Json::Null,
+        Value::Bool(b) => Json::Bool(b),
+        Value::Number(n) => n.as_i64().map_or_else(
+            || {
+                n.as_u64().map_or_else(
+                    || Json::Float(n.as_f64().unwrap_or(0.0)),
+                    |u| Json::Int(i128::from(u)),
+                )
+            },
+            |i| Json::Int(i128::from(i)),
+        ),
+        Value::String(s) => Json::Str(s),
+        Value::Array(items) => Json::Array(items.into_iter().map(from_value).collect()),
+        Value::Object(map) => {
+            Json::Object(map.into_iter().map(|(k, v)| (k, from_value(v))).collect())
+        }
+    }
+}
+
+fn get<'a>(pairs: &'a [(String, Json)], key: &str) -> Option<&'a Json> {
+    pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+}
+
+/// `d[key] = value`: a key it has keeps its place.
+fn set(pairs: &mut Vec<(String, Json)>, key: &str, value: Json) {
+    match pairs.iter_mut().find(|(k, _)| k == key) {
+        Some((_, slot)) => *slot = value,
+        None => pairs.push((key.to_owned(), value)),
+    }
+}
+
+/// `encode_event(chunk)`.
+fn python_frame(chunk: &Json) -> Vec<u8> {
+    let mut out = b"data: ".to_vec();
+    json::write(&mut out, chunk, ENCODE_EVENT);
+    out.extend_from_slice(b"\n\n");
+    out
+}
+
+fn has_text(choice: &Json) -> bool {
+    let text = |v: Option<&Json>| matches!(v, Some(Json::Str(s)) if !s.is_empty());
     if let Some(delta) = choice.get("delta") {
-        let Some(delta) = delta.as_object() else {
+        let Json::Object(_) = delta else {
             return false;
         };
-        return TEXT_DELTAS.iter().any(|k| {
-            delta
-                .get(*k)
-                .and_then(Value::as_str)
-                .is_some_and(|s| !s.is_empty())
-        });
+        return TEXT_DELTAS.iter().any(|k| text(delta.get(k)));
     }
-    choice
-        .get("text")
-        .and_then(Value::as_str)
-        .is_some_and(|s| !s.is_empty())
+    text(choice.get("text"))
 }
 
 /// What is wrong with a chunk's shape, if anything: `choices` a list of objects whose `delta`
 /// (when present) is an object, `usage` an object (`gateway/streaming.py` checks the same).
-fn malformed(chunk: &Map<String, Value>) -> Option<&'static str> {
-    match chunk.get("choices") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(choices)) => {
+fn malformed(chunk: &[(String, Json)]) -> Option<&'static str> {
+    match get(chunk, "choices") {
+        None | Some(Json::Null) => {}
+        Some(Json::Array(choices)) => {
             for choice in choices {
-                let Value::Object(choice) = choice else {
+                let Json::Object(_) = choice else {
                     return Some("a choice that is not an object");
                 };
                 if !matches!(
                     choice.get("delta"),
-                    None | Some(Value::Null | Value::Object(_))
+                    None | Some(Json::Null | Json::Object(_))
                 ) {
                     return Some("a choice whose delta is not an object");
                 }
@@ -233,8 +409,8 @@ fn malformed(chunk: &Map<String, Value>) -> Option<&'static str> {
         }
         Some(_) => return Some("choices that are not a list"),
     }
-    match chunk.get("usage") {
-        None | Some(Value::Null | Value::Object(_)) => None,
+    match get(chunk, "usage") {
+        None | Some(Json::Null | Json::Object(_)) => None,
         Some(_) => Some("usage that is not an object"),
     }
 }
@@ -285,27 +461,19 @@ pub fn raw_error(raw: &[u8]) -> Option<String> {
     error.starts_with('{').then(|| error.to_owned())
 }
 
-/// `data: {json}\n\n`, compact.
-pub fn frame_of(chunk: &Value) -> Vec<u8> {
-    let mut out = b"data: ".to_vec();
-    serde_json::to_writer(&mut out, chunk).expect("a JSON value serializes");
-    out.extend_from_slice(b"\n\n");
-    out
-}
-
-/// Coalesce consecutive frames into as few valid chunks as possible (order kept). Frames
-/// that do not parse, or cannot merge (tool calls, a finished choice, errors), stay as they
-/// are.
+/// Coalesce consecutive frames into as few valid chunks as possible, order kept
+/// (`merge_chunks`): with two or more, every frame is read and written again as
+/// `encode_event` writes it; a frame that does not read stays as it is.
 pub fn merge_frames(frames: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
     if frames.len() < 2 {
         return frames;
     }
-    let mut out: Vec<Result<Value, Vec<u8>>> = Vec::with_capacity(frames.len());
+    let mut out: Vec<Result<Json, Vec<u8>>> = Vec::with_capacity(frames.len());
     for frame in frames {
         let parsed = frame
             .strip_prefix(b"data: ")
             .and_then(|f| f.strip_suffix(b"\n\n"))
-            .and_then(|p| serde_json::from_slice::<Value>(p).ok());
+            .and_then(|p| read(p).ok());
         match parsed {
             Some(b) => {
                 let merged = match out.last_mut() {
@@ -320,15 +488,14 @@ pub fn merge_frames(frames: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
         }
     }
     out.into_iter()
-        .map(|item| item.map_or_else(|raw| raw, |v| frame_of(&v)))
+        .map(|item| item.map_or_else(|raw| raw, |v| python_frame(&v)))
         .collect()
 }
 
-fn merge_into(a: &mut Value, b: &Value) -> bool {
-    let (Some(ca), Some(cb)) = (
-        a.get("choices").and_then(Value::as_array),
-        b.get("choices").and_then(Value::as_array),
-    ) else {
+/// `_merge_into`: fold chunk `b` into `a` when the result is itself a valid chunk.
+fn merge_into(a: &mut Json, b: &Json) -> bool {
+    let (Some(Json::Array(ca)), Some(Json::Array(cb))) = (a.get("choices"), b.get("choices"))
+    else {
         return false;
     };
     if ca.is_empty()
@@ -338,7 +505,6 @@ fn merge_into(a: &mut Value, b: &Value) -> bool {
     {
         return false;
     }
-    let index = |c: &Value| c.get("index").and_then(Value::as_u64).unwrap_or(0);
     for choice_b in cb {
         if let Some(choice_a) = ca.iter().find(|c| index(c) == index(choice_b)) {
             if !mergeable(choice_a, choice_b) {
@@ -346,31 +512,37 @@ fn merge_into(a: &mut Value, b: &Value) -> bool {
             }
         }
     }
-    let b_choices = cb.clone();
-    let a_obj = a.as_object_mut().expect("has choices, so an object");
-    let ca = a_obj
-        .get_mut("choices")
-        .and_then(Value::as_array_mut)
-        .expect("checked above");
-    for choice_b in b_choices {
-        match ca.iter_mut().find(|c| index(c) == index(&choice_b)) {
-            Some(choice_a) => merge_choice(choice_a, &choice_b),
-            None => ca.push(choice_b),
+    let Json::Object(pairs) = a else {
+        return false;
+    };
+    let Some((_, Json::Array(ca))) = pairs.iter_mut().find(|(k, _)| k == "choices") else {
+        return false;
+    };
+    for choice_b in cb {
+        match ca.iter_mut().find(|c| index(c) == index(choice_b)) {
+            Some(choice_a) => merge_choice(choice_a, choice_b),
+            None => ca.push(choice_b.clone()),
         }
     }
     for key in ["usage", "llmflow"] {
         if let Some(v) = b.get(key) {
-            a_obj.insert(key.to_owned(), v.clone());
+            set(pairs, key, v.clone());
         }
     }
     true
 }
 
-fn empty(v: &Value) -> bool {
+/// `choice.get("index", 0)`.
+fn index(choice: &Json) -> Json {
+    choice.get("index").cloned().unwrap_or(Json::Int(0))
+}
+
+/// `v in (None, "", [])`.
+fn empty(v: &Json) -> bool {
     match v {
-        Value::Null => true,
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
+        Json::Null => true,
+        Json::Str(s) => s.is_empty(),
+        Json::Array(a) => a.is_empty(),
         _ => false,
     }
 }
@@ -384,64 +556,71 @@ const MERGEABLE_KEYS: [&str; 6] = [
     "stop_reason",
 ];
 
-fn mergeable(ca: &Value, cb: &Value) -> bool {
-    if !ca["finish_reason"].is_null() || !empty(&ca["logprobs"]) || !empty(&cb["logprobs"]) {
+/// `_choice_mergeable`: neither carries more than text (an open choice, no logprobs, no
+/// other field, no delta but text and the role).
+fn mergeable(ca: &Json, cb: &Json) -> bool {
+    let truthy = |c: &Json, key: &str| c.get(key).is_some_and(Json::truthy);
+    if ca.get("finish_reason").is_some_and(|f| *f != Json::Null)
+        || truthy(ca, "logprobs")
+        || truthy(cb, "logprobs")
+    {
         return false;
     }
-    let keys_ok = |c: &Value| {
-        c.as_object()
-            .is_some_and(|o| o.keys().all(|k| MERGEABLE_KEYS.contains(&k.as_str())))
+    let keys_ok = |c: &Json| match c {
+        Json::Object(pairs) => pairs
+            .iter()
+            .all(|(k, _)| MERGEABLE_KEYS.contains(&k.as_str())),
+        _ => false,
     };
     if !keys_ok(ca) || !keys_ok(cb) {
         return false;
     }
-    let delta_ok = |c: &Value| {
-        c.get("delta").and_then(Value::as_object).is_none_or(|d| {
-            d.iter()
-                .all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v))
-        })
+    let delta_ok = |c: &Json| match c.get("delta") {
+        Some(Json::Object(delta)) => delta
+            .iter()
+            .all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v)),
+        _ => true,
     };
     delta_ok(ca) && delta_ok(cb)
 }
 
-fn merge_choice(ca: &mut Value, cb: &Value) {
-    let a = ca.as_object_mut().expect("a choice is an object");
-    if let Some(text) = cb.get("text") {
-        let joined = format!(
-            "{}{}",
-            a.get("text").and_then(Value::as_str).unwrap_or(""),
-            text.as_str().unwrap_or("")
-        );
-        a.insert("text".to_owned(), Value::String(joined));
+/// `_merge_choice`: `cb`'s text after `ca`'s, its finish and stop reasons.
+fn merge_choice(ca: &mut Json, cb: &Json) {
+    let Json::Object(a) = ca else {
+        return;
+    };
+    let text_of = |v: Option<&Json>| match v {
+        Some(Json::Str(s)) => s.clone(),
+        _ => String::new(),
+    };
+    if cb.get("text").is_some() {
+        let joined = text_of(get(a, "text")) + &text_of(cb.get("text"));
+        set(a, "text", Json::Str(joined));
     }
     if let Some(delta_b) = cb.get("delta") {
-        let delta = a
-            .entry("delta")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if !delta.is_object() {
-            *delta = Value::Object(Map::new());
+        if !matches!(get(a, "delta"), Some(Json::Object(_))) {
+            set(a, "delta", Json::Object(Vec::new()));
         }
-        let delta = delta.as_object_mut().expect("made an object");
-        for (key, value) in delta_b.as_object().into_iter().flatten() {
-            if TEXT_DELTAS.contains(&key.as_str()) {
-                if let Some(s) = value.as_str() {
-                    let joined = format!(
-                        "{}{s}",
-                        delta.get(key).and_then(Value::as_str).unwrap_or("")
-                    );
-                    delta.insert(key.clone(), Value::String(joined));
+        let Some((_, Json::Object(delta))) = a.iter_mut().find(|(k, _)| k == "delta") else {
+            unreachable!("set to an object above");
+        };
+        if let Json::Object(pairs) = delta_b {
+            for (key, value) in pairs {
+                if TEXT_DELTAS.contains(&key.as_str()) {
+                    if let Json::Str(s) = value {
+                        let joined = text_of(get(delta, key)) + s;
+                        set(delta, key, Json::Str(joined));
+                    }
+                } else if key == "role" && get(delta, "role").is_none() {
+                    delta.push((key.clone(), value.clone()));
                 }
-            } else if key == "role" && !delta.contains_key("role") {
-                delta.insert(key.clone(), value.clone());
             }
         }
     }
-    a.insert(
-        "finish_reason".to_owned(),
-        cb.get("finish_reason").cloned().unwrap_or(Value::Null),
-    );
+    let finish = cb.get("finish_reason").cloned().unwrap_or(Json::Null);
+    set(a, "finish_reason", finish);
     if let Some(stop) = cb.get("stop_reason") {
-        a.insert("stop_reason".to_owned(), stop.clone());
+        set(a, "stop_reason", stop.clone());
     }
 }
 
@@ -516,9 +695,9 @@ mod tests {
             frame.starts_with("data: {\"id\":\"c1\"") && frame.ends_with("null}]}\n\n"),
             "{frame}"
         );
-        assert!(!s.finished);
+        assert_eq!(s.open_choices(), [0]);
         s.feed(&chunk(4, "d", "\"length\"")).unwrap();
-        assert!(s.finished);
+        assert!(s.open_choices().is_empty());
         assert_eq!(s.completion_tokens(), 4);
     }
 
@@ -552,15 +731,80 @@ mod tests {
         let last = s.feed(&chunk(2, "b", "\"length\"")).unwrap();
         assert_eq!((last.frame, last.new_tokens), (None, 1));
         let usage = br#"{"id":"c1","choices":[],"usage":{"completion_tokens":2},"system_fingerprint":"fp-1"}"#;
-        let frame = String::from_utf8(s.feed(usage).unwrap().frame.unwrap()).unwrap();
+        let fed = s.feed(usage).unwrap();
+        assert_eq!((fed.before.len(), fed.frame), (1, None)); // the usage chunk is not asked for
+        let frame = String::from_utf8(fed.before[0].clone()).unwrap();
         let sent: Value = serde_json::from_str(frame.trim().trim_start_matches("data: ")).unwrap();
         assert_eq!(sent["system_fingerprint"], "fp-1");
         assert_eq!(sent["choices"][0]["finish_reason"], "length");
         assert!(sent.get("usage").is_none());
-        assert!(s.take_held().is_none());
+        assert!(s.take_held().is_empty());
         let mut cut = ChunkShaper::new(false);
         cut.feed(&chunk(1, "a", "\"stop\"")).unwrap();
-        assert!(cut.take_held().is_some()); // a stream that ends without it still sends it
+        assert_eq!(cut.take_held().len(), 1); // a stream that ends without it still sends it
+    }
+
+    fn choice_chunk(index: u64, text: &str, finish: &str, done: u64) -> Vec<u8> {
+        format!(
+            r#"{{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{{"index":{index},"delta":{{"content":"{text}"}},"logprobs":null,"finish_reason":{finish}}}],"usage":{{"prompt_tokens":3,"total_tokens":{},"completion_tokens":{done}}}}}"#,
+            done + 3
+        )
+        .into_bytes()
+    }
+
+    // Continuous usage asked: each chunk keeps its usage, written as Python writes it (its
+    // keys in their order, non-ASCII escaped).
+    #[test]
+    fn continuous_usage_keeps_each_chunks_usage_in_pythons_bytes() {
+        let mut s = ChunkShaper::shaped(false, true, 1);
+        for (i, text) in ["a", r"\u00e9"].iter().enumerate() {
+            let raw = choice_chunk(0, text, "null", i as u64 + 1);
+            let frame = s.feed(&raw).unwrap().frame.unwrap();
+            let mut expected = b"data: ".to_vec();
+            expected.extend_from_slice(&raw);
+            expected.extend_from_slice(b"\n\n");
+            assert_eq!(
+                String::from_utf8(frame).unwrap(),
+                String::from_utf8(expected).unwrap()
+            );
+        }
+        assert_eq!(s.completion_tokens(), 2);
+    }
+
+    // Two choices, no usage asked: a choice that finishes first waits, with the other's, for
+    // the usage chunk's fingerprint; a cut names only the choice still open.
+    #[test]
+    fn several_choices_hold_their_finishing_chunks_and_a_cut_names_the_open_ones() {
+        let mut s = ChunkShaper::shaped(false, false, 3);
+        assert!(s
+            .feed(&choice_chunk(0, "a", "\"stop\"", 1))
+            .unwrap()
+            .frame
+            .is_none());
+        let other = s
+            .feed(&choice_chunk(1, "b", "null", 2))
+            .unwrap()
+            .frame
+            .unwrap();
+        assert!(String::from_utf8(other).unwrap().contains(r#""index":1"#));
+        assert_eq!(s.open_choices(), [1, 2]);
+        let named = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = std::sync::Arc::clone(&named);
+        let notice = move |open: &[u64], template: Option<&str>| {
+            assert_eq!(template, Some(r#"{"id":"c1","created":1,"model":"m"}"#));
+            seen.lock().unwrap().extend_from_slice(open);
+            b"data: notice\n\n".to_vec()
+        };
+        let frames = s.cut(Ending::Notice(Box::new(notice)));
+        assert_eq!(*named.lock().unwrap(), [1, 2]);
+        assert_eq!(frames.len(), 2); // the held chunk of choice 0, then the notice
+        assert!(String::from_utf8_lossy(&frames[0]).contains(r#""finish_reason":"stop""#));
+        let mut done = ChunkShaper::shaped(false, false, 1);
+        done.feed(&choice_chunk(0, "a", "\"stop\"", 1)).unwrap();
+        let cut = done.cut(Ending::Notice(Box::new(
+            |_: &[u64], _: Option<&str>| unreachable!(),
+        )));
+        assert_eq!(cut.len(), 1); // every choice finished: no notice
     }
 
     // vLLM's in-band error event is the stream's failure, not a chunk to pass on.

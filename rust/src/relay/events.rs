@@ -45,6 +45,9 @@ pub enum RelayEvent {
     /// One `data:` payload of a stream opened `whole`, after its tokens were counted: the
     /// host assembles the reply (a client that did not ask for a stream).
     Payload(u64, Vec<u8>),
+    /// The whole answer of a request sent unstreamed (prompt logprobs), read to its end: a
+    /// JSON object, its tokens reported before it (`Started`, then `Tokens`, then this).
+    Answer(u64, Vec<u8>),
     /// Upstream sent `[DONE]` and its body ended (or was given up on after it).
     Done(u64),
     /// Upstream failed (before or after the first token).

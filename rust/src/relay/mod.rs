@@ -28,6 +28,7 @@ use bytes::Bytes;
 use rustc_hash::FxHashMap;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
+pub use chunk::Ending;
 pub use events::{Failure, RelayEvent};
 pub use sse::DEFAULT_MAX_EVENT_BYTES;
 pub use stream::Control;
@@ -99,6 +100,7 @@ pub struct Shared {
 pub type Sink = tokio::sync::mpsc::UnboundedSender<RelayEvent>;
 
 /// A streamed completion to relay: the request's head and body, and how to relay it.
+#[allow(clippy::struct_excessive_bools)] // the reply's shape, as the client asked it
 pub struct StreamRequest<'a> {
     /// The host's id of the request (its events and controls name it).
     pub id: u64,
@@ -111,6 +113,14 @@ pub struct StreamRequest<'a> {
     pub traceparent: Option<&'a str>,
     /// The client asked for the usage chunk (else it is cut from the stream).
     pub include_usage: bool,
+    /// The client asked for `continuous_usage_stats`: each chunk keeps its usage.
+    pub continuous_usage: bool,
+    /// The reply's choices (`n`, times the prompts of a batch): a cut's notice names those
+    /// still open.
+    pub choices: u64,
+    /// Sent as it is, unstreamed: vLLM answers one JSON object, which goes to the sink whole
+    /// (`RelayEvent::Answer`; the request asked for prompt logprobs). Implies `whole`.
+    pub unstreamed: bool,
     /// Give each payload to the sink (`RelayEvent::Payload`) instead of writing chunks to a
     /// client: the host assembles a reply not streamed.
     pub whole: bool,
@@ -215,6 +225,9 @@ impl Streams {
             request_id,
             traceparent,
             include_usage,
+            continuous_usage,
+            choices,
+            unstreamed,
             whole,
             sink,
         } = request;
@@ -259,7 +272,10 @@ impl Streams {
             request_id: request_id.to_owned(),
             traceparent: traceparent.map(str::to_owned),
             include_usage,
-            whole,
+            continuous_usage,
+            choices,
+            unstreamed,
+            whole: whole || unstreamed,
             sink,
         };
         self.handle.spawn(async move {

@@ -1,7 +1,7 @@
 use super::*;
 
 fn fold(endpoint: Endpoint, chunks: &[&str]) -> Whole {
-    let mut whole = Whole::new(endpoint, "m");
+    let mut whole = Whole::new(endpoint, "m", 1);
     for chunk in chunks {
         whole
             .feed(chunk.as_bytes())
@@ -69,7 +69,7 @@ fn a_cut_ends_the_open_choice_with_the_notice_and_the_marker() {
 // Cut before any chunk: the notice alone, under the gateway's own id and the cut's clock.
 #[test]
 fn a_cut_before_any_chunk_is_the_notice_alone() {
-    let mut whole = Whole::new(Endpoint::Completions, "m");
+    let mut whole = Whole::new(Endpoint::Completions, "m", 1);
     assert!(whole.cut("first_token_timeout", 7, 1_796_484_309));
     let expected = r#"{"id":"cmpl-llmflow-7","object":"text_completion","created":1796484309,"model":"m","choices":[{"index":0,"text":"[llmflow: the model did not start answering in time; please retry]","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null}],"service_tier":null,"system_fingerprint":null,"usage":null,"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null,"llmflow":{"truncated":true,"reason":"first_token_timeout"}}"#;
     assert_eq!(text(&whole, 0), expected);
@@ -92,7 +92,7 @@ fn a_cut_after_the_finish_changes_nothing() {
 // `relay::chunk`'s tests and `property_tests/test_whole_reply.py` through the seam.)
 #[test]
 fn bad_chunks_are_refused_and_change_nothing() {
-    let mut whole = Whole::new(Endpoint::Chat, "m");
+    let mut whole = Whole::new(Endpoint::Chat, "m", 1);
     for raw in [
         r#"{"id":"a","choices":[{"index":"0","delta":{"content":"x"}}]}"#,
         r#"{"id":"a","choices":[{"delta":{"content":"x","tool_calls":"call"}}]}"#,
@@ -102,5 +102,8 @@ fn bad_chunks_are_refused_and_change_nothing() {
     ] {
         assert_eq!(whole.feed(raw.as_bytes()), Err(Unread), "{raw}");
     }
-    assert_eq!(text(&whole, 4), text(&Whole::new(Endpoint::Chat, "m"), 4));
+    assert_eq!(
+        text(&whole, 4),
+        text(&Whole::new(Endpoint::Chat, "m", 1), 4)
+    );
 }

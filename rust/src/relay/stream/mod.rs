@@ -26,7 +26,7 @@ use hyper::Response;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::chunk::ChunkShaper;
+use super::chunk::{ChunkShaper, Ending};
 use super::events::RelayEvent;
 use super::upstream::Conn;
 use super::Shared;
@@ -40,13 +40,10 @@ use vllm::connect;
 /// What the host asks of a stream (each carries out a runtime action).
 #[derive(Debug)]
 pub enum Control {
-    /// End the reply: stop reading upstream, write `frame` (the notice or the error; when
-    /// `only_if_open`, only if the choice has not finished), then `[DONE]`. Without a frame
-    /// (a stalled client), close the connection at once.
-    Cut {
-        frame: Option<Vec<u8>>,
-        only_if_open: bool,
-    },
+    /// End the reply: stop reading upstream, write the finishing chunks still held, the
+    /// ending (the notice or the error), then `[DONE]`. Without an ending (a stalled client),
+    /// close the connection at once.
+    Cut(Option<Ending>),
     /// Take the client's connection now, before the first token, but write nothing until
     /// the reply's first piece (its first chunk, or a cut's notice): then `head`, then it, in
     /// the same write. `keep_alive`: hand the socket back after a clean end, for the next
@@ -69,6 +66,7 @@ pub enum Control {
 }
 
 /// A request to relay.
+#[allow(clippy::struct_excessive_bools)] // the reply's shape, as the client asked it
 pub struct Open {
     pub id: u64,
     /// The backend, `host:port`.
@@ -81,6 +79,12 @@ pub struct Open {
     /// Sent as W3C `traceparent` (the gateway's upstream span), when tracing.
     pub traceparent: Option<String>,
     pub include_usage: bool,
+    /// Each chunk keeps its usage (`stream_options.continuous_usage_stats`).
+    pub continuous_usage: bool,
+    /// The reply's choices (`n`, times the prompts of a batch).
+    pub choices: u64,
+    /// vLLM answers one JSON object (`RelayEvent::Answer`), not a stream.
+    pub unstreamed: bool,
     /// Give the payloads to the sink, write nothing to a client (a reply not streamed).
     pub whole: bool,
     /// Where its events go (the native front's task).
@@ -95,6 +99,9 @@ const DONE_FRAME: &[u8] = b"data: [DONE]\n\n";
 const BODY_END_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 const WRITE_BATCH: usize = 64; // pieces per vectored write
+/// The most of an unstreamed answer read (`upstream._ANSWER_LIMIT`); past it the answer is
+/// cut there, and reads as JSON no more.
+const ANSWER_LIMIT: usize = 16 * 1024 * 1024;
 
 #[allow(clippy::struct_excessive_bools)] // one task's state flags, each read in one place
 struct Task {
@@ -145,6 +152,8 @@ struct Task {
     tokens_due: Option<tokio::time::Instant>,
     /// The timer of `tokens_due`, made once and reset (a chunk arms no new one).
     token_timer: Pin<Box<tokio::time::Sleep>>,
+    /// An unstreamed answer's bytes so far (from its 200 to its body's end).
+    answer: Option<Vec<u8>>,
 }
 
 /// Run one stream to its end; returns the event that closes it.
@@ -158,7 +167,11 @@ pub async fn run(
     let mut task = Task {
         id: open.id,
         // A reply assembled whole holds back no finishing chunk (its frames are not sent).
-        shaper: ChunkShaper::new(open.include_usage || open.whole),
+        shaper: ChunkShaper::shaped(
+            open.include_usage || open.whole,
+            open.continuous_usage,
+            open.choices,
+        ),
         shared,
         open,
         connecting,
@@ -191,6 +204,7 @@ pub async fn run(
         tokens: 0,
         tokens_due: None,
         token_timer: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
+        answer: None,
     };
     task.run(&mut ctrl).await;
     task.closed()
@@ -362,17 +376,11 @@ impl Task {
                 }
                 Step::Stop
             }
-            Control::Cut {
-                frame: Some(frame),
-                only_if_open,
-            } => {
+            Control::Cut(Some(ending)) => {
                 self.stop_upstream();
                 if !self.terminated {
                     self.flush_held();
-                    if let Some(last) = self.shaper.take_held() {
-                        self.push_frame(&last);
-                    }
-                    if !only_if_open || !self.shaper.finished {
+                    for frame in self.shaper.cut(ending) {
                         self.push_frame(&frame);
                     }
                     self.terminate();
@@ -386,7 +394,7 @@ impl Task {
                 }
                 self.write()
             }
-            Control::Cut { frame: None, .. } | Control::Close => {
+            Control::Cut(None) | Control::Close => {
                 self.clean = false;
                 self.stop_upstream();
                 Step::Stop

@@ -21,7 +21,14 @@ impl Task {
         let mut request = hyper::Request::post(o.path.as_str())
             .header("host", o.authority.as_str())
             .header("content-type", "application/json")
-            .header("accept", "text/event-stream")
+            .header(
+                "accept",
+                if o.unstreamed {
+                    "application/json"
+                } else {
+                    "text/event-stream"
+                },
+            )
             .header("x-request-id", o.request_id.as_str());
         if let Some(traceparent) = &o.traceparent {
             request = request.header("traceparent", traceparent.as_str());
@@ -88,7 +95,67 @@ impl Task {
             return Step::Go;
         }
         self.body = Some(response.into_body());
+        if self.open.unstreamed {
+            // Started when the answer is in, as the Python path feeds it (`_answer_from`).
+            self.answer = Some(Vec::new());
+            return Step::Go;
+        }
         self.push(RelayEvent::Started(self.id));
+        Step::Go
+    }
+
+    /// A piece of an unstreamed answer, or its end: read whole (up to `ANSWER_LIMIT`, as
+    /// `read_all`; a body that breaks ends it too), then `Started`, its tokens, the answer and
+    /// `Done`, or a failure when it is not a JSON object.
+    fn on_answer(
+        &mut self,
+        frame: Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>,
+    ) -> Step {
+        let answer = self.answer.as_mut().expect("reading an answer");
+        match frame {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    let room = ANSWER_LIMIT.saturating_sub(answer.len());
+                    answer.extend_from_slice(&data[..data.len().min(room)]);
+                    if answer.len() < ANSWER_LIMIT {
+                        return Step::Go;
+                    }
+                }
+                if answer.len() < ANSWER_LIMIT {
+                    return Step::Go; // trailers
+                }
+                self.conn = None; // the rest is dropped with the connection
+            }
+            Some(Err(_)) => self.conn = None,
+            None => {}
+        }
+        self.body = None;
+        let raw = self.answer.take().unwrap_or_default();
+        let value: serde_json::Value = match serde_json::from_slice(&raw) {
+            Ok(value) => value,
+            Err(e) => return self.fail(format!("backend sent bad JSON: {e}"), false),
+        };
+        if !value.is_object() {
+            let unread = "the gateway could not read the backend's reply".to_owned();
+            return self.fail(unread, false);
+        }
+        let tokens = value
+            .get("usage")
+            .and_then(|u| u.get("completion_tokens"))
+            .and_then(serde_json::Value::as_u64)
+            .filter(|&n| n > 0);
+        self.push(RelayEvent::Started(self.id));
+        if let Some(tokens) = tokens {
+            self.shaper.answered(tokens);
+            let n = u32::try_from(tokens).unwrap_or(u32::MAX);
+            let _ = self.open.sink.send(RelayEvent::Tokens(self.id, n));
+        }
+        let _ = self.open.sink.send(RelayEvent::Answer(self.id, raw));
+        self.upstream_complete = true;
+        self.clean = true;
+        self.done_pending = true;
+        self.upstream_ended();
+        self.terminate();
         Step::Go
     }
 
@@ -96,6 +163,9 @@ impl Task {
         &mut self,
         frame: Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>,
     ) -> Step {
+        if self.answer.is_some() {
+            return self.on_answer(frame);
+        }
         if self.draining_body {
             match frame {
                 Some(Ok(_)) => {}
@@ -146,8 +216,10 @@ impl Task {
                     if self.open.whole {
                         // Not an event the runtime hears: the tokens tallied stay batched.
                         let _ = self.open.sink.send(RelayEvent::Payload(self.id, payload));
-                    } else if let Some(frame) = shaped.frame {
-                        self.add_frame(frame, now);
+                    } else {
+                        for frame in shaped.before.into_iter().chain(shaped.frame) {
+                            self.add_frame(frame, now);
+                        }
                     }
                 }
                 Err(failure) => return self.fail_with(failure),
@@ -161,8 +233,11 @@ impl Task {
             );
         }
         if decoded.done {
-            if let Some(frame) = self.shaper.take_held().filter(|_| !self.open.whole) {
-                self.add_frame(frame, now);
+            let held = self.shaper.take_held();
+            if !self.open.whole {
+                for frame in held {
+                    self.add_frame(frame, now);
+                }
             }
             self.draining_body = true;
             self.drain_until = Some(now + BODY_END_WAIT);
