@@ -330,3 +330,6 @@ impl Drop for Relay {
         self.shutdown();
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -365,6 +365,13 @@ impl Task {
                     return self.client_gone();
                 }
                 self.held_head = Some(head);
+                if self.first_sent || self.terminated {
+                    // The stream ran ahead of the lend (its task can read vLLM before the
+                    // request's task gets to lend the socket): the head's moment has passed,
+                    // so it goes out now, before what waits; held, it would hold it all.
+                    self.release_head();
+                    return self.write();
+                }
                 Step::Go
             }
             Control::GiveBack => {
