@@ -115,7 +115,7 @@ async def test_limits_are_400s_that_name_the_setting() -> None:
         assert (await h.client.post(CHAT, json=three)).status_code == 200
         assert (await h.client.post(CHAT, json=_chat())).status_code == 200
         assert [b.get("max_tokens") for b in h.fake.bodies] == [50, 50]
-        assert h.fake.tokens_sent == 100  # one choice each in the fake: what it was told
+        assert h.fake.tokens_sent == 150  # 2 choices, then 1, of 50 tokens: what it was told
 
 
 async def test_prompt_over_the_context_is_400_on_both_endpoints(gw: Harness) -> None:
