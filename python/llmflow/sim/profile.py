@@ -47,6 +47,7 @@ __all__ = [
     "fit_step_model",
     "load_profile",
     "pooled",
+    "refit",
 ]
 
 PROFILE_FORMAT = "llmflow-step-profile/1"  # the `format:` line of a profile file
@@ -381,6 +382,20 @@ def pooled(profiles: list[Profile]) -> Profile:
                     for k in ("prefill", "decode", "mixed")}
     return profiles[0].model_copy(update={"step_s": step, "frontend_s": frontend, "fit": stats,
                                           "measurements": measurements})
+
+
+def refit(profile: Profile) -> Profile:
+    """The profile fitted again, by this version's `fit_step_model`, from the raw measurements
+    it holds. A gateway hop that was added to its frontend latency (`fit.gateway_hop_s`, written
+    by the fidelity recordings) is added again.
+
+    Raises:
+        ValueError: its measurements cannot be fitted.
+    """
+    hop = float(profile.fit.get("gateway_hop_s", 0.0))
+    out = pooled([profile])
+    fit = {**out.fit, "gateway_hop_s": hop} if hop else out.fit
+    return out.model_copy(update={"frontend_s": out.frontend_s + hop, "fit": fit})
 
 
 def load_profile(path: str | Path) -> Profile:
