@@ -9,7 +9,12 @@ prompt size, one or two repeats); `new` is the test's `STARVED_SWEEP`. Every pro
 to OUT as `<sweep>-<round>.yaml` (raw measurements included, so any fit can be redone) and a
 table of the terms is printed, each with its relative standard error.
 
-Run from the repo root, with the project's python (one vLLM, about 4 minutes on 2 cores)::
+`--joins` measures instead what a prompt adds to a decoding batch at several batch shapes (the
+calibration's mixed probe with 8, 8, 4 and 2 decoders of 32, 160, 544 and 800-token prompts,
+prompts of 128, 384 and 768 tokens joining, `--rounds` times each) and writes the samples to
+OUT/joins.json: whether that cost grows with the prompt, the decodes or their context.
+
+Run from the repo root, with the project's python (one vLLM, about 2 minutes on 2 cores)::
 
     LLMFLOW_VLLM_PYTHON=$(scripts/vllm_env.sh | tail -1) PYTHONPATH=$PWD:$PWD/python:$PWD/tests:\
 $PWD/tests/integration python tests/integration/calibration_stability.py OUT --rounds 3
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import tempfile
@@ -30,8 +36,9 @@ from gwtools import wait_vllm_idle
 from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP
 from vllm_server import VllmServer, find_vllm_python
 
-from llmflow.calibrate import Calibration, calibrate
-from llmflow.sim.profile import STEP_TERMS, Profile
+from llmflow.calibrate import Calibration, calibrate, measure
+from llmflow.gateway.http1 import ConnectionPool
+from llmflow.sim.profile import STEP_TERMS, MixedSample, Profile
 from processes import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -42,6 +49,23 @@ SWEEPS = {
 }
 UNITS = {"overhead": 1e3, "prefill_token": 1e6, "prefill_attn": 1e9, "decode_seq": 1e6,
          "decode_ctx": 1e9, "mixed_prefill": 1e6, "frontend": 1e3}  # ms, us, ns/unit, us, ns
+
+
+# (decoders, their prompt tokens): each fits the 27.9 blocks with a 768-token prompt joining
+JOIN_BATCHES = ((8, 32), (8, 160), (4, 544), (2, 800))
+JOIN_PROMPTS = (128, 384, 768)
+
+
+async def joins(url: str, decoders: int, context: int, rounds: int) -> list[MixedSample]:
+    """The mixed probe with `decoders` requests of `context`-token prompts decoding."""
+    measure._MIXED_CONTEXT = context  # the probe's batch prompt (a module constant)
+    cal = Calibration(url, "tiny", repeats=rounds, mixed_prompts=JOIN_PROMPTS,
+                      mixed_decodes=decoders)
+    pool = ConnectionPool(connect_timeout_s=10.0)
+    try:
+        return await measure._Runner(cal, pool, "tiny", lambda n: None).mixed()
+    finally:
+        pool.close()
 
 
 def row(name: str, profile: Profile) -> str:
@@ -59,6 +83,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sweeps", nargs="+", choices=sorted(SWEEPS), default=["old", "new"])
+    ap.add_argument("--joins", action="store_true", help="time prompts joining decode batches")
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -75,6 +100,14 @@ def main() -> None:
             sc = fidelity.load(Path(tmp) / "profile.yaml", fidelity.STARVED)
             with pinned(spare_cpus(server.process.pid)):
                 asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up
+                samples = []
+                for decoders, context in JOIN_BATCHES if args.joins else ():
+                    wait_vllm_idle(server)
+                    samples += [vars(m) for m in asyncio.run(
+                        joins(server.url, decoders, context, args.rounds))]
+                if args.joins:
+                    (out / "joins.json").write_text(json.dumps(samples, indent=1) + "\n")
+                    return
                 for i in range(1, args.rounds + 1):
                     for name in args.sweeps:
                         wait_vllm_idle(server)
