@@ -7,6 +7,10 @@ per engine step, its tokens summed) before and after, and the burst's span (firs
 token). The simulator runs the same burst with that calibration and counts its steps and their
 seconds from the engine's step log. Equal step counts with a longer real span mean each real
 step is slower than the calibrated model says; more real steps mean the scheduling differs.
+It also prints the mean TTFT three ways: the clients', vLLM's own (`vllm:time_to_first_token_
+seconds`, from the request's arrival in vLLM's API server to its first token there) with the
+part of it spent waiting in the scheduler's queue (`vllm:request_queue_time_seconds`), and the
+simulator's: what vLLM's own TTFT leaves of the clients' is HTTP and output streaming.
 
 Run from the repo root, with the project's python (one vLLM, about 1.5 minutes on 2 cores)::
 
@@ -43,10 +47,13 @@ if TYPE_CHECKING:
 HERE = Path(__file__).resolve().parent
 STEPS = "vllm:iteration_tokens_total_count"
 TOKENS = "vllm:iteration_tokens_total_sum"
+TTFT = "vllm:time_to_first_token_seconds_sum"
+QUEUE = "vllm:request_queue_time_seconds_sum"
 
 
-def simulated(scenario: Path) -> tuple[int, int, float, float]:
-    """(steps, tokens, seconds in steps, span from the first step's start to the last's end)."""
+def simulated(scenario: Path) -> tuple[int, int, float, float, float]:
+    """(steps, tokens, seconds in steps, span from the first step's start to the last's end,
+    mean TTFT)."""
     sc = load_scenario(scenario)
     (name, spec), = sc.policies.items()
     log: list[StepRecord] = []
@@ -54,9 +61,10 @@ def simulated(scenario: Path) -> tuple[int, int, float, float]:
     def trace(cluster: object) -> None:
         cluster.backends[0].core.step_log = log  # type: ignore[attr-defined]
 
-    run_policy(sc, name, spec, build_requests(sc), sc.seed, on_cluster=trace)
+    run = run_policy(sc, name, spec, build_requests(sc), sc.seed, on_cluster=trace)
     tokens = sum(r.decodes + r.prefill_tokens for r in log)
-    return len(log), tokens, sum(r.end - r.start for r in log), log[-1].end - log[0].start
+    ttft = statistics.mean(float(t) for ts in run.ttft.values() for t in ts if t == t)
+    return len(log), tokens, sum(r.end - r.start for r in log), log[-1].end - log[0].start, ttft
 
 
 def main() -> None:
@@ -86,16 +94,18 @@ def main() -> None:
                     run = asyncio.run(fidelity.replay(sc, server.url))
                     after = server.metrics()
                     span = max(o.end for o in run) - min(o.arrival for o in run)
+                    n = len(run)
                     real.append((after[STEPS] - before[STEPS], after[TOKENS] - before[TOKENS],
-                                 span))
-        steps, tokens, busy, span = simulated(Path(tmp) / "fidelity-scenario.yaml")
-    for i, (n, t, s) in enumerate(real, 1):
+                                 span, statistics.mean(o.ttft for o in run),
+                                 (after[TTFT] - before[TTFT]) / n,
+                                 (after[QUEUE] - before[QUEUE]) / n))
+        steps, tokens, busy, span, ttft = simulated(Path(tmp) / "fidelity-scenario.yaml")
+    for i, (n, t, s, client, own, queue) in enumerate(real, 1):
         print(f"real replay {i}: {n:.0f} steps, {t:.0f} tokens, burst span {s:.3f} s, "
-              f"{s / n * 1e3:.2f} ms per step at most")
+              f"{s / n * 1e3:.2f} ms per step at most; mean TTFT: clients {client:.3f} s, "
+              f"vLLM's own {own:.3f} s, of which queued {queue:.3f} s")
     print(f"simulated: {steps} steps, {tokens} tokens, {busy:.3f} s in steps, span {span:.3f} s,"
-          f" {busy / steps * 1e3:.2f} ms per step")
-    print(f"real median: {statistics.median(n for n, _, _ in real):.0f} steps, span "
-          f"{statistics.median(s for *_, s in real):.3f} s")
+          f" {busy / steps * 1e3:.2f} ms per step; mean TTFT {ttft:.3f} s")
 
 
 if __name__ == "__main__":
