@@ -225,6 +225,13 @@ STARVED_ARGS = ("--kv-cache-memory-bytes", str(4 << 20))
 STARVED_SWEEP = {"prompt_lengths": (16, 128, 256, 512, 768, 1024, 1536), "repeats": 5,
                  "concurrency": (1, 2, 4, 8, 16), "contexts": (32, 320, 640, 896),
                  "decode_repeats": 3, "mixed_prompts": (128, 384, 768)}
+# Issue 30, open: with the staged fit's stable calibration the simulator under-predicts the
+# starved burst's TTFT p50 by x0.53-0.54 (two recordings, 6 replays each): 0.56-0.63 beyond
+# three replays' range in 3 of 4 triples, past the ln 1.6 bound. vLLM takes the same engine
+# steps to 2% and its own TTFT is the clients' within 20 ms; its steps under the full burst are
+# 1.05-1.4x the calibrated ones (docs/fidelity.md). Earlier, unstable fits passed by putting
+# more cost on mixed_prefill or prefill_attn.
+STARVED_GAP = "issue 30, open: the starved burst's TTFT p50 is under-predicted (docs/fidelity.md)"
 # The issue's goal is within 25% (reported). Asserted: within 50%. The simulated count moves
 # with the calibrated profile (13 to 18 against a real 14-16 in six runs on 2 shared cores).
 PREEMPTION_TARGET = math.log(1.25)
@@ -252,15 +259,6 @@ def _preemptions(server: VllmServer) -> float:
 
 
 @pytest.mark.timeout(600)  # about 100 s here with a vLLM start; twice that on a busy machine
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 30, open: with the staged fit's stable calibration the simulator under-predicts "
-    "the starved burst's TTFT p50 by x0.53-0.54 (two recordings, 6 replays each): 0.56-0.63 "
-    "beyond three replays' range in 3 of 4 triples, past the ln 1.6 bound. vLLM takes the same "
-    "engine steps to 2% and its own TTFT is the clients' within 20 ms; its steps under the full "
-    "burst are 1.05-1.4x the calibrated ones (docs/fidelity.md). Earlier, unstable fits passed "
-    "by putting more cost on mixed_prefill or prefill_attn. The report is still printed.",
-)
 def test_simulator_predicts_kv_starvation(
     vllm_server_factory: Callable[[Sequence[str]], VllmServer], tmp_path: Path
 ) -> None:
@@ -313,8 +311,11 @@ def test_simulator_predicts_kv_starvation(
     beyond = {key: _beyond_spread(sim[key], [r[key] for r in reals]) for key in (P50, P99)}
     report += f"\nbeyond the real spread: p50 {beyond[P50]:.3f}, p99 {beyond[P99]:.3f}"
     print("\n" + report)
-    assert beyond[P50] <= MEDIAN_LIMIT, report
     assert beyond[P99] <= P99_LIMIT, report
+    if beyond[P50] > MEDIAN_LIMIT:
+        # What holds is asserted above (the starvation, the preemptions, the p99); the p50 is
+        # the known gap, and the wrong profiles below only mean something once it holds.
+        pytest.xfail(f"{STARVED_GAP}\n{report}")
     for factor in WRONG:  # the check can fail: a wrong profile fails it on the same real runs
         wrong = fidelity.load(_dump(_scaled(profile, factor), tmp_path / f"x{factor:.2f}.yaml"),
                               fidelity.STARVED)
