@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from llmflow.calibrate import Calibration
+from llmflow.calibrate.measure import _fit_to_limits
 from llmflow.cli import main
 from llmflow.sim.costmodel import cost_model
-from llmflow.sim.profile import load_profile
+from llmflow.sim.profile import Profile, StepModel, load_profile
 from tests.processes import free_port
 
 if TYPE_CHECKING:
@@ -93,3 +95,52 @@ def test_calibrate_reports_an_unreachable_backend(tmp_path: Path) -> None:
     assert main(["calibrate", "--backend", url, "--out", str(tmp_path / "p.yaml"),
                  "--no-progress"]) == 1
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_probes_are_trimmed_one_by_one_to_the_kv_blocks() -> None:
+    # the KV-starved vLLM-CPU: 32 blocks of 128 tokens, block 0 never handed out, probes held to
+    # 90% of the 31 others (27.9 blocks) so that none is preempted
+    cal = Calibration("http://x", prompt_lengths=(16, 1536, 1984), concurrency=(1, 2, 4, 8, 16),
+                      contexts=(32, 320, 640, 896, 2000), mixed_prompts=(768, 2304))
+    _fit_to_limits(cal, {"max_model_len": 2048, "block_size": 128, "num_gpu_blocks": 32})
+    assert cal.prompt_lengths == (16, 1536)  # 1984 + 64 new tokens is past max_model_len
+    assert cal.mixed_prompts == (768,)  # 7 blocks + the batch's 8
+    # each (context, batch) on its own: 16 x 1 block, 8 x 3 blocks, 4 x 6, 2 x 8 (4 x 8 is 32)
+    assert cal.decode_batches() == ((32, 1), (32, 2), (32, 4), (32, 8), (32, 16),
+                                    (320, 1), (320, 2), (320, 4), (320, 8),
+                                    (640, 1), (640, 2), (640, 4), (896, 1), (896, 2))
+    assert cal.probes() == 2 * 3 + 2 * (31 + 15 + 7 + 3) + 1 * 3 * 9  # requests, 3 repeats
+    big = Calibration("http://x", concurrency=(1, 16), contexts=(32, 1280))
+    _fit_to_limits(big, {"max_model_len": 4096})  # no cache figure: every pair
+    assert big.decode_batches() == ((32, 1), (32, 16), (1280, 1), (1280, 16))
+
+
+def test_refit_fits_a_stored_profile_again_from_its_measurements(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    true = StepModel(overhead=2e-3, prefill_token=10e-6, prefill_attn=5e-9, decode_seq=50e-6,
+                     decode_ctx=100e-9, mixed_prefill=12e-6)
+    raw = {
+        "prefill": [{"prompt_tokens": n, "ttft_s": 0.007 + true.step_time(n, n * n, 0, 0)}
+                    for n in (16, 256, 768, 1536)],
+        "decode": [{"concurrency": b, "prompt_tokens": c, "decode_ctx": b * (c + 32),
+                    "itl_s": true.step_time(0, 0, b, b * (c + 32))}
+                   for b in (1, 4) for c in (32, 640)],
+        "mixed": [{"decodes": 8, "decode_ctx": 800, "prompt_tokens": n,
+                   "step_s": true.step_time(n, n * n, 8, 800)} for n in (128, 768)],
+    }
+    old = tmp_path / "old.yaml"  # an older fit's terms and a gateway hop added to its frontend
+    Profile(step_s=StepModel(overhead=1e-3, mixed_prefill=30e-6), frontend_s=0.009,
+            fit={"gateway_hop_s": 0.002}, measurements=raw).dump(old)
+    new = tmp_path / "new.yaml"
+    assert main(["calibrate", "--refit", str(old), "--out", str(new)]) == 0
+    assert "per request" in capsys.readouterr().out
+    profile = load_profile(new)
+    for name, value in true.model_dump().items():
+        assert getattr(profile.step_s, name) == pytest.approx(value, rel=1e-6), name
+    assert profile.frontend_s == pytest.approx(0.007 + 0.002)  # the hop is kept
+    assert profile.fit["gateway_hop_s"] == 0.002
+    assert profile.measurements == load_profile(old).measurements
+    (tmp_path / "bad.yaml").write_text("step_s: {overhead: -1}\n")
+    assert main(["calibrate", "--refit", str(tmp_path / "bad.yaml"), "--out", str(new)]) == 1
+    assert "invalid profile" in capsys.readouterr().err

@@ -120,7 +120,9 @@ def gateway(server: VllmServer, sc: Any, replays: int, tmp: Path) -> Recorded:
         runs = [replay_once(server, sc, gw.url) for _ in range(replays)]
     after = _calibrate(server.url)
     profile = pooled([before, after])
-    return profile.model_copy(update={"frontend_s": profile.frontend_s + hop}), runs
+    # the hop is kept in `fit`, so `llmflow calibrate --refit` adds it again
+    return profile.model_copy(update={"frontend_s": profile.frontend_s + hop,
+                                      "fit": {**profile.fit, "gateway_hop_s": hop}}), runs
 
 
 CASES = {"kv-starved": (STARVED_ARGS, fidelity.STARVED), "gateway": ((), fidelity.SCENARIO)}

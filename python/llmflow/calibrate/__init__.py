@@ -1,9 +1,10 @@
 """`llmflow calibrate`: measure a live vLLM backend and fit the simulator's step-cost profile.
 
 `measure.calibrate` times the backend (prefill, decode and mixed steps) and fits
-`llmflow.sim.profile.StepModel` by least squares; the profile (coefficients, engine limits,
-residuals, raw samples) is written as YAML for `profile:` in a scenario backend. This module is
-the command: its arguments, a progress bar, the summary it prints.
+`llmflow.sim.profile.StepModel` in stages (`fit_step_model`); the profile (coefficients, engine
+limits, residuals, raw samples) is written as YAML for `profile:` in a scenario backend.
+`--refit` fits a stored profile again from the raw samples it holds. This module is the command:
+its arguments, a progress bar, the summary it prints.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from llmflow.calibrate.measure import Calibration, Trace, calibrate, stream_request
+from llmflow.sim.profile import Profile, ProfileError, load_profile, refit
 
 if TYPE_CHECKING:
     import argparse
@@ -32,10 +34,15 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p = subparsers.add_parser(
         "calibrate", help="measure a live vLLM backend and fit a simulator profile",
         description="Time a live backend (first-token latency vs prompt length, inter-token "
-        "latency vs batch size and context), fit the simulator's step-cost model with least "
-        "squares and write it, with the raw measurements, to a YAML profile that a scenario "
+        "latency vs batch size and context, prompts joining a decoding batch), fit the "
+        "simulator's step-cost model (each term from the probes that isolate it, non-negative "
+        "least squares) and write it, with the raw measurements, to a YAML profile that a scenario "
         "backend can use as `profile: PATH`.")
-    p.add_argument("--backend", required=True, metavar="URL", help="vLLM base URL (no /v1)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--backend", metavar="URL", help="vLLM base URL (no /v1)")
+    source.add_argument("--refit", type=Path, metavar="PROFILE.yaml",
+                        help="measure nothing: fit a profile again from the raw measurements it "
+                        "holds (e.g. one written by an older llmflow)")
     p.add_argument("--out", required=True, type=Path, metavar="PROFILE.yaml", help="output file")
     p.add_argument("--model", help="served model name (default: the first one listed)")
     p.add_argument("--prompt-lengths", type=_ints, metavar="N,N,...",
@@ -81,7 +88,9 @@ def _advance(bar: Any, n: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`llmflow calibrate`: measure, fit, write the profile, print a summary."""
+    """`llmflow calibrate`: measure (or refit), fit, write the profile, print a summary."""
+    if args.refit is not None:
+        return _refit(args.refit, args.out)
     from tqdm import tqdm
 
     cal = _calibration(args)
@@ -93,11 +102,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: calibrating {cal.url} failed: {exc!r}", file=sys.stderr)
             return 1
     profile.dump(args.out)
-    s = profile.step_s
-    print(f"{args.out}: {profile.model} at {profile.backend}")
-    print(f"  step = {s.overhead * 1e3:.3f} ms + {s.prefill_token * 1e6:.3f} us/prefill token"
-          f" (+ {s.mixed_prefill * 1e6:.3f} among decodes) + {s.prefill_attn * 1e12:.3f} ps/attn"
-          f" unit + {s.decode_seq * 1e6:.1f} us/decode + {s.decode_ctx * 1e9:.2f} ns/context token")
-    print(f"  frontend {profile.frontend_s * 1e3:.2f} ms per request; fit median error "
-          f"{profile.fit['median_abs_rel_error']:.1%}, max {profile.fit['max_abs_rel_error']:.1%}")
+    _summary(args.out, profile)
     return 0
+
+
+def _refit(path: Path, out: Path) -> int:
+    try:
+        profile = refit(load_profile(path))
+    except (ProfileError, ValueError) as exc:
+        print(f"error: refitting {path}: {exc}", file=sys.stderr)
+        return 1
+    profile.dump(out)
+    _summary(out, profile)
+    return 0
+
+
+def _summary(out: Path, profile: Profile) -> None:
+    s, se = profile.step_s, profile.fit.get("rel_stderr", {})
+
+    def err(term: str) -> str:  # the term's relative standard error, where the fit gives one
+        return f" (+-{se[term]:.0%})" if se.get(term) is not None else ""
+
+    print(f"{out}: {profile.model} at {profile.backend}")
+    print(f"  step = {s.overhead * 1e3:.3f} ms{err('overhead')}"
+          f" + {s.prefill_token * 1e6:.3f} us/prefill token{err('prefill_token')}"
+          f" (+ {s.mixed_prefill * 1e6:.3f}{err('mixed_prefill')} among decodes)"
+          f" + {s.prefill_attn * 1e12:.3f} ps/attn unit{err('prefill_attn')}"
+          f" + {s.decode_seq * 1e6:.1f} us/decode{err('decode_seq')}"
+          f" + {s.decode_ctx * 1e9:.2f} ns/context token{err('decode_ctx')}")
+    print(f"  frontend {profile.frontend_s * 1e3:.2f} ms per request{err('frontend')}; fit median "
+          f"error {profile.fit['median_abs_rel_error']:.1%}, max "
+          f"{profile.fit['max_abs_rel_error']:.1%}")

@@ -51,7 +51,7 @@ _SETTLE_S = 0.05  # pause between probes so the engine is idle when the next sta
 _MIXED_CONTEXT, _MIXED_TOKENS = 32, 96  # the decoding batch a prompt joins: prompt, output
 _JOIN_AFTER_S = 0.2  # the batch is decoding by then (and still far from its end)
 _JOIN_SPAN = 6  # decoder tokens timed across a prompt's arrival: one of their steps holds it
-_KV_HEADROOM = 0.9  # decode probes must fit in this share of the KV cache (no preemption)
+_KV_HEADROOM = 0.9  # probes must fit in this share of the usable KV blocks (no preemption)
 _HEAD = b"content-type: application/json\r\naccept: text/event-stream\r\n"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -80,7 +80,8 @@ class Calibration:
         prompt_lengths: prompt sizes of the prefill sweep.
         repeats: requests per prompt size.
         concurrency: batch sizes of the decode sweep.
-        contexts: prompt sizes of the decode sweep.
+        contexts: prompt sizes of the decode sweep (each run with every batch size whose
+            requests fit in the KV cache: `batches` once the backend's limits are known).
         decode_tokens: tokens each decode-sweep request generates.
         decode_repeats: runs of each decode batch.
         mixed_prompts: prompt sizes that join a decoding batch (`repeats` times each).
@@ -98,14 +99,21 @@ class Calibration:
     contexts: tuple[int, ...] = (32, 640, 1280)
     decode_tokens: int = 64
     decode_repeats: int = 2
-    mixed_prompts: tuple[int, ...] = (256, 1024)
+    mixed_prompts: tuple[int, ...] = (128, 512, 1024)
     mixed_decodes: int = 8
     engine: dict[str, int] = field(default_factory=dict)
     seed: int | None = None
+    batches: tuple[tuple[int, int], ...] | None = None  # (context, batch size); None: all
+
+    def decode_batches(self) -> tuple[tuple[int, int], ...]:
+        """The decode sweep's (context, batch size) pairs."""
+        if self.batches is not None:
+            return self.batches
+        return tuple((c, b) for c in self.contexts for b in self.concurrency)
 
     def probes(self) -> int:
         """Requests in both sweeps (for a progress bar)."""
-        decode = len(self.contexts) * sum(self.concurrency) * self.decode_repeats
+        decode = sum(b for _, b in self.decode_batches()) * self.decode_repeats
         mixed = len(self.mixed_prompts) * self.repeats * (self.mixed_decodes + 1)
         return len(self.prompt_lengths) * self.repeats + decode + mixed
 
@@ -195,15 +203,26 @@ async def _server_facts(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
 
 
 def _fit_to_limits(cal: Calibration, facts: dict[str, Any]) -> None:
-    """Drop probes the backend cannot run without refusing or preempting them."""
+    """Drop probes the backend cannot run without refusing or preempting them.
+
+    Each probe is checked on its own, in whole KV blocks (vLLM allocates per block and never
+    hands out block 0), so a small cache still gets long contexts at small batch sizes and
+    large batches at short ones: the decode sweep keeps every (context, batch) pair that fits.
+    """
     longest = facts.get("max_model_len", 1 << 30) - cal.decode_tokens
-    cal.prompt_lengths = tuple(n for n in cal.prompt_lengths if n < longest)
-    kv_tokens = facts.get("num_gpu_blocks", 1 << 30) * facts.get("block_size", 1)
-    cal.contexts = tuple(c for c in cal.contexts if c <= longest)
-    cal.mixed_prompts = tuple(n for n in cal.mixed_prompts if n < longest)
-    cal.concurrency = tuple(
-        b for b in cal.concurrency if b * (max(cal.contexts, default=0) + cal.decode_tokens)
-        <= kv_tokens * _KV_HEADROOM)
+    size = facts.get("block_size", 1)
+    usable = (facts["num_gpu_blocks"] - 1) * _KV_HEADROOM if "num_gpu_blocks" in facts \
+        else float("inf")
+
+    def fits(*tokens: int) -> bool:
+        return bool(sum(-(-t // size) for t in tokens) <= usable)
+
+    cal.prompt_lengths = tuple(n for n in cal.prompt_lengths if n < longest and fits(n + 1))
+    batch = (_MIXED_CONTEXT + _MIXED_TOKENS,) * cal.mixed_decodes
+    cal.mixed_prompts = tuple(
+        n for n in cal.mixed_prompts if n < longest and fits(n + 1, *batch))
+    cal.batches = tuple((c, b) for c, b in cal.decode_batches()
+                        if c <= longest and fits(*(c + cal.decode_tokens,) * b))
 
 
 class _Runner:
@@ -232,14 +251,13 @@ class _Runner:
     async def decode(self) -> list[DecodeSample]:
         out = []
         for _ in range(self.cal.decode_repeats):
-            for ctx in self.cal.contexts:
-                for b in self.cal.concurrency:
-                    traces = await asyncio.gather(
-                        *(self.one(ctx, self.cal.decode_tokens) for _ in range(b)))
-                    sample = decode_sample(list(traces), b)
-                    if sample is not None:
-                        out.append(sample)
-                    await asyncio.sleep(_SETTLE_S)
+            for ctx, b in self.cal.decode_batches():
+                traces = await asyncio.gather(
+                    *(self.one(ctx, self.cal.decode_tokens) for _ in range(b)))
+                sample = decode_sample(list(traces), b)
+                if sample is not None:
+                    out.append(sample)
+                await asyncio.sleep(_SETTLE_S)
         return out
 
     async def mixed(self) -> list[MixedSample]:

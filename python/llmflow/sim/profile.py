@@ -47,6 +47,7 @@ __all__ = [
     "fit_step_model",
     "load_profile",
     "pooled",
+    "refit",
 ]
 
 PROFILE_FORMAT = "llmflow-step-profile/1"  # the `format:` line of a profile file
@@ -212,40 +213,89 @@ def _medians(
     return pre, dec, mix
 
 
-def _rows(
-    prefill: list[PrefillSample], decode: list[DecodeSample], mixed: list[MixedSample]
-) -> tuple[Any, Any, list[str]]:
-    # columns: frontend, then STEP_TERMS; a first token pays frontend + one prefill step
-    names = ["frontend", *STEP_TERMS]
-    x = [[1.0, 1.0, p.prompt_tokens, p.prompt_tokens**2, 0.0, 0.0, 0.0] for p in prefill]
-    x += [[0.0, 1.0, 0.0, 0.0, d.concurrency, d.decode_ctx, 0.0] for d in decode]
-    x += [[0.0, 1.0, m.prompt_tokens, m.prompt_tokens**2, m.decodes, m.decode_ctx,
-           m.prompt_tokens] for m in mixed]
-    y = [p.ttft_s for p in prefill] + [d.itl_s for d in decode] + [m.step_s for m in mixed]
-    return np.array(x, dtype=float), np.array(y, dtype=float), names
-
-
 def _nnls(x: Any, y: Any) -> Any:
-    """Least squares with non-negative coefficients: drop the most negative term and refit."""
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
+    """min ||x c - y|| subject to c >= 0 (Lawson and Hanson's active set).
+
+    A coefficient is zero only where the data, with the others fitted, pull it below zero
+    (the Karush-Kuhn-Tucker conditions hold at the answer); solving without the bound and
+    dropping whichever term came out most negative, as this fit once did, can zero a term the
+    data support and keep a correlated one that takes its share. Columns are scaled to unit
+    norm first, so terms of 1e-8 s and 1e-3 s meet the same tolerances.
+    """
+    norms = np.linalg.norm(x, axis=0)
+    norms[norms == 0] = np.inf  # a column of zeros: its coefficient stays 0
+    a = x / norms
+    n, eps = a.shape[1], 1e-12
+    coef, free = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(3 * n):
+        grad = a.T @ (y - a @ coef)
+        grad[free | np.isinf(norms)] = -np.inf
+        if grad.max() <= eps:
             break
-        active.pop(int(np.argmin(sol)))
-    return coef
+        free[int(np.argmax(grad))] = True
+        while True:
+            trial = np.zeros(n)
+            trial[free] = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
+            if (trial[free] > eps).all():
+                coef = trial
+                break
+            bad = free & (trial <= eps)
+            step = float(np.min(coef[bad] / (coef[bad] - trial[bad])))
+            coef = coef + step * (trial - coef)
+            free &= coef > eps
+            coef[~free] = 0.0
+    return coef / norms
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One stage of the fit: its rows' terms and the coefficients fitted to them."""
+
+    coef: Any  # fitted, non-negative
+    rel: Any  # (prediction - y) / y per row
+    rel_se: list[float | None]  # standard error / coefficient, None where unknown
+
+
+def _stage(x: Any, y: Any) -> _Stage:
+    """Non-negative least squares on relative error (rows weighted `1 / y`), with each
+    positive coefficient's standard error from the residual scatter (None where the rows
+    leave no degree of freedom or the term is at its bound)."""
+    w = 1.0 / y
+    xw, yw = x * w[:, None], y * w
+    coef = _nnls(xw, yw)
+    free = coef > 0
+    rel_se: list[float | None] = [None] * len(coef)
+    dof = len(y) - int(free.sum())
+    if dof > 0 and free.any():
+        scatter = float(np.sum((xw @ coef - yw) ** 2)) / dof
+        cov = np.linalg.pinv(xw[:, free].T @ xw[:, free]) * scatter
+        for i, var in zip(np.flatnonzero(free), np.diag(cov), strict=True):
+            rel_se[i] = round(float(np.sqrt(max(var, 0.0)) / coef[i]), 4)
+    return _Stage(coef, (x @ coef - y) / y, rel_se)
+
+
+def _need(rows: int, distinct: int, terms: int, what: str, fix: str) -> None:
+    if rows < terms or distinct < 2:
+        raise ValueError(f"{rows} {what} measurements cannot fit {terms} terms: {fix}")
 
 
 def fit_step_model(
     prefill: list[PrefillSample], decode: list[DecodeSample], mixed: list[MixedSample] | None = None
 ) -> tuple[StepModel, float, dict[str, Any]]:
-    """Fit the step model and the frontend latency to measurements.
+    """Fit the step model and the frontend latency to measurements, in stages.
 
-    Repeats of one configuration are first combined by their median. Each row is weighted by
-    `1 / y`, so the fit minimises relative error: a 10 ms decode step counts as much as a
-    100 ms prefill.
+    Each term comes from the probes that isolate it, so noise in one sweep cannot trade one
+    term against another (docs/fidelity.md, "Fitting the step costs"):
+
+    1. decode-only steps: `overhead + decode_seq * D + decode_ctx * C` (the batches must vary
+       in size and in context, so that D and C are not proportional);
+    2. idle first tokens, less the overhead of 1: `frontend + prefill_token * P +
+       prefill_attn * P**2`;
+    3. mixed steps, less everything 1 and 2 predict for them: `mixed_prefill * P`.
+
+    Repeats of one configuration are first combined by their median. Every stage is a
+    non-negative least squares on relative error (rows weighted `1 / y`: a 2 ms decode step
+    counts as much as a 30 ms prefill).
 
     Args:
         prefill: first-token times of single requests on an idle engine.
@@ -254,33 +304,64 @@ def fit_step_model(
             is zero: prompts cost the same alone or among decodes).
 
     Returns:
-        (step model, frontend seconds, fit statistics with per-row relative errors).
+        (step model, frontend seconds, fit statistics: per-row relative errors, each term's
+        relative standard error, the terms at their zero bound).
 
     Raises:
-        ValueError: fewer rows than terms, or no decode rows (the step overhead and the
-            frontend latency cannot be told apart without them).
+        ValueError: no prefill or no decode rows, or too few distinct ones to fit their stage.
     """
     if not decode or not prefill:
         raise ValueError("the fit needs both prefill and decode measurements")
     prefill, decode, mixed = _medians(prefill, decode, mixed or [])
-    x, y, names = _rows(prefill, decode, mixed)
-    if not mixed:
-        x = x[:, :-1]
-    if len(y) < x.shape[1]:
-        raise ValueError(f"{len(y)} measurements cannot fit {x.shape[1]} terms")
-    w = 1.0 / y
-    coef = _nnls(x * w[:, None], y * w)
-    pred = x @ coef
-    rel = (pred - y) / y
-    values = dict(zip(names, (float(c) for c in coef), strict=False))
+    _need(len(decode), min(len({d.concurrency for d in decode}),
+                           len({d.prompt_tokens for d in decode})), 3, "decode",
+          "probe two or more batch sizes at two or more context lengths")
+    _need(len(prefill), len(prefill), 3, "prefill", "probe three or more prompt lengths")
+    d = _stage(np.array([[1.0, b.concurrency, b.decode_ctx] for b in decode]),
+               np.array([b.itl_s for b in decode]))
+    overhead, decode_seq, decode_ctx = (float(c) for c in d.coef)
+
+    def base(p: float, decodes: float, ctx: float) -> float:
+        return overhead + decode_seq * decodes + decode_ctx * ctx
+
+    ttft = np.array([p.ttft_s for p in prefill])
+    p_rows = np.array([[1.0, p.prompt_tokens, p.prompt_tokens**2] for p in prefill])
+    # the first token pays the frontend and one prefill step: fit what the overhead leaves
+    pre = _stage(p_rows, ttft - overhead)
+    frontend, prefill_token, prefill_attn = (float(c) for c in pre.coef)
+    pre_rel = (p_rows @ pre.coef + overhead - ttft) / ttft
+    mixed_prefill, mix_rel, mix_se = 0.0, np.zeros(0), None
+    if mixed:
+        step = np.array([m.step_s for m in mixed])
+        known = np.array([base(0, m.decodes, m.decode_ctx) + prefill_token * m.prompt_tokens
+                          + prefill_attn * m.prompt_tokens**2 for m in mixed])
+        tokens = np.array([[float(m.prompt_tokens)] for m in mixed])
+        w = 1.0 / step
+        mixed_prefill = float(_nnls(tokens * w[:, None], (step - known) * w)[0])
+        mix_rel = (known + mixed_prefill * tokens[:, 0] - step) / step
+        if mixed_prefill > 0 and len(mixed) > 1:
+            scatter = float(np.sum((mix_rel) ** 2)) / (len(mixed) - 1)
+            mix_se = round(float(np.sqrt(scatter / np.sum((tokens[:, 0] * w) ** 2))
+                                 / mixed_prefill), 4)
+    values = {"frontend": frontend, "overhead": overhead, "prefill_token": prefill_token,
+              "prefill_attn": prefill_attn, "decode_seq": decode_seq, "decode_ctx": decode_ctx,
+              "mixed_prefill": mixed_prefill}
+    se = dict(zip(("overhead", "decode_seq", "decode_ctx"), d.rel_se, strict=True))
+    se.update(zip(("frontend", "prefill_token", "prefill_attn"), pre.rel_se, strict=True))
+    if mixed:
+        se["mixed_prefill"] = mix_se
+    rel = np.concatenate([pre_rel, d.rel, mix_rel])
     stats = {
-        "rows": len(y),
+        "method": "staged",  # decode, then prefill, then mixed (fit_step_model)
+        "rows": len(rel),
         "median_abs_rel_error": round(float(np.median(np.abs(rel))), 4),
         "max_abs_rel_error": round(float(np.max(np.abs(rel))), 4),
-        "prefill_rel_error": [round(float(r), 4) for r in rel[: len(prefill)]],
-        "decode_rel_error": [round(float(r), 4) for r in rel[len(prefill):len(y) - len(mixed)]],
-        "mixed_rel_error": [round(float(r), 4) for r in rel[len(y) - len(mixed):]],
-        "zeroed_terms": [n for n, c in values.items() if c == 0.0],
+        "prefill_rel_error": [round(float(r), 4) for r in pre_rel],
+        "decode_rel_error": [round(float(r), 4) for r in d.rel],
+        "mixed_rel_error": [round(float(r), 4) for r in mix_rel],
+        "rel_stderr": se,
+        "zeroed_terms": [n for n, c in values.items() if c == 0.0 and (n != "mixed_prefill"
+                                                                        or mixed)],
     }
     frontend = values.pop("frontend")
     return StepModel(**values), frontend, stats
@@ -301,6 +382,20 @@ def pooled(profiles: list[Profile]) -> Profile:
                     for k in ("prefill", "decode", "mixed")}
     return profiles[0].model_copy(update={"step_s": step, "frontend_s": frontend, "fit": stats,
                                           "measurements": measurements})
+
+
+def refit(profile: Profile) -> Profile:
+    """The profile fitted again, by this version's `fit_step_model`, from the raw measurements
+    it holds. A gateway hop that was added to its frontend latency (`fit.gateway_hop_s`, written
+    by the fidelity recordings) is added again.
+
+    Raises:
+        ValueError: its measurements cannot be fitted.
+    """
+    hop = float(profile.fit.get("gateway_hop_s", 0.0))
+    out = pooled([profile])
+    fit = {**out.fit, "gateway_hop_s": hop} if hop else out.fit
+    return out.model_copy(update={"frontend_s": out.frontend_s + hop, "fit": fit})
 
 
 def load_profile(path: str | Path) -> Profile:
