@@ -257,6 +257,8 @@ def _merge_into(a: Json, b: Json) -> bool:
 def _choice_mergeable(ca: Json, cb: Json) -> bool:
     if ca.get("finish_reason") is not None or ca.get("logprobs") or cb.get("logprobs"):
         return False
+    if not isinstance(ca.get("delta", {}), dict) or not isinstance(cb.get("delta", {}), dict):
+        return False  # a `"delta": null` (not vLLM's) goes out as it came, unmerged
     if not set(ca) | set(cb) <= _MERGEABLE:
         return False
     for key, value in (cb.get("delta") or {}).items():

@@ -505,8 +505,10 @@ fn merge_into(a: &mut Json, b: &Json) -> bool {
     {
         return false;
     }
+    // The last choice of an index, as Python's `{index: choice}` keeps it (a chunk naming one
+    // index twice is not vLLM's, but the two paths must still agree on it).
     for choice_b in cb {
-        if let Some(choice_a) = ca.iter().find(|c| index(c) == index(choice_b)) {
+        if let Some(choice_a) = ca.iter().rev().find(|c| index(c) == index(choice_b)) {
             if !mergeable(choice_a, choice_b) {
                 return false;
             }
@@ -519,7 +521,7 @@ fn merge_into(a: &mut Json, b: &Json) -> bool {
         return false;
     };
     for choice_b in cb {
-        match ca.iter_mut().find(|c| index(c) == index(choice_b)) {
+        match ca.iter_mut().rev().find(|c| index(c) == index(choice_b)) {
             Some(choice_a) => merge_choice(choice_a, choice_b),
             None => ca.push(choice_b.clone()),
         }
@@ -575,11 +577,13 @@ fn mergeable(ca: &Json, cb: &Json) -> bool {
     if !keys_ok(ca) || !keys_ok(cb) {
         return false;
     }
+    // A `"delta": null` (not vLLM's) goes out as it came, unmerged, as in Python.
     let delta_ok = |c: &Json| match c.get("delta") {
         Some(Json::Object(delta)) => delta
             .iter()
             .all(|(k, v)| TEXT_DELTAS.contains(&k.as_str()) || k == "role" || empty(v)),
-        _ => true,
+        Some(_) => false,
+        None => true,
     };
     delta_ok(ca) && delta_ok(cb)
 }
