@@ -447,22 +447,13 @@ impl Governed {
                     super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code);
                 Ending::Frame(frame)
             }),
-            other => {
-                let (endpoint, model) = (life.prepared.endpoint, life.prepared.asked_model.clone());
-                let (reason, request_id, now_s) = (other.to_owned(), life.id, unix_now_s());
-                let notice = move |open_choices: &[u64], template: Option<&str>| {
-                    super::reply::cut_frame(&super::reply::Cut {
-                        endpoint,
-                        model: &model,
-                        template,
-                        open_choices,
-                        reason: &reason,
-                        request_id,
-                        now_s,
-                    })
-                };
-                Some(Ending::Notice(Box::new(notice)))
-            }
+            other => Some(super::reply::cut_notice(
+                life.prepared.endpoint,
+                life.prepared.asked_model.clone(),
+                other.to_owned(),
+                life.id,
+                unix_now_s(),
+            )),
         };
         if life.opened {
             // A reply ended in-band is written to its end by the relay, which then hands the

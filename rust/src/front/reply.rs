@@ -355,6 +355,30 @@ pub struct Cut<'a> {
     pub now_s: u64,
 }
 
+/// The relay's ending for a reply the runtime cut for `reason`: its notice, made when the
+/// relay knows which choices are still open and the stream's template.
+pub fn cut_notice(
+    endpoint: Endpoint,
+    model: String,
+    reason: String,
+    request_id: u64,
+    now_s: u64,
+) -> crate::relay::Ending {
+    crate::relay::Ending::Notice(Box::new(
+        move |open_choices: &[u64], template: Option<&str>| {
+            cut_frame(&Cut {
+                endpoint,
+                model: &model,
+                template,
+                open_choices,
+                reason: &reason,
+                request_id,
+                now_s,
+            })
+        },
+    ))
+}
+
 /// `encode_event(tail_chunk(...))`: the SSE frame that ends a reply the runtime cut.
 pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
     // `template or {...}`: an empty template is none (`json.loads` of the text, in its order;

@@ -378,19 +378,7 @@ pub fn front_stream_frames(
     match cut {
         None => out.extend(shaper.take_held().into_iter().flatten()),
         Some((reason, request_id)) => {
-            let model = model.to_owned();
-            let notice = move |open_choices: &[u64], template: Option<&str>| {
-                reply::cut_frame(&Cut {
-                    endpoint,
-                    model: &model,
-                    template,
-                    open_choices,
-                    reason: &reason,
-                    request_id,
-                    now_s,
-                })
-            };
-            let ending = crate::relay::Ending::Notice(Box::new(notice));
+            let ending = reply::cut_notice(endpoint, model.to_owned(), reason, request_id, now_s);
             out.extend(shaper.cut(ending).into_iter().flatten());
         }
     }
