@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,13 +31,12 @@ import fidelity
 from cpu import pinned, spare_cpus
 from gwtools import wait_vllm_idle
 from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP
-from vllm_server import VllmServer, find_vllm_python
+from vllm_server import tiny_vllm
 
 from llmflow.calibrate import Calibration, calibrate
 from llmflow.sim.runner import run_policy
 from llmflow.sim.scenario import load_scenario
 from llmflow.sim.workload import build_requests
-from processes import free_port
 
 if TYPE_CHECKING:
     from llmflow.sim.sequence import StepRecord
@@ -72,13 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replays", type=int, default=3)
     args = ap.parse_args()
-    python = find_vllm_python()
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "tiny"
-        subprocess.run([str(python), str(HERE / "tiny_model.py"), str(model)], check=True,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True)
-        with VllmServer(python, model, free_port(), STARVED_ARGS,
-                        log_path=Path(tmp) / "vllm.log") as server:
+        with tiny_vllm(Path(tmp), STARVED_ARGS) as server:
             assert server.process is not None
             sc = fidelity.load(Path(tmp) / "profile.yaml", fidelity.STARVED)
             with pinned(spare_cpus(server.process.pid)):

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -34,12 +32,11 @@ import fidelity
 from cpu import pinned, spare_cpus
 from gwtools import wait_vllm_idle
 from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP
-from vllm_server import VllmServer, find_vllm_python
+from vllm_server import tiny_vllm
 
 from llmflow.calibrate import Calibration, calibrate, measure
 from llmflow.gateway.http1 import ConnectionPool
 from llmflow.sim.profile import STEP_TERMS, MixedSample, Profile
-from processes import free_port
 
 HERE = Path(__file__).resolve().parent
 SWEEPS = {
@@ -87,36 +84,30 @@ def main() -> None:
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    python = find_vllm_python()
     lines = ["| calibration | overhead ms | prefill_token us | prefill_attn ns | decode_seq us | "
              "decode_ctx ns | mixed_prefill us | frontend ms |", "|---" * 8 + "|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "tiny"
-        subprocess.run([str(python), str(HERE / "tiny_model.py"), str(model)], check=True,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True)
-        with VllmServer(python, model, free_port(), STARVED_ARGS,
-                        log_path=Path(tmp) / "vllm.log") as server:
-            assert server.process is not None
-            sc = fidelity.load(Path(tmp) / "profile.yaml", fidelity.STARVED)
-            with pinned(spare_cpus(server.process.pid)):
-                asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up
-                samples = []
-                for decoders, context in JOIN_BATCHES if args.joins else ():
+    with tempfile.TemporaryDirectory() as tmp, tiny_vllm(Path(tmp), STARVED_ARGS) as server:
+        assert server.process is not None
+        sc = fidelity.load(Path(tmp) / "profile.yaml", fidelity.STARVED)
+        with pinned(spare_cpus(server.process.pid)):
+            asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up
+            samples = []
+            for decoders, context in JOIN_BATCHES if args.joins else ():
+                wait_vllm_idle(server)
+                samples += [vars(m) for m in asyncio.run(
+                    joins(server.url, decoders, context, args.rounds))]
+            if args.joins:
+                (out / "joins.json").write_text(json.dumps(samples, indent=1) + "\n")
+                return
+            for i in range(1, args.rounds + 1):
+                for name in args.sweeps:
                     wait_vllm_idle(server)
-                    samples += [vars(m) for m in asyncio.run(
-                        joins(server.url, decoders, context, args.rounds))]
-                if args.joins:
-                    (out / "joins.json").write_text(json.dumps(samples, indent=1) + "\n")
-                    return
-                for i in range(1, args.rounds + 1):
-                    for name in args.sweeps:
-                        wait_vllm_idle(server)
-                        cal = Calibration(server.url, engine=dict(ENGINE),
-                                          **SWEEPS[name])  # type: ignore[arg-type]
-                        profile = asyncio.run(calibrate(cal))
-                        profile.dump(out / f"{name}-{i}.yaml")
-                        lines.append(row(f"{name}-{i}", profile))
-                        print(lines[-1], flush=True)
+                    cal = Calibration(server.url, engine=dict(ENGINE),
+                                      **SWEEPS[name])  # type: ignore[arg-type]
+                    profile = asyncio.run(calibrate(cal))
+                    profile.dump(out / f"{name}-{i}.yaml")
+                    lines.append(row(f"{name}-{i}", profile))
+                    print(lines[-1], flush=True)
     print("\n".join(lines))
 
 

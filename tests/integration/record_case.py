@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -44,11 +42,11 @@ from cpu import SchedClock, pinned, spare_cpus
 from gateway_server import gateway_config
 from gwtools import wait_vllm_idle
 from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP, _calibrate, _gateway_hop
-from vllm_server import VllmServer, find_vllm_python
+from vllm_server import VllmServer, tiny_vllm
 
 from llmflow.calibrate import Calibration, calibrate
 from llmflow.sim.profile import Profile, pooled
-from processes import GatewayProcess, free_port
+from processes import GatewayProcess
 
 HERE = Path(__file__).resolve().parent
 POLL_S = 0.02  # the running gauge is sampled this often during a replay
@@ -142,24 +140,17 @@ def main() -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     server_args, scenario = CASES[args.case]
-    python = find_vllm_python()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "tiny"
-        subprocess.run([str(python), str(HERE / "tiny_model.py"), str(model)], check=True,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True)
-        server = VllmServer(python, model, free_port(), server_args,
-                            log_path=Path(tmp) / "vllm.log")
-        with server:
-            assert server.process is not None
-            sc = fidelity.load(out / "profile.yaml", scenario)
-            clock = SchedClock(server.process.pid)
-            with pinned(spare_cpus(server.process.pid)):
-                if args.case == "gateway":
-                    profile, runs = gateway(server, sc, args.replays, Path(tmp))
-                else:
-                    contexts = tuple(args.decode_contexts or ()) or None
-                    profile, runs = starved(server, sc, args.replays, contexts)
-                wait_share = clock.lap().wait_share
+    with tempfile.TemporaryDirectory() as tmp, tiny_vllm(Path(tmp), server_args) as server:
+        assert server.process is not None
+        sc = fidelity.load(out / "profile.yaml", scenario)
+        clock = SchedClock(server.process.pid)
+        with pinned(spare_cpus(server.process.pid)):
+            if args.case == "gateway":
+                profile, runs = gateway(server, sc, args.replays, Path(tmp))
+            else:
+                contexts = tuple(args.decode_contexts or ()) or None
+                profile, runs = starved(server, sc, args.replays, contexts)
+            wait_share = clock.lap().wait_share
     profile.dump(out / "profile.yaml")
     data = yaml.safe_load((out / "fidelity-scenario.yaml").read_text(encoding="utf-8"))
     (out / "fidelity-scenario.yaml").unlink()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from tests.processes import own_process_group, tail
+from tests.processes import free_port, own_process_group, tail
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -272,3 +272,17 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def tiny_vllm(
+    workdir: Path, extra_args: Sequence[str] = (), python: Path | None = None
+) -> VllmServer:
+    """The tiny local model written under `workdir` and a `VllmServer` serving it (not yet
+    started: use it as a context manager), logging to `workdir/vllm.log`: what the
+    hand-run fidelity scripts start."""
+    python = python or find_vllm_python()
+    model = workdir / "tiny"
+    script = Path(__file__).resolve().parent / "tiny_model.py"
+    subprocess.run([str(python), str(script), str(model)], check=True,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True)
+    return VllmServer(python, model, free_port(), extra_args, log_path=workdir / "vllm.log")
