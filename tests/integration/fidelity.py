@@ -37,6 +37,8 @@ from llmflow.sim.workload import build_requests
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from llmflow.sim.sequence import StepRecord
+
 __all__ = ["SCENARIO", "STARVED", "Outcome", "compare", "load", "replay", "simulate",
            "simulate_with_engine", "summarise"]
 
@@ -90,14 +92,19 @@ def simulate(sc: Scenario) -> list[Outcome]:
     return simulate_with_engine(sc)[0]
 
 
-def simulate_with_engine(sc: Scenario) -> tuple[list[Outcome], Cluster]:
-    """`simulate`, also giving the simulated cluster (its engines' counters). The scenario's
-    one policy is `gateway` (gated, through the core) or `direct` (straight to vLLM)."""
+def simulate_with_engine(
+    sc: Scenario, step_log: list[StepRecord] | None = None
+) -> tuple[list[Outcome], Cluster]:
+    """`simulate`, also giving the simulated cluster (its engines' counters), and filling
+    `step_log` with the first backend's engine steps. The scenario's one policy is `gateway`
+    (gated, through the core) or `direct` (straight to vLLM)."""
     reqs = build_requests(sc)
     env = simpy.Environment()
     name = POLICY if POLICY in sc.policies else "direct"
     spec = sc.policies[name]
     cluster = Cluster(env, sc.cluster, spec.scheduling_policy, spec.engine)
+    if step_log is not None:
+        cluster.backends[0].core.step_log = step_log
     gw: GatedPolicy | DirectPolicy
     if spec.kind == "direct":
         gw = DirectPolicy(env, cluster, spec.propagate_disconnect)

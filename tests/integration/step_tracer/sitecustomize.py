@@ -1,0 +1,96 @@
+"""A step log from inside a real vLLM engine (`LLMFLOW_STEP_TRACE=path.jsonl`): diagnostics only.
+
+Put this folder on the vLLM process's PYTHONPATH. Python imports `sitecustomize` in every
+process, the engine core's included; when `vllm.v1.engine.core` is first imported, its
+`EngineCore.step` is wrapped to write one JSON line per step: when it began, was planned and
+ended (`time.monotonic()`), the engine thread's CPU seconds in it, each scheduled request's
+tokens and its context before the step (with its prompt and output lengths, to tell a decode
+from a prefill or a recompute), and the requests preempted while planning it; and
+`add_request`, to write one line per request the engine takes in (`arrive`).
+`tests/integration/step_costs.py` reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+
+_PATH = os.environ.get("LLMFLOW_STEP_TRACE")
+
+
+def _install(core_module: object) -> None:
+    """Wrap the engine core's `step` and `add_request` (vLLM 0.32's V1 `EngineCore`)."""
+    # Open for the process's life: line-buffered, so a killed server loses no whole step.
+    out = open(_PATH, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    engine = core_module.EngineCore  # type: ignore[attr-defined]
+    plain = engine.step
+
+    def step(self):
+        start, cpu = time.monotonic(), time.thread_time()
+        sched = self.scheduler
+        original = sched.schedule
+        seen = {}
+
+        def schedule(*args, **kwargs):
+            so = original(*args, **kwargs)
+            seen["out"] = so
+            seen["planned"] = time.monotonic()
+            # After planning, a request's computed count already holds this step's tokens.
+            seen["reqs"] = [
+                [rid, n, r.num_computed_tokens - n, r.num_prompt_tokens, r.num_output_tokens]
+                for rid, n in so.num_scheduled_tokens.items()
+                for r in (sched.requests[rid],)
+            ]
+            return so
+
+        sched.schedule = schedule
+        try:
+            result = plain(self)
+        finally:
+            del sched.schedule
+        so = seen.get("out")
+        if so is None or not so.total_num_scheduled_tokens:
+            return result
+        out.write(json.dumps({
+            "start": start, "planned": seen["planned"], "end": time.monotonic(),
+            "cpu": time.thread_time() - cpu,
+            "reqs": seen["reqs"], "preempted": sorted(so.preempted_req_ids or ()),
+            "new": [nr.req_id for nr in so.scheduled_new_reqs],
+        }) + "\n")
+        return result
+
+    engine.step = step
+    plain_add = engine.add_request
+
+    def add_request(self, request, *args, **kwargs):
+        out.write(json.dumps({"arrive": time.monotonic(), "rid": request.request_id,
+                              "prompt": request.num_prompt_tokens}) + "\n")
+        return plain_add(self, request, *args, **kwargs)
+
+    engine.add_request = add_request
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "vllm.v1.engine.core":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        plain_exec = loader.exec_module
+
+        def exec_module(module):
+            plain_exec(module)
+            _install(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _PATH:
+    sys.meta_path.insert(0, _Finder())
