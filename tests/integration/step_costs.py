@@ -203,7 +203,9 @@ def main() -> None:
                 wait_vllm_idle(server)
                 cal = Calibration(server.url, engine=dict(ENGINE),
                                   **STARVED_SWEEP)  # type: ignore[arg-type]
+                done = len(trace.read_text().splitlines())
                 profile = asyncio.run(calibrate(cal))
+                probes = [json.loads(line) for line in trace.read_text().splitlines()[done:]]
                 replays, waits, arrivals, clients = [], [], [], []
                 for _ in range(args.replays):
                     wait_vllm_idle(server)
@@ -216,7 +218,8 @@ def main() -> None:
                     arrivals.append([x for x in lines if "arrive" in x])
                     clients.append([(o.arrival, o.first, o.end) for o in outcomes])
     data = {"profile": profile.model_dump(mode="json"), "replays": replays,
-            "arrivals": arrivals, "clients": clients, "waits": waits}
+            "arrivals": arrivals, "clients": clients, "waits": waits,
+            "probes": [x for x in probes if "reqs" in x]}
     if args.save:
         args.save.write_text(json.dumps(data))
     print(report(profile.step_s, [shapes(r) for r in replays]))

@@ -3,9 +3,10 @@
 Put this folder on the vLLM process's PYTHONPATH. Python imports `sitecustomize` in every
 process, the engine core's included; when `vllm.v1.engine.core` is first imported, its
 `EngineCore.step` is wrapped to write one JSON line per step: when it began, was planned and
-ended (`time.monotonic()`), the engine thread's CPU seconds in it, each scheduled request's
-tokens and its context before the step (with its prompt and output lengths, to tell a decode
-from a prefill or a recompute), and the requests preempted while planning it; and
+ended (`time.monotonic()`), the engine thread's seconds on a CPU and waiting for one in it,
+each scheduled request's tokens and its context before the step (with its prompt and output
+lengths, to tell a decode from a prefill or a recompute), and the requests preempted while
+planning it; and
 `add_request`, to write one line per request the engine takes in (`arrive`).
 `tests/integration/step_costs.py` reads it.
 """
@@ -17,6 +18,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import threading
 import time
 
 _PATH = os.environ.get("LLMFLOW_STEP_TRACE")
@@ -29,7 +31,14 @@ def _install(core_module: object) -> None:
     engine = core_module.EngineCore  # type: ignore[attr-defined]
     plain = engine.step
 
+    def sched_ns() -> tuple[int, int]:
+        # This thread's time on a CPU and time runnable but waiting for one (Linux).
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat", "rb") as f:
+            run, wait = f.read().split()[:2]
+        return int(run), int(wait)
+
     def step(self):
+        wait = sched_ns()[1]
         start, cpu = time.monotonic(), time.thread_time()
         sched = self.scheduler
         original = sched.schedule
@@ -58,6 +67,7 @@ def _install(core_module: object) -> None:
         out.write(json.dumps({
             "start": start, "planned": seen["planned"], "end": time.monotonic(),
             "cpu": time.thread_time() - cpu,
+            "waited": (sched_ns()[1] - wait) / 1e9,
             "reqs": seen["reqs"], "preempted": sorted(so.preempted_req_ids or ()),
             "new": [nr.req_id for nr in so.scheduled_new_reqs],
         }) + "\n")
