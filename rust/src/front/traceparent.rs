@@ -7,7 +7,9 @@
 //! SDK decides them: a valid incoming `traceparent` is continued (`parse` reads it as the
 //! SDK's `TraceContextTextMapPropagator.extract` does) and decides the sampling by its flag;
 //! else a new random trace is sampled by its id as `TraceIdRatioBased` samples it, so both
-//! paths keep the same traces.
+//! paths keep the same traces. The flags are the SDK's too (W3C Trace Context level 2, as
+//! the SDK sets them since 1.43): the sampled bit as decided, and the random-trace-id bit on a
+//! trace of our own (its id is random) or as the client's parent had it.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,6 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 const MAX_LEN: usize = 512;
 /// The `sampled` bit of the trace flags.
 const SAMPLED: u8 = 0x01;
+/// The `random-trace-id` bit (level 2): the trace id's right 7 bytes at least are random.
+const RANDOM: u8 = 0x02;
 /// SplitMix64's increment (the golden ratio's 64 bits).
 const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
 
@@ -27,7 +31,7 @@ pub struct Parent {
     pub flags: u8,
 }
 
-/// One request's trace: its ids and whether it is sampled (its spans exported).
+/// One request's trace: its ids and its spans' flags (sampled: its spans are exported).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TraceIds {
     pub trace_id: u128,
@@ -37,18 +41,22 @@ pub struct TraceIds {
     pub span_id: u64,
     pub queue_span_id: u64,
     pub upstream_span_id: u64,
-    pub sampled: bool,
+    /// The three spans' trace flags: `sampled` and `random-trace-id` only.
+    pub flags: u8,
 }
 
 impl TraceIds {
-    /// The `traceparent` sent to vLLM: the upstream span's context (its flag 00 when the
-    /// trace is not sampled, so vLLM records none of it either).
+    /// Whether its spans are exported (and vLLM records its own).
+    pub fn sampled(&self) -> bool {
+        self.flags & SAMPLED != 0
+    }
+
+    /// The `traceparent` sent to vLLM: the upstream span's context (the sampled bit clear
+    /// when the trace is not sampled, so vLLM records none of it either).
     pub fn traceparent(&self) -> String {
         format!(
             "00-{:032x}-{:016x}-{:02x}",
-            self.trace_id,
-            self.upstream_span_id,
-            if self.sampled { SAMPLED } else { 0 }
+            self.trace_id, self.upstream_span_id, self.flags
         )
     }
 }
@@ -77,11 +85,12 @@ impl Tracing {
     /// The trace of a request whose client sent `traceparent` (the header's first value).
     pub fn begin(&self, traceparent: Option<&[u8]>) -> TraceIds {
         let parent = traceparent.and_then(parse);
-        let (trace_id, sampled) = if let Some(p) = parent {
-            (p.trace_id, p.flags & SAMPLED != 0)
+        let (trace_id, flags) = if let Some(p) = parent {
+            (p.trace_id, p.flags & (SAMPLED | RANDOM))
         } else {
             let trace_id = self.trace_id();
-            (trace_id, sampled_by_ratio(trace_id, self.bound))
+            let sampled = sampled_by_ratio(trace_id, self.bound);
+            (trace_id, RANDOM | if sampled { SAMPLED } else { 0 })
         };
         TraceIds {
             trace_id,
@@ -89,7 +98,7 @@ impl Tracing {
             span_id: self.span_id(),
             queue_span_id: self.span_id(),
             upstream_span_id: self.span_id(),
-            sampled,
+            flags,
         }
     }
 
@@ -271,16 +280,13 @@ mod tests {
             span_id: 1,
             queue_span_id: 2,
             upstream_span_id: 0xcd,
-            sampled: true,
+            flags: 0x03,
         };
         let sent = ids.traceparent();
-        assert_eq!(sent, format!("00-{:0>32}-{:0>16}-01", "ab", "cd"));
+        assert_eq!(sent, format!("00-{:0>32}-{:0>16}-03", "ab", "cd"));
         let p = parse(sent.as_bytes()).unwrap();
-        assert_eq!((p.trace_id, p.span_id, p.flags), (0xab, 0xcd, 1));
-        let unsampled = TraceIds {
-            sampled: false,
-            ..ids
-        };
+        assert_eq!((p.trace_id, p.span_id, p.flags), (0xab, 0xcd, 3));
+        let unsampled = TraceIds { flags: 0, ..ids };
         assert!(unsampled.traceparent().ends_with("-00"));
     }
 
@@ -305,17 +311,22 @@ mod tests {
         assert!(!sampled_by_ratio(1, ratio_bound(0.0)));
     }
 
-    // A client's trace is continued and its flag decides; its other flag bits do not.
+    // A client's trace is continued and its sampled flag decides; its random bit is kept,
+    // its other bits are not.
     #[test]
     fn continues_a_clients_trace() {
         let tracing = Tracing::new(0.0);
-        let ids = tracing.begin(Some(&header("00", "03", "")));
+        let ids = tracing.begin(Some(&header("00", "ff", "")));
         let parent = ids.parent.unwrap();
         assert_eq!(ids.trace_id, parent.trace_id);
-        assert!(ids.sampled);
-        assert!(ids.traceparent().ends_with("-01"));
+        assert!(ids.sampled());
+        assert!(ids.traceparent().ends_with("-03"));
+        assert_eq!(tracing.begin(Some(&header("00", "05", ""))).flags, 0x01);
         let tracing = Tracing::new(1.0);
-        assert!(!tracing.begin(Some(&header("00", "00", ""))).sampled);
+        let ids = tracing.begin(Some(&header("00", "02", "")));
+        assert!(!ids.sampled());
+        assert!(ids.traceparent().ends_with("-02"));
+        assert_eq!(tracing.begin(Some(&header("00", "00", ""))).flags, 0);
     }
 
     // A new trace: fresh nonzero ids, distinct, sampled by the ratio.
@@ -327,14 +338,15 @@ mod tests {
         for _ in 0..1000 {
             let ids = tracing.begin(Some(b"not a traceparent"));
             assert_eq!(ids.parent, None);
-            assert_eq!(ids.sampled, sampled_by_ratio(ids.trace_id, 1 << 63));
-            sampled += usize::from(ids.sampled);
+            assert_eq!(ids.sampled(), sampled_by_ratio(ids.trace_id, 1 << 63));
+            assert_eq!(ids.flags & RANDOM, RANDOM); // its id is random
+            sampled += usize::from(ids.sampled());
             for id in [ids.span_id, ids.queue_span_id, ids.upstream_span_id] {
                 assert!(id != 0 && seen.insert(id));
             }
         }
         assert!((400..600).contains(&sampled), "{sampled} of 1000 at 0.5");
-        assert!(!Tracing::new(0.0).begin(None).sampled);
-        assert!(Tracing::new(1.0).begin(None).sampled);
+        assert_eq!(Tracing::new(0.0).begin(None).flags, 0x02);
+        assert_eq!(Tracing::new(1.0).begin(None).flags, 0x03);
     }
 }

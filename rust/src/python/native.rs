@@ -197,6 +197,6 @@ fn trace_to_py<'py>(py: Python<'py>, t: &TraceIds) -> PyResult<Bound<'py, PyDict
     d.set_item("upstream_span_id", t.upstream_span_id)?;
     d.set_item("parent_span_id", t.parent.map(|p| p.span_id))?;
     d.set_item("parent_flags", t.parent.map_or(0, |p| p.flags))?;
-    d.set_item("sampled", t.sampled)?;
+    d.set_item("flags", t.flags)?;
     Ok(d)
 }
