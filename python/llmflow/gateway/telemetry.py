@@ -190,7 +190,7 @@ class Tracing:
 
         They are those `ended` (or, `refused` as it arrived, `refused`) makes of a session,
         with the ids the front decided and sent upstream, handed to the span processor
-        finished. An unsampled trace exports nothing (vLLM was told so, flag 00).
+        finished. An unsampled trace exports nothing (vLLM was told so: its sampled flag clear).
         """
         if not trace.sampled:
             return
