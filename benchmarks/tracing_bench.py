@@ -7,7 +7,9 @@ the event loop. This script drives `Tracing` the way a session does (`upstream_b
 `ended`) for `--requests` stand-in sessions, with a collector in another process that accepts
 every POST and decodes nothing, and reports the process's CPU seconds per request
 (`time.process_time`: the loop's work and the exporter thread's, not the machine's other load),
-beside the same figure for one bare SDK span started and ended, the floor any tracer pays.
+beside the same figure for a request the native front served (its record read as
+`NativeInbox` reads it, its finished spans built by `Tracing.served`) and for one bare SDK span
+started and ended, the floor any tracer pays.
 
 Usage: `python -m benchmarks.tracing_bench [--requests 20000] [--rounds 5]`.
 """
@@ -23,6 +25,7 @@ import time
 from types import SimpleNamespace
 
 from llmflow.config import Telemetry
+from llmflow.gateway.native import served
 from llmflow.gateway.session import Prepared
 from llmflow.gateway.streaming import ClientOptions
 from llmflow.gateway.telemetry import Tracing
@@ -54,16 +57,42 @@ def _session(loop: asyncio.AbstractEventLoop, request_id: int) -> SimpleNamespac
     )
 
 
-async def _traced(url: str, requests: int, rounds: int) -> list[float]:
+def _record(request_id: int) -> dict[str, object]:
+    """A native request's record (`NativeRoutes.take`), sampled, as the front sends it."""
+    trace = {
+        "trace_id": (request_id << 64) | 0xABCDEF, "span_id": 1 + request_id,
+        "queue_span_id": 2 + request_id, "upstream_span_id": 3 + request_id,
+        "parent_span_id": None, "parent_flags": 0, "flags": 3,
+    }
+    return {
+        "first_token_only": False, "id": request_id, "tenant": "acme", "tier": "normal",
+        "arrived_us": 1_000_000, "started_us": 1_000_050, "first_token_us": 1_100_000,
+        "ended_us": 2_000_000, "prompt_tokens": 120, "max_tokens": 256,
+        "completion_tokens": 256, "end": "completed", "error": None, "retry_after_s": None,
+        "refused": False, "truncated": False, "upstream_aborted": False, "backend": "gpu0",
+        "path": "/v1/chat/completions", "stream": True, "model": "m", "queue_wait_us": 0,
+        "brownout_max_tokens": None, "trace": trace,
+    }
+
+
+async def _traced(url: str, requests: int, rounds: int, native: bool) -> list[float]:
     tracing = Tracing(Telemetry(otlp_endpoint=url))
     loop = asyncio.get_running_loop()
     per_request = []
     for r in range(rounds):
-        sessions = [_session(loop, r * requests + i) for i in range(requests)]
+        if native:
+            records = [_record(r * requests + i) for i in range(requests)]
+        else:
+            sessions = [_session(loop, r * requests + i) for i in range(requests)]
         began = time.process_time()
-        for i, session in enumerate(sessions, 1):
-            tracing.upstream_began(session)  # type: ignore[arg-type]
-            tracing.ended(session)  # type: ignore[arg-type]
+        for i in range(1, requests + 1):
+            if native:
+                record = served(records[i - 1])
+                assert record.trace is not None
+                tracing.served(record, record.trace, refused=False)
+            else:
+                tracing.upstream_began(sessions[i - 1])  # type: ignore[arg-type]
+                tracing.ended(sessions[i - 1])  # type: ignore[arg-type]
             if i % _FLUSH_EVERY == 0:  # within the SDK's queue: no span is dropped uncounted
                 tracing._provider.force_flush()
         tracing._provider.force_flush()  # the export of this round's spans is counted too
@@ -92,13 +121,16 @@ def main() -> None:
     try:
         assert sink.stdout is not None
         port = int(sink.stdout.readline())
-        rounds = asyncio.run(_traced(f"http://127.0.0.1:{port}", args.requests, args.rounds))
+        url = f"http://127.0.0.1:{port}"
+        rounds = asyncio.run(_traced(url, args.requests, args.rounds, native=False))
+        native = asyncio.run(_traced(url, args.requests, args.rounds, native=True))
     finally:
         sink.terminate()
         sink.wait()
     bare = _bare_span_us(args.requests)
-    print(f"traced request: {statistics.median(rounds):.1f} us CPU (median of {args.rounds}; "
-          f"rounds {', '.join(f'{r:.1f}' for r in rounds)})")
+    for name, figures in (("traced request:", rounds), ("native record: ", native)):
+        print(f"{name} {statistics.median(figures):.1f} us CPU (median of {args.rounds}; "
+              f"rounds {', '.join(f'{r:.1f}' for r in figures)})")
     print(f"bare SDK span:  {bare:.1f} us CPU")
 
 

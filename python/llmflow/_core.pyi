@@ -843,10 +843,15 @@ class NativeRoutes:
             carrying an Origin, go to the app's guard); None with API keys.
         write_timeout_ms: how long a client may take none of a reply written whole
             (`server.write_timeout_ms`) before its connection is dropped.
+        sample_ratio: `telemetry.sample_ratio` while telemetry is on (None: off). Each request
+            then gets a trace (a client's valid `traceparent` continued, its flag deciding the
+            sampling; else a new trace sampled by its id as OpenTelemetry's
+            `TraceIdRatioBased` samples it), vLLM gets its upstream span's `traceparent`, and
+            its record the ids.
 
     Raises:
-        InvalidArgumentError: `backends` are not the runtime's, `notify_fd` is negative, or
-            the runtime already has native routes.
+        InvalidArgumentError: `backends` are not the runtime's, `notify_fd` is negative,
+            `sample_ratio` is not from 0 to 1, or the runtime already has native routes.
     """
 
     def __new__(
@@ -860,6 +865,7 @@ class NativeRoutes:
         *,
         own_hosts: list[str] | None = None,
         write_timeout_ms: float = 60000.0,
+        sample_ratio: float | None = None,
     ) -> NativeRoutes: ...
     def serve_on(self, front: Front) -> None:
         """Serve `front`'s governed routes natively from now on."""
@@ -868,7 +874,12 @@ class NativeRoutes:
         caused, to carry out in order; the native requests' records, each a dict: `id`,
         `tenant`, `tier`, `arrived_us`, `started_us`, `first_token_us`, `ended_us`,
         `prompt_tokens`, `max_tokens`, `completion_tokens`, `end`, `error` ((status, code) or
-        None), `refused`, `truncated`, `upstream_aborted`, `backend`, `first_token_only`)."""
+        None), `retry_after_s`, `refused`, `truncated`, `upstream_aborted`, `backend`,
+        `first_token_only`, `path`, `stream`, `model`, `queue_wait_us` and
+        `brownout_max_tokens` (the runtime's `Start`'s, None before it), `trace` (None while
+        telemetry is off, else a dict: `trace_id`, `span_id`, `queue_span_id`,
+        `upstream_span_id`, `parent_span_id` (the client's, or None), `parent_flags`, `flags`
+        (its spans': sampled, random trace id)))."""
     def streams(self) -> list[dict[str, Any]]:
         """The requests it serves now: `id`, `tenant`, `tier`, `arrived_us`, `backend` (None
         while queued), `streaming` (past its first token), oldest first."""
@@ -1029,6 +1040,15 @@ class FrontKeys:
 def front_signals(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, int | None] | None:
     """`read_signals` in Rust: (retries, deadline_ms), or None where Python answers 400 or
     the reading is unsure."""
+
+def front_traceparent(header: bytes) -> tuple[int, int, int] | None:
+    """A client's `traceparent` as the native front reads it: (trace_id, span_id, flags), or
+    None where it starts a trace of its own (where OpenTelemetry's propagator extracts
+    nothing)."""
+
+def front_trace_sampled(trace_id: int, sample_ratio: float) -> bool:
+    """Whether the native front samples a trace it starts with this id at this ratio (as
+    OpenTelemetry's `TraceIdRatioBased`)."""
 
 def front_refusal_bytes(
     reason: str,

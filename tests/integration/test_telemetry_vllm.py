@@ -4,8 +4,8 @@ A real `llmflow serve` (its own process) with `telemetry` pointed at a small OTL
 in this test (`tests/gateway/otlp_receiver.py`), in front of a real vLLM (CPU, tiny model)
 started with `--otlp-traces-endpoint` at the same receiver over OTLP/HTTP. vLLM continues a
 request's `traceparent` when it traces: its `llm_request` span must be in the gateway's trace,
-with the gateway's upstream span as its parent, for a stream the Rust relay carries and for an
-unstreamed reply read on the Python path.
+with the gateway's upstream span as its parent, for a stream and for an unstreamed reply, both
+served by the native front (which sends the `traceparent` itself).
 """
 
 from __future__ import annotations

@@ -112,14 +112,16 @@ class GatewayMetrics:
         )
         self.registry.register(_StateCollector(self))
 
-    def rejected(self, prepared: Prepared, error: GatewayError, at: float | None = None) -> None:
-        """Count (and log) a request the core turned away as it arrived (`at`: when,
-        monotonic, if not now)."""
+    def rejected(
+        self, prepared: Prepared, error: GatewayError, at: float | None = None, spans: bool = True
+    ) -> None:
+        """Count (and log, and trace) a request the core turned away as it arrived (`at`: when,
+        monotonic, if not now; `spans`: False where the caller makes its spans)."""
         self.requests.labels(prepared.tier, "rejected", error.code).inc()
         self.outcomes["rejected", error.code] += 1
         if self.access_log is not None:
             self.access_log.refused(prepared, error, at)
-        if self.tracing is not None:
+        if self.tracing is not None and spans:
             self.tracing.refused(prepared, error, error.headers.get("X-Request-Id"))
 
     def first_token(self, session: StreamSession) -> None:
@@ -128,8 +130,9 @@ class GatewayMetrics:
         tier = session.prepared.tier
         self.ttft.labels(tier).observe(session.first_token_at - session.prepared.arrived)
 
-    def request_ended(self, session: StreamSession) -> None:
-        """Count a finished session by outcome and reason, and its tokens."""
+    def request_ended(self, session: StreamSession, spans: bool = True) -> None:
+        """Count a finished session by outcome and reason, and its tokens (`spans`: False
+        where the caller makes its spans)."""
         outcome = _OUTCOME.get(session.end, "cancelled")
         tier = session.prepared.tier
         self.requests.labels(tier, outcome, session.end).inc()
@@ -143,7 +146,7 @@ class GatewayMetrics:
             self.e2e.labels(tier).observe(ended - session.prepared.arrived)
         if self.access_log is not None:
             self.access_log.ended(session)
-        if self.tracing is not None:
+        if self.tracing is not None and spans:
             self.tracing.ended(session)
 
     def shadow_mode(self, policy: Runtime) -> Callable[[str, str, str | None], None]:

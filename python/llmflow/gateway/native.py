@@ -9,7 +9,8 @@ still reach this loop, through one wake-up pipe:
   carries them out as if its own call had returned them (`Host.carry`);
 - one record per native request at its first token and at its end, which the metrics and the
   access log count as they count a session (one registry, one file, one `/metrics`), at most
-  `RECORD_TICK_S` late.
+  `RECORD_TICK_S` late; with telemetry on, its spans are made from it then (the front decided
+  its trace ids and sent vLLM its `traceparent`; `telemetry.py`).
 
 Nothing is decided here.
 """
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from llmflow._core import FrontChecks, FrontKeys, NativeRoutes
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.session import fingerprint_key
+from llmflow.gateway.telemetry import NativeTrace
 
 if TYPE_CHECKING:
     from llmflow._core import Front
@@ -43,16 +45,14 @@ RECORD_TICK_S = 0.1
 def why_not_native(gateway: Gateway) -> str | None:
     """Why the front cannot serve this gateway's completions natively (None: it can).
 
-    What the native path does not do yet goes to Python: shadow mode's second runtime,
-    OpenTelemetry spans, a split (prefill/decode) pool's two hops, a backend over https.
+    What the native path does not do yet goes to Python: shadow mode's second runtime, a split
+    (prefill/decode) pool's two hops, a backend over https.
     """
     s = gateway.settings
     if not s.server.relay:
         return "server.relay is off"
     if gateway.shadow is not None:
         return "gate.mode is shadow"
-    if gateway.tracing is not None:
-        return "telemetry is on"
     if any(b.role != "both" for b in s.backends):
         return "a pool is split into prefill and decode"
     if gateway.ctx is None or any(
@@ -90,6 +90,7 @@ def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | No
         gateway.runtime, gateway.relay.relay, write_end, checks, keys, backends,
         own_hosts=sorted(own_hosts) if own_hosts is not None else None,
         write_timeout_ms=s.server.write_timeout_ms,
+        sample_ratio=gateway.tracing.sample_ratio if gateway.tracing is not None else None,
     )
     gateway.metrics.native = native  # its requests count in the per-tier gauges
     inbox = NativeInbox(native, read_end, gateway.host, gateway.metrics)
@@ -99,19 +100,32 @@ def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | No
 
 
 @dataclass(slots=True)
+class _Options:
+    stream: bool
+
+
+@dataclass(slots=True)
 class _Prepared:
-    """What the metrics and the access log read of a request's `Prepared`."""
+    """What the metrics, the access log and the spans read of a request's `Prepared`."""
 
     tier: str
     tenant: str
     arrived: float
     prompt_tokens: int
     max_tokens: int | None
+    path: str
+    options: _Options
+    model: str | None
 
 
 @dataclass(slots=True)
 class _Parser:
     completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Start:
+    max_tokens: int | None  # a brownout's bound
 
 
 class _NotAdmitting:
@@ -137,6 +151,9 @@ class Served:
     parser: _Parser = field(default_factory=_Parser)
     admitted: _NotAdmitting = field(default_factory=_NotAdmitting)
     shadow: None = None
+    started_at: float | None = None  # sent upstream (monotonic)
+    start_action: _Start | None = None
+    trace: NativeTrace | None = None  # telemetry's ids, when on
 
 
 def served(record: dict[str, Any]) -> Served:
@@ -148,20 +165,27 @@ def served(record: dict[str, Any]) -> Served:
     if record["error"] is not None:
         status, code = record["error"]
         headers = {"X-Request-Id": f"llmflow-{record['id']}"}
+        if record["retry_after_s"] is not None:
+            headers["Retry-After"] = str(record["retry_after_s"])
         error = GatewayError(status, code, code, headers=headers)
+    waited = record["queue_wait_us"]  # the runtime's, as its `Start` said
+    trace = record["trace"]
     return Served(
         record["id"],
         _Prepared(
             record["tier"], record["tenant"], arrived, record["prompt_tokens"],
-            record["max_tokens"],
+            record["max_tokens"], record["path"], _Options(record["stream"]), record["model"],
         ),
         record["end"],
         record["backend"],
-        (started / 1e6 - arrived) if started is not None else 0.0,
+        waited / 1e6 if waited is not None else 0.0,
         first / 1e6 if first is not None else None,
         error,
         record["ended_us"] / 1e6 if record["ended_us"] else None,
         _Parser(record["completion_tokens"]),
+        started_at=started / 1e6 if started is not None else None,
+        start_action=_Start(record["brownout_max_tokens"]) if started is not None else None,
+        trace=NativeTrace(**trace) if trace is not None else None,
     )
 
 
@@ -218,12 +242,15 @@ class NativeInbox:
         if record["first_token_only"]:
             metrics.first_token(session)  # type: ignore[arg-type]
             return
-        if record["refused"] and session.error is not None:
+        refused = session.error if record["refused"] else None
+        if refused is not None:
             prepared: Any = session.prepared  # the fields `rejected` reads of a `Prepared`
-            metrics.rejected(prepared, session.error, session.ended_at)
-            return
-        if record["truncated"]:
-            metrics.truncated(session.end)
-        if record["upstream_aborted"]:
-            metrics.upstream_aborted(session.end)
-        metrics.request_ended(session)  # type: ignore[arg-type]
+            metrics.rejected(prepared, refused, session.ended_at, spans=False)
+        else:
+            if record["truncated"]:
+                metrics.truncated(session.end)
+            if record["upstream_aborted"]:
+                metrics.upstream_aborted(session.end)
+            metrics.request_ended(session, spans=False)  # type: ignore[arg-type]
+        if metrics.tracing is not None and session.trace is not None:
+            metrics.tracing.served(session, session.trace, refused is not None)

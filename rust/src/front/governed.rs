@@ -54,6 +54,8 @@ pub struct Governed {
     /// How long a client may take none of a reply this task writes (`server.write_timeout_ms`,
     /// as the Python listener's write timer).
     pub write_timeout: Duration,
+    /// `telemetry`, when on: each request's trace ids, its `traceparent` upstream.
+    pub tracing: Option<super::traceparent::Tracing>,
 }
 
 impl super::Native for Governed {
@@ -219,8 +221,13 @@ impl Governed {
             self.owner.unregister(id);
             return Outcome::Declined(request, conn);
         }
-        // Taken: of the request's head and body, only whether the connection goes on is kept.
+        // Taken: of the request's head and body, only whether the connection goes on and the
+        // trace it continues are kept.
         let keep_alive = request.keep_alive;
+        let trace = self
+            .tracing
+            .as_ref()
+            .map(|tracing| tracing.begin(header(&request, "traceparent")));
         drop(request);
         let record = Record {
             id,
@@ -229,6 +236,10 @@ impl Governed {
             arrived_us,
             prompt_tokens: prepared.prompt_tokens,
             max_tokens: Some(prepared.planned_tokens),
+            path: prepared.endpoint.path(),
+            stream: prepared.stream,
+            model: prepared.model.clone(),
+            trace,
             ..Record::default()
         };
         let whole = (!prepared.stream).then(|| {
@@ -328,6 +339,7 @@ impl Governed {
             Action::Start {
                 backend,
                 priority,
+                queue_wait_us,
                 max_tokens,
                 ..
             } => {
@@ -336,6 +348,8 @@ impl Governed {
                     let wait = move || crate::hosted::wait_all(&after, crate::hosted::ABORT_WAIT);
                     let _ = tokio::task::spawn_blocking(wait).await;
                 }
+                life.record.queue_wait_us = Some(queue_wait_us);
+                life.record.brownout_max_tokens = max_tokens;
                 self.start(life, backend, priority, max_tokens, sink);
             }
             Action::Abort { .. } => {
@@ -402,6 +416,7 @@ impl Governed {
         let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
         let bytes = error.response_bytes(&defaults, life.keep_alive);
         life.record.error = Some((status, error.code));
+        life.record.retry_after_s = retry_after_s;
         if life.attached {
             // The relay holds the connection, unwritten: it gives it back (`Closed`), and the
             // answer is written then.
@@ -501,12 +516,13 @@ impl Governed {
             .upstream_bytes(route.priority_scheduling.then_some(priority), max_tokens);
         let url = format!("{}{}", route.url, life.prepared.endpoint.path());
         let request_id = format!("llmflow-{}", life.id);
+        let traceparent = life.record.trace.map(|trace| trace.traceparent());
         let opened = self.streams.open(StreamRequest {
             id: life.id,
             url: &url,
             body,
             request_id: &request_id,
-            traceparent: None,
+            traceparent: traceparent.as_deref(),
             include_usage: life.prepared.include_usage,
             continuous_usage: life.prepared.continuous_usage,
             choices: life.prepared.choices,

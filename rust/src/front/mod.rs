@@ -26,6 +26,7 @@ pub mod record;
 pub mod reply;
 pub mod request;
 pub mod signals;
+pub mod traceparent;
 pub mod whole;
 
 use std::future::Future;

@@ -11,6 +11,7 @@ use crate::front::auth::{Identity, KeyRing};
 use crate::front::prepare::{checked, prepare, Endpoint, FrontConfig, NotServed, Prepared};
 use crate::front::reply::{self, Cut};
 use crate::front::signals::read_signals;
+use crate::front::traceparent;
 
 fn endpoint(name: &str) -> PyResult<Endpoint> {
     match name {
@@ -244,6 +245,19 @@ pub fn front_signals(headers: Vec<(Vec<u8>, Vec<u8>)>) -> Option<(Option<u32>, O
     let pairs = headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice()));
     let signals = read_signals(pairs).ok()?;
     Some((signals.retries, signals.deadline_ms))
+}
+
+/// A client's `traceparent` as the front reads it: `(trace_id, span_id, flags)`, or None
+/// where it starts a trace of its own.
+#[pyfunction]
+pub fn front_traceparent(header: &[u8]) -> Option<(u128, u64, u8)> {
+    traceparent::parse(header).map(|p| (p.trace_id, p.span_id, p.flags))
+}
+
+/// Whether the front samples a trace it starts with this id, at this ratio.
+#[pyfunction]
+pub fn front_trace_sampled(trace_id: u128, sample_ratio: f64) -> bool {
+    traceparent::sampled_by_ratio(trace_id, traceparent::ratio_bound(sample_ratio))
 }
 
 /// The bytes of a runtime refusal on the wire (uvicorn's writing of `reply_error(...).response()`);

@@ -68,8 +68,8 @@ pub mod _core {
     #[pymodule_export]
     use super::front_checks::{
         front_cut_frame, front_cut_names_itself, front_in_band_error, front_merge_frames,
-        front_refusal_bytes, front_signals, front_stream_frames, front_whole_reply, PyFrontChecks,
-        PyFrontKeys, PyFrontPrepared,
+        front_refusal_bytes, front_signals, front_stream_frames, front_trace_sampled,
+        front_traceparent, front_whole_reply, PyFrontChecks, PyFrontKeys, PyFrontPrepared,
     };
 
     #[pymodule_init]

@@ -18,6 +18,7 @@ use super::runtime::PyRuntime;
 use crate::front::governed::{BackendRoute, Governed};
 use crate::front::owner::Owner;
 use crate::front::record::Record;
+use crate::front::traceparent::{TraceIds, Tracing};
 use crate::hosted::Hosted;
 
 /// The governed completions served in Rust, against the runtime Python feeds too.
@@ -29,11 +30,12 @@ pub struct PyNativeRoutes {
 #[pymethods]
 impl PyNativeRoutes {
     /// `backends`: (name, url, priority_scheduling) in the runtime's backend order;
-    /// `notify_fd`: the write end of the pipe that wakes Python for `take()`.
+    /// `notify_fd`: the write end of the pipe that wakes Python for `take()`;
+    /// `sample_ratio`: telemetry's, None while telemetry is off.
     #[new]
     #[pyo3(signature = (
         runtime, relay, notify_fd, checks, keys, backends, *, own_hosts=None,
-        write_timeout_ms=60_000.0
+        write_timeout_ms=60_000.0, sample_ratio=None
     ))]
     #[allow(clippy::too_many_arguments)] // the gateway's parts, one for one
     fn new(
@@ -45,10 +47,16 @@ impl PyNativeRoutes {
         backends: Vec<(String, String, bool)>,
         own_hosts: Option<Vec<String>>,
         write_timeout_ms: f64,
+        sample_ratio: Option<f64>,
     ) -> PyResult<Self> {
         if !(write_timeout_ms.is_finite() && write_timeout_ms > 0.0) {
             return Err(InvalidArgumentError::new_err(format!(
                 "write_timeout_ms must be a finite number above 0, got {write_timeout_ms}"
+            )));
+        }
+        if let Some(ratio) = sample_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
+            return Err(InvalidArgumentError::new_err(format!(
+                "sample_ratio must be a number from 0 to 1, got {ratio}"
             )));
         }
         if notify_fd < 0 {
@@ -93,6 +101,7 @@ impl PyNativeRoutes {
                 .collect(),
             own_hosts: own_hosts.map(|h| h.into_iter().map(|n| n.to_lowercase()).collect()),
             write_timeout: std::time::Duration::from_secs_f64(write_timeout_ms / 1e3),
+            tracing: sample_ratio.map(Tracing::new),
         };
         Ok(Self {
             governed: Arc::new(governed),
@@ -162,9 +171,32 @@ fn record_to_py<'py>(py: Python<'py>, r: &Record) -> PyResult<Bound<'py, PyDict>
     d.set_item("completion_tokens", r.completion_tokens)?;
     d.set_item("end", &r.end)?;
     d.set_item("error", r.error.as_ref().map(|(s, c)| (*s, c.as_str())))?;
+    d.set_item("retry_after_s", r.retry_after_s)?;
     d.set_item("refused", r.refused)?;
     d.set_item("truncated", r.truncated)?;
     d.set_item("upstream_aborted", r.upstream_aborted)?;
     d.set_item("backend", &r.backend)?;
+    d.set_item("path", r.path)?;
+    d.set_item("stream", r.stream)?;
+    d.set_item("model", &r.model)?;
+    d.set_item("queue_wait_us", r.queue_wait_us)?;
+    d.set_item("brownout_max_tokens", r.brownout_max_tokens)?;
+    match &r.trace {
+        Some(trace) => d.set_item("trace", trace_to_py(py, trace)?)?,
+        None => d.set_item("trace", py.None())?,
+    }
+    Ok(d)
+}
+
+/// A request's trace, as `telemetry.NativeTrace` takes it.
+fn trace_to_py<'py>(py: Python<'py>, t: &TraceIds) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("trace_id", t.trace_id)?;
+    d.set_item("span_id", t.span_id)?;
+    d.set_item("queue_span_id", t.queue_span_id)?;
+    d.set_item("upstream_span_id", t.upstream_span_id)?;
+    d.set_item("parent_span_id", t.parent.map(|p| p.span_id))?;
+    d.set_item("parent_flags", t.parent.map_or(0, |p| p.flags))?;
+    d.set_item("flags", t.flags)?;
     Ok(d)
 }
