@@ -132,6 +132,44 @@ def report(model: StepModel, replays: list[list[Shape]]) -> str:
     return "\n".join([head, *rows]) + tail
 
 
+def inside(steps: list[dict[str, Any]], workers: list[dict[str, Any]]) -> list[list[dict]]:
+    """The model worker's calls (`execute_model`, `sample_tokens`) inside each engine step."""
+    calls = sorted(workers, key=lambda w: w["start"])
+    starts = [w["start"] for w in calls]
+    out = []
+    for step in steps:
+        i = bisect.bisect_left(starts, step["start"])
+        mine = []
+        while i < len(calls) and calls[i]["start"] < step["end"]:
+            mine.append(calls[i])
+            i += 1
+        out.append(mine)
+    return out
+
+
+def where_the_time_goes(model: StepModel, label: str, steps: list[dict[str, Any]],
+                        workers: list[dict[str, Any]]) -> list[str]:
+    """Decode steps by batch size: the step, the model's prediction, the worker's compute in
+    it, and how long the engine core's thread waited for a CPU in it (medians, ms)."""
+    rows = []
+    for lo, hi in ((1, 1), (2, 3), (4, 5), (6, 8), (9, 16)):
+        picked = [(s, step, calls) for s, step, calls in
+                  zip(shapes(steps), steps, inside(steps, workers), strict=True)
+                  if s.kind == "decode" and lo <= s.decodes <= hi and calls]
+        if len(picked) < 10:
+            continue
+
+        def ms(f: Any, picked: list[Any] = picked) -> str:
+            return f"{statistics.median(f(*x) for x in picked) * 1e3:.2f}"
+
+        rows.append(
+            f"| {label} | {lo}-{hi} | {len(picked)} | {ms(lambda s, _st, _c: s.seconds)} | "
+            f"{ms(lambda s, _st, _c: predicted(model, s))} | "
+            f"{ms(lambda _s, _st, c: sum(x['end'] - x['start'] for x in c))} | "
+            f"{ms(lambda _s, st, _c: st['waited'])} |")
+    return rows
+
+
 def first_token_steps(steps: list[dict[str, Any]], arrivals: list[dict[str, Any]]) -> list[int]:
     """The step at which each request's prompt was done, in the order the engine took them."""
     first: dict[str, int] = {}
@@ -185,9 +223,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.saved:
         data = json.loads(args.saved.read_text())
-        profile = Profile.model_validate(data["profile"])
-        print(report(profile.step_s, [shapes(r) for r in data["replays"]]))
-        print(scheduling(profile, data))
+        print(everything(Profile.model_validate(data["profile"]), data))
         return
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "steps.jsonl"
@@ -206,7 +242,7 @@ def main() -> None:
                 done = len(trace.read_text().splitlines())
                 profile = asyncio.run(calibrate(cal))
                 probes = [json.loads(line) for line in trace.read_text().splitlines()[done:]]
-                replays, waits, arrivals, clients = [], [], [], []
+                replays, waits, arrivals, clients, workers = [], [], [], [], []
                 for _ in range(args.replays):
                     wait_vllm_idle(server)
                     done = len(trace.read_text().splitlines())
@@ -215,17 +251,35 @@ def main() -> None:
                     waits.append(clock.lap().wait_share)
                     lines = [json.loads(line) for line in trace.read_text().splitlines()[done:]]
                     replays.append([x for x in lines if "reqs" in x])
+                    workers.append([x for x in lines if "worker" in x])
                     arrivals.append([x for x in lines if "arrive" in x])
                     clients.append([(o.arrival, o.first, o.end) for o in outcomes])
     data = {"profile": profile.model_dump(mode="json"), "replays": replays,
             "arrivals": arrivals, "clients": clients, "waits": waits,
-            "probes": [x for x in probes if "reqs" in x]}
+            "probes": [x for x in probes if "reqs" in x],
+            "probe_workers": [x for x in probes if "worker" in x], "workers": workers}
     if args.save:
         args.save.write_text(json.dumps(data))
-    print(report(profile.step_s, [shapes(r) for r in replays]))
-    print("vLLM's threads waited for a CPU " + ", ".join(f"{w:.2f}x" for w in waits)
-          + " their run time")
-    print(scheduling(profile, data))
+    print(everything(profile, data))
+
+
+def everything(profile: Profile, data: dict[str, Any]) -> str:
+    """The whole report of a run (`main`'s data, or a `--save`d run's)."""
+    parts = [report(profile.step_s, [shapes(r) for r in data["replays"]])]
+    if "waits" in data:
+        parts.append("vLLM's threads waited for a CPU "
+                     + ", ".join(f"{w:.2f}x" for w in data["waits"]) + " their run time")
+    if data.get("probe_workers"):
+        rows = where_the_time_goes(profile.step_s, "calibration", data["probes"],
+                                   data["probe_workers"])
+        for i, (steps, calls) in enumerate(zip(data["replays"], data["workers"], strict=True)):
+            rows += where_the_time_goes(profile.step_s, f"burst {i + 1}", steps, calls)
+        parts.append("decode steps (medians, ms): the step, the model's prediction, the model "
+                     "worker's compute in it, the engine core's wait for a CPU in it\n"
+                     "| steps | decodes | n | step | predicted | worker | engine waited |\n"
+                     "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+    parts.append(scheduling(profile, data))
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -227,10 +227,12 @@ STARVED_SWEEP = {"prompt_lengths": (16, 128, 256, 512, 768, 1024, 1536), "repeat
                  "decode_repeats": 3, "mixed_prompts": (128, 384, 768)}
 # Issue 30, open: with the staged fit's stable calibration the simulator under-predicts the
 # starved burst's TTFT p50 by x0.53-0.54 (two recordings, 6 replays each): 0.56-0.63 beyond
-# three replays' range in 3 of 4 triples, past the ln 1.6 bound. vLLM takes the same engine
-# steps to 2% and its own TTFT is the clients' within 20 ms; its steps under the full burst are
-# 1.05-1.4x the calibrated ones (docs/fidelity.md). Earlier, unstable fits passed by putting
-# more cost on mixed_prefill or prefill_attn.
+# three replays' range in 3 of 4 triples, past the ln 1.6 bound. Traced inside vLLM
+# (step_costs.py), the scheduling is vLLM's step for step; the TTFT magnifies a step-time error
+# 1.2-2.4 times, and on 2 cores a step's time holds the engine core's wait for the core it
+# shares with the API server and the client, which differs between calibration and burst
+# (docs/fidelity.md). Earlier, unstable fits passed by putting more cost on mixed_prefill or
+# prefill_attn.
 STARVED_GAP = "issue 30, open: the starved burst's TTFT p50 is under-predicted (docs/fidelity.md)"
 # The issue's goal is within 25% (reported). Asserted: within 50%. The simulated count moves
 # with the calibrated profile (13 to 18 against a real 14-16 in six runs on 2 shared cores).
