@@ -46,7 +46,7 @@ def why_not_native(gateway: Gateway) -> str | None:
     """Why the front cannot serve this gateway's completions natively (None: it can).
 
     What the native path does not do yet goes to Python: shadow mode's second runtime, a split
-    (prefill/decode) pool's two hops, a backend over https.
+    (prefill/decode) pool's two hops.
     """
     s = gateway.settings
     if not s.server.relay:
@@ -55,10 +55,8 @@ def why_not_native(gateway: Gateway) -> str | None:
         return "gate.mode is shadow"
     if any(b.role != "both" for b in s.backends):
         return "a pool is split into prefill and decode"
-    if gateway.ctx is None or any(
-        not route.url.startswith("http://") for route in gateway.ctx.routes.values()
-    ):
-        return "a backend is not plain http"
+    if gateway.ctx is None:
+        return "the gateway has not started"
     return None
 
 
