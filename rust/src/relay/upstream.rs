@@ -130,11 +130,6 @@ impl Origin {
             tls,
         })
     }
-
-    /// Whether connections to it speak TLS.
-    pub fn is_tls(&self) -> bool {
-        self.tls.is_some()
-    }
 }
 
 /// A connection's socket: plain TCP, or TLS over it.
@@ -295,4 +290,42 @@ async fn open(origin: &Origin) -> io::Result<Io> {
         .connect(name.clone(), stream)
         .await?;
     Ok(Io::Tls(Box::new(stream)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // http and https connections to one host and port are pooled apart.
+    #[test]
+    fn the_pool_keeps_plain_and_tls_connections_apart() {
+        let plain = Origin::new("vllm", 8000, None).unwrap();
+        let tls = Origin::new("vllm", 8000, Some(Tls::mozilla())).unwrap();
+        assert_eq!(
+            (plain.key.as_str(), plain.tls.is_some()),
+            ("http://vllm:8000", false)
+        );
+        assert_eq!(
+            (tls.key.as_str(), tls.tls.is_some()),
+            ("https://vllm:8000", true)
+        );
+        assert_eq!(plain.authority, tls.authority);
+    }
+
+    // An IPv6 literal connects with its brackets and is checked by its address.
+    #[test]
+    fn an_ipv6_literal_is_an_address_to_check() {
+        let origin = Origin::new("[::1]", 8443, Some(Tls::mozilla())).unwrap();
+        assert_eq!(origin.authority, "[::1]:8443");
+        let (_, name) = origin.tls.as_ref().unwrap();
+        assert!(matches!(name, ServerName::IpAddress(_)));
+    }
+
+    // A host no certificate can name is refused when the stream is opened, not at connect.
+    #[test]
+    fn a_host_no_certificate_can_name_is_refused() {
+        let refused = Origin::new("bad_host!", 443, Some(Tls::mozilla())).err();
+        assert!(refused.is_some_and(|e| e.contains("cannot be checked against a certificate")));
+        assert!(Origin::new("bad_host!", 80, None).is_ok()); // plain http checks no name
+    }
 }
