@@ -205,10 +205,12 @@ impl Relay {
         &self.streams.shared.stats
     }
 
-    /// Stop every stream and the relay's threads, without waiting for them.
+    /// Stop every stream and the relay's threads, without waiting for them, and close the
+    /// idle upstream connections.
     pub fn shutdown(&mut self) {
         self.streams.closed.store(true, Ordering::SeqCst);
         self.streams.live.lock().unwrap().clear();
+        self.streams.shared.pool.close_idle();
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
         }

@@ -181,9 +181,16 @@ mod tls {
     }
 
     /// An https backend on loopback that takes ONE connection and answers `replies` streamed
-    /// completions on it, one after another; the names the client asked for by SNI come back
-    /// on the channel (one per handshake that completed).
-    fn https_backend(pki: &Pki, replies: usize) -> (u16, std::sync::mpsc::Receiver<String>) {
+    /// completions on it, one after another.
+    struct Backend {
+        port: u16,
+        /// The name the client asked for by SNI, once per request answered.
+        sni: std::sync::mpsc::Receiver<String>,
+        /// Said when the client closed the connection after the last reply.
+        closed: std::sync::mpsc::Receiver<()>,
+    }
+
+    fn https_backend(pki: &Pki, replies: usize) -> Backend {
         #[allow(deprecated)] // ring: see `Tls::trusting`
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ServerConfig::builder_with_provider(provider)
@@ -194,17 +201,20 @@ mod tls {
             .unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let (names, heard) = std::sync::mpsc::channel();
+        let (names, sni) = std::sync::mpsc::channel();
+        let (gone, closed) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let (socket, _) = listener.accept().unwrap();
+            socket
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
             let conn = rustls::ServerConnection::new(Arc::new(config)).unwrap();
             let mut tls = rustls::StreamOwned::new(conn, socket);
             for _ in 0..replies {
                 if read_request(&mut tls).is_none() {
                     return; // the handshake failed, or the client went
                 }
-                let sni = tls.conn.server_name().unwrap_or("").to_owned();
-                let _ = names.send(sni);
+                let _ = names.send(tls.conn.server_name().unwrap_or("").to_owned());
                 let mut reply = super::HEAD.to_vec();
                 for event in [chunk("a", None), chunk("b", Some("length"))] {
                     reply.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
@@ -212,9 +222,15 @@ mod tls {
                 reply.extend_from_slice(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
                 tls.write_all(&reply).unwrap();
             }
-            std::thread::sleep(Duration::from_secs(2));
+            let mut buf = [0u8; 1];
+            match tls.read(&mut buf) {
+                Ok(0) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
+                other => panic!("the client kept the connection: {other:?}"),
+            }
+            let _ = gone.send(());
         });
-        (port, heard)
+        Backend { port, sni, closed }
     }
 
     /// One request's head and body (by its content-length); None when the peer is gone.
@@ -281,13 +297,17 @@ mod tls {
         let pki = pki(&["localhost"]);
         let (_dir, path) = ca_file(&pki.ca_pem);
         let ca = Tls::from_ca_file(&path).unwrap();
-        let (port, sni) = https_backend(&pki, 2);
-        let relay = Relay::new(config()).unwrap();
-        let url = format!("https://localhost:{port}/v1/completions");
+        let backend = https_backend(&pki, 2);
+        let mut relay = Relay::new(config()).unwrap();
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
         assert_eq!(relay_one(&relay, 1, &url, Some(&ca)), Ok(2));
         assert_eq!(relay_one(&relay, 2, &url, Some(&ca)), Ok(2));
-        let names: Vec<String> = sni.try_iter().collect();
+        let names: Vec<String> = backend.sni.try_iter().collect();
         assert_eq!(names, ["localhost", "localhost"]);
+        // Shut down, the relay closes the connection it kept (a TLS peer would wait on it).
+        assert!(backend.closed.try_recv().is_err());
+        relay.shutdown();
+        backend.closed.recv().unwrap();
     }
 
     // Without its CA file the backend's private CA is not among the Mozilla roots: the
@@ -295,9 +315,9 @@ mod tls {
     #[test]
     fn a_certificate_of_an_unknown_ca_is_refused() {
         let pki = pki(&["localhost"]);
-        let (port, sni) = https_backend(&pki, 1);
+        let backend = https_backend(&pki, 1);
         let relay = Relay::new(config()).unwrap();
-        let url = format!("https://localhost:{port}/v1/completions");
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
         let failure = relay_one(&relay, 1, &url, None).unwrap_err();
         assert_eq!(
             (failure.status, failure.code, failure.backend_down),
@@ -307,7 +327,7 @@ mod tls {
             failure.message,
             "backend unreachable: SSLCertVerificationError"
         );
-        assert!(sni.recv_timeout(Duration::from_millis(200)).is_err());
+        assert!(backend.sni.recv().is_err()); // no request came: the thread ended
         assert_eq!(relay.live(), 0);
     }
 
@@ -317,9 +337,9 @@ mod tls {
         let pki = pki(&["wrong.example"]);
         let (_dir, path) = ca_file(&pki.ca_pem);
         let ca = Tls::from_ca_file(&path).unwrap();
-        let (port, _) = https_backend(&pki, 1);
+        let backend = https_backend(&pki, 1);
         let relay = Relay::new(config()).unwrap();
-        let url = format!("https://localhost:{port}/v1/completions");
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
         let failure = relay_one(&relay, 1, &url, Some(&ca)).unwrap_err();
         assert_eq!(
             failure.message,
@@ -333,11 +353,11 @@ mod tls {
         let pki = pki(&["127.0.0.1"]);
         let (_dir, path) = ca_file(&pki.ca_pem);
         let ca = Tls::from_ca_file(&path).unwrap();
-        let (port, sni) = https_backend(&pki, 1);
+        let backend = https_backend(&pki, 1);
         let relay = Relay::new(config()).unwrap();
-        let url = format!("https://127.0.0.1:{port}/v1/completions");
+        let url = format!("https://127.0.0.1:{}/v1/completions", backend.port);
         assert_eq!(relay_one(&relay, 1, &url, Some(&ca)), Ok(2));
-        assert_eq!(sni.recv().unwrap(), "");
+        assert_eq!(backend.sni.recv().unwrap(), "");
     }
 
     // A CA file that cannot serve as roots is refused with what to fix.

@@ -274,6 +274,12 @@ impl Pool {
         }
     }
 
+    /// Close every idle connection (the relay is shutting down): a backend over TLS would
+    /// otherwise wait, on each, for a close_notify that a connection nobody polls never sends.
+    pub fn close_idle(&self) {
+        self.idle.lock().unwrap().clear();
+    }
+
     fn pop(&self, key: &str) -> Option<Idle> {
         self.idle.lock().unwrap().get_mut(key)?.pop()
     }
