@@ -63,8 +63,11 @@ def why(exc: BaseException) -> str:
 
 def trusted(ca_file: str | None = None) -> ssl.SSLContext:
     """How an https backend is verified: against `ca_file` alone (its `tls_ca_file`), else
-    certifi's Mozilla roots (the set the relay trusts as `webpki-roots`)."""
-    return ssl.create_default_context(cafile=ca_file or certifi.where())
+    certifi's Mozilla roots (the set the relay trusts as `webpki-roots`); HTTP/1.1 offered by
+    ALPN, as the relay offers it."""
+    context = ssl.create_default_context(cafile=ca_file or certifi.where())
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 class UpstreamError(Exception):
