@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from llmflow import Governor, Runtime, UnknownModelError
 from llmflow.config import ConfigFileError, load_settings, parse_duration_ms
 
+from .gateway.certs import Authority
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -274,3 +276,26 @@ def test_the_model_table_is_the_cores() -> None:
     )
     runtime = Runtime(settings.to_runtime())
     assert runtime.pools() == [("m-a", "free_slots", ["a"]), ("m-b", "prefix", ["a", "b"])]
+
+
+def test_a_backends_ca_file_is_read_at_load_and_only_for_https(tmp_path: Path) -> None:
+    authority = Authority(tmp_path, "private")
+    key_only = tmp_path / "key.pem"
+    key_only.write_bytes(authority.issue(["localhost"])[1].read_bytes())
+
+    def load(url: str | None, ca_file: Path) -> Any:
+        backend = {"name": "b0", "url": url, "tls_ca_file": str(ca_file)}
+        return load_settings(data={"backends": [backend]})
+
+    assert load("https://vllm:8443", authority.ca_file).backends[0].tls_ca_file == str(
+        authority.ca_file
+    )
+    for url, ca_file, problem in [
+        ("https://vllm:8443", tmp_path / "absent.pem", "cannot be read (No such file"),
+        ("https://vllm:8443", key_only, "the file holds no PEM certificate"),
+        ("http://vllm:8000", authority.ca_file, "is for an https:// backend; its url is 'http:"),
+        (None, authority.ca_file, "is for an https:// backend; its url is None"),
+    ]:
+        with pytest.raises(ConfigFileError, match=r"backends\.0\.tls_ca_file: ") as caught:
+            load(url, ca_file)
+        assert problem in str(caught.value)

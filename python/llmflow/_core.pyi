@@ -837,8 +837,9 @@ class NativeRoutes:
         notify_fd: the write end of a non-blocking pipe: a byte when `take()` has actions.
         checks: the request checks (`FrontChecks`).
         keys: the API keys (`FrontKeys`).
-        backends: (name, base URL, priority scheduling) of each backend, in the runtime's
-            order.
+        backends: (name, base URL, priority scheduling, CA file) of each backend, in the
+            runtime's order: an https backend's certificate is verified against its CA file
+            (a PEM bundle) alone, or against the Mozilla roots when it has none.
         own_hosts: a keyless gateway's own host names (requests naming another Host, or
             carrying an Origin, go to the app's guard); None with API keys.
         write_timeout_ms: how long a client may take none of a reply written whole
@@ -851,7 +852,8 @@ class NativeRoutes:
 
     Raises:
         InvalidArgumentError: `backends` are not the runtime's, `notify_fd` is negative,
-            `sample_ratio` is not from 0 to 1, or the runtime already has native routes.
+            `sample_ratio` is not from 0 to 1, a CA file cannot be read or holds no
+            certificate, or the runtime already has native routes.
     """
 
     def __new__(
@@ -861,7 +863,7 @@ class NativeRoutes:
         notify_fd: int,
         checks: FrontChecks,
         keys: FrontKeys,
-        backends: list[tuple[str, str, bool]],
+        backends: list[tuple[str, str, bool, str | None]],
         *,
         own_hosts: list[str] | None = None,
         write_timeout_ms: float = 60000.0,

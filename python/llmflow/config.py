@@ -21,11 +21,21 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from llmflow._core import config_problem
 from llmflow.config_paths import (
@@ -197,6 +207,25 @@ class Backend(_Section):
     role: Literal["both", "prefill", "decode"] = "both"
     # embeddings, rerank, score, tokenize, audio in flight at once (the light lane's cap)
     light_concurrency: int = Field(16, ge=1)
+    # An https backend's private CA: a PEM bundle, the only roots its certificate may chain to
+    # (both paths, scrapes included); None: the Mozilla roots (certifi's, webpki-roots').
+    tls_ca_file: str | None = None
+
+    @field_validator("tls_ca_file")
+    @classmethod
+    def _check_ca_file(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is None:
+            return None
+        url = info.data.get("url")
+        if not (isinstance(url, str) and url.startswith("https://")):
+            raise ValueError(f"a CA file is for an https:// backend; its url is {url!r}")
+        try:
+            ssl.create_default_context(cafile=path)
+        except ssl.SSLError:
+            raise ValueError("the file holds no PEM certificate") from None
+        except OSError as exc:
+            raise ValueError(f"the file cannot be read ({exc.strerror})") from None
+        return path
 
 
 class Server(_Section):

@@ -79,7 +79,10 @@ class Gateway:
         else:
             self.runtime = Runtime(settings.to_runtime(), trace=trace is not None)
             self.host = Host(self.runtime, trace)
-        self.upstream = Upstream(max_event_bytes=settings.server.max_event_bytes)
+        self.upstream = Upstream(
+            max_event_bytes=settings.server.max_event_bytes,
+            ca_files={b.url: b.tls_ca_file for b in settings.backends if b.url and b.tls_ca_file},
+        )
         self.metrics = GatewayMetrics(self.host, [t.name for t in settings.tiers])
         self.metrics.draining = lambda: self.draining
         if self.shadow is not None:

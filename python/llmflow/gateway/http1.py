@@ -25,16 +25,31 @@ __all__ = [
     "ConnectionLost",
     "ConnectionPool",
     "HttpResponse",
+    "Origin",
     "ProtocolError",
     "StaleConnection",
     "chunk_size",
     "content_length",
+    "origin",
 ]
 
 _READ_SIZE = 65536  # bytes per socket read
 _HEAD_LIMIT = 64 * 1024  # the most bytes of status line and headers accepted
 _SIZE_LINE_LIMIT = 1024  # a chunk's size line (hex digits and extensions)
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+Origin = tuple[str, str, int]  # (scheme, host, port): what a connection is pooled by
+
+
+def origin(url: str) -> Origin:
+    """The (scheme, host, port) of `url`, its scheme's port when it names none."""
+    parts = urlsplit(url)
+    return (
+        parts.scheme,
+        parts.hostname or "127.0.0.1",
+        parts.port or (443 if parts.scheme == "https" else 80),
+    )
 
 
 class ProtocolError(Exception):
@@ -54,7 +69,7 @@ class Connection:
     """One TCP (or TLS) connection to a backend."""
 
     def __init__(
-        self, key: tuple[str, str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, key: Origin, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self.key, self.reader, self.writer = key, reader, writer
 
@@ -213,12 +228,21 @@ class ConnectionPool:
     """Keep-alive connections per backend origin.
 
     Args:
-        connect_timeout_s: how long opening a connection may take.
+        connect_timeout_s: how long opening a connection may take (the TLS handshake too).
+        tls: how an https origin's certificate is verified (its own CA); any other https
+            origin gets `default_tls()`, made at its first connection.
     """
 
-    def __init__(self, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        tls: dict[Origin, ssl.SSLContext] | None = None,
+        default_tls: Callable[[], ssl.SSLContext] = ssl.create_default_context,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
+        self.tls = dict(tls or {})
+        self.default_tls = default_tls
+        self._idle: dict[Origin, list[Connection]] = {}
 
     def put(self, conn: Connection) -> None:
         """Keep an idle connection for reuse."""
@@ -245,11 +269,7 @@ class ConnectionPool:
             ProtocolError: the backend closed or sent garbage before the headers ended.
         """
         parts = urlsplit(url)
-        key = (
-            parts.scheme,
-            parts.hostname or "127.0.0.1",
-            parts.port or (443 if parts.scheme == "https" else 80),
-        )
+        key = origin(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         message = (
             (
@@ -280,15 +300,19 @@ class ConnectionPool:
             on_connection(conn)
         return await self._exchange(conn, message)
 
-    async def _open(self, key: tuple[str, str, int]) -> Connection:
-        context = ssl.create_default_context() if key[0] == "https" else None
+    async def _open(self, key: Origin) -> Connection:
+        context = None
+        if key[0] == "https":
+            if key not in self.tls:
+                self.tls[key] = self.default_tls()
+            context = self.tls[key]
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(key[1], key[2], ssl=context, limit=_HEAD_LIMIT),
             self.connect_timeout_s,
         )
         return Connection(key, reader, writer)
 
-    def _drop_idle(self, key: tuple[str, str, int]) -> None:
+    def _drop_idle(self, key: Origin) -> None:
         for conn in self._idle.pop(key, ()):
             conn.close()
 

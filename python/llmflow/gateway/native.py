@@ -46,7 +46,7 @@ def why_not_native(gateway: Gateway) -> str | None:
     """Why the front cannot serve this gateway's completions natively (None: it can).
 
     What the native path does not do yet goes to Python: shadow mode's second runtime, a split
-    (prefill/decode) pool's two hops, a backend over https.
+    (prefill/decode) pool's two hops.
     """
     s = gateway.settings
     if not s.server.relay:
@@ -55,10 +55,8 @@ def why_not_native(gateway: Gateway) -> str | None:
         return "gate.mode is shadow"
     if any(b.role != "both" for b in s.backends):
         return "a pool is split into prefill and decode"
-    if gateway.ctx is None or any(
-        not route.url.startswith("http://") for route in gateway.ctx.routes.values()
-    ):
-        return "a backend is not plain http"
+    if gateway.ctx is None:
+        return "the gateway has not started"
     return None
 
 
@@ -80,7 +78,7 @@ def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | No
          for t in s.tenants for k in t.api_keys],
     )
     backends = [
-        (b.name, ctx.routes[b.name].url, ctx.routes[b.name].priority_scheduling)
+        (b.name, ctx.routes[b.name].url, ctx.routes[b.name].priority_scheduling, b.tls_ca_file)
         for b in s.backends
     ]
     read_end, write_end = os.pipe()

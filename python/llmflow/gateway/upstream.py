@@ -5,6 +5,8 @@ httpx), scrapes through httpx. Every request goes upstream as a stream, whatever
 asked for: the gateway needs each token as it is made to time the first token, grow the KV
 ledger, and keep the partial text when a deadline cuts a reply. Aborting is closing the
 response: vLLM aborts a request whose connection closes, which frees its KV blocks at once.
+Both clients verify an https backend's certificate against the roots the relay trusts: the
+backend's `tls_ca_file` alone, else certifi's Mozilla set (`trusted`).
 """
 
 from __future__ import annotations
@@ -14,21 +16,30 @@ import contextlib
 import errno
 import json
 import os
+import ssl
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import certifi
 import httpx
 
-from llmflow.gateway.http1 import ConnectionLost, ConnectionPool, HttpResponse, ProtocolError
+from llmflow.gateway.http1 import (
+    ConnectionLost,
+    ConnectionPool,
+    HttpResponse,
+    Origin,
+    ProtocolError,
+    origin,
+)
 from llmflow.gateway.sse_decode import EventTooLarge, SseDecoder
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Mapping
 
     from llmflow.gateway.http1 import Connection
     from llmflow.gateway.types import Json
 
-__all__ = ["Upstream", "UpstreamError", "UpstreamStream", "why"]
+__all__ = ["Upstream", "UpstreamError", "UpstreamStream", "trusted", "why"]
 
 _CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treated as down
 _WRITE_TIMEOUT_S = 30.0  # sending one request body
@@ -42,10 +53,21 @@ _TAIL_WAIT_S = 0.05  # after [DONE], how long the body's end may take before we 
 def why(exc: BaseException) -> str:
     """What went wrong, for a client's error message: the OS's words for an errno, else the
     exception's kind, never its text (which names the backend's address, a file, a host)."""
+    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, which `strerror` misreads
+        return type(exc).__name__
     errno_ = getattr(exc, "errno", None)
     if isinstance(errno_, int) and errno_ > 0:
         return os.strerror(errno_)
     return type(exc).__name__
+
+
+def trusted(ca_file: str | None = None) -> ssl.SSLContext:
+    """How an https backend is verified: against `ca_file` alone (its `tls_ca_file`), else
+    certifi's Mozilla roots (the set the relay trusts as `webpki-roots`); HTTP/1.1 offered by
+    ALPN, as the relay offers it."""
+    context = ssl.create_default_context(cafile=ca_file or certifi.where())
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 class UpstreamError(Exception):
@@ -139,18 +161,34 @@ class Upstream:
     Args:
         max_connections: httpx pool size, for scrapes.
         max_event_bytes: the largest SSE event a backend may send (`server.max_event_bytes`).
+        ca_files: an https backend's URL -> its `tls_ca_file`, the only roots its certificate
+            may chain to, on both clients.
     """
 
-    def __init__(self, max_connections: int = 64, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    def __init__(
+        self,
+        max_connections: int = 64,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        ca_files: Mapping[str, str] | None = None,
+    ) -> None:
         self.max_event_bytes = max_event_bytes
-        self.pool = ConnectionPool(_CONNECT_TIMEOUT_S)
+        own = {origin(url): trusted(ca_file) for url, ca_file in (ca_files or {}).items()}
+        self.pool = ConnectionPool(_CONNECT_TIMEOUT_S, own, default_tls=trusted)
         limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
         )
         timeout = httpx.Timeout(
             connect=_CONNECT_TIMEOUT_S, read=None, write=_WRITE_TIMEOUT_S, pool=_CONNECT_TIMEOUT_S
         )
-        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+        # httpx's own default is certifi's roots; a backend with its own CA gets a transport
+        # of its own (httpx verifies per transport), mounted on its origin.
+        mounts: dict[str, httpx.AsyncBaseTransport | None] = {
+            _pattern(key): httpx.AsyncHTTPTransport(verify=context, limits=limits)
+            for key, context in own.items()
+        }
+        self.client = httpx.AsyncClient(
+            limits=limits, timeout=timeout, trust_env=False, mounts=mounts
+        )
 
     async def open(
         self,
@@ -256,6 +294,11 @@ class Upstream:
         """Close every pooled connection."""
         self.pool.close()
         await self.client.aclose()
+
+
+def _pattern(key: Origin) -> str:
+    scheme, host, port = key
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def _status_error(response: HttpResponse) -> UpstreamError:

@@ -34,9 +34,11 @@ const SSE_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\n\
 #[derive(Debug, Clone)]
 pub struct BackendRoute {
     pub name: String,
-    /// `http://host:port` (the relay speaks plain http; a config with another scheme serves
-    /// no request natively).
+    /// `http://host:port` or `https://host:port`.
     pub url: String,
+    /// The roots an https backend's certificate must chain to (`tls_ca_file`); None: the
+    /// Mozilla set.
+    pub ca: Option<crate::relay::upstream::Tls>,
     /// vLLM runs with `--scheduling-policy priority`: the body carries the core's priority.
     pub priority_scheduling: bool,
 }
@@ -520,6 +522,7 @@ impl Governed {
         let opened = self.streams.open(StreamRequest {
             id: life.id,
             url: &url,
+            ca: route.ca.as_ref(),
             body,
             request_id: &request_id,
             traceparent: traceparent.as_deref(),

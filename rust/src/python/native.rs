@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::os::fd::FromRawFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -20,6 +21,7 @@ use crate::front::owner::Owner;
 use crate::front::record::Record;
 use crate::front::traceparent::{TraceIds, Tracing};
 use crate::hosted::Hosted;
+use crate::relay::upstream::Tls;
 
 /// The governed completions served in Rust, against the runtime Python feeds too.
 #[pyclass(name = "NativeRoutes", module = "llmflow._core", frozen)]
@@ -29,7 +31,8 @@ pub struct PyNativeRoutes {
 
 #[pymethods]
 impl PyNativeRoutes {
-    /// `backends`: (name, url, priority_scheduling) in the runtime's backend order;
+    /// `backends`: (name, url, priority_scheduling, tls_ca_file) in the runtime's backend
+    /// order;
     /// `notify_fd`: the write end of the pipe that wakes Python for `take()`;
     /// `sample_ratio`: telemetry's, None while telemetry is off.
     #[new]
@@ -44,7 +47,7 @@ impl PyNativeRoutes {
         notify_fd: i32,
         checks: &Bound<'_, PyFrontChecks>,
         keys: &Bound<'_, PyFrontKeys>,
-        backends: Vec<(String, String, bool)>,
+        backends: Vec<(String, String, bool, Option<PathBuf>)>,
         own_hosts: Option<Vec<String>>,
         write_timeout_ms: f64,
         sample_ratio: Option<f64>,
@@ -70,7 +73,7 @@ impl PyNativeRoutes {
             let names: Vec<&str> = (0..backends.len() as u32)
                 .map(|b| hosted.runtime().governor().backend_name(b))
                 .collect();
-            let given: Vec<&str> = backends.iter().map(|(n, _, _)| n.as_str()).collect();
+            let given: Vec<&str> = backends.iter().map(|(n, ..)| n.as_str()).collect();
             if names != given {
                 return Err(InvalidArgumentError::new_err(format!(
                     "backends must be the runtime's, in its order: {names:?}, got {given:?}"
@@ -82,6 +85,21 @@ impl PyNativeRoutes {
                 ));
             }
         }
+        let backends = backends
+            .into_iter()
+            .map(|(name, url, priority_scheduling, ca_file)| {
+                let ca = ca_file
+                    .map(|path| Tls::from_ca_file(&path))
+                    .transpose()
+                    .map_err(InvalidArgumentError::new_err)?;
+                Ok(BackendRoute {
+                    name,
+                    url,
+                    ca,
+                    priority_scheduling,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let streams = relay.borrow().inner.streams().clone();
         // SAFETY: the caller hands over the pipe's write end; the owner writes and closes it.
         let notify = unsafe { File::from_raw_fd(notify_fd) };
@@ -91,14 +109,7 @@ impl PyNativeRoutes {
             streams,
             checks: checks.get().config.clone(),
             keys: keys.get().inner.clone(),
-            backends: backends
-                .into_iter()
-                .map(|(name, url, priority_scheduling)| BackendRoute {
-                    name,
-                    url,
-                    priority_scheduling,
-                })
-                .collect(),
+            backends,
             own_hosts: own_hosts.map(|h| h.into_iter().map(|n| n.to_lowercase()).collect()),
             write_timeout: std::time::Duration::from_secs_f64(write_timeout_ms / 1e3),
             tracing: sample_ratio.map(Tracing::new),

@@ -104,8 +104,11 @@ pub type Sink = tokio::sync::mpsc::UnboundedSender<RelayEvent>;
 pub struct StreamRequest<'a> {
     /// The host's id of the request (its events and controls name it).
     pub id: u64,
-    /// The backend's completion URL (plain http).
+    /// The backend's completion URL (http or https).
     pub url: &'a str,
+    /// The roots an https backend's certificate must chain to (its `tls_ca_file`); None:
+    /// the Mozilla set.
+    pub ca: Option<&'a upstream::Tls>,
     pub body: Vec<u8>,
     /// Sent upstream as `X-Request-Id`.
     pub request_id: &'a str,
@@ -202,10 +205,12 @@ impl Relay {
         &self.streams.shared.stats
     }
 
-    /// Stop every stream and the relay's threads, without waiting for them.
+    /// Stop every stream and the relay's threads, without waiting for them, and close the
+    /// idle upstream connections.
     pub fn shutdown(&mut self) {
         self.streams.closed.store(true, Ordering::SeqCst);
         self.streams.live.lock().unwrap().clear();
+        self.streams.shared.pool.close_idle();
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
         }
@@ -221,6 +226,7 @@ impl Streams {
         let StreamRequest {
             id,
             url,
+            ca,
             body,
             request_id,
             traceparent,
@@ -239,12 +245,21 @@ impl Streams {
                 "bad backend URL {url:?}: it needs a host and a path"
             ));
         };
-        if uri.scheme_str() != Some("http") {
-            return Err(format!(
-                "bad backend URL {url:?}: the relay speaks plain http"
-            ));
-        }
-        let port = authority.port_u16().unwrap_or(80);
+        let (tls, default_port) = match uri.scheme_str() {
+            Some("http") => (None, 80),
+            Some("https") => (
+                Some(ca.cloned().unwrap_or_else(upstream::Tls::mozilla)),
+                443,
+            ),
+            _ => {
+                return Err(format!(
+                    "bad backend URL {url:?}: the relay speaks http and https"
+                ))
+            }
+        };
+        let port = authority.port_u16().unwrap_or(default_port);
+        let origin = upstream::Origin::new(authority.host(), port, tls)
+            .map_err(|e| format!("bad backend URL {url:?}: {e}"))?;
         hyper::header::HeaderValue::from_str(request_id)
             .map_err(|e| format!("bad request id {request_id:?}: {e}"))?;
         if let Some(traceparent) = traceparent {
@@ -266,7 +281,7 @@ impl Streams {
         let live = Arc::clone(&self.live);
         let open = stream::Open {
             id,
-            authority: format!("{}:{port}", authority.host()),
+            origin,
             path: path.as_str().to_owned(),
             body: Bytes::from(body),
             request_id: request_id.to_owned(),

@@ -71,6 +71,7 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
     let request = StreamRequest {
         id: 7,
         url: &url,
+        ca: None,
         body: b"{\"model\":\"m\",\"prompt\":\"x\",\"stream\":true}".to_vec(),
         request_id: "llmflow-7",
         traceparent: None,
@@ -129,6 +130,271 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
             }
             Some(_) => {}
             None => panic!("no Closed event"),
+        }
+    }
+}
+
+// ---- backends over https ------------------------------------------------------------------
+
+mod tls {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+    use super::super::upstream::Tls;
+    use super::super::{Control, Failure, Relay, RelayEvent, StreamRequest};
+    use super::{chunk, config};
+
+    /// A throwaway CA (its PEM) and a server certificate it issued for `names`, with its key.
+    struct Pki {
+        ca_pem: String,
+        cert: CertificateDer<'static>,
+        key: PrivateKeyDer<'static>,
+    }
+
+    fn pki(names: &[&str]) -> Pki {
+        let mut params = CertificateParams::new(Vec::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let names: Vec<String> = names.iter().map(|&n| n.to_owned()).collect();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        Pki {
+            ca_pem: ca.pem(),
+            cert: cert.der().clone(),
+            key: PrivatePkcs8KeyDer::from(key.serialize_der()).into(),
+        }
+    }
+
+    fn ca_file(pem: &str) -> (tempdir::Dir, std::path::PathBuf) {
+        let dir = tempdir::Dir::new();
+        let path = dir.0.join("ca.pem");
+        std::fs::write(&path, pem).unwrap();
+        (dir, path)
+    }
+
+    /// An https backend on loopback that takes ONE connection and answers `replies` streamed
+    /// completions on it, one after another.
+    struct Backend {
+        port: u16,
+        /// The name the client asked for by SNI, once per request answered.
+        sni: std::sync::mpsc::Receiver<String>,
+        /// Said when the client closed the connection after the last reply.
+        closed: std::sync::mpsc::Receiver<()>,
+    }
+
+    fn https_backend(pki: &Pki, replies: usize) -> Backend {
+        #[allow(deprecated)] // ring: see `Tls::trusting`
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![pki.cert.clone()], pki.key.clone_key())
+            .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (names, sni) = std::sync::mpsc::channel();
+        let (gone, closed) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (socket, _) = listener.accept().unwrap();
+            socket
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let conn = rustls::ServerConnection::new(Arc::new(config)).unwrap();
+            let mut tls = rustls::StreamOwned::new(conn, socket);
+            for _ in 0..replies {
+                if read_request(&mut tls).is_none() {
+                    return; // the handshake failed, or the client went
+                }
+                let _ = names.send(tls.conn.server_name().unwrap_or("").to_owned());
+                let mut reply = super::HEAD.to_vec();
+                for event in [chunk("a", None), chunk("b", Some("length"))] {
+                    reply.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
+                }
+                reply.extend_from_slice(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
+                tls.write_all(&reply).unwrap();
+            }
+            let mut buf = [0u8; 1];
+            match tls.read(&mut buf) {
+                Ok(0) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
+                other => panic!("the client kept the connection: {other:?}"),
+            }
+            let _ = gone.send(());
+        });
+        Backend { port, sni, closed }
+    }
+
+    /// One request's head and body (by its content-length); None when the peer is gone.
+    fn read_request(tls: &mut impl Read) -> Option<Vec<u8>> {
+        let mut request = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&request[..end]).to_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if request.len() >= end + 4 + length {
+                    return Some(request);
+                }
+            }
+            match tls.read(&mut buf) {
+                Ok(n) if n > 0 => request.extend_from_slice(&buf[..n]),
+                _ => return None,
+            }
+        }
+    }
+
+    /// Relay one completion to `url`, assembled whole; its payloads, or its failure.
+    fn relay_one(relay: &Relay, id: u64, url: &str, ca: Option<&Tls>) -> Result<usize, Failure> {
+        let (sink, mut events) = tokio::sync::mpsc::unbounded_channel();
+        let request = StreamRequest {
+            id,
+            url,
+            ca,
+            body: b"{\"model\":\"m\",\"prompt\":\"x\",\"stream\":true}".to_vec(),
+            request_id: "llmflow-1",
+            traceparent: None,
+            include_usage: false,
+            continuous_usage: false,
+            choices: 1,
+            unstreamed: false,
+            whole: true,
+            sink,
+        };
+        relay.open(request).unwrap();
+        let mut payloads = 0;
+        let mut failure = None;
+        loop {
+            match events.blocking_recv() {
+                Some(RelayEvent::Payload(..)) => payloads += 1,
+                Some(RelayEvent::Failed(_, f)) => {
+                    failure = Some(f);
+                    relay.control(id, Control::Close);
+                }
+                Some(RelayEvent::Closed { .. }) => break,
+                Some(_) => {}
+                None => panic!("no Closed event"),
+            }
+        }
+        failure.map_or(Ok(payloads), Err)
+    }
+
+    // A backend whose certificate chains to its CA file is served, with SNI, and its
+    // connection is kept for the next request (the backend accepts only one).
+    #[test]
+    fn an_https_backend_is_relayed_over_one_pooled_connection() {
+        let pki = pki(&["localhost"]);
+        let (_dir, path) = ca_file(&pki.ca_pem);
+        let ca = Tls::from_ca_file(&path).unwrap();
+        let backend = https_backend(&pki, 2);
+        let mut relay = Relay::new(config()).unwrap();
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
+        assert_eq!(relay_one(&relay, 1, &url, Some(&ca)), Ok(2));
+        assert_eq!(relay_one(&relay, 2, &url, Some(&ca)), Ok(2));
+        let names: Vec<String> = backend.sni.try_iter().collect();
+        assert_eq!(names, ["localhost", "localhost"]);
+        // Shut down, the relay closes the connection it kept (a TLS peer would wait on it).
+        assert!(backend.closed.try_recv().is_err());
+        relay.shutdown();
+        backend.closed.recv().unwrap();
+    }
+
+    // Without its CA file the backend's private CA is not among the Mozilla roots: the
+    // connect fails as Python's does, and the backend is marked down.
+    #[test]
+    fn a_certificate_of_an_unknown_ca_is_refused() {
+        let pki = pki(&["localhost"]);
+        let backend = https_backend(&pki, 1);
+        let relay = Relay::new(config()).unwrap();
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
+        let failure = relay_one(&relay, 1, &url, None).unwrap_err();
+        assert_eq!(
+            (failure.status, failure.code, failure.backend_down),
+            (502, "backend_unavailable", true)
+        );
+        assert_eq!(
+            failure.message,
+            "backend unreachable: SSLCertVerificationError"
+        );
+        assert!(backend.sni.recv().is_err()); // no request came: the thread ended
+        assert_eq!(relay.live(), 0);
+    }
+
+    // A certificate from the trusted CA for another host name is refused too.
+    #[test]
+    fn a_certificate_for_another_name_is_refused() {
+        let pki = pki(&["wrong.example"]);
+        let (_dir, path) = ca_file(&pki.ca_pem);
+        let ca = Tls::from_ca_file(&path).unwrap();
+        let backend = https_backend(&pki, 1);
+        let relay = Relay::new(config()).unwrap();
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
+        let failure = relay_one(&relay, 1, &url, Some(&ca)).unwrap_err();
+        assert_eq!(
+            failure.message,
+            "backend unreachable: SSLCertVerificationError"
+        );
+    }
+
+    // An IP literal is checked against the certificate's IP addresses (no SNI is sent).
+    #[test]
+    fn an_ip_address_is_checked_against_the_certificates_addresses() {
+        let pki = pki(&["127.0.0.1"]);
+        let (_dir, path) = ca_file(&pki.ca_pem);
+        let ca = Tls::from_ca_file(&path).unwrap();
+        let backend = https_backend(&pki, 1);
+        let relay = Relay::new(config()).unwrap();
+        let url = format!("https://127.0.0.1:{}/v1/completions", backend.port);
+        assert_eq!(relay_one(&relay, 1, &url, Some(&ca)), Ok(2));
+        assert_eq!(backend.sni.recv().unwrap(), "");
+    }
+
+    // A CA file that cannot serve as roots is refused with what to fix.
+    #[test]
+    fn a_ca_file_that_is_missing_or_holds_no_certificate_is_refused() {
+        let (dir, path) = ca_file("not a certificate\n");
+        let missing = dir.0.join("missing.pem");
+        let no_cert = Tls::from_ca_file(&path).unwrap_err();
+        assert!(no_cert.ends_with("holds no PEM certificate"), "{no_cert}");
+        let unread = Tls::from_ca_file(&missing).unwrap_err();
+        assert!(unread.contains("cannot be read as PEM"), "{unread}");
+        // a key, and no certificate: not roots either
+        let (_dir, key_only) = ca_file(&KeyPair::generate().unwrap().serialize_pem());
+        let keyed = Tls::from_ca_file(&key_only).unwrap_err();
+        assert!(keyed.ends_with("holds no PEM certificate"), "{keyed}");
+    }
+
+    /// A directory removed when dropped.
+    mod tempdir {
+        pub struct Dir(pub std::path::PathBuf);
+
+        impl Dir {
+            pub fn new() -> Self {
+                use std::sync::atomic::{AtomicU32, Ordering};
+                static N: AtomicU32 = AtomicU32::new(0);
+                let n = N.fetch_add(1, Ordering::Relaxed);
+                let path =
+                    std::env::temp_dir().join(format!("llmflow-tls-{}-{n}", std::process::id()));
+                std::fs::create_dir_all(&path).unwrap();
+                Self(path)
+            }
+        }
+
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
         }
     }
 }

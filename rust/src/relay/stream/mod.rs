@@ -28,7 +28,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::chunk::{ChunkShaper, Ending};
 use super::events::RelayEvent;
-use super::upstream::Conn;
+use super::upstream::{Conn, Origin};
 use super::Shared;
 
 mod client;
@@ -69,8 +69,8 @@ pub enum Control {
 #[allow(clippy::struct_excessive_bools)] // the reply's shape, as the client asked it
 pub struct Open {
     pub id: u64,
-    /// The backend, `host:port`.
-    pub authority: String,
+    /// The backend: `host:port`, and TLS over https.
+    pub origin: Origin,
     /// `/v1/chat/completions` or `/v1/completions`.
     pub path: String,
     pub body: Bytes,
@@ -162,7 +162,7 @@ pub async fn run(
     open: Open,
     mut ctrl: UnboundedReceiver<Control>,
 ) -> RelayEvent {
-    let connecting = Some(connect(&shared, &open.authority));
+    let connecting = Some(connect(&shared, &open.origin));
     let max_event_bytes = shared.config.max_event_bytes;
     let mut task = Task {
         id: open.id,
@@ -329,7 +329,7 @@ impl Task {
         if let Some(conn) = self.conn.take() {
             let drained = self.upstream_complete && self.body.is_none() && !self.driver_done;
             if drained && !conn.sender.is_closed() {
-                self.shared.pool.checkin(&self.open.authority, conn);
+                self.shared.pool.checkin(&self.open.origin, conn);
             }
         }
         let socket = if self.given_back || (self.clean && self.keep_alive && self.out.is_empty()) {

@@ -4,7 +4,7 @@
 use http_body_util::Full;
 
 use crate::relay::events::Failure;
-use crate::relay::upstream::{Driver, Pool};
+use crate::relay::upstream::{Driver, Origin, Pool};
 
 use super::*;
 
@@ -19,7 +19,7 @@ impl Task {
         };
         let o = &self.open;
         let mut request = hyper::Request::post(o.path.as_str())
-            .header("host", o.authority.as_str())
+            .header("host", o.origin.authority.as_str())
             .header("content-type", "application/json")
             .header(
                 "accept",
@@ -51,7 +51,7 @@ impl Task {
                 if stale && !self.retried {
                     // A kept-alive connection the backend had closed: once more, on a new one.
                     self.retried = true;
-                    self.connecting = Some(connect_new(&self.shared, &self.open.authority));
+                    self.connecting = Some(connect_new(&self.shared, &self.open.origin));
                     return Step::Go;
                 }
                 self.push(RelayEvent::Failed(
@@ -303,20 +303,20 @@ pub(super) async fn read_limited(mut body: Incoming, driver: &mut Driver, limit:
     raw
 }
 
-pub(super) fn connect(shared: &Arc<Shared>, authority: &str) -> ConnectFuture {
+pub(super) fn connect(shared: &Arc<Shared>, origin: &Origin) -> ConnectFuture {
     let shared = Arc::clone(shared);
-    let authority = authority.to_owned();
+    let origin = origin.clone();
     Box::pin(async move {
         let timeout = shared.config.connect_timeout;
-        shared.pool.checkout(&authority, timeout).await
+        shared.pool.checkout(&origin, timeout).await
     })
 }
 
 /// A fresh connection (the retry after a stale kept-alive one).
-pub(super) fn connect_new(shared: &Arc<Shared>, authority: &str) -> ConnectFuture {
+pub(super) fn connect_new(shared: &Arc<Shared>, origin: &Origin) -> ConnectFuture {
     let timeout = shared.config.connect_timeout;
-    let authority = authority.to_owned();
-    Box::pin(async move { Pool::connect(&authority, timeout).await })
+    let origin = origin.clone();
+    Box::pin(async move { Pool::connect(&origin, timeout).await })
 }
 
 /// The message of an OpenAI- or FastAPI-style error body, else its text.
@@ -358,7 +358,8 @@ pub(super) fn source_chain(e: &dyn std::error::Error) -> String {
 
 /// A failed connect, as the Python path's upstream words it: out of file descriptors is the
 /// gateway's own shortage and says nothing of the backend (it stays up); anything else marks
-/// the backend down, in the OS's words for the error (never the address).
+/// the backend down, in the OS's words for the error (never the address), or a failed TLS
+/// handshake by the kind of `ssl` exception Python raises for it.
 fn connect_failure(e: &io::Error) -> Failure {
     if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
         return Failure::backend(
@@ -367,23 +368,37 @@ fn connect_failure(e: &io::Error) -> Failure {
             false,
         );
     }
-    let why = match e.raw_os_error() {
+    let tls = e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>());
+    let why = match (tls, e.raw_os_error()) {
+        (Some(tls), _) => tls_failure(tls).to_owned(),
         // io::Error shows an OS error as "<strerror> (os error N)": Python's `os.strerror` part.
-        Some(errno) => {
+        (None, Some(errno)) => {
             let shown = e.to_string();
             shown
                 .strip_suffix(&format!(" (os error {errno})"))
                 .unwrap_or(&shown)
                 .to_owned()
         }
-        None if e.kind() == io::ErrorKind::TimedOut => "TimeoutError".to_owned(),
-        None => e.kind().to_string(),
+        (None, None) if e.kind() == io::ErrorKind::TimedOut => "TimeoutError".to_owned(),
+        (None, None) => e.kind().to_string(),
     };
     Failure::backend(
         "backend_unavailable",
         format!("backend unreachable: {why}"),
         true,
     )
+}
+
+/// The `ssl` exception Python's handshake raises for what rustls refused: a certificate that
+/// does not verify (an unknown issuer, the wrong name, expired) is `SSLCertVerificationError`,
+/// anything else (a backend that speaks no TLS, an alert) `SSLError`.
+fn tls_failure(e: &rustls::Error) -> &'static str {
+    match e {
+        rustls::Error::InvalidCertificate(_) => "SSLCertVerificationError",
+        _ => "SSLError",
+    }
 }
 
 #[cfg(test)]
@@ -411,5 +426,34 @@ mod connect_failure_tests {
             connect_failure(&timed_out).message,
             "backend unreachable: TimeoutError"
         );
+    }
+
+    #[test]
+    fn a_refused_certificate_is_worded_as_pythons_ssl_exception_and_marks_the_backend_down() {
+        // tokio-rustls hands a handshake's failure up as InvalidData around rustls's error
+        let refused =
+            |e: rustls::Error| connect_failure(&io::Error::new(io::ErrorKind::InvalidData, e));
+        let unknown = refused(rustls::Error::InvalidCertificate(
+            rustls::CertificateError::UnknownIssuer,
+        ));
+        assert_eq!(
+            (unknown.status, unknown.code, unknown.backend_down),
+            (502, "backend_unavailable", true)
+        );
+        assert_eq!(
+            unknown.message,
+            "backend unreachable: SSLCertVerificationError"
+        );
+        let wrong_name = refused(rustls::Error::InvalidCertificate(
+            rustls::CertificateError::NotValidForName,
+        ));
+        assert_eq!(
+            wrong_name.message,
+            "backend unreachable: SSLCertVerificationError"
+        );
+        let not_tls = refused(rustls::Error::InvalidMessage(
+            rustls::InvalidMessage::InvalidContentType,
+        ));
+        assert_eq!(not_tls.message, "backend unreachable: SSLError");
     }
 }

@@ -1,0 +1,203 @@
+"""Backends served over https, on both paths, checked from outside.
+
+The fake vLLM serves TLS on loopback with a certificate its own throwaway CA issued for
+`localhost`; the gateway is given that CA as the backend's `tls_ca_file`. Checked: the native
+front serves a streamed and a whole reply from it with the bytes an http backend gets (and the
+Python path gets from the same https backend), sends SNI, and keeps its connection for the next
+request; a certificate the gateway must not trust (another CA's, or one for another name) fails
+the request as the Python path fails it, byte for byte, and leaves nothing held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from llmflow.gateway.app import create_app
+
+from .certs import Authority
+from .fake_vllm import FakeVllm
+from .harness import serve_asgi, serve_gateway, settings_for, until
+from .test_front_native import NATIVE_IDS, _body, _post, _raw, _whole_body, _wire, _without_date
+
+if TYPE_CHECKING:
+    import ssl
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+    from llmflow.gateway.app import Gateway
+
+pytestmark = pytest.mark.anyio
+CHAT = "/v1/chat/completions"
+
+
+class Pki:
+    """The backend's CA and its certificate for `localhost`, and what the tests swap it for."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca = Authority(directory, "backend")
+        self.cert = self.ca.issue(["localhost"])
+        self.unknown_ca = Authority(directory, "stranger").issue(["localhost"])
+        self.wrong_name = self.ca.issue(["wrong.example"])
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("pki"))
+
+
+class Backend:
+    """A fake vLLM over TLS: its base URL, the uvicorn server's TLS context (to swap the
+    certificate it shows), and the server names clients asked for (SNI), one per handshake."""
+
+    def __init__(self, fake: FakeVllm, url: str, context: ssl.SSLContext) -> None:
+        self.fake, self.url, self.context = fake, url, context
+        self.handshakes: list[str | None] = []
+        context.sni_callback = lambda _sock, name, _ctx: self.handshakes.append(name)
+
+    def show(self, cert: tuple[Path, Path]) -> None:
+        """Present `cert` from the next handshake on."""
+        self.context.load_cert_chain(*cert)
+
+
+@contextlib.asynccontextmanager
+async def tls_backend(cert: tuple[Path, Path]) -> AsyncIterator[Backend]:
+    fake = FakeVllm()
+    cert_file, key_file = cert
+    async with serve_asgi(fake.app, ssl_certfile=cert_file, ssl_keyfile=key_file) as (url, server):
+        assert server.config.ssl is not None
+        yield Backend(fake, url.replace("http://127.0.0.1", "https://localhost"), server.config.ssl)
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(
+    url: str, native: bool, ca_file: Path | None
+) -> AsyncIterator[tuple[str, Gateway]]:
+    """A gateway whose one backend is `url` (`ca_file`: its `tls_ca_file`); yields its base URL
+    and the gateway."""
+    per_backend = {"b0": {"tls_ca_file": str(ca_file)}} if ca_file is not None else None
+    settings = settings_for({"b0": url}, per_backend=per_backend, server={"relay": native})
+    app = create_app(settings)
+    async with serve_gateway(app) as base:
+        yield base, app.state.gateway
+
+
+async def _exchange(base: str, body: dict[str, Any]) -> tuple[bool, bytes]:
+    """Whether the front served `body` natively, and the reply as it went on the wire, less
+    what differs by path or run (the date, the request ids, `created`), de-chunked."""
+    reader, writer = await _raw(base, _post(CHAT, body, close=True))
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    request_id = re.search(rb"x-request-id: llmflow-(\d+)", raw)
+    assert request_id is not None, raw
+    if b"\r\ntransfer-encoding: chunked" in raw:
+        head, _, chunked = raw.partition(b"\r\n\r\n")
+        raw = head + b"\r\n\r\n" + _dechunk(chunked)
+        raw = re.sub(rb'"created":\d+', b'"created":0', _without_date(raw))
+        raw = re.sub(rb"llmflow-\d+", b"llmflow-ID", raw)
+    else:
+        raw = _wire(raw)
+    raw = re.sub(rb"-fake\d+", b"-fakeN", raw)  # the fake numbers what it served
+    return int(request_id.group(1)) >= NATIVE_IDS, raw
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return out
+        out, body = out + body[:size], body[size + 2 :]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_an_https_backend_is_served_natively_with_an_http_backends_bytes(
+    pki: Pki, stream: bool
+) -> None:
+    body = _body(max_tokens=4) if stream else _whole_body(max_tokens=4)
+    replies = {}
+    async with tls_backend(pki.cert) as backend:
+        for native in (True, False):
+            async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
+                served_natively, replies["https", native] = await _exchange(base, body)
+                assert served_natively == native
+                if native:  # the next request goes out on the same TLS connection
+                    handshakes = len(backend.handshakes)
+                    assert (await _exchange(base, body))[0]
+                    assert len(backend.handshakes) == handshakes
+                await until(lambda g=gateway: g.runtime.live == 0)
+        assert backend.fake.completed == 3
+        assert set(backend.handshakes) == {"localhost"}  # SNI, from the scraper and the relay
+    fake = FakeVllm()
+    async with serve_asgi(fake.app) as (url, _), gateway_over(url, True, None) as (base, _):
+        served_natively, replies["http", True] = await _exchange(base, body)
+        assert served_natively
+    assert replies["https", True] == replies["http", True]
+    # the Python path writes a stream's head in its own order (uvicorn's): its body is the same
+    head, _, text = replies["https", True].partition(b"\r\n\r\n")
+    assert replies["https", False].partition(b"\r\n\r\n")[2] == text
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    if stream:
+        assert text.endswith(b"data: [DONE]\n\n")
+    else:
+        assert json.loads(text)["choices"][0]["message"]["content"] == "t0 t1 t2 t3 "
+
+
+@pytest.mark.parametrize("shown", ["unknown_ca", "wrong_name"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_certificate_not_to_be_trusted_fails_as_on_the_python_path(
+    pki: Pki, shown: str, stream: bool
+) -> None:
+    """The gateway starts against the right certificate (its scrapes keep their connection);
+    then the backend shows another CA's certificate, or one for another name: the completion's
+    own connection is refused on its handshake, the backend never sees the request, and
+    nothing stays held."""
+    body = _body() if stream else _whole_body()
+    replies = []
+    for native in (True, False):
+        async with tls_backend(pki.cert) as backend:
+            async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
+                state = gateway.scraper.states["b0"]  # type: ignore[union-attr]
+                await until(lambda state=state: state.healthy)
+                backend.show(getattr(pki, shown))
+                served_natively, raw = await _exchange(base, body)
+                assert served_natively == native
+                replies.append(raw)
+                await until(lambda g=gateway: g.runtime.live == 0)
+                runtime = gateway.runtime
+                assert (runtime.running, runtime.queued, runtime.kv_blocks_in_use) == (0, 0, 0)
+            assert backend.fake.seen == 0
+    native_reply, python_reply = replies
+    assert native_reply == python_reply
+    head, _, text = native_reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 502 ")
+    error = json.loads(text)["error"]
+    assert error["code"] == "backend_unavailable"
+    assert error["message"] == "backend unreachable: SSLCertVerificationError"
+
+
+async def test_a_backend_whose_ca_is_not_configured_is_refused_on_both_paths(pki: Pki) -> None:
+    """No `tls_ca_file`: the Mozilla roots do not hold the backend's CA, so its scrapes fail
+    and each path answers the same 503 as for any backend down, with a Retry-After."""
+    replies = []
+    async with tls_backend(pki.cert) as backend:
+        for native in (True, False):
+            async with gateway_over(backend.url, native, None) as (base, gateway):
+                served_natively, raw = await _exchange(base, _body())
+                assert served_natively == native
+                replies.append(raw)
+                assert gateway.runtime.live == 0
+        assert backend.fake.seen == 0
+    native_reply, python_reply = replies
+    assert native_reply == python_reply
+    assert native_reply.startswith(b"HTTP/1.1 503 ")
+    assert b"\r\nretry-after: " in native_reply
+    assert json.loads(native_reply.partition(b"\r\n\r\n")[2])["error"]["code"] == (
+        "no_healthy_backend"
+    )
