@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING
 import fidelity
 from cpu import pinned, spare_cpus
 from gwtools import wait_vllm_idle
-from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP
+from test_fidelity import STARVED_ARGS, starved_profile
 from vllm_server import tiny_vllm
 
-from llmflow.calibrate import Calibration, calibrate
 from llmflow.sim.runner import run_policy
 from llmflow.sim.scenario import load_scenario
 from llmflow.sim.workload import build_requests
@@ -74,11 +73,7 @@ def main() -> None:
             assert server.process is not None
             sc = fidelity.load(Path(tmp) / "profile.yaml", fidelity.STARVED)
             with pinned(spare_cpus(server.process.pid)):
-                asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up
-                wait_vllm_idle(server)
-                cal = Calibration(server.url, engine=dict(ENGINE),
-                                  **STARVED_SWEEP)  # type: ignore[arg-type]
-                asyncio.run(calibrate(cal)).dump(Path(tmp) / "profile.yaml")
+                starved_profile(server, sc).dump(Path(tmp) / "profile.yaml")
                 real = []
                 for _ in range(args.replays):
                     wait_vllm_idle(server)

@@ -41,10 +41,9 @@ import yaml
 from cpu import SchedClock, pinned, spare_cpus
 from gateway_server import gateway_config
 from gwtools import wait_vllm_idle
-from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP, _calibrate, _gateway_hop
+from test_fidelity import STARVED_ARGS, _calibrate, _gateway_hop, starved_profile
 from vllm_server import VllmServer, tiny_vllm
 
-from llmflow.calibrate import Calibration, calibrate
 from llmflow.sim.profile import Profile, pooled
 from processes import GatewayProcess
 
@@ -100,11 +99,7 @@ def starved(server: VllmServer, sc: Any, replays: int,
             contexts: tuple[int, ...] | None = None) -> Recorded:
     """`test_simulator_predicts_kv_starvation`'s protocol: warm up, calibrate, replay
     (`contexts`: the decode probes' contexts instead of the test's)."""
-    asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up
-    wait_vllm_idle(server)
-    sweep = dict(STARVED_SWEEP, **({"contexts": contexts} if contexts else {}))
-    cal = Calibration(server.url, engine=dict(ENGINE), **sweep)  # type: ignore[arg-type]
-    profile = asyncio.run(calibrate(cal))
+    profile = starved_profile(server, sc, **({"contexts": contexts} if contexts else {}))
     return profile, [replay_once(server, sc, server.url) for _ in range(replays)]
 
 

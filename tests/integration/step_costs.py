@@ -38,10 +38,9 @@ from typing import TYPE_CHECKING, Any
 import fidelity
 from cpu import SchedClock, pinned, spare_cpus
 from gwtools import wait_vllm_idle
-from test_fidelity import ENGINE, STARVED_ARGS, STARVED_SWEEP
+from test_fidelity import STARVED_ARGS, starved_profile
 from vllm_server import tiny_vllm
 
-from llmflow.calibrate import Calibration, calibrate
 from llmflow.sim.profile import Profile, StepModel
 
 if TYPE_CHECKING:
@@ -235,12 +234,8 @@ def main() -> None:
             assert server.process is not None
             sc = fidelity.load(Path(tmp) / "profile.yaml", fidelity.STARVED)
             with pinned(spare_cpus(server.process.pid)):
-                asyncio.run(fidelity.replay(sc, server.url, seed=sc.seed + 1))  # warm-up
-                wait_vllm_idle(server)
-                cal = Calibration(server.url, engine=dict(ENGINE),
-                                  **STARVED_SWEEP)  # type: ignore[arg-type]
                 done = len(trace.read_text().splitlines())
-                profile = asyncio.run(calibrate(cal))
+                profile = starved_profile(server, sc)
                 probes = [json.loads(line) for line in trace.read_text().splitlines()[done:]]
                 replays, waits, arrivals, clients, workers = [], [], [], [], []
                 for _ in range(args.replays):
