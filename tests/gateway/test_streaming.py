@@ -129,6 +129,9 @@ async def test_backend_crash_mid_stream_ends_with_an_in_band_error(gw: Harness) 
     assert text_of(chunks) == "t0 t1 t2 "
     assert chunks[-1] == "[DONE]"
     assert chunks[-2]["error"]["code"] == "backend_error"
+    # The fake closes the connection mid-body: Python's client raises ConnectionLost, and the
+    # native front words it the same.
+    assert chunks[-2]["error"]["message"] == "backend stream broke: ConnectionLost"
 
 
 async def test_backend_crash_before_any_token_is_502(gw: Harness) -> None:

@@ -434,6 +434,36 @@ impl Task {
     }
 }
 
+/// Why a started reply's body broke, in the Python path's words (`upstream.why` of what its
+/// HTTP client raised), and whether that marks the backend down: a connection that reset is
+/// the OS's words for its errno, one that closed mid-body `ConnectionLost` (both down: the
+/// backend died under the reply); bad framing from a live backend is `ProtocolError` (up).
+fn body_broke(e: &hyper::Error) -> (String, bool) {
+    if framing_error(e) {
+        return ("ProtocolError".to_owned(), false);
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<io::Error>() {
+            if let Some(errno) = io.raw_os_error() {
+                return (os_words(io, errno), true);
+            }
+        }
+        source = cause.source();
+    }
+    ("ConnectionLost".to_owned(), true)
+}
+
+/// An OS error as Python's `os.strerror` words it: `io::Error` shows it as
+/// "<strerror> (os error N)".
+fn os_words(e: &io::Error, errno: i32) -> String {
+    let shown = e.to_string();
+    shown
+        .strip_suffix(&format!(" (os error {errno})"))
+        .unwrap_or(&shown)
+        .to_owned()
+}
+
 /// Whether a body error is bad framing from a live backend (a chunk size that is not hex, a
 /// body past its length), not a connection that closed or reset under the reply.
 fn framing_error(e: &hyper::Error) -> bool {

@@ -190,8 +190,8 @@ impl Task {
             // scrape begun later says otherwise, so new requests go elsewhere at once. A body
             // the backend framed wrong is this reply's failure, not the backend's absence.
             Some(Err(e)) => {
-                let down = !framing_error(&e);
-                return self.fail(format!("backend stream broke: {e}"), down);
+                let (why, down) = body_broke(&e);
+                return self.fail(format!("backend stream broke: {why}"), down);
             }
             None => return self.fail("backend stream ended without [DONE]".to_owned(), false),
         };
@@ -373,14 +373,7 @@ fn connect_failure(e: &io::Error) -> Failure {
         .and_then(|inner| inner.downcast_ref::<rustls::Error>());
     let why = match (tls, e.raw_os_error()) {
         (Some(tls), _) => tls_failure(tls).to_owned(),
-        // io::Error shows an OS error as "<strerror> (os error N)": Python's `os.strerror` part.
-        (None, Some(errno)) => {
-            let shown = e.to_string();
-            shown
-                .strip_suffix(&format!(" (os error {errno})"))
-                .unwrap_or(&shown)
-                .to_owned()
-        }
+        (None, Some(errno)) => os_words(e, errno),
         (None, None) if e.kind() == io::ErrorKind::TimedOut => "TimeoutError".to_owned(),
         (None, None) => e.kind().to_string(),
     };
