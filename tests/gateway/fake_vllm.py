@@ -18,7 +18,9 @@ Each request may carry a `fake` object (the gateway passes unknown fields throug
   only once the stream has begun (`logprobs` over its maximum);
 - `close_after` (int): after that many tokens end the body cleanly, without `[DONE]`;
 - `choice_tokens` (list of int): with several choices, how many tokens each generates (a
-  choice that finishes early sends its finishing chunk while the others go on).
+  choice that finishes early sends its finishing chunk while the others go on);
+- `hold_done` (bool): with `step`, every choice finished, hold the usage chunk and `[DONE]`
+  until one more `release()` (a reply whose choices all ended, its stream still open).
 
 A request for several choices (`n`, times the prompts of a completions `prompt` list, indexed
 `prompt * n + choice` as vLLM does) streams one chunk per choice per step, interleaved, each
@@ -287,6 +289,8 @@ class FakeVllm:
                     sent += 1
                     yield _frame(base, [choice], _usage(prompt, sent) if continuous else None)
             n = sent
+            if plan.get("step") and plan.get("hold_done"):
+                await self.steps.get()
             if options.get("include_usage"):
                 yield _frame(base, [], _usage(prompt, n))
             yield b"data: [DONE]\n\n"

@@ -586,6 +586,30 @@ async def test_a_cut_names_the_choices_still_open_on_the_native_path_as_on_pytho
     assert [c["finish_reason"] for c in zero if c["finish_reason"]] == ["length"]
 
 
+async def test_a_cut_after_every_choice_finished_is_no_truncation_on_either_path() -> None:
+    # Both choices finish at the first step; the stream stays open (no [DONE] yet) until the
+    # deadline cuts it: nothing was truncated, so no notice and no truncation counted.
+    body = _body(max_tokens=50, n=2, fake={"step": True, "choice_tokens": [1, 1],
+                                           "hold_done": True})
+    replies, counted = [], []
+    for native in (True, False):
+        async with start_gateway(server={"relay": native}, timeouts={"total_ms": 400}) as h:
+            request = asyncio.create_task(_stream(h.client, CHAT, body))
+            await until(lambda h=h: h.fake.running == 1)
+            h.fake.release(1)
+            status, text, headers = await asyncio.wait_for(request, 10)
+            assert status == 200, text
+            assert _native(headers) == native
+            h.fake.release(100)
+            await until(lambda h=h: h.gateway.runtime.live == 0)
+            await asyncio.sleep(0.25)  # the native front's records reach the metrics
+            metrics = (await h.client.get("/metrics")).text
+            counted.append(re.findall(r"^llmflow_truncations_total\{.*\} (\S+)$", metrics, re.M))
+            replies.append(_sse_body(text))
+    assert replies[0] == replies[1]
+    assert not any("llmflow" in chunk for chunk in _chunks(replies[0]))
+    assert counted == [[], []]
+
 
 @pytest.mark.parametrize(
     ("path", "extra"),

@@ -626,9 +626,14 @@ impl Governed {
                 socket,
                 upstream_complete,
                 completion_tokens,
+                truncated,
                 ..
             } => {
                 life.record.completion_tokens = completion_tokens;
+                if life.cut_in_band && life.whole.is_none() {
+                    // The relay wrote the cut's ending: truncated only if a choice was open.
+                    life.record.truncated = truncated;
+                }
                 if life.record.started_us.is_some() && !upstream_complete {
                     life.record.upstream_aborted = true;
                 }

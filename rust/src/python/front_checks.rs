@@ -393,7 +393,7 @@ pub fn front_stream_frames(
         None => out.extend(shaper.take_held().into_iter().flatten()),
         Some((reason, request_id)) => {
             let ending = reply::cut_notice(endpoint, model.to_owned(), reason, request_id, now_s);
-            out.extend(shaper.cut(ending).into_iter().flatten());
+            out.extend(shaper.cut(ending).0.into_iter().flatten());
         }
     }
     Ok(PyBytes::new(py, &out).into_any().unbind())

@@ -242,19 +242,22 @@ impl ChunkShaper {
     }
 
     /// The frames that end a cut reply (`StreamSession.on_cut`): the finishing chunks still
-    /// held, then the ending (a notice only while a choice is open).
-    pub fn cut(&mut self, ending: Ending) -> Vec<Vec<u8>> {
+    /// held, then the ending (a notice only while a choice is open), and whether a notice
+    /// went out.
+    pub fn cut(&mut self, ending: Ending) -> (Vec<Vec<u8>>, bool) {
         let mut frames = self.take_held();
+        let mut noticed = false;
         match ending {
             Ending::Frame(frame) => frames.push(frame),
             Ending::Notice(notice) => {
                 let open = self.open_choices();
                 if !open.is_empty() {
                     frames.push(notice(&open, self.template.as_deref()));
+                    noticed = true;
                 }
             }
         }
-        frames
+        (frames, noticed)
     }
 
     /// vLLM puts continuous usage last: cut it off without parsing the chunk.
@@ -799,16 +802,18 @@ mod tests {
             seen.lock().unwrap().extend_from_slice(open);
             b"data: notice\n\n".to_vec()
         };
-        let frames = s.cut(Ending::Notice(Box::new(notice)));
+        let (frames, noticed) = s.cut(Ending::Notice(Box::new(notice)));
         assert_eq!(*named.lock().unwrap(), [1, 2]);
         assert_eq!(frames.len(), 2); // the held chunk of choice 0, then the notice
+        assert!(noticed);
         assert!(String::from_utf8_lossy(&frames[0]).contains(r#""finish_reason":"stop""#));
         let mut done = ChunkShaper::shaped(false, false, 1);
         done.feed(&choice_chunk(0, "a", "\"stop\"", 1)).unwrap();
-        let cut = done.cut(Ending::Notice(Box::new(
+        let (cut, noticed) = done.cut(Ending::Notice(Box::new(
             |_: &[u64], _: Option<&str>| unreachable!(),
         )));
         assert_eq!(cut.len(), 1); // every choice finished: no notice
+        assert!(!noticed);
     }
 
     // vLLM's in-band error event is the stream's failure, not a chunk to pass on.

@@ -66,5 +66,8 @@ pub enum RelayEvent {
         upstream_complete: bool,
         /// Tokens the stream counted in all (the host's metrics read it here, not per batch).
         completion_tokens: u64,
+        /// A cut's notice went out: some choice was still open when the reply was cut (one
+        /// whose choices had all finished ends as it was, and was not truncated).
+        truncated: bool,
     },
 }

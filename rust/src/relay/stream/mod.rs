@@ -140,6 +140,8 @@ struct Task {
     driver_done: bool,
     terminated: bool,
     clean: bool,
+    /// A cut's notice was written: some choice was still open (`Closed::truncated`).
+    truncated: bool,
     /// The head of a held connection (`Control::Hold`), written before its first piece.
     held_head: Option<Vec<u8>>,
     /// A held connection given back unwritten (`Control::GiveBack`).
@@ -198,6 +200,7 @@ pub async fn run(
         driver_done: false,
         terminated: false,
         clean: false,
+        truncated: false,
         held_head: None,
         given_back: false,
         done_pending: false,
@@ -345,6 +348,7 @@ impl Task {
             socket,
             upstream_complete: self.upstream_complete,
             completion_tokens: self.shaper.completion_tokens(),
+            truncated: self.truncated,
         }
     }
 
@@ -387,7 +391,9 @@ impl Task {
                 self.stop_upstream();
                 if !self.terminated {
                     self.flush_held();
-                    for frame in self.shaper.cut(ending) {
+                    let (frames, truncated) = self.shaper.cut(ending);
+                    self.truncated = truncated;
+                    for frame in frames {
                         self.push_frame(&frame);
                     }
                     self.terminate();
