@@ -13,7 +13,8 @@ calibration: the engine step at which each request got its first token, real (ea
 against simulated, says whether the scheduling or the time differs; and the simulated TTFT with
 every step term scaled by 1.1 and 1.2 says how much a step-time error moves the TTFT.
 `--save` keeps the steps, the clients' times and the profile as JSON; `--from` reports a saved
-run again without a vLLM.
+run again without a vLLM; `--busy calibration|burst` keeps a busy loop on the client's CPU (the
+one the engine core shares with the API server) during that phase only.
 
 Run from the repo root, with the project's python (one vLLM, about 2 minutes on 2 cores)::
 
@@ -26,9 +27,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
@@ -44,6 +48,8 @@ from vllm_server import tiny_vllm
 from llmflow.sim.profile import Profile, StepModel
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from llmflow.sim.sequence import StepRecord
 
 HERE = Path(__file__).resolve().parent
@@ -213,12 +219,30 @@ def scheduling(profile: Profile, data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def busy(cpus: set[int]) -> Iterator[None]:
+    """A process spinning on `cpus` while the block runs (none when empty)."""
+    if not cpus:
+        yield
+        return
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    os.sched_setaffinity(spin.pid, cpus)
+    try:
+        yield
+    finally:
+        spin.kill()
+        spin.wait()
+
+
 def main() -> None:
     """Trace the starved burst's steps on a real vLLM; compare them with the step model."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replays", type=int, default=3)
     ap.add_argument("--save", type=Path, help="write the traced steps and the profile here")
     ap.add_argument("--from", dest="saved", type=Path, help="report a --save'd run again")
+    ap.add_argument("--busy", choices=("calibration", "burst"),
+                    help="keep a busy loop on the client's CPU during this phase only: the "
+                         "engine core's contention, made on purpose")
     args = ap.parse_args()
     if args.saved:
         data = json.loads(args.saved.read_text())
@@ -233,16 +257,19 @@ def main() -> None:
         with server:
             assert server.process is not None
             sc = fidelity.load(Path(tmp) / "profile.yaml", fidelity.STARVED)
-            with pinned(spare_cpus(server.process.pid)):
+            spare = spare_cpus(server.process.pid)
+            with pinned(spare):
                 done = len(trace.read_text().splitlines())
-                profile = starved_profile(server, sc)
+                with busy(spare if args.busy == "calibration" else set()):
+                    profile = starved_profile(server, sc)
                 probes = [json.loads(line) for line in trace.read_text().splitlines()[done:]]
                 replays, waits, arrivals, clients, workers = [], [], [], [], []
                 for _ in range(args.replays):
                     wait_vllm_idle(server)
                     done = len(trace.read_text().splitlines())
                     clock = SchedClock(server.process.pid)
-                    outcomes = asyncio.run(fidelity.replay(sc, server.url))
+                    with busy(spare if args.busy == "burst" else set()):
+                        outcomes = asyncio.run(fidelity.replay(sc, server.url))
                     waits.append(clock.lap().wait_share)
                     lines = [json.loads(line) for line in trace.read_text().splitlines()[done:]]
                     replays.append([x for x in lines if "reqs" in x])
