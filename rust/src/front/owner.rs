@@ -300,7 +300,12 @@ impl Owner {
     /// A request's record, for Python's metrics and access log. It wakes nobody: Python
     /// takes the records with its next batch of actions or at its next tick, so counting them
     /// never competes with a burst's first tokens for the CPU.
-    pub fn record(&self, record: Record) {
+    pub fn record(&self, mut record: Record) {
+        if !record.first_token_only {
+            // Shadow mode: the verdict, final now that the real request has ended.
+            let mut hosted = Hosted::lock(&self.runtime);
+            record.shadow = hosted.shadow_mut().and_then(|s| s.take(record.id));
+        }
         self.inbox.lock().unwrap().records.push(record);
     }
 
