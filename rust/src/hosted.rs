@@ -118,6 +118,7 @@ impl Hosted {
 
     /// Shadow mode: this runtime forwards, and every event it is fed is mirrored to `policy`
     /// (see `shadow.rs`), whichever host feeds it.
+    #[must_use]
     pub fn with_shadow(mut self, policy: Hosted) -> Self {
         self.shadow = Some(Shadow::new(policy.shared()));
         self

@@ -143,54 +143,7 @@ impl Shadow {
     ) -> PolicyResult<()> {
         match event {
             Event::Arrive { id, tenant, .. } => {
-                let tier = self.tier_of(*tenant);
-                self.held.insert(
-                    *id,
-                    Held {
-                        verdict: Verdict {
-                            decision: Decision::Arriving,
-                            queued_first: false,
-                            reason: None,
-                            status: None,
-                            retry_after_s: None,
-                            backend: None,
-                            brownout: None,
-                        },
-                        tier,
-                        live: true,
-                        real: Real::Running,
-                        backlog: Vec::new(),
-                    },
-                );
-                if let Err(e) = self.feed_policy(now_us, event) {
-                    self.held.remove(id);
-                    return Err(e);
-                }
-                if let Some(held) = self.held.get_mut(id) {
-                    if held.verdict.decision == Decision::Arriving {
-                        held.verdict.decision = Decision::Queued;
-                        let tier = held.tier;
-                        self.count("queued", tier, None);
-                    }
-                }
-                let mut unsignalled = event.clone();
-                if let Event::Arrive {
-                    retries,
-                    deadline_ms,
-                    ..
-                } = &mut unsignalled
-                {
-                    (*retries, *deadline_ms) = (None, None);
-                }
-                match forward(&unsignalled) {
-                    Ok(actions) => self.forwarded(actions, out),
-                    Err(e) => {
-                        // The policy runtime must not keep what the forwarding one refused.
-                        self.mirror(now_us, &Event::ClientGone { id: *id });
-                        self.held.remove(id);
-                        return Err(e);
-                    }
-                }
+                self.arrive(now_us, *id, *tenant, event, forward, out)?;
             }
             Event::Started { .. }
             | Event::Tokens { .. }
@@ -256,6 +209,70 @@ impl Shadow {
             }
         }
         Ok(())
+    }
+
+    /// An arrival: the policy decides first (recorded), then the forwarding runtime starts
+    /// it, without the client's signals.
+    fn arrive(
+        &mut self,
+        now_us: u64,
+        id: u64,
+        tenant: u32,
+        event: &Event,
+        forward: &mut dyn FnMut(&Event) -> PolicyResult<Vec<Action>>,
+        out: &mut Vec<Action>,
+    ) -> PolicyResult<()> {
+        let tier = self.tier_of(tenant);
+        self.held.insert(
+            id,
+            Held {
+                verdict: Verdict {
+                    decision: Decision::Arriving,
+                    queued_first: false,
+                    reason: None,
+                    status: None,
+                    retry_after_s: None,
+                    backend: None,
+                    brownout: None,
+                },
+                tier,
+                live: true,
+                real: Real::Running,
+                backlog: Vec::new(),
+            },
+        );
+        if let Err(e) = self.feed_policy(now_us, event) {
+            self.held.remove(&id);
+            return Err(e);
+        }
+        if let Some(held) = self.held.get_mut(&id) {
+            if held.verdict.decision == Decision::Arriving {
+                held.verdict.decision = Decision::Queued;
+                let tier = held.tier;
+                self.count("queued", tier, None);
+            }
+        }
+        let mut unsignalled = event.clone();
+        if let Event::Arrive {
+            retries,
+            deadline_ms,
+            ..
+        } = &mut unsignalled
+        {
+            (*retries, *deadline_ms) = (None, None);
+        }
+        match forward(&unsignalled) {
+            Ok(actions) => {
+                self.forwarded(actions, out);
+                Ok(())
+            }
+            Err(e) => {
+                // The policy runtime must not keep what the forwarding one refused.
+                self.mirror(now_us, &Event::ClientGone { id });
+                self.held.remove(&id);
+                Err(e)
+            }
+        }
     }
 
     /// The verdict of a real request that has ended, once (None: not one the policy heard).
@@ -489,4 +506,163 @@ fn compressed(id: u64, backlog: &[Event]) -> Vec<Event> {
         events.push(end.clone());
     }
     events
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::sample_json;
+
+    const VIP: u32 = 0; // tenant "v": the sample's protected tier
+
+    fn runtime(policy: &str) -> Runtime {
+        Runtime::from_json(&format!(r#"{{"policy": {policy}, "lifecycle": {{}}}}"#)).unwrap()
+    }
+
+    /// The sample's policy (two slots, four places) over an unlimited forwarding runtime.
+    fn shadowed() -> Hosted {
+        let unlimited = sample_json()
+            .replace(
+                r#""max_concurrency_per_gpu":2,"max_waiting":4"#,
+                r#""max_concurrency_per_gpu":1000,"max_waiting":1000"#,
+            )
+            .replace(
+                r#""first_token_timeout_ms":3000"#,
+                r#""first_token_timeout_ms":null"#,
+            );
+        let policy = Hosted::new(runtime(&sample_json()), Some(String::new()));
+        Hosted::new(runtime(&unlimited), None).with_shadow(policy)
+    }
+
+    fn arrive(id: u64) -> Event {
+        Event::Arrive {
+            id,
+            tenant: VIP,
+            prompt: 10,
+            max_tokens: 10,
+            stream: true,
+            pool: 0,
+            chain: vec![],
+            fingerprint: 0,
+            retries: None,
+            deadline_ms: None,
+        }
+    }
+
+    fn feed(h: &mut Hosted, now: u64, event: &Event) -> Vec<Action> {
+        let mut kept = Vec::new();
+        h.feed(now, event, |_, a| kept.push(a.clone())).unwrap();
+        kept
+    }
+
+    fn policy_live(h: &Hosted, id: u64) -> bool {
+        Hosted::lock(h.shadow().unwrap().policy())
+            .runtime()
+            .is_live(id)
+    }
+
+    fn tally(h: &Hosted, what: &'static str, reason: Option<&'static str>) -> u64 {
+        let key = (what, "vip".to_owned(), reason);
+        h.shadow().unwrap().tally().get(&key).copied().unwrap_or(0)
+    }
+
+    fn verdict(h: &mut Hosted, id: u64) -> Option<Verdict> {
+        h.shadow_mut().unwrap().take(id)
+    }
+
+    /// Serve request `id` to its end on the forwarding side: started, tokens, done.
+    fn serve(h: &mut Hosted, now: u64, id: u64) {
+        feed(h, now, &Event::Started { id });
+        feed(h, now, &Event::Tokens { id, n: 10 });
+        feed(h, now, &Event::Done { id });
+    }
+
+    // The forwarding runtime starts everything; the policy queues the third, keeps its events
+    // while it waits, and feeds them (compressed) the moment a slot frees.
+    #[test]
+    fn a_request_the_policy_queues_hears_its_events_when_it_starts() {
+        let mut h = shadowed();
+        for id in 1..=3 {
+            let kept = feed(&mut h, 1_000 + id, &arrive(id));
+            assert!(
+                kept.iter()
+                    .any(|a| matches!(a, Action::Start { id: i, .. } if *i == id)),
+                "{kept:?}"
+            );
+        }
+        assert_eq!(tally(&h, "queued", None), 1);
+        feed(&mut h, 2_000, &Event::Started { id: 3 });
+        feed(&mut h, 2_000, &Event::Tokens { id: 3, n: 4 });
+        feed(&mut h, 2_100, &Event::Done { id: 3 });
+        // the real request 3 ended while the policy holds it queued: its verdict says so
+        assert_eq!(verdict(&mut h, 3).unwrap().decision, Decision::Queued);
+        assert!(policy_live(&h, 3));
+        serve(&mut h, 3_000, 1); // a slot frees: the policy starts 3 and hears its backlog
+        assert!(!policy_live(&h, 3), "its done, kept, was fed at its start");
+        serve(&mut h, 3_100, 2);
+        assert_eq!(verdict(&mut h, 1).unwrap().decision, Decision::Started);
+        assert_eq!(verdict(&mut h, 2).unwrap().decision, Decision::Started);
+        assert_eq!(verdict(&mut h, 3), None, "taken once");
+        assert_eq!(h.shadow().unwrap().held(), 0);
+        assert_eq!(h.runtime().live(), 0);
+        let trace = Hosted::lock(h.shadow().unwrap().policy()).take_trace();
+        assert_eq!(
+            trace.matches(r#""tokens":{"id":3,"n":4}"#).count(),
+            1,
+            "{trace}"
+        );
+    }
+
+    // Past its four places the policy refuses: counted, answered in the verdict, and the
+    // refused request hears nothing more while the real one runs on.
+    #[test]
+    fn a_request_the_policy_refuses_is_counted_and_hears_nothing_more() {
+        let mut h = shadowed();
+        for id in 1..=7 {
+            feed(&mut h, 1_000 + id, &arrive(id));
+        }
+        assert_eq!(tally(&h, "queued", None), 4);
+        assert_eq!(tally(&h, "refused", Some("queue_full")), 1);
+        serve(&mut h, 2_000, 7);
+        let v = verdict(&mut h, 7).unwrap();
+        assert_eq!((v.decision, v.status), (Decision::Refused, Some(429)));
+        assert_eq!(v.reason, Some(Reason::QueueFull));
+        assert!(v.retry_after_s.is_some_and(|s| s > 0));
+        for id in 1..=6 {
+            feed(&mut h, 3_000, &Event::ClientGone { id });
+            assert!(!policy_live(&h, id), "a client leaving is heard at once");
+            verdict(&mut h, id);
+        }
+        assert_eq!(h.shadow().unwrap().held(), 0);
+    }
+
+    // The host holds one timer, at the earlier of the two runtimes'; each runtime hears the
+    // timer only when its own is due: the policy's first-token deadline cuts the two it runs
+    // (and starts the third), while the forwarding runtime, without one, runs on.
+    #[test]
+    fn the_two_timers_are_the_hosts_one() {
+        let mut h = shadowed();
+        let mut armed = Vec::new();
+        for id in 1..=3 {
+            for a in feed(&mut h, 1_000, &arrive(id)) {
+                if let Action::Arm { at_us } = a {
+                    armed.push(at_us);
+                }
+            }
+        }
+        let at = *armed
+            .last()
+            .expect("the policy's deadlines arm the host's timer");
+        assert!(at > 3_000_000, "the policy's first-token deadline: {at}");
+        feed(&mut h, at - 1, &Event::Timer); // early: neither runtime is due, nothing happens
+        assert_eq!(tally(&h, "cut", Some("first_token_timeout")), 0);
+        let kept = feed(&mut h, at, &Event::Timer);
+        assert!(
+            kept.iter().all(|a| !a.is_terminal()),
+            "forwarding runs on: {kept:?}"
+        );
+        assert_eq!(tally(&h, "cut", Some("first_token_timeout")), 2);
+        assert!(!policy_live(&h, 1) && policy_live(&h, 3));
+        assert_eq!(h.runtime().live(), 3);
+    }
 }
