@@ -8,6 +8,10 @@
 //! the actions of the requests it serves (and the one timer); every other action goes to the
 //! host that fed the event, or, when a front task fed it, to Python's inbox.
 //!
+//! In shadow mode the runtime is the forwarding one and each `feed` goes through its
+//! [`Shadow`], which mirrors the event to the policy runtime (`shadow.rs`), so both hosts'
+//! events reach it in the one order the lock gives them.
+//!
 //! Decisions stay in the runtime: this file routes actions and keeps time monotonic across
 //! hosts; it decides nothing.
 

@@ -3,7 +3,7 @@
 //!
 //! The forwarding runtime (every limit off) is the one the hosts carry out; the policy runtime
 //! is built from the config as written. [`Shadow`] sits inside the forwarding runtime's
-//! [`Hosted`](crate::hosted::Hosted), so each event reaches the policy runtime under the same
+//! [`Hosted`], so each event reaches the policy runtime under the same
 //! lock, at the same instant and in the same order, whichever host (Python's loop or a native
 //! front task) fed it: the verdicts cannot differ between the two paths.
 //!
