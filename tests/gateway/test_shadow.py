@@ -35,6 +35,7 @@ from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
 from .fake_vllm import FakeVllm
 from .harness import serve_asgi, serve_gateway, settings_for, start_gateway, until
+from .otlp_receiver import OtlpReceiver
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -378,3 +379,34 @@ def test_shadow_mode_refuses_what_it_cannot_shadow() -> None:
     with pytest.raises(ConfigFileError, match="no prefill/decode proxy"):
         load_settings(data={"gate": {"mode": "shadow"}, "backends": [
             {"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]})
+
+
+@PATHS
+async def test_the_span_says_what_the_policy_would_have_done(native: bool) -> None:
+    """Beta's second request is forwarded (vLLM answers it) and its span carries the refusal
+    the policy would have given it, on either path."""
+    spans: dict[str, dict[str, Any]] = {}
+    with OtlpReceiver() as rx:
+        sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
+                    "server": {"relay": native}, "telemetry": {"otlp_endpoint": rx.url}}
+        async with start_gateway(**sections) as h:
+            ids = []
+            for _ in range(2):
+                reply = await h.client.post("/v1/chat/completions", json=_body(False),
+                                            headers={"Authorization": f"Bearer {BETA_KEY}"})
+                assert reply.status_code == 200
+                ids.append(reply.headers["x-request-id"])
+            await _settled(h)
+        # the gateway has stopped: its last spans are flushed
+    for span in rx.named("llmflow.request"):
+        spans[span.attributes["llmflow.request_id"]] = span.attributes
+    assert [(int(i.removeprefix("llmflow-")) >= NATIVE_IDS) for i in ids] == [native] * 2
+    first, second = (spans[i] for i in ids)
+    assert (first["llmflow.shadow.verdict"], first["llmflow.shadow.backend"]) == ("start", "b0")
+    assert {k: v for k, v in second.items() if k.startswith("llmflow.shadow.")
+            and k != "llmflow.shadow.retry_after_s"} == {
+        "llmflow.shadow.verdict": "refuse:rate_limited",
+        "llmflow.shadow.reason": "rate_limited",
+        "llmflow.shadow.status": 429,
+    }
+    assert second["llmflow.shadow.retry_after_s"] > 0
