@@ -665,4 +665,27 @@ mod tests {
         assert!(!policy_live(&h, 1) && policy_live(&h, 3));
         assert_eq!(h.runtime().live(), 3);
     }
+
+    // Only the policy hears a client's deadline: it refuses at once a request whose wait it
+    // expects to outlast the deadline (counted), while the forwarding runtime starts it.
+    #[test]
+    fn a_clients_deadline_is_the_policys_alone() {
+        let mut h = shadowed();
+        feed(&mut h, 1_000, &arrive(1));
+        feed(&mut h, 1_000, &arrive(2));
+        let mut third = arrive(3);
+        if let Event::Arrive { deadline_ms, .. } = &mut third {
+            *deadline_ms = Some(2_000);
+        }
+        let kept = feed(&mut h, 1_000, &third);
+        assert!(kept
+            .iter()
+            .any(|a| matches!(a, Action::Start { id: 3, .. })));
+        assert_eq!(tally(&h, "refused", Some("client_deadline")), 1);
+        assert_eq!(tally(&h, "queued", None), 0);
+        assert!(!policy_live(&h, 3));
+        serve(&mut h, 2_000, 3);
+        let v = verdict(&mut h, 3).unwrap();
+        assert_eq!((v.decision, v.status), (Decision::Refused, Some(429)));
+    }
 }
