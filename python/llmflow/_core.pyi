@@ -444,9 +444,38 @@ class Runtime:
         config: `{"policy": <Governor config>, "lifecycle": {...}}`, as
             `llmflow.config.Settings.to_runtime()` builds it.
         trace: record every event and its actions (see `take_trace`).
+        shadow: shadow mode (`gate.mode: shadow`): the policy runtime's config. This runtime
+            then forwards (the host carries out its actions), and every event it is fed, by
+            any host, is mirrored to a second runtime built from `shadow`, whose actions are
+            recorded instead (`take_verdict`, `shadow_tally`): a request it holds queued gets
+            the real request's events, compressed, when it starts it; one it ended hears
+            nothing more; only it hears a client's signals and a backend's KV size. With
+            `trace`, the trace is the policy runtime's. The two runtimes' timers are the
+            host's one timer (`Arm`).
     """
 
-    def __new__(cls, config: Mapping[str, Any], *, trace: bool = False) -> Runtime: ...
+    def __new__(
+        cls, config: Mapping[str, Any], *, trace: bool = False,
+        shadow: Mapping[str, Any] | None = None,
+    ) -> Runtime: ...
+    @property
+    def shadow(self) -> Runtime | None:
+        """Shadow mode's policy runtime, for queries (its state, its counts); never feed it."""
+    def take_verdict(
+        self, request_id: int
+    ) -> tuple[str, bool, str | None, int | None, int | None, str | None, int | None] | None:
+        """Shadow mode: what the policy runtime did with a request whose real one has ended,
+        once: (decision: `queued`, `started`, `refused` or `cut`; whether it queued first;
+        reason; status; Retry-After; backend; a brownout's max_tokens). None: not in shadow
+        mode, not ended, or taken already."""
+    def shadow_tally(self) -> list[tuple[str, str, str | None, int]]:
+        """Shadow mode: what the policy would have done so far, `(what, tier, reason, count)`,
+        `what` one of `queued`, `refused`, `cut`, `brownout` (a real failure the policy
+        repeated is not counted)."""
+    @property
+    def shadow_held(self) -> int:
+        """Shadow mode: requests whose verdict the core still keeps (0 once all have ended and
+        their verdicts are taken)."""
     def arrive(
         self, request_id: int, tenant: str, prompt_tokens: int, max_tokens: int, stream: bool,
         now_us: int, *, model: str | None = None, prefix_hashes: list[int] | None = None,

@@ -8,6 +8,10 @@
 //! the actions of the requests it serves (and the one timer); every other action goes to the
 //! host that fed the event, or, when a front task fed it, to Python's inbox.
 //!
+//! In shadow mode the runtime is the forwarding one and each `feed` goes through its
+//! [`Shadow`], which mirrors the event to the policy runtime (`shadow.rs`), so both hosts'
+//! events reach it in the one order the lock gives them.
+//!
 //! Decisions stay in the runtime: this file routes actions and keeps time monotonic across
 //! hosts; it decides nothing.
 
@@ -17,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::PolicyResult;
 use crate::runtime::{Action, Event, Runtime};
+use crate::shadow::Shadow;
 use crate::trace;
 
 /// Where the actions of the requests another host serves go.
@@ -93,6 +98,9 @@ pub struct Hosted {
     python_gates: Vec<Gate>,
     /// What the caller's `Start`s of the last event fed wait for (`take_caller_waits`).
     caller_waits: Vec<Arc<Ack>>,
+    /// Shadow mode: the policy runtime every event is mirrored to (`shadow.rs`); this one is
+    /// then the forwarding runtime, and the trace is the policy's.
+    shadow: Option<Shadow>,
 }
 
 /// A [`Hosted`] runtime behind its lock.
@@ -108,7 +116,25 @@ impl Hosted {
             gates: Vec::new(),
             python_gates: Vec::new(),
             caller_waits: Vec::new(),
+            shadow: None,
         }
+    }
+
+    /// Shadow mode: this runtime forwards, and every event it is fed is mirrored to `policy`
+    /// (see `shadow.rs`), whichever host feeds it.
+    #[must_use]
+    pub fn with_shadow(mut self, policy: Hosted) -> Self {
+        self.shadow = Some(Shadow::new(policy.shared()));
+        self
+    }
+
+    /// Shadow mode's recorder of the policy runtime, when on.
+    pub fn shadow(&self) -> Option<&Shadow> {
+        self.shadow.as_ref()
+    }
+
+    pub fn shadow_mut(&mut self) -> Option<&mut Shadow> {
+        self.shadow.as_mut()
     }
 
     pub fn shared(self) -> SharedRuntime {
@@ -156,6 +182,9 @@ impl Hosted {
             now_us
         };
         self.last_us = self.last_us.max(now_us);
+        if self.shadow.is_some() {
+            return self.feed_shadowed(now_us, event, keep);
+        }
         let result = self.runtime.feed(now_us, event);
         if let Some(buf) = self.trace.as_mut() {
             let actions = self.runtime.actions();
@@ -163,6 +192,42 @@ impl Hosted {
         }
         result?;
         for action in self.runtime.actions() {
+            let taken = self.divert.as_mut().is_some_and(|d| d.divert(action));
+            if !taken {
+                keep(&self.runtime, action);
+            }
+        }
+        if let Some(divert) = self.divert.as_mut() {
+            let end = divert.batch_end();
+            self.gates = end.gates;
+            self.caller_waits = end.caller_waits;
+        }
+        Ok(())
+    }
+
+    /// `feed` in shadow mode: the forwarding runtime (untraced) is fed through the shadow,
+    /// which mirrors the event to the policy runtime and hands back the actions to route.
+    fn feed_shadowed(
+        &mut self,
+        now_us: u64,
+        event: &Event,
+        mut keep: impl FnMut(&Runtime, &Action),
+    ) -> PolicyResult<()> {
+        let mut shadow = self.shadow.take().expect("shadow mode");
+        let runtime = &mut self.runtime;
+        let mut actions = Vec::new();
+        let result = shadow.feed(
+            now_us,
+            event,
+            &mut |event| {
+                runtime.feed(now_us, event)?;
+                Ok(runtime.actions().to_vec())
+            },
+            &mut actions,
+        );
+        self.shadow = Some(shadow);
+        result?;
+        for action in &actions {
             let taken = self.divert.as_mut().is_some_and(|d| d.divert(action));
             if !taken {
                 keep(&self.runtime, action);
@@ -200,11 +265,17 @@ impl Hosted {
 
     /// The trace lines recorded since the last call ("" when not tracing).
     pub fn take_trace(&mut self) -> String {
+        if let Some(shadow) = &self.shadow {
+            return Hosted::lock(shadow.policy()).take_trace();
+        }
         self.trace.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub fn tracing(&self) -> bool {
-        self.trace.is_some()
+        match &self.shadow {
+            Some(shadow) => Hosted::lock(shadow.policy()).tracing(),
+            None => self.trace.is_some(),
+        }
     }
 }
 

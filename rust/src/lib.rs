@@ -18,6 +18,7 @@ pub mod light;
 pub mod relay;
 pub mod routing;
 pub mod runtime;
+pub mod shadow;
 pub mod snapshot;
 pub mod trace;
 pub mod types;

@@ -9,6 +9,9 @@ the enforce run's wire. The script paces itself on events, not clocks: replies t
 (`step`) until the test releases them, and one total deadline that both runs cross. A
 deterministic fake (not the simulator) keeps the two runs' event sequences identical, which is
 what makes equal counts a fair expectation; docs/gateway.md says where real traffic departs.
+
+Each runs on both paths: the native front's (the default) and Python's (`server.relay: false`);
+the core mirrors both to the one policy runtime, so the two give the same verdicts.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +35,7 @@ from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
 from .fake_vllm import FakeVllm
 from .harness import serve_asgi, serve_gateway, settings_for, start_gateway, until
+from .otlp_receiver import OtlpReceiver
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -60,6 +65,8 @@ SECTIONS: dict[str, Any] = {
     "timeouts": {"total_ms": 1500},  # held replies are cut here (enforce)
 }
 TOKENS = 8  # each request's max_tokens: what vLLM generates for it
+NATIVE_IDS = 1 << 40  # the front numbers its requests from here (`front/owner.rs`)
+PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
 
 @dataclass
@@ -175,18 +182,37 @@ async def _direct_answer(body: dict[str, Any]) -> tuple[int, Any]:
     return status, answer
 
 
-async def test_shadow_answers_as_direct_and_counts_what_enforce_does(tmp_path: Path) -> None:
-    async with start_gateway(**SECTIONS) as h:
+async def _settled(h: Harness) -> None:
+    """Every verdict taken (a native request's with its record, at most a tick late), and the
+    policy runtime holds nothing."""
+    assert h.gateway.shadow is not None
+    policy = h.gateway.shadow.policy.runtime
+    await until(lambda: h.gateway.runtime.shadow_held == 0, timeout_s=5)
+    assert (policy.live, policy.running, policy.queued) == (0, 0, 0)
+
+
+def _rows(log: Path, native: bool) -> dict[str, dict[str, str]]:
+    """The access log's rows by request id, each served by the path under test."""
+    with log.open() as f:
+        rows = {row["request"]: row for row in csv.DictReader(f)}
+    for request_id in rows:
+        assert (int(request_id.removeprefix("llmflow-")) >= NATIVE_IDS) == native, request_id
+    return rows
+
+
+@PATHS
+async def test_shadow_answers_as_direct_and_counts_what_enforce_does(
+    tmp_path: Path, native: bool
+) -> None:
+    async with start_gateway(**SECTIONS, server={"relay": native}) as h:
         enforce = await _replay(h, shadow=False)
     log = tmp_path / "access.csv"
     sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
-                "server": {"access_log": str(log)}}
+                "server": {"access_log": str(log), "relay": native}}
     async with start_gateway(**sections) as h:
         shadow = await _replay(h, shadow=True)
+        await _settled(h)
         metrics = (await h.client.get("/metrics")).text
-        policy = h.gateway.shadow.policy.runtime if h.gateway.shadow else None
-        assert policy is not None
-        assert (policy.live, policy.running, policy.queued) == (0, 0, 0)
 
     # Enforce mode governed: two ran at once, one waited, the rest were refused or cut.
     refused, cut = _enforced(enforce)
@@ -214,8 +240,7 @@ async def test_shadow_answers_as_direct_and_counts_what_enforce_does(tmp_path: P
     assert counts["queued"] == {"": enforce.held_back}
 
     # The access log says it per request, in its `shadow` column.
-    with log.open() as f:
-        rows = {row["request"]: row for row in csv.DictReader(f)}
+    rows = _rows(log, native)
     verdicts = Counter(row["shadow"] for row in rows.values())
     assert verdicts == {
         "start": 2,  # r1, and e1 (vLLM's 400 is not the policy's)
@@ -227,14 +252,16 @@ async def test_shadow_answers_as_direct_and_counts_what_enforce_does(tmp_path: P
     assert {row["outcome"] for row in rows.values()} == {"completed", "failed"}
 
 
-async def test_the_policy_runtime_trace_replays(tmp_path: Path) -> None:
+@PATHS
+async def test_the_policy_runtime_trace_replays(tmp_path: Path, native: bool) -> None:
     """`llmflow serve --trace` in shadow mode records the policy runtime: it replays exactly,
     refusals and the queue included."""
     path = tmp_path / "shadow.jsonl"
     fake = FakeVllm()
     async with serve_asgi(fake.app) as (backend, _):
         settings = settings_for({"b0": backend}, **{
-            **SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}, "timeouts": {}})
+            **SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}, "timeouts": {},
+            "server": {"relay": native}})
         with path.open("w") as trace:
             app = create_app(settings, trace)
             async with serve_gateway(app) as url, \
@@ -252,11 +279,12 @@ async def test_the_policy_runtime_trace_replays(tmp_path: Path) -> None:
     assert actions > 5
 
 
-async def test_a_client_leaving_while_the_policy_holds_it_waiting() -> None:
+@PATHS
+async def test_a_client_leaving_while_the_policy_holds_it_waiting(native: bool) -> None:
     """The policy hears the client leave at once (its queue empties, as enforce mode's would),
     and the real request, already at vLLM, is aborted there."""
     sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow",
-                                     "max_concurrency_per_gpu": 1}}
+                                     "max_concurrency_per_gpu": 1}, "server": {"relay": native}}
     async with start_gateway(**sections) as h:
         assert h.gateway.shadow is not None
         policy = h.gateway.shadow.policy.runtime
@@ -270,9 +298,61 @@ async def test_a_client_leaving_while_the_policy_holds_it_waiting() -> None:
         assert (policy.running, policy.queued) == (1, 0)
         h.fake.release(TOKENS)
         assert (await first)[0] == 200
+        await _settled(h)
         metrics = (await h.client.get("/metrics")).text
     counts = _shadow_counts(metrics)
     assert (counts["queued"], counts["refused"], counts["cut"]) == ({"": 1}, {}, {})
+
+
+async def test_both_paths_give_the_same_verdicts(tmp_path: Path) -> None:
+    """The same traffic in shadow mode, served by the native front and by Python: the same
+    would-have counts and the same verdict per request, every reply vLLM's own."""
+    seen: dict[bool, tuple[dict[str, Counter[str]], Counter[str], Seen]] = {}
+    for native in (True, False):
+        log = tmp_path / f"access-{native}.csv"
+        sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
+                    "server": {"access_log": str(log), "relay": native}}
+        async with start_gateway(**sections) as h:
+            run = await _replay(h, shadow=True)
+            await _settled(h)
+            counts = _shadow_counts((await h.client.get("/metrics")).text)
+        verdicts = Counter(row["shadow"] for row in _rows(log, native).values())
+        seen[native] = (counts, verdicts, run)
+    assert seen[True][0] == seen[False][0]
+    assert seen[True][0]["refused"] == {"rate_limited": 1, "queue_full": 2}
+    assert seen[True][1] == seen[False][1]
+    assert seen[True][2].replies == seen[False][2].replies
+
+
+async def test_native_bytes_in_shadow_mode_are_the_forwarded_answer() -> None:
+    """On the native front, shadow mode writes the client what the unlimited forwarding runtime
+    lets vLLM answer: byte for byte what enforce mode writes for a request it lets through,
+    though the policy would have refused it (beta's second request, over its rate)."""
+    bodies: dict[str, list[bytes]] = {}
+    for mode in ("enforce", "shadow"):
+        sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": mode}}
+        async with start_gateway(**sections) as h:
+            headers = {"Authorization": f"Bearer {BETA_KEY}"}
+            raw = []
+            for stream in (True, False):
+                reply = await h.client.post(
+                    "/v1/chat/completions", json=_body(stream), headers=headers)
+                assert int(reply.headers["x-request-id"].removeprefix("llmflow-")) >= NATIVE_IDS
+                raw.append(reply.content)
+            if mode == "shadow":
+                await _settled(h)
+                counts = _shadow_counts((await h.client.get("/metrics")).text)
+                assert counts["refused"] == {"rate_limited": 1}
+        bodies[mode] = raw
+    def timeless(raw: bytes) -> bytes:  # each reply says when it was made
+        return re.sub(rb'"created":\s*\d+', b'"created":0', raw)
+
+    assert timeless(bodies["enforce"][0]) == timeless(bodies["shadow"][0])  # let through by both
+    assert bodies["shadow"][1] != bodies["enforce"][1]  # enforce refused the second
+    whole = ("".join(f"t{i} " for i in range(TOKENS)), "length", None)
+    answer = json.loads(bodies["shadow"][1])
+    choice = answer["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"], answer.get("llmflow")) == whole
 
 
 def test_the_forwarding_runtime_holds_nothing_back() -> None:
@@ -299,3 +379,34 @@ def test_shadow_mode_refuses_what_it_cannot_shadow() -> None:
     with pytest.raises(ConfigFileError, match="no prefill/decode proxy"):
         load_settings(data={"gate": {"mode": "shadow"}, "backends": [
             {"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]})
+
+
+@PATHS
+async def test_the_span_says_what_the_policy_would_have_done(native: bool) -> None:
+    """Beta's second request is forwarded (vLLM answers it) and its span carries the refusal
+    the policy would have given it, on either path."""
+    spans: dict[str, dict[str, Any]] = {}
+    with OtlpReceiver() as rx:
+        sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
+                    "server": {"relay": native}, "telemetry": {"otlp_endpoint": rx.url}}
+        async with start_gateway(**sections) as h:
+            ids = []
+            for _ in range(2):
+                reply = await h.client.post("/v1/chat/completions", json=_body(False),
+                                            headers={"Authorization": f"Bearer {BETA_KEY}"})
+                assert reply.status_code == 200
+                ids.append(reply.headers["x-request-id"])
+            await _settled(h)
+        # the gateway has stopped: its last spans are flushed
+    for span in rx.named("llmflow.request"):
+        spans[span.attributes["llmflow.request_id"]] = span.attributes
+    assert [(int(i.removeprefix("llmflow-")) >= NATIVE_IDS) for i in ids] == [native] * 2
+    first, second = (spans[i] for i in ids)
+    assert (first["llmflow.shadow.verdict"], first["llmflow.shadow.backend"]) == ("start", "b0")
+    assert {k: v for k, v in second.items() if k.startswith("llmflow.shadow.")
+            and k != "llmflow.shadow.retry_after_s"} == {
+        "llmflow.shadow.verdict": "refuse:rate_limited",
+        "llmflow.shadow.reason": "rate_limited",
+        "llmflow.shadow.status": 429,
+    }
+    assert second["llmflow.shadow.retry_after_s"] > 0

@@ -86,7 +86,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.host, [t.name for t in settings.tiers])
         self.metrics.draining = lambda: self.draining
         if self.shadow is not None:
-            self.shadow.record = self.metrics.shadow_mode(self.shadow.policy.runtime)
+            self.metrics.shadow_mode(self.runtime)
         log_path = settings.server.access_log
         self.access_log = AccessLog(Path(log_path), self.shadow is not None) if log_path else None
         self.metrics.access_log = self.access_log

@@ -68,7 +68,7 @@ class GatewayMetrics:
         self.access_log: AccessLog | None = None  # `server.access_log`
         self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
         self.tracing: Tracing | None = None  # OpenTelemetry spans (`telemetry`), when configured
-        self.shadow_runtime: Runtime | None = None  # shadow mode's policy runtime (gauges)
+        self.shadow_runtime: Runtime | None = None  # shadow mode: the forwarding runtime
         r = self.registry
         self.requests = Counter(
             "llmflow_requests",
@@ -149,50 +149,10 @@ class GatewayMetrics:
         if self.tracing is not None and spans:
             self.tracing.ended(session)
 
-    def shadow_mode(self, policy: Runtime) -> Callable[[str, str, str | None], None]:
-        """Export what shadow mode's policy runtime would have done (`llmflow_shadow_*`).
-
-        Returns:
-            The recorder `ShadowHost.record` calls: (what, tier, reason), `what` one of
-            `refused`, `queued`, `cut`, `brownout`.
-        """
-        self.shadow_runtime = policy
-        r = self.registry
-        refused = Counter(
-            "llmflow_shadow_refused",
-            "Requests the policy would have refused (shadow mode), by tier and reason",
-            ["tier", "reason"],
-            registry=r,
-        )
-        cut = Counter(
-            "llmflow_shadow_cut",
-            "Replies the policy would have cut with a notice (shadow mode), by tier and reason",
-            ["tier", "reason"],
-            registry=r,
-        )
-        queued = Counter(
-            "llmflow_shadow_queued",
-            "Arrivals the policy would have queued (shadow mode), by tier",
-            ["tier"],
-            registry=r,
-        )
-        brownout = Counter(
-            "llmflow_shadow_brownout",
-            "Starts the policy would have browned out, max_tokens clamped (shadow mode)",
-            ["tier"],
-            registry=r,
-        )
-        for tier in self.tiers:  # a zero per tier, not "no data", while nothing would wait
-            queued.labels(tier)
-        by_reason = {"refused": refused, "cut": cut}
-
-        def record(what: str, tier: str, reason: str | None) -> None:
-            if reason is not None:
-                by_reason[what].labels(tier, reason).inc()
-            else:
-                (queued if what == "queued" else brownout).labels(tier).inc()
-
-        return record
+    def shadow_mode(self, runtime: Runtime) -> None:
+        """Export what shadow mode's policy runtime would have done (`llmflow_shadow_*`), as
+        the core counts it in `runtime` (the forwarding runtime, built with `shadow=`)."""
+        self.shadow_runtime = runtime
 
     def truncated(self, reason: str) -> None:
         """Count a reply cut with a visible notice."""
@@ -269,21 +229,62 @@ class _StateCollector:
         yield _gauge(
             "llmflow_draining", "1 while the gateway drains for shutdown", int(self.m.draining())
         )
-        shadow = self.m.shadow_runtime
-        if shadow is not None:
-            yield _gauge(
-                "llmflow_shadow_in_flight",
-                "Requests the policy would have running now (shadow mode)",
-                shadow.running,
-            )
-            yield _gauge(
-                "llmflow_shadow_queue_total",
-                "Requests the policy would have waiting now (shadow mode)",
-                shadow.queued,
-            )
+        if self.m.shadow_runtime is not None:
+            yield from _shadow(self.m.shadow_runtime, self.m.tiers)
         if self.m.scraper is not None:
             yield from _backend_gauges(self.m.scraper)
         yield _gaps(self.m.inter_chunk, self.m.relay)
+
+
+def _shadow(runtime: Runtime, tiers: tuple[str, ...]) -> Iterator[Metric]:
+    """Shadow mode's families: the policy runtime's would-haves (counted by the core, whichever
+    path served the request) and what it would hold now."""
+    policy = runtime.shadow
+    assert policy is not None
+    families = {
+        "refused": CounterMetricFamily(
+            "llmflow_shadow_refused",
+            "Requests the policy would have refused (shadow mode), by tier and reason",
+            labels=["tier", "reason"],
+        ),
+        "cut": CounterMetricFamily(
+            "llmflow_shadow_cut",
+            "Replies the policy would have cut with a notice (shadow mode), by tier and reason",
+            labels=["tier", "reason"],
+        ),
+        "queued": CounterMetricFamily(
+            "llmflow_shadow_queued",
+            "Arrivals the policy would have queued (shadow mode), by tier",
+            labels=["tier"],
+        ),
+        "brownout": CounterMetricFamily(
+            "llmflow_shadow_brownout",
+            "Starts the policy would have browned out, max_tokens clamped (shadow mode)",
+            labels=["tier"],
+        ),
+    }
+    tally = runtime.shadow_tally()
+    queued = {tier: 0 for tier in tiers}  # a zero per tier, not "no data", while nothing waits
+    for what, tier, reason, n in tally:
+        if what == "queued":
+            queued[tier] = n
+        elif reason is not None:
+            families[what].add_metric([tier, reason], n)
+        else:
+            families[what].add_metric([tier], n)
+    for tier, n in queued.items():
+        families["queued"].add_metric([tier], n)
+    yield from families.values()
+    yield _gauge(
+        "llmflow_shadow_in_flight",
+        "Requests the policy would have running now (shadow mode)",
+        policy.running,
+    )
+    yield _gauge(
+        "llmflow_shadow_queue_total",
+        "Requests the policy would have waiting now (shadow mode)",
+        policy.queued,
+    )
 
 
 class GapTally:

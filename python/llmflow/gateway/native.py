@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from llmflow._core import FrontChecks, FrontKeys, NativeRoutes
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.session import fingerprint_key
+from llmflow.gateway.shadow import verdict
 from llmflow.gateway.telemetry import NativeTrace
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.app import Gateway
     from llmflow.gateway.host import Host
     from llmflow.gateway.metrics import GatewayMetrics
+    from llmflow.gateway.shadow import Verdict
 
 __all__ = ["RECORD_TICK_S", "NativeInbox", "Served", "native_routes", "why_not_native"]
 
@@ -45,14 +47,12 @@ RECORD_TICK_S = 0.1
 def why_not_native(gateway: Gateway) -> str | None:
     """Why the front cannot serve this gateway's completions natively (None: it can).
 
-    What the native path does not do yet goes to Python: shadow mode's second runtime, a split
-    (prefill/decode) pool's two hops.
+    What the native path does not do yet goes to Python: a split (prefill/decode) pool's two
+    hops. (Shadow mode's policy runtime hears the front's requests in the core.)
     """
     s = gateway.settings
     if not s.server.relay:
         return "server.relay is off"
-    if gateway.shadow is not None:
-        return "gate.mode is shadow"
     if any(b.role != "both" for b in s.backends):
         return "a pool is split into prefill and decode"
     if gateway.ctx is None:
@@ -148,7 +148,7 @@ class Served:
     ended_at: float | None = None
     parser: _Parser = field(default_factory=_Parser)
     admitted: _NotAdmitting = field(default_factory=_NotAdmitting)
-    shadow: None = None
+    shadow: Verdict | None = None  # shadow mode: what the policy runtime did with it
     started_at: float | None = None  # sent upstream (monotonic)
     start_action: _Start | None = None
     trace: NativeTrace | None = None  # telemetry's ids, when on
@@ -184,6 +184,7 @@ def served(record: dict[str, Any]) -> Served:
         started_at=started / 1e6 if started is not None else None,
         start_action=_Start(record["brownout_max_tokens"]) if started is not None else None,
         trace=NativeTrace(**trace) if trace is not None else None,
+        shadow=verdict(record["shadow"]),
     )
 
 

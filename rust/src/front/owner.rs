@@ -66,6 +66,8 @@ pub struct Owner {
     inbox: Mutex<Inbox>,
     notify: Mutex<File>,
     next_id: AtomicU64,
+    /// Shadow mode: each request's end record carries the policy runtime's verdict.
+    shadowed: bool,
 }
 
 /// The owner's part inside the runtime's lock.
@@ -183,7 +185,7 @@ impl Owner {
         let (timer, mut armed) = watch::channel(None::<u64>);
         let tasks: Arc<Mutex<FxHashMap<u64, UnboundedSender<Order>>>> = Arc::default();
         let handle = streams.handle().clone();
-        {
+        let shadowed = {
             let mut hosted = Hosted::lock(&runtime);
             // Python's host keeps its own counter from 1; the front's ids start far above it,
             // so each stays unique in the one runtime and the trace.
@@ -197,7 +199,8 @@ impl Owner {
                 gates: Vec::new(),
                 caller_waits: Vec::new(),
             }));
-        }
+            hosted.shadow().is_some()
+        };
         let owner = Arc::new(Self {
             runtime,
             tasks,
@@ -205,6 +208,7 @@ impl Owner {
             inbox: Mutex::default(),
             notify: Mutex::new(notify),
             next_id: AtomicU64::new(FRONT_IDS),
+            shadowed,
         });
         let weak = Arc::downgrade(&owner);
         handle.spawn(async move {
@@ -300,7 +304,12 @@ impl Owner {
     /// A request's record, for Python's metrics and access log. It wakes nobody: Python
     /// takes the records with its next batch of actions or at its next tick, so counting them
     /// never competes with a burst's first tokens for the CPU.
-    pub fn record(&self, record: Record) {
+    pub fn record(&self, mut record: Record) {
+        if self.shadowed && !record.first_token_only {
+            // Shadow mode: the verdict, final now that the real request has ended.
+            let mut hosted = Hosted::lock(&self.runtime);
+            record.shadow = hosted.shadow_mut().and_then(|s| s.take(record.id));
+        }
         self.inbox.lock().unwrap().records.push(record);
     }
 

@@ -46,4 +46,6 @@ pub struct Record {
     /// Its trace, while telemetry is on: the spans Python builds at its end carry these ids,
     /// and vLLM got the upstream span's as `traceparent`.
     pub trace: Option<super::traceparent::TraceIds>,
+    /// Shadow mode: what the policy runtime did with it (its end's record only).
+    pub shadow: Option<crate::shadow::Verdict>,
 }

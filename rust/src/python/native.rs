@@ -196,6 +196,10 @@ fn record_to_py<'py>(py: Python<'py>, r: &Record) -> PyResult<Bound<'py, PyDict>
         Some(trace) => d.set_item("trace", trace_to_py(py, trace)?)?,
         None => d.set_item("trace", py.None())?,
     }
+    d.set_item(
+        "shadow",
+        r.shadow.clone().map(super::runtime::verdict_tuple),
+    )?;
     Ok(d)
 }
 

@@ -14,6 +14,49 @@ use crate::runtime::{Event, Runtime};
 use crate::trace;
 use std::sync::MutexGuard;
 
+/// A verdict as Python's `shadow.Verdict` takes it: decision, queued first, reason, status,
+/// Retry-After, backend, brownout.
+pub type VerdictTuple = (
+    &'static str,
+    bool,
+    Option<&'static str>,
+    Option<u16>,
+    Option<u32>,
+    Option<String>,
+    Option<u64>,
+);
+
+pub fn verdict_tuple(v: crate::shadow::Verdict) -> VerdictTuple {
+    (
+        v.decision.as_str(),
+        v.queued_first,
+        v.reason.map(crate::runtime::Reason::as_str),
+        v.status,
+        v.retry_after_s,
+        v.backend,
+        v.brownout,
+    )
+}
+
+/// A runtime built from a config mapping, traced or not.
+fn built(py: Python<'_>, config: &Bound<'_, PyAny>, trace: bool) -> PyResult<Hosted> {
+    if !config.is_instance_of::<PyDict>() {
+        return Err(ConfigError::new_err(format!(
+            "config must be a mapping (dict), got {}",
+            config.get_type().name()?
+        )));
+    }
+    let json = py.import("json")?.call_method1("dumps", (config,))?;
+    let text: &str = json.extract()?;
+    let inner = Runtime::from_json(text)?;
+    let trace = if trace {
+        Some(trace::header(text)?)
+    } else {
+        None
+    };
+    Ok(Hosted::new(inner, trace))
+}
+
 /// The request lifecycle around the governor; see `llmflow._core.pyi`.
 #[pyclass(name = "Runtime", module = "llmflow._core")]
 pub struct PyRuntime {
@@ -86,25 +129,55 @@ impl PyRuntime {
 #[pymethods]
 impl PyRuntime {
     #[new]
-    #[pyo3(signature = (config, *, trace=false))]
-    fn new(py: Python<'_>, config: &Bound<'_, PyAny>, trace: bool) -> PyResult<Self> {
-        if !config.is_instance_of::<PyDict>() {
-            return Err(ConfigError::new_err(format!(
-                "config must be a mapping (dict), got {}",
-                config.get_type().name()?
-            )));
-        }
-        let json = py.import("json")?.call_method1("dumps", (config,))?;
-        let text: &str = json.extract()?;
-        let inner = Runtime::from_json(text)?;
-        let trace = if trace {
-            Some(trace::header(text)?)
-        } else {
-            None
+    #[pyo3(signature = (config, *, trace=false, shadow=None))]
+    fn new(
+        py: Python<'_>,
+        config: &Bound<'_, PyAny>,
+        trace: bool,
+        shadow: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let Some(policy) = shadow else {
+            return Ok(Self {
+                shared: built(py, config, trace)?.shared(),
+            });
         };
+        // Shadow mode: this runtime forwards, untraced; the policy runtime is the traced one.
+        let policy = built(py, policy, trace)?;
         Ok(Self {
-            shared: Hosted::new(inner, trace).shared(),
+            shared: built(py, config, false)?.with_shadow(policy).shared(),
         })
+    }
+
+    /// Shadow mode's policy runtime (None: not in shadow mode), for queries: feed this one.
+    #[getter]
+    fn shadow(&self) -> Option<Self> {
+        let core = self.core();
+        core.shadow().map(|s| Self {
+            shared: std::sync::Arc::clone(s.policy()),
+        })
+    }
+
+    /// Shadow mode: what the policy runtime did with a request whose real one has ended, once.
+    fn take_verdict(&self, request_id: u64) -> Option<VerdictTuple> {
+        let mut core = self.core();
+        core.shadow_mut()?.take(request_id).map(verdict_tuple)
+    }
+
+    /// Shadow mode: the policy runtime's would-haves so far, `(what, tier, reason, count)`.
+    fn shadow_tally(&self) -> Vec<(&'static str, String, Option<&'static str>, u64)> {
+        let core = self.core();
+        core.shadow().map_or_else(Vec::new, |s| {
+            s.tally()
+                .iter()
+                .map(|((what, tier, reason), n)| (*what, tier.clone(), *reason, *n))
+                .collect()
+        })
+    }
+
+    /// Shadow mode: requests whose verdict is still kept (0 when everything has ended).
+    #[getter]
+    fn shadow_held(&self) -> usize {
+        self.core().shadow().map_or(0, crate::shadow::Shadow::held)
     }
 
     #[pyo3(signature = (*args, **kwargs), text_signature = "($self, request_id, tenant, \
