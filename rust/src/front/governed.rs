@@ -8,7 +8,9 @@
 //! of it; it declines everything else, and the app serves that as before. The task decides
 //! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
 //! the client's window and departure) and carries out what the runtime answers (queue, start,
-//! abort, reply, cut, end), as the owner routes it here.
+//! abort, reply, cut, end), as the owner routes it here. A `Start` naming a prefill instance
+//! (a split pool) goes upstream twice, as `session._prefill_hop` sends it: the prefill hop
+//! (`disagg.rs`, a relay `hop`), `prefilled` fed when it answered, then the decode hop.
 
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
