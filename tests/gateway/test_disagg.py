@@ -378,6 +378,21 @@ def _fed(trace: io.StringIO, request_id: str) -> list[str]:
     return kinds
 
 
+def _same_reply(native: bytes, python: bytes) -> None:
+    """The native front's reply is the Python path's (as `_exchange` gives them); the Python
+    path writes a stream's head in its own order (uvicorn's, with its `server`): the same
+    fields otherwise, and the same body."""
+    if b"text/event-stream" not in native.partition(b"\r\n\r\n")[0]:
+        assert native == python
+        return
+    head, _, text = native.partition(b"\r\n\r\n")
+    python_head, _, python_text = python.partition(b"\r\n\r\n")
+    assert text == python_text
+    assert sorted(head.split(b"\r\n")) == sorted(
+        line for line in python_head.split(b"\r\n") if line != b"server: uvicorn"
+    )
+
+
 def _hops(s: Split) -> tuple[bytes, bytes, str]:
     """The one prefill hop and the one decode hop the backends received, as they came, and
     their `X-Request-Id` (the same on both); the decode hop's `kv_transfer_params` checked to
@@ -421,18 +436,9 @@ async def test_both_paths_send_the_same_hops_and_give_the_same_reply(stream: boo
     assert hop == python[0]
     assert decode == python[1]
     assert reply.startswith(b"HTTP/1.1 200 OK\r\n"), reply
+    _same_reply(reply, python[2])
     if stream:
-        # the Python path writes a stream's head in its own order (uvicorn's, with its
-        # `server`): the same fields otherwise, and the same body
-        head, _, text = reply.partition(b"\r\n\r\n")
-        python_head, _, python_text = python[2].partition(b"\r\n\r\n")
-        assert text == python_text
-        assert sorted(head.split(b"\r\n")) == sorted(
-            line for line in python_head.split(b"\r\n") if line != b"server: uvicorn"
-        )
-        assert text.endswith(b"data: [DONE]\n\n")
-    else:
-        assert reply == python[2]
+        assert reply.endswith(b"data: [DONE]\n\n")
     assert fed == python[3]
     assert fed == ["arrive", "prefilled", "started", "tokens", "done"], fed
 
@@ -517,3 +523,33 @@ async def test_a_prefill_instance_without_a_kv_connector_is_warned_of(
         "KV connector configured (--kv-transfer-config)? The decode instance computes the "
         "prompt again."
     ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "stream"),
+    [("error", True), ("degrade", True), ("degrade", False)],
+    ids=["error", "degrade-streamed", "degrade-whole"],
+)
+async def test_a_first_token_timeout_during_the_prefill_hop_is_the_python_paths(
+    mode: str, stream: bool
+) -> None:
+    """The first-token timeout fires while the prefill hop still runs (a 3,000-token prompt on
+    a GPU at 1/20 speed): both paths answer the same bytes (the error, or the notice), the
+    prefill instance sees its request end, no decode hop is sent and no hop stays open."""
+    body = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "word " * 2400}],
+            "max_tokens": 10, "stream": stream}
+    streaming = {"first_token_timeout_ms": 300, "on_first_token_timeout": mode}
+    replies = {}
+    for native in (True, False):
+        trace = io.StringIO()
+        async with split_gateway(speed=0.05, native=native, trace=trace, streaming=streaming) as s:
+            served_natively, replies[native] = await _exchange(s.harness.url, body)
+            assert served_natively == native
+            p0, p1 = s.recorders["p0"], s.recorders["p1"]
+            (hop,) = p0.headers + p1.headers
+            await until(lambda p0=p0, p1=p1: p0.in_flight + p1.in_flight == 0)
+            await until(lambda s=s: s.harness.gateway.relay.relay.live == 0)
+            assert s.recorders["d0"].raw == []
+        assert _fed(trace, hop["x-request-id"]) == ["arrive"]  # the runtime's own timer ended it
+    _same_reply(replies[True], replies[False])
+    assert b"first_token_timeout" in replies[True], replies[True]
