@@ -907,7 +907,9 @@ class NativeRoutes:
         `prompt_tokens`, `max_tokens`, `completion_tokens`, `end`, `error` ((status, code) or
         None), `retry_after_s`, `refused`, `truncated`, `upstream_aborted`, `backend`,
         `first_token_only`, `path`, `stream`, `model`, `queue_wait_us` and
-        `brownout_max_tokens` (the runtime's `Start`'s, None before it), `trace` (None while
+        `brownout_max_tokens` (the runtime's `Start`'s, None before it), `prefill_unread`
+        (the URL of a split request's prefill instance that answered no `kv_transfer_params`,
+        else None), `trace` (None while
         telemetry is off, else a dict: `trace_id`, `span_id`, `queue_span_id`,
         `upstream_span_id`, `parent_span_id` (the client's, or None), `parent_flags`, `flags`
         (its spans': sampled, random trace id)))."""

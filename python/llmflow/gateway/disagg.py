@@ -12,7 +12,8 @@ P/D proxy sends it (`tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`
 
 Which instances, and when, is the runtime's (`Runtime.prefilled` frees the prefill slot);
 this module only shapes the first request and reads its answer. Both hops carry the same
-`X-Request-Id`, which connectors match the two sides by.
+`X-Request-Id`, which connectors match the two sides by. The native front sends the same two
+hops in Rust (`rust/src/front/disagg.rs` shapes them as this module does).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.types import Json
     from llmflow.gateway.upstream import Upstream
 
-__all__ = ["decode_body", "prefill_body", "prefill_hop"]
+__all__ = ["decode_body", "prefill_body", "prefill_hop", "warn_unread"]
 
 log = logging.getLogger("llmflow.gateway")
 
@@ -83,10 +84,16 @@ async def prefill_hop(
     answer = await upstream.post_json(url, path, prefill_body(body), request_id, on_connection)
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     if not isinstance(params, dict):
-        log.warning(
-            "prefill instance %s answered %s without kv_transfer_params: is vLLM's KV connector "
-            "configured (--kv-transfer-config)? The decode instance computes the prompt again.",
-            url, request_id,
-        )
+        warn_unread(url, request_id)
         return None
     return params
+
+
+def warn_unread(url: str, request_id: str) -> None:
+    """Log that the prefill instance at `url` answered `request_id` without KV transfer
+    parameters (the native front's hops are logged here too, from their records)."""
+    log.warning(
+        "prefill instance %s answered %s without kv_transfer_params: is vLLM's KV connector "
+        "configured (--kv-transfer-config)? The decode instance computes the prompt again.",
+        url, request_id,
+    )

@@ -10,7 +10,8 @@ still reach this loop, through one wake-up pipe:
 - one record per native request at its first token and at its end, which the metrics and the
   access log count as they count a session (one registry, one file, one `/metrics`), at most
   `RECORD_TICK_S` late; with telemetry on, its spans are made from it then (the front decided
-  its trace ids and sent vLLM its `traceparent`; `telemetry.py`).
+  its trace ids and sent vLLM its `traceparent`; `telemetry.py`), and the warning of a split
+  request's prefill hop answered without KV transfer parameters is logged (`disagg.py`).
 
 Nothing is decided here.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmflow._core import FrontChecks, FrontKeys, NativeRoutes
+from llmflow.gateway.disagg import warn_unread
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.session import fingerprint_key
 from llmflow.gateway.shadow import verdict
@@ -47,14 +49,12 @@ RECORD_TICK_S = 0.1
 def why_not_native(gateway: Gateway) -> str | None:
     """Why the front cannot serve this gateway's completions natively (None: it can).
 
-    What the native path does not do yet goes to Python: a split (prefill/decode) pool's two
-    hops. (Shadow mode's policy runtime hears the front's requests in the core.)
+    Only `server.relay: false` sends them to the Python path (shadow mode's policy runtime
+    hears the front's requests in the core; a split pool's two hops are the front's).
     """
     s = gateway.settings
     if not s.server.relay:
         return "server.relay is off"
-    if any(b.role != "both" for b in s.backends):
-        return "a pool is split into prefill and decode"
     if gateway.ctx is None:
         return "the gateway has not started"
     return None
@@ -241,6 +241,8 @@ class NativeInbox:
         if record["first_token_only"]:
             metrics.first_token(session)  # type: ignore[arg-type]
             return
+        if record["prefill_unread"] is not None:  # logged at its end, not when it answered
+            warn_unread(record["prefill_unread"], f"llmflow-{record['id']}")
         refused = session.error if record["refused"] else None
         if refused is not None:
             prepared: Any = session.prepared  # the fields `rejected` reads of a `Prepared`

@@ -8,7 +8,9 @@
 //! of it; it declines everything else, and the app serves that as before. The task decides
 //! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
 //! the client's window and departure) and carries out what the runtime answers (queue, start,
-//! abort, reply, cut, end), as the owner routes it here.
+//! abort, reply, cut, end), as the owner routes it here. A `Start` naming a prefill instance
+//! (a split pool) goes upstream twice, as `session._prefill_hop` sends it: the prefill hop
+//! (`disagg.rs`, a relay `hop`), `prefilled` fed when it answered, then the decode hop.
 
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
@@ -20,8 +22,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::owner::{now_us, Order, Owner};
 use super::record::Record;
 use super::{Conn, Outcome, Request};
-use crate::relay::{Control, Ending, Failure, RelayEvent, StreamRequest, Streams};
-use crate::runtime::{Action, Event};
+use crate::relay::{Control, Ending, Failure, HopRequest, RelayEvent, StreamRequest, Streams};
+use crate::runtime::{Action, Event, PrefillHop};
 use crate::types::Outcome as End;
 
 const SSE_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\n\
@@ -120,10 +122,25 @@ struct Life {
     failure: Option<Failure>,
     /// An error to answer with once the relay gives the connection back (`GiveBack`).
     answer: Option<Vec<u8>>,
+    /// A split request's prefill hop, live in the relay under this request's id (its events
+    /// come on `events` too) until it closes; then the decode hop is opened.
+    prefill: Option<Prefill>,
     /// The task is over: the connection (if any) goes back to the front.
     finished: bool,
     /// Orders of `arrive`'s own answer not yet carried out (a `Reply` among them: refused).
     arrival_orders: usize,
+}
+
+/// A split request's prefill hop in flight (`disagg.rs`), and the decode hop that follows it.
+struct Prefill {
+    /// The decode hop's `Start`: its backend, priority and brownout bound.
+    backend: u32,
+    priority: i64,
+    max_tokens: Option<u64>,
+    /// The prefill instance (the warning of an answer without parameters names it).
+    url: String,
+    /// Its answer, once read whole.
+    answer: Option<Vec<u8>>,
 }
 
 impl Governed {
@@ -271,6 +288,7 @@ impl Governed {
             unstreamed_answer: None,
             failure: None,
             answer: None,
+            prefill: None,
             finished: false,
             arrival_orders: 0,
         };
@@ -302,7 +320,8 @@ impl Governed {
                     }
                     None => life.finished = true,
                 },
-                event = events.recv(), if life.opened => match event {
+                event = events.recv(), if life.opened || life.prefill.is_some() => match event {
+                    Some(event) if life.prefill.is_some() => self.hop_event(&mut life, event, &sink),
                     Some(event) => self.relayed(&mut life, event).await,
                     None => life.finished = true,
                 },
@@ -343,6 +362,7 @@ impl Governed {
                 priority,
                 queue_wait_us,
                 max_tokens,
+                prefill,
                 ..
             } => {
                 if !order.after.is_empty() {
@@ -352,7 +372,7 @@ impl Governed {
                 }
                 life.record.queue_wait_us = Some(queue_wait_us);
                 life.record.brownout_max_tokens = max_tokens;
-                self.start(life, backend, priority, max_tokens, sink);
+                self.start(life, backend, priority, max_tokens, prefill, sink);
             }
             Action::Abort { .. } => {
                 // The owner handed the abort to the relay already (before any `Start`).
@@ -363,9 +383,16 @@ impl Governed {
                 reason,
                 retry_after_s,
                 ..
-            } => self.reply(life, status, reason, retry_after_s).await,
-            Action::Cut { reason, .. } => self.cut(life, reason).await,
+            } => {
+                self.close_prefill(life);
+                self.reply(life, status, reason, retry_after_s).await;
+            }
+            Action::Cut { reason, .. } => {
+                self.close_prefill(life);
+                self.cut(life, reason).await;
+            }
             Action::End { outcome, .. } => {
+                self.close_prefill(life);
                 life.ended = true;
                 outcome_name(outcome).clone_into(&mut life.record.end);
                 if !life.opened {
@@ -506,6 +533,7 @@ impl Governed {
         backend: u32,
         priority: i64,
         max_tokens: Option<u64>,
+        prefill: Option<PrefillHop>,
         sink: &crate::relay::Sink,
     ) {
         let route = &self.backends[backend as usize];
@@ -513,9 +541,19 @@ impl Governed {
         self.owner
             .update(life.id, |l| l.backend = Some(route.name.clone()));
         life.record.started_us = Some(now_us());
+        if let Some(hop) = prefill {
+            self.prefill(life, hop, (backend, priority, max_tokens), sink);
+            return;
+        }
         let body = life
             .prepared
             .upstream_bytes(route.priority_scheduling.then_some(priority), max_tokens);
+        self.open(life, backend, body, sink);
+    }
+
+    /// Send the request upstream to `backend` with `body`, relayed as the client asked.
+    fn open(&self, life: &mut Life, backend: u32, body: Vec<u8>, sink: &crate::relay::Sink) {
+        let route = &self.backends[backend as usize];
         let url = format!("{}{}", route.url, life.prepared.endpoint.path());
         let request_id = format!("llmflow-{}", life.id);
         let traceparent = life.record.trace.map(|trace| trace.traceparent());
@@ -542,15 +580,120 @@ impl Governed {
                     self.hold(life);
                 }
             }
-            Err(message) => {
-                // A URL the relay cannot speak to: the backend failed this request.
-                life.failure = Some(Failure::backend("backend_unavailable", message, true));
-                self.feed(&Event::Failed {
-                    id: life.id,
-                    status: 502,
-                    backend_down: true,
+            Err(message) => self.unopened(life, message),
+        }
+    }
+
+    /// A URL the relay cannot speak to: the backend failed this request.
+    fn unopened(&self, life: &mut Life, message: String) {
+        life.failure = Some(Failure::backend("backend_unavailable", message, true));
+        self.feed(&Event::Failed {
+            id: life.id,
+            status: 502,
+            backend_down: true,
+        });
+    }
+
+    /// P/D: send the prefill hop (`session._prefill_hop`: the request's body, with the hop's
+    /// own priority where its instance schedules by priority, shaped by `disagg.rs`), not
+    /// streamed, with the decode hop's `X-Request-Id`; the decode hop (`decode`: its backend,
+    /// priority and bound) goes when it answers (`hop_event`).
+    fn prefill(
+        &self,
+        life: &mut Life,
+        hop: PrefillHop,
+        decode: (u32, i64, Option<u64>),
+        sink: &crate::relay::Sink,
+    ) {
+        let route = &self.backends[hop.backend as usize];
+        let mut body = life.prepared.body.clone();
+        if route.priority_scheduling {
+            let priority = super::json::Json::Int(i128::from(hop.priority));
+            super::prepare::set(&mut body, "priority", priority);
+        }
+        let body = super::prepare::dumps(&super::disagg::prefill_body(&body));
+        let url = format!("{}{}", route.url, life.prepared.endpoint.path());
+        let request_id = format!("llmflow-{}", life.id);
+        let sent = self.streams.hop(HopRequest {
+            id: life.id,
+            url: &url,
+            ca: route.ca.as_ref(),
+            body,
+            request_id: &request_id,
+            sink: sink.clone(),
+        });
+        match sent {
+            Ok(()) => {
+                let (backend, priority, max_tokens) = decode;
+                life.prefill = Some(Prefill {
+                    backend,
+                    priority,
+                    max_tokens,
+                    url: route.url.clone(),
+                    answer: None,
                 });
             }
+            Err(message) => self.unopened(life, message),
+        }
+    }
+
+    /// One of the relay's events for a prefill hop: its answer, its failure (fed as the
+    /// decode's would be), its end. Once it closed with an answer the runtime hears
+    /// `prefilled` (the prefill instance's slot is free), and the decode hop goes with the
+    /// answer's `kv_transfer_params` (none: it computes the prompt; Python logs the warning
+    /// `prefill_hop` logs, from the request's record).
+    fn hop_event(&self, life: &mut Life, event: RelayEvent, sink: &crate::relay::Sink) {
+        let id = life.id;
+        match event {
+            RelayEvent::Answer(_, answer) => {
+                if let Some(prefill) = life.prefill.as_mut() {
+                    prefill.answer = Some(answer);
+                }
+            }
+            RelayEvent::Failed(_, failure) => {
+                let (status, backend_down) = (failure.status, failure.backend_down);
+                life.failure = Some(failure);
+                if !life.ended {
+                    self.feed(&Event::Failed {
+                        id,
+                        status,
+                        backend_down,
+                    });
+                }
+            }
+            RelayEvent::Closed { .. } => {
+                let Some(prefill) = life.prefill.take() else {
+                    return;
+                };
+                if life.ended || life.failure.is_some() {
+                    return; // the runtime's answer to the failure ends it
+                }
+                let Some(answer) = prefill.answer else {
+                    // The relay ended it on its own (it cannot, short of a bug): end it here.
+                    self.feed(&Event::ClientGone { id });
+                    return;
+                };
+                let params = super::disagg::kv_transfer_params(&answer);
+                if params.is_none() {
+                    life.record.prefill_unread = Some(prefill.url);
+                }
+                self.feed(&Event::Prefilled { id });
+                let route = &self.backends[prefill.backend as usize];
+                let priority = route.priority_scheduling.then_some(prefill.priority);
+                let body = life.prepared.upstream_body(priority, prefill.max_tokens);
+                let body = super::prepare::dumps(&super::disagg::decode_body(body, params));
+                self.open(life, prefill.backend, body, sink);
+            }
+            // A hop has no client and counts no token; its `Done` is its `Closed`.
+            _ => {}
+        }
+    }
+
+    /// A terminal action during the prefill hop: close it (vLLM aborts it), and the decode hop
+    /// is never sent.
+    fn close_prefill(&self, life: &mut Life) {
+        if life.prefill.take().is_some() {
+            self.streams.control(life.id, Control::Close);
         }
     }
 

@@ -13,6 +13,7 @@ pub mod auth;
 pub mod chunked;
 pub mod conn;
 pub mod decode;
+pub mod disagg;
 pub mod from_app;
 pub mod governed;
 pub mod http;

@@ -104,9 +104,14 @@ impl Prepared {
         json::to_vec(&self.body, PYTHON_DUMPS)
     }
 
+    /// `session.upstream_body`'s bytes (see `upstream_body`).
+    pub fn upstream_bytes(&self, priority: Option<i64>, max_tokens: Option<u64>) -> Vec<u8> {
+        dumps(&self.upstream_body(priority, max_tokens))
+    }
+
     /// `session.upstream_body`: the body with the core's `priority` (a backend scheduling by
     /// priority) and its brownout bound, on the first output bound the body names.
-    pub fn upstream_bytes(&self, priority: Option<i64>, max_tokens: Option<u64>) -> Vec<u8> {
+    pub fn upstream_body(&self, priority: Option<i64>, max_tokens: Option<u64>) -> Json {
         let mut body = self.body.clone();
         if let Some(priority) = priority {
             set(&mut body, "priority", Json::Int(i128::from(priority)));
@@ -118,8 +123,13 @@ impl Prepared {
                 .unwrap_or("max_tokens");
             set(&mut body, key, Json::Int(i128::from(bound)));
         }
-        json::to_vec(&body, PYTHON_DUMPS)
+        body
     }
+}
+
+/// A body's bytes as Python's upstream client writes them (`json.dumps(body).encode()`).
+pub fn dumps(body: &Json) -> Vec<u8> {
+    json::to_vec(body, PYTHON_DUMPS)
 }
 
 const PYTHON_DUMPS: Style = Style {
@@ -409,7 +419,7 @@ fn wants_prompt_logprobs(body: &Json) -> bool {
 }
 
 /// `dict[key] = value`: in place when present (its position kept), else at the end.
-fn set(object: &mut Json, key: &str, value: Json) {
+pub(crate) fn set(object: &mut Json, key: &str, value: Json) {
     let Json::Object(pairs) = object else {
         unreachable!("an object")
     };

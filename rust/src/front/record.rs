@@ -43,6 +43,9 @@ pub struct Record {
     /// The upstream request started and did not finish.
     pub upstream_aborted: bool,
     pub backend: Option<String>,
+    /// A split request's prefill instance (its URL) answered no `kv_transfer_params`: Python
+    /// logs `prefill_hop`'s warning for it.
+    pub prefill_unread: Option<String>,
     /// Its trace, while telemetry is on: the spans Python builds at its end carry these ids,
     /// and vLLM got the upstream span's as `traceparent`.
     pub trace: Option<super::traceparent::TraceIds>,

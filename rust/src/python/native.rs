@@ -187,6 +187,7 @@ fn record_to_py<'py>(py: Python<'py>, r: &Record) -> PyResult<Bound<'py, PyDict>
     d.set_item("truncated", r.truncated)?;
     d.set_item("upstream_aborted", r.upstream_aborted)?;
     d.set_item("backend", &r.backend)?;
+    d.set_item("prefill_unread", &r.prefill_unread)?;
     d.set_item("path", r.path)?;
     d.set_item("stream", r.stream)?;
     d.set_item("model", &r.model)?;

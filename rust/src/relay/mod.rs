@@ -131,6 +131,22 @@ pub struct StreamRequest<'a> {
     pub sink: Sink,
 }
 
+/// A request sent before a stream, its answer read whole (P/D's prefill hop,
+/// `upstream.post_json`): no client, no token counted, no `Started`; its events are the
+/// answer's raw bytes (`RelayEvent::Answer`, whatever JSON it is), or its failure, then
+/// `Closed`. It is live under `id` until then, so the controls that reach a stream (an abort,
+/// a close) reach it too.
+pub struct HopRequest<'a> {
+    pub id: u64,
+    /// The backend's completion URL (http or https).
+    pub url: &'a str,
+    pub ca: Option<&'a upstream::Tls>,
+    pub body: Vec<u8>,
+    /// Sent upstream as `X-Request-Id`.
+    pub request_id: &'a str,
+    pub sink: Sink,
+}
+
 /// The live streams and what opening one needs: cheap to clone, so the native front opens
 /// and controls streams from its own tasks.
 #[derive(Clone)]
@@ -223,6 +239,40 @@ impl Streams {
     /// # Errors
     /// The URL or a header is malformed, `id` is already live, or the relay has shut down.
     pub fn open(&self, request: StreamRequest<'_>) -> Result<(), String> {
+        self.launch(request, false)
+    }
+
+    /// Send a request whose answer is read whole, with no client (see [`HopRequest`]).
+    ///
+    /// # Errors
+    /// As [`Streams::open`].
+    pub fn hop(&self, request: HopRequest<'_>) -> Result<(), String> {
+        let HopRequest {
+            id,
+            url,
+            ca,
+            body,
+            request_id,
+            sink,
+        } = request;
+        let request = StreamRequest {
+            id,
+            url,
+            ca,
+            body,
+            request_id,
+            traceparent: None,
+            include_usage: false,
+            continuous_usage: false,
+            choices: 1,
+            unstreamed: true,
+            whole: true,
+            sink,
+        };
+        self.launch(request, true)
+    }
+
+    fn launch(&self, request: StreamRequest<'_>, hop: bool) -> Result<(), String> {
         let StreamRequest {
             id,
             url,
@@ -291,6 +341,7 @@ impl Streams {
             choices,
             unstreamed,
             whole: whole || unstreamed,
+            hop,
             sink,
         };
         self.handle.spawn(async move {

@@ -134,6 +134,88 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
     }
 }
 
+/// A backend that answers each request on one kept-alive connection with `answer` (JSON, not
+/// streamed), and hands each request's head to `heads`.
+fn json_backend(
+    answer: &'static str,
+    replies: usize,
+) -> (String, std::sync::mpsc::Receiver<String>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/v1/completions", listener.local_addr().unwrap());
+    let (heads, seen) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        for _ in 0..replies {
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buf).unwrap();
+                assert!(n > 0, "the relay closed the connection");
+                request.extend_from_slice(&buf[..n]);
+            }
+            let _ = heads.send(String::from_utf8_lossy(&request).into_owned());
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                answer.len()
+            );
+            socket.write_all(reply.as_bytes()).unwrap();
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    });
+    (url, seen)
+}
+
+// P/D's prefill hop: its answer comes whole to the host, whatever JSON it is (an array here:
+// `prefill_hop` reads it as an answer without parameters, not as a failure), with no
+// `Started` and no tokens; its connection goes back to the pool for the next request.
+#[test]
+fn a_hop_hands_its_answer_over_as_it_came_and_keeps_its_connection() {
+    let relay = Relay::new(config()).unwrap();
+    let answer = r#"[{"usage":{"completion_tokens":1}}]"#;
+    let (url, heads) = json_backend(answer, 2);
+    for id in [1, 2] {
+        let (sink, mut events) = tokio::sync::mpsc::unbounded_channel();
+        let request_id = format!("llmflow-{id}");
+        let hop = super::HopRequest {
+            id,
+            url: &url,
+            ca: None,
+            body: b"{\"model\": \"m\"}".to_vec(),
+            request_id: &request_id,
+            sink,
+        };
+        relay.streams().hop(hop).unwrap();
+        let mut seen = Vec::new();
+        while let Some(event) = events.blocking_recv() {
+            let closed = matches!(event, RelayEvent::Closed { .. });
+            seen.push(event);
+            if closed {
+                break;
+            }
+        }
+        assert_eq!(
+            seen,
+            [
+                RelayEvent::Answer(id, answer.as_bytes().to_vec()),
+                RelayEvent::Closed {
+                    id,
+                    socket: None,
+                    upstream_complete: true,
+                    completion_tokens: 0
+                }
+            ]
+        );
+        let head = heads.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(
+            head.contains(&format!("x-request-id: {request_id}\r\n")),
+            "{head}"
+        );
+        assert!(head.contains("accept: application/json\r\n"), "{head}");
+        assert!(!head.contains("traceparent"), "{head}");
+    }
+    assert_eq!(relay.live(), 0);
+}
+
 // ---- backends over https ------------------------------------------------------------------
 
 mod tls {

@@ -87,6 +87,9 @@ pub struct Open {
     pub unstreamed: bool,
     /// Give the payloads to the sink, write nothing to a client (a reply not streamed).
     pub whole: bool,
+    /// A hop before the stream (`Streams::hop`): the answer goes to the sink as it is, any
+    /// JSON, with no `Started` and no tokens.
+    pub hop: bool,
     /// Where its events go (the native front's task).
     pub sink: super::Sink,
 }

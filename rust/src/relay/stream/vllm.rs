@@ -135,6 +135,14 @@ impl Task {
             Ok(value) => value,
             Err(e) => return self.fail(format!("backend sent bad JSON: {e}"), false),
         };
+        if self.open.hop {
+            // What the answer says is the host's to read (`prefill_hop` reads any JSON).
+            let _ = self.open.sink.send(RelayEvent::Answer(self.id, raw));
+            self.upstream_complete = true;
+            self.clean = true;
+            self.terminate();
+            return Step::Go;
+        }
         if !value.is_object() {
             let unread = "the gateway could not read the backend's reply".to_owned();
             return self.fail(unread, false);
