@@ -201,7 +201,8 @@ fn a_hop_hands_its_answer_over_as_it_came_and_keeps_its_connection() {
                     id,
                     socket: None,
                     upstream_complete: true,
-                    completion_tokens: 0
+                    completion_tokens: 0,
+                    truncated: false,
                 }
             ]
         );
