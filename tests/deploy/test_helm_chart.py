@@ -30,6 +30,7 @@ from kubernetes_validate.utils import all_versions
 from llmflow.config import load_settings
 from llmflow.gateway.cli import _FORCE_AFTER_DRAIN_S
 from llmflow.gateway.routes.ops import router as ops_router
+from tests.gateway.certs import Authority
 from tests.processes import GatewayProcess
 
 from .chart import (
@@ -307,6 +308,34 @@ def test_shadow_mode_and_traces_reach_the_config(tmp_path: Path) -> None:
     assert settings.telemetry.sample_ratio == 0.25
     off = load_settings(assembled(render(), tmp_path / "off"))
     assert (off.gate.mode, off.telemetry.otlp_endpoint) == ("enforce", None)
+
+
+def test_an_https_backends_ca_is_mounted_where_its_tls_ca_file_names_it(tmp_path: Path) -> None:
+    # The CA comes from a Secret the operator made, mounted through `extraVolumes`; the test
+    # mounts it under tmp_path (the pod's path, as this process sees it) so the config loads.
+    mounted = tmp_path / "backend-ca"
+    mounted.mkdir()
+    ca = Authority(mounted, "vllm").ca_file
+    overrides = {
+        "extraVolumes": [{"name": "backend-ca", "secret": {"secretName": "vllm-ca"}}],
+        "extraVolumeMounts": [
+            {"name": "backend-ca", "mountPath": str(mounted), "readOnly": True}
+        ],
+        "config": {"backends": [{"name": "gpu0", "url": "https://vllm.llm:8000",
+                                 "tls_ca_file": str(ca)}]},
+    }
+    rendered = render(overrides)
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(rendered.gateway, version, strict=True)
+    (spec,) = pod_specs(rendered)
+    assert {"name": "backend-ca", "secret": {"secretName": "vllm-ca"}} in spec["volumes"]
+    mounts = container(rendered.gateway, "llmflow")["volumeMounts"]
+    assert {"name": "backend-ca", "mountPath": str(mounted), "readOnly": True} in mounts
+    assert all(m["name"] != "backend-ca" for m in container(rendered.gateway, "config")
+               ["volumeMounts"])  # the init step reads no backend's CA
+    settings = load_settings(assembled(rendered, tmp_path / "pod"))
+    assert settings.backends[0].tls_ca_file == str(ca)
+    assert str(ca).startswith(str(mounted) + "/")
 
 
 @pytest.mark.parametrize(
