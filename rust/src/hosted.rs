@@ -172,7 +172,7 @@ impl Hosted {
         &mut self,
         now_us: u64,
         event: &Event,
-        mut keep: impl FnMut(&Runtime, &Action),
+        keep: impl FnMut(&Runtime, &Action),
     ) -> PolicyResult<()> {
         // One host alone keeps its own clock (tests feed what they like); shared, the clock
         // of whichever host fed last must not run backwards for the other.
@@ -191,17 +191,13 @@ impl Hosted {
             trace::record(buf, now_us, event, result.as_ref().map(|&()| actions));
         }
         result?;
-        for action in self.runtime.actions() {
-            let taken = self.divert.as_mut().is_some_and(|d| d.divert(action));
-            if !taken {
-                keep(&self.runtime, action);
-            }
-        }
-        if let Some(divert) = self.divert.as_mut() {
-            let end = divert.batch_end();
-            self.gates = end.gates;
-            self.caller_waits = end.caller_waits;
-        }
+        route(
+            &self.runtime,
+            &mut self.divert,
+            self.runtime.actions(),
+            keep,
+        );
+        self.end_batch();
         Ok(())
     }
 
@@ -211,7 +207,7 @@ impl Hosted {
         &mut self,
         now_us: u64,
         event: &Event,
-        mut keep: impl FnMut(&Runtime, &Action),
+        keep: impl FnMut(&Runtime, &Action),
     ) -> PolicyResult<()> {
         let mut shadow = self.shadow.take().expect("shadow mode");
         let runtime = &mut self.runtime;
@@ -227,18 +223,18 @@ impl Hosted {
         );
         self.shadow = Some(shadow);
         result?;
-        for action in &actions {
-            let taken = self.divert.as_mut().is_some_and(|d| d.divert(action));
-            if !taken {
-                keep(&self.runtime, action);
-            }
-        }
+        route(&self.runtime, &mut self.divert, &actions, keep);
+        self.end_batch();
+        Ok(())
+    }
+
+    /// After a feed's actions are routed: the divert's gates for the caller to hold.
+    fn end_batch(&mut self) {
         if let Some(divert) = self.divert.as_mut() {
             let end = divert.batch_end();
             self.gates = end.gates;
             self.caller_waits = end.caller_waits;
         }
-        Ok(())
     }
 
     /// The gates of the last event fed: the caller holds them until it has carried out its
@@ -288,6 +284,21 @@ impl std::fmt::Debug for Hosted {
     }
 }
 
+/// A feed's actions to their host: the divert takes the other host's, `keep` the rest.
+fn route<'a>(
+    runtime: &Runtime,
+    divert: &mut Option<Box<dyn Divert>>,
+    actions: impl IntoIterator<Item = &'a Action>,
+    mut keep: impl FnMut(&Runtime, &Action),
+) {
+    for action in actions {
+        let taken = divert.as_mut().is_some_and(|d| d.divert(action));
+        if !taken {
+            keep(runtime, action);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,18 +310,7 @@ mod tests {
     }
 
     fn arrive(id: u64) -> Event {
-        Event::Arrive {
-            id,
-            tenant: 0,
-            prompt: 10,
-            max_tokens: 10,
-            stream: true,
-            pool: 0,
-            chain: vec![],
-            fingerprint: 0,
-            retries: None,
-            deadline_ms: None,
-        }
+        Event::plain_arrival(id, 0)
     }
 
     /// Claims the timer and the actions of one request, as the front's owner does.

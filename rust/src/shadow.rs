@@ -535,18 +535,7 @@ mod tests {
     }
 
     fn arrive(id: u64) -> Event {
-        Event::Arrive {
-            id,
-            tenant: VIP,
-            prompt: 10,
-            max_tokens: 10,
-            stream: true,
-            pool: 0,
-            chain: vec![],
-            fingerprint: 0,
-            retries: None,
-            deadline_ms: None,
-        }
+        Event::plain_arrival(id, VIP)
     }
 
     fn feed(h: &mut Hosted, now: u64, event: &Event) -> Vec<Action> {

@@ -642,6 +642,20 @@ impl Governed {
     /// `prefilled` (the prefill instance's slot is free), and the decode hop goes with the
     /// answer's `kv_transfer_params` (none: it computes the prompt; Python logs the warning
     /// `prefill_hop` logs, from the request's record).
+    /// A hop or the reply's stream failed upstream: kept for the answer, fed to the runtime
+    /// (which decides the status and the backend's health) unless the request already ended.
+    fn failed(&self, life: &mut Life, failure: crate::relay::events::Failure) {
+        let (id, status, backend_down) = (life.id, failure.status, failure.backend_down);
+        life.failure = Some(failure);
+        if !life.ended {
+            self.feed(&Event::Failed {
+                id,
+                status,
+                backend_down,
+            });
+        }
+    }
+
     fn hop_event(&self, life: &mut Life, event: RelayEvent, sink: &crate::relay::Sink) {
         let id = life.id;
         match event {
@@ -650,17 +664,7 @@ impl Governed {
                     prefill.answer = Some(answer);
                 }
             }
-            RelayEvent::Failed(_, failure) => {
-                let (status, backend_down) = (failure.status, failure.backend_down);
-                life.failure = Some(failure);
-                if !life.ended {
-                    self.feed(&Event::Failed {
-                        id,
-                        status,
-                        backend_down,
-                    });
-                }
-            }
+            RelayEvent::Failed(_, failure) => self.failed(life, failure),
             RelayEvent::Closed { .. } => {
                 let Some(prefill) = life.prefill.take() else {
                     return;
@@ -739,17 +743,7 @@ impl Governed {
                     self.feed(&Event::Done { id });
                 }
             }
-            RelayEvent::Failed(_, failure) => {
-                let (status, backend_down) = (failure.status, failure.backend_down);
-                life.failure = Some(failure);
-                if !life.ended {
-                    self.feed(&Event::Failed {
-                        id,
-                        status,
-                        backend_down,
-                    });
-                }
-            }
+            RelayEvent::Failed(_, failure) => self.failed(life, failure),
             RelayEvent::WindowFull(_) => {
                 if !life.ended {
                     self.feed(&Event::WindowFull { id });

@@ -126,3 +126,22 @@ fn is_zero(n: &u32) -> bool {
 fn is_zero_u64(n: &u64) -> bool {
     *n == 0
 }
+
+#[cfg(test)]
+impl Event {
+    /// A plain streamed arrival of 10 prompt tokens asking 10 (the unit tests' request).
+    pub(crate) fn plain_arrival(id: u64, tenant: u32) -> Event {
+        Event::Arrive {
+            id,
+            tenant,
+            prompt: 10,
+            max_tokens: 10,
+            stream: true,
+            pool: 0,
+            chain: vec![],
+            fingerprint: 0,
+            retries: None,
+            deadline_ms: None,
+        }
+    }
+}

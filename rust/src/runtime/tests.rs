@@ -15,18 +15,7 @@ fn runtime(lifecycle: &str) -> Runtime {
 }
 
 fn arrive(id: u64, tenant: u32) -> Event {
-    Event::Arrive {
-        id,
-        tenant,
-        prompt: 10,
-        max_tokens: 10,
-        stream: true,
-        pool: 0,
-        chain: vec![],
-        fingerprint: 0,
-        retries: None,
-        deadline_ms: None,
-    }
+    Event::plain_arrival(id, tenant)
 }
 
 fn terminal(actions: &[Action]) -> Vec<&Action> {
