@@ -299,3 +299,37 @@ def test_a_backends_ca_file_is_read_at_load_and_only_for_https(tmp_path: Path) -
         with pytest.raises(ConfigFileError, match=r"backends\.0\.tls_ca_file: ") as caught:
             load(url, ca_file)
         assert problem in str(caught.value)
+
+
+def test_a_backends_client_certificate_is_checked_at_load_with_its_key(tmp_path: Path) -> None:
+    clients = Authority(tmp_path, "clients")
+    cert, key = clients.issue_client("llmflow")
+    both = tmp_path / "both.pem"
+    both.write_bytes(cert.read_bytes() + key.read_bytes())
+    other_key = clients.issue_client("other")[1]
+
+    def load(url: str | None, cert: Path | None, key: Path | None) -> Any:
+        backend: dict[str, Any] = {"name": "b0", "url": url}
+        if cert is not None:
+            backend["tls_client_cert"] = str(cert)
+        if key is not None:
+            backend["tls_client_key"] = str(key)
+        return load_settings(data={"backends": [backend]})
+
+    loaded = load("https://vllm:8443", cert, key).backends[0]
+    assert (loaded.tls_client_cert, loaded.tls_client_key) == (str(cert), str(key))
+    assert load("https://vllm:8443", both, None).backends[0].tls_client_key is None
+    for url, cert_file, key_file, problem in [
+        ("http://vllm:8000", cert, key, "tls_client_cert: Value error, a client certificate "
+         "is for an https:// backend; its url is 'http:"),
+        ("https://vllm:8443", None, key, "tls_client_key is the key of tls_client_cert; set "
+         "tls_client_cert too"),
+        ("https://vllm:8443", cert, None, "must be a PEM certificate and its own private key"),
+        ("https://vllm:8443", cert, other_key, "must be a PEM certificate and its own private "
+         "key (KEY_VALUES_MISMATCH)"),
+        ("https://vllm:8443", tmp_path / "absent.pem", key, "tls_client_cert "
+         f"{tmp_path / 'absent.pem'} cannot be read (No such file"),
+    ]:
+        with pytest.raises(ConfigFileError) as caught:
+            load(url, cert_file, key_file)
+        assert problem in str(caught.value), caught.value

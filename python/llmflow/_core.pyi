@@ -866,9 +866,12 @@ class NativeRoutes:
         notify_fd: the write end of a non-blocking pipe: a byte when `take()` has actions.
         checks: the request checks (`FrontChecks`).
         keys: the API keys (`FrontKeys`).
-        backends: (name, base URL, priority scheduling, CA file) of each backend, in the
-            runtime's order: an https backend's certificate is verified against its CA file
-            (a PEM bundle) alone, or against the Mozilla roots when it has none.
+        backends: (name, base URL, priority scheduling, CA file, client certificate file,
+            client key file) of each backend, in the runtime's order: an https backend's
+            certificate is verified against its CA file (a PEM bundle) alone, or against the
+            Mozilla roots when it has none; where it asks for a client certificate (mutual
+            TLS), it is shown the client certificate's chain, signed with the key (which may
+            sit in the certificate's file: key file None).
         own_hosts: a keyless gateway's own host names (requests naming another Host, or
             carrying an Origin, go to the app's guard); None with API keys.
         write_timeout_ms: how long a client may take none of a reply written whole
@@ -882,7 +885,8 @@ class NativeRoutes:
     Raises:
         InvalidArgumentError: `backends` are not the runtime's, `notify_fd` is negative,
             `sample_ratio` is not from 0 to 1, a CA file cannot be read or holds no
-            certificate, or the runtime already has native routes.
+            certificate, a client certificate or key cannot be read or do not match, or the
+            runtime already has native routes.
     """
 
     def __new__(
@@ -892,7 +896,7 @@ class NativeRoutes:
         notify_fd: int,
         checks: FrontChecks,
         keys: FrontKeys,
-        backends: list[tuple[str, str, bool, str | None]],
+        backends: list[tuple[str, str, bool, str | None, str | None, str | None]],
         *,
         own_hosts: list[str] | None = None,
         write_timeout_ms: float = 60000.0,

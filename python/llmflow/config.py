@@ -210,15 +210,18 @@ class Backend(_Section):
     # An https backend's private CA: a PEM bundle, the only roots its certificate may chain to
     # (both paths, scrapes included); None: the Mozilla roots (certifi's, webpki-roots').
     tls_ca_file: str | None = None
+    # Mutual TLS: the certificate (PEM, the gateway's own first, then its chain) and private
+    # key the gateway shows an https backend that asks for one; the key may sit in the
+    # certificate's file (tls_client_key left out).
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
 
     @field_validator("tls_ca_file")
     @classmethod
     def _check_ca_file(cls, path: str | None, info: ValidationInfo) -> str | None:
         if path is None:
             return None
-        url = info.data.get("url")
-        if not (isinstance(url, str) and url.startswith("https://")):
-            raise ValueError(f"a CA file is for an https:// backend; its url is {url!r}")
+        _https_only(info, "a CA file")
         try:
             ssl.create_default_context(cafile=path)
         except ssl.SSLError:
@@ -227,6 +230,46 @@ class Backend(_Section):
             raise ValueError(f"the file cannot be read ({exc.strerror})") from None
         return path
 
+    @field_validator("tls_client_cert")
+    @classmethod
+    def _check_client_cert(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is not None:
+            _https_only(info, "a client certificate")
+        return path
+
+    @model_validator(mode="after")
+    def _check_client_key(self) -> Backend:
+        cert, key = self.tls_client_cert, self.tls_client_key
+        if key is not None and cert is None:
+            raise ValueError(
+                f"backend {self.name!r}: tls_client_key is the key of tls_client_cert; "
+                "set tls_client_cert too"
+            )
+        if cert is None:
+            return self
+        for field, path in (("tls_client_cert", cert), ("tls_client_key", key)):
+            try:
+                if path is not None:
+                    Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(
+                    f"backend {self.name!r}: {field} {path} cannot be read ({exc.strerror})"
+                ) from None
+        try:
+            ssl.create_default_context().load_cert_chain(cert, key)
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"backend {self.name!r}: tls_client_cert and tls_client_key must be a PEM "
+                f"certificate and its own private key ({exc.reason or exc})"
+            ) from None
+        return self
+
+
+
+def _https_only(info: ValidationInfo, what: str) -> None:
+    url = info.data.get("url")
+    if not (isinstance(url, str) and url.startswith("https://")):
+        raise ValueError(f"{what} is for an https:// backend; its url is {url!r}")
 
 class Server(_Section):
     host: str = "127.0.0.1"

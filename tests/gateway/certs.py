@@ -1,4 +1,5 @@
-"""Throwaway certificate authorities and server certificates, for backends served over TLS."""
+"""Throwaway certificate authorities, and the server and client certificates they issue, for
+backends served over TLS (and asking the gateway for a certificate of its own: mutual TLS)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ class Authority:
     def issue(self, names: list[str]) -> tuple[Path, Path]:
         """A server certificate for `names` (host names or IP addresses), signed by this CA;
         returns (certificate file, key file)."""
+        return self._issue(names, ExtendedKeyUsageOID.SERVER_AUTH)
+
+    def issue_client(self, name: str) -> tuple[Path, Path]:
+        """A client certificate for `name`, signed by this CA: what a gateway shows a backend
+        that asks for one; returns (certificate file, key file)."""
+        return self._issue([name], ExtendedKeyUsageOID.CLIENT_AUTH)
+
+    def _issue(self, names: list[str], usage: x509.ObjectIdentifier) -> tuple[Path, Path]:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
         alt: list[x509.GeneralName] = [_general_name(n) for n in names]
@@ -57,7 +66,7 @@ class Authority:
             _builder(subject, self.cert.subject, key.public_key())
             .add_extension(x509.SubjectAlternativeName(alt), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .sign(self.key, hashes.SHA256())
         )
         stem = self.directory / f"{self.name}-{names[0]}"

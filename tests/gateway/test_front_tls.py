@@ -1,11 +1,13 @@
-"""Backends served over https, on both paths, checked from outside.
+"""Backends served over https, on both paths, checked from outside; mutual TLS too.
 
 The fake vLLM serves TLS on loopback with a certificate its own throwaway CA issued for
 `localhost`; the gateway is given that CA as the backend's `tls_ca_file`. Checked: the native
 front serves a streamed and a whole reply from it with the bytes an http backend gets (and the
 Python path gets from the same https backend), sends SNI, and keeps its connection for the next
 request; a certificate the gateway must not trust (another CA's, or one for another name) fails
-the request as the Python path fails it, byte for byte, and leaves nothing held.
+the request as the Python path fails it, byte for byte, and leaves nothing held. A backend that
+asks for a client certificate is shown the one `tls_client_cert` names, by the scraper and both
+paths; without one, it refuses the gateway the same way on both paths.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import re
+import ssl
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -26,7 +29,6 @@ from .harness import serve_asgi, serve_gateway, settings_for, until
 from .test_front_native import NATIVE_IDS, _body, _post, _raw, _whole_body, _wire, _without_date
 
 if TYPE_CHECKING:
-    import ssl
     from collections.abc import AsyncIterator
     from pathlib import Path
 
@@ -42,6 +44,9 @@ class Pki:
     def __init__(self, directory: Path) -> None:
         self.ca = Authority(directory, "backend")
         self.cert = self.ca.issue(["localhost"])
+        # mutual TLS: the CA the backend trusts for its clients, and the gateway's certificate
+        self.clients = Authority(directory, "clients")
+        self.client = self.clients.issue_client("llmflow")
         self.unknown_ca = Authority(directory, "stranger").issue(["localhost"])
         self.wrong_name = self.ca.issue(["wrong.example"])
 
@@ -66,21 +71,31 @@ class Backend:
 
 
 @contextlib.asynccontextmanager
-async def tls_backend(cert: tuple[Path, Path]) -> AsyncIterator[Backend]:
+async def tls_backend(
+    cert: tuple[Path, Path], clients_ca: Path | None = None
+) -> AsyncIterator[Backend]:
+    """A fake vLLM showing `cert`; with `clients_ca`, it asks every client for a certificate
+    that CA issued and refuses the handshake of one that shows none (mutual TLS)."""
     fake = FakeVllm()
     cert_file, key_file = cert
-    async with serve_asgi(fake.app, ssl_certfile=cert_file, ssl_keyfile=key_file) as (url, server):
+    asking = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": str(clients_ca)}
+    async with serve_asgi(
+        fake.app, ssl_certfile=cert_file, ssl_keyfile=key_file, **(asking if clients_ca else {})
+    ) as (url, server):
         assert server.config.ssl is not None
         yield Backend(fake, url.replace("http://127.0.0.1", "https://localhost"), server.config.ssl)
 
 
 @contextlib.asynccontextmanager
 async def gateway_over(
-    url: str, native: bool, ca_file: Path | None
+    url: str, native: bool, ca_file: Path | None, client: tuple[Path, Path] | None = None
 ) -> AsyncIterator[tuple[str, Gateway]]:
-    """A gateway whose one backend is `url` (`ca_file`: its `tls_ca_file`); yields its base URL
-    and the gateway."""
-    per_backend = {"b0": {"tls_ca_file": str(ca_file)}} if ca_file is not None else None
+    """A gateway whose one backend is `url` (`ca_file`: its `tls_ca_file`; `client`: its
+    `tls_client_cert` and `tls_client_key`); yields its base URL and the gateway."""
+    own: dict[str, str] = {"tls_ca_file": str(ca_file)} if ca_file is not None else {}
+    if client is not None:
+        own |= {"tls_client_cert": str(client[0]), "tls_client_key": str(client[1])}
+    per_backend = {"b0": own} if own else None
     settings = settings_for({"b0": url}, per_backend=per_backend, server={"relay": native})
     app = create_app(settings)
     async with serve_gateway(app) as base:
@@ -200,4 +215,82 @@ async def test_a_backend_whose_ca_is_not_configured_is_refused_on_both_paths(pki
     assert b"\r\nretry-after: " in native_reply
     assert json.loads(native_reply.partition(b"\r\n\r\n")[2])["error"]["code"] == (
         "no_healthy_backend"
+    )
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_backend_that_asks_for_a_client_certificate_is_shown_the_configured_one(
+    pki: Pki, stream: bool
+) -> None:
+    """Mutual TLS: the backend refuses any handshake without a certificate its clients' CA
+    issued. Given `tls_client_cert` and `tls_client_key`, the scraper (the backend must turn
+    healthy) and both completion paths show it, and the reply is the one an http backend gives."""
+    body = _body(max_tokens=4) if stream else _whole_body(max_tokens=4)
+    replies = {}
+    async with tls_backend(pki.cert, pki.clients.ca_file) as backend:
+        for native in (True, False):
+            async with gateway_over(backend.url, native, pki.ca.ca_file, pki.client) as (
+                base,
+                gateway,
+            ):
+                served_natively, replies[native] = await _exchange(base, body)
+                assert served_natively == native
+                await until(lambda g=gateway: g.runtime.live == 0)
+        assert backend.fake.completed == 2
+    # the Python path writes a stream's head in its own order (uvicorn's): its body is the same
+    head, _, text = replies[True].partition(b"\r\n\r\n")
+    assert replies[False].partition(b"\r\n\r\n")[2] == text
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert text.endswith(b"data: [DONE]\n\n") if stream else json.loads(text)["choices"]
+
+
+async def test_a_backend_that_asks_for_a_client_certificate_refuses_a_gateway_without_one(
+    pki: Pki,
+) -> None:
+    """Without `tls_client_cert`, the backend refuses every handshake: its scrapes fail, and
+    each path answers the same 503 as for any backend down; the backend never sees a request."""
+    replies = []
+    async with tls_backend(pki.cert, pki.clients.ca_file) as backend:
+        for native in (True, False):
+            async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
+                served_natively, raw = await _exchange(base, _body())
+                assert served_natively == native
+                replies.append(raw)
+                assert gateway.runtime.live == 0
+        assert backend.fake.seen == 0
+    assert replies[0] == replies[1]
+    assert replies[0].startswith(b"HTTP/1.1 503 ")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_client_certificate_asked_for_later_fails_as_on_the_python_path(
+    pki: Pki, stream: bool
+) -> None:
+    """The backend starts asking for a client certificate after the gateway found it healthy
+    (its scrapes keep their connection); the completion's new connection shows none, the
+    backend refuses it, and both paths answer the same 502 with nothing held."""
+    body = _body() if stream else _whole_body()
+    replies = []
+    for native in (True, False):
+        async with tls_backend(pki.cert) as backend:
+            async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
+                state = gateway.scraper.states["b0"]  # type: ignore[union-attr]
+                await until(lambda state=state: state.healthy)
+                backend.context.load_verify_locations(pki.clients.ca_file)
+                backend.context.verify_mode = ssl.CERT_REQUIRED
+                served_natively, raw = await _exchange(base, body)
+                assert served_natively == native
+                replies.append(raw)
+                await until(lambda g=gateway: g.runtime.live == 0)
+                runtime = gateway.runtime
+                assert (runtime.running, runtime.queued, runtime.kv_blocks_in_use) == (0, 0, 0)
+            assert backend.fake.seen == 0
+    native_reply, python_reply = replies
+    assert native_reply == python_reply
+    assert native_reply.startswith(b"HTTP/1.1 502 ")
+    # Python's TLS server drops the handshake without an alert: a connection closed unanswered
+    error = json.loads(native_reply.partition(b"\r\n\r\n")[2])["error"]
+    assert (error["code"], error["message"]) == (
+        "backend_error",
+        "backend failed: no response head: the backend closed the connection",
     )

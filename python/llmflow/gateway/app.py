@@ -39,7 +39,7 @@ from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import BackendRoute, SessionContext
 from llmflow.gateway.shadow import ShadowHost, uncapped_light
 from llmflow.gateway.telemetry import Tracing
-from llmflow.gateway.upstream import Upstream
+from llmflow.gateway.upstream import TlsFiles, Upstream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -81,7 +81,11 @@ class Gateway:
             self.host = Host(self.runtime, trace)
         self.upstream = Upstream(
             max_event_bytes=settings.server.max_event_bytes,
-            ca_files={b.url: b.tls_ca_file for b in settings.backends if b.url and b.tls_ca_file},
+            tls={
+                b.url: TlsFiles(b.tls_ca_file, b.tls_client_cert, b.tls_client_key)
+                for b in settings.backends
+                if b.url and (b.tls_ca_file or b.tls_client_cert)
+            },
         )
         self.metrics = GatewayMetrics(self.host, [t.name for t in settings.tiers])
         self.metrics.draining = lambda: self.draining

@@ -331,7 +331,8 @@ class ConnectionPool:
             conn.close()
             if pooled and not exc.partial:
                 raise StaleConnection("connection closed before the response") from None
-            raise ProtocolError(f"no response head: {exc!r}") from None
+            # worded as the relay words it
+            raise ProtocolError("no response head: the backend closed the connection") from None
         except asyncio.LimitOverrunError as exc:
             conn.close()
             raise ProtocolError(f"no response head: {exc!r}") from None

@@ -78,7 +78,8 @@ def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | No
          for t in s.tenants for k in t.api_keys],
     )
     backends = [
-        (b.name, ctx.routes[b.name].url, ctx.routes[b.name].priority_scheduling, b.tls_ca_file)
+        (b.name, ctx.routes[b.name].url, ctx.routes[b.name].priority_scheduling, b.tls_ca_file,
+         b.tls_client_cert, b.tls_client_key)
         for b in s.backends
     ]
     read_end, write_end = os.pipe()

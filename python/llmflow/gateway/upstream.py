@@ -6,7 +6,8 @@ asked for: the gateway needs each token as it is made to time the first token, g
 ledger, and keep the partial text when a deadline cuts a reply. Aborting is closing the
 response: vLLM aborts a request whose connection closes, which frees its KV blocks at once.
 Both clients verify an https backend's certificate against the roots the relay trusts: the
-backend's `tls_ca_file` alone, else certifi's Mozilla set (`trusted`).
+backend's `tls_ca_file` alone, else certifi's Mozilla set, and show its `tls_client_cert` to a
+backend that asks for one (`trusted`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import errno
 import json
 import os
 import ssl
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import certifi
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.http1 import Connection
     from llmflow.gateway.types import Json
 
-__all__ = ["Upstream", "UpstreamError", "UpstreamStream", "trusted", "why"]
+__all__ = ["TlsFiles", "Upstream", "UpstreamError", "UpstreamStream", "trusted", "why"]
 
 _CONNECT_TIMEOUT_S = 5.0  # a backend that does not accept within this is treated as down
 _WRITE_TIMEOUT_S = 30.0  # sending one request body
@@ -61,11 +62,22 @@ def why(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def trusted(ca_file: str | None = None) -> ssl.SSLContext:
-    """How an https backend is verified: against `ca_file` alone (its `tls_ca_file`), else
-    certifi's Mozilla roots (the set the relay trusts as `webpki-roots`); HTTP/1.1 offered by
-    ALPN, as the relay offers it."""
-    context = ssl.create_default_context(cafile=ca_file or certifi.where())
+class TlsFiles(NamedTuple):
+    """An https backend's own TLS files, as its config names them."""
+
+    ca_file: str | None = None  # `tls_ca_file`: the only roots its certificate may chain to
+    client_cert: str | None = None  # `tls_client_cert`: what the gateway shows when asked
+    client_key: str | None = None  # `tls_client_key`; None: in `client_cert`'s file
+
+
+def trusted(files: TlsFiles | None = None) -> ssl.SSLContext:
+    """How an https backend is spoken to: verified against its `ca_file` alone, else certifi's
+    Mozilla roots (the set the relay trusts as `webpki-roots`), showing its client certificate
+    where it asks for one (mutual TLS); HTTP/1.1 offered by ALPN, as the relay offers it."""
+    files = files or TlsFiles()
+    context = ssl.create_default_context(cafile=files.ca_file or certifi.where())
+    if files.client_cert is not None:
+        context.load_cert_chain(files.client_cert, files.client_key)
     context.set_alpn_protocols(["http/1.1"])
     return context
 
@@ -161,18 +173,19 @@ class Upstream:
     Args:
         max_connections: httpx pool size, for scrapes.
         max_event_bytes: the largest SSE event a backend may send (`server.max_event_bytes`).
-        ca_files: an https backend's URL -> its `tls_ca_file`, the only roots its certificate
-            may chain to, on both clients.
+        tls: an https backend's URL -> its own TLS files (`tls_ca_file`, the only roots its
+            certificate may chain to; `tls_client_cert` and `tls_client_key`, shown when it
+            asks), on both clients.
     """
 
     def __init__(
         self,
         max_connections: int = 64,
         max_event_bytes: int = MAX_EVENT_BYTES,
-        ca_files: Mapping[str, str] | None = None,
+        tls: Mapping[str, TlsFiles] | None = None,
     ) -> None:
         self.max_event_bytes = max_event_bytes
-        own = {origin(url): trusted(ca_file) for url, ca_file in (ca_files or {}).items()}
+        own = {origin(url): trusted(files) for url, files in (tls or {}).items()}
         self.pool = ConnectionPool(_CONNECT_TIMEOUT_S, own, default_tls=trusted)
         limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
@@ -180,8 +193,8 @@ class Upstream:
         timeout = httpx.Timeout(
             connect=_CONNECT_TIMEOUT_S, read=None, write=_WRITE_TIMEOUT_S, pool=_CONNECT_TIMEOUT_S
         )
-        # httpx's own default is certifi's roots; a backend with its own CA gets a transport
-        # of its own (httpx verifies per transport), mounted on its origin.
+        # httpx's own default is certifi's roots; a backend with TLS files of its own gets a
+        # transport of its own (httpx verifies per transport), mounted on its origin.
         mounts: dict[str, httpx.AsyncBaseTransport | None] = {
             _pattern(key): httpx.AsyncHTTPTransport(verify=context, limits=limits)
             for key, context in own.items()

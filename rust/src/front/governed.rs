@@ -38,9 +38,9 @@ pub struct BackendRoute {
     pub name: String,
     /// `http://host:port` or `https://host:port`.
     pub url: String,
-    /// The roots an https backend's certificate must chain to (`tls_ca_file`); None: the
-    /// Mozilla set.
-    pub ca: Option<crate::relay::upstream::Tls>,
+    /// An https backend's TLS (`tls_ca_file`, `tls_client_cert`); None: the Mozilla roots
+    /// and no client certificate.
+    pub tls: Option<crate::relay::upstream::Tls>,
     /// vLLM runs with `--scheduling-policy priority`: the body carries the core's priority.
     pub priority_scheduling: bool,
 }
@@ -560,7 +560,7 @@ impl Governed {
         let opened = self.streams.open(StreamRequest {
             id: life.id,
             url: &url,
-            ca: route.ca.as_ref(),
+            tls: route.tls.as_ref(),
             body,
             request_id: &request_id,
             traceparent: traceparent.as_deref(),
@@ -617,7 +617,7 @@ impl Governed {
         let sent = self.streams.hop(HopRequest {
             id: life.id,
             url: &url,
-            ca: route.ca.as_ref(),
+            tls: route.tls.as_ref(),
             body,
             request_id: &request_id,
             sink: sink.clone(),

@@ -21,7 +21,18 @@ use crate::front::owner::Owner;
 use crate::front::record::Record;
 use crate::front::traceparent::{TraceIds, Tracing};
 use crate::hosted::Hosted;
-use crate::relay::upstream::Tls;
+use crate::relay::upstream::{ClientIdentity, Tls};
+
+/// A backend as the native routes get it: (name, url, priority_scheduling, tls_ca_file,
+/// tls_client_cert, tls_client_key).
+type Backend = (
+    String,
+    String,
+    bool,
+    Option<PathBuf>,
+    Option<PathBuf>,
+    Option<PathBuf>,
+);
 
 /// The governed completions served in Rust, against the runtime Python feeds too.
 #[pyclass(name = "NativeRoutes", module = "llmflow._core", frozen)]
@@ -31,8 +42,8 @@ pub struct PyNativeRoutes {
 
 #[pymethods]
 impl PyNativeRoutes {
-    /// `backends`: (name, url, priority_scheduling, tls_ca_file) in the runtime's backend
-    /// order;
+    /// `backends`: (name, url, priority_scheduling, tls_ca_file, tls_client_cert,
+    /// tls_client_key) in the runtime's backend order;
     /// `notify_fd`: the write end of the pipe that wakes Python for `take()`;
     /// `sample_ratio`: telemetry's, None while telemetry is off.
     #[new]
@@ -47,7 +58,7 @@ impl PyNativeRoutes {
         notify_fd: i32,
         checks: &Bound<'_, PyFrontChecks>,
         keys: &Bound<'_, PyFrontKeys>,
-        backends: Vec<(String, String, bool, Option<PathBuf>)>,
+        backends: Vec<Backend>,
         own_hosts: Option<Vec<String>>,
         write_timeout_ms: f64,
         sample_ratio: Option<f64>,
@@ -87,18 +98,22 @@ impl PyNativeRoutes {
         }
         let backends = backends
             .into_iter()
-            .map(|(name, url, priority_scheduling, ca_file)| {
-                let ca = ca_file
-                    .map(|path| Tls::from_ca_file(&path))
-                    .transpose()
-                    .map_err(InvalidArgumentError::new_err)?;
-                Ok(BackendRoute {
-                    name,
-                    url,
-                    ca,
-                    priority_scheduling,
-                })
-            })
+            .map(
+                |(name, url, priority_scheduling, ca_file, cert_file, key_file)| {
+                    let client = cert_file
+                        .map(|cert| ClientIdentity::from_files(&cert, key_file.as_deref()))
+                        .transpose()
+                        .map_err(InvalidArgumentError::new_err)?;
+                    let tls = Tls::for_backend(ca_file.as_deref(), client)
+                        .map_err(InvalidArgumentError::new_err)?;
+                    Ok(BackendRoute {
+                        name,
+                        url,
+                        tls,
+                        priority_scheduling,
+                    })
+                },
+            )
             .collect::<PyResult<Vec<_>>>()?;
         let streams = relay.borrow().inner.streams().clone();
         // SAFETY: the caller hands over the pipe's write end; the owner writes and closes it.

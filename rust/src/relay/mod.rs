@@ -106,9 +106,9 @@ pub struct StreamRequest<'a> {
     pub id: u64,
     /// The backend's completion URL (http or https).
     pub url: &'a str,
-    /// The roots an https backend's certificate must chain to (its `tls_ca_file`); None:
-    /// the Mozilla set.
-    pub ca: Option<&'a upstream::Tls>,
+    /// An https backend's TLS (its `tls_ca_file` roots, its `tls_client_cert`); None: the
+    /// Mozilla roots and no client certificate.
+    pub tls: Option<&'a upstream::Tls>,
     pub body: Vec<u8>,
     /// Sent upstream as `X-Request-Id`.
     pub request_id: &'a str,
@@ -140,7 +140,7 @@ pub struct HopRequest<'a> {
     pub id: u64,
     /// The backend's completion URL (http or https).
     pub url: &'a str,
-    pub ca: Option<&'a upstream::Tls>,
+    pub tls: Option<&'a upstream::Tls>,
     pub body: Vec<u8>,
     /// Sent upstream as `X-Request-Id`.
     pub request_id: &'a str,
@@ -250,7 +250,7 @@ impl Streams {
         let HopRequest {
             id,
             url,
-            ca,
+            tls,
             body,
             request_id,
             sink,
@@ -258,7 +258,7 @@ impl Streams {
         let request = StreamRequest {
             id,
             url,
-            ca,
+            tls,
             body,
             request_id,
             traceparent: None,
@@ -276,7 +276,7 @@ impl Streams {
         let StreamRequest {
             id,
             url,
-            ca,
+            tls,
             body,
             request_id,
             traceparent,
@@ -298,7 +298,7 @@ impl Streams {
         let (tls, default_port) = match uri.scheme_str() {
             Some("http") => (None, 80),
             Some("https") => (
-                Some(ca.cloned().unwrap_or_else(upstream::Tls::mozilla)),
+                Some(tls.cloned().unwrap_or_else(upstream::Tls::mozilla)),
                 443,
             ),
             _ => {

@@ -71,7 +71,7 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
     let request = StreamRequest {
         id: 7,
         url: &url,
-        ca: None,
+        tls: None,
         body: b"{\"model\":\"m\",\"prompt\":\"x\",\"stream\":true}".to_vec(),
         request_id: "llmflow-7",
         traceparent: None,
@@ -179,7 +179,7 @@ fn a_hop_hands_its_answer_over_as_it_came_and_keeps_its_connection() {
         let hop = super::HopRequest {
             id,
             url: &url,
-            ca: None,
+            tls: None,
             body: b"{\"model\": \"m\"}".to_vec(),
             request_id: &request_id,
             sink,
@@ -226,9 +226,10 @@ mod tls {
     use std::time::Duration;
 
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
-    use super::super::upstream::Tls;
+    use super::super::upstream::{ClientIdentity, Tls};
     use super::super::{Control, Failure, Relay, RelayEvent, StreamRequest};
     use super::{chunk, config};
 
@@ -274,12 +275,34 @@ mod tls {
     }
 
     fn https_backend(pki: &Pki, replies: usize) -> Backend {
-        #[allow(deprecated)] // ring: see `Tls::trusting`
+        https_backend_asking(pki, replies, None)
+    }
+
+    /// As [`https_backend`]; with `clients`, a client must show a certificate that chains to
+    /// this CA (PEM) (mutual TLS).
+    fn https_backend_asking(pki: &Pki, replies: usize, clients: Option<&str>) -> Backend {
+        #[allow(deprecated)] // ring: see `Tls::build`
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
+        let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
+            .unwrap();
+        let builder = match clients {
+            None => builder.with_no_client_auth(),
+            Some(pem) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+                    roots.add(cert.unwrap()).unwrap();
+                }
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    provider,
+                )
+                .build()
+                .unwrap();
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let config = builder
             .with_single_cert(vec![pki.cert.clone()], pki.key.clone_key())
             .unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -344,7 +367,7 @@ mod tls {
         let request = StreamRequest {
             id,
             url,
-            ca,
+            tls: ca,
             body: b"{\"model\":\"m\",\"prompt\":\"x\",\"stream\":true}".to_vec(),
             request_id: "llmflow-1",
             traceparent: None,
@@ -456,6 +479,84 @@ mod tls {
         let (_dir, key_only) = ca_file(&KeyPair::generate().unwrap().serialize_pem());
         let keyed = Tls::from_ca_file(&key_only).unwrap_err();
         assert!(keyed.ends_with("holds no PEM certificate"), "{keyed}");
+    }
+
+    /// The gateway's client certificate, issued by another throwaway CA (its PEM returned),
+    /// written to `dir` as `client.crt` and `client.key`.
+    fn client_identity(dir: &std::path::Path) -> (String, std::path::PathBuf, std::path::PathBuf) {
+        let mut params = CertificateParams::new(Vec::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec!["llmflow".to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        let (cert_file, key_file) = (dir.join("client.crt"), dir.join("client.key"));
+        std::fs::write(&cert_file, cert.pem()).unwrap();
+        std::fs::write(&key_file, key.serialize_pem()).unwrap();
+        (ca.pem(), cert_file, key_file)
+    }
+
+    // A backend that asks for a client certificate gets the one configured, and serves; with
+    // none shown, the handshake is refused by the backend and nothing is left live.
+    #[test]
+    fn a_backend_that_asks_for_a_client_certificate_gets_it() {
+        let pki = pki(&["localhost"]);
+        let (dir, path) = ca_file(&pki.ca_pem);
+        let (clients_ca, cert_file, key_file) = client_identity(&dir.0);
+        let identity = ClientIdentity::from_files(&cert_file, Some(&key_file)).unwrap();
+        let tls = Tls::for_backend(Some(&path), Some(identity))
+            .unwrap()
+            .unwrap();
+        let backend = https_backend_asking(&pki, 1, Some(&clients_ca));
+        let relay = Relay::new(config()).unwrap();
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
+        assert_eq!(relay_one(&relay, 1, &url, Some(&tls)), Ok(2));
+
+        let backend = https_backend_asking(&pki, 1, Some(&clients_ca));
+        let url = format!("https://localhost:{}/v1/completions", backend.port);
+        let roots_only = Tls::from_ca_file(&path).unwrap();
+        let failure = relay_one(&relay, 2, &url, Some(&roots_only)).unwrap_err();
+        assert_eq!(
+            (failure.status, failure.code, failure.backend_down),
+            (502, "backend_unavailable", true)
+        );
+        assert_eq!(failure.message, "backend unreachable: SSLError");
+        assert!(backend.sni.recv().is_err()); // no request was answered
+        assert_eq!(relay.live(), 0);
+    }
+
+    // A client certificate and key that cannot be used are refused with what to fix.
+    #[test]
+    fn a_client_certificate_without_its_key_is_refused() {
+        let dir = tempdir::Dir::new();
+        let (_, cert_file, key_file) = client_identity(&dir.0);
+        // the key in the certificate's file: none there
+        let no_key = ClientIdentity::from_files(&cert_file, None).err().unwrap();
+        assert!(
+            no_key.starts_with("tls_client_cert") && no_key.ends_with("holds no PEM private key"),
+            "{no_key}"
+        );
+        // one PEM holding both is read as Python's load_cert_chain(certfile) reads it
+        let both = dir.0.join("both.pem");
+        let pem = std::fs::read_to_string(&cert_file).unwrap()
+            + &std::fs::read_to_string(&key_file).unwrap();
+        std::fs::write(&both, pem).unwrap();
+        assert!(ClientIdentity::from_files(&both, None).is_ok());
+        // a key that is not the certificate's
+        let other = dir.0.join("other.key");
+        std::fs::write(&other, KeyPair::generate().unwrap().serialize_pem()).unwrap();
+        let identity = ClientIdentity::from_files(&cert_file, Some(&other)).unwrap();
+        let mismatch = Tls::for_backend(None, Some(identity)).unwrap_err();
+        assert!(mismatch.starts_with("tls_client_key"), "{mismatch}");
+        // a certificate file that holds no certificate
+        let no_cert = ClientIdentity::from_files(&key_file, Some(&key_file))
+            .err()
+            .unwrap();
+        assert!(no_cert.ends_with("holds no PEM certificate"), "{no_cert}");
+        // neither a CA file nor a client certificate: the Mozilla default, no TLS of its own
+        assert!(Tls::for_backend(None, None).unwrap().is_none());
     }
 
     /// A directory removed when dropped.

@@ -11,7 +11,8 @@
 //! A backend served over https gets TLS on the same socket (rustls: SNI, the certificate
 //! checked against the host name, ALPN `http/1.1`), verified against the roots the Python
 //! path trusts: the Mozilla set (certifi's, `webpki-roots` here), or the backend's own
-//! `tls_ca_file` alone. Its connections are pooled as plain ones are, by origin.
+//! `tls_ca_file` alone; where the backend asks for a client certificate (mutual TLS), the one
+//! its `tls_client_cert` names. Its connections are pooled as plain ones are, by origin.
 
 use std::future::Future;
 use std::io;
@@ -26,8 +27,8 @@ use http_body_util::Full;
 use hyper::client::conn::http1::{self, Connection, SendRequest};
 use hyper_util::rt::TokioIo;
 use rustc_hash::FxHashMap;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::pem::{self, PemObject};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, RootCertStore};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -37,10 +38,47 @@ use tokio_rustls::TlsConnector;
 /// The driver of one HTTP/1.1 connection (reads and writes the socket when polled).
 pub type Driver = Pin<Box<Connection<TokioIo<Io>, Full<Bytes>>>>;
 
-/// How an https backend is spoken to: the roots its certificate must chain to.
+/// How an https backend is spoken to: the roots its certificate must chain to, and the
+/// certificate the gateway shows it where the backend asks for one (mutual TLS).
 #[derive(Clone, Debug)]
 pub struct Tls {
     config: Arc<ClientConfig>,
+}
+
+/// A client certificate chain and its private key, as the gateway shows them to a backend
+/// that asks (its `tls_client_cert` and `tls_client_key`).
+pub struct ClientIdentity {
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+impl ClientIdentity {
+    /// The certificate chain of `cert_file` (the gateway's own certificate first) and the
+    /// private key of `key_file`, or of `cert_file` where None (one PEM holding both), as
+    /// `ssl.SSLContext.load_cert_chain(cert_file, key_file)` reads them.
+    ///
+    /// # Errors
+    /// A file cannot be read, a PEM section is broken, or it holds no certificate or no key.
+    pub fn from_files(cert_file: &Path, key_file: Option<&Path>) -> Result<Self, String> {
+        let shown = cert_file.display();
+        let chain = CertificateDer::pem_file_iter(cert_file)
+            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .map_err(|e| format!("tls_client_cert {shown}: cannot be read as PEM: {e}"))?;
+        if chain.is_empty() {
+            return Err(format!("tls_client_cert {shown}: holds no PEM certificate"));
+        }
+        let (field, path) = match key_file {
+            Some(path) => ("tls_client_key", path),
+            None => ("tls_client_cert", cert_file),
+        };
+        let key = PrivateKeyDer::from_pem_file(path).map_err(|e| match e {
+            pem::Error::NoItemsFound => {
+                format!("{field} {}: holds no PEM private key", path.display())
+            }
+            e => format!("{field} {}: cannot be read as PEM: {e}", path.display()),
+        })?;
+        Ok(Self { chain, key })
+    }
 }
 
 impl Tls {
@@ -48,11 +86,7 @@ impl Tls {
     pub fn mozilla() -> Tls {
         static MOZILLA: OnceLock<Tls> = OnceLock::new();
         MOZILLA
-            .get_or_init(|| {
-                Tls::trusting(RootCertStore {
-                    roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-                })
-            })
+            .get_or_init(|| Tls::build(mozilla_roots(), None).expect("no client identity"))
             .clone()
     }
 
@@ -63,37 +97,75 @@ impl Tls {
     /// The file cannot be read, a PEM section is broken, it holds no certificate, or one is
     /// not a CA certificate rustls can use.
     pub fn from_ca_file(path: &Path) -> Result<Tls, String> {
-        let shown = path.display();
-        let certs = CertificateDer::pem_file_iter(path)
-            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
-            .map_err(|e| format!("tls_ca_file {shown}: cannot be read as PEM: {e}"))?;
-        if certs.is_empty() {
-            return Err(format!("tls_ca_file {shown}: holds no PEM certificate"));
-        }
-        let mut roots = RootCertStore::empty();
-        for cert in certs {
-            roots
-                .add(cert)
-                .map_err(|e| format!("tls_ca_file {shown}: a certificate is unusable: {e}"))?;
-        }
-        Ok(Tls::trusting(roots))
+        Tls::build(roots_of(path)?, None)
     }
 
-    fn trusting(roots: RootCertStore) -> Tls {
+    /// A backend's TLS as its config says: its own roots (`ca_file`) or the Mozilla set, and
+    /// the certificate shown when it asks for one (`client`); None where neither is given
+    /// (the relay then uses [`Tls::mozilla`]).
+    ///
+    /// # Errors
+    /// As [`Tls::from_ca_file`]; or the client key does not match its certificate, or is of a
+    /// kind rustls cannot sign with.
+    pub fn for_backend(
+        ca_file: Option<&Path>,
+        client: Option<ClientIdentity>,
+    ) -> Result<Option<Tls>, String> {
+        if ca_file.is_none() && client.is_none() {
+            return Ok(None);
+        }
+        let roots = match ca_file {
+            Some(path) => roots_of(path)?,
+            None => mozilla_roots(),
+        };
+        Tls::build(roots, client).map(Some)
+    }
+
+    fn build(roots: RootCertStore, client: Option<ClientIdentity>) -> Result<Tls, String> {
         // ring, named rather than the process default: it builds without cmake (aws-lc-rs,
         // whose post-quantum key exchange is why rustls deprecates this, does not).
         #[allow(deprecated)]
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = ClientConfig::builder_with_provider(provider)
+        let builder = ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .expect("ring supports the default protocol versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+            .with_root_certificates(roots);
+        let mut config = match client {
+            None => builder.with_no_client_auth(),
+            Some(identity) => builder
+                .with_client_auth_cert(identity.chain, identity.key)
+                .map_err(|e| {
+                    format!("tls_client_key: not the key of tls_client_cert, or unusable: {e}")
+                })?,
+        };
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        Tls {
+        Ok(Tls {
             config: Arc::new(config),
-        }
+        })
     }
+}
+
+fn mozilla_roots() -> RootCertStore {
+    RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    }
+}
+
+fn roots_of(path: &Path) -> Result<RootCertStore, String> {
+    let shown = path.display();
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+        .map_err(|e| format!("tls_ca_file {shown}: cannot be read as PEM: {e}"))?;
+    if certs.is_empty() {
+        return Err(format!("tls_ca_file {shown}: holds no PEM certificate"));
+    }
+    let mut roots = RootCertStore::empty();
+    for cert in certs {
+        roots
+            .add(cert)
+            .map_err(|e| format!("tls_ca_file {shown}: a certificate is unusable: {e}"))?;
+    }
+    Ok(roots)
 }
 
 /// Where a stream's connections go: the backend's `host:port` and, over https, its TLS.

@@ -54,14 +54,7 @@ impl Task {
                     self.connecting = Some(connect_new(&self.shared, &self.open.origin));
                     return Step::Go;
                 }
-                self.push(RelayEvent::Failed(
-                    self.id,
-                    Failure::backend(
-                        "backend_error",
-                        format!("backend failed: {}", source_chain(&e)),
-                        false,
-                    ),
-                ));
+                self.push(RelayEvent::Failed(self.id, head_failure(&e)));
                 return Step::Go;
             }
         };
@@ -389,6 +382,45 @@ fn connect_failure(e: &io::Error) -> Failure {
         "backend_unavailable",
         format!("backend unreachable: {why}"),
         true,
+    )
+}
+
+/// A request that got no response head, as the Python path words it (`http1.py`,
+/// `upstream.py`): a TLS failure after the handshake (a backend that asks for a client
+/// certificate refuses one that shows none with an alert) or a reset is the backend
+/// unreachable, as for a failed connect; a connection closed before the head (over TLS, too,
+/// without its `close_notify`) is the backend failing, and leaves it up.
+fn head_failure(e: &hyper::Error) -> Failure {
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<io::Error>() {
+            let tls = io
+                .get_ref()
+                .is_some_and(<dyn std::error::Error + Send + Sync>::is::<rustls::Error>);
+            if tls || io.raw_os_error().is_some() {
+                return connect_failure(io);
+            }
+            if io.kind() == io::ErrorKind::UnexpectedEof {
+                return head_cut();
+            }
+        }
+        source = cause.source();
+    }
+    if e.is_incomplete_message() {
+        return head_cut();
+    }
+    Failure::backend(
+        "backend_error",
+        format!("backend failed: {}", source_chain(e)),
+        false,
+    )
+}
+
+fn head_cut() -> Failure {
+    Failure::backend(
+        "backend_error",
+        "backend failed: no response head: the backend closed the connection".to_owned(),
+        false,
     )
 }
 
