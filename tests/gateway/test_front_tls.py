@@ -29,7 +29,7 @@ from .harness import serve_asgi, serve_gateway, settings_for, until
 from .test_front_native import NATIVE_IDS, _body, _post, _raw, _whole_body, _wire, _without_date
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
     from pathlib import Path
 
     from llmflow.gateway.app import Gateway
@@ -173,6 +173,21 @@ async def test_a_certificate_not_to_be_trusted_fails_as_on_the_python_path(
     then the backend shows another CA's certificate, or one for another name: the completion's
     own connection is refused on its handshake, the backend never sees the request, and
     nothing stays held."""
+    reply = await _failed_once_healthy(pki, stream, lambda b: b.show(getattr(pki, shown)))
+    head, _, text = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 502 ")
+    error = json.loads(text)["error"]
+    assert error["code"] == "backend_unavailable"
+    assert error["message"] == "backend unreachable: SSLCertVerificationError"
+
+
+async def _failed_once_healthy(
+    pki: Pki, stream: bool, change: Callable[[Backend], None]
+) -> bytes:
+    """On each path: a gateway finds the backend healthy (its scrapes keep their connection),
+    then `change` makes the backend refuse new handshakes; the completion's new connection is
+    refused, the backend never sees it, and nothing stays held. Returns the reply, the same
+    on both paths."""
     body = _body() if stream else _whole_body()
     replies = []
     for native in (True, False):
@@ -180,7 +195,7 @@ async def test_a_certificate_not_to_be_trusted_fails_as_on_the_python_path(
             async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
                 state = gateway.scraper.states["b0"]  # type: ignore[union-attr]
                 await until(lambda state=state: state.healthy)
-                backend.show(getattr(pki, shown))
+                change(backend)
                 served_natively, raw = await _exchange(base, body)
                 assert served_natively == native
                 replies.append(raw)
@@ -190,11 +205,7 @@ async def test_a_certificate_not_to_be_trusted_fails_as_on_the_python_path(
             assert backend.fake.seen == 0
     native_reply, python_reply = replies
     assert native_reply == python_reply
-    head, _, text = native_reply.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 502 ")
-    error = json.loads(text)["error"]
-    assert error["code"] == "backend_unavailable"
-    assert error["message"] == "backend unreachable: SSLCertVerificationError"
+    return native_reply
 
 
 async def test_a_backend_whose_ca_is_not_configured_is_refused_on_both_paths(pki: Pki) -> None:
@@ -269,27 +280,15 @@ async def test_a_client_certificate_asked_for_later_fails_as_on_the_python_path(
     """The backend starts asking for a client certificate after the gateway found it healthy
     (its scrapes keep their connection); the completion's new connection shows none, the
     backend refuses it, and both paths answer the same 502 with nothing held."""
-    body = _body() if stream else _whole_body()
-    replies = []
-    for native in (True, False):
-        async with tls_backend(pki.cert) as backend:
-            async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
-                state = gateway.scraper.states["b0"]  # type: ignore[union-attr]
-                await until(lambda state=state: state.healthy)
-                backend.context.load_verify_locations(pki.clients.ca_file)
-                backend.context.verify_mode = ssl.CERT_REQUIRED
-                served_natively, raw = await _exchange(base, body)
-                assert served_natively == native
-                replies.append(raw)
-                await until(lambda g=gateway: g.runtime.live == 0)
-                runtime = gateway.runtime
-                assert (runtime.running, runtime.queued, runtime.kv_blocks_in_use) == (0, 0, 0)
-            assert backend.fake.seen == 0
-    native_reply, python_reply = replies
-    assert native_reply == python_reply
-    assert native_reply.startswith(b"HTTP/1.1 502 ")
+
+    def ask(backend: Backend) -> None:
+        backend.context.load_verify_locations(pki.clients.ca_file)
+        backend.context.verify_mode = ssl.CERT_REQUIRED
+
+    reply = await _failed_once_healthy(pki, stream, ask)
+    assert reply.startswith(b"HTTP/1.1 502 ")
     # Python's TLS server drops the handshake without an alert: a connection closed unanswered
-    error = json.loads(native_reply.partition(b"\r\n\r\n")[2])["error"]
+    error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
     assert (error["code"], error["message"]) == (
         "backend_error",
         "backend failed: no response head: the backend closed the connection",
