@@ -22,7 +22,7 @@ use super::{Conn, Native, Outcome, Request};
 const MAX_PIPELINE: usize = 16;
 
 /// The governed generation routes, which the native server may serve.
-const NATIVE_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+const NATIVE_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/responses"];
 
 /// What every connection of a front reads.
 pub struct Setup {
@@ -181,6 +181,7 @@ mod tests {
             |t: &str, h: &[(&str, &str)]| offered(&request("POST", t, h), Framing::Length(10), &l);
         assert_eq!(post("/v1/chat/completions", &[cl]), Some(10));
         assert_eq!(post("/v1/completions?x=1", &[cl]), Some(10));
+        assert_eq!(post("/v1/responses", &[cl]), Some(10));
         assert_eq!(post("/v1/embeddings", &[cl]), None);
         assert_eq!(post("/v1/chat/completions", &[]), None);
         assert_eq!(

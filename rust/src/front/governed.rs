@@ -20,9 +20,12 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::owner::{now_us, Order, Owner};
+use super::prepare::Endpoint;
 use super::record::Record;
 use super::{Conn, Outcome, Request};
-use crate::relay::{Control, Ending, Failure, HopRequest, RelayEvent, StreamRequest, Streams};
+use crate::relay::{
+    Control, Ending, Failure, HopRequest, RelayEvent, ReplyKind, StreamRequest, Streams,
+};
 use crate::runtime::{Action, Event, PrefillHop};
 use crate::types::Outcome as End;
 
@@ -115,7 +118,7 @@ struct Life {
     template: Option<String>,
     /// The reply being assembled, for a client that did not ask for a stream (the relay gives
     /// this task its payloads; the client's socket stays here).
-    whole: Option<super::whole::Whole>,
+    whole: Option<super::whole::Assembled>,
     /// vLLM's answer to a request sent unstreamed (`RelayEvent::Answer`): the reply, unless
     /// a cut came first.
     unstreamed_answer: Option<Vec<u8>>,
@@ -147,10 +150,10 @@ impl Governed {
     /// What the native path needs of a request it is sure of, or the error Python answers it
     /// with, in the order Python's checks run (the middleware, the key, the body).
     fn accept(&self, request: &Request) -> Checked {
-        use super::prepare::Endpoint;
         let endpoint = match request.target.as_str() {
             "/v1/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
+            "/v1/responses" => Endpoint::Responses,
             _ => return Checked::Decline,
         };
         if self.foreign(request) || encoded(request) {
@@ -262,7 +265,7 @@ impl Governed {
             ..Record::default()
         };
         let whole = (!prepared.stream).then(|| {
-            super::whole::Whole::new(prepared.endpoint, &prepared.asked_model, prepared.choices)
+            super::whole::Assembled::new(prepared.endpoint, &prepared.asked_model, prepared.choices)
         });
         let state = Life {
             id,
@@ -484,13 +487,23 @@ impl Governed {
             }
             return;
         }
+        let events = life.prepared.endpoint == Endpoint::Responses;
         let ending = match reason.as_str() {
             "client_stall" => None,
             "upstream_error" => life.failure.as_ref().map(|f| {
-                let frame =
-                    super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code);
+                let frame = if events {
+                    super::responses::upstream_error_frame(f.error.as_deref(), &f.message, f.code)
+                } else {
+                    super::reply::in_band_error_frame(f.error.as_deref(), &f.message, f.code)
+                };
                 Ending::Frame(frame)
             }),
+            // A Responses reply ends with an `error` event naming the reason (it was cut
+            // whatever its output held: truncated).
+            other if events => {
+                life.record.truncated = true;
+                Some(Ending::Frame(super::responses::cut_frame(other)))
+            }
             other => Some(super::reply::cut_notice(
                 life.prepared.endpoint,
                 life.prepared.asked_model.clone(),
@@ -504,7 +517,7 @@ impl Governed {
             // connection back; one cut without a frame (a stalled client) is closed. The relay
             // knows which choices are still open: the notice names them (none: no notice).
             life.cut_in_band = ending.is_some();
-            life.record.truncated = matches!(ending, Some(Ending::Notice(_)));
+            life.record.truncated |= matches!(ending, Some(Ending::Notice(_)));
             self.streams.control(life.id, Control::Cut(ending));
         } else {
             // Cut before it ever started: the reply is the notice alone, for every choice.
@@ -521,7 +534,9 @@ impl Governed {
             if let Some(frame) = frame {
                 bytes.extend_from_slice(&chunked(&frame));
             }
-            bytes.extend_from_slice(&chunked(b"data: [DONE]\n\n"));
+            if !events {
+                bytes.extend_from_slice(&chunked(b"data: [DONE]\n\n"));
+            }
             bytes.extend_from_slice(b"0\r\n\r\n");
             self.write_and_finish(life, &bytes).await;
         }
@@ -569,6 +584,10 @@ impl Governed {
             choices: life.prepared.choices,
             unstreamed: life.prepared.unstreamed,
             whole: life.whole.is_some(),
+            kind: match life.prepared.endpoint {
+                Endpoint::Responses => ReplyKind::Events,
+                Endpoint::Chat | Endpoint::Completions => ReplyKind::Chunks,
+            },
             sink: sink.clone(),
         });
         match opened {
@@ -767,7 +786,8 @@ impl Governed {
                 ..
             } => {
                 life.record.completion_tokens = completion_tokens;
-                if life.cut_in_band && life.whole.is_none() {
+                let events = life.prepared.endpoint == Endpoint::Responses;
+                if life.cut_in_band && life.whole.is_none() && !events {
                     // The relay wrote the cut's ending: truncated only if a choice was open.
                     life.record.truncated = truncated;
                 }
@@ -839,11 +859,16 @@ impl Governed {
     }
 
     /// The bytes of a reply assembled whole (`cut`: the runtime's reason, when it cut it).
-    fn whole_bytes(&self, life: &Life, whole: &super::whole::Whole, cut: Option<&str>) -> Vec<u8> {
+    fn whole_bytes(
+        &self,
+        life: &Life,
+        whole: &super::whole::Assembled,
+        cut: Option<&str>,
+    ) -> Vec<u8> {
         let _ = self;
         // vLLM's answer once it came, even past a cut (as `StreamSession.response`).
         let body = life.unstreamed_answer.as_ref().map_or_else(
-            || whole.body(unix_now_s()),
+            || whole.body(unix_now_s(), &life.record.end),
             |answer| super::whole::answer_body(answer),
         );
         let date = super::answer::http_date(std::time::SystemTime::now());

@@ -66,6 +66,7 @@ pub fn first_error(endpoint: Endpoint, body: &Json) -> Option<(String, String)> 
     let fields = match endpoint {
         Endpoint::Chat => CHAT,
         Endpoint::Completions => COMPLETIONS,
+        Endpoint::Responses => return None, // `responses::first_error`
     };
     for name in fields {
         match field(endpoint, name, body.get(name)) {

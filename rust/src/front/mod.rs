@@ -26,6 +26,7 @@ pub mod prompt;
 pub mod record;
 pub mod reply;
 pub mod request;
+pub mod responses;
 pub mod signals;
 pub mod traceparent;
 pub mod whole;
@@ -89,8 +90,9 @@ pub enum Outcome {
     Declined(Request, Conn),
 }
 
-/// Serves the governed generation routes in Rust (`POST /v1/chat/completions` and
-/// `/v1/completions`, body read whole, within the limit); the rest goes to the app.
+/// Serves the governed generation routes in Rust (`POST /v1/chat/completions`,
+/// `/v1/completions` and `/v1/responses`, body read whole, within the limit); the rest goes to
+/// the app.
 pub trait Native: Send + Sync + 'static {
     fn serve(
         self: Arc<Self>,

@@ -27,11 +27,13 @@ pub enum NotServed {
     Unsure,
 }
 
-/// The two governed routes.
+/// The governed routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
     Completions,
+    /// The Responses API (`responses.rs`): vLLM's events, not chunks.
+    Responses,
 }
 
 impl Endpoint {
@@ -40,6 +42,7 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
+            Endpoint::Responses => "/v1/responses",
         }
     }
 }
@@ -162,6 +165,9 @@ pub fn checked(
             }),
         );
     };
+    if endpoint == Endpoint::Responses {
+        return super::responses::checked(body, raw, config);
+    }
     let checked = check(endpoint, &body, config)?;
     let Json::Object(pairs) = body else {
         unreachable!("checked as an object")
@@ -257,6 +263,7 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
     let parsed = match endpoint {
         Endpoint::Chat => request::chat(body),
         Endpoint::Completions => request::completion(body),
+        Endpoint::Responses => unreachable!("checked by `responses::checked`"),
     };
     let Some(request): Option<Request<'_>> = parsed else {
         // pydantic's first error, where this reading is sure of it (`serving._invalid`).
@@ -317,7 +324,7 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
 }
 
 /// `GatewayError(status, message, code, param=param)`, Python's refusal of the body.
-fn refused(status: u16, message: String, code: &str, param: &str) -> NotServed {
+pub(super) fn refused(status: u16, message: String, code: &str, param: &str) -> NotServed {
     NotServed::Refused(Box::new(ErrorReply::checks(
         status,
         message,

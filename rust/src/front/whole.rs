@@ -117,6 +117,52 @@ impl Unread {
     }
 }
 
+/// A reply assembled whole, of its endpoint's kind: completion chunks folded ([`Whole`]), or
+/// Responses events kept (`responses::Whole`: the final `response` object).
+#[derive(Debug, Clone)]
+pub enum Assembled {
+    Chunks(Whole),
+    Events(super::responses::Whole),
+}
+
+impl Assembled {
+    /// See [`Whole::new`].
+    pub fn new(endpoint: Endpoint, model: &str, n: u64) -> Self {
+        match endpoint {
+            Endpoint::Responses => Self::Events(super::responses::Whole::default()),
+            _ => Self::Chunks(Whole::new(endpoint, model, n)),
+        }
+    }
+
+    /// Fold one upstream payload in.
+    ///
+    /// # Errors
+    /// As [`Whole::feed`].
+    pub fn feed(&mut self, payload: &[u8]) -> Result<(), Unread> {
+        match self {
+            Self::Chunks(whole) => whole.feed(payload),
+            Self::Events(whole) => whole.feed(payload),
+        }
+    }
+
+    /// The runtime cut it for `reason`: returns whether the reply was truncated.
+    pub fn cut(&mut self, reason: &str, request_id: u64, now_s: u64) -> bool {
+        match self {
+            Self::Chunks(whole) => whole.cut(reason, request_id, now_s),
+            Self::Events(whole) => whole.cut(reason),
+        }
+    }
+
+    /// The reply's JSON body; `end`: how the request ended (a Responses reply without its
+    /// `response` object is marked incomplete with it).
+    pub fn body(&self, now_s: u64, end: &str) -> Vec<u8> {
+        match self {
+            Self::Chunks(whole) => whole.body(now_s),
+            Self::Events(whole) => whole.body(end),
+        }
+    }
+}
+
 /// The body of vLLM's answer to a request sent unstreamed, as `JSONResponse(answer)` renders
 /// it (the Python path's `json.loads`, then Starlette's rendering); an answer this reader does
 /// not hold as Python does (a key twice, an integer past 64 bits) goes as vLLM wrote it.

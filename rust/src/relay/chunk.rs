@@ -326,7 +326,7 @@ impl ChunkShaper {
 /// A payload as Python's `json.loads` holds it (an object's keys in their order); what the
 /// strict reader declines (an integer past 64 bits, `-0`, a key twice) is read by serde
 /// instead, its keys sorted.
-fn read(data: &[u8]) -> Result<Json, Failure> {
+pub(super) fn read(data: &[u8]) -> Result<Json, Failure> {
     if let Some(chunk) = json::parse(data) {
         return Ok(chunk);
     }

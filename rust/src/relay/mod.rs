@@ -16,6 +16,7 @@
 
 pub mod chunk;
 pub mod events;
+pub mod responses;
 pub mod sse;
 pub mod stream;
 pub mod upstream;
@@ -30,6 +31,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
 pub use chunk::Ending;
 pub use events::{Failure, RelayEvent};
+pub use responses::ReplyKind;
 pub use sse::DEFAULT_MAX_EVENT_BYTES;
 pub use stream::Control;
 
@@ -127,6 +129,8 @@ pub struct StreamRequest<'a> {
     /// Give each payload to the sink (`RelayEvent::Payload`) instead of writing chunks to a
     /// client: the host assembles a reply not streamed.
     pub whole: bool,
+    /// Completion chunks, or Responses events (`responses.rs`).
+    pub kind: ReplyKind,
     /// Its events go here, each as it happens (token counts batched).
     pub sink: Sink,
 }
@@ -267,6 +271,7 @@ impl Streams {
             choices: 1,
             unstreamed: true,
             whole: true,
+            kind: ReplyKind::Chunks,
             sink,
         };
         self.launch(request, true)
@@ -285,6 +290,7 @@ impl Streams {
             choices,
             unstreamed,
             whole,
+            kind,
             sink,
         } = request;
         let uri: hyper::Uri = url
@@ -342,6 +348,7 @@ impl Streams {
             unstreamed,
             whole: whole || unstreamed,
             hop,
+            kind,
             sink,
         };
         self.handle.spawn(async move {

@@ -59,6 +59,12 @@ impl SseDecoder {
         self.buffer.len()
     }
 
+    /// Whether bytes other than whitespace wait for the end of their event (Python's
+    /// `decoder.pending.strip()`): a body that ends here ends mid-event.
+    pub fn pending_text(&self) -> bool {
+        !self.too_large && self.buffer.iter().any(|b| !b" \t\n\r\x0b\x0c".contains(b))
+    }
+
     /// Feed a piece of the body; returns the events it completed.
     pub fn feed(&mut self, piece: &[u8]) -> Decoded {
         let mut out = Decoded::default();

@@ -80,6 +80,7 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
         choices: 1,
         unstreamed: false,
         whole: false,
+        kind: crate::relay::ReplyKind::Chunks,
         sink,
     };
     relay.open(request).unwrap();
@@ -376,6 +377,7 @@ mod tls {
             choices: 1,
             unstreamed: false,
             whole: true,
+            kind: crate::relay::ReplyKind::Chunks,
             sink,
         };
         relay.open(request).unwrap();

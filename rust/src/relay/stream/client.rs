@@ -102,7 +102,11 @@ impl Task {
         }
         self.flush_held();
         self.release_head();
-        let mut tail = chunked(DONE_FRAME);
+        // A Responses reply ends with its last event (vLLM's own stream has no `[DONE]`).
+        let mut tail = match self.open.kind {
+            ReplyKind::Chunks => chunked(DONE_FRAME),
+            ReplyKind::Events => Vec::new(),
+        };
         tail.extend_from_slice(b"0\r\n\r\n");
         self.out.push_back(Piece {
             bytes: tail,

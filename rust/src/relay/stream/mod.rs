@@ -28,6 +28,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::chunk::{ChunkShaper, Ending};
 use super::events::RelayEvent;
+use super::responses::{EventReader, ReplyKind, Shaper};
 use super::upstream::{Conn, Origin};
 use super::Shared;
 
@@ -90,6 +91,8 @@ pub struct Open {
     /// A hop before the stream (`Streams::hop`): the answer goes to the sink as it is, any
     /// JSON, with no `Started` and no tokens.
     pub hop: bool,
+    /// Completion chunks, or Responses events (no `[DONE]`: the body's end is the reply's).
+    pub kind: ReplyKind,
     /// Where its events go (the native front's task).
     pub sink: super::Sink,
 }
@@ -122,7 +125,7 @@ struct Task {
     drain_until: Option<Instant>,
     retried: bool,
     decoder: super::sse::SseDecoder,
-    shaper: ChunkShaper,
+    shaper: Shaper,
     first_sent: bool,
     upstream_complete: bool,
     client: Option<TcpStream>,
@@ -172,11 +175,14 @@ pub async fn run(
     let mut task = Task {
         id: open.id,
         // A reply assembled whole holds back no finishing chunk (its frames are not sent).
-        shaper: ChunkShaper::shaped(
-            open.include_usage || open.whole,
-            open.continuous_usage,
-            open.choices,
-        ),
+        shaper: match open.kind {
+            ReplyKind::Chunks => Shaper::Chunks(ChunkShaper::shaped(
+                open.include_usage || open.whole,
+                open.continuous_usage,
+                open.choices,
+            )),
+            ReplyKind::Events => Shaper::Events(EventReader::default()),
+        },
         shared,
         open,
         connecting,

@@ -194,6 +194,17 @@ impl Task {
                 let (why, down) = body_broke(&e);
                 return self.fail(format!("backend stream broke: {why}"), down);
             }
+            // A Responses stream sends no `[DONE]`: its body's clean end, nothing of an event
+            // left unfinished, is the reply's end (`events(until_done=False)`).
+            None if self.open.kind == ReplyKind::Events && !self.decoder.pending_text() => {
+                self.body = None; // read to the end: the connection can serve again
+                self.upstream_complete = true;
+                self.clean = true;
+                self.done_pending = true;
+                self.terminate();
+                self.upstream_ended();
+                return self.write();
+            }
             None => return self.fail("backend stream ended without [DONE]".to_owned(), false),
         };
         let decoded = self.decoder.feed(&data);
@@ -210,7 +221,7 @@ impl Task {
                             self.push(RelayEvent::FirstToken {
                                 id: self.id,
                                 n: shaped.new_tokens,
-                                template: self.shaper.template.clone(),
+                                template: self.shaper.template(),
                             });
                         }
                     }
