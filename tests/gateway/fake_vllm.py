@@ -30,6 +30,13 @@ one step (a token of every unfinished choice) per `release()`.
 A request without `"stream": true` gets one JSON answer (`fake_whole: true` in it), as vLLM
 answers what the gateway sends unstreamed.
 
+`/v1/responses` speaks vLLM's Responses events (`event: <type>` and `data:` lines, no
+`[DONE]`): `response.created`, `response.in_progress`, the output item and part added, one
+`response.output_text.delta` per token (up to `max_output_tokens`), the text and part and item
+done, then `response.completed` with the usage. `tokens`, `ttft`, `itl`, `step`, `status`,
+`hang` and `crash_after` script it as above; `error_after` sends vLLM's `error` event instead of
+a token, and `fail_after` a `response.failed` one.
+
 `/metrics` misbehaves on request too: `metrics_status` (answer that status), `metrics_delay`
 (seconds before answering), `metrics_garbage` (answer 200 with text that is not vLLM's).
 
@@ -95,6 +102,7 @@ class FakeVllm:
             routes=[
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
                 Route("/v1/completions", self._complete, methods=["POST"]),
+                Route("/v1/responses", self._complete, methods=["POST"]),
                 Route("/v1/models", self._models),
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),
@@ -163,6 +171,10 @@ class FakeVllm:
             )
         if plan.get("hang"):
             return StreamingResponse(self._hang(held), media_type="text/event-stream")
+        if request.url.path == "/v1/responses":
+            return StreamingResponse(
+                self._responses(body, plan, held), media_type="text/event-stream"
+            )
         chat = request.url.path.endswith("chat/completions")
         if not body.get("stream"):  # what the gateway sends unstreamed (prompt logprobs)
             return JSONResponse(await self._whole(body, plan, chat, held))
@@ -294,6 +306,87 @@ class FakeVllm:
             if options.get("include_usage"):
                 yield _frame(base, [], _usage(prompt, n))
             yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            self._leave(held, finished)
+
+    async def _responses(self, body: dict[str, Any], plan: dict[str, Any], held: _HeldBy) -> Any:
+        self._enter(held)
+        finished: bool | None = False
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> bytes:
+            nonlocal seq
+            seq += 1
+            data = json.dumps({"type": kind, "sequence_number": seq - 1, **fields})
+            return f"event: {kind}\ndata: {data}\n\n".encode()  # as vLLM frames them
+
+        rid, item = f"resp_fake{self.seen}", f"msg_fake{self.seen}"
+        place = {"item_id": item, "output_index": 0, "content_index": 0}
+        created = int(time.time())
+
+        def response(status: str, text: str, tokens: int) -> dict[str, Any]:
+            done = status == "completed"
+            message = {
+                "id": item,
+                "type": "message",
+                "role": "assistant",
+                "status": status,
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+            usage = {"input_tokens": 10, "output_tokens": tokens, "total_tokens": 10 + tokens}
+            return {
+                "id": rid,
+                "object": "response",
+                "created_at": created,
+                "model": body.get("model", self.model),
+                "status": status,
+                "output": [message] if done else [],
+                "max_output_tokens": body.get("max_output_tokens"),
+                "usage": usage if done else None,
+            }
+
+        try:
+            n = int(plan.get("tokens") or body.get("max_output_tokens") or 8)
+            await asyncio.sleep(float(plan.get("ttft", 0.0)))
+            yield event("response.created", response=response("in_progress", "", 0))
+            yield event("response.in_progress", response=response("in_progress", "", 0))
+            yield event(
+                "response.output_item.added",
+                output_index=0,
+                item={**response("completed", "", 0)["output"][0], "status": "in_progress"},
+            )
+            yield event(
+                "response.content_part.added",
+                **place,
+                part={"type": "output_text", "text": "", "annotations": []},
+            )
+            text = ""
+            for i in range(n):
+                if plan.get("step"):
+                    await self.steps.get()
+                elif i and plan.get("itl"):
+                    await asyncio.sleep(float(plan["itl"]))
+                else:  # a checkpoint, so a client's disconnect cancels us as it does vLLM
+                    await asyncio.sleep(0)
+                if plan.get("crash_after") is not None and i >= int(plan["crash_after"]):
+                    raise ConnectionAbortedError("injected crash mid-stream")
+                if _due(plan, "error_after", i):
+                    yield event("error", code="server_error", message="injected", param=None)
+                    finished = None
+                    return
+                if _due(plan, "fail_after", i):
+                    failed = {**response("failed", text, i), "error": {"message": "died"}}
+                    yield event("response.failed", response=failed)
+                    finished = None
+                    return
+                self.tokens_sent += 1
+                text += f"t{i} "
+                yield event("response.output_text.delta", **place, delta=f"t{i} ", logprobs=[])
+            yield event("response.output_text.done", **place, text=text, logprobs=[])
+            final = response("completed", text, n)
+            yield event("response.output_item.done", output_index=0, item=final["output"][0])
+            yield event("response.completed", response=final)
             finished = True
         finally:
             self._leave(held, finished)

@@ -1,0 +1,323 @@
+"""`POST /v1/responses` served natively by the front door, checked from outside.
+
+The Python path (`server.relay: false`: the front passes every request to the app) is the
+oracle: each test runs the same request on both paths and compares what a client reads (the
+bytes of the reply, less its ids and clocks) and what the fake vLLM saw (the body it got, its
+own counts of aborts and running requests), and checks that the native one was the front's
+(its id from the front's range).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import pytest
+
+from .harness import assert_idle, start_gateway, until
+from .test_front_native import NATIVE_IDS, _native, _post, _raw, _stream, _without_date
+
+pytestmark = pytest.mark.anyio
+RESPONSES = "/v1/responses"
+MESSAGES = [
+    {"role": "user", "content": "hi"},
+    {"role": "user", "content": [{"type": "input_text", "text": "there"}]},
+]
+
+
+def _body(**extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "input": "hi", "max_output_tokens": 5, **extra}
+
+
+def _masked(raw: bytes) -> bytes:
+    """What differs by path or by run: the date, the ids (the front numbers from its own
+    range, the fake by its clock), the clocks."""
+    raw = _without_date(raw)
+    raw = re.sub(rb"llmflow-\d+", b"llmflow-ID", raw)
+    return re.sub(rb'"created_at": ?\d+', b'"created_at":0', raw)
+
+
+def _wire(raw: bytes) -> bytes:
+    """A whole reply as it went on the wire, masked; its `content-length` checked against the
+    body it heads, then left out (the ids' lengths differ)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = re.search(rb"\r\ncontent-length: (\d+)", head)
+    assert length is not None, raw
+    assert int(length.group(1)) == len(body), raw
+    head = re.sub(rb"\r\ncontent-length: \d+", b"", head)
+    return _masked(head + b"\r\n\r\n" + body)
+
+
+def _request_id(raw: bytes) -> int:
+    found = re.search(rb"x-request-id: llmflow-(\d+)", raw)
+    assert found is not None, raw
+    return int(found.group(1))
+
+
+async def _streamed_on_both_paths(
+    body: dict[str, Any], steps: int | None = None, **sections: Any
+) -> list[tuple[str, dict[str, Any]]]:
+    """The body of the streamed reply to `body` on the native front and on the Python path,
+    and what vLLM was sent; `steps`: the fake emits that many tokens, then holds the rest."""
+    replies = []
+    server = sections.pop("server", {})
+    for native in (True, False):
+        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+            request = asyncio.create_task(_stream(h.client, RESPONSES, body))
+            if steps is not None:
+                await until(lambda h=h: h.fake.running == 1)
+                h.fake.release(steps)
+            status, text, headers = await asyncio.wait_for(request, 10)
+            assert status == 200, text
+            assert _native(headers) == native
+            assert headers["content-type"] == "text/event-stream; charset=utf-8"
+            h.fake.release(100)  # a held reply, cut: let the fake's own task end
+            await until(lambda h=h: h.gateway.runtime.live == 0)
+            replies.append((_masked(text.encode()).decode(), h.fake.bodies[-1]))
+    return replies
+
+
+async def _whole_on_both_paths(
+    body: dict[str, Any], steps: int | None = None, **sections: Any
+) -> list[bytes]:
+    """The raw reply to `body`, not streamed, on the native front and on the Python path."""
+    replies = []
+    server = sections.pop("server", {})
+    for native in (True, False):
+        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+            reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
+            if steps is not None:
+                await until(lambda h=h: h.fake.running == 1)
+                h.fake.release(steps)
+            raw = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert (_request_id(raw) >= NATIVE_IDS) == native, raw
+            h.fake.release(100)
+            await until(lambda h=h: h.gateway.runtime.live == 0)
+            replies.append(_wire(raw))
+    return replies
+
+
+@pytest.mark.parametrize("inputs", ["hi", MESSAGES], ids=["text", "messages"])
+async def test_a_streamed_response_is_the_python_paths_byte_for_byte(inputs: Any) -> None:
+    body = _body(input=inputs, stream=True, instructions="be brief", priority=5, store=True)
+    (native, sent_native), (python, sent_python) = await _streamed_on_both_paths(body)
+    assert native == python
+    events = re.findall(r"^event: (\S+)$", native, re.M)
+    assert events.count("response.output_text.delta") == 5
+    assert events[-1] == "response.completed"
+    assert "[DONE]" not in native
+    # vLLM got the same body either way: streamed, the bound planned, not stored, no priority
+    assert sent_native == sent_python
+    assert sent_native["stream"] is True
+    assert sent_native["store"] is False
+    assert sent_native["max_output_tokens"] == 5
+    assert "priority" not in sent_native
+
+
+@pytest.mark.parametrize("inputs", ["hi", MESSAGES], ids=["text", "messages"])
+async def test_a_whole_response_is_the_python_paths_byte_for_byte(inputs: Any) -> None:
+    native, python = await _whole_on_both_paths(_body(input=inputs))
+    assert native == python
+    head, _, text = native.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    reply = json.loads(text)
+    assert reply["status"] == "completed"
+    assert reply["usage"]["output_tokens"] == 5
+    assert reply["output"][0]["content"][0]["text"] == "t0 t1 t2 t3 t4 "
+
+
+async def test_a_streamed_response_cut_by_its_deadline_is_the_python_paths() -> None:
+    body = _body(stream=True, max_output_tokens=50, fake={"step": True})
+    (native, _), (python, _) = await _streamed_on_both_paths(
+        body, steps=2, timeouts={"total_ms": 400}
+    )
+    assert native == python
+    assert native.count("event: response.output_text.delta") == 2
+    tail = native.rstrip("\n").rsplit("\n\n", 1)[-1]
+    assert tail.startswith("event: error\ndata: ")
+    assert json.loads(tail.split("data: ", 1)[1]) == {
+        "type": "error",
+        "code": "deadline",
+        "message": "[llmflow: reply truncated: the request reached its total deadline]",
+        "param": None,
+    }
+
+
+async def test_a_whole_response_cut_by_its_deadline_is_the_python_paths() -> None:
+    body = _body(max_output_tokens=50, fake={"step": True})
+    native, python = await _whole_on_both_paths(body, steps=2, timeouts={"total_ms": 400})
+    assert native == python
+    head, _, text = native.partition(b"\r\n\r\n")
+    assert b"\r\nx-llmflow-reason: deadline" in head
+    reply = json.loads(text)
+    assert reply["status"] == "incomplete"
+    assert reply["incomplete_details"] == {"reason": "deadline"}
+    assert reply["output"][0]["content"][0]["text"].startswith("t0 t1 \n\n[llmflow: reply")
+
+
+@pytest.mark.parametrize(
+    "fake",
+    [{"status": 500}, {"status": 400}, {"error_after": 2}, {"fail_after": 1}, {"crash_after": 2}],
+    ids=["500", "400", "error-event", "response-failed", "crash"],
+)
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_an_upstream_failure_is_the_python_paths(fake: dict[str, Any], stream: bool) -> None:
+    body = _body(stream=stream, fake=fake)
+    if stream:
+        replies = []
+        for native in (True, False):
+            async with start_gateway(server={"relay": native}) as h:
+                reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
+                raw = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                assert (_request_id(raw) >= NATIVE_IDS) == native, raw
+                await until(lambda h=h: h.gateway.runtime.live == 0)
+                replies.append(_dechunked(raw))
+        native_reply, python_reply = replies
+    else:
+        native_reply, python_reply = await _whole_on_both_paths(body)
+    assert native_reply == python_reply
+    assert b"HTTP/1.1 200 " not in native_reply or b"event: error" in native_reply
+
+
+def _dechunked(raw: bytes) -> bytes:
+    """A reply's status line and its body (chunked or not), masked: what a client reads (a
+    stream's head is uvicorn's on one path and the front's on the other, as for completions)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head:
+        out = b""
+        while body:
+            size, _, rest = body.partition(b"\r\n")
+            n = int(size, 16)
+            out, body = out + rest[:n], rest[n + 2 :]
+        body = out
+    return _masked(head.split(b"\r\n", 1)[0] + b"\r\n\r\n" + body)
+
+
+_BAD = [
+    b"{",
+    b"[1]",
+    b'{"model": "fake-model", "input": "x", "max_output_tokens": 1e999}',
+    b"{}",
+    b'{"model": 1, "input": 5}',
+    b'{"model": ""}',
+    b'{"model": "fake-model"}',
+    b'{"model": "fake-model", "input": 5}',
+    b'{"model": "fake-model", "input": [{"role": "user"}, 1]}',
+    b'{"model": "fake-model", "input": "x", "instructions": ["a"]}',
+    b'{"model": "fake-model", "input": "x", "max_output_tokens": 0}',
+    b'{"model": "fake-model", "input": "x", "max_output_tokens": 2147483648}',
+    b'{"model": "fake-model", "input": "x", "max_output_tokens": "5"}',
+    b'{"model": "fake-model", "input": "x", "stream": "yes"}',
+    b'{"model": "nope", "input": "x"}',
+    b'{"model": "fake-model", "input": "x", "max_output_tokens": 101}',
+    b'{"model": "fake-model", "input": "' + b"x" * 16000 + b'", "max_output_tokens": 100}',
+    b'{"model": "fake-model", "input": "x", "stream": true}',
+]
+
+
+def _raw_post(body: bytes) -> bytes:
+    head = (
+        f"POST {RESPONSES} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> None:
+    answers: list[list[bytes]] = []
+    for native in (True, False):
+        async with start_gateway(
+            server={"relay": native},
+            limits={"max_tokens": 100},
+            streaming={"enabled": False},
+        ) as h:
+            replies = []
+            for body in _BAD:
+                reader, writer = await _raw(h.url, _raw_post(body))
+                replies.append(_without_date(await asyncio.wait_for(reader.read(), 10)))
+                writer.close()
+            assert h.fake.seen == 0  # no backend saw any of them
+            answers.append(replies)
+    native, python = answers
+    for body, a, b in zip(_BAD, native, python, strict=True):
+        assert a == b, body[:80]
+        assert a.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 404 ")), a
+    statuses = [int(a.split(b" ")[1]) for a in native]
+    assert statuses.count(404) == 1
+    codes = [json.loads(a.partition(b"\r\n\r\n")[2])["error"]["code"] for a in native]
+    assert {
+        "invalid_json",
+        "invalid_request",
+        "model_not_found",
+        "max_tokens_too_large",
+        "context_length_exceeded",
+        "streaming_disabled",
+    } <= set(codes)
+
+
+async def test_a_refusal_with_retry_after_is_the_python_paths_byte_for_byte() -> None:
+    answers = []
+    for native in (True, False):
+        async with start_gateway(
+            server={"relay": native},
+            gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
+        ) as h:
+            hold = asyncio.create_task(
+                _stream(h.client, RESPONSES, _body(stream=True, fake={"step": True}))
+            )
+            await until(lambda h=h: h.fake.running == 1)
+            reader, writer = await _raw(h.url, _post(RESPONSES, _body(), close=True))
+            raw = await reader.read()
+            writer.close()
+            assert (_request_id(raw) >= NATIVE_IDS) == native, raw
+            h.fake.release(10)
+            status, _, headers = await hold
+            assert status == 200
+            assert _native(headers) == native
+            answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", _without_date(raw)))
+    native, python = answers
+    assert native.startswith(b"HTTP/1.1 429 ")
+    assert b"retry-after: " in native.lower()
+    assert native == python
+
+
+async def test_a_client_that_leaves_mid_stream_frees_everything() -> None:
+    async with start_gateway() as h:
+        reader, writer = await _raw(
+            h.url, _post(RESPONSES, _body(stream=True, fake={"step": True}))
+        )
+        await until(lambda: h.fake.running == 1)
+        h.fake.release(1)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert _request_id(head) >= NATIVE_IDS
+        await asyncio.wait_for(reader.readuntil(b"event: response.output_text.delta"), 5)
+        assert h.gateway.runtime.running == 1  # the runtime holds its slot
+        writer.close()
+        await until(lambda: h.fake.aborted == 1)  # vLLM heard the abort
+        await until(lambda: h.gateway.runtime.live == 0)
+        assert h.fake.completed == 0
+        await assert_idle(h)
+
+
+async def test_a_streamed_response_keeps_the_connection_for_the_next_request() -> None:
+    async with start_gateway() as h:
+        first, second = _body(stream=True, max_output_tokens=3), _body(max_output_tokens=2)
+        reader, writer = await _raw(h.url, _post(RESPONSES, first) + _post(RESPONSES, second))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert _request_id(head) >= NATIVE_IDS
+        streamed = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)
+        assert b"event: response.completed" in streamed
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert _request_id(head) >= NATIVE_IDS
+        length = int(re.search(rb"content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        whole = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+        assert whole["status"] == "completed"
+        writer.close()
+        assert h.fake.completed == 2
+        await assert_idle(h)
