@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, Router
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -102,12 +102,14 @@ class FakeVllm:
             routes=[
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
                 Route("/v1/completions", self._complete, methods=["POST"]),
-                Route("/v1/responses", self._complete, methods=["POST"]),
                 Route("/v1/models", self._models),
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),
             ]
         )
+        # Responses on the router's fallback: a test that mounts its own `/v1/responses` (a
+        # route appended to the app's) answers in its place.
+        self.app.router.default = Router([Route("/v1/responses", self._complete, methods=["POST"])])
 
     @property
     def steps(self) -> asyncio.Queue[None]:
