@@ -135,20 +135,19 @@ fn first_error(body: &Json) -> Option<(String, String)> {
         Some(_) => return error("instructions", "Input should be a valid string"),
     }
     match body.get("max_output_tokens") {
-        None | Some(Json::Null) => {}
+        None | Some(Json::Null | Json::Int(1..=MAX_INT)) => {}
         Some(Json::Int(i)) if *i < 1 => {
             return error(
                 "max_output_tokens",
                 "Input should be greater than or equal to 1",
             )
         }
-        Some(Json::Int(i)) if *i > MAX_INT => {
+        Some(Json::Int(_)) => {
             return error(
                 "max_output_tokens",
                 "Input should be less than or equal to 2147483647",
             )
         }
-        Some(Json::Int(_)) => {}
         Some(_) => return error("max_output_tokens", "Input should be a valid integer"),
     }
     match body.get("stream") {

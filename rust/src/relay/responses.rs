@@ -58,6 +58,8 @@ impl EventReader {
         if kind == "error" || kind == "response.failed" {
             return Err(failure(&event));
         }
+        // Python's `kind.endswith(".delta")`: case-sensitive, as vLLM names its events.
+        #[allow(clippy::case_sensitive_file_extension_comparisons)]
         let mut new = u64::from(kind.ends_with(".delta"));
         if let (Some(response), true) = (event.get("response"), FINAL.contains(&kind.as_str())) {
             let total = match response.get("usage").and_then(|u| u.get("output_tokens")) {
