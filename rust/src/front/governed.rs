@@ -3,7 +3,9 @@
 //!
 //! This is the Rust twin of the Python path's `StreamSession`/`RelayedSession` for the requests
 //! the front is sure of (a completion the checks accept, of any number of choices, streamed,
-//! whole, or asked unstreamed; see `prepare.rs`).
+//! whole, or asked unstreamed; see `prepare.rs`), and of `ResponsesSession` for a response
+//! (`responses.rs`): the same life, with the relay reading vLLM's events (`ReplyKind::Events`),
+//! the whole reply kept as `ResponsesParser` keeps it, and a cut ending in an `error` event.
 //! What the checks refuse it answers with the app's error (`accept`), before the runtime hears
 //! of it; it declines everything else, and the app serves that as before. The task decides
 //! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
