@@ -100,10 +100,26 @@ async def _whole_on_both_paths(
     return replies
 
 
-@pytest.mark.parametrize("inputs", ["hi", MESSAGES], ids=["text", "messages"])
-async def test_a_streamed_response_is_the_python_paths_byte_for_byte(inputs: Any) -> None:
-    body = _body(input=inputs, stream=True, instructions="be brief", priority=5, store=True)
-    (native, sent_native), (python, sent_python) = await _streamed_on_both_paths(body)
+@pytest.mark.parametrize(
+    ("inputs", "flush_ms"),
+    [("hi", 0), (MESSAGES, 0), ("hi", 20)],
+    ids=["text", "messages", "coalesced"],
+)
+async def test_a_streamed_response_is_the_python_paths_byte_for_byte(
+    inputs: Any, flush_ms: int
+) -> None:
+    # coalesced: frames that come within the flush interval go out together, never merged
+    body = _body(
+        input=inputs,
+        stream=True,
+        instructions="be brief",
+        priority=5,
+        store=True,
+        fake={"itl": 0.005 if flush_ms else 0},
+    )
+    (native, sent_native), (python, sent_python) = await _streamed_on_both_paths(
+        body, streaming={"sse_flush_interval": flush_ms}
+    )
     assert native == python
     events = re.findall(r"^event: (\S+)$", native, re.M)
     assert events.count("response.output_text.delta") == 5
@@ -321,3 +337,33 @@ async def test_a_streamed_response_keeps_the_connection_for_the_next_request() -
         writer.close()
         assert h.fake.completed == 2
         await assert_idle(h)
+
+
+@pytest.mark.parametrize("mode", ["error", "degrade"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_response_past_its_first_token_timeout_is_the_python_paths(
+    mode: str, stream: bool
+) -> None:
+    streaming = {"first_token_timeout_ms": 200, "on_first_token_timeout": mode}
+    body = _body(stream=stream, fake={"hang": True})
+    if stream:
+        replies = []
+        for native in (True, False):
+            async with start_gateway(server={"relay": native}, streaming=streaming) as h:
+                reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
+                raw = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                assert (_request_id(raw) >= NATIVE_IDS) == native, raw
+                await until(lambda h=h: h.gateway.runtime.live == 0)
+                replies.append(_dechunked(raw))
+        native_reply, python_reply = replies
+    else:
+        native_reply, python_reply = await _whole_on_both_paths(body, streaming=streaming)
+    assert native_reply == python_reply
+    if mode == "error":
+        assert native_reply.startswith(b"HTTP/1.1 504 ")
+    elif stream:
+        assert b'event: error\ndata: {"type":"error","code":"first_token_timeout"' in native_reply
+    else:
+        reply = json.loads(native_reply.partition(b"\r\n\r\n")[2])
+        assert reply["incomplete_details"] == {"reason": "first_token_timeout"}
