@@ -184,6 +184,18 @@ mod tests {
         assert!(d.feed(b"\n\n").payloads.is_empty());
     }
 
+    // A body that ends between events ends cleanly (a Responses stream has no `[DONE]`);
+    // one that ends inside an event does not, whitespace aside.
+    #[test]
+    fn what_is_pending_at_a_body_end() {
+        let mut d = SseDecoder::new();
+        let events = d.feed(b"event: response.completed\ndata: {\"a\":1}\n\n\r\n");
+        assert_eq!(events.payloads, vec![b"{\"a\":1}".to_vec()]);
+        assert!(!d.pending_text());
+        d.feed(b"event: response.output_text.delta\ndata: {\"a\"");
+        assert!(d.pending_text());
+    }
+
     #[test]
     fn an_event_without_end_is_bounded_and_refused() {
         let mut d = SseDecoder::with_limit(1024);
