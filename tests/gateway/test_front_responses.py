@@ -367,3 +367,32 @@ async def test_a_response_past_its_first_token_timeout_is_the_python_paths(
     else:
         reply = json.loads(native_reply.partition(b"\r\n\r\n")[2])
         assert reply["incomplete_details"] == {"reason": "first_token_timeout"}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
+    tmp_path: Any, native: bool
+) -> None:
+    log = tmp_path / "access.csv"
+    async with start_gateway(server={"access_log": str(log), "relay": native}) as h:
+        for stream in (True, False):
+            r = await h.client.post(RESPONSES, json=_body(stream=stream))
+            assert r.status_code == 200
+            assert _native(dict(r.headers)) == native
+        await until(lambda: h.gateway.runtime.live == 0)
+        metrics = (await h.client.get("/metrics")).text
+        completed = re.search(
+            r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics
+        )
+        assert completed is not None
+        assert float(completed.group(1)) == 2
+        tokens = re.search(r"llmflow_tokens_streamed_total\{[^}]*\} (\S+)", metrics)
+        assert tokens is not None
+        assert float(tokens.group(1)) == 2 * 5  # counted from the deltas, as the fake sent
+        rows = log.read_text().splitlines()
+        assert len(rows) == 1 + 2
+        header = rows[0].split(",")
+        for row in rows[1:]:
+            fields = dict(zip(header, row.split(","), strict=True))
+            assert (fields["prompt_tokens"], fields["max_tokens"]) == ("1", "5")
+            assert (fields["output_tokens"], fields["outcome"]) == ("5", "completed")
