@@ -17,20 +17,9 @@ fn endpoint(name: &str) -> PyResult<Endpoint> {
     match name {
         "chat" => Ok(Endpoint::Chat),
         "completions" => Ok(Endpoint::Completions),
-        "responses" => Ok(Endpoint::Responses),
         _ => Err(super::InvalidArgumentError::new_err(format!(
-            "endpoint must be 'chat', 'completions' or 'responses', got {name:?}"
+            "endpoint must be 'chat' or 'completions', got {name:?}"
         ))),
-    }
-}
-
-/// An endpoint whose reply is completion chunks.
-fn chunks(name: &str) -> PyResult<Endpoint> {
-    match endpoint(name)? {
-        Endpoint::Responses => Err(super::InvalidArgumentError::new_err(
-            "a Responses reply is events, not chunks",
-        )),
-        other => Ok(other),
     }
 }
 
@@ -117,7 +106,7 @@ impl PyFrontPrepared {
         match self.inner.endpoint {
             Endpoint::Chat => "chat",
             Endpoint::Completions => "completions",
-            Endpoint::Responses => "responses",
+            Endpoint::Responses => "responses", // not made here: `endpoint` takes the two
         }
     }
     #[getter]
@@ -355,7 +344,7 @@ pub fn front_whole_reply(
     cut: Option<(String, u64)>,
     n: u64,
 ) -> PyResult<Py<PyAny>> {
-    let mut whole = crate::front::whole::Whole::new(chunks(endpoint_name)?, model, n);
+    let mut whole = crate::front::whole::Whole::new(endpoint(endpoint_name)?, model, n);
     // As a whole stream runs: the relay's shaper checks each payload (and fails the stream
     // on a shape `ChunkParser` refuses) before the fold sees it.
     let mut shaper = crate::relay::chunk::ChunkShaper::shaped(true, false, n);
@@ -392,7 +381,7 @@ pub fn front_stream_frames(
     n: u64,
     cut: Option<(String, u64)>,
 ) -> PyResult<Py<PyAny>> {
-    let endpoint = chunks(endpoint_name)?;
+    let endpoint = endpoint(endpoint_name)?;
     let mut shaper = crate::relay::chunk::ChunkShaper::shaped(include_usage, continuous_usage, n);
     let mut out = Vec::new();
     for payload in &payloads {
