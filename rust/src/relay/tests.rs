@@ -32,6 +32,15 @@ fn chunk(text: &str, finish: Option<&str>) -> String {
 
 /// A backend that answers one streamed completion whole, at once: two tokens and `[DONE]`.
 fn backend() -> String {
+    backend_sending(vec![
+        chunk("a", None),
+        chunk("b", Some("length")),
+        "data: [DONE]\n\n".into(),
+    ])
+}
+
+/// A backend that answers one streamed request whole, at once, with `events`.
+fn backend_sending(events: Vec<String>) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/v1/completions", listener.local_addr().unwrap());
     std::thread::spawn(move || {
@@ -42,11 +51,6 @@ fn backend() -> String {
             let n = socket.read(&mut buf).unwrap();
             request.extend_from_slice(&buf[..n]);
         }
-        let events = [
-            chunk("a", None),
-            chunk("b", Some("length")),
-            "data: [DONE]\n\n".into(),
-        ];
         let mut reply = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
             transfer-encoding: chunked\r\n\r\n"
             .to_vec();
@@ -129,6 +133,91 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
                 drop(unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) });
                 break;
             }
+            Some(_) => {}
+            None => panic!("no Closed event"),
+        }
+    }
+}
+
+// A Responses stream: each event goes out as vLLM framed it, the reply ends with the body
+// (no `[DONE]`), its tokens are the deltas settled by the final usage, and the socket comes
+// back for the client's next request.
+#[test]
+fn a_responses_stream_ends_with_its_body_and_counts_its_deltas() {
+    let relay = Relay::new(config()).unwrap();
+    let (sink, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let delta = |t: &str| {
+        format!("event: response.output_text.delta\ndata: {{\"type\":\"response.output_text.delta\",\"delta\":\"{t}\"}}\n\n")
+    };
+    let completed = "event: response.completed\ndata: {\"type\":\"response.completed\",\
+        \"response\":{\"usage\":{\"output_tokens\":3}}}\n\n";
+    let url = backend_sending(vec![delta("a"), delta("b"), completed.to_owned()]);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (lent, _) = listener.accept().unwrap();
+    let request = StreamRequest {
+        id: 9,
+        url: &url,
+        tls: None,
+        body: b"{\"model\":\"m\",\"input\":\"x\",\"stream\":true}".to_vec(),
+        request_id: "llmflow-9",
+        traceparent: None,
+        include_usage: false,
+        continuous_usage: false,
+        choices: 1,
+        unstreamed: false,
+        whole: false,
+        kind: crate::relay::ReplyKind::Events,
+        sink,
+    };
+    relay.open(request).unwrap();
+    let hold = Control::Hold {
+        socket: lent,
+        head: HEAD.to_vec(),
+        keep_alive: true,
+    };
+    assert!(relay.control(9, hold));
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut read = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !read.ends_with(b"0\r\n\r\n") {
+        match client.read(&mut buf) {
+            Ok(n) if n > 0 => read.extend_from_slice(&buf[..n]),
+            other => panic!("the client read {other:?}"),
+        }
+    }
+    let mut expected = HEAD.to_vec();
+    for frame in [delta("a"), delta("b"), completed.to_owned()] {
+        expected.extend_from_slice(format!("{:x}\r\n{frame}\r\n", frame.len()).as_bytes());
+    }
+    expected.extend_from_slice(b"0\r\n\r\n");
+    assert_eq!(
+        String::from_utf8_lossy(&read),
+        String::from_utf8_lossy(&expected)
+    );
+    let (mut tokens, mut done) = (0, false);
+    loop {
+        match events.blocking_recv() {
+            Some(RelayEvent::FirstToken { n, .. } | RelayEvent::Tokens(_, n)) => {
+                tokens += u64::from(n);
+            }
+            Some(RelayEvent::Done(_)) => done = true,
+            Some(RelayEvent::Closed {
+                socket,
+                upstream_complete,
+                completion_tokens,
+                ..
+            }) => {
+                assert!(done && upstream_complete);
+                assert_eq!((tokens, completion_tokens), (3, 3));
+                let fd = socket.expect("a clean end hands the socket back");
+                // SAFETY: the relay handed this socket over; it is closed here.
+                drop(unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+                break;
+            }
+            Some(RelayEvent::Failed(_, failure)) => panic!("{failure:?}"),
             Some(_) => {}
             None => panic!("no Closed event"),
         }
