@@ -34,8 +34,8 @@ answers what the gateway sends unstreamed.
 `[DONE]`): `response.created`, `response.in_progress`, the output item and part added, one
 `response.output_text.delta` per token (up to `max_output_tokens`), the text and part and item
 done, then `response.completed` with the usage. `tokens`, `ttft`, `itl`, `step`, `status`,
-`hang` and `crash_after` script it as above; `error_after` sends vLLM's `error` event instead of
-a token, and `fail_after` a `response.failed` one.
+`hang`, `crash_after` and `chunk_bytes` script it as above; `error_after` sends vLLM's `error`
+event instead of a token, and `fail_after` a `response.failed` one.
 
 `/metrics` misbehaves on request too: `metrics_status` (answer that status), `metrics_delay`
 (seconds before answering), `metrics_garbage` (answer 200 with text that is not vLLM's).
@@ -383,8 +383,10 @@ class FakeVllm:
                     finished = None
                     return
                 self.tokens_sent += 1
-                text += f"t{i} "
-                yield event("response.output_text.delta", **place, delta=f"t{i} ", logprobs=[])
+                pad = int(plan.get("chunk_bytes", 0))
+                delta = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
+                text += delta
+                yield event("response.output_text.delta", **place, delta=delta, logprobs=[])
             yield event("response.output_text.done", **place, text=text, logprobs=[])
             final = response("completed", text, n)
             yield event("response.output_item.done", output_index=0, item=final["output"][0])

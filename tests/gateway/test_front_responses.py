@@ -396,3 +396,23 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
             fields = dict(zip(header, row.split(","), strict=True))
             assert (fields["prompt_tokens"], fields["max_tokens"]) == ("1", "5")
             assert (fields["output_tokens"], fields["outcome"]) == ("5", "completed")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+async def test_a_client_that_stops_reading_a_response_is_cut_for_its_stall(native: bool) -> None:
+    big = _body(stream=True, max_output_tokens=3000, fake={"chunk_bytes": 16384})  # ~48 MB
+    async with start_gateway(
+        server={"relay": native}, backpressure={"client_window": 4, "stall_timeout_ms": 600}
+    ) as h:
+        _reader, writer = await _raw(h.url, _post(RESPONSES, big))  # and never read
+        try:
+            await until(lambda: h.fake.aborted == 1, timeout_s=10)  # vLLM heard the abort
+            assert h.fake.tokens_sent < 1000  # held back by the window, not 48 MB sent
+            assert h.fake.completed == 0
+            await until(lambda: h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1)
+            await until(lambda: h.gateway.runtime.live == 0)
+            sent_id = h.fake.headers[-1]["x-request-id"]  # the id vLLM was sent
+            assert (_request_id(f"x-request-id: {sent_id}".encode()) >= NATIVE_IDS) == native
+        finally:
+            writer.close()
+        await assert_idle(h)
