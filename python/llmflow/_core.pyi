@@ -5,6 +5,7 @@ microseconds on any monotonic timeline the caller chooses (the simulator passes
 `round(env.now * 1e6)`, the gateway passes `time.monotonic_ns() // 1000`).
 """
 
+import os
 from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias, final
 
@@ -872,6 +873,8 @@ class NativeRoutes:
             Mozilla roots when it has none; where it asks for a client certificate (mutual
             TLS), it is shown the client certificate's chain, signed with the key (which may
             sit in the certificate's file: key file None).
+        tally: where it counts each request (at its first token and its end) and writes its
+            access-log row, as the Python path's sessions do (`GatewayMetrics.tally`).
         own_hosts: a keyless gateway's own host names (requests naming another Host, or
             carrying an Origin, go to the app's guard); None with API keys.
         write_timeout_ms: how long a client may take none of a reply written whole
@@ -898,6 +901,7 @@ class NativeRoutes:
         keys: FrontKeys,
         backends: list[tuple[str, str, bool, str | None, str | None, str | None]],
         *,
+        tally: Tally,
         own_hosts: list[str] | None = None,
         write_timeout_ms: float = 60000.0,
         sample_ratio: float | None = None,
@@ -906,11 +910,12 @@ class NativeRoutes:
         """Serve `front`'s governed routes natively from now on."""
     def take(self) -> tuple[list[Action], list[dict[str, Any]]]:
         """Empty the inbox: (actions of Python's requests that a native request's event
-        caused, to carry out in order; the native requests' records, each a dict: `id`,
+        caused, to carry out in order; the end records of the native requests Python has work
+        with (its spans while telemetry is on, a prefill hop's warning), each a dict: `id`,
         `tenant`, `tier`, `arrived_us`, `started_us`, `first_token_us`, `ended_us`,
         `prompt_tokens`, `max_tokens`, `completion_tokens`, `end`, `error` ((status, code) or
         None), `retry_after_s`, `refused`, `truncated`, `upstream_aborted`, `backend`,
-        `first_token_only`, `path`, `stream`, `model`, `queue_wait_us` and
+        `path`, `stream`, `model`, `queue_wait_us` and
         `brownout_max_tokens` (the runtime's `Start`'s, None before it), `prefill_unread`
         (the URL of a split request's prefill instance that answered no `kv_transfer_params`,
         else None), `trace` (None while
@@ -923,6 +928,92 @@ class NativeRoutes:
     @property
     def live(self) -> int:
         """Requests it serves now (arrived and not yet ended)."""
+
+@final
+class Tally:
+    """The gateway's per-request counts and its access log, kept once for both paths: the
+    native front counts its requests here itself (`NativeRoutes(tally=...)`), the Python
+    path's sessions through these methods. Times are monotonic seconds (`time.monotonic()`,
+    the runtime's clock); the access log writes them as Unix seconds.
+
+    The counts are `/metrics`' per-request families (`families()`); the access log
+    (`open_log`) has one CSV row per request (`llmflow.request_log.COLUMNS`, cells as
+    `format_row` and `csv.writer` write them), written in one `write` when the request ends.
+    """
+
+    def __new__(cls) -> Tally: ...
+    def open_log(self, path: str | os.PathLike[str], shadow: bool = False) -> None:
+        """Append the access log's rows to `path` from now on (its folder made, the header
+        written when the file is new; `shadow`: shadow mode's last column, `shadow`).
+
+        Raises:
+            OSError: the file cannot be created or opened.
+        """
+    def close_log(self) -> None:
+        """Stop writing the access log, and close its file."""
+    def first_token(self, tier: str, ttft_s: float) -> None:
+        """A request's first token, `ttft_s` after it arrived (`llmflow_ttft_seconds`)."""
+    def truncated(self, reason: str) -> None:
+        """A reply cut with a visible notice (`llmflow_truncations`)."""
+    def upstream_aborted(self, reason: str) -> None:
+        """An upstream request closed before it finished (`llmflow_upstream_aborts`)."""
+    def refused(
+        self,
+        request: str | None,
+        tier: str,
+        tenant: str,
+        arrived_s: float,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        status: int,
+        code: str,
+        at_s: float | None = None,
+    ) -> None:
+        """A request refused as it arrived: counted `rejected` with its code, and logged
+        (`request`: its X-Request-Id; `at_s`: when it was answered, None: now)."""
+    def ended(
+        self,
+        request: str | None,
+        tier: str,
+        tenant: str,
+        arrived_s: float,
+        *,
+        queue_wait_s: float | None,
+        first_token_s: float | None,
+        ended_s: float | None,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        completion_tokens: int,
+        end: str,
+        error_status: int | None,
+        backend: str | None,
+        shadow: str | None,
+    ) -> None:
+        """A request that ended: counted by its outcome (`end`, the runtime's word, mapped as
+        the core maps it) and reason, its tokens, its queue wait (`queue_wait_s`: None when it
+        never started), its duration when completed; and logged (`error_status`: the status of
+        the error it was answered with; `shadow`: the verdict's summary in shadow mode;
+        `ended_s` None: now)."""
+    def families(self) -> dict[str, list[tuple[Any, ...]]]:
+        """The per-request families as they stand, each label set in first-counted order:
+        `requests` (tier, outcome, reason, value, created); `ttft`, `e2e`, `queue_wait`
+        (tier, per-bucket counts with +Inf's last, sum, created); `tokens` (tier, value,
+        created), `truncations` and `aborts` (reason, value, created). `created`: Unix
+        seconds of its first count."""
+    @staticmethod
+    def bounds() -> tuple[list[float], list[float]]:
+        """The bucket bounds: TTFT's and the queue wait's, then end to end's."""
+
+def request_outcome(
+    end: str, error_status: int | None, completion_tokens: int
+) -> tuple[str, str | None]:
+    """A request's outcome in the simulator's words (`completed`, `rejected`, `timed_out`,
+    `truncated`, `cancelled`, `failed`) and its reason (None when completed), from how it ended
+    (`end`), the status of the error it was answered with, and the tokens it was sent."""
+
+def shadow_summary(decision: str, queued_first: bool, reason: str | None, started: bool) -> str:
+    """A shadow verdict as the access log's `shadow` cell (`queue>start`, `refuse:queue_full`,
+    `start>cut:deadline`...)."""
 
 # ---- the native front's pure checks (a test seam: tests hold each against Python's own) ----
 

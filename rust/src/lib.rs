@@ -20,6 +20,8 @@ pub mod routing;
 pub mod runtime;
 pub mod shadow;
 pub mod snapshot;
+#[cfg(feature = "relay")]
+pub mod tally;
 pub mod trace;
 pub mod types;
 

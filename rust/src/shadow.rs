@@ -66,6 +66,37 @@ pub struct Verdict {
     pub brownout: Option<u64>,
 }
 
+impl Verdict {
+    /// The access log's `shadow` cell (see [`summary`]).
+    pub fn summary(&self) -> String {
+        summary(
+            self.decision.as_str(),
+            self.queued_first,
+            self.reason.map(Reason::as_str),
+            self.backend.is_some(),
+        )
+    }
+}
+
+/// The access log's `shadow` cell for a verdict: `start`, `queue>start`, `refuse:queue_full`,
+/// `queue>refuse:queue_timeout`, `start>cut:deadline`, or `queue` (still waiting when the real
+/// reply ended).
+pub fn summary(decision: &str, queued_first: bool, reason: Option<&str>, started: bool) -> String {
+    let mut steps: Vec<String> = Vec::new();
+    if queued_first || decision == "queued" {
+        steps.push("queue".into());
+    }
+    if decision == "started" || (decision == "cut" && started) {
+        steps.push("start".into());
+    }
+    match decision {
+        "refused" => steps.push(format!("refuse:{}", reason.unwrap_or("None"))),
+        "cut" => steps.push(format!("cut:{}", reason.unwrap_or("None"))),
+        _ => {}
+    }
+    steps.join(">")
+}
+
 /// A request the policy runtime has heard of.
 #[derive(Debug)]
 struct Held {
@@ -676,5 +707,24 @@ mod tests {
         serve(&mut h, 2_000, 3);
         let v = verdict(&mut h, 3).unwrap();
         assert_eq!((v.decision, v.status), (Decision::Refused, Some(429)));
+    }
+
+    #[test]
+    fn shadow_summaries_name_each_step() {
+        assert_eq!(summary("started", false, None, true), "start");
+        assert_eq!(summary("started", true, None, true), "queue>start");
+        assert_eq!(summary("queued", false, None, false), "queue");
+        assert_eq!(
+            summary("refused", true, Some("queue_timeout"), false),
+            "queue>refuse:queue_timeout"
+        );
+        assert_eq!(
+            summary("cut", false, Some("deadline"), true),
+            "start>cut:deadline"
+        );
+        assert_eq!(
+            summary("cut", false, Some("deadline"), false),
+            "cut:deadline"
+        );
     }
 }

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse
 
 from llmflow._core import Runtime
 from llmflow.config import load_settings
-from llmflow.gateway.access_log import AccessLog
 from llmflow.gateway.auth import AdminGuard, KeyRing
 from llmflow.gateway.embedded import EmbeddedBackend
 from llmflow.gateway.errors import install_handlers
@@ -92,8 +91,8 @@ class Gateway:
         if self.shadow is not None:
             self.metrics.shadow_mode(self.runtime)
         log_path = settings.server.access_log
-        self.access_log = AccessLog(Path(log_path), self.shadow is not None) if log_path else None
-        self.metrics.access_log = self.access_log
+        if log_path:  # one file, one writer (the core's), whichever path serves a request
+            self.metrics.open_access_log(Path(log_path), self.shadow is not None)
         telemetry = settings.telemetry
         self.tracing = Tracing(telemetry) if telemetry.otlp_endpoint is not None else None
         self.metrics.tracing = self.tracing
@@ -257,8 +256,7 @@ class Gateway:
         await self.upstream.aclose()
         for embedded in self.embedded:
             await embedded.stop()
-        if self.access_log is not None:
-            self.access_log.close()
+        self.metrics.close()
         if self.tracing is not None:  # the last spans go out (blocking: off the loop)
             await asyncio.to_thread(self.tracing.close)
 

@@ -1,50 +1,46 @@
 """Prometheus metrics of the gateway, in a registry of its own.
 
-Counters and histograms are updated on events (admission, first token, end of a request).
-Gauges that mirror state (queue by tier, in flight, KV, backend health, shed level) are read
-from the core and the scraper when `/metrics` is scraped, so the hot path never touches them.
+What is counted per request (`llmflow_requests`, the TTFT, end-to-end and queue-wait
+histograms, tokens, cuts, upstream aborts) and the access log's rows are kept in the core's
+tally (`llmflow._core.Tally`, `rust/src/tally.rs`): the native front counts its requests there
+itself, and the Python path's sessions through the methods below; `/metrics` renders the tally
+when it is scraped. Gauges that mirror state (queue by tier, in flight, KV, backend health, shed
+level) are read from the core and the scraper then too, so the hot path never touches them.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import Counter as Tally
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
+
+from llmflow._core import Tally as RequestTally
+from llmflow._core import request_outcome
+from llmflow.gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
+    from pathlib import Path
 
     from prometheus_client.metrics_core import Metric
 
     from llmflow._core import NativeRoutes, Relay, Runtime
-    from llmflow.gateway.access_log import AccessLog
-    from llmflow.gateway.errors import GatewayError
     from llmflow.gateway.host import Host
     from llmflow.gateway.scraper import Scraper
     from llmflow.gateway.session import Prepared, StreamSession
     from llmflow.gateway.telemetry import Tracing
 
-__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
+__all__ = ["CONTENT_TYPE", "GatewayMetrics", "outcome_of"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TTFT_BUCKETS, _E2E_BUCKETS = map(tuple, RequestTally.bounds())  # the core's, as it counts
 _CHUNK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
-_OUTCOME = {  # how a session ended -> the core's outcome label
-    "completed": "completed",
-    "error": "error",
-    "deadline": "timeout",
-    "first_token_timeout": "timeout",
-    "queue_timeout": "timeout",
-    "client_deadline": "timeout",  # its client's deadline passed while it waited
-    "timeout": "timeout",
-    "displaced": "rejected",
-    "upstream_error": "error",
-}
 
 
 class GatewayMetrics:
@@ -65,87 +61,66 @@ class GatewayMetrics:
         self.relay: Relay | None = None  # relayed streams' write gaps live in the relay
         self.native: NativeRoutes | None = None  # the front's own requests, for the tier gauges
         self.draining: Callable[[], bool] = lambda: False
-        self.access_log: AccessLog | None = None  # `server.access_log`
-        self.outcomes: Tally[tuple[str, str]] = Tally()  # (outcome, reason) -> n, /api/state
+        # per-request counts and the access log, shared with the native front (`NativeRoutes`)
+        self.tally = RequestTally()
         self.tracing: Tracing | None = None  # OpenTelemetry spans (`telemetry`), when configured
         self.shadow_runtime: Runtime | None = None  # shadow mode: the forwarding runtime
-        r = self.registry
-        self.requests = Counter(
-            "llmflow_requests",
-            "Requests by tier, outcome and reason",
-            ["tier", "outcome", "reason"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "llmflow_ttft_seconds",
-            "Arrival to first token, as the gateway sees it",
-            ["tier"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "llmflow_e2e_seconds",
-            "Arrival to the last token of a completed request",
-            ["tier"],
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        )
-        self.queue_wait = Histogram(
-            "llmflow_queue_wait_seconds",
-            "Time spent queued before admission",
-            ["tier"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        )
         self.inter_chunk = GapTally()  # Python-written streams; the relay counts its own
-        self.tokens = Counter(
-            "llmflow_tokens_streamed", "Generated tokens relayed to clients", ["tier"], registry=r
-        )
-        self.truncations = Counter(
-            "llmflow_truncations", "Replies cut with a notice", ["reason"], registry=r
-        )
-        self.aborts = Counter(
-            "llmflow_upstream_aborts",
-            "Upstream requests aborted before they finished",
-            ["reason"],
-            registry=r,
-        )
+        self.registry.register(_RequestCollector(self.tally))
         self.registry.register(_StateCollector(self))
+
+    def open_access_log(self, path: Path, shadow: bool = False) -> None:
+        """Write the access log (`server.access_log`) to `path` from now on: one CSV row per
+        request at its end, by either path (`shadow`: shadow mode's `shadow` column).
+
+        Raises:
+            OSError: the file cannot be created or opened.
+        """
+        self.tally.open_log(path, shadow)
+
+    def close(self) -> None:
+        """Close the access log."""
+        self.tally.close_log()
+
+    @property
+    def outcomes(self) -> Tally[tuple[str, str]]:
+        """(outcome, reason) -> requests, every tier's, as `/api/state` shows them."""
+        counts: Tally[tuple[str, str]] = Tally()
+        for _, outcome, reason, n, _ in self.tally.families()["requests"]:
+            counts[outcome, reason] += int(n)
+        return counts
 
     def rejected(
         self, prepared: Prepared, error: GatewayError, at: float | None = None, spans: bool = True
     ) -> None:
         """Count (and log, and trace) a request the core turned away as it arrived (`at`: when,
         monotonic, if not now; `spans`: False where the caller makes its spans)."""
-        self.requests.labels(prepared.tier, "rejected", error.code).inc()
-        self.outcomes["rejected", error.code] += 1
-        if self.access_log is not None:
-            self.access_log.refused(prepared, error, at)
+        self.tally.refused(
+            error.headers.get("X-Request-Id"), prepared.tier, prepared.tenant, prepared.arrived,
+            prepared.prompt_tokens, prepared.max_tokens, error.status, error.code, at,
+        )
         if self.tracing is not None and spans:
             self.tracing.refused(prepared, error, error.headers.get("X-Request-Id"))
 
     def first_token(self, session: StreamSession) -> None:
         """Record a session's time to first token."""
         assert session.first_token_at is not None
-        tier = session.prepared.tier
-        self.ttft.labels(tier).observe(session.first_token_at - session.prepared.arrived)
+        p = session.prepared
+        self.tally.first_token(p.tier, session.first_token_at - p.arrived)
 
     def request_ended(self, session: StreamSession, spans: bool = True) -> None:
-        """Count a finished session by outcome and reason, and its tokens (`spans`: False
-        where the caller makes its spans)."""
-        outcome = _OUTCOME.get(session.end, "cancelled")
-        tier = session.prepared.tier
-        self.requests.labels(tier, outcome, session.end).inc()
-        self.outcomes[outcome, session.end] += 1
-        if session.parser.completion_tokens:
-            self.tokens.labels(tier).inc(session.parser.completion_tokens)
-        if session.backend is not None:
-            self.queue_wait.labels(tier).observe(session.queue_wait_s)
-        if outcome == "completed":
-            ended = session.ended_at if session.ended_at is not None else time.monotonic()
-            self.e2e.labels(tier).observe(ended - session.prepared.arrived)
-        if self.access_log is not None:
-            self.access_log.ended(session)
+        """Count (and log) a finished session by outcome and reason, and its tokens (`spans`:
+        False where the caller makes its spans)."""
+        p = session.prepared
+        self.tally.ended(
+            f"llmflow-{session.request_id}", p.tier, p.tenant, p.arrived,
+            queue_wait_s=session.queue_wait_s if session.backend is not None else None,
+            first_token_s=session.first_token_at, ended_s=session.ended_at,
+            prompt_tokens=p.prompt_tokens, max_tokens=p.max_tokens,
+            completion_tokens=session.parser.completion_tokens, end=session.end,
+            error_status=_error_status(session), backend=session.backend,
+            shadow=session.shadow.summary() if session.shadow is not None else None,
+        )
         if self.tracing is not None and spans:
             self.tracing.ended(session)
 
@@ -156,11 +131,11 @@ class GatewayMetrics:
 
     def truncated(self, reason: str) -> None:
         """Count a reply cut with a visible notice."""
-        self.truncations.labels(reason).inc()
+        self.tally.truncated(reason)
 
     def upstream_aborted(self, reason: str) -> None:
         """Count an upstream request closed before it finished."""
-        self.aborts.labels(reason).inc()
+        self.tally.upstream_aborted(reason)
 
     def ttft_buckets(self) -> dict[str, Any]:
         """`llmflow_ttft_seconds` as `/api/state` shows it: the bucket bounds, and per tier
@@ -169,16 +144,99 @@ class GatewayMetrics:
         The dashboard keeps its own ten minutes of these and takes differences for its p50/p99,
         so the gateway keeps no history for it.
         """
-        by_tier: dict[str, list[int]] = {}
-        for metric in self.ttft.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_bucket"):  # in `le` order, +Inf last
-                    by_tier.setdefault(sample.labels["tier"], []).append(int(sample.value))
+        by_tier = {
+            tier: list(itertools.accumulate(counts))
+            for tier, counts, _, _ in self.tally.families()["ttft"]
+        }
         return {"bounds": list(_TTFT_BUCKETS), "by_tier": by_tier}
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def outcome_of(session: StreamSession) -> tuple[str, str | None]:
+    """A session's outcome in the simulator's words (`completed`, `rejected`, `timed_out`,
+    `truncated`, `cancelled`, `failed`) and its reason (the access log's, the span's), as the
+    core maps them."""
+    return request_outcome(session.end, _error_status(session), session.parser.completion_tokens)
+
+
+def _error_status(session: StreamSession) -> int | None:
+    """The status of the error a session was answered with (its own, or its admission's)."""
+    error = session.error
+    if error is None and session.admitted.done() and not session.admitted.cancelled():
+        exc = session.admitted.exception()
+        error = exc if isinstance(exc, GatewayError) else None
+    return error.status if error is not None else None
+
+
+class _RequestCollector:
+    """The per-request families, rendered from the core's tally (the names, help, labels and
+    buckets prometheus_client's `Counter`s and `Histogram`s exported, `_created` included)."""
+
+    def __init__(self, tally: RequestTally) -> None:
+        self.tally = tally
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        families = self.tally.families()
+        requests = CounterMetricFamily(
+            "llmflow_requests", "Requests by tier, outcome and reason",
+            labels=["tier", "outcome", "reason"],
+        )
+        for tier, outcome, reason, n, created in families["requests"]:
+            requests.add_metric([tier, outcome, reason], n, created=created)
+        yield requests
+        yield _histogram(
+            "llmflow_ttft_seconds", "Arrival to first token, as the gateway sees it",
+            _TTFT_BUCKETS, families["ttft"],
+        )
+        yield _histogram(
+            "llmflow_e2e_seconds", "Arrival to the last token of a completed request",
+            _E2E_BUCKETS, families["e2e"],
+        )
+        yield _histogram(
+            "llmflow_queue_wait_seconds", "Time spent queued before admission",
+            _TTFT_BUCKETS, families["queue_wait"],
+        )
+        yield _counter(
+            "llmflow_tokens_streamed", "Generated tokens relayed to clients", "tier",
+            families["tokens"],
+        )
+        yield _counter(
+            "llmflow_truncations", "Replies cut with a notice", "reason", families["truncations"]
+        )
+        yield _counter(
+            "llmflow_upstream_aborts", "Upstream requests aborted before they finished",
+            "reason", families["aborts"],
+        )
+
+
+def _counter(
+    name: str, doc: str, label: str, children: list[tuple[str, float, float]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, n, created in children:
+        family.add_metric([value], n, created=created)
+    return family
+
+
+def _histogram(
+    name: str,
+    doc: str,
+    bounds: tuple[float, ...],
+    children: list[tuple[str, list[int], float, float]],
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["tier"])
+    les = [*map(str, bounds), "+Inf"]
+    for tier, counts, total, created in children:
+        cumulative = list(zip(les, itertools.accumulate(counts), strict=True))
+        family.add_metric([tier], cumulative, sum_value=total)
+        family.samples.append(Sample(f"{name}_created", {"tier": tier}, created))
+    return family
 
 
 class _StateCollector:

@@ -1,19 +1,20 @@
-"""What Python does for the requests the native front serves: carry its share, count them.
+"""What Python does for the requests the native front serves: carry its share, make its spans.
 
 The governed completions the front is sure of are served in Rust
-(`rust/src/front/governed.rs`), against the same runtime the Python host feeds. Two things
-still reach this loop, through one wake-up pipe:
+(`rust/src/front/governed.rs`), against the same runtime the Python host feeds. The front
+counts them itself, in the tally the Python path's sessions count in (`metrics.tally`, one
+`/metrics`), and writes their access-log rows (one file, one writer). Two things still reach
+this loop, through one wake-up pipe:
 
 - actions for Python's own requests (a WebSocket session, a request the front passed on)
   that an event of a native request caused: the slot it freed starts one of ours. The host
   carries them out as if its own call had returned them (`Host.carry`);
-- one record per native request at its first token and at its end, which the metrics and the
-  access log count as they count a session (one registry, one file, one `/metrics`), at most
-  `RECORD_TICK_S` late; with telemetry on, its spans are made from it then (the front decided
-  its trace ids and sent vLLM its `traceparent`; `telemetry.py`), and the warning of a split
-  request's prefill hop answered without KV transfer parameters is logged (`disagg.py`).
+- the end record of a native request Python has work with, at most `RECORD_TICK_S` late: with
+  telemetry on, its spans are made from it (the front decided its trace ids and sent vLLM its
+  `traceparent`; `telemetry.py`), and the warning of a split request's prefill hop answered
+  without KV transfer parameters is logged (`disagg.py`). The front keeps no other record.
 
-Nothing is decided here.
+Nothing is decided or counted here.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RECORD_TICK_S", "NativeInbox", "Served", "native_routes", "why_not_native"]
 
-# How late the metrics and the access log may hear of a native request: records wake nobody
-# (counting them must not take the CPU from a burst's first tokens); they are taken with
-# Python's next actions, or at this tick.
+# How late the spans may hear of a native request: records wake nobody (making spans must not
+# take the CPU from a burst's first tokens); they are taken with Python's next actions, or at
+# this tick.
 RECORD_TICK_S = 0.1
 
 
@@ -87,6 +88,7 @@ def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | No
     os.set_blocking(write_end, False)
     native = NativeRoutes(
         gateway.runtime, gateway.relay.relay, write_end, checks, keys, backends,
+        tally=gateway.metrics.tally,
         own_hosts=sorted(own_hosts) if own_hosts is not None else None,
         write_timeout_ms=s.server.write_timeout_ms,
         sample_ratio=gateway.tracing.sample_ratio if gateway.tracing is not None else None,
@@ -105,7 +107,7 @@ class _Options:
 
 @dataclass(slots=True)
 class _Prepared:
-    """What the metrics, the access log and the spans read of a request's `Prepared`."""
+    """What the spans read of a request's `Prepared`."""
 
     tier: str
     tenant: str
@@ -137,7 +139,7 @@ class _NotAdmitting:
 
 @dataclass(slots=True)
 class Served:
-    """A native request's record, shaped as the metrics and the access log read a session."""
+    """A native request's record, shaped as the spans read a session."""
 
     request_id: int
     prepared: _Prepared
@@ -190,13 +192,14 @@ def served(record: dict[str, Any]) -> Served:
 
 
 class NativeInbox:
-    """Reads the native front's inbox on the event loop: Python's actions, the records.
+    """Reads the native front's inbox on the event loop: Python's actions, the records it has
+    work with.
 
     Args:
         native: the native routes (`llmflow._core.NativeRoutes`), whose `take()` empties it.
         wake_fd: the read end of its wake-up pipe.
         host: the runtime host that carries out Python's actions.
-        metrics: where the records are counted.
+        metrics: the gateway's metrics (its `tracing` makes the spans).
     """
 
     def __init__(self, native: Any, wake_fd: int, host: Host, metrics: GatewayMetrics) -> None:
@@ -227,32 +230,21 @@ class NativeInbox:
             self._tick = self._loop.call_later(RECORD_TICK_S, self._on_tick)
 
     def drain(self) -> None:
-        """Carry out and count everything the front queued since the last wake-up."""
+        """Carry out everything the front queued since the last wake-up."""
         with contextlib.suppress(BlockingIOError):  # woken by an earlier batch's byte
             os.read(self._wake_fd, 4096)
         actions, records = self.native.take()
         if actions:
             self.host.carry(actions)
         for record in records:
-            self._count(record)
+            self._ended(record)
 
-    def _count(self, record: dict[str, Any]) -> None:
-        session = served(record)
-        metrics = self.metrics
-        if record["first_token_only"]:
-            metrics.first_token(session)  # type: ignore[arg-type]
-            return
+    def _ended(self, record: dict[str, Any]) -> None:
+        """A native request's end, counted by the front already: its warning, its spans."""
         if record["prefill_unread"] is not None:  # logged at its end, not when it answered
             warn_unread(record["prefill_unread"], f"llmflow-{record['id']}")
-        refused = session.error if record["refused"] else None
-        if refused is not None:
-            prepared: Any = session.prepared  # the fields `rejected` reads of a `Prepared`
-            metrics.rejected(prepared, refused, session.ended_at, spans=False)
-        else:
-            if record["truncated"]:
-                metrics.truncated(session.end)
-            if record["upstream_aborted"]:
-                metrics.upstream_aborted(session.end)
-            metrics.request_ended(session, spans=False)  # type: ignore[arg-type]
-        if metrics.tracing is not None and session.trace is not None:
-            metrics.tracing.served(session, session.trace, refused is not None)
+        tracing = self.metrics.tracing
+        if tracing is not None and record["trace"] is not None:
+            session = served(record)
+            assert session.trace is not None
+            tracing.served(session, session.trace, session.error is not None and record["refused"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from llmflow._core import Cut, End, Reply, Runtime
+from llmflow._core import Cut, End, Reply, Runtime, shadow_summary
 from llmflow.gateway.host import Host
 from llmflow.gateway.session import StreamSession
 
@@ -99,14 +99,9 @@ class Verdict:
         """The access log's `shadow` cell: `start`, `queue>start`, `refuse:queue_full`,
         `queue>refuse:queue_timeout`, `start>cut:deadline`, or `queue` (still waiting when the
         real reply ended)."""
-        steps = ["queue"] if self.queued_first or self.decision == "queued" else []
-        if self.decision == "started" or (self.decision == "cut" and self.backend is not None):
-            steps.append("start")
-        if self.decision == "refused":
-            steps.append(f"refuse:{self.reason}")
-        elif self.decision == "cut":
-            steps.append(f"cut:{self.reason}")
-        return ">".join(steps)
+        return shadow_summary(
+            self.decision, self.queued_first, self.reason, self.backend is not None
+        )
 
 
 def verdict(taken: tuple[Any, ...] | None) -> Verdict | None:

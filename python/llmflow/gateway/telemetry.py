@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from llmflow.gateway.access_log import outcome_of
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.metrics import outcome_of
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -26,6 +26,7 @@ use crate::relay::{Control, Streams};
 use crate::runtime::{Action, Event, Runtime};
 
 use super::record::Record;
+use crate::tally::Tally;
 
 /// An action for a front task, with the aborts it must wait for before going upstream.
 pub struct Order {
@@ -34,7 +35,7 @@ pub struct Order {
 }
 
 /// What Python must hear from the front: actions of its own requests that a front task's
-/// event caused, and the records of the requests the front served (metrics, access log).
+/// event caused, and the records of the requests it has work with (spans, a warning).
 #[derive(Default)]
 struct Inbox {
     actions: Vec<Action>,
@@ -68,6 +69,8 @@ pub struct Owner {
     next_id: AtomicU64,
     /// Shadow mode: each request's end record carries the policy runtime's verdict.
     shadowed: bool,
+    /// Where the front counts its requests and writes their access-log rows.
+    tally: Arc<Tally>,
 }
 
 /// The owner's part inside the runtime's lock.
@@ -181,7 +184,12 @@ fn request_of(action: &Action) -> Option<u64> {
 impl Owner {
     /// Take over `runtime`'s routing: from now on the front's requests, and the timer, are
     /// carried out here. `notify` is the write end of Python's wake-up pipe.
-    pub fn attach(runtime: SharedRuntime, streams: Streams, notify: File) -> Arc<Self> {
+    pub fn attach(
+        runtime: SharedRuntime,
+        streams: Streams,
+        notify: File,
+        tally: Arc<Tally>,
+    ) -> Arc<Self> {
         let (timer, mut armed) = watch::channel(None::<u64>);
         let tasks: Arc<Mutex<FxHashMap<u64, UnboundedSender<Order>>>> = Arc::default();
         let handle = streams.handle().clone();
@@ -209,6 +217,7 @@ impl Owner {
             notify: Mutex::new(notify),
             next_id: AtomicU64::new(FRONT_IDS),
             shadowed,
+            tally,
         });
         let weak = Arc::downgrade(&owner);
         handle.spawn(async move {
@@ -301,16 +310,27 @@ impl Owner {
         f(Hosted::lock(&self.runtime).runtime())
     }
 
-    /// A request's record, for Python's metrics and access log. It wakes nobody: Python
-    /// takes the records with its next batch of actions or at its next tick, so counting them
-    /// never competes with a burst's first tokens for the CPU.
+    /// A request's record: counted in the tally (and its access-log row written) here, at
+    /// once; kept for Python only when Python has work with it (its spans, while telemetry is
+    /// on; the warning of a prefill hop that answered no KV transfer parameters). It wakes
+    /// nobody: Python takes those with its next batch of actions or at its next tick, so their
+    /// spans never compete with a burst's first tokens for the CPU.
     pub fn record(&self, mut record: Record) {
-        if self.shadowed && !record.first_token_only {
+        if record.first_token_only {
+            let first = record.first_token_us.unwrap_or(record.arrived_us);
+            let ttft_s = first as f64 / 1e6 - record.arrived_us as f64 / 1e6;
+            self.tally.first_token(&record.tier, ttft_s);
+            return;
+        }
+        if self.shadowed {
             // Shadow mode: the verdict, final now that the real request has ended.
             let mut hosted = Hosted::lock(&self.runtime);
             record.shadow = hosted.shadow_mut().and_then(|s| s.take(record.id));
         }
-        self.inbox.lock().unwrap().records.push(record);
+        record.count(&self.tally);
+        if record.trace.is_some() || record.prefill_unread.is_some() {
+            self.inbox.lock().unwrap().records.push(record);
+        }
     }
 
     /// Everything Python must carry out or count, oldest first. The gates of those actions

@@ -1,8 +1,12 @@
-//! What Python hears of a request the front served: one record at its end, for the metrics,
-//! the access log and the OpenTelemetry spans, which stay Python's (one registry, one file,
-//! one `/metrics`, one exporter).
+//! A request the front served, as it is counted: one record at its first token and one at its
+//! end. The front counts them in the gateway's tally and writes their access-log rows itself
+//! (`crate::tally`, the same the Python path's sessions count in); Python hears of the end's
+//! record only when it has work with it: the OpenTelemetry spans, which stay Python's (one
+//! exporter), and the warning of a split request's prefill hop.
 
-/// One served request, as the metrics and the access log count it.
+use crate::tally::{Ended, Refused, Tally};
+
+/// One served request, as the tally and the spans read it.
 #[allow(clippy::struct_excessive_bools)] // what happened to it, each read once in Python
 #[derive(Debug, Clone, Default)]
 pub struct Record {
@@ -51,4 +55,52 @@ pub struct Record {
     pub trace: Option<super::traceparent::TraceIds>,
     /// Shadow mode: what the policy runtime did with it (its end's record only).
     pub shadow: Option<crate::shadow::Verdict>,
+}
+
+impl Record {
+    /// Count its end in `tally` (and write its access-log row), as the Python path counts a
+    /// session: a refusal as it arrived by its code; else its cut, its aborted upstream
+    /// request, and its end.
+    pub fn count(&self, tally: &Tally) {
+        let seconds = |us: u64| us as f64 / 1e6;
+        let request = Some(format!("llmflow-{}", self.id));
+        let arrived_s = seconds(self.arrived_us);
+        let ended_s = (self.ended_us != 0).then(|| seconds(self.ended_us));
+        if let (true, Some((status, code))) = (self.refused, &self.error) {
+            tally.refused(&Refused {
+                request,
+                tier: self.tier.clone(),
+                tenant: self.tenant.clone(),
+                arrived_s,
+                at_s: ended_s,
+                prompt_tokens: self.prompt_tokens,
+                max_tokens: self.max_tokens,
+                status: *status,
+                code: code.clone(),
+            });
+            return;
+        }
+        if self.truncated {
+            tally.truncated(&self.end);
+        }
+        if self.upstream_aborted {
+            tally.upstream_aborted(&self.end);
+        }
+        tally.ended(&Ended {
+            request,
+            tier: self.tier.clone(),
+            tenant: self.tenant.clone(),
+            arrived_s,
+            queue_wait_s: self.queue_wait_us.map(seconds),
+            first_token_s: self.first_token_us.map(seconds),
+            ended_s,
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+            completion_tokens: self.completion_tokens,
+            end: self.end.clone(),
+            error_status: self.error.as_ref().map(|(status, _)| *status),
+            backend: self.backend.clone(),
+            shadow: self.shadow.as_ref().map(crate::shadow::Verdict::summary),
+        });
+    }
 }

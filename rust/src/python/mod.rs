@@ -4,7 +4,7 @@
 //! Per-request calls take microseconds and keep the GIL; only construction parses JSON.
 //! `governor` wraps the `Governor` (its answers in `decisions`), `runtime` the sans-IO
 //! `Runtime` (its actions in `actions`), `light` the light lane, `relay` the per-chunk relay,
-//! `front` the front door and `front_checks` the native front's pure checks (a test seam);
+//! `front` the front door, `tally` the per-request counts and the access log, and `front_checks` the native front's pure checks (a test seam);
 //! `errors` maps the core's errors to exceptions, `convert` turns snapshots into plain
 //! Python objects, `functions` holds the module's free functions, and `signature` binds the
 //! arguments of the methods with more parameters than a Rust function should take.
@@ -26,6 +26,8 @@ mod native;
 mod relay;
 mod runtime;
 mod signature;
+#[cfg(feature = "relay")]
+mod tally;
 
 pub(crate) use errors::*;
 
@@ -63,6 +65,9 @@ pub mod _core {
     #[cfg(feature = "relay")]
     #[pymodule_export]
     use super::relay::PyRelay;
+    #[cfg(feature = "relay")]
+    #[pymodule_export]
+    use super::tally::{request_outcome, shadow_summary, PyTally};
 
     #[cfg(feature = "relay")]
     #[pymodule_export]

@@ -1,6 +1,6 @@
 //! The PyO3 seam of the native governed routes: `NativeRoutes(runtime, relay, ...)`, given to
 //! a `Front` with `set_native`, and `take()`, which hands Python what it must carry out and
-//! count (see `gateway/native.py`).
+//! the records it has work with (see `gateway/native.py`).
 
 use std::fs::File;
 use std::os::fd::FromRawFd;
@@ -16,6 +16,7 @@ use super::front::PyFront;
 use super::front_checks::{PyFrontChecks, PyFrontKeys};
 use super::relay::PyRelay;
 use super::runtime::PyRuntime;
+use super::tally::PyTally;
 use crate::front::governed::{BackendRoute, Governed};
 use crate::front::owner::Owner;
 use crate::front::record::Record;
@@ -45,10 +46,11 @@ impl PyNativeRoutes {
     /// `backends`: (name, url, priority_scheduling, tls_ca_file, tls_client_cert,
     /// tls_client_key) in the runtime's backend order;
     /// `notify_fd`: the write end of the pipe that wakes Python for `take()`;
+    /// `tally`: where the front counts its requests and writes their access-log rows;
     /// `sample_ratio`: telemetry's, None while telemetry is off.
     #[new]
     #[pyo3(signature = (
-        runtime, relay, notify_fd, checks, keys, backends, *, own_hosts=None,
+        runtime, relay, notify_fd, checks, keys, backends, *, tally, own_hosts=None,
         write_timeout_ms=60_000.0, sample_ratio=None
     ))]
     #[allow(clippy::too_many_arguments)] // the gateway's parts, one for one
@@ -59,6 +61,7 @@ impl PyNativeRoutes {
         checks: &Bound<'_, PyFrontChecks>,
         keys: &Bound<'_, PyFrontKeys>,
         backends: Vec<Backend>,
+        tally: &Bound<'_, PyTally>,
         own_hosts: Option<Vec<String>>,
         write_timeout_ms: f64,
         sample_ratio: Option<f64>,
@@ -118,7 +121,12 @@ impl PyNativeRoutes {
         let streams = relay.borrow().inner.streams().clone();
         // SAFETY: the caller hands over the pipe's write end; the owner writes and closes it.
         let notify = unsafe { File::from_raw_fd(notify_fd) };
-        let owner = Owner::attach(shared, streams.clone(), notify);
+        let owner = Owner::attach(
+            shared,
+            streams.clone(),
+            notify,
+            Arc::clone(&tally.get().inner),
+        );
         let governed = Governed {
             owner,
             streams,
@@ -139,8 +147,9 @@ impl PyNativeRoutes {
         front.borrow().set_native(Arc::clone(&self.governed) as _);
     }
 
-    /// (actions of Python's requests that a native request's event caused, records of the
-    /// native requests), each oldest first; empties the inbox.
+    /// (actions of Python's requests that a native request's event caused, the end records
+    /// of the native requests Python has work with: spans, a warning), each oldest first;
+    /// empties the inbox.
     fn take<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
         let owner = &self.governed.owner;
         let (actions, records) = py.detach(|| owner.take());
@@ -184,7 +193,6 @@ impl PyNativeRoutes {
 
 fn record_to_py<'py>(py: Python<'py>, r: &Record) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("first_token_only", r.first_token_only)?;
     d.set_item("id", r.id)?;
     d.set_item("tenant", &r.tenant)?;
     d.set_item("tier", &r.tier)?;
