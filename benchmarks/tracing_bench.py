@@ -65,7 +65,7 @@ def _record(request_id: int) -> dict[str, object]:
         "parent_span_id": None, "parent_flags": 0, "flags": 3,
     }
     return {
-        "first_token_only": False, "id": request_id, "tenant": "acme", "tier": "normal",
+        "id": request_id, "tenant": "acme", "tier": "normal",
         "arrived_us": 1_000_000, "started_us": 1_000_050, "first_token_us": 1_100_000,
         "ended_us": 2_000_000, "prompt_tokens": 120, "max_tokens": 256,
         "completion_tokens": 256, "end": "completed", "error": None, "retry_after_s": None,
