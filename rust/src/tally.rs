@@ -181,21 +181,40 @@ pub struct Counts {
     pub aborts: Vec<(String, Count)>,
 }
 
-fn count<K: PartialEq>(family: &mut Vec<(K, Count)>, key: K, created: f64) -> &mut Count {
-    let at = family
-        .iter()
-        .position(|(k, _)| *k == key)
-        .unwrap_or_else(|| {
-            family.push((
-                key,
-                Count {
-                    value: 0.0,
-                    created,
-                },
-            ));
-            family.len() - 1
-        });
+/// The count of the label set `is` finds, made (`key()`, created now) on its first count: the
+/// label sets are few, and a request's count allocates nothing once its labels exist.
+fn count<K>(
+    family: &mut Vec<(K, Count)>,
+    is: impl Fn(&K) -> bool,
+    key: impl FnOnce() -> K,
+    created: f64,
+) -> &mut Count {
+    let at = family.iter().position(|(k, _)| is(k)).unwrap_or_else(|| {
+        family.push((
+            key(),
+            Count {
+                value: 0.0,
+                created,
+            },
+        ));
+        family.len() - 1
+    });
     &mut family[at].1
+}
+
+fn requests<'a>(
+    counts: &'a mut Counts,
+    tier: &str,
+    outcome: &str,
+    reason: &str,
+    created: f64,
+) -> &'a mut Count {
+    count(
+        &mut counts.requests,
+        |(t, o, r)| t == tier && o == outcome && r == reason,
+        || (tier.to_owned(), outcome.to_owned(), reason.to_owned()),
+        created,
+    )
 }
 
 fn histogram<'a>(
@@ -287,14 +306,26 @@ impl Tally {
     pub fn truncated(&self, reason: &str) {
         let created = unix_now();
         let mut counts = self.counts.lock().unwrap();
-        count(&mut counts.truncations, reason.to_owned(), created).value += 1.0;
+        count(
+            &mut counts.truncations,
+            |k| k == reason,
+            || reason.to_owned(),
+            created,
+        )
+        .value += 1.0;
     }
 
     /// An upstream request closed before it finished.
     pub fn upstream_aborted(&self, reason: &str) {
         let created = unix_now();
         let mut counts = self.counts.lock().unwrap();
-        count(&mut counts.aborts, reason.to_owned(), created).value += 1.0;
+        count(
+            &mut counts.aborts,
+            |k| k == reason,
+            || reason.to_owned(),
+            created,
+        )
+        .value += 1.0;
     }
 
     /// A request refused as it arrived: counted as `rejected` with its code, and logged.
@@ -302,8 +333,7 @@ impl Tally {
         let created = unix_now();
         {
             let mut counts = self.counts.lock().unwrap();
-            let key = (r.tier.clone(), "rejected".to_owned(), r.code.clone());
-            count(&mut counts.requests, key, created).value += 1.0;
+            requests(&mut counts, &r.tier, "rejected", &r.code, created).value += 1.0;
         }
         self.write(|epoch| {
             let at = r.at_s.map_or(created, |at| at + epoch);
@@ -334,10 +364,10 @@ impl Tally {
         let outcome = metric_outcome(&e.end);
         {
             let mut counts = self.counts.lock().unwrap();
-            let key = (e.tier.clone(), outcome.to_owned(), e.end.clone());
-            count(&mut counts.requests, key, created).value += 1.0;
+            requests(&mut counts, &e.tier, outcome, &e.end, created).value += 1.0;
             if e.completion_tokens > 0 {
-                count(&mut counts.tokens, e.tier.clone(), created).value +=
+                let tier = &e.tier;
+                count(&mut counts.tokens, |k| k == tier, || tier.clone(), created).value +=
                     e.completion_tokens as f64;
             }
             if e.backend.is_some() {
@@ -580,6 +610,50 @@ mod tests {
         assert!(r.csv(false).contains(",\"two\nlines\","));
         r.shadow = Some("queue>refuse:queue_full");
         assert!(r.csv(true).ends_with(",queue>refuse:queue_full\r\n"));
+    }
+
+    #[test]
+    fn the_log_has_its_header_once_and_a_line_per_request() {
+        let dir = std::env::temp_dir().join(format!("llmflow-tally-{}", std::process::id()));
+        let path = dir.join("logs").join("access.csv");
+        let _ = std::fs::remove_dir_all(&dir);
+        let tally = Tally::new();
+        tally.open_log(&path, true).unwrap(); // its folder made, the shadow column named
+        let refused = Refused {
+            request: Some("llmflow-1".into()),
+            tier: "vip".into(),
+            tenant: "a,b".into(),
+            status: 429,
+            code: "queue_full".into(),
+            ..Refused::default()
+        };
+        tally.refused(&refused);
+        tally.close_log();
+        tally.refused(&refused); // closed: counted, not written
+        tally.open_log(&path, true).unwrap(); // the file exists: no second header
+        tally.ended(&Ended {
+            request: Some("llmflow-2".into()),
+            end: "client_gone".into(),
+            shadow: Some("queue".into()),
+            ..Ended::default()
+        });
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.split_terminator("\r\n").collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[0], format!("{},shadow", COLUMNS.join(",")));
+        assert!(
+            lines[1].starts_with("llmflow-1,vip,\"a,b\","),
+            "{}",
+            lines[1]
+        );
+        assert!(lines[1].ends_with(",rejected,queue_full,,"), "{}", lines[1]);
+        assert!(
+            lines[2].ends_with(",0,cancelled,client_gone,,queue"),
+            "{}",
+            lines[2]
+        );
+        assert_eq!(tally.counts().requests[0].1.value, 2.0);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
