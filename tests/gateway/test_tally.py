@@ -4,7 +4,8 @@ The same traffic sent through the native front and through Python (`server.relay
 must come out as the same `/metrics` families and the same access-log rows (ids and times
 masked), each checked against what the test sent and saw on the wire: the statuses, the
 request ids, the tokens the fake vLLM sent. The rows are the bytes `csv.writer` writes of
-`request_log.format_row`'s cells, a tenant named with a comma and quotes included.
+`request_log.format_row`'s cells, a tenant named with a comma and quotes included. The
+families keep the names, help, types and bucket bounds prometheus_client gave them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import csv
 import io
 import json
 import re
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -222,3 +224,47 @@ async def test_a_refusal_flood_is_counted_and_logged_exactly(tmp_path: Path, nat
         ('outcome="completed",reason="completed",tier="normal"', 1.0),
         ('outcome="rejected",reason="queue_full",tier="normal"', float(flood)),
     ]
+
+
+# What prometheus_client's `Counter`s and `Histogram`s exported before the families moved into
+# the core's tally (its `generate_latest`, 0.26): the names, help, types and bucket bounds.
+_EXPOSED = """\
+# HELP llmflow_requests_total Requests by tier, outcome and reason
+# TYPE llmflow_requests_total counter
+# HELP llmflow_ttft_seconds Arrival to first token, as the gateway sees it
+# TYPE llmflow_ttft_seconds histogram
+# HELP llmflow_e2e_seconds Arrival to the last token of a completed request
+# TYPE llmflow_e2e_seconds histogram
+# HELP llmflow_queue_wait_seconds Time spent queued before admission
+# TYPE llmflow_queue_wait_seconds histogram
+# HELP llmflow_tokens_streamed_total Generated tokens relayed to clients
+# TYPE llmflow_tokens_streamed_total counter
+# HELP llmflow_truncations_total Replies cut with a notice
+# TYPE llmflow_truncations_total counter
+# HELP llmflow_upstream_aborts_total Upstream requests aborted before they finished
+# TYPE llmflow_upstream_aborts_total counter"""
+_TTFT_LE = "0.005 0.01 0.025 0.05 0.1 0.25 0.5 1.0 1.5 2.5 5.0 10.0 30.0 60.0 +Inf"
+_E2E_LE = "0.1 0.25 0.5 1.0 2.5 5.0 10.0 20.0 30.0 60.0 120.0 300.0 600.0 +Inf"
+
+
+async def test_the_families_are_exported_as_prometheus_client_exported_them(
+    tmp_path: Path,
+) -> None:
+    async with start_gateway(server={"access_log": str(tmp_path / "a.csv")}) as h:
+        before = time.time()
+        status, _, _ = await _stream(h.client, CHAT, _body(max_tokens=3))
+        assert status == 200
+        await until(lambda: h.gateway.runtime.live == 0 and h.gateway._native_live() == 0)
+        metrics = (await h.client.get("/metrics")).text
+    ours = [x for x in metrics.splitlines() if x.startswith("#") and x.split()[2].startswith(
+        FAMILIES) and "_created" not in x]
+    assert "\n".join(ours) == _EXPOSED
+    for name, bounds in (("ttft", _TTFT_LE), ("e2e", _E2E_LE), ("queue_wait", _TTFT_LE)):
+        les = re.findall(rf'llmflow_{name}_seconds_bucket{{le="([^"]+)",tier="normal"}}', metrics)
+        assert " ".join(les) == bounds
+        created = re.search(rf'llmflow_{name}_seconds_created{{tier="normal"}} (\S+)', metrics)
+        assert created is not None
+        assert before - 1 <= float(created.group(1)) <= time.time()  # Unix time of its count
+    created = re.search(r"llmflow_requests_created\{([^}]*)\} (\S+)", metrics)
+    assert created is not None
+    assert created.group(1) == 'outcome="completed",reason="completed",tier="normal"'

@@ -17,6 +17,7 @@ from collections import Counter as Tally
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Sample
 
@@ -183,6 +184,8 @@ class _RequestCollector:
 
     def collect(self) -> Iterator[Metric]:
         families = self.tally.families()
+        if not _created_series():  # each row's last item is its creation time
+            families = {name: [(*r[:-1], None) for r in rows] for name, rows in families.items()}
         requests = CounterMetricFamily(
             "llmflow_requests", "Requests by tier, outcome and reason",
             labels=["tier", "outcome", "reason"],
@@ -215,8 +218,13 @@ class _RequestCollector:
         )
 
 
+def _created_series() -> bool:
+    """Whether prometheus_client exports `_created` samples (its `disable_created_metrics`)."""
+    return bool(getattr(prometheus_metrics, "_use_created", True))
+
+
 def _counter(
-    name: str, doc: str, label: str, children: list[tuple[str, float, float]]
+    name: str, doc: str, label: str, children: list[tuple[str, float, float | None]]
 ) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=[label])
     for value, n, created in children:
@@ -228,14 +236,15 @@ def _histogram(
     name: str,
     doc: str,
     bounds: tuple[float, ...],
-    children: list[tuple[str, list[int], float, float]],
+    children: list[tuple[str, list[int], float, float | None]],
 ) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, doc, labels=["tier"])
     les = [*map(str, bounds), "+Inf"]
     for tier, counts, total, created in children:
         cumulative = list(zip(les, itertools.accumulate(counts), strict=True))
         family.add_metric([tier], cumulative, sum_value=total)
-        family.samples.append(Sample(f"{name}_created", {"tier": tier}, created))
+        if created is not None:
+            family.samples.append(Sample(f"{name}_created", {"tier": tier}, created))
     return family
 
 
