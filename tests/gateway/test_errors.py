@@ -209,7 +209,7 @@ async def test_a_queued_request_displaced_by_a_lighter_tenant_gets_429() -> None
         assert int(r.headers["retry-after"]) >= 1
         h.fake.release(3)
         assert [(await t).status_code for t in (running, first, light)] == [200] * 3
-        # the native front counts at its next tick (`native.RECORD_TICK_S`)
+        # the native front counts a request as its task ends, just after the reply went out
         await until(lambda: h.gateway.metrics.outcomes["rejected", "displaced"] == 1)
 
 

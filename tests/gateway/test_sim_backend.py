@@ -32,7 +32,7 @@ async def test_openai_client_streams_and_completes_through_the_simulator() -> No
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks).strip()
         assert reply.usage is not None
         assert reply.usage.completion_tokens == 6
-        # the native front counts at its next tick (`native.RECORD_TICK_S`)
+        # the native front counts a request as its task ends, just after the reply went out
         await until(lambda: h.gateway.metrics.outcomes["completed", "completed"] == 2)
 
 
