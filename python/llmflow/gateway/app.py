@@ -209,11 +209,6 @@ class Gateway:
         while (self.ctx.sessions or self._native_live()) and time.monotonic() < bound:
             await asyncio.sleep(0.01)
 
-    def count_native(self) -> None:
-        """Take the native front's records now (a scrape, the state), not at its next tick."""
-        if self.native is not None:
-            self.native.drain()
-
     def _native_streams(self, generated: dict[int, int]) -> list[dict[str, Any]]:
         """The requests the native front serves, shaped as `_stream_state`'s (their window of
         unwritten chunks is the relay's: not counted here, None)."""
@@ -262,7 +257,6 @@ class Gateway:
 
     def state(self) -> dict[str, Any]:
         """The JSON snapshot behind `/api/state` and the dashboard."""
-        self.count_native()
         sessions = list(self.ctx.sessions) if self.ctx else []
         core = self.runtime.snapshot(now_us())
         generated = {r["id"]: r["generated_tokens"] for r in core.get("requests", ())}

@@ -26,7 +26,6 @@ router = APIRouter(tags=["admin"], dependencies=[Depends(admin)])
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
     g = gateway(request)
-    g.count_native()  # what the native front served until now, counted before the scrape
     return Response(g.metrics.render(), media_type=CONTENT_TYPE)
 
 
