@@ -33,15 +33,26 @@ if TYPE_CHECKING:
     from typing import TextIO
 
 __all__ = [
+    "NATIVE_IDS",
     "Harness",
     "assert_idle",
     "serve_asgi",
     "serve_gateway",
+    "served_by",
     "settings_for",
     "start_gateway",
     "start_sim_gateway",
     "until",
 ]
+
+NATIVE_IDS = 1 << 40  # the native front numbers its requests from here (`front/owner.rs`)
+
+
+def served_by(native: bool, *request_ids: str) -> None:
+    """Each request id (`llmflow-<n>`, as a client or a backend saw it) is from the native
+    front's path (`native`), or from Python's (`server.relay: false`)."""
+    for request_id in request_ids:
+        assert (int(request_id.removeprefix("llmflow-")) >= NATIVE_IDS) == native, request_id
 
 
 @contextlib.asynccontextmanager

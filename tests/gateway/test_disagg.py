@@ -36,6 +36,7 @@ from .harness import (
     assert_idle,
     serve_asgi,
     serve_gateway,
+    served_by,
     settings_for,
     until,
 )
@@ -47,15 +48,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 pytestmark = pytest.mark.anyio
-NATIVE_IDS = 1 << 40  # the front numbers its requests from here (`front/owner.rs`)
 # Each test on both paths: the native front's (the default) and Python's (`server.relay: false`).
 PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-
-
-def _served_by(native: bool, *request_ids: str) -> None:
-    """Each request id (`llmflow-<n>`, as a backend received it) is from `native`'s path."""
-    for request_id in request_ids:
-        assert (int(request_id.removeprefix("llmflow-")) >= NATIVE_IDS) == native, request_id
 
 
 @dataclass
@@ -218,7 +212,7 @@ async def test_a_split_request_prefills_on_one_instance_and_decodes_on_another(
         assert params["remote_block_ids"]
         assert params["remote_port"] == int(s.urls["p0"].rsplit(":", 1)[1])
         assert p0.headers[0]["x-request-id"] == d0.headers[0]["x-request-id"]
-        _served_by(native, d0.headers[0]["x-request-id"])
+        served_by(native, d0.headers[0]["x-request-id"])
         # The decode instance read the KV instead of computing the prompt: it prefilled only
         # the last prompt token (vLLM recomputes it), the prefill instance all of it; and the
         # prefill instance freed its blocks once they were read.
@@ -253,7 +247,7 @@ async def test_prefill_slots_and_decode_slots_each_bound_what_runs(native: bool)
         assert min(len(p0.bodies), len(p1.bodies)) >= 3
         assert all(b["kv_transfer_params"]["do_remote_decode"] for b in p0.bodies + p1.bodies)
         assert all(b["kv_transfer_params"]["do_remote_prefill"] for b in d0.bodies)
-        _served_by(native, *(h["x-request-id"] for h in d0.headers))
+        served_by(native, *(h["x-request-id"] for h in d0.headers))
         # Each decode hop carried what its own prefill hop answered, under the same id.
         answered = {
             h["x-request-id"]: json.loads(a)["kv_transfer_params"]
@@ -285,7 +279,7 @@ async def test_a_client_leaving_during_the_prefill_hop_aborts_it(native: bool) -
         await until(lambda: s.harness.gateway.relay.relay.live == 0)  # no hop left open
         assert s.recorders["d0"].bodies == []
         (hop,) = p0.headers + p1.headers
-        _served_by(native, hop["x-request-id"])
+        served_by(native, hop["x-request-id"])
     # The runtime heard the client leave, and nothing of a hop that never answered.
     assert _fed(trace, hop["x-request-id"]) == ["arrive", "client_gone"]
 
@@ -308,7 +302,7 @@ async def test_a_first_token_streams_after_the_transfer(native: bool) -> None:
             await anext(it)
             first = loop.time() - begin
             rest = [f async for f in it]
-            _served_by(native, r.headers["x-request-id"])
+            served_by(native, r.headers["x-request-id"])
         assert rest
         moved = prompt * 128 * 1024 / 0.05e9 / 5.0  # wall seconds on the link
         assert first >= 0.8 * moved, (first, moved)
@@ -330,7 +324,7 @@ async def test_built_in_backends_can_be_split(native: bool) -> None:
         reply = await client.post("/v1/completions", json=body)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 8
-        _served_by(native, reply.headers["x-request-id"])
+        served_by(native, reply.headers["x-request-id"])
         state = (await client.get("/api/state")).json()
         roles = {b["name"]: b["role"] for b in state["core"]["backends"]}
         assert roles == {"p": "prefill", "d": "decode"}
@@ -355,7 +349,7 @@ async def test_a_prefill_hop_refused_by_vllm_reaches_the_client_and_leaks_nothin
         reply = await s.harness.client.post("/v1/chat/completions", json=body)
         assert reply.status_code == 400, reply.text
         assert "1024" in reply.json()["error"]["message"]
-        _served_by(native, reply.headers["x-request-id"])
+        served_by(native, reply.headers["x-request-id"])
         assert s.recorders["d0"].bodies == []
         ok = await s.harness.client.post("/v1/chat/completions", json={
             **body, "messages": [{"role": "user", "content": "hello"}], "stream": False})
@@ -507,7 +501,7 @@ async def test_a_prefill_instance_without_a_kv_connector_is_warned_of(
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 5
         request_id = reply.headers["x-request-id"]
-        _served_by(native, request_id)
+        served_by(native, request_id)
         (decode,) = s.recorders["d0"].bodies
         assert "kv_transfer_params" not in decode
         assert await s.metric("d0", "llmflow_sim_prefill_computed_tokens_total") >= 300

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from tests.gateway.harness import NATIVE_IDS
 from tests.processes import GatewayProcess, SimServeProcess, replays_exactly
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 MODEL = "sim"
-NATIVE_IDS = 1 << 40  # the front numbers its requests from here (`front/owner.rs`)
 
 
 def _config(urls: dict[str, str], native: bool) -> dict[str, Any]:

@@ -26,13 +26,20 @@ from llmflow._core import replay_trace
 from llmflow.gateway.app import create_app
 
 from .fake_vllm import FakeVllm
-from .harness import assert_idle, serve_asgi, serve_gateway, settings_for, start_gateway, until
+from .harness import (
+    NATIVE_IDS,
+    assert_idle,
+    serve_asgi,
+    serve_gateway,
+    settings_for,
+    start_gateway,
+    until,
+)
 from .test_relay import _comparable, _events
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-NATIVE_IDS = 1 << 40  # the front numbers its requests from here (`front/owner.rs`)
 
 
 def _body(path: str = CHAT, **extra: Any) -> dict[str, Any]:

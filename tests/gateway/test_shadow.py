@@ -34,7 +34,14 @@ from llmflow.gateway.app import create_app
 from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
 from .fake_vllm import FakeVllm
-from .harness import serve_asgi, serve_gateway, settings_for, start_gateway, until
+from .harness import (
+    NATIVE_IDS,
+    serve_asgi,
+    serve_gateway,
+    settings_for,
+    start_gateway,
+    until,
+)
 from .otlp_receiver import OtlpReceiver
 
 if TYPE_CHECKING:
@@ -65,7 +72,6 @@ SECTIONS: dict[str, Any] = {
     "timeouts": {"total_ms": 1500},  # held replies are cut here (enforce)
 }
 TOKENS = 8  # each request's max_tokens: what vLLM generates for it
-NATIVE_IDS = 1 << 40  # the front numbers its requests from here (`front/owner.rs`)
 PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
 

@@ -26,7 +26,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from llmflow._core import front_trace_sampled, front_traceparent
 
-from .harness import start_gateway
+from .harness import served_by, start_gateway
 from .otlp_receiver import OtlpReceiver
 
 if TYPE_CHECKING:
@@ -48,15 +48,8 @@ PROMPT = "the-secret-prompt-text-nobody-may-trace"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"  # the client's own trace and span ids
 CLIENT_SPAN = "00f067aa0ba902b7"
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
-NATIVE_IDS = 1 << 40  # the front numbers its requests from here (`front/owner.rs`)
 # Each test on both paths: the native front's (the default) and Python's (`server.relay: false`).
 PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-
-
-def _served_by(native: bool, *request_ids: str) -> None:
-    """Each request was served by the path under test (the front numbers its own)."""
-    for request_id in request_ids:
-        assert (int(request_id.removeprefix("llmflow-")) >= NATIVE_IDS) == native, request_id
 
 
 def _body(stream: bool, **fake: Any) -> dict[str, Any]:
@@ -137,7 +130,7 @@ async def test_spans_and_the_traceparent_vllm_received(native: bool) -> None:
             seen = h.fake.seen
         # the gateway has stopped: its last spans are flushed
     assert seen == 4  # the refusal never reached vLLM
-    _served_by(native, streamed, unstreamed, refused.headers["x-request-id"], cut)
+    served_by(native, streamed, unstreamed, refused.headers["x-request-id"], cut)
 
     for request_id in (streamed, unstreamed):
         root = _root(rx, request_id)
@@ -194,7 +187,7 @@ async def test_a_client_traceparent_is_continued(native: bool) -> None:
                 "/v1/chat/completions", json=_body(False), headers={"traceparent": incoming}
             )
             assert reply.status_code == 200
-    _served_by(native, streamed, reply.headers["x-request-id"])
+    served_by(native, streamed, reply.headers["x-request-id"])
     for request_id in (streamed, reply.headers["x-request-id"]):
         root = _root(rx, request_id)
         assert (root.trace_id, root.parent_span_id) == (CLIENT_TRACE, CLIENT_SPAN)
@@ -218,7 +211,7 @@ async def test_a_request_refused_from_the_queue_has_a_queue_span(native: bool) -
                 waited = await h.client.post("/v1/chat/completions", json=_body(False))
                 await held.aread()
             assert waited.status_code == 503
-    _served_by(native, waited.headers["x-request-id"])
+    served_by(native, waited.headers["x-request-id"])
     root = _root(rx, waited.headers["x-request-id"])
     assert root.attributes["llmflow.reason"] == "queue_timeout"
     assert root.attributes["llmflow.outcome"] == "timed_out"  # the access log's word
@@ -236,7 +229,7 @@ async def test_sampled_out_traces_export_nothing_and_say_so_upstream(native: boo
         ) as h:
             reply = await h.client.post("/v1/chat/completions", json=_body(False))
             assert reply.status_code == 200
-    _served_by(native, reply.headers["x-request-id"])
+    served_by(native, reply.headers["x-request-id"])
     assert rx.spans == []
     flags = _traceparent_sent(h, reply.headers["x-request-id"])[3]
     assert not int(flags, 16) & 1  # vLLM is told the trace is not sampled: it records none
@@ -278,7 +271,7 @@ async def test_the_parents_flag_decides_the_sampling(native: bool) -> None:
             for flags, (trace_id, _) in chosen.items():
                 incoming = f"00-{trace_id}-{CLIENT_SPAN}-{flags}"
                 sent[flags], _ = await _stream(h.client, None, {"traceparent": incoming})
-    _served_by(native, *sent.values())
+    served_by(native, *sent.values())
     for flags, (trace_id, exported) in chosen.items():
         version, sent_trace, parent, sent_flags = _traceparent_sent(h, sent[flags])
         expected = _continuing(f"00-{trace_id}-{CLIENT_SPAN}-{flags}", 0.5)
@@ -305,7 +298,7 @@ async def test_new_traces_are_sampled_by_their_id(native: bool) -> None:
                 reply = await h.client.post("/v1/chat/completions", json=_body(False))
                 assert reply.status_code == 200
                 request_ids.append(reply.headers["x-request-id"])
-    _served_by(native, *request_ids)
+    served_by(native, *request_ids)
     sampler = TraceIdRatioBased(0.5)
     new_trace_flags = {_continuing("", 0.0), _continuing("", 1.0)}  # the SDK's, unsampled or not
     for request_id in request_ids:
@@ -360,7 +353,7 @@ async def test_both_paths_export_the_same_spans() -> None:
                 )
                 assert failed.status_code >= 500
                 ids["failed"] = failed.headers["x-request-id"]
-        _served_by(native, *ids.values())
+        served_by(native, *ids.values())
         trees[native] = {label: _tree(rx, request_id) for label, request_id in ids.items()}
     assert trees[True] == trees[False]
     assert trees[True]["failed"][1] == 2  # ERROR

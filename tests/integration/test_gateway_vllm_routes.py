@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.gateway.harness import served_by
 from tests.integration.gateway_server import gateway_config
 from tests.integration.gwtools import gateway_idle, poll
 
@@ -54,12 +55,14 @@ def test_responses_whole_and_streamed_count_what_vllm_generated(
         openai.OpenAI(base_url=gw.openai_base_url, api_key="unused", max_retries=0) as client,
     ):
         before = vllm.metrics(m)[GENERATED]
-        whole = client.responses.create(
+        raw = client.responses.with_raw_response.create(
             model="tiny",
             input="Tell me about queues",
             max_output_tokens=24,
             extra_body={"ignore_eos": True},
         )
+        served_by(True, raw.headers["x-request-id"])  # the native front's, not Python's
+        whole = raw.parse()
         events = list(
             client.responses.create(
                 model="tiny",
