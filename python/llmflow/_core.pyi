@@ -849,6 +849,10 @@ class Front:
         read_timeout_ms: float = 30000.0,
         write_timeout_ms: float = 60000.0,
     ) -> Front: ...
+    @property
+    def passing(self) -> int:
+        """Requests passed to the app whose reply is still being written to its client (a
+        WebSocket counts for its whole life): a shutdown waits for them before `close`."""
     def close(self) -> None:
         """Stop accepting and drop every connection."""
 

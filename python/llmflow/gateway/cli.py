@@ -96,6 +96,7 @@ class GatewayServer(uvicorn.Server):
         if gateway is not None:
             await gateway.drain()
         if self.front is not None:  # drained: the port closes with the app's listener
+            await self.front.finish_replies()  # the drained sessions' last bytes
             self.front.close()
         for companion in self.companions:
             companion.should_exit = True

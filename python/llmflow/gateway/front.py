@@ -14,11 +14,13 @@ started (its lifespan built the relay, and uvicorn listens on the unix socket).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
 import socket
 import tempfile
+import time
 from typing import TYPE_CHECKING
 
 from llmflow._core import Front
@@ -33,6 +35,9 @@ __all__ = ["FrontDoor"]
 
 log = logging.getLogger("llmflow.gateway")
 _BACKLOG = 2048  # uvicorn's default backlog, for the listener the front takes over
+# A shutdown's wait for the app's replies still on their way through the front (a WebSocket,
+# which counts for its whole life, is dropped after it).
+_REPLY_GRACE_S = 2.0
 
 
 class FrontDoor:
@@ -76,6 +81,16 @@ class FrontDoor:
         hosts = [s.server.host, *s.server.allowed_hosts]
         own = None if s.auth_enabled else allowed_host_names(hosts)
         gateway.native = native_routes(self._front, gateway, own)
+
+    async def finish_replies(self, timeout_s: float = _REPLY_GRACE_S) -> None:
+        """Wait (at most `timeout_s`) until every reply the app has answered through the front
+        is written to its client: a drained session has put its last bytes (a cut's notice,
+        `[DONE]`) in the app's reply, and `close` would drop them on their way."""
+        if self._front is None:
+            return
+        bound = time.monotonic() + timeout_s
+        while self._front.passing and time.monotonic() < bound:
+            await asyncio.sleep(0.01)
 
     def close(self) -> None:
         """Stop accepting and drop the front's connections; remove the private socket's file

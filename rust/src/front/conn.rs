@@ -6,6 +6,7 @@
 //! the current reply is written) and is parsed when the reply is done.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use std::os::fd::AsRawFd;
@@ -31,6 +32,25 @@ pub struct Setup {
     pub app: std::path::PathBuf,
     /// The native server, once one is plugged in (read per request).
     pub native: RwLock<Option<Arc<dyn Native>>>,
+    /// Requests passed to the app whose reply is not yet all written to its client: a
+    /// shutdown waits for them before it drops the connections (`Front::passing`).
+    pub passing: AtomicUsize,
+}
+
+/// Counts a passed request in `Setup::passing` while it lives.
+struct Passing<'a>(&'a AtomicUsize);
+
+impl<'a> Passing<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for Passing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Serve `conn` until it closes.
@@ -85,7 +105,10 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
             }
         }
         let app = Path::new(&setup.app);
-        match pass::forward(app, &mut upstream, &mut conn, &request, body, limits).await {
+        let passing = Passing::new(&setup.passing);
+        let after = pass::forward(app, &mut upstream, &mut conn, &request, body, limits).await;
+        drop(passing);
+        match after {
             After::KeepAlive => {}
             After::Close => return http::linger(conn).await,
             After::Drop => return,

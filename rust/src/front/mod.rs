@@ -35,6 +35,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -131,6 +132,7 @@ impl Front {
             limits,
             app,
             native: RwLock::new(None),
+            passing: AtomicUsize::new(0),
         });
         let (closed, watching) = watch::channel(false);
         runtime.spawn(accept(listener, Arc::clone(&setup), watching));
@@ -140,6 +142,14 @@ impl Front {
     /// Serve the governed routes natively from now on (each request asks at its arrival).
     pub fn set_native(&self, native: Arc<dyn Native>) {
         *self.setup.native.write().expect("never poisoned") = Some(native);
+    }
+
+    /// Requests passed to the app whose reply is still being written to its client (a
+    /// WebSocket counts for its whole life).
+    pub fn passing(&self) -> usize {
+        self.setup
+            .passing
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Stop accepting and drop every connection (the process is stopping).

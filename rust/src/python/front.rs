@@ -63,6 +63,13 @@ impl PyFront {
         Ok(Self { inner })
     }
 
+    /// Requests passed to the app whose reply is still being written to its client (a
+    /// WebSocket counts for its whole life): a shutdown waits for them before `close`.
+    #[getter]
+    fn passing(&self) -> usize {
+        self.inner.passing()
+    }
+
     /// Stop accepting and drop every connection.
     fn close(&self) {
         self.inner.close();
