@@ -408,7 +408,12 @@ mod tls {
             let mut tls = rustls::StreamOwned::new(conn, socket);
             for _ in 0..replies {
                 if read_request(&mut tls).is_none() {
-                    return; // the handshake failed, or the client went
+                    // The handshake failed (its alert sent) or the client went: read to the
+                    // client's close, so that this side's close sends no reset ahead of it.
+                    let _ = tls.sock.shutdown(std::net::Shutdown::Write);
+                    let mut rest = [0u8; 4096];
+                    while matches!(tls.sock.read(&mut rest), Ok(n) if n > 0) {}
+                    return;
                 }
                 let _ = names.send(tls.conn.server_name().unwrap_or("").to_owned());
                 let mut reply = super::HEAD.to_vec();
