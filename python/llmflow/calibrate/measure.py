@@ -49,7 +49,10 @@ _WINDOW_EDGE = 2  # tokens ignored at each end of the all-decoding window
 _MIN_WINDOW = 8  # fewest tokens a request must make in the window to count
 _SETTLE_S = 0.05  # pause between probes so the engine is idle when the next starts
 _MIXED_CONTEXT, _MIXED_TOKENS = 32, 96  # the decoding batch a prompt joins: prompt, output
-_JOIN_AFTER_S = 0.2  # the batch is decoding by then (and still far from its end)
+# the prompt joins once every decoder has streamed this many chunks: decoding, with steps before
+# the join to time (mixed_sample needs five), and far from its end. Waiting on the batch's own
+# progress, not on a fixed time, holds on a backend slowed by a busy machine.
+_JOIN_AFTER_CHUNKS = 8
 _JOIN_SPAN = 6  # decoder tokens timed across a prompt's arrival: one of their steps holds it
 _KV_HEADROOM = 0.9  # probes must fit in this share of the usable KV blocks (no preemption)
 _HEAD = b"content-type: application/json\r\naccept: text/event-stream\r\n"
@@ -119,12 +122,14 @@ class Calibration:
 
 
 async def stream_request(
-    pool: ConnectionPool, url: str, model: str, prompt: list[int], max_tokens: int
+    pool: ConnectionPool, url: str, model: str, prompt: list[int], max_tokens: int,
+    on_chunk: Callable[[Trace], None] | None = None,
 ) -> Trace:
     """Send one streamed completion and time every chunk.
 
     It goes over the gateway's own upstream client (`llmflow.gateway.http1`), so the backend is
-    timed as the gateway sees it, and the client spends little CPU per chunk.
+    timed as the gateway sees it, and the client spends little CPU per chunk. `on_chunk` is
+    called with the trace after each event is recorded.
 
     Raises:
         RuntimeError: the backend refused it or streamed no tokens.
@@ -148,6 +153,8 @@ async def stream_request(
                 event, buffer = buffer[:end], buffer[end + 2:]
                 if event.startswith(b"data: {"):
                     _record(trace, json.loads(event[6:]), now)
+                    if on_chunk is not None:
+                        on_chunk(trace)
     finally:
         response.release()
     if not trace.chunks:
@@ -234,9 +241,10 @@ class _Runner:
     def prompt(self, n: int) -> list[int]:
         return [self.rng.randrange(*_TOKEN_IDS) for _ in range(n)]
 
-    async def one(self, prompt_tokens: int, max_tokens: int) -> Trace:
+    async def one(self, prompt_tokens: int, max_tokens: int,
+                  on_chunk: Callable[[Trace], None] | None = None) -> Trace:
         trace = await stream_request(self.pool, self.cal.url, self.model,
-                                     self.prompt(prompt_tokens), max_tokens)
+                                     self.prompt(prompt_tokens), max_tokens, on_chunk)
         self.tick(1)
         return trace
 
@@ -264,15 +272,41 @@ class _Runner:
         out = []
         for _ in range(self.cal.repeats):
             for n in self.cal.mixed_prompts:
-                batch = [asyncio.create_task(self.one(_MIXED_CONTEXT, _MIXED_TOKENS))
-                         for _ in range(self.cal.mixed_decodes)]
-                await asyncio.sleep(_JOIN_AFTER_S)
+                decoding = _Decoding(self.cal.mixed_decodes)
+                batch = [asyncio.create_task(
+                    self.one(_MIXED_CONTEXT, _MIXED_TOKENS, decoding.saw))
+                    for _ in range(self.cal.mixed_decodes)]
+                await decoding.wait(batch)
                 joined = await self.one(n, 1)
                 sample = mixed_sample(list(await asyncio.gather(*batch)), joined)
                 if sample is not None:
                     out.append(sample)
                 await asyncio.sleep(_SETTLE_S)
         return out
+
+
+class _Decoding:
+    """Set once each of `size` streams has `_JOIN_AFTER_CHUNKS` chunks: the batch decodes."""
+
+    def __init__(self, size: int):
+        self.waiting, self.event = size, asyncio.Event()
+
+    def saw(self, trace: Trace) -> None:
+        if len(trace.chunks) == _JOIN_AFTER_CHUNKS:
+            self.waiting -= 1
+            if self.waiting == 0:
+                self.event.set()
+
+    async def wait(self, batch: list[asyncio.Task[Trace]]) -> None:
+        """Until the batch decodes, or one of its streams ends first (its error is raised)."""
+        ready = asyncio.ensure_future(self.event.wait())
+        try:
+            await asyncio.wait([ready, *batch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        for task in batch:
+            if task.done() and (error := task.exception()) is not None:
+                raise error
 
 
 def mixed_sample(batch: list[Trace], joined: Trace) -> MixedSample | None:
