@@ -9,10 +9,11 @@ this loop, through one wake-up pipe:
 - actions for Python's own requests (a WebSocket session, a request the front passed on)
   that an event of a native request caused: the slot it freed starts one of ours. The host
   carries them out as if its own call had returned them (`Host.carry`);
-- the end record of a native request Python has work with, at most `RECORD_TICK_S` late: with
-  telemetry on, its spans are made from it (the front decided its trace ids and sent vLLM its
-  `traceparent`; `telemetry.py`), and the warning of a split request's prefill hop answered
-  without KV transfer parameters is logged (`disagg.py`). The front keeps no other record.
+- the end record of a native request Python has work with (its end wakes the loop, one byte
+  for however many ended before the loop reads them): with telemetry on, its spans are made
+  from it (the front decided its trace ids and sent vLLM its `traceparent`; `telemetry.py`),
+  and the warning of a split request's prefill hop answered without KV transfer parameters is
+  logged (`disagg.py`). The front keeps no other record.
 
 Nothing is decided or counted here.
 """
@@ -39,13 +40,7 @@ if TYPE_CHECKING:
     from llmflow.gateway.metrics import GatewayMetrics
     from llmflow.gateway.shadow import Verdict
 
-__all__ = ["RECORD_TICK_S", "NativeInbox", "Served", "native_routes", "why_not_native"]
-
-# How late the spans may hear of a native request: records wake nobody (making spans must not
-# take the CPU from a burst's first tokens); they are taken with Python's next actions, or at
-# this tick.
-RECORD_TICK_S = 0.1
-
+__all__ = ["NativeInbox", "Served", "native_routes", "why_not_native"]
 
 def why_not_native(gateway: Gateway) -> str | None:
     """Why the front cannot serve this gateway's completions natively (None: it can).
@@ -206,28 +201,19 @@ class NativeInbox:
         self.native, self._wake_fd = native, wake_fd
         self.host, self.metrics = host, metrics
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tick: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        """Listen for wake-ups on the running loop, and take the records every tick."""
+        """Listen for wake-ups on the running loop."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._wake_fd, self.drain)
-        self._tick = self._loop.call_later(RECORD_TICK_S, self._on_tick)
 
     def close(self) -> None:
         """Stop listening, after taking what is left."""
         if self._loop is not None:
             self._loop.remove_reader(self._wake_fd)
             self._loop = None
-            if self._tick is not None:
-                self._tick.cancel()
             self.drain()
         os.close(self._wake_fd)
-
-    def _on_tick(self) -> None:
-        self.drain()
-        if self._loop is not None:
-            self._tick = self._loop.call_later(RECORD_TICK_S, self._on_tick)
 
     def drain(self) -> None:
         """Carry out everything the front queued since the last wake-up."""

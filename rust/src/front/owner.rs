@@ -312,9 +312,9 @@ impl Owner {
 
     /// A request's record: counted in the tally (and its access-log row written) here, at
     /// once; kept for Python only when Python has work with it (its spans, while telemetry is
-    /// on; the warning of a prefill hop that answered no KV transfer parameters). It wakes
-    /// nobody: Python takes those with its next batch of actions or at its next tick, so their
-    /// spans never compete with a burst's first tokens for the CPU.
+    /// on; the warning of a prefill hop that answered no KV transfer parameters), and then
+    /// Python is woken (one byte until it next takes the inbox, however many end meanwhile).
+    /// With telemetry off and no split pool nothing is kept, and a burst wakes nobody.
     pub fn record(&self, mut record: Record) {
         if record.first_token_only {
             let first = record.first_token_us.unwrap_or(record.arrived_us);
@@ -329,7 +329,9 @@ impl Owner {
         }
         record.count(&self.tally);
         if record.trace.is_some() || record.prefill_unread.is_some() {
-            self.inbox.lock().unwrap().records.push(record);
+            let mut inbox = self.inbox.lock().unwrap();
+            inbox.records.push(record);
+            self.wake(&mut inbox);
         }
     }
 
