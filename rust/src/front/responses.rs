@@ -9,10 +9,10 @@
 //! reply the runtime cut. The relay's side (vLLM's events read, tokens counted, frames as
 //! vLLM framed them) is `relay::responses`.
 
-use super::json::{self, Json, Style};
+use super::json::{self, Json};
 use super::prepare::{fingerprint, refused, set, Endpoint, FrontConfig, NotServed, Prepared};
 use super::prompt::text_tokens;
-use super::reply::notice_for;
+use super::reply::{in_band_error, notice_for, FRAME, STARLETTE};
 use super::request::MAX_INT;
 
 const PER_ITEM: u64 = 4; // role markers a chat template adds around each input message
@@ -288,15 +288,7 @@ pub fn cut_frame(reason: &str) -> Vec<u8> {
 /// event: `{"type": "error", **error}` (vLLM's own error object when it refused the request;
 /// else ours: `message`, `type: bad_gateway`, `code`).
 pub fn upstream_error_frame(error: Option<&str>, message: &str, code: &str) -> Vec<u8> {
-    let error = error
-        .and_then(|e| json::parse(e.as_bytes()))
-        .unwrap_or_else(|| {
-            Json::Object(vec![
-                ("message".to_owned(), Json::Str(message.to_owned())),
-                ("type".to_owned(), Json::Str("bad_gateway".to_owned())),
-                ("code".to_owned(), Json::Str(code.to_owned())),
-            ])
-        });
+    let error = in_band_error(error, message, code);
     let mut event = Json::Object(vec![("type".to_owned(), Json::Str("error".to_owned()))]);
     if let Json::Object(pairs) = error {
         for (key, value) in pairs {
@@ -313,17 +305,6 @@ fn error_frame(event: &Json) -> Vec<u8> {
     out.extend_from_slice(b"\n\n");
     out
 }
-
-const STARLETTE: Style = Style {
-    ascii: false,
-    sort_keys: false,
-    compact: true,
-};
-const FRAME: Style = Style {
-    ascii: true,
-    sort_keys: false,
-    compact: true,
-};
 
 #[cfg(test)]
 mod tests;
