@@ -169,17 +169,7 @@ pub fn checked(
         return super::responses::checked(body, raw, config);
     }
     let checked = check(endpoint, &body, config)?;
-    let Json::Object(pairs) = body else {
-        unreachable!("checked as an object")
-    };
-    // The client's body moves upstream (no copy of its messages), less what it may not set.
-    let mut upstream = Json::Object(
-        pairs
-            .into_iter()
-            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
-            .collect(),
-    );
-    set(&mut upstream, "model", Json::Str(checked.model.clone()));
+    let mut upstream = forwarded(body, &STRIPPED, &checked.model);
     if !checked.unstreamed {
         set(&mut upstream, "stream", Json::Bool(true));
         let usage = vec![
@@ -321,6 +311,23 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
         hashes,
         unstreamed: !request.stream && wants_prompt_logprobs(body),
     })
+}
+
+/// The body vLLM gets, before the endpoint's own settings: the client's (moved, no copy of
+/// its messages), less the fields it may not set (`stripped`), naming the model the backend
+/// serves.
+pub(super) fn forwarded(body: Json, stripped: &[&str], model: &str) -> Json {
+    let Json::Object(pairs) = body else {
+        unreachable!("checked as an object")
+    };
+    let mut upstream = Json::Object(
+        pairs
+            .into_iter()
+            .filter(|(k, _)| !stripped.contains(&k.as_str()))
+            .collect(),
+    );
+    set(&mut upstream, "model", Json::Str(model.to_owned()));
+    upstream
 }
 
 /// `GatewayError(status, message, code, param=param)`, Python's refusal of the body.

@@ -10,7 +10,9 @@
 //! vLLM framed them) is `relay::responses`.
 
 use super::json::{self, Json};
-use super::prepare::{fingerprint, refused, set, Endpoint, FrontConfig, NotServed, Prepared};
+use super::prepare::{
+    fingerprint, forwarded, refused, set, Endpoint, FrontConfig, NotServed, Prepared,
+};
 use super::prompt::text_tokens;
 use super::reply::{in_band_error, notice_for, FRAME, STARLETTE};
 use super::request::MAX_INT;
@@ -72,16 +74,7 @@ pub(super) fn checked(body: Json, raw: &[u8], config: &FrontConfig) -> Result<Pr
         generated = generated.min(cap);
     }
     let served = config.aliases.get(&model).cloned().unwrap_or(model.clone());
-    let Json::Object(pairs) = body else {
-        unreachable!("checked as an object")
-    };
-    let mut upstream = Json::Object(
-        pairs
-            .into_iter()
-            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
-            .collect(),
-    );
-    set(&mut upstream, "model", Json::Str(served.clone()));
+    let mut upstream = forwarded(body, &STRIPPED, &served);
     set(&mut upstream, "stream", Json::Bool(true));
     // The bound the core planned with holds upstream.
     set(
