@@ -157,16 +157,7 @@ async def test_a_whole_response_cut_by_its_deadline_is_the_python_paths() -> Non
 async def test_an_upstream_failure_is_the_python_paths(fake: dict[str, Any], stream: bool) -> None:
     body = _body(stream=stream, fake=fake)
     if stream:
-        replies = []
-        for native in (True, False):
-            async with start_gateway(server={"relay": native}) as h:
-                reader, writer = await connect(h.url, post(RESPONSES, body, close=True))
-                raw = await asyncio.wait_for(reader.read(), 10)
-                writer.close()
-                assert (reply_id(raw) >= NATIVE_IDS) == native, raw
-                await until(lambda h=h: h.gateway.runtime.live == 0)
-                replies.append(_dechunked(raw))
-        native_reply, python_reply = replies
+        native_reply, python_reply = await _dechunked_on_both_paths(body)
     else:
         native_reply, python_reply = await _whole_on_both_paths(body)
     assert native_reply == python_reply
@@ -185,6 +176,12 @@ def _dechunked(raw: bytes) -> bytes:
             out, body = out + rest[:n], rest[n + 2 :]
         body = out
     return _masked(head.split(b"\r\n", 1)[0] + b"\r\n\r\n" + body)
+
+
+async def _dechunked_on_both_paths(body: dict[str, Any], **sections: Any) -> list[bytes]:
+    """What a client reads of the reply to `body` (see `_dechunked`) on the native front and on
+    the Python path."""
+    return [_dechunked(raw) for raw, _ in await raw_on_both_paths(RESPONSES, body, **sections)]
 
 
 _BAD = [
@@ -321,16 +318,7 @@ async def test_a_response_past_its_first_token_timeout_is_the_python_paths(
     streaming = {"first_token_timeout_ms": 200, "on_first_token_timeout": mode}
     body = _body(stream=stream, fake={"hang": True})
     if stream:
-        replies = []
-        for native in (True, False):
-            async with start_gateway(server={"relay": native}, streaming=streaming) as h:
-                reader, writer = await connect(h.url, post(RESPONSES, body, close=True))
-                raw = await asyncio.wait_for(reader.read(), 10)
-                writer.close()
-                assert (reply_id(raw) >= NATIVE_IDS) == native, raw
-                await until(lambda h=h: h.gateway.runtime.live == 0)
-                replies.append(_dechunked(raw))
-        native_reply, python_reply = replies
+        native_reply, python_reply = await _dechunked_on_both_paths(body, streaming=streaming)
     else:
         native_reply, python_reply = await _whole_on_both_paths(body, streaming=streaming)
     assert native_reply == python_reply
