@@ -24,6 +24,7 @@ __all__ = [
     "post",
     "raw_on_both_paths",
     "read_stream",
+    "refused_on_both_paths",
     "reply_id",
     "streamed_on_both_paths",
     "unsized",
@@ -133,3 +134,25 @@ async def raw_on_both_paths(
             await until(lambda h=h: h.gateway.runtime.live == 0)
             replies.append((raw, h.fake.bodies[-1] if h.fake.bodies else {}))
     return replies
+
+
+async def refused_on_both_paths(
+    path: str, held: dict[str, Any], body: dict[str, Any]
+) -> list[tuple[bytes, tuple[int, str, dict[str, str]]]]:
+    """The raw refusal of `body` (one slot, taken by `held`, which the fake holds, and no place
+    to wait: a 429) from the native front, then from the Python path, and the held request's
+    reply (`read_stream`'s) once the fake let it go on."""
+    answers = []
+    for native in (True, False):
+        async with start_gateway(
+            server={"relay": native},
+            gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
+        ) as h:
+            hold = asyncio.create_task(read_stream(h.client, path, held))
+            await until(lambda h=h: h.fake.running == 1)
+            reader, writer = await connect(h.url, post(path, body, close=True))
+            raw = await reader.read()
+            writer.close()
+            h.fake.release(10)
+            answers.append((raw, await hold))
+    return answers

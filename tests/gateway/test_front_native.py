@@ -30,6 +30,7 @@ from .both_paths import (
     post,
     raw_on_both_paths,
     read_stream,
+    refused_on_both_paths,
     streamed_on_both_paths,
     unsized,
     without_date,
@@ -114,22 +115,9 @@ async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_
 
 
 async def test_a_native_refusal_is_the_python_paths_refusal_byte_for_byte() -> None:
-    answers = []
-    for native in (True, False):
-        async with start_gateway(
-            server={"relay": native},
-            gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
-        ) as h:
-            hold = asyncio.create_task(read_stream(h.client, CHAT, _body(fake={"step": True})))
-            await until(lambda h=h: h.fake.running == 1)
-            reader, writer = await connect(h.url, post(CHAT, _body(), close=True))
-            raw = await reader.read()
-            writer.close()
-            h.fake.release(10)
-            await hold
-            # the ids differ by path (the front's range): compare the rest
-            answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(raw)))
-    native, python = answers
+    answers = await refused_on_both_paths(CHAT, _body(fake={"step": True}), _body())
+    # the ids differ by path (the front's range): compare the rest
+    native, python = (re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(a[0])) for a in answers)
     assert native.startswith(b"HTTP/1.1 429 ")
     assert b"retry-after: " in native.lower()
     assert native == python

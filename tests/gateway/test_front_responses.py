@@ -21,7 +21,7 @@ from .both_paths import (
     connect,
     post,
     raw_on_both_paths,
-    read_stream,
+    refused_on_both_paths,
     reply_id,
     streamed_on_both_paths,
     unsized,
@@ -247,25 +247,15 @@ async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> N
 
 
 async def test_a_refusal_with_retry_after_is_the_python_paths_byte_for_byte() -> None:
+    held = _body(stream=True, fake={"step": True})
     answers = []
-    for native in (True, False):
-        async with start_gateway(
-            server={"relay": native},
-            gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
-        ) as h:
-            hold = asyncio.create_task(
-                read_stream(h.client, RESPONSES, _body(stream=True, fake={"step": True}))
-            )
-            await until(lambda h=h: h.fake.running == 1)
-            reader, writer = await connect(h.url, post(RESPONSES, _body(), close=True))
-            raw = await reader.read()
-            writer.close()
-            assert (reply_id(raw) >= NATIVE_IDS) == native, raw
-            h.fake.release(10)
-            status, _, headers = await hold
-            assert status == 200
-            assert by_front(headers) == native
-            answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(raw)))
+    for native, (raw, (status, _, headers)) in zip(
+        (True, False), await refused_on_both_paths(RESPONSES, held, _body()), strict=True
+    ):
+        assert (reply_id(raw) >= NATIVE_IDS) == native, raw
+        assert status == 200
+        assert by_front(headers) == native
+        answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(raw)))
     native, python = answers
     assert native.startswith(b"HTTP/1.1 429 ")
     assert b"retry-after: " in native.lower()
