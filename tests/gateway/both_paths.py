@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "by_front",
+    "completed",
     "connect",
     "post",
     "raw_on_both_paths",
@@ -69,6 +70,13 @@ def post(path: str, body: dict[str, Any], close: bool = False) -> bytes:
 
 def without_date(raw: bytes) -> bytes:
     return re.sub(rb"\r\ndate: [^\r]*", b"", raw)
+
+
+def completed(metrics: str) -> float:
+    """The requests a scrape of `/metrics` counts as completed."""
+    found = re.search(r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics)
+    assert found is not None, metrics
+    return float(found.group(1))
 
 
 def reply_id(raw: bytes) -> int:

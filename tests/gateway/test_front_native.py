@@ -26,6 +26,7 @@ from llmflow.gateway.app import create_app
 
 from .both_paths import (
     by_front,
+    completed,
     connect,
     post,
     raw_on_both_paths,
@@ -180,11 +181,7 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
             assert by_front(headers) == native
         await until(lambda: h.gateway.runtime.live == 0)
         metrics = (await h.client.get("/metrics")).text
-        completed = re.search(
-            r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics
-        )
-        assert completed is not None
-        assert float(completed.group(1)) == 4
+        assert completed(metrics) == 4
         assert "llmflow_ttft_seconds_count" in metrics
         rows = log.read_text().splitlines()
         assert len(rows) == 1 + 5  # the header, four served, one refused

@@ -18,6 +18,7 @@ import pytest
 
 from .both_paths import (
     by_front,
+    completed,
     connect,
     post,
     raw_on_both_paths,
@@ -333,11 +334,7 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
             assert by_front(dict(r.headers)) == native
         await until(lambda: h.gateway.runtime.live == 0)
         metrics = (await h.client.get("/metrics")).text
-        completed = re.search(
-            r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics
-        )
-        assert completed is not None
-        assert float(completed.group(1)) == 2
+        assert completed(metrics) == 2
         tokens = re.search(r"llmflow_tokens_streamed_total\{[^}]*\} (\S+)", metrics)
         assert tokens is not None
         assert float(tokens.group(1)) == 2 * 5  # counted from the deltas, as the fake sent
