@@ -389,7 +389,7 @@ pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
         Some(Json::Object(pairs)) if !pairs.is_empty() => Some(pairs),
         _ => None,
     };
-    frame(&tail_chunk(cut, base))
+    frame(b"data: ", &tail_chunk(cut, base))
 }
 
 /// `tail_chunk(...)`: the chunk that ends a reply the runtime cut, on `base` (the template as
@@ -457,7 +457,7 @@ pub fn tail_chunk(cut: &Cut<'_>, base: Option<Vec<(String, Json)>>) -> Json {
 /// `encode_event({"error": in_band_error(...)})`: a started stream's failure, in-band.
 pub fn in_band_error_frame(error: Option<&str>, message: &str, code: &str) -> Vec<u8> {
     let error = in_band_error(error, message, code);
-    frame(&Json::Object(vec![("error".to_owned(), error)]))
+    frame(b"data: ", &Json::Object(vec![("error".to_owned(), error)]))
 }
 
 /// `session.in_band_error`: vLLM's own error object (JSON text), when it refused the request;
@@ -475,10 +475,11 @@ pub(super) fn in_band_error(error: Option<&str>, message: &str, code: &str) -> J
         })
 }
 
-/// `encode_event`: `data: {json}` and a blank line.
-fn frame(chunk: &Json) -> Vec<u8> {
-    let mut out = b"data: ".to_vec();
-    json::write(&mut out, chunk, FRAME);
+/// An SSE frame: its `lead` (`data: `, as `encode_event` writes it, or an event's line before
+/// it), the JSON as `json.dumps` writes it (ASCII, compact), a blank line.
+pub(super) fn frame(lead: &[u8], value: &Json) -> Vec<u8> {
+    let mut out = lead.to_vec();
+    json::write(&mut out, value, FRAME);
     out.extend_from_slice(b"\n\n");
     out
 }

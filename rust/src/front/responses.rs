@@ -14,7 +14,7 @@ use super::prepare::{
     fingerprint, forwarded, refused, set, Endpoint, FrontConfig, NotServed, Prepared,
 };
 use super::prompt::text_tokens;
-use super::reply::{in_band_error, notice_for, FRAME, STARLETTE};
+use super::reply::{frame, in_band_error, notice_for, STARLETTE};
 use super::request::MAX_INT;
 
 const PER_ITEM: u64 = 4; // role markers a chat template adds around each input message
@@ -293,10 +293,7 @@ pub fn upstream_error_frame(error: Option<&str>, message: &str, code: &str) -> V
 
 /// `b"event: error\ndata: " + json.dumps(event, separators=(",", ":")) + b"\n\n"`.
 fn error_frame(event: &Json) -> Vec<u8> {
-    let mut out = b"event: error\ndata: ".to_vec();
-    json::write(&mut out, event, FRAME);
-    out.extend_from_slice(b"\n\n");
-    out
+    frame(b"event: error\ndata: ", event)
 }
 
 #[cfg(test)]
