@@ -364,13 +364,23 @@ fn limits(
         );
         return Err(refused(400, message, "n_too_large", "n"));
     }
-    if let (Some(cap), Some(asked)) = (config.max_tokens, max_tokens) {
+    within_cap("max_tokens", max_tokens, config)
+}
+
+/// The output bound a request asks for in `field`, against the gateway's `limits.max_tokens`
+/// (`serving._check_limits`; `responses.prepare_response` for `max_output_tokens`).
+pub(super) fn within_cap(
+    field: &str,
+    asked: Option<u64>,
+    config: &FrontConfig,
+) -> Result<(), NotServed> {
+    if let (Some(cap), Some(asked)) = (config.max_tokens, asked) {
         if asked > cap {
             let message = format!(
-                "max_tokens is {asked}, over this gateway's limit of {cap} (limits.max_tokens): \
+                "{field} is {asked}, over this gateway's limit of {cap} (limits.max_tokens): \
                  ask for at most {cap}"
             );
-            return Err(refused(400, message, "max_tokens_too_large", "max_tokens"));
+            return Err(refused(400, message, "max_tokens_too_large", field));
         }
     }
     Ok(())

@@ -11,7 +11,7 @@
 
 use super::json::{self, Json};
 use super::prepare::{
-    fingerprint, forwarded, refused, set, Endpoint, FrontConfig, NotServed, Prepared,
+    fingerprint, forwarded, refused, set, within_cap, Endpoint, FrontConfig, NotServed, Prepared,
 };
 use super::prompt::text_tokens;
 use super::reply::{frame, in_band_error, notice_for, STARLETTE};
@@ -45,20 +45,7 @@ pub(super) fn checked(body: Json, raw: &[u8], config: &FrontConfig) -> Result<Pr
         Some(Json::Int(i)) => Some(u64::try_from(*i).expect("validated: 1..=MAX_INT")),
         _ => None,
     };
-    if let (Some(cap), Some(wanted)) = (config.max_tokens, wanted) {
-        if wanted > cap {
-            let message = format!(
-                "max_output_tokens is {wanted}, over this gateway's limit of {cap} \
-                 (limits.max_tokens): ask for at most {cap}"
-            );
-            return Err(refused(
-                400,
-                message,
-                "max_tokens_too_large",
-                "max_output_tokens",
-            ));
-        }
-    }
+    within_cap("max_output_tokens", wanted, config)?;
     let output = wanted.unwrap_or(0);
     if prompt >= context || prompt + output > context {
         let message = format!(
