@@ -263,17 +263,9 @@ class FakeVllm:
                         "finish_reason": None,
                     }
                     yield _frame(base, [role], _usage(prompt, 0) if continuous else None)
-            pad = int(plan.get("chunk_bytes", 0))
             sent = 0
             for i in range(max(counts, default=0)):
-                if plan.get("step"):
-                    await self.steps.get()
-                elif i and plan.get("itl"):
-                    await asyncio.sleep(float(plan["itl"]))
-                else:  # a checkpoint, so a client's disconnect cancels us as it does vLLM
-                    await asyncio.sleep(0)
-                if plan.get("crash_after") is not None and i >= int(plan["crash_after"]):
-                    raise ConnectionAbortedError("injected crash mid-stream")
+                await self._pace(plan, i)
                 if _due(plan, "malformed_after", i):
                     yield b'data: {"id": "broken", "choices": [{"delta": \n\n'
                     await asyncio.Event().wait()  # the gateway must not wait for more
@@ -288,7 +280,7 @@ class FakeVllm:
                 if _due(plan, "close_after", i):
                     finished = None
                     return
-                text = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
+                text = _token(plan, i)
                 for index, count in enumerate(counts):
                     if i >= count:
                         continue
@@ -311,6 +303,18 @@ class FakeVllm:
             finished = True
         finally:
             self._leave(held, finished)
+
+    async def _pace(self, plan: dict[str, Any], i: int) -> None:
+        """Wait for step `i` of a reply as its plan says (a permit, the inter-token latency, or
+        just a checkpoint), and crash there if it says so."""
+        if plan.get("step"):
+            await self.steps.get()
+        elif i and plan.get("itl"):
+            await asyncio.sleep(float(plan["itl"]))
+        else:  # a checkpoint, so a client's disconnect cancels us as it does vLLM
+            await asyncio.sleep(0)
+        if _due(plan, "crash_after", i):
+            raise ConnectionAbortedError("injected crash mid-stream")
 
     async def _responses(self, body: dict[str, Any], plan: dict[str, Any], held: _HeldBy) -> Any:
         self._enter(held)
@@ -365,14 +369,7 @@ class FakeVllm:
             )
             text = ""
             for i in range(n):
-                if plan.get("step"):
-                    await self.steps.get()
-                elif i and plan.get("itl"):
-                    await asyncio.sleep(float(plan["itl"]))
-                else:  # a checkpoint, so a client's disconnect cancels us as it does vLLM
-                    await asyncio.sleep(0)
-                if plan.get("crash_after") is not None and i >= int(plan["crash_after"]):
-                    raise ConnectionAbortedError("injected crash mid-stream")
+                await self._pace(plan, i)
                 if _due(plan, "error_after", i):
                     yield event("error", code="server_error", message="injected", param=None)
                     finished = None
@@ -383,8 +380,7 @@ class FakeVllm:
                     finished = None
                     return
                 self.tokens_sent += 1
-                pad = int(plan.get("chunk_bytes", 0))
-                delta = f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
+                delta = _token(plan, i)
                 text += delta
                 yield event("response.output_text.delta", **place, delta=delta, logprobs=[])
             yield event("response.output_text.done", **place, text=text, logprobs=[])
@@ -447,6 +443,12 @@ def _choices(body: dict[str, Any], chat: bool) -> int:
     batch = not chat and isinstance(prompt, list) and bool(prompt)
     prompts = len(prompt) if batch and not isinstance(prompt[0], int) else 1
     return int(body.get("n") or 1) * prompts
+
+
+def _token(plan: dict[str, Any], i: int) -> str:
+    """Step `i`'s text, padded to the plan's `chunk_bytes`."""
+    pad = int(plan.get("chunk_bytes", 0))
+    return f"t{i} ".ljust(pad, "x") if pad else f"t{i} "
 
 
 def _due(plan: dict[str, Any], key: str, i: int) -> bool:

@@ -17,7 +17,6 @@ import json
 import re
 import socket
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -25,9 +24,20 @@ import pytest
 from llmflow._core import replay_trace
 from llmflow.gateway.app import create_app
 
+from .both_paths import (
+    by_front,
+    completed,
+    connect,
+    post,
+    raw_on_both_paths,
+    read_stream,
+    refused_on_both_paths,
+    streamed_on_both_paths,
+    unsized,
+    without_date,
+)
 from .fake_vllm import FakeVllm
 from .harness import (
-    NATIVE_IDS,
     assert_idle,
     serve_asgi,
     serve_gateway,
@@ -51,38 +61,6 @@ def _body(path: str = CHAT, **extra: Any) -> dict[str, Any]:
     return body
 
 
-async def _stream(
-    client: httpx.AsyncClient, path: str, body: dict[str, Any]
-) -> tuple[int, str, dict[str, str]]:
-    async with client.stream("POST", path, json=body) as r:
-        text = (await r.aread()).decode()
-        return r.status_code, text, dict(r.headers)
-
-
-def _native(headers: dict[str, str]) -> bool:
-    """Whether the front served it (its id is from the front's range)."""
-    return int(headers["x-request-id"].removeprefix("llmflow-")) >= NATIVE_IDS
-
-
-async def _raw(url: str, payload: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    parts = urlsplit(url)
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
-    writer.write(payload)
-    await writer.drain()
-    return reader, writer
-
-
-def _post(path: str, body: dict[str, Any], close: bool = False) -> bytes:
-    data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(data)}\r\n"
-    )
-    if close:
-        head += "connection: close\r\n"
-    return head.encode() + b"\r\n" + data
-
-
 @pytest.mark.parametrize(
     ("path", "extra"),
     [
@@ -98,9 +76,9 @@ async def test_the_native_path_sends_what_the_python_path_sends(
     replies = []
     for native in (True, False):
         async with start_gateway(server={"relay": native}) as h:
-            status, text, headers = await _stream(h.client, path, _body(path, **extra))
+            status, text, headers = await read_stream(h.client, path, _body(path, **extra))
             assert status == 200, text
-            assert _native(headers) == native
+            assert by_front(headers) == native
             assert headers["content-type"] == "text/event-stream; charset=utf-8"
             replies.append(_comparable(_events(text)))
             assert h.fake.completed == 1
@@ -124,40 +102,23 @@ async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_
         whole = {**streamed, "stream": False}
         page = {"origin": h.url}
         results = await asyncio.gather(
-            *(_stream(h.client, CHAT, streamed) for _ in range(6)),
+            *(read_stream(h.client, CHAT, streamed) for _ in range(6)),
             *(h.client.post(CHAT, json=whole, headers=page) for _ in range(6)),
         )
         native = results[:6]
         python: list[httpx.Response] = list(results[6:])  # type: ignore[arg-type]
-        assert all(status == 200 and _native(headers) for status, _, headers in native)
+        assert all(status == 200 and by_front(headers) for status, _, headers in native)
         assert all(r.status_code == 200 for r in python)
-        assert not any(_native(dict(r.headers)) for r in python)
+        assert not any(by_front(dict(r.headers)) for r in python)
         assert h.fake.peak_running == cap  # the fake's own count, over both paths
         assert h.fake.completed == 12
         await assert_idle(h)
 
 
-def _without_date(raw: bytes) -> bytes:
-    return re.sub(rb"\r\ndate: [^\r]*", b"", raw)
-
-
 async def test_a_native_refusal_is_the_python_paths_refusal_byte_for_byte() -> None:
-    answers = []
-    for native in (True, False):
-        async with start_gateway(
-            server={"relay": native},
-            gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
-        ) as h:
-            hold = asyncio.create_task(_stream(h.client, CHAT, _body(fake={"step": True})))
-            await until(lambda h=h: h.fake.running == 1)
-            reader, writer = await _raw(h.url, _post(CHAT, _body(), close=True))
-            raw = await reader.read()
-            writer.close()
-            h.fake.release(10)
-            await hold
-            # the ids differ by path (the front's range): compare the rest
-            answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", _without_date(raw)))
-    native, python = answers
+    answers = await refused_on_both_paths(CHAT, _body(fake={"step": True}), _body())
+    # the ids differ by path (the front's range): compare the rest
+    native, python = (re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(a[0])) for a in answers)
     assert native.startswith(b"HTTP/1.1 429 ")
     assert b"retry-after: " in native.lower()
     assert native == python
@@ -165,10 +126,10 @@ async def test_a_native_refusal_is_the_python_paths_refusal_byte_for_byte() -> N
 
 async def test_a_client_that_leaves_while_queued_or_mid_stream_frees_everything() -> None:
     async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
-        hold_reader, hold_writer = await _raw(h.url, _post(CHAT, _body(fake={"step": True})))
+        hold_reader, hold_writer = await connect(h.url, post(CHAT, _body(fake={"step": True})))
         await until(lambda: h.fake.running == 1)
         # queued behind it, then gone: vLLM never sees it
-        _, queued_writer = await _raw(h.url, _post(CHAT, _body()))
+        _, queued_writer = await connect(h.url, post(CHAT, _body()))
         await until(lambda: h.gateway.runtime.queued == 1)
         queued_writer.close()
         await until(lambda: h.gateway.runtime.queued == 0)
@@ -185,7 +146,7 @@ async def test_a_client_that_leaves_while_queued_or_mid_stream_frees_everything(
 async def test_keep_alive_and_a_pipelined_second_request_are_answered_in_order() -> None:
     async with start_gateway() as h:
         first, second = _body(max_tokens=3), _body(COMPLETIONS, max_tokens=4)
-        reader, writer = await _raw(h.url, _post(CHAT, first) + _post(COMPLETIONS, second))
+        reader, writer = await connect(h.url, post(CHAT, first) + post(COMPLETIONS, second))
         texts = []
         for _ in range(2):
             head = await reader.readuntil(b"\r\n\r\n")
@@ -208,23 +169,19 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
         server={"access_log": str(log), "relay": native},
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
     ) as h:
-        hold = asyncio.create_task(_stream(h.client, CHAT, _body(fake={"step": True})))
+        hold = asyncio.create_task(read_stream(h.client, CHAT, _body(fake={"step": True})))
         await until(lambda: h.fake.running == 1)
-        status, _, _ = await _stream(h.client, CHAT, _body())
+        status, _, _ = await read_stream(h.client, CHAT, _body())
         assert status == 429
         h.fake.release(10)
         await hold
         for _ in range(3):
-            status, _, headers = await _stream(h.client, CHAT, _body())
+            status, _, headers = await read_stream(h.client, CHAT, _body())
             assert status == 200
-            assert _native(headers) == native
+            assert by_front(headers) == native
         await until(lambda: h.gateway.runtime.live == 0)
         metrics = (await h.client.get("/metrics")).text
-        completed = re.search(
-            r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics
-        )
-        assert completed is not None
-        assert float(completed.group(1)) == 4
+        assert completed(metrics) == 4
         assert "llmflow_ttft_seconds_count" in metrics
         rows = log.read_text().splitlines()
         assert len(rows) == 1 + 5  # the header, four served, one refused
@@ -234,8 +191,8 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
 async def test_a_trace_of_native_requests_replays_bit_for_bit() -> None:
     trace = io.StringIO()
     async with start_gateway(trace=trace, gate={"max_concurrency_per_gpu": 2}) as h:
-        results = await asyncio.gather(*(_stream(h.client, CHAT, _body()) for _ in range(6)))
-        assert all(status == 200 and _native(headers) for status, _, headers in results)
+        results = await asyncio.gather(*(read_stream(h.client, CHAT, _body()) for _ in range(6)))
+        assert all(status == 200 and by_front(headers) for status, _, headers in results)
         await until(lambda: h.gateway.runtime.live == 0)
     # the gateway has stopped: its trace is flushed
     events, actions = replay_trace(trace.getvalue())
@@ -255,11 +212,8 @@ def _wire(raw: bytes) -> bytes:
     request ids (the front numbers from its own range), the `created` clock; its
     `content-length` checked against the body it heads, then left out (the ids' lengths
     differ)."""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    length = re.search(rb"\r\ncontent-length: (\d+)", head)
-    assert length is not None, raw
-    assert int(length.group(1)) == len(body), raw
-    head = re.sub(rb"\r\ncontent-length: \d+", b"", _without_date(head))
+    head, _, body = unsized(raw).partition(b"\r\n\r\n")
+    head = without_date(head)
     body = re.sub(rb'"created":\d+', b'"created":0', body)
     return re.sub(rb"llmflow-\d+", b"llmflow-ID", head + b"\r\n\r\n" + body)
 
@@ -275,26 +229,14 @@ async def _whole_on_both_paths(
     (`relay: false`); `steps`: the fake emits that many tokens, then holds the rest;
     `unstreamed`: the request asks what vLLM computes only unstreamed (prompt logprobs)."""
     replies = []
-    server = sections.pop("server", {})
-    for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
-            reader, writer = await _raw(h.url, _post(path, body, close=True))
-            if steps is not None:
-                h.fake.release(steps)
-            raw = await asyncio.wait_for(reader.read(), 10)
-            writer.close()
-            request_id = int(re.search(rb"x-request-id: llmflow-(\d+)", raw).group(1))  # type: ignore[union-attr]
-            assert (request_id >= NATIVE_IDS) == native, raw
-            sent = h.fake.bodies[-1] if h.fake.bodies else {}
-            if sent and unstreamed:  # sent as the client sent it, either way
-                assert sent["stream"] is False
-                assert "stream_options" not in sent
-            elif sent:  # vLLM was asked for a stream, with continuous usage, either way
-                assert sent["stream"] is True
-                assert sent["stream_options"]["continuous_usage_stats"] is True
-            h.fake.release(100)  # a held reply, cut: let the fake's own task end
-            await until(lambda h=h: h.gateway.runtime.live == 0)
-            replies.append(_wire(raw))
+    for raw, sent in await raw_on_both_paths(path, body, steps, **sections):
+        if sent and unstreamed:  # sent as the client sent it, either way
+            assert sent["stream"] is False
+            assert "stream_options" not in sent
+        elif sent:  # vLLM was asked for a stream, with continuous usage, either way
+            assert sent["stream"] is True
+            assert sent["stream_options"]["continuous_usage_stats"] is True
+        replies.append(_wire(raw))
     return replies
 
 
@@ -367,7 +309,7 @@ async def test_a_whole_reply_past_its_first_token_timeout_is_the_python_paths(mo
 
 async def test_a_client_that_leaves_before_its_whole_reply_frees_everything() -> None:
     async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
-        _, writer = await _raw(h.url, _post(CHAT, _whole_body(fake={"step": True})))
+        _, writer = await connect(h.url, post(CHAT, _whole_body(fake={"step": True})))
         await until(lambda: h.fake.running == 1)
         h.fake.release(2)
         await until(lambda: h.fake.tokens_sent == 2)
@@ -377,7 +319,7 @@ async def test_a_client_that_leaves_before_its_whole_reply_frees_everything() ->
         # the slot is free again: the next one is served whole, natively
         r = await h.client.post(CHAT, json=_whole_body(max_tokens=3))
         assert r.status_code == 200
-        assert _native(dict(r.headers))
+        assert by_front(dict(r.headers))
         assert r.json()["choices"][0]["message"]["content"] == "t0 t1 t2 "
         await assert_idle(h)
 
@@ -385,7 +327,7 @@ async def test_a_client_that_leaves_before_its_whole_reply_frees_everything() ->
 async def test_a_whole_reply_keeps_the_connection_for_a_pipelined_next_request() -> None:
     async with start_gateway() as h:
         first, second = _whole_body(max_tokens=2), _body(COMPLETIONS, max_tokens=3)
-        reader, writer = await _raw(h.url, _post(CHAT, first) + _post(COMPLETIONS, second))
+        reader, writer = await connect(h.url, post(CHAT, first) + post(COMPLETIONS, second))
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
         length = int(re.search(rb"content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
@@ -419,7 +361,7 @@ async def test_an_unreachable_backend_is_502_then_503_on_the_native_path() -> No
             (False, 503, "no_healthy_backend"),
         ):
             r = await client.post(CHAT, json={**_body(), "stream": stream})
-            assert _native(dict(r.headers)), r.headers
+            assert by_front(dict(r.headers)), r.headers
             assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
             if status == 502:
                 state = gateway.scraper.states["b0"]
@@ -445,12 +387,12 @@ async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -
     trace = io.StringIO()
     async with start_gateway(trace=trace) as h:
         body = _body(max_tokens=30, fake={"itl": 0.002})
-        results = await asyncio.gather(*(_stream(h.client, CHAT, body) for _ in range(3)))
+        results = await asyncio.gather(*(read_stream(h.client, CHAT, body) for _ in range(3)))
         await until(lambda: h.gateway.runtime.live == 0)
     read: dict[int, int] = {}
     for status, text, headers in results:
         assert status == 200
-        assert _native(headers)
+        assert by_front(headers)
         chunks = [e for e in _events(text) if isinstance(e, dict)]
         read[int(headers["x-request-id"].removeprefix("llmflow-"))] = sum(
             1 for c in chunks for choice in c["choices"] if choice["delta"].get("content")
@@ -477,7 +419,7 @@ async def test_a_stream_cut_by_its_deadline_keeps_the_connection(native: bool) -
     connection serves the client's next request, on either path (a client's pool reuses it)."""
     async with start_gateway(server={"relay": native}, timeouts={"total_ms": 300}) as h:
         held = _body(max_tokens=50, fake={"step": True})
-        reader, writer = await _raw(h.url, _post(CHAT, held))
+        reader, writer = await connect(h.url, post(CHAT, held))
         h.fake.release(2)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert b"connection: close" not in head.lower()
@@ -485,10 +427,11 @@ async def test_a_stream_cut_by_its_deadline_keeps_the_connection(native: bool) -
         assert '"reason":"deadline"' in cut
         assert "data: [DONE]" in cut
         h.fake.release(100)  # let the fake's own task end
-        writer.write(_post(COMPLETIONS, _body(COMPLETIONS, max_tokens=2)))
+        writer.write(post(COMPLETIONS, _body(COMPLETIONS, max_tokens=2)))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200 "), head
-        assert _native({"x-request-id": re.search(r"llmflow-\d+", head.decode()).group()}) == native  # type: ignore[union-attr]
+        request_id = re.search(r"llmflow-\d+", head.decode()).group()  # type: ignore[union-attr]
+        assert by_front({"x-request-id": request_id}) == native
         await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)
         writer.close()
         await assert_idle(h)
@@ -509,21 +452,10 @@ async def _streams_on_both_paths(
     path (`relay: false`), each checked to be served where it should; `steps`: the fake
     emits that many steps, then holds the rest."""
     replies = []
-    server = sections.pop("server", {})
-    for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
-            request = asyncio.create_task(_stream(h.client, path, body))
-            if steps is not None:
-                await until(lambda h=h: h.fake.running == 1)
-                h.fake.release(steps)
-            status, text, headers = await asyncio.wait_for(request, 10)
-            assert status == 200, text
-            assert _native(headers) == native
-            sent = h.fake.bodies[-1]  # vLLM streamed it either way, with continuous usage
-            assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
-            h.fake.release(100)  # a held reply, cut: let the fake's own task end
-            await until(lambda h=h: h.gateway.runtime.live == 0)
-            replies.append(_sse_body(text))
+    for text, _, sent in await streamed_on_both_paths(path, body, steps, **sections):
+        # vLLM streamed it either way, with continuous usage
+        assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        replies.append(_sse_body(text))
     return replies
 
 
@@ -601,12 +533,12 @@ async def test_a_cut_after_every_choice_finished_is_no_truncation_on_either_path
     replies, counted = [], []
     for native in (True, False):
         async with start_gateway(server={"relay": native}, timeouts={"total_ms": 400}) as h:
-            request = asyncio.create_task(_stream(h.client, CHAT, body))
+            request = asyncio.create_task(read_stream(h.client, CHAT, body))
             await until(lambda h=h: h.fake.running == 1)
             h.fake.release(1)
             status, text, headers = await asyncio.wait_for(request, 10)
             assert status == 200, text
-            assert _native(headers) == native
+            assert by_front(headers) == native
             h.fake.release(100)
             await until(lambda h=h: h.gateway.runtime.live == 0)
             await asyncio.sleep(0.25)  # the native front's records reach the metrics
@@ -710,7 +642,7 @@ async def test_an_unstreamed_answer_counts_its_tokens_and_frees_everything() -> 
         body = {**_whole_body(COMPLETIONS, max_tokens=7), "prompt_logprobs": 1}
         r = await h.client.post(COMPLETIONS, json=body)
         assert r.status_code == 200, r.text
-        assert _native(dict(r.headers))
+        assert by_front(dict(r.headers))
         await until(lambda: h.gateway.runtime.live == 0)
         await assert_idle(h)
     fed = [json.loads(line)["ev"] for line in trace.getvalue().splitlines()[1:]]
@@ -721,7 +653,7 @@ async def test_an_unstreamed_answer_counts_its_tokens_and_frees_everything() -> 
 async def test_a_client_that_leaves_before_its_unstreamed_answer_frees_everything() -> None:
     async with start_gateway(gate={"max_concurrency_per_gpu": 1}) as h:
         body = {**_whole_body(COMPLETIONS, fake={"ttft": 0.5}), "prompt_logprobs": 1}
-        _, writer = await _raw(h.url, _post(COMPLETIONS, body))
+        _, writer = await connect(h.url, post(COMPLETIONS, body))
         await until(lambda: h.fake.running == 1)
         writer.close()
         await until(lambda: h.gateway.runtime.live == 0)
@@ -729,7 +661,7 @@ async def test_a_client_that_leaves_before_its_unstreamed_answer_frees_everythin
         # the next one takes it, natively, and gets vLLM's answer
         r = await h.client.post(COMPLETIONS, json={**body, "fake": {}})
         assert r.status_code == 200, r.text
-        assert _native(dict(r.headers))
+        assert by_front(dict(r.headers))
         assert r.json()["choices"][0]["prompt_logprobs"] == [None, {"7": -1.5}]
         await until(lambda: h.fake.running == 0)
         await assert_idle(h)

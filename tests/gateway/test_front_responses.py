@@ -16,8 +16,19 @@ from typing import Any
 
 import pytest
 
-from .harness import assert_idle, start_gateway, until
-from .test_front_native import NATIVE_IDS, _native, _post, _raw, _stream, _without_date
+from .both_paths import (
+    by_front,
+    completed,
+    connect,
+    post,
+    raw_on_both_paths,
+    refused_on_both_paths,
+    reply_id,
+    streamed_on_both_paths,
+    unsized,
+    without_date,
+)
+from .harness import NATIVE_IDS, assert_idle, start_gateway, until
 
 pytestmark = pytest.mark.anyio
 RESPONSES = "/v1/responses"
@@ -34,7 +45,7 @@ def _body(**extra: Any) -> dict[str, Any]:
 def _masked(raw: bytes) -> bytes:
     """What differs by path or by run: the date, the ids (the front numbers from its own
     range, the fake by its clock), the clocks."""
-    raw = _without_date(raw)
+    raw = without_date(raw)
     raw = re.sub(rb"llmflow-\d+", b"llmflow-ID", raw)
     return re.sub(rb'"created_at": ?\d+', b'"created_at":0', raw)
 
@@ -42,18 +53,7 @@ def _masked(raw: bytes) -> bytes:
 def _wire(raw: bytes) -> bytes:
     """A whole reply as it went on the wire, masked; its `content-length` checked against the
     body it heads, then left out (the ids' lengths differ)."""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    length = re.search(rb"\r\ncontent-length: (\d+)", head)
-    assert length is not None, raw
-    assert int(length.group(1)) == len(body), raw
-    head = re.sub(rb"\r\ncontent-length: \d+", b"", head)
-    return _masked(head + b"\r\n\r\n" + body)
-
-
-def _request_id(raw: bytes) -> int:
-    found = re.search(rb"x-request-id: llmflow-(\d+)", raw)
-    assert found is not None, raw
-    return int(found.group(1))
+    return _masked(unsized(raw))
 
 
 async def _streamed_on_both_paths(
@@ -62,20 +62,9 @@ async def _streamed_on_both_paths(
     """The body of the streamed reply to `body` on the native front and on the Python path,
     and what vLLM was sent; `steps`: the fake emits that many tokens, then holds the rest."""
     replies = []
-    server = sections.pop("server", {})
-    for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
-            request = asyncio.create_task(_stream(h.client, RESPONSES, body))
-            if steps is not None:
-                await until(lambda h=h: h.fake.running == 1)
-                h.fake.release(steps)
-            status, text, headers = await asyncio.wait_for(request, 10)
-            assert status == 200, text
-            assert _native(headers) == native
-            assert headers["content-type"] == "text/event-stream; charset=utf-8"
-            h.fake.release(100)  # a held reply, cut: let the fake's own task end
-            await until(lambda h=h: h.gateway.runtime.live == 0)
-            replies.append((_masked(text.encode()).decode(), h.fake.bodies[-1]))
+    for text, headers, sent in await streamed_on_both_paths(RESPONSES, body, steps, **sections):
+        assert headers["content-type"] == "text/event-stream; charset=utf-8"
+        replies.append((_masked(text.encode()).decode(), sent))
     return replies
 
 
@@ -83,21 +72,7 @@ async def _whole_on_both_paths(
     body: dict[str, Any], steps: int | None = None, **sections: Any
 ) -> list[bytes]:
     """The raw reply to `body`, not streamed, on the native front and on the Python path."""
-    replies = []
-    server = sections.pop("server", {})
-    for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
-            reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
-            if steps is not None:
-                await until(lambda h=h: h.fake.running == 1)
-                h.fake.release(steps)
-            raw = await asyncio.wait_for(reader.read(), 10)
-            writer.close()
-            assert (_request_id(raw) >= NATIVE_IDS) == native, raw
-            h.fake.release(100)
-            await until(lambda h=h: h.gateway.runtime.live == 0)
-            replies.append(_wire(raw))
-    return replies
+    return [_wire(raw) for raw, _ in await raw_on_both_paths(RESPONSES, body, steps, **sections)]
 
 
 @pytest.mark.parametrize(
@@ -183,16 +158,7 @@ async def test_a_whole_response_cut_by_its_deadline_is_the_python_paths() -> Non
 async def test_an_upstream_failure_is_the_python_paths(fake: dict[str, Any], stream: bool) -> None:
     body = _body(stream=stream, fake=fake)
     if stream:
-        replies = []
-        for native in (True, False):
-            async with start_gateway(server={"relay": native}) as h:
-                reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
-                raw = await asyncio.wait_for(reader.read(), 10)
-                writer.close()
-                assert (_request_id(raw) >= NATIVE_IDS) == native, raw
-                await until(lambda h=h: h.gateway.runtime.live == 0)
-                replies.append(_dechunked(raw))
-        native_reply, python_reply = replies
+        native_reply, python_reply = await _dechunked_on_both_paths(body)
     else:
         native_reply, python_reply = await _whole_on_both_paths(body)
     assert native_reply == python_reply
@@ -211,6 +177,12 @@ def _dechunked(raw: bytes) -> bytes:
             out, body = out + rest[:n], rest[n + 2 :]
         body = out
     return _masked(head.split(b"\r\n", 1)[0] + b"\r\n\r\n" + body)
+
+
+async def _dechunked_on_both_paths(body: dict[str, Any], **sections: Any) -> list[bytes]:
+    """What a client reads of the reply to `body` (see `_dechunked`) on the native front and on
+    the Python path."""
+    return [_dechunked(raw) for raw, _ in await raw_on_both_paths(RESPONSES, body, **sections)]
 
 
 _BAD = [
@@ -253,8 +225,8 @@ async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> N
         ) as h:
             replies = []
             for body in _BAD:
-                reader, writer = await _raw(h.url, _raw_post(body))
-                replies.append(_without_date(await asyncio.wait_for(reader.read(), 10)))
+                reader, writer = await connect(h.url, _raw_post(body))
+                replies.append(without_date(await asyncio.wait_for(reader.read(), 10)))
                 writer.close()
             assert h.fake.seen == 0  # no backend saw any of them
             answers.append(replies)
@@ -276,25 +248,15 @@ async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> N
 
 
 async def test_a_refusal_with_retry_after_is_the_python_paths_byte_for_byte() -> None:
+    held = _body(stream=True, fake={"step": True})
     answers = []
-    for native in (True, False):
-        async with start_gateway(
-            server={"relay": native},
-            gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
-        ) as h:
-            hold = asyncio.create_task(
-                _stream(h.client, RESPONSES, _body(stream=True, fake={"step": True}))
-            )
-            await until(lambda h=h: h.fake.running == 1)
-            reader, writer = await _raw(h.url, _post(RESPONSES, _body(), close=True))
-            raw = await reader.read()
-            writer.close()
-            assert (_request_id(raw) >= NATIVE_IDS) == native, raw
-            h.fake.release(10)
-            status, _, headers = await hold
-            assert status == 200
-            assert _native(headers) == native
-            answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", _without_date(raw)))
+    for native, (raw, (status, _, headers)) in zip(
+        (True, False), await refused_on_both_paths(RESPONSES, held, _body()), strict=True
+    ):
+        assert (reply_id(raw) >= NATIVE_IDS) == native, raw
+        assert status == 200
+        assert by_front(headers) == native
+        answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(raw)))
     native, python = answers
     assert native.startswith(b"HTTP/1.1 429 ")
     assert b"retry-after: " in native.lower()
@@ -303,13 +265,13 @@ async def test_a_refusal_with_retry_after_is_the_python_paths_byte_for_byte() ->
 
 async def test_a_client_that_leaves_mid_stream_frees_everything() -> None:
     async with start_gateway() as h:
-        reader, writer = await _raw(
-            h.url, _post(RESPONSES, _body(stream=True, fake={"step": True}))
+        reader, writer = await connect(
+            h.url, post(RESPONSES, _body(stream=True, fake={"step": True}))
         )
         await until(lambda: h.fake.running == 1)
         h.fake.release(1)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert _request_id(head) >= NATIVE_IDS
+        assert reply_id(head) >= NATIVE_IDS
         await asyncio.wait_for(reader.readuntil(b"event: response.output_text.delta"), 5)
         assert h.gateway.runtime.running == 1  # the runtime holds its slot
         writer.close()
@@ -322,15 +284,15 @@ async def test_a_client_that_leaves_mid_stream_frees_everything() -> None:
 async def test_a_streamed_response_keeps_the_connection_for_the_next_request() -> None:
     async with start_gateway() as h:
         first, second = _body(stream=True, max_output_tokens=3), _body(max_output_tokens=2)
-        reader, writer = await _raw(h.url, _post(RESPONSES, first) + _post(RESPONSES, second))
+        reader, writer = await connect(h.url, post(RESPONSES, first) + post(RESPONSES, second))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200 ")
-        assert _request_id(head) >= NATIVE_IDS
+        assert reply_id(head) >= NATIVE_IDS
         streamed = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)
         assert b"event: response.completed" in streamed
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200 ")
-        assert _request_id(head) >= NATIVE_IDS
+        assert reply_id(head) >= NATIVE_IDS
         length = int(re.search(rb"content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
         whole = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
         assert whole["status"] == "completed"
@@ -347,16 +309,7 @@ async def test_a_response_past_its_first_token_timeout_is_the_python_paths(
     streaming = {"first_token_timeout_ms": 200, "on_first_token_timeout": mode}
     body = _body(stream=stream, fake={"hang": True})
     if stream:
-        replies = []
-        for native in (True, False):
-            async with start_gateway(server={"relay": native}, streaming=streaming) as h:
-                reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
-                raw = await asyncio.wait_for(reader.read(), 10)
-                writer.close()
-                assert (_request_id(raw) >= NATIVE_IDS) == native, raw
-                await until(lambda h=h: h.gateway.runtime.live == 0)
-                replies.append(_dechunked(raw))
-        native_reply, python_reply = replies
+        native_reply, python_reply = await _dechunked_on_both_paths(body, streaming=streaming)
     else:
         native_reply, python_reply = await _whole_on_both_paths(body, streaming=streaming)
     assert native_reply == python_reply
@@ -378,14 +331,10 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
         for stream in (True, False):
             r = await h.client.post(RESPONSES, json=_body(stream=stream))
             assert r.status_code == 200
-            assert _native(dict(r.headers)) == native
+            assert by_front(dict(r.headers)) == native
         await until(lambda: h.gateway.runtime.live == 0)
         metrics = (await h.client.get("/metrics")).text
-        completed = re.search(
-            r'llmflow_requests_total\{[^}]*outcome="completed"[^}]*\} (\S+)', metrics
-        )
-        assert completed is not None
-        assert float(completed.group(1)) == 2
+        assert completed(metrics) == 2
         tokens = re.search(r"llmflow_tokens_streamed_total\{[^}]*\} (\S+)", metrics)
         assert tokens is not None
         assert float(tokens.group(1)) == 2 * 5  # counted from the deltas, as the fake sent
@@ -404,7 +353,7 @@ async def test_a_client_that_stops_reading_a_response_is_cut_for_its_stall(nativ
     async with start_gateway(
         server={"relay": native}, backpressure={"client_window": 4, "stall_timeout_ms": 600}
     ) as h:
-        _reader, writer = await _raw(h.url, _post(RESPONSES, big))  # and never read
+        _reader, writer = await connect(h.url, post(RESPONSES, big))  # and never read
         try:
             await until(lambda: h.fake.aborted == 1, timeout_s=10)  # vLLM heard the abort
             assert h.fake.tokens_sent < 1000  # held back by the window, not 48 MB sent
@@ -412,7 +361,7 @@ async def test_a_client_that_stops_reading_a_response_is_cut_for_its_stall(nativ
             await until(lambda: h.gateway.metrics.outcomes["cancelled", "client_stall"] == 1)
             await until(lambda: h.gateway.runtime.live == 0)
             sent_id = h.fake.headers[-1]["x-request-id"]  # the id vLLM was sent
-            assert (_request_id(f"x-request-id: {sent_id}".encode()) >= NATIVE_IDS) == native
+            assert (reply_id(f"x-request-id: {sent_id}".encode()) >= NATIVE_IDS) == native
         finally:
             writer.close()
         await assert_idle(h)

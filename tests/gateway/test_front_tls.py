@@ -23,10 +23,11 @@ import pytest
 
 from llmflow.gateway.app import create_app
 
+from .both_paths import connect, post, without_date
 from .certs import Authority
 from .fake_vllm import FakeVllm
-from .harness import serve_asgi, serve_gateway, settings_for, until
-from .test_front_native import NATIVE_IDS, _body, _post, _raw, _whole_body, _wire, _without_date
+from .harness import NATIVE_IDS, serve_asgi, serve_gateway, settings_for, until
+from .test_front_native import _body, _whole_body, _wire
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -105,7 +106,7 @@ async def gateway_over(
 async def _exchange(base: str, body: dict[str, Any]) -> tuple[bool, bytes]:
     """Whether the front served `body` natively, and the reply as it went on the wire, less
     what differs by path or run (the date, the request ids, `created`), de-chunked."""
-    reader, writer = await _raw(base, _post(CHAT, body, close=True))
+    reader, writer = await connect(base, post(CHAT, body, close=True))
     raw = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     request_id = re.search(rb"x-request-id: llmflow-(\d+)", raw)
@@ -113,7 +114,7 @@ async def _exchange(base: str, body: dict[str, Any]) -> tuple[bool, bytes]:
     if b"\r\ntransfer-encoding: chunked" in raw:
         head, _, chunked = raw.partition(b"\r\n\r\n")
         raw = head + b"\r\n\r\n" + _dechunk(chunked)
-        raw = re.sub(rb'"created":\d+', b'"created":0', _without_date(raw))
+        raw = re.sub(rb'"created":\d+', b'"created":0', without_date(raw))
         raw = re.sub(rb"llmflow-\d+", b"llmflow-ID", raw)
     else:
         raw = _wire(raw)

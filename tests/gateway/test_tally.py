@@ -23,8 +23,9 @@ import pytest
 
 from llmflow.request_log import COLUMNS, format_row
 
+from .both_paths import by_front, read_stream
 from .harness import Harness, start_gateway, until
-from .test_front_native import CHAT, COMPLETIONS, _body, _native, _stream
+from .test_front_native import CHAT, COMPLETIONS, _body
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -58,7 +59,7 @@ async def _send(h: Harness, tenant: str, path: str, **extra: Any) -> dict[str, A
         status, text, headers = r.status_code, (await r.aread()).decode(), dict(r.headers)
     code = json.loads(text)["error"]["code"] if status != 200 else None
     return {"tenant": tenant, "status": status, "id": headers["x-request-id"],
-            "native": _native(headers), "code": code}
+            "native": by_front(headers), "code": code}
 
 
 async def _traffic(h: Harness) -> list[dict[str, Any]]:
@@ -205,16 +206,18 @@ async def test_a_refusal_flood_is_counted_and_logged_exactly(tmp_path: Path, nat
         streaming={"first_token_timeout_ms": None},
     ) as h:
         fake = h.fakes["b0"]
-        held = asyncio.create_task(_stream(h.client, CHAT, _body(fake={"step": True})))
+        held = asyncio.create_task(read_stream(h.client, CHAT, _body(fake={"step": True})))
         await until(lambda: fake.running == 1)
-        answers = await asyncio.gather(*(_stream(h.client, CHAT, _body()) for _ in range(flood)))
+        answers = await asyncio.gather(
+            *(read_stream(h.client, CHAT, _body()) for _ in range(flood))
+        )
         fake.release(10)
         status, _, held_headers = await held
         assert status == 200
         await until(lambda: h.gateway.runtime.live == 0 and h.gateway._native_live() == 0)
         metrics = (await h.client.get("/metrics")).text
     assert [a[0] for a in answers] == [429] * flood
-    assert all(_native(a[2]) == native for a in answers)
+    assert all(by_front(a[2]) == native for a in answers)
     _, rows = _rows(log)
     refused = {r["request"] for r in rows if r["outcome"] == "rejected"}
     assert {r["reason"] for r in rows if r["outcome"] == "rejected"} == {"queue_full"}
@@ -255,7 +258,7 @@ async def test_the_families_are_exported_as_prometheus_client_exported_them(
 ) -> None:
     async with start_gateway(server={"access_log": str(tmp_path / "a.csv")}) as h:
         before = time.time()
-        status, _, _ = await _stream(h.client, CHAT, _body(max_tokens=3))
+        status, _, _ = await read_stream(h.client, CHAT, _body(max_tokens=3))
         assert status == 200
         await until(lambda: h.gateway.runtime.live == 0 and h.gateway._native_live() == 0)
         metrics = (await h.client.get("/metrics")).text

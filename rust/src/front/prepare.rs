@@ -169,17 +169,7 @@ pub fn checked(
         return super::responses::checked(body, raw, config);
     }
     let checked = check(endpoint, &body, config)?;
-    let Json::Object(pairs) = body else {
-        unreachable!("checked as an object")
-    };
-    // The client's body moves upstream (no copy of its messages), less what it may not set.
-    let mut upstream = Json::Object(
-        pairs
-            .into_iter()
-            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
-            .collect(),
-    );
-    set(&mut upstream, "model", Json::Str(checked.model.clone()));
+    let mut upstream = forwarded(body, &STRIPPED, &checked.model);
     if !checked.unstreamed {
         set(&mut upstream, "stream", Json::Bool(true));
         let usage = vec![
@@ -323,6 +313,23 @@ fn check(endpoint: Endpoint, body: &Json, config: &FrontConfig) -> Result<Checke
     })
 }
 
+/// The body vLLM gets, before the endpoint's own settings: the client's (moved, no copy of
+/// its messages), less the fields it may not set (`stripped`), naming the model the backend
+/// serves.
+pub(super) fn forwarded(body: Json, stripped: &[&str], model: &str) -> Json {
+    let Json::Object(pairs) = body else {
+        unreachable!("checked as an object")
+    };
+    let mut upstream = Json::Object(
+        pairs
+            .into_iter()
+            .filter(|(k, _)| !stripped.contains(&k.as_str()))
+            .collect(),
+    );
+    set(&mut upstream, "model", Json::Str(model.to_owned()));
+    upstream
+}
+
 /// `GatewayError(status, message, code, param=param)`, Python's refusal of the body.
 pub(super) fn refused(status: u16, message: String, code: &str, param: &str) -> NotServed {
     NotServed::Refused(Box::new(ErrorReply::checks(
@@ -357,13 +364,23 @@ fn limits(
         );
         return Err(refused(400, message, "n_too_large", "n"));
     }
-    if let (Some(cap), Some(asked)) = (config.max_tokens, max_tokens) {
+    within_cap("max_tokens", max_tokens, config)
+}
+
+/// The output bound a request asks for in `field`, against the gateway's `limits.max_tokens`
+/// (`serving._check_limits`; `responses.prepare_response` for `max_output_tokens`).
+pub(super) fn within_cap(
+    field: &str,
+    asked: Option<u64>,
+    config: &FrontConfig,
+) -> Result<(), NotServed> {
+    if let (Some(cap), Some(asked)) = (config.max_tokens, asked) {
         if asked > cap {
             let message = format!(
-                "max_tokens is {asked}, over this gateway's limit of {cap} (limits.max_tokens): \
+                "{field} is {asked}, over this gateway's limit of {cap} (limits.max_tokens): \
                  ask for at most {cap}"
             );
-            return Err(refused(400, message, "max_tokens_too_large", "max_tokens"));
+            return Err(refused(400, message, "max_tokens_too_large", field));
         }
     }
     Ok(())

@@ -281,12 +281,14 @@ pub fn names_itself_when_cut(reason: &str) -> bool {
     )
 }
 
-const STARLETTE: Style = Style {
+/// `JSONResponse`'s rendering of a body (Starlette's `ensure_ascii=False`).
+pub(super) const STARLETTE: Style = Style {
     ascii: false,
     sort_keys: false,
     compact: true,
 };
-const FRAME: Style = Style {
+/// An SSE frame's JSON (`json.dumps` with its ASCII escapes, compact).
+pub(super) const FRAME: Style = Style {
     ascii: true,
     sort_keys: false,
     compact: true,
@@ -387,7 +389,7 @@ pub fn cut_frame(cut: &Cut<'_>) -> Vec<u8> {
         Some(Json::Object(pairs)) if !pairs.is_empty() => Some(pairs),
         _ => None,
     };
-    frame(&tail_chunk(cut, base))
+    frame(b"data: ", &tail_chunk(cut, base))
 }
 
 /// `tail_chunk(...)`: the chunk that ends a reply the runtime cut, on `base` (the template as
@@ -453,10 +455,16 @@ pub fn tail_chunk(cut: &Cut<'_>, base: Option<Vec<(String, Json)>>) -> Json {
 }
 
 /// `encode_event({"error": in_band_error(...)})`: a started stream's failure, in-band.
-/// `error`: vLLM's own error object as JSON text, when it refused the request; else ours
-/// (`message`, `type: bad_gateway`, `code`).
 pub fn in_band_error_frame(error: Option<&str>, message: &str, code: &str) -> Vec<u8> {
-    let error = error
+    let error = in_band_error(error, message, code);
+    frame(b"data: ", &Json::Object(vec![("error".to_owned(), error)]))
+}
+
+/// `session.in_band_error`: vLLM's own error object (JSON text), when it refused the request;
+/// else ours (`message`, `type: bad_gateway`, `code`). A streamed completion's in-band error
+/// and a response's `error` event both carry it.
+pub(super) fn in_band_error(error: Option<&str>, message: &str, code: &str) -> Json {
+    error
         .and_then(|e| json::parse(e.as_bytes()))
         .unwrap_or_else(|| {
             Json::Object(vec![
@@ -464,14 +472,14 @@ pub fn in_band_error_frame(error: Option<&str>, message: &str, code: &str) -> Ve
                 ("type".to_owned(), Json::Str("bad_gateway".to_owned())),
                 ("code".to_owned(), Json::Str(code.to_owned())),
             ])
-        });
-    frame(&Json::Object(vec![("error".to_owned(), error)]))
+        })
 }
 
-/// `encode_event`: `data: {json}` and a blank line.
-fn frame(chunk: &Json) -> Vec<u8> {
-    let mut out = b"data: ".to_vec();
-    json::write(&mut out, chunk, FRAME);
+/// An SSE frame: its `lead` (`data: `, as `encode_event` writes it, or an event's line before
+/// it), the JSON as `json.dumps` writes it (ASCII, compact), a blank line.
+pub(super) fn frame(lead: &[u8], value: &Json) -> Vec<u8> {
+    let mut out = lead.to_vec();
+    json::write(&mut out, value, FRAME);
     out.extend_from_slice(b"\n\n");
     out
 }

@@ -9,10 +9,12 @@
 //! reply the runtime cut. The relay's side (vLLM's events read, tokens counted, frames as
 //! vLLM framed them) is `relay::responses`.
 
-use super::json::{self, Json, Style};
-use super::prepare::{fingerprint, refused, set, Endpoint, FrontConfig, NotServed, Prepared};
+use super::json::{self, Json};
+use super::prepare::{
+    fingerprint, forwarded, refused, set, within_cap, Endpoint, FrontConfig, NotServed, Prepared,
+};
 use super::prompt::text_tokens;
-use super::reply::notice_for;
+use super::reply::{frame, in_band_error, notice_for, STARLETTE};
 use super::request::MAX_INT;
 
 const PER_ITEM: u64 = 4; // role markers a chat template adds around each input message
@@ -43,20 +45,7 @@ pub(super) fn checked(body: Json, raw: &[u8], config: &FrontConfig) -> Result<Pr
         Some(Json::Int(i)) => Some(u64::try_from(*i).expect("validated: 1..=MAX_INT")),
         _ => None,
     };
-    if let (Some(cap), Some(wanted)) = (config.max_tokens, wanted) {
-        if wanted > cap {
-            let message = format!(
-                "max_output_tokens is {wanted}, over this gateway's limit of {cap} \
-                 (limits.max_tokens): ask for at most {cap}"
-            );
-            return Err(refused(
-                400,
-                message,
-                "max_tokens_too_large",
-                "max_output_tokens",
-            ));
-        }
-    }
+    within_cap("max_output_tokens", wanted, config)?;
     let output = wanted.unwrap_or(0);
     if prompt >= context || prompt + output > context {
         let message = format!(
@@ -72,16 +61,7 @@ pub(super) fn checked(body: Json, raw: &[u8], config: &FrontConfig) -> Result<Pr
         generated = generated.min(cap);
     }
     let served = config.aliases.get(&model).cloned().unwrap_or(model.clone());
-    let Json::Object(pairs) = body else {
-        unreachable!("checked as an object")
-    };
-    let mut upstream = Json::Object(
-        pairs
-            .into_iter()
-            .filter(|(k, _)| !STRIPPED.contains(&k.as_str()))
-            .collect(),
-    );
-    set(&mut upstream, "model", Json::Str(served.clone()));
+    let mut upstream = forwarded(body, &STRIPPED, &served);
     set(&mut upstream, "stream", Json::Bool(true));
     // The bound the core planned with holds upstream.
     set(
@@ -288,15 +268,7 @@ pub fn cut_frame(reason: &str) -> Vec<u8> {
 /// event: `{"type": "error", **error}` (vLLM's own error object when it refused the request;
 /// else ours: `message`, `type: bad_gateway`, `code`).
 pub fn upstream_error_frame(error: Option<&str>, message: &str, code: &str) -> Vec<u8> {
-    let error = error
-        .and_then(|e| json::parse(e.as_bytes()))
-        .unwrap_or_else(|| {
-            Json::Object(vec![
-                ("message".to_owned(), Json::Str(message.to_owned())),
-                ("type".to_owned(), Json::Str("bad_gateway".to_owned())),
-                ("code".to_owned(), Json::Str(code.to_owned())),
-            ])
-        });
+    let error = in_band_error(error, message, code);
     let mut event = Json::Object(vec![("type".to_owned(), Json::Str("error".to_owned()))]);
     if let Json::Object(pairs) = error {
         for (key, value) in pairs {
@@ -308,22 +280,8 @@ pub fn upstream_error_frame(error: Option<&str>, message: &str, code: &str) -> V
 
 /// `b"event: error\ndata: " + json.dumps(event, separators=(",", ":")) + b"\n\n"`.
 fn error_frame(event: &Json) -> Vec<u8> {
-    let mut out = b"event: error\ndata: ".to_vec();
-    json::write(&mut out, event, FRAME);
-    out.extend_from_slice(b"\n\n");
-    out
+    frame(b"event: error\ndata: ", event)
 }
-
-const STARLETTE: Style = Style {
-    ascii: false,
-    sort_keys: false,
-    compact: true,
-};
-const FRAME: Style = Style {
-    ascii: true,
-    sort_keys: false,
-    compact: true,
-};
 
 #[cfg(test)]
 mod tests;

@@ -14,9 +14,9 @@
 //! is not an object, arguments that are not text), is [`Unread`]: the request fails as the
 //! Python path fails a reply it could not read (502).
 
-use super::json::{self, Json, Style};
+use super::json::{self, Json};
 use super::prepare::Endpoint;
-use super::reply::{tail_chunk, Cut};
+use super::reply::{tail_chunk, Cut, STARLETTE};
 
 /// vLLM's non-streamed reply, field by field and in its order (`streaming._TOP`, `_CHOICE`,
 /// `_MESSAGE`, `_USAGE`).
@@ -99,12 +99,6 @@ const FOLDED: &[&str] = &[
     "token_ids",
     "stop_reason",
 ];
-/// `JSONResponse`'s rendering.
-const STARLETTE: Style = Style {
-    ascii: false,
-    sort_keys: false,
-    compact: true,
-};
 
 /// A chunk the fold cannot take as the Python path takes it: the request fails (502).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -232,28 +232,26 @@ mod tests {
         assert_eq!(r.completion_tokens(), 3);
     }
 
+    /// `deltas` delta events, then an event of `kind` whose response's usage says `output`
+    /// tokens: the tokens that event adds, and the count after it.
+    fn settled(deltas: usize, kind: &str, output: u64) -> (u32, u64) {
+        let mut r = EventReader::default();
+        for _ in 0..deltas {
+            r.feed(&delta("a")).unwrap();
+        }
+        let event =
+            format!(r#"{{"type":"{kind}","response":{{"usage":{{"output_tokens":{output}}}}}}}"#);
+        let new = r.feed(event.as_bytes()).unwrap().new_tokens;
+        (new, r.completion_tokens())
+    }
+
     // The final usage settles the count when it says more, never less.
     #[test]
     fn the_final_usage_settles_the_count() {
-        let mut r = EventReader::default();
-        r.feed(&delta("a")).unwrap();
-        let completed =
-            br#"{"type":"response.completed","response":{"usage":{"output_tokens":5}}}"#;
-        assert_eq!(r.feed(completed).unwrap().new_tokens, 4);
-        assert_eq!(r.completion_tokens(), 5);
-        let mut fewer = EventReader::default();
-        for _ in 0..3 {
-            fewer.feed(&delta("a")).unwrap();
-        }
-        let incomplete =
-            br#"{"type":"response.incomplete","response":{"usage":{"output_tokens":2}}}"#;
-        assert_eq!(fewer.feed(incomplete).unwrap().new_tokens, 0);
-        assert_eq!(fewer.completion_tokens(), 3);
+        assert_eq!(settled(1, "response.completed", 5), (4, 5));
+        assert_eq!(settled(3, "response.incomplete", 2), (0, 3));
         // a usage on an event that is not final counts nothing
-        let mut early = EventReader::default();
-        let progress =
-            br#"{"type":"response.in_progress","response":{"usage":{"output_tokens":9}}}"#;
-        assert_eq!(early.feed(progress).unwrap().new_tokens, 0);
+        assert_eq!(settled(0, "response.in_progress", 9).0, 0);
     }
 
     // Not an object: nothing to send, nothing counted; not JSON: the backend's failure.

@@ -64,20 +64,20 @@ fn backend_sending(events: Vec<String>) -> String {
     url
 }
 
-// The stream's task can read vLLM's first token before the request's task lends it the
-// client's socket (they run on different threads): the head, held for the first token, must
-// still go out first, with every chunk after it, and the socket come back after the end.
-#[test]
-fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
-    let relay = Relay::new(config()).unwrap();
-    let (sink, mut events) = tokio::sync::mpsc::unbounded_channel();
-    let url = backend();
-    let request = StreamRequest {
-        id: 7,
-        url: &url,
+/// A streamed completion `id` to `url`, sent upstream as `request_id`, its events to `sink`;
+/// a test changes what its case needs (`StreamRequest { kind, ..stream_request(...) }`).
+fn stream_request<'a>(
+    id: u64,
+    url: &'a str,
+    request_id: &'a str,
+    sink: super::Sink,
+) -> StreamRequest<'a> {
+    StreamRequest {
+        id,
+        url,
         tls: None,
         body: b"{\"model\":\"m\",\"prompt\":\"x\",\"stream\":true}".to_vec(),
-        request_id: "llmflow-7",
+        request_id,
         traceparent: None,
         include_usage: false,
         continuous_usage: false,
@@ -86,15 +86,13 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
         whole: false,
         kind: crate::relay::ReplyKind::Chunks,
         sink,
-    };
-    relay.open(request).unwrap();
-    loop {
-        match events.blocking_recv() {
-            Some(RelayEvent::FirstToken { .. }) => break,
-            Some(_) => {}
-            None => panic!("the stream ended before its first token"),
-        }
     }
+}
+
+/// Lend stream `id` a client's socket (`Control::Hold`, the reply's head held for its first
+/// token) and read what that client gets, to the chunked body's end; the client is kept
+/// open, so its socket can come back.
+fn lend_and_read(relay: &Relay, id: u64) -> (TcpStream, Vec<u8>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
     let (lent, _) = listener.accept().unwrap();
@@ -103,7 +101,7 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
         head: HEAD.to_vec(),
         keep_alive: true,
     };
-    assert!(relay.control(7, hold));
+    assert!(relay.control(id, hold));
     client
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
@@ -118,6 +116,35 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
             ),
         }
     }
+    (client, read)
+}
+
+/// Close the socket a clean end handed back (`Closed`'s).
+fn close_handed_back(socket: Option<i32>) {
+    let fd = socket.expect("a clean end hands the socket back");
+    // SAFETY: the relay handed this socket over; it is closed here.
+    drop(unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+}
+
+// The stream's task can read vLLM's first token before the request's task lends it the
+// client's socket (they run on different threads): the head, held for the first token, must
+// still go out first, with every chunk after it, and the socket come back after the end.
+#[test]
+fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
+    let relay = Relay::new(config()).unwrap();
+    let (sink, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let url = backend();
+    relay
+        .open(stream_request(7, &url, "llmflow-7", sink))
+        .unwrap();
+    loop {
+        match events.blocking_recv() {
+            Some(RelayEvent::FirstToken { .. }) => break,
+            Some(_) => {}
+            None => panic!("the stream ended before its first token"),
+        }
+    }
+    let (_client, read) = lend_and_read(&relay, 7);
     let text = String::from_utf8_lossy(&read);
     assert!(read.starts_with(HEAD), "{text}");
     assert!(
@@ -128,9 +155,7 @@ fn a_socket_lent_after_the_first_token_gets_the_whole_reply() {
     loop {
         match events.blocking_recv() {
             Some(RelayEvent::Closed { socket, .. }) => {
-                let fd = socket.expect("a clean end hands the socket back");
-                // SAFETY: the relay handed this socket over; it is closed here.
-                drop(unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+                close_handed_back(socket);
                 break;
             }
             Some(_) => {}
@@ -152,42 +177,13 @@ fn a_responses_stream_ends_with_its_body_and_counts_its_deltas() {
     let completed = "event: response.completed\ndata: {\"type\":\"response.completed\",\
         \"response\":{\"usage\":{\"output_tokens\":3}}}\n\n";
     let url = backend_sending(vec![delta("a"), delta("b"), completed.to_owned()]);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-    let (lent, _) = listener.accept().unwrap();
     let request = StreamRequest {
-        id: 9,
-        url: &url,
-        tls: None,
         body: b"{\"model\":\"m\",\"input\":\"x\",\"stream\":true}".to_vec(),
-        request_id: "llmflow-9",
-        traceparent: None,
-        include_usage: false,
-        continuous_usage: false,
-        choices: 1,
-        unstreamed: false,
-        whole: false,
         kind: crate::relay::ReplyKind::Events,
-        sink,
+        ..stream_request(9, &url, "llmflow-9", sink)
     };
     relay.open(request).unwrap();
-    let hold = Control::Hold {
-        socket: lent,
-        head: HEAD.to_vec(),
-        keep_alive: true,
-    };
-    assert!(relay.control(9, hold));
-    client
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    let mut read = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !read.ends_with(b"0\r\n\r\n") {
-        match client.read(&mut buf) {
-            Ok(n) if n > 0 => read.extend_from_slice(&buf[..n]),
-            other => panic!("the client read {other:?}"),
-        }
-    }
+    let (_client, read) = lend_and_read(&relay, 9);
     let mut expected = HEAD.to_vec();
     for frame in [delta("a"), delta("b"), completed.to_owned()] {
         expected.extend_from_slice(format!("{:x}\r\n{frame}\r\n", frame.len()).as_bytes());
@@ -212,9 +208,7 @@ fn a_responses_stream_ends_with_its_body_and_counts_its_deltas() {
             }) => {
                 assert!(done && upstream_complete);
                 assert_eq!((tokens, completion_tokens), (3, 3));
-                let fd = socket.expect("a clean end hands the socket back");
-                // SAFETY: the relay handed this socket over; it is closed here.
-                drop(unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+                close_handed_back(socket);
                 break;
             }
             Some(RelayEvent::Failed(_, failure)) => panic!("{failure:?}"),
@@ -321,7 +315,7 @@ mod tls {
 
     use super::super::upstream::{ClientIdentity, Tls};
     use super::super::{Control, Failure, Relay, RelayEvent, StreamRequest};
-    use super::{chunk, config};
+    use super::{chunk, config, stream_request};
 
     /// A throwaway CA (its PEM) and a server certificate it issued for `names`, with its key.
     struct Pki {
@@ -460,19 +454,9 @@ mod tls {
     fn relay_one(relay: &Relay, id: u64, url: &str, ca: Option<&Tls>) -> Result<usize, Failure> {
         let (sink, mut events) = tokio::sync::mpsc::unbounded_channel();
         let request = StreamRequest {
-            id,
-            url,
             tls: ca,
-            body: b"{\"model\":\"m\",\"prompt\":\"x\",\"stream\":true}".to_vec(),
-            request_id: "llmflow-1",
-            traceparent: None,
-            include_usage: false,
-            continuous_usage: false,
-            choices: 1,
-            unstreamed: false,
             whole: true,
-            kind: crate::relay::ReplyKind::Chunks,
-            sink,
+            ..stream_request(id, url, "llmflow-1", sink)
         };
         relay.open(request).unwrap();
         let mut payloads = 0;

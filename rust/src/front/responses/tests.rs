@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::*;
 use crate::front::prepare::{checked as check_body, prepare};
+use crate::front::reply::FRAME;
 
 fn config() -> FrontConfig {
     FrontConfig {
