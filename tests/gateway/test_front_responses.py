@@ -1,6 +1,6 @@
 """`POST /v1/responses` served natively by the front door, checked from outside.
 
-The Python path (`server.relay: false`: the front passes every request to the app) is the
+The Python path (the app served alone, as the front passes it a request it declines) is the
 oracle: each test runs the same request on both paths and compares what a client reads (the
 bytes of the reply, less its ids and clocks) and what the fake vLLM saw (the body it got, its
 own counts of aborts and running requests), and checks that the native one was the front's
@@ -64,7 +64,7 @@ async def _streamed_on_both_paths(
     replies = []
     server = sections.pop("server", {})
     for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+        async with start_gateway(server=server, native=native, **sections) as h:
             request = asyncio.create_task(_stream(h.client, RESPONSES, body))
             if steps is not None:
                 await until(lambda h=h: h.fake.running == 1)
@@ -86,7 +86,7 @@ async def _whole_on_both_paths(
     replies = []
     server = sections.pop("server", {})
     for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+        async with start_gateway(server=server, native=native, **sections) as h:
             reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
             if steps is not None:
                 await until(lambda h=h: h.fake.running == 1)
@@ -185,7 +185,7 @@ async def test_an_upstream_failure_is_the_python_paths(fake: dict[str, Any], str
     if stream:
         replies = []
         for native in (True, False):
-            async with start_gateway(server={"relay": native}) as h:
+            async with start_gateway(native=native) as h:
                 reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
                 raw = await asyncio.wait_for(reader.read(), 10)
                 writer.close()
@@ -247,7 +247,7 @@ async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> N
     answers: list[list[bytes]] = []
     for native in (True, False):
         async with start_gateway(
-            server={"relay": native},
+            native=native,
             limits={"max_tokens": 100},
             streaming={"enabled": False},
         ) as h:
@@ -279,7 +279,7 @@ async def test_a_refusal_with_retry_after_is_the_python_paths_byte_for_byte() ->
     answers = []
     for native in (True, False):
         async with start_gateway(
-            server={"relay": native},
+            native=native,
             gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
         ) as h:
             hold = asyncio.create_task(
@@ -349,7 +349,7 @@ async def test_a_response_past_its_first_token_timeout_is_the_python_paths(
     if stream:
         replies = []
         for native in (True, False):
-            async with start_gateway(server={"relay": native}, streaming=streaming) as h:
+            async with start_gateway(native=native, streaming=streaming) as h:
                 reader, writer = await _raw(h.url, _post(RESPONSES, body, close=True))
                 raw = await asyncio.wait_for(reader.read(), 10)
                 writer.close()
@@ -374,7 +374,7 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
     tmp_path: Any, native: bool
 ) -> None:
     log = tmp_path / "access.csv"
-    async with start_gateway(server={"access_log": str(log), "relay": native}) as h:
+    async with start_gateway(server={"access_log": str(log)}, native=native) as h:
         for stream in (True, False):
             r = await h.client.post(RESPONSES, json=_body(stream=stream))
             assert r.status_code == 200
@@ -402,7 +402,7 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
 async def test_a_client_that_stops_reading_a_response_is_cut_for_its_stall(native: bool) -> None:
     big = _body(stream=True, max_output_tokens=3000, fake={"chunk_bytes": 16384})  # ~48 MB
     async with start_gateway(
-        server={"relay": native}, backpressure={"client_window": 4, "stall_timeout_ms": 600}
+        native=native, backpressure={"client_window": 4, "stall_timeout_ms": 600}
     ) as h:
         _reader, writer = await _raw(h.url, _post(RESPONSES, big))  # and never read
         try:
