@@ -200,6 +200,8 @@ async def test_a_refusal_flood_is_counted_and_logged_exactly(tmp_path: Path, nat
     async with start_gateway(
         server={"access_log": str(log)}, native=native,
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
+        # the held stream keeps its slot however long the flood takes: no first-token cut
+        streaming={"first_token_timeout_ms": None},
     ) as h:
         fake = h.fakes["b0"]
         held = asyncio.create_task(_stream(h.client, CHAT, _body(fake={"step": True})))
