@@ -71,6 +71,8 @@ def test_durations(text: object, expected: float) -> None:
         ("gate:\n  queue:\n    strategy: random\n", ["gate.queue.strategy", "'fair'", "'random'"]),
         ("streaming:\n  sse_flush_interval: soon\n", ["sse_flush_interval", "'20ms'", "'soon'"]),
         ("backpresure:\n  client_window: 8\n", ["backpresure", "unknown key"]),
+        # removed: the front serves every governed route it is sure of, there is no switch
+        ("server:\n  relay: false\n", ["server.relay", "unknown key"]),
         ("kv:\n  pressure_threshold: 1.5\n", ["kv.pressure_threshold", "1.5"]),
         ("tenants:\n  - name: a\n    tier: gold\n", ["gold", "vip"]),
         ("- just\n- a list\n", ["top level must be a mapping"]),
@@ -142,7 +144,7 @@ def test_anonymous_tenant_gets_default_tier() -> None:
 
 SECRET_KEY = "ck-7e1d2c9b8a40f3e65d21"  # planted in every generated file: no message may quote it
 _SUBKEYS = {
-    "server": ["host", "port", "max_body_bytes", "drain_timeout_ms", "bytes_per_token", "relay"],
+    "server": ["host", "port", "max_body_bytes", "drain_timeout_ms", "bytes_per_token"],
     "limits": ["max_messages", "max_n", "max_tokens", "max_header_bytes", "max_api_key_bytes"],
     "gate": ["max_concurrency_per_gpu", "queue", "on_queue_full"],
     "streaming": ["enabled", "first_token_timeout_ms", "sse_flush_interval"],

@@ -283,10 +283,6 @@ class Server(_Section):
     # runtime's stall timer (backpressure.stall_timeout_ms) cuts a governed stream first.
     write_timeout_ms: DurationMs = Field(60_000.0, gt=0)
     bytes_per_token: float = Field(4.0, gt=0)  # prompt-length estimate for text (no tokenizer)
-    # The front door serves the governed streams itself, in Rust on the relay's threads (the
-    # ones it can: docs/gateway.md); off, it passes every request to the app, which streams
-    # every reply through Python.
-    relay: bool = True
     # Threads of the front door and the relay (`llmflow serve --workers`); None: one per CPU
     # this process may run on (`threads`). The runtime stays one, whatever the count.
     workers: int | None = Field(None, ge=1, le=64)

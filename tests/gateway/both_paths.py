@@ -1,4 +1,4 @@
-"""One request on both paths, the native front's and Python's (`server.relay: false`).
+"""One request on both paths, the native front's and Python's (the app served alone).
 
 The tests of the routes the front serves natively hold it to the Python path: they send the
 same request through each and compare what a client reads. These are the requests on the wire
@@ -106,7 +106,7 @@ async def streamed_on_both_paths(
     replies = []
     server = sections.pop("server", {})
     for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+        async with start_gateway(server=server, native=native, **sections) as h:
             request = asyncio.create_task(read_stream(h.client, path, body))
             if steps is not None:
                 await until(lambda h=h: h.fake.running == 1)
@@ -130,7 +130,7 @@ async def raw_on_both_paths(
     replies = []
     server = sections.pop("server", {})
     for native in (True, False):
-        async with start_gateway(server={**server, "relay": native}, **sections) as h:
+        async with start_gateway(server=server, native=native, **sections) as h:
             reader, writer = await connect(h.url, post(path, body, close=True))
             if steps is not None:
                 await until(lambda h=h: h.fake.running == 1)
@@ -153,7 +153,7 @@ async def refused_on_both_paths(
     answers = []
     for native in (True, False):
         async with start_gateway(
-            server={"relay": native},
+            native=native,
             gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
         ) as h:
             hold = asyncio.create_task(read_stream(h.client, path, held))

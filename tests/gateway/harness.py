@@ -50,7 +50,7 @@ NATIVE_IDS = 1 << 40  # the native front numbers its requests from here (`front/
 
 def served_by(native: bool, *request_ids: str) -> None:
     """Each request id (`llmflow-<n>`, as a client or a backend saw it) is from the native
-    front's path (`native`), or from Python's (`server.relay: false`)."""
+    front's path (`native`), or from Python's (the app's, `serve_gateway(front=False)`)."""
     for request_id in request_ids:
         assert (int(request_id.removeprefix("llmflow-")) >= NATIVE_IDS) == native, request_id
 
@@ -174,11 +174,19 @@ async def assert_idle(h: Harness) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(app: Any, asgi: Any = None) -> AsyncIterator[str]:
+async def serve_gateway(app: Any, asgi: Any = None, front: bool = True) -> AsyncIterator[str]:
     """Serve a gateway app (`create_app`) as `llmflow serve` does: the front door on a loopback
     port, uvicorn on a private unix socket behind it (serving `asgi`, a wrapper of `app`, when
-    given); yields the base URL."""
+    given); yields the base URL.
+
+    `front=False` serves the app alone, by uvicorn on the loopback port: every request is the
+    app's, as the front passes it what it declines (the Python path, the reference the
+    differential tests hold the native front's answers to)."""
     settings = app.state.settings
+    if not front:
+        async with serve_asgi(asgi or app, **server_options(settings)) as (url, _):
+            yield url
+        return
     door = FrontDoor(settings, "127.0.0.1", 0)
     options = server_options(settings, behind_front=True)
     try:
@@ -200,10 +208,12 @@ async def start_gateway(
     backend: dict[str, Any] | None = None,
     per_backend: dict[str, dict[str, Any]] | None = None,
     trace: TextIO | None = None,
+    native: bool = True,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
-    """Fakes plus a gateway over them (`trace`: where the runtime's trace goes); on exit,
-    asserts everything returned to zero."""
+    """Fakes plus a gateway over them (`trace`: where the runtime's trace goes; `native`
+    False: the app alone, every request served by Python, `serve_gateway(front=False)`); on
+    exit, asserts everything returned to zero."""
     fakes = {f"b{i}": FakeVllm() for i in range(n_backends)}
     if configure is not None:
         configure(fakes)
@@ -213,7 +223,7 @@ async def start_gateway(
             urls[name], _ = await stack.enter_async_context(serve_asgi(fake.app))
         settings = settings_for(urls, backend, per_backend, **sections)
         app = create_app(settings, trace)
-        url = await stack.enter_async_context(serve_gateway(app))
+        url = await stack.enter_async_context(serve_gateway(app, front=native))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         harness = Harness(url, app.state.gateway, client, fakes, app)
         yield harness

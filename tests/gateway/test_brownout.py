@@ -27,7 +27,7 @@ async def test_a_pressed_tier_is_sent_upstream_with_max_tokens_clamped(relay: bo
         tiers=TIERS,
         default_tier="normal",
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 4}},
-        server={"relay": relay},
+        native=relay,
     ) as h:
         h.fake.default = {"step": True}
         one = {"fake": {"tokens": 1}}  # each reply is one token: one release() ends it

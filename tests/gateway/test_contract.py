@@ -332,8 +332,8 @@ async def first_token_timeout() -> None:
 
 
 async def backend_unavailable() -> None:
-    # The route table patched here is the Python path's: every completion goes that way.
-    async with start_gateway(check_idle=False, server={"relay": False}) as h:
+    # The route table patched here is the Python path's: the app alone, every completion its.
+    async with start_gateway(check_idle=False, native=False) as h:
         dead = "http://127.0.0.1:9"  # the discard port: connection refused
         assert h.gateway.ctx is not None
         h.gateway.ctx.routes["b0"] = type(h.gateway.ctx.routes["b0"])(dead, False)

@@ -6,7 +6,7 @@ around each simulated server (`Recorder`), not by the gateway; what the backends
 read from their own `/metrics`.
 
 Each check runs on both paths: the native front's (the default; its requests' ids are from the
-front's range, which the backends see in `X-Request-Id`) and Python's (`server.relay: false`);
+front's range, which the backends see in `X-Request-Id`) and Python's (the app alone);
 the hops each backend received and the replies the client read are compared byte for byte
 between the two.
 """
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 pytestmark = pytest.mark.anyio
-# Each test on both paths: the native front's (the default) and Python's (`server.relay: false`).
+# Each test on both paths: the native front's (the default) and Python's (the app alone).
 PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
 
@@ -134,8 +134,8 @@ async def split_gateway(
 ) -> AsyncIterator[Split]:
     """p0, p1 (prefill, one slot each) and d0 (decode, four slots) behind a gateway: H100s
     with Llama-3-8B at `speed` times real time; `native`: the front serves the completions
-    (else `server.relay: false`, Python); `trace`: where the runtime's trace goes;
-    `prefill_kv`: the prefill instances run vLLM's KV connector."""
+    (else the app alone, Python: `serve_gateway(front=False)`); `trace`: where the runtime's
+    trace goes; `prefill_kv`: the prefill instances run vLLM's KV connector."""
     recorders = {
         name: Recorder(
             sim_app(link_gb_s, speed, prefill_max_model_len, prefill_kv)
@@ -152,10 +152,9 @@ async def split_gateway(
             "d0": {"role": "decode", "gpus": 4},
         }
         sections = {"gate": {"max_concurrency_per_gpu": 1}, **sections}
-        sections["server"] = {**sections.get("server", {}), "relay": native}
         settings = settings_for(urls, backend, per_backend, **sections)
         app = create_app(settings, trace)
-        url = await stack.enter_async_context(serve_gateway(app))
+        url = await stack.enter_async_context(serve_gateway(app, front=native))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=60))
         harness = Harness(url, app.state.gateway, client, {}, app)
         yield Split(harness, recorders, urls, servers)
@@ -186,8 +185,8 @@ async def test_a_split_request_prefills_on_one_instance_and_decodes_on_another(
             assert sum(metrics.relay.inter_chunk()[1]) > 0
             assert sum(metrics.inter_chunk.counts) == 0
         else:
-            # The decode hop streamed through Python (`server.relay: false`), which lends the
-            # relay no socket. The relay wrote nothing.
+            # The decode hop streamed through Python (the app alone), which lends the relay
+            # no socket. The relay wrote nothing.
             assert sum(metrics.relay.inter_chunk()[1]) == 0
             assert sum(metrics.inter_chunk.counts) > 0
         usage = chunks[-1].usage
@@ -312,12 +311,12 @@ async def test_a_first_token_streams_after_the_transfer(native: bool) -> None:
 async def test_built_in_backends_can_be_split(native: bool) -> None:
     # Backends without a URL run the simulated vLLM in the gateway's process; with roles they
     # run its KV connector too, so a split config works on a bare machine.
-    settings = load_settings(data={"server": {"relay": native}, "backends": [
+    settings = load_settings(data={"backends": [
         {"name": "p", "models": [SIM_MODEL], "role": "prefill"},
         {"name": "d", "models": [SIM_MODEL], "role": "decode"},
     ]})
     app = create_app(settings)
-    async with serve_gateway(app) as url, httpx.AsyncClient(
+    async with serve_gateway(app, front=native) as url, httpx.AsyncClient(
         base_url=url, timeout=30
     ) as client:
         body = {"model": SIM_MODEL, "prompt": "hello " * 50, "max_tokens": 8, "ignore_eos": True}

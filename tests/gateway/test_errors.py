@@ -143,8 +143,8 @@ async def test_backend_4xx_passes_through(gw: Harness) -> None:
 
 
 async def test_unreachable_backend_is_502_then_503_once_marked_down() -> None:
-    # The route table patched here is the Python path's: every completion goes that way.
-    async with start_gateway(check_idle=False, server={"relay": False}) as h:
+    # The route table patched here is the Python path's: the app alone, every completion its.
+    async with start_gateway(check_idle=False, native=False) as h:
         dead = "http://127.0.0.1:9"  # the discard port: connection refused
         assert h.gateway.ctx is not None
         assert h.gateway.scraper is not None

@@ -1,8 +1,8 @@
 """Bad input to a governed route, answered by the front door, is the Python path's answer.
 
 Two gateways, built alike over two fakes, take the same raw requests: one as `llmflow serve`
-runs it (the front answers what its checks refuse), the other with `server.relay: false`
-(the front passes every completion to the app, whose answer is the reference). Compared:
+runs it (the front answers what its checks refuse), the other the app alone (as the front
+passes it a request it declines: its answer is the reference). Compared:
 every byte of the response but the `date` header's line, with the connection kept alive and
 with it closed (`connection: close`, HTTP/1.0), and whether the gateway then ends the
 connection or keeps it open. Each app counts the HTTP requests reaching it, so a test sees

@@ -1,10 +1,11 @@
 """Mangled requests on the wire: the front answers one natively only with the app's bytes.
 
 Two gateways run for the module, built alike (`test_front_refusals.served`): one as `llmflow
-serve` runs it, the other with `server.relay: false`, whose app answers every completion (the
-reference). Each holds its one slot, so a request the checks pass is refused by the runtime
-(429), and every answer is a whole body of a declared length. Each example sends the same raw
-request (a mangled body, a key good or not) to both, on fresh connections: where the native
+serve` runs it, the other the app alone, which answers every completion (the reference: the
+app's answer to a request the front passes it). Each holds its one slot, so a request the
+checks pass is refused by the runtime (429), and every answer is a whole body of a declared
+length. Each example sends the same raw request (a mangled body, a key good or not) to both,
+on fresh connections: where the native
 gateway's app did not see it and the answer is no runtime refusal (it has no `x-request-id`),
 the front answered it from its checks, and it must be the reference's byte for byte, the
 `date` header aside. Whatever the front passes on is the app's to answer and not compared.

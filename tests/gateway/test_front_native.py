@@ -2,8 +2,8 @@
 
 A streamed completion the front is sure of never reaches Python: the front checks it, feeds
 the shared runtime, and relays vLLM's stream itself. These tests check what a client and vLLM
-see: the same bytes as the Python path (`server.relay: false`: the front passes every request
-to the app), one cap for the native
+see: the same bytes as the Python path (the app served alone, as the front passes it a request
+it declines), one cap for the native
 requests and the ones Python serves beside them, refusals byte for byte, departures that free
 everything at vLLM, keep-alive and pipelining, and the metrics and trace counting them.
 """
@@ -75,7 +75,7 @@ async def test_the_native_path_sends_what_the_python_path_sends(
 ) -> None:
     replies = []
     for native in (True, False):
-        async with start_gateway(server={"relay": native}) as h:
+        async with start_gateway(native=native) as h:
             status, text, headers = await read_stream(h.client, path, _body(path, **extra))
             assert status == 200, text
             assert by_front(headers) == native
@@ -166,7 +166,7 @@ async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
 ) -> None:
     log = tmp_path / "access.csv"
     async with start_gateway(
-        server={"access_log": str(log), "relay": native},
+        server={"access_log": str(log)}, native=native,
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
     ) as h:
         hold = asyncio.create_task(read_stream(h.client, CHAT, _body(fake={"step": True})))
@@ -226,7 +226,7 @@ async def _whole_on_both_paths(
     **sections: Any,
 ) -> list[bytes]:
     """The raw reply to `body`, not streamed, from the native front and from the Python path
-    (`relay: false`); `steps`: the fake emits that many tokens, then holds the rest;
+    (the app alone); `steps`: the fake emits that many tokens, then holds the rest;
     `unstreamed`: the request asks what vLLM computes only unstreamed (prompt logprobs)."""
     replies = []
     for raw, sent in await raw_on_both_paths(path, body, steps, **sections):
@@ -417,7 +417,7 @@ async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -
 async def test_a_stream_cut_by_its_deadline_keeps_the_connection(native: bool) -> None:
     """The cut ends the reply whole (notice, `[DONE]`, last chunk) and promised no close: the
     connection serves the client's next request, on either path (a client's pool reuses it)."""
-    async with start_gateway(server={"relay": native}, timeouts={"total_ms": 300}) as h:
+    async with start_gateway(native=native, timeouts={"total_ms": 300}) as h:
         held = _body(max_tokens=50, fake={"step": True})
         reader, writer = await connect(h.url, post(CHAT, held))
         h.fake.release(2)
@@ -449,7 +449,7 @@ async def _streams_on_both_paths(
     path: str, body: dict[str, Any], steps: int | None = None, **sections: Any
 ) -> list[str]:
     """The body of the streamed reply to `body` from the native front and from the Python
-    path (`relay: false`), each checked to be served where it should; `steps`: the fake
+    path (the app alone), each checked to be served where it should; `steps`: the fake
     emits that many steps, then holds the rest."""
     replies = []
     for text, _, sent in await streamed_on_both_paths(path, body, steps, **sections):
@@ -532,7 +532,7 @@ async def test_a_cut_after_every_choice_finished_is_no_truncation_on_either_path
                                            "hold_done": True})
     replies, counted = [], []
     for native in (True, False):
-        async with start_gateway(server={"relay": native}, timeouts={"total_ms": 400}) as h:
+        async with start_gateway(native=native, timeouts={"total_ms": 400}) as h:
             request = asyncio.create_task(read_stream(h.client, CHAT, body))
             await until(lambda h=h: h.fake.running == 1)
             h.fake.release(1)

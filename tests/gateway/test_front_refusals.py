@@ -1,8 +1,8 @@
 """A flood's refusals, answered by the front door, are the refusals the Python path answers.
 
 Two gateways, built alike over two fakes, take the same requests: one as `llmflow serve` runs
-it (the front serves the streamed completions natively), the other with `server.relay: false`
-(the front passes every request to the app, which serves it through Python). Each app is
+it (the front serves the streamed completions natively), the other the app alone (as the front
+passes it a request it declines, which the app serves through Python). Each app is
 wrapped in a counter of the HTTP requests that reach it, so a test sees from outside which way
 a request went. Compared: the status line, every header but `date` and `x-request-id` (the
 native path numbers its requests from its own range), the body byte for byte, and the
@@ -108,12 +108,11 @@ async def served(native: bool, **sections: Any) -> AsyncIterator[Served]:
     fake = FakeVllm()
     async with contextlib.AsyncExitStack() as stack:
         fake_url, _ = await stack.enter_async_context(serve_asgi(fake.app))
-        server = {"relay": native, **sections.pop("server", {})}
-        settings = settings_for({"b0": fake_url}, **{**SECTIONS, **sections, "server": server})
+        settings = settings_for({"b0": fake_url}, **{**SECTIONS, **sections})
         trace = io.StringIO()
         app = create_app(settings, trace)
         counted = Counted(app)
-        url = await stack.enter_async_context(serve_gateway(app, counted))
+        url = await stack.enter_async_context(serve_gateway(app, counted, front=native))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         s = Served(url, app.state.gateway, counted, trace, fake, client)
         try:

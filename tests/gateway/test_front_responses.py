@@ -1,6 +1,6 @@
 """`POST /v1/responses` served natively by the front door, checked from outside.
 
-The Python path (`server.relay: false`: the front passes every request to the app) is the
+The Python path (the app served alone, as the front passes it a request it declines) is the
 oracle: each test runs the same request on both paths and compares what a client reads (the
 bytes of the reply, less its ids and clocks) and what the fake vLLM saw (the body it got, its
 own counts of aborts and running requests), and checks that the native one was the front's
@@ -219,7 +219,7 @@ async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> N
     answers: list[list[bytes]] = []
     for native in (True, False):
         async with start_gateway(
-            server={"relay": native},
+            native=native,
             limits={"max_tokens": 100},
             streaming={"enabled": False},
         ) as h:
@@ -327,7 +327,7 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
     tmp_path: Any, native: bool
 ) -> None:
     log = tmp_path / "access.csv"
-    async with start_gateway(server={"access_log": str(log), "relay": native}) as h:
+    async with start_gateway(server={"access_log": str(log)}, native=native) as h:
         for stream in (True, False):
             r = await h.client.post(RESPONSES, json=_body(stream=stream))
             assert r.status_code == 200
@@ -351,7 +351,7 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
 async def test_a_client_that_stops_reading_a_response_is_cut_for_its_stall(native: bool) -> None:
     big = _body(stream=True, max_output_tokens=3000, fake={"chunk_bytes": 16384})  # ~48 MB
     async with start_gateway(
-        server={"relay": native}, backpressure={"client_window": 4, "stall_timeout_ms": 600}
+        native=native, backpressure={"client_window": 4, "stall_timeout_ms": 600}
     ) as h:
         _reader, writer = await connect(h.url, post(RESPONSES, big))  # and never read
         try:

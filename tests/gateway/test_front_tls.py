@@ -97,9 +97,9 @@ async def gateway_over(
     if client is not None:
         own |= {"tls_client_cert": str(client[0]), "tls_client_key": str(client[1])}
     per_backend = {"b0": own} if own else None
-    settings = settings_for({"b0": url}, per_backend=per_backend, server={"relay": native})
+    settings = settings_for({"b0": url}, per_backend=per_backend)
     app = create_app(settings)
-    async with serve_gateway(app) as base:
+    async with serve_gateway(app, front=native) as base:
         yield base, app.state.gateway
 
 

@@ -1,7 +1,7 @@
 """The Rust relay from outside: same bytes as the Python path, keep-alive, several threads.
 
 Every streamed completion the front serves natively runs through the relay
-(`server.relay: false` passes it to the app, which streams through Python instead); these
+(what it passes to the app streams through Python instead); these
 check what is particular to it.
 """
 
@@ -65,7 +65,7 @@ async def test_the_relay_sends_what_the_python_path_sends(path: str, extra: dict
         body["prompt"] = "hi"
     replies = []
     for relay in (True, False):
-        async with start_gateway(server={"relay": relay}) as h:
+        async with start_gateway(native=relay) as h:
             status, text = await _stream(h.client, path, body)
             assert status == 200, text
             replies.append(_comparable(_events(text)))

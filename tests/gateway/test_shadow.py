@@ -10,7 +10,7 @@ the enforce run's wire. The script paces itself on events, not clocks: replies t
 deterministic fake (not the simulator) keeps the two runs' event sequences identical, which is
 what makes equal counts a fair expectation; docs/gateway.md says where real traffic departs.
 
-Each runs on both paths: the native front's (the default) and Python's (`server.relay: false`);
+Each runs on both paths: the native front's (the default) and Python's (the app alone);
 the core mirrors both to the one policy runtime, so the two give the same verdicts.
 """
 
@@ -210,12 +210,12 @@ def _rows(log: Path, native: bool) -> dict[str, dict[str, str]]:
 async def test_shadow_answers_as_direct_and_counts_what_enforce_does(
     tmp_path: Path, native: bool
 ) -> None:
-    async with start_gateway(**SECTIONS, server={"relay": native}) as h:
+    async with start_gateway(**SECTIONS, native=native) as h:
         enforce = await _replay(h, shadow=False)
     log = tmp_path / "access.csv"
     sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
-                "server": {"access_log": str(log), "relay": native}}
-    async with start_gateway(**sections) as h:
+                "server": {"access_log": str(log)}}
+    async with start_gateway(**sections, native=native) as h:
         shadow = await _replay(h, shadow=True)
         await _settled(h)
         metrics = (await h.client.get("/metrics")).text
@@ -266,11 +266,10 @@ async def test_the_policy_runtime_trace_replays(tmp_path: Path, native: bool) ->
     fake = FakeVllm()
     async with serve_asgi(fake.app) as (backend, _):
         settings = settings_for({"b0": backend}, **{
-            **SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}, "timeouts": {},
-            "server": {"relay": native}})
+            **SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"}, "timeouts": {}})
         with path.open("w") as trace:
             app = create_app(settings, trace)
-            async with serve_gateway(app) as url, \
+            async with serve_gateway(app, front=native) as url, \
                     httpx.AsyncClient(base_url=url, timeout=30) as c:
                 held = [asyncio.create_task(_ask(c, ALPHA_KEY, _body(True, step=True)))
                         for _ in range(5)]
@@ -290,8 +289,8 @@ async def test_a_client_leaving_while_the_policy_holds_it_waiting(native: bool) 
     """The policy hears the client leave at once (its queue empties, as enforce mode's would),
     and the real request, already at vLLM, is aborted there."""
     sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow",
-                                     "max_concurrency_per_gpu": 1}, "server": {"relay": native}}
-    async with start_gateway(**sections) as h:
+                                     "max_concurrency_per_gpu": 1}}
+    async with start_gateway(**sections, native=native) as h:
         assert h.gateway.shadow is not None
         policy = h.gateway.shadow.policy.runtime
         first = asyncio.create_task(_ask(h.client, ALPHA_KEY, _body(True, step=True)))
@@ -317,8 +316,8 @@ async def test_both_paths_give_the_same_verdicts(tmp_path: Path) -> None:
     for native in (True, False):
         log = tmp_path / f"access-{native}.csv"
         sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
-                    "server": {"access_log": str(log), "relay": native}}
-        async with start_gateway(**sections) as h:
+                    "server": {"access_log": str(log)}}
+        async with start_gateway(**sections, native=native) as h:
             run = await _replay(h, shadow=True)
             await _settled(h)
             counts = _shadow_counts((await h.client.get("/metrics")).text)
@@ -394,8 +393,8 @@ async def test_the_span_says_what_the_policy_would_have_done(native: bool) -> No
     spans: dict[str, dict[str, Any]] = {}
     with OtlpReceiver() as rx:
         sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
-                    "server": {"relay": native}, "telemetry": {"otlp_endpoint": rx.url}}
-        async with start_gateway(**sections) as h:
+                    "telemetry": {"otlp_endpoint": rx.url}}
+        async with start_gateway(**sections, native=native) as h:
             ids = []
             for _ in range(2):
                 reply = await h.client.post("/v1/chat/completions", json=_body(False),

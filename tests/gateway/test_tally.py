@@ -1,6 +1,6 @@
 """The per-request metrics and the access log, counted once in the core for both paths.
 
-The same traffic sent through the native front and through Python (`server.relay: false`)
+The same traffic sent through the native front and through Python (the app served alone)
 must come out as the same `/metrics` families and the same access-log rows (ids and times
 masked), each checked against what the test sent and saw on the wire: the statuses, the
 request ids, the tokens the fake vLLM sent. The rows are the bytes `csv.writer` writes of
@@ -147,7 +147,7 @@ async def _counted(
     """The traffic through one path, checked against what was sent and seen; its rows and its
     per-request families, masked (`_masked`, `_families`)."""
     async with start_gateway(
-        server={"access_log": str(log), "relay": native},
+        server={"access_log": str(log)}, native=native,
         tenants=TENANTS,
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 1}},
     ) as h:
@@ -199,7 +199,7 @@ async def test_a_refusal_flood_is_counted_and_logged_exactly(tmp_path: Path, nat
     flood = 300
     log = tmp_path / "access.csv"
     async with start_gateway(
-        server={"access_log": str(log), "relay": native},
+        server={"access_log": str(log)}, native=native,
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},
         # the held stream keeps its slot however long the flood takes on a busy machine (the
         # first-token timeout would cut it, and the flood's last requests would get the slot)

@@ -7,7 +7,7 @@ trace id, and vLLM's parent is the gateway's upstream span.
 
 Each check runs on both paths: the completions the native front serves (it decides the trace
 ids, sends the `traceparent`, and Python builds the spans from the request's record) and those
-Python serves (`server.relay: false`), and one compares what the two export for the same
+Python serves (the app served alone), and one compares what the two export for the same
 requests. The front's reading of a client's `traceparent` and its sampling rule are held
 against the SDK's own on many inputs.
 """
@@ -48,7 +48,7 @@ PROMPT = "the-secret-prompt-text-nobody-may-trace"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"  # the client's own trace and span ids
 CLIENT_SPAN = "00f067aa0ba902b7"
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
-# Each test on both paths: the native front's (the default) and Python's (`server.relay: false`).
+# Each test on both paths: the native front's (the default) and Python's (the app alone).
 PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
 
@@ -107,7 +107,7 @@ async def test_spans_and_the_traceparent_vllm_received(native: bool) -> None:
         async with start_gateway(
             tenants=TENANTS,
             timeouts={"total_ms": 1000},
-            server={"relay": native},
+            native=native,
             telemetry={"otlp_endpoint": rx.url, "service_name": "gw-under-test"},
         ) as h:
             c = h.client
@@ -180,7 +180,7 @@ async def test_a_client_traceparent_is_continued(native: bool) -> None:
     incoming = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
     with OtlpReceiver() as rx:
         async with start_gateway(
-            telemetry={"otlp_endpoint": rx.url + "/v1/traces"}, server={"relay": native}
+            telemetry={"otlp_endpoint": rx.url + "/v1/traces"}, native=native
         ) as h:
             streamed, _ = await _stream(h.client, None, {"traceparent": incoming})
             reply = await h.client.post(
@@ -202,7 +202,7 @@ async def test_a_request_refused_from_the_queue_has_a_queue_span(native: bool) -
             gate={"max_concurrency_per_gpu": 1, "queue": {"max_wait_ms": 200}},
             streaming={"first_token_timeout_ms": None},
             telemetry={"otlp_endpoint": rx.url},
-            server={"relay": native},
+            native=native,
         ) as h:
             async with h.client.stream(
                 "POST", "/v1/chat/completions", json=_body(True, tokens=3, itl=0.4)
@@ -225,7 +225,7 @@ async def test_a_request_refused_from_the_queue_has_a_queue_span(native: bool) -
 async def test_sampled_out_traces_export_nothing_and_say_so_upstream(native: bool) -> None:
     with OtlpReceiver() as rx:
         async with start_gateway(
-            telemetry={"otlp_endpoint": rx.url, "sample_ratio": 0.0}, server={"relay": native}
+            telemetry={"otlp_endpoint": rx.url, "sample_ratio": 0.0}, native=native
         ) as h:
             reply = await h.client.post("/v1/chat/completions", json=_body(False))
             assert reply.status_code == 200
@@ -266,7 +266,7 @@ async def test_the_parents_flag_decides_the_sampling(native: bool) -> None:
     sent = {}
     with OtlpReceiver() as rx:
         async with start_gateway(
-            telemetry={"otlp_endpoint": rx.url, "sample_ratio": 0.5}, server={"relay": native}
+            telemetry={"otlp_endpoint": rx.url, "sample_ratio": 0.5}, native=native
         ) as h:
             for flags, (trace_id, _) in chosen.items():
                 incoming = f"00-{trace_id}-{CLIENT_SPAN}-{flags}"
@@ -291,7 +291,7 @@ async def test_new_traces_are_sampled_by_their_id(native: bool) -> None:
     id (read from what vLLM received), and exported exactly when sampled."""
     with OtlpReceiver() as rx:
         async with start_gateway(
-            telemetry={"otlp_endpoint": rx.url, "sample_ratio": 0.5}, server={"relay": native}
+            telemetry={"otlp_endpoint": rx.url, "sample_ratio": 0.5}, native=native
         ) as h:
             request_ids = []
             for _ in range(24):
@@ -334,7 +334,7 @@ async def test_both_paths_export_the_same_spans() -> None:
         with OtlpReceiver() as rx:
             async with start_gateway(
                 tenants=TENANTS,
-                server={"relay": native},
+                native=native,
                 telemetry={"otlp_endpoint": rx.url},
             ) as h:
                 c = h.client

@@ -42,7 +42,7 @@ async def test_a_broken_reply_ends_every_client_with_a_visible_error(
     relay: bool, fault: str
 ) -> None:
     plan, counted = FAULTS[fault]
-    async with start_gateway(server={"relay": relay}) as h:
+    async with start_gateway(native=relay) as h:
         h.fake.default = plan
         streamed = [stream_chat(h.client, max_tokens=20) for _ in range(CLIENTS)]
         body = chat(stream=False, max_tokens=20)

@@ -29,7 +29,7 @@ async def test_a_backend_that_never_answers_is_aborted_at_the_first_token_timeou
     relay: bool, mode: str
 ) -> None:
     async with start_gateway(
-        server={"relay": relay},
+        native=relay,
         streaming={"first_token_timeout_ms": TIMEOUT_MS, "on_first_token_timeout": mode},
         sla={"ttft_ms": None},
     ) as h:

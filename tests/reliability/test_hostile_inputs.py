@@ -340,8 +340,8 @@ async def test_an_sse_event_that_never_ends_is_bounded(relay: bool, stream: bool
     event). Now the stream fails with a 502 once the event passes server.max_event_bytes
     (1 MiB here): this process's peak RSS (gateway, backend and client together, from /proc)
     grows by a few MiB, and the next request is served."""
-    server = {"max_event_bytes": EVENT_LIMIT, "relay": relay}
-    async with start_gateway(configure=install, server=server) as h:
+    server = {"max_event_bytes": EVENT_LIMIT}
+    async with start_gateway(configure=install, server=server, native=relay) as h:
         backend = h.fake.app
         backend.script = _endless_event
         gc.collect()
@@ -378,7 +378,7 @@ async def test_a_crlf_split_between_reads_never_merges_two_events() -> None:
             await asyncio.sleep(0.02)
         yield b"data: [DONE]\r\n\r\n"
 
-    async with start_gateway(configure=install, server={"relay": False}) as h:
+    async with start_gateway(configure=install, native=False) as h:  # the app's decoder
         h.fake.app.script = split
         r = await h.client.post(CHAT, json=chat(stream=False, max_tokens=5))
         assert r.status_code == 200, r.text
@@ -476,7 +476,7 @@ async def test_a_chunk_of_the_wrong_shape_fails_the_reply(
         yield chunk_event("three ")
         yield b"data: [DONE]\n\n"
 
-    async with start_gateway(configure=install, server={"relay": relay}) as h:
+    async with start_gateway(configure=install, native=relay) as h:
         h.fake.app.script = reply
         r = await h.client.post(CHAT, json=chat(stream=stream, max_tokens=5))
         if stream:
@@ -492,9 +492,10 @@ async def test_a_chunk_of_the_wrong_shape_fails_the_reply(
 # -- 11. a client that never reads gives its fd back ------------------------------------------
 
 
-# Behind the front door, a reply the app serves (`relay: False`) reaches the client through
-# the front's pass-through: blocked writing to a client that reads nothing, it still checks
-# whether the app hung up on the reply (`rust/src/front/from_app.rs`), and drops the client then.
+# Behind the front door, a reply the app serves (a same-origin page's request, which the front
+# passes on for the app's guard to judge) reaches the client through the front's
+# pass-through: blocked writing to a client that reads nothing, it still checks whether the
+# app hung up on the reply (`rust/src/front/from_app.rs`), and drops the client then.
 @pytest.mark.parametrize("relay", [True, False], ids=["relay", "python"])
 async def test_a_client_that_never_reads_gives_back_its_fd_and_buffer(relay: bool) -> None:
     """Three clients ask for 48 MB streams and never read a byte, nor close. The stall
@@ -503,16 +504,17 @@ async def test_a_client_that_never_reads_gives_back_its_fd_and_buffer(relay: boo
     gateway's side of each is gone within a second of the cut: this process's fd count in
     /proc is back to the baseline plus the clients' own three."""
     backpressure = {"client_window": 4, "stall_timeout_ms": 500}
-    async with start_gateway(server={"relay": relay}, backpressure=backpressure) as h:
+    async with start_gateway(backpressure=backpressure) as h:
         await h.client.get("/v1/models")  # the test client's own connection is open
         baseline = fds_of_self()
         socks = []
         body = chat(max_tokens=3000, fake={"chunk_bytes": 16384})
+        page = "" if relay else "origin: http://127.0.0.1\r\n"  # passed on to the app
         for _ in range(3):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(tuple_of(h.url))
-            sock.sendall(post_bytes(CHAT, body))
+            sock.sendall(post_bytes(CHAT, body, page))
             socks.append(sock)
         try:
             await until(lambda: h.fake.aborted == 3, timeout_s=10)  # cut for the stall
@@ -534,12 +536,12 @@ def tuple_of(url: str) -> tuple[str, int]:
 async def raw_gateway(**sections: Any) -> AsyncIterator[tuple[Any, RawBackend]]:
     backend = RawBackend()
     url = await backend.start()
-    server = {"relay": False, **sections.pop("server", {})}
-    settings = settings_for({"raw": url}, server=server, **sections)
+    front = sections.pop("native", False)  # the app's reader unless asked
+    settings = settings_for({"raw": url}, **sections)
     app = create_app(settings)
     try:
         async with (
-            serve_gateway(app) as gw_url,
+            serve_gateway(app, front=front) as gw_url,
             httpx.AsyncClient(base_url=gw_url, timeout=10) as client,
         ):
             yield client, backend
@@ -647,7 +649,7 @@ async def test_a_relayed_reply_framed_wrong_does_not_take_the_backend_down() -> 
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
         b"\r\n%x\r\n%s\r\nzz\r\n" % (len(bad), bad)
     )
-    async with raw_gateway(server={"relay": True}) as (client, backend):
+    async with raw_gateway(native=True) as (client, backend):
         backend.mode = reply
         r = await client.post(CHAT, json=chat(max_tokens=2))
         assert r.status_code == 200

@@ -70,7 +70,7 @@ async def test_a_client_too_slow_for_its_stream_is_cut_and_its_slot_freed(
     relay: bool, per_second: int
 ) -> None:
     async with start_gateway(
-        server={"relay": relay},
+        native=relay,
         backpressure={"client_window": 4, "stall_timeout_ms": STALL_MS},
     ) as h:
         socks = [_connect(h.url) for _ in range(3)]

@@ -45,12 +45,10 @@ __all__ = ["NativeInbox", "Served", "native_routes", "why_not_native"]
 def why_not_native(gateway: Gateway) -> str | None:
     """Why the front cannot serve this gateway's completions natively (None: it can).
 
-    Only `server.relay: false` sends them to the Python path (shadow mode's policy runtime
-    hears the front's requests in the core; a split pool's two hops are the front's).
+    Only a gateway not started: the front serves every governed route it is sure of, in every
+    mode (shadow mode's policy runtime hears the front's requests in the core; a split pool's
+    two hops are the front's, and so are the spans' ids with telemetry on).
     """
-    s = gateway.settings
-    if not s.server.relay:
-        return "server.relay is off"
     if gateway.ctx is None:
         return "the gateway has not started"
     return None

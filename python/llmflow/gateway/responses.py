@@ -12,10 +12,11 @@ Tokens are counted one per `*.delta` event (text, reasoning, tool-call arguments
 per engine step), and the final `usage.output_tokens` settles the count when it says more.
 Events pass to the client as vLLM framed them (`event:` and `data:` lines), untouched.
 
-This is the Python path's, which serves a response only under `server.relay: false` (and what
-the native front passes to the app: a body its checks are unsure of). The native front serves
-the rest with the same bytes on the wire: `rust/src/front/responses.rs` (these checks, the
-upstream body, the whole and partial replies, a cut's `error` event) and
+This is the Python path's, which serves only what the native front passes to the app (a body
+its checks are unsure of, a body sent chunked or compressed, a keyless gateway's request with
+an Origin or a foreign Host). The native front serves the rest with the same bytes on the wire:
+`rust/src/front/responses.rs` (these checks, the upstream body, the whole and partial replies,
+a cut's `error` event) and
 `rust/src/relay/responses.rs` (this parser's reading of the events, a reply kind of the relay);
 `tests/gateway/test_front_responses.py` holds the two paths against each other.
 """

@@ -1,8 +1,7 @@
 """vLLM's routes beyond completions: the Responses API (governed) and the light routes.
 
 `/v1/responses` generates tokens, so the runtime governs it as it does a completion (the
-native front serves it, as it serves a completion; this route serves what it passes on, and
-every response under `server.relay: false`). The
+native front serves it, as it serves a completion; this route serves what it passes on). The
 light routes (embeddings, rerank, score, tokenize, detokenize, audio) pass through under the
 core's light lane (`light.py`). Every route authenticates the API key first. The policy of
 each route is tabled in `docs/gateway.md`.
