@@ -15,7 +15,6 @@ started (its lifespan built the relay, and uvicorn listens on the unix socket).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import shutil
 import socket
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from llmflow._core import Front
 from llmflow.gateway.middleware import allowed_host_names
-from llmflow.gateway.native import native_routes, why_not_native
+from llmflow.gateway.native import native_routes
 
 if TYPE_CHECKING:
     from llmflow.config import Settings
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FrontDoor"]
 
-log = logging.getLogger("llmflow.gateway")
 _BACKLOG = 2048  # uvicorn's default backlog, for the listener the front takes over
 # A shutdown's wait for the app's replies still on their way through the front (a WebSocket,
 # which counts for its whole life, is dropped after it).
@@ -74,10 +72,6 @@ class FrontDoor:
             read_timeout_ms=s.server.read_timeout_ms,
             write_timeout_ms=s.server.write_timeout_ms,
         )
-        reason = why_not_native(gateway)
-        if reason is not None:
-            log.info("the front passes every completion to the app (%s)", reason)
-            return
         hosts = [s.server.host, *s.server.allowed_hosts]
         own = None if s.auth_enabled else allowed_host_names(hosts)
         gateway.native = native_routes(self._front, gateway, own)

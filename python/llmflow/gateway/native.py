@@ -40,22 +40,13 @@ if TYPE_CHECKING:
     from llmflow.gateway.metrics import GatewayMetrics
     from llmflow.gateway.shadow import Verdict
 
-__all__ = ["NativeInbox", "Served", "native_routes", "why_not_native"]
-
-def why_not_native(gateway: Gateway) -> str | None:
-    """Why the front cannot serve this gateway's completions natively (None: it can).
-
-    Only a gateway not started: the front serves every governed route it is sure of, in every
-    mode (shadow mode's policy runtime hears the front's requests in the core; a split pool's
-    two hops are the front's, and so are the spans' ids with telemetry on).
-    """
-    if gateway.ctx is None:
-        return "the gateway has not started"
-    return None
+__all__ = ["NativeInbox", "Served", "native_routes"]
 
 
 def native_routes(front: Front, gateway: Gateway, own_hosts: frozenset[str] | None) -> NativeInbox:
-    """Serve `gateway`'s governed completions natively on `front` (see `why_not_native`)."""
+    """Serve `gateway`'s governed completions natively on `front`, in every mode (shadow mode's
+    policy runtime hears the front's requests in the core; a split pool's two hops are the
+    front's, and so are the spans' ids with telemetry on). Call once the app has started."""
     s, service, ctx = gateway.settings, gateway.service, gateway.ctx
     assert service is not None
     assert ctx is not None
