@@ -298,7 +298,8 @@ class _Decoding:
                 self.event.set()
 
     async def wait(self, batch: list[asyncio.Task[Trace]]) -> None:
-        """Until the batch decodes, or one of its streams ends first (its error is raised)."""
+        """Until the batch decodes, or one of its streams ends first (its error is raised, and
+        the batch's other streams are cancelled: none is left reading its backend)."""
         ready = asyncio.ensure_future(self.event.wait())
         try:
             await asyncio.wait([ready, *batch], return_when=asyncio.FIRST_COMPLETED)
@@ -306,6 +307,8 @@ class _Decoding:
             ready.cancel()
         for task in batch:
             if task.done() and (error := task.exception()) is not None:
+                for other in batch:
+                    other.cancel()
                 raise error
 
 
