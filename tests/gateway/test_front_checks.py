@@ -7,8 +7,9 @@ with the core's priority and brownout bound (`upstream_body`). Bodies come from 
 realistic and hostile fields (wrong types, nulls, numbers at and past every limit, unicode,
 unknown fields of any shape) and of raw edits a dict cannot express (a key twice, `-0`,
 integers past 64 bits, BOMs, bad UTF-8, lone surrogates, NaN, deep nesting). Declining
-everything would pass that; `test_plain_requests_are_served_natively` holds the other side:
-the requests clients really send are all accepted, with Python's values.
+everything would not pass: Rust must be sure of every body, taking what Python takes and
+refusing what Python refuses with its bytes. `test_plain_requests_are_served_natively` holds
+the requests clients really send: all accepted, with Python's values.
 """
 
 from __future__ import annotations
@@ -216,6 +217,12 @@ _EDITS = {  # raw edits a dict cannot express, each put first in the object
     b'"x":' + b"[" * 127 + b"]" * 127: "nesting serde takes",
     b'"x":' + b"[" * 129 + b"]" * 129: "nesting past serde's limit",
     b'"x":' + b"[" * 201 + b"]" * 201: "nesting past the decoder's limit",
+    b'"x":' + b"9" * 250 + b"e99": "a float past the largest, by its digits",
+    b'"n":' + b"1" * 45: "an integer past 128 bits",
+    b'"max_tokens":-' + b"7" * 45: "a negative integer past 128 bits",
+    b'"temperature":' + b"9" * 320: "an integer past the largest float",
+    b'"prompt":[]': "no prompt ids",
+    rb'"stop":["\u00a0\u200b","\ud83d\ude00",1]': "text Python escapes in its repr",
 }
 
 
@@ -256,17 +263,21 @@ def test_rust_accepts_only_what_python_accepts_with_its_values(
     raw = data.draw(raws(endpoint))
     rust = checks.prepare(endpoint, raw)  # type: ignore[arg-type]
     python = _python(service, endpoint, raw)
-    event(f"Rust {'accepts' if rust else 'declines'}, Python {'accepts' if python else 'refuses'}")
+    event(f"Rust {'accepts' if rust else 'refuses'}, Python {'accepts' if python else 'refuses'}")
     if rust is not None:
         _assert_same(endpoint, raw, rust, python)
-    _assert_refused_alike(service, checks, endpoint, raw)
+    _assert_refused_alike(service, checks, endpoint, raw, rust)
 
 
 def _assert_refused_alike(
-    service: CompletionService, checks: FrontChecks, endpoint: str, raw: bytes
+    service: CompletionService,
+    checks: FrontChecks,
+    endpoint: str,
+    raw: bytes,
+    rust: FrontPrepared | None,
 ) -> None:
-    """Where Rust refuses a body, Python refuses it, and the response is Python's byte for
-    byte (`GatewayError.response()` as uvicorn writes it)."""
+    """Rust takes the bodies Python takes and refuses the others, each with Python's response
+    byte for byte (`GatewayError.response()` as uvicorn writes it): it is unsure of none."""
     keep_alive = len(raw) % 2 == 0  # either, as the body falls
     refused = checks.refusal(endpoint, raw, SERVER, keep_alive)  # type: ignore[arg-type]
     error: GatewayError | None = None
@@ -276,10 +287,11 @@ def _assert_refused_alike(
         error = exc
     if error is None:
         assert refused is None, f"Rust refuses what Python accepts: {raw!r}"
+        assert rust is not None, f"Rust is unsure of what Python accepts: {raw!r}"
         return
-    event(f"Rust {'answers' if refused else 'passes on'} Python's {error.code}")
-    if refused is not None:
-        assert refused == _reply_bytes(error, SERVER, keep_alive), raw
+    event(f"Rust answers Python's {error.code}")
+    assert refused is not None, f"Rust is unsure of what Python refuses ({error}): {raw!r}"
+    assert refused == _reply_bytes(error, SERVER, keep_alive), raw
 
 
 _PIECES = st.sampled_from([  # bytes that steer a JSON reader, alone or as they come in bodies
@@ -315,17 +327,17 @@ def mangled(draw: st.DrawFn, endpoint: str) -> bytes:
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_a_mangled_body_is_refused_as_python_refuses_it_or_passed_on(
+def test_a_mangled_body_is_refused_as_python_refuses_it(
     endpoint: str, data: st.DataObject
 ) -> None:
-    """Whatever the bytes, the front either answers with Python's error, byte for byte, or
-    passes the request to the app (and serves only what Python serves, with its values)."""
+    """Whatever the bytes, the front answers with Python's error, byte for byte, or serves
+    what Python serves, with its values."""
     service, checks = data.draw(CONFIGS)
     raw = data.draw(mangled(endpoint))
     rust = checks.prepare(endpoint, raw)  # type: ignore[arg-type]
     if rust is not None:
         _assert_same(endpoint, raw, rust, _python(service, endpoint, raw))
-    _assert_refused_alike(service, checks, endpoint, raw)
+    _assert_refused_alike(service, checks, endpoint, raw, rust)
 
 
 # ---- what clients send: all accepted ----------------------------------------------------------
@@ -400,3 +412,18 @@ def test_the_checks_read_what_they_are_given() -> None:
     assert one.prefix_hashes[3] != two.prefix_hashes[3]
     assert one.fingerprint != two.fingerprint
     assert checks.prepare("chat", b'{"model":"m","messages":[]}') is None
+
+
+def test_text_in_a_refusal_is_shown_as_python_repr_shows_it() -> None:
+    """Every character Python's `repr` prints as it is, or escapes, the front's 400 shows the
+    same way (its table of printable characters is Python's own: `printable.rs`)."""
+    _, checks = _pair()
+    step = 6  # six characters escape to at most 66, inside the message's 80
+    points = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    for at in range(0, len(points), step):
+        text = "".join(map(chr, points[at : at + step]))
+        raw = json.dumps({"model": "m", "prompt": "p", "user": [text]}).encode()
+        answer = checks.refusal("completions", raw, SERVER, True)  # type: ignore[arg-type]
+        assert answer is not None, text
+        message = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert message == f"user: Input should be a valid string (got {[text]!r})", text

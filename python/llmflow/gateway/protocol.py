@@ -37,8 +37,9 @@ __all__ = [
 ]
 
 MAX_INT = 2**31 - 1  # largest token count or choice count a request may name (vLLM's int32)
-# A number that may overflow a float to +-inf: an exponent of 3+ digits or 309+ digits in a row.
-_MAYBE_HUGE = re.compile(rb"[0-9][eE][+]?[0-9]{3}|[0-9]{309}")
+# A number that may overflow a float to +-inf: it needs integer digits plus exponent past 308,
+# so an exponent of 2+ digits or 300+ digits in a row (the core decides: `json_refusal`).
+_MAYBE_HUGE = re.compile(rb"[0-9][eE][+]?[0-9]{2}|[0-9]{300}")
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:

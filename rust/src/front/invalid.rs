@@ -7,10 +7,8 @@
 //! `stream_options` no object or with a flag that is not a boolean.
 //! pydantic validates the fields in the model's order, so the first error is the first field
 //! that fails; this walks them in that order and names an error only when every field
-//! before it is sure to pass and the failing one is sure to fail so. An input whose `repr` needs
-//! Unicode's tables (non-ASCII text) is unsure: the app answers it.
-
-use std::fmt::Write as _;
+//! before it is sure to pass and the failing one is sure to fail so. Text is shown as Python's
+//! `repr` shows it, with the printable characters of Python's Unicode tables (`printable.rs`).
 
 use super::json::{self, Json, Style};
 use super::prepare::Endpoint;
@@ -72,9 +70,11 @@ pub fn first_error(endpoint: Endpoint, body: &Json) -> Option<(String, String)> 
         match field(endpoint, name, body.get(name)) {
             Field::Valid => {}
             Field::Unsure => return None,
-            Field::Invalid(message, input) => return worded(name.to_owned(), &message, input),
+            Field::Invalid(message, input) => {
+                return Some(worded(name.to_owned(), &message, input))
+            }
             Field::Inside(path, message, input) => {
-                return worded(format!("{name}{path}"), &message, input);
+                return Some(worded(format!("{name}{path}"), &message, input));
             }
         }
     }
@@ -82,12 +82,12 @@ pub fn first_error(endpoint: Endpoint, body: &Json) -> Option<(String, String)> 
 }
 
 /// `_invalid`: `{param}: {message} (got {repr(input):.80})`, and the param.
-fn worded(param: String, message: &str, input: Option<&Json>) -> Option<(String, String)> {
+fn worded(param: String, message: &str, input: Option<&Json>) -> (String, String) {
     let got = match input {
         None => String::new(),
-        Some(value) => format!(" (got {})", truncated(&repr(value)?, 80)),
+        Some(value) => format!(" (got {})", truncated(&repr(value), 80)),
     };
-    Some((format!("{param}: {message}{got}"), param))
+    (format!("{param}: {message}{got}"), param)
 }
 
 fn field<'a>(endpoint: Endpoint, name: &str, value: Option<&'a Json>) -> Field<'a> {
@@ -117,7 +117,7 @@ fn field<'a>(endpoint: Endpoint, name: &str, value: Option<&'a Json>) -> Field<'
         "n" if endpoint == Endpoint::Chat => nullable(value, |v| int(v, 1)),
         "n" => int(value, 1), // not nullable in `CompletionRequest`
         "seed" => nullable(value, |v| match v {
-            Json::Int(_) => Field::Valid,
+            Json::Int(_) | Json::BigInt(_) => Field::Valid,
             _ => invalid("Input should be a valid integer", v),
         }),
         "temperature" => nullable(value, |v| {
@@ -233,18 +233,19 @@ fn int(value: &Json, least: i128) -> Field<'_> {
             invalid("Input should be less than or equal to 2147483647", value)
         }
         Json::Int(_) => Field::Valid,
+        Json::BigInt(digits) if digits.starts_with('-') => Field::Invalid(
+            format!("Input should be greater than or equal to {least}"),
+            Some(value),
+        ),
+        Json::BigInt(_) => invalid("Input should be less than or equal to 2147483647", value),
         _ => invalid("Input should be a valid integer", value),
     }
 }
 
 /// A strict `float` (an int is one) within the bound `within` names when it fails.
 fn number(value: &Json, within: impl Fn(f64) -> (bool, &'static str)) -> Field<'_> {
-    let x = match value {
-        Json::Float(x) => *x,
-        // pydantic compares the int itself: exact here while it is below 2**53.
-        Json::Int(i) if i.unsigned_abs() < 1 << 53 => *i as f64,
-        Json::Int(_) => return Field::Unsure,
-        _ => return invalid("Input should be a valid number", value),
+    let Some(x) = super::request::float(value) else {
+        return invalid("Input should be a valid number", value);
     };
     match within(x) {
         (true, _) => Field::Valid,
@@ -273,32 +274,32 @@ fn prompt(value: &Json) -> Field<'_> {
     }
 }
 
-/// Python's `repr` of a value as `json.loads` gives it, or None where it needs Unicode's
-/// tables (text outside printable ASCII).
-fn repr(value: &Json) -> Option<String> {
-    Some(match value {
+/// Python's `repr` of a value as `json.loads` gives it.
+fn repr(value: &Json) -> String {
+    match value {
         Json::Null => "None".to_owned(),
         Json::Bool(true) => "True".to_owned(),
         Json::Bool(false) => "False".to_owned(),
         Json::Int(i) => i.to_string(),
+        Json::BigInt(digits) => digits.clone(),
         Json::Float(x) => {
             let mut out = Vec::new();
             json::write(&mut out, &Json::Float(*x), PLAIN);
-            String::from_utf8(out).ok()?
+            String::from_utf8(out).expect("a float is written in ASCII")
         }
-        Json::Str(s) => repr_str(s)?,
+        Json::Str(s) => repr_str(s),
         Json::Array(items) => {
-            let items = items.iter().map(repr).collect::<Option<Vec<_>>>()?;
+            let items: Vec<String> = items.iter().map(repr).collect();
             format!("[{}]", items.join(", "))
         }
         Json::Object(pairs) => {
-            let pairs = pairs
+            let pairs: Vec<String> = pairs
                 .iter()
-                .map(|(k, v)| Some(format!("{}: {}", repr_str(k)?, repr(v)?)))
-                .collect::<Option<Vec<_>>>()?;
+                .map(|(k, v)| format!("{}: {}", repr_str(k), repr(v)))
+                .collect();
             format!("{{{}}}", pairs.join(", "))
         }
-    })
+    }
 }
 
 const PLAIN: Style = Style {
@@ -307,12 +308,10 @@ const PLAIN: Style = Style {
     compact: true,
 };
 
-/// `repr(str)` of ASCII text: single quotes unless it holds one and no double quote, and
-/// the escapes of `\\`, the quote, `\t \n \r` and the other control characters.
-fn repr_str(s: &str) -> Option<String> {
-    if !s.is_ascii() {
-        return None;
-    }
+/// `repr(str)`: single quotes unless it holds one and no double quote, the escapes of `\\`,
+/// the quote and `\t \n \r`, and every character Python does not print as it is written
+/// `\xhh`, `\uhhhh` or `\Uhhhhhhhh` by its size.
+fn repr_str(s: &str) -> String {
     let quote = if s.contains('\'') && !s.contains('"') {
         '"'
     } else {
@@ -330,28 +329,36 @@ fn repr_str(s: &str) -> Option<String> {
                 out.push('\\');
                 out.push(c);
             }
-            c if c < ' ' || c == '\x7f' => {
-                write!(out, "\\x{:02x}", u32::from(c)).expect("a String takes every write");
+            c if super::printable::is_printable(c) => out.push(c),
+            c => {
+                let code = u32::from(c);
+                let escape = match code {
+                    0..=0xff => format!("\\x{code:02x}"),
+                    0x100..=0xffff => format!("\\u{code:04x}"),
+                    _ => format!("\\U{code:08x}"),
+                };
+                out.push_str(&escape);
             }
-            c => out.push(c),
         }
     }
     out.push(quote);
-    Some(out)
+    out
 }
 
-/// `f"{text:.80}"`: the first `n` characters (the text is ASCII).
+/// `f"{text:.80}"`: the first `n` characters.
 fn truncated(text: &str, n: usize) -> &str {
-    &text[..text.len().min(n)]
+    text.char_indices()
+        .nth(n)
+        .map_or(text, |(end, _)| &text[..end])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::front::json::parse;
+    use crate::front::decode::read;
 
     fn first(endpoint: Endpoint, text: &str) -> Option<(String, String)> {
-        first_error(endpoint, &parse(text.as_bytes()).unwrap())
+        first_error(endpoint, &read(text.as_bytes()).unwrap())
     }
 
     // The first failing field in pydantic's order, worded as `_invalid` words it.
@@ -426,12 +433,52 @@ mod tests {
     // Valid bodies, nested errors and non-ASCII inputs name no error.
     #[test]
     fn unsure_or_valid() {
-        for text in [
-            r#"{"model":"m","messages":[{"role":"u"}]}"#,
-            r#"{"model":"é","stream":"é","messages":[]}"#,
+        let text = r#"{"model":"m","messages":[{"role":"u"}]}"#;
+        assert_eq!(first(Endpoint::Chat, text), None, "{text}");
+    }
+
+    // Text as Python's `repr` shows it: printable characters as they are, others escaped by
+    // their size, the quote chosen by what the text holds.
+    #[test]
+    fn text_as_python_repr() {
+        for (text, shown) in [
+            ("é😀", "'é😀'"),
+            ("\u{a0}\u{ad}\u{7f}", r"'\xa0\xad\x7f'"),
+            ("\u{200b}\u{2028}", r"'\u200b\u2028'"),
+            ("\u{e0001}\u{10ffff}", r"'\U000e0001\U0010ffff'"),
+            ("it's", r#""it's""#),
+            ("'\"", r#"'\'"'"#),
         ] {
-            assert_eq!(first(Endpoint::Chat, text), None, "{text}");
+            assert_eq!(repr_str(text), shown, "{text:?}");
         }
+        let body = r#"{"model":"é","stream":"é","messages":[]}"#;
+        let (message, _) = first(Endpoint::Chat, body).unwrap();
+        assert_eq!(message, "stream: Input should be a valid boolean (got 'é')");
+    }
+
+    // Integers past i128 are exact: out of a count's bounds by their sign, a seed, a float
+    // while one holds them.
+    #[test]
+    fn big_integers() {
+        let big = "1".repeat(50);
+        let body = format!(r#"{{"model":"m","prompt":"p","max_tokens":-{big}}}"#);
+        let (message, _) = first(Endpoint::Completions, &body).unwrap();
+        assert_eq!(
+            message,
+            format!("max_tokens: Input should be greater than or equal to 0 (got -{big})")
+        );
+        let body = format!(r#"{{"model":"m","prompt":"p","n":{big}}}"#);
+        let (message, _) = first(Endpoint::Completions, &body).unwrap();
+        assert!(
+            message.starts_with("n: Input should be less than or equal to 2147483647 (got 1111")
+        );
+        let huge = "9".repeat(320);
+        let body = format!(r#"{{"model":"m","prompt":"p","temperature":{huge}}}"#);
+        let (message, _) = first(Endpoint::Completions, &body).unwrap();
+        assert!(message.starts_with("temperature: Input should be a valid number (got 999"));
+        let body = format!(r#"{{"model":"m","prompt":"p","top_p":{big},"seed":{huge}}}"#);
+        let (message, _) = first(Endpoint::Completions, &body).unwrap();
+        assert!(message.starts_with("top_p: Input should be less than or equal to 1 (got 1111"));
     }
 
     // `repr` truncated at 80 characters.

@@ -1,16 +1,14 @@
-//! JSON as the Python path holds it: an ordered tree read strictly, and written byte for byte
-//! as Python's `json.dumps` writes it.
+//! JSON as the Python path holds it: an ordered tree, and written byte for byte as Python's
+//! `json.dumps` writes it.
 //!
-//! The native front may serve a request only with the values Python would derive, so it reads
-//! a body into the shape `pydantic_core.from_json` gives Python (objects in their order, an
-//! integer an integer, a float a float) and declines what it cannot hold the same way: an
-//! integer beyond `i64`/`u64` (serde would read it as a float, Python keeps it exact), `-0`
-//! (serde reads a float, Python the int 0), and a key twice in one object (rare and hostile;
-//! Python keeps the first place and the last value). Everything else strict JSON forbids
-//! (invalid UTF-8, lone surrogates, NaN, numbers that overflow a float, deep nesting) serde
-//! refuses as the gateway's decoder does. The writer follows CPython's encoder: its escapes,
-//! `repr(float)`, `ensure_ascii` and `sort_keys`, so a frame or a body built here is the one
-//! Python would send.
+//! A client's body is read into this tree by `decode::read`, as `pydantic_core.from_json`
+//! reads it. `parse` reads what comes from vLLM and the gateway's own templates with serde, in
+//! the shape `json.loads` gives Python (objects in their order, an integer an integer, a float
+//! a float), and declines what it cannot hold the same way: an integer beyond `i64`/`u64`
+//! (serde would read it as a float, Python keeps it exact), `-0` (serde reads a float, Python
+//! the int 0), and a key twice in one object. The writer follows CPython's encoder: its
+//! escapes, `repr(float)`, `ensure_ascii` and `sort_keys`, so a frame or a body built here is
+//! the one Python would send.
 
 use std::fmt;
 use std::io::Write as _;
@@ -24,6 +22,9 @@ pub enum Json {
     Bool(bool),
     /// An integer literal (Python's `int`): `i64` and `u64` both fit.
     Int(i128),
+    /// An integer past `i128` (a client's body only, `decode::read`), its decimal digits:
+    /// Python keeps it exact, and writes it as it came.
+    BigInt(String),
     /// A literal with a fraction or an exponent (Python's `float`), always finite.
     Float(f64),
     Str(String),
@@ -46,6 +47,7 @@ impl Json {
             Json::Null => false,
             Json::Bool(b) => *b,
             Json::Int(i) => *i != 0,
+            Json::BigInt(_) => true,
             Json::Float(f) => *f != 0.0,
             Json::Str(s) => !s.is_empty(),
             Json::Array(a) => !a.is_empty(),
@@ -54,8 +56,8 @@ impl Json {
     }
 }
 
-/// Read a client's body as the gateway's strict decoder does, or `None` when it is not JSON
-/// or holds something this tree would not hold as Python does (see the module's doc).
+/// Read JSON from vLLM or a template, or `None` when it is not JSON or holds something this
+/// tree would not hold as Python does (see the module's doc).
 pub fn parse(raw: &[u8]) -> Option<Json> {
     if !plain_integers(raw) {
         return None;
@@ -205,6 +207,7 @@ pub fn write(out: &mut Vec<u8>, value: &Json, style: Style) {
         Json::Bool(true) => out.extend_from_slice(b"true"),
         Json::Bool(false) => out.extend_from_slice(b"false"),
         Json::Int(i) => write!(out, "{i}").expect("a Vec takes every write"),
+        Json::BigInt(digits) => out.extend_from_slice(digits.as_bytes()),
         Json::Float(f) => write_float(out, *f),
         Json::Str(s) => write_str(out, s, style.ascii),
         Json::Array(items) => {

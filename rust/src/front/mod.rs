@@ -22,6 +22,7 @@ pub mod json;
 pub mod owner;
 pub mod pass;
 pub mod prepare;
+pub mod printable;
 pub mod prompt;
 pub mod record;
 pub mod reply;

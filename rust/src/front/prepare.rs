@@ -5,10 +5,11 @@
 //! `prepare` takes the same body with the same values: every check it makes (the strict
 //! decoder, the request models, `stream_options`, streaming on, a known model, the limits,
 //! the context) is made here. A body it would refuse is refused here with Python's error
-//! where the reading is sure of it (`NotServed::Refused`: the front answers it, byte for
-//! byte as the app would), and any other body it would refuse, or that this reading is
-//! unsure of, is `NotServed::Unsure`: the front then passes the request to the app, which
-//! answers it (with its own 400 or 404).
+//! (`NotServed::Refused`: the front answers it, byte for byte as the app would). The body is
+//! read as pydantic-core reads it (`decode.rs`) and every field as pydantic judges it, so the
+//! checks are sure of every body the property tests draw (`tests/gateway/test_front_checks.py`
+//! fails on an unsure one); `NotServed::Unsure` is left for the two walks of a body
+//! (`request.rs` and `invalid.rs`) disagreeing, and the front then passes the request on.
 
 use std::collections::{HashMap, HashSet};
 
@@ -22,8 +23,8 @@ use super::request::{self, Request};
 pub enum NotServed {
     /// Python refuses it with this error (`GatewayError`), before the runtime hears of it.
     Refused(Box<ErrorReply>),
-    /// Python may take it, or refuse it with an error this reading does not write: the app
-    /// answers it.
+    /// The strict reading refused a field that pydantic's walk (`invalid.rs`) passes, or an
+    /// estimate overflowed: none is known; the app answers it.
     Unsure,
 }
 
@@ -156,15 +157,11 @@ pub fn checked(
     raw: &[u8],
     config: &FrontConfig,
 ) -> Result<Prepared, NotServed> {
-    // Not one serde reads as an object: `decode_json` says what is wrong, or takes it.
-    let Some(body @ Json::Object(_)) = json::parse(raw) else {
-        return Err(
-            super::decode::refusal(raw).map_or(NotServed::Unsure, |message| {
-                let error = ErrorReply::checks(400, message, "invalid_json", None);
-                NotServed::Refused(Box::new(error))
-            }),
-        );
-    };
+    // One JSON object of finite numbers, as `decode_json` takes it, or its 400.
+    let body = super::decode::read(raw).map_err(|message| {
+        let error = ErrorReply::checks(400, message, "invalid_json", None);
+        NotServed::Refused(Box::new(error))
+    })?;
     if endpoint == Endpoint::Responses {
         return super::responses::checked(body, raw, config);
     }

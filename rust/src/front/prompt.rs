@@ -112,7 +112,7 @@ fn chat_bytes(messages: &[Message<'_>]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::front::json::parse;
+    use crate::front::decode::read;
     use crate::front::request::{chat, completion};
 
     // Ceiling of bytes over bytes_per_token; CJK counts its UTF-8 bytes.
@@ -128,7 +128,7 @@ mod tests {
     // Template overhead, text parts, images; a part without text or image type costs nothing.
     #[test]
     fn chat_estimate() {
-        let body = parse(
+        let body = read(
             br#"{"model":"m","messages":[{"role":"system","content":"abcdefgh"},
             {"role":"user","content":[{"type":"text","text":"abcd"},
             {"type":"image_url","image_url":{"url":"x"}},{"type":"input_audio"}]},
@@ -145,7 +145,7 @@ mod tests {
     // Token ids count exactly, one entry per prompt of a batch.
     #[test]
     fn completion_estimate() {
-        let body = parse(br#"{"model":"m","prompt":[[1,2,3],[4]]}"#).unwrap();
+        let body = read(br#"{"model":"m","prompt":[[1,2,3],[4]]}"#).unwrap();
         assert_eq!(
             prompt_tokens(&completion(&body).unwrap().prompt, 4.0),
             vec![3, 1]
@@ -156,7 +156,7 @@ mod tests {
     // a shared leading text shares its leading hashes.
     #[test]
     fn hashes_chain_over_the_layout() {
-        let ids = parse(br#"{"model":"m","prompt":[[1,2,3,4,5],[9]]}"#).unwrap();
+        let ids = read(br#"{"model":"m","prompt":[[1,2,3,4,5],[9]]}"#).unwrap();
         let hashes = prefix_hashes(&completion(&ids).unwrap().prompt, 2, 4.0);
         let words: Vec<u8> = [1u32, 2, 3, 4, 5]
             .iter()
@@ -167,8 +167,8 @@ mod tests {
             crate::routing::keyed_chain_hashes(&words, 8, MAX_BLOCKS)
         );
         assert_eq!(hashes.len(), 2);
-        let a = parse(br#"{"model":"m","prompt":"0123456789abcdef-one-abc"}"#).unwrap();
-        let b = parse(br#"{"model":"m","prompt":"0123456789abcdef-two-abc"}"#).unwrap();
+        let a = read(br#"{"model":"m","prompt":"0123456789abcdef-one-abc"}"#).unwrap();
+        let b = read(br#"{"model":"m","prompt":"0123456789abcdef-two-abc"}"#).unwrap();
         let (a, b) = (completion(&a).unwrap(), completion(&b).unwrap());
         let (ha, hb) = (
             prefix_hashes(&a.prompt, 2, 4.0),
@@ -181,7 +181,7 @@ mod tests {
     // A chat lays out `<role>` then content; parts as sorted, ASCII-escaped compact JSON.
     #[test]
     fn chat_layout() {
-        let body = parse(
+        let body = read(
             r#"{"model":"m","messages":[{"role":"u","content":[{"type":"text","text":"é","a":1.5}]},{"role":"a"}]}"#
                 .as_bytes(),
         )

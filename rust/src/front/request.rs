@@ -114,9 +114,7 @@ fn model(body: &Json) -> Option<&str> {
 fn sampling(body: &Json) -> Option<()> {
     let number = |key: &str, ok: fn(f64) -> bool| match body.get(key) {
         None | Some(Json::Null) => true,
-        Some(Json::Float(x)) => ok(*x),
-        Some(Json::Int(i)) => ok(*i as f64), // |i| < 2**63: pydantic compares the same float
-        Some(_) => false,
+        Some(value) => float(value).is_some_and(ok),
     };
     let stop = match body.get("stop") {
         None | Some(Json::Null | Json::Str(_)) => true,
@@ -125,10 +123,24 @@ fn sampling(body: &Json) -> Option<()> {
         }
         Some(_) => false,
     };
-    let seed = matches!(body.get("seed"), None | Some(Json::Null | Json::Int(_)));
+    let seed = matches!(
+        body.get("seed"),
+        None | Some(Json::Null | Json::Int(_) | Json::BigInt(_))
+    );
     let user = matches!(body.get("user"), None | Some(Json::Null | Json::Str(_)));
     let ok = number("temperature", |x| x >= 0.0) && number("top_p", |x| x > 0.0 && x <= 1.0);
     (ok && stop && seed && user).then_some(())
+}
+
+/// A strict `float` as pydantic reads it: a float, or an int as the nearest float (Python's
+/// `float(int)`, correctly rounded as Rust's conversions are), None past the largest float.
+pub fn float(value: &Json) -> Option<f64> {
+    match value {
+        Json::Float(x) => Some(*x),
+        Json::Int(i) => Some(*i as f64),
+        Json::BigInt(digits) => digits.parse::<f64>().ok().filter(|x| x.is_finite()),
+        _ => None,
+    }
 }
 
 fn message(value: &Json) -> Option<Message<'_>> {
@@ -147,12 +159,12 @@ fn message(value: &Json) -> Option<Message<'_>> {
 }
 
 /// `str | list[TokenId] | list[str] | list[list[TokenId]]`, read as `prompts` reads it. An
-/// empty list (of ids, or as a batch's prompt) is declined: pydantic takes it, but it is no
-/// client's prompt and vLLM refuses it.
+/// empty list is one prompt of no ids, as pydantic takes it (vLLM answers that it is empty).
 fn prompt(value: &Json) -> Option<Prompt<'_>> {
     match value {
         Json::Str(text) => Some(Prompt::Texts(vec![text])),
-        Json::Array(items) => match items.first()? {
+        Json::Array(items) if items.is_empty() => Some(Prompt::Ids(vec![items.as_slice()])),
+        Json::Array(items) => match &items[0] {
             Json::Str(_) => items
                 .iter()
                 .map(|p| {
@@ -167,7 +179,7 @@ fn prompt(value: &Json) -> Option<Prompt<'_>> {
             Json::Array(_) => items
                 .iter()
                 .map(|p| match p {
-                    Json::Array(ids) if !ids.is_empty() && token_ids(ids) => Some(ids.as_slice()),
+                    Json::Array(ids) if token_ids(ids) => Some(ids.as_slice()),
                     _ => None,
                 })
                 .collect::<Option<Vec<_>>>()
@@ -226,15 +238,15 @@ fn stream_options(value: Option<&Json>) -> Result<Option<StreamOptions>, Invalid
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::front::json::parse;
+    use crate::front::decode::read;
 
     fn chat_of(text: &str) -> Option<Request<'static>> {
-        let body = Box::leak(Box::new(parse(text.as_bytes()).unwrap()));
+        let body = Box::leak(Box::new(read(text.as_bytes()).unwrap()));
         chat(body)
     }
 
     fn completion_of(text: &str) -> Option<Request<'static>> {
-        let body = Box::leak(Box::new(parse(text.as_bytes()).unwrap()));
+        let body = Box::leak(Box::new(read(text.as_bytes()).unwrap()));
         completion(body)
     }
 
@@ -300,8 +312,6 @@ mod tests {
             "[-1]",
             "[2147483648]",
             "[true]",
-            "[]",
-            "[[]]",
             "null",
             "1",
             "[1.0]",
@@ -312,5 +322,14 @@ mod tests {
             );
         }
         assert!(completion_of(r#"{"model":"m","prompt":"a","n":null}"#).is_none());
+        // An empty list is one prompt of no ids; in a batch, a prompt of none.
+        for (empty, lengths) in [("[]", vec![0]), ("[[]]", vec![0]), ("[[],[7]]", vec![0, 1])] {
+            let read = completion_of(&format!(r#"{{"model":"m","prompt":{empty}}}"#)).unwrap();
+            let Prompt::Ids(prompts) = read.prompt else {
+                panic!("{empty}: not ids");
+            };
+            let read: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+            assert_eq!(read, lengths, "{empty}");
+        }
     }
 }

@@ -122,7 +122,13 @@ fn first_error(body: &Json) -> Option<(String, String)> {
                 "Input should be greater than or equal to 1",
             )
         }
-        Some(Json::Int(_)) => {
+        Some(Json::BigInt(digits)) if digits.starts_with('-') => {
+            return error(
+                "max_output_tokens",
+                "Input should be greater than or equal to 1",
+            )
+        }
+        Some(Json::Int(_) | Json::BigInt(_)) => {
             return error(
                 "max_output_tokens",
                 "Input should be less than or equal to 2147483647",
