@@ -1101,17 +1101,17 @@ class FrontChecks:
         block_size: int,
     ) -> FrontChecks: ...
     def prepare(
-        self, endpoint_name: Literal["chat", "completions"], raw: bytes
+        self, endpoint_name: Literal["chat", "completions", "responses"], raw: bytes
     ) -> FrontPrepared | None:
-        """The request's values, or None where Python's `prepare` would refuse it (or the
-        native front is unsure it would not): the app then answers it.
+        """The request's values, or None where Python's `prepare` (`prepare_response`) would
+        refuse it.
 
         Raises:
-            InvalidArgumentError: an endpoint other than chat or completions.
+            InvalidArgumentError: an endpoint other than chat, completions or responses.
         """
     def refusal(
         self,
-        endpoint_name: Literal["chat", "completions"],
+        endpoint_name: Literal["chat", "completions", "responses"],
         raw: bytes,
         default_headers: list[tuple[bytes, bytes]],
         keep_alive: bool,
@@ -1120,16 +1120,16 @@ class FrontChecks:
         `prepare` refuses the body so (`GatewayError.response()` as uvicorn writes it).
 
         Args:
-            endpoint_name: `"chat"` or `"completions"`.
+            endpoint_name: `"chat"`, `"completions"` or `"responses"`.
             raw: the request body.
             default_headers: the server's own headers (`date`, `server`), in order.
             keep_alive: whether the connection goes on after it.
 
         Returns:
-            The response's bytes, or None: the front serves the body, or passes it to the app.
+            The response's bytes, or None: the front serves the body.
 
         Raises:
-            InvalidArgumentError: an endpoint other than chat or completions.
+            InvalidArgumentError: an endpoint other than chat, completions or responses.
         """
 
 @final

@@ -26,6 +26,7 @@ from llmflow._core import FrontChecks, FrontPrepared
 from llmflow.config import Limits
 from llmflow.gateway.auth import Identity
 from llmflow.gateway.errors import GatewayError
+from llmflow.gateway.responses import prepare_response
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import _FINGERPRINT_KEY, BackendRoute, Prepared, upstream_body
 
@@ -184,7 +185,28 @@ _FIELDS = {
     },
     "completions": {**_COMMON, "prompt": _PROMPT},
 }
-_REQUIRED = {"chat": ("model", "messages"), "completions": ("model", "prompt")}
+_ITEM = st.fixed_dictionaries(
+    {"role": _ROLE}, optional={"content": _CONTENT.valid, "type": st.just("message")}
+)
+_FIELDS["responses"] = {
+    "model": _COMMON["model"],
+    "input": Field(
+        st.text(max_size=100) | st.lists(_ITEM, max_size=3),
+        st.lists(_ITEM | VALUES, min_size=1, max_size=2) | VALUES,
+    ),
+    "instructions": Field(st.none() | st.text(max_size=40), VALUES),
+    "max_output_tokens": Field(st.none() | st.integers(1, 300), COUNTS),
+    "stream": Field(_OPTION, st.sampled_from([1, "true"])),
+    "temperature": Field(VALUES, _NONE),  # passed through: vLLM checks it
+    "priority": Field(VALUES, _NONE),
+    "kv_transfer_params": Field(VALUES, _NONE),
+    "background": Field(VALUES, _NONE),
+}
+_REQUIRED = {
+    "chat": ("model", "messages"),
+    "completions": ("model", "prompt"),
+    "responses": ("model", "input"),
+}
 
 
 @st.composite
@@ -427,3 +449,40 @@ def test_text_in_a_refusal_is_shown_as_python_repr_shows_it() -> None:
         assert answer is not None, text
         message = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
         assert message == f"user: Input should be a valid string (got {[text]!r})", text
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    bytes_per_token=st.sampled_from([4.0, 0.75]),
+    streaming=st.booleans(),
+    cap=st.sampled_from([None, 8, 10_000]),
+)
+def test_a_responses_body_is_taken_or_refused_as_python_does(
+    data: st.DataObject, bytes_per_token: float, streaming: bool, cap: int | None
+) -> None:
+    """`prepare_response` and the front agree on every body: the same values where Python
+    takes it, Python's response byte for byte where it refuses it."""
+    _, checks = _pair(bytes_per_token=bytes_per_token, streaming=streaming, max_tokens=cap)
+    raw = data.draw(raws("responses") | mangled("responses"))
+    rust = checks.prepare("responses", raw)
+    refused = checks.refusal("responses", raw, SERVER, True)
+    try:
+        python = prepare_response(
+            IDENTITY, raw, MODELS, bytes_per_token, cap, streaming, aliases=ALIASES
+        )
+    except GatewayError as error:
+        event(f"refused: {error.code}")
+        assert rust is None, f"Rust accepts what Python refuses: {raw!r}"
+        assert refused == _reply_bytes(error, SERVER, True), raw
+        return
+    event("taken")
+    assert refused is None, f"Rust refuses what Python accepts: {raw!r}"
+    assert rust is not None, f"Rust is unsure of what Python accepts: {raw!r}"
+    assert (rust.asked_model, rust.model, rust.stream) == (
+        python.options.model, python.model, python.options.stream
+    )
+    assert (rust.prompt_tokens, rust.planned_tokens, rust.fingerprint) == (
+        python.prompt_tokens, python.max_tokens, python.fingerprint
+    )
+    assert rust.body == json.dumps(python.body).encode()

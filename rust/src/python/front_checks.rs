@@ -13,6 +13,14 @@ use crate::front::reply::{self, Cut};
 use crate::front::signals::read_signals;
 use crate::front::traceparent;
 
+/// A route the checks take: the two completions', and `/v1/responses`.
+fn checked_endpoint(name: &str) -> PyResult<Endpoint> {
+    match name {
+        "responses" => Ok(Endpoint::Responses),
+        _ => endpoint(name),
+    }
+}
+
 fn endpoint(name: &str) -> PyResult<Endpoint> {
     match name {
         "chat" => Ok(Endpoint::Chat),
@@ -70,7 +78,7 @@ impl PyFrontChecks {
     }
 
     fn prepare(&self, endpoint_name: &str, raw: &[u8]) -> PyResult<Option<PyFrontPrepared>> {
-        let prepared = prepare(endpoint(endpoint_name)?, raw, &self.config);
+        let prepared = prepare(checked_endpoint(endpoint_name)?, raw, &self.config);
         Ok(prepared.map(|inner| PyFrontPrepared { inner }))
     }
 
@@ -85,7 +93,8 @@ impl PyFrontChecks {
         default_headers: Vec<(Vec<u8>, Vec<u8>)>,
         keep_alive: bool,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let Err(NotServed::Refused(error)) = checked(endpoint(endpoint_name)?, raw, &self.config)
+        let Err(NotServed::Refused(error)) =
+            checked(checked_endpoint(endpoint_name)?, raw, &self.config)
         else {
             return Ok(None);
         };
@@ -106,7 +115,7 @@ impl PyFrontPrepared {
         match self.inner.endpoint {
             Endpoint::Chat => "chat",
             Endpoint::Completions => "completions",
-            Endpoint::Responses => "responses", // not made here: `endpoint` takes the two
+            Endpoint::Responses => "responses",
         }
     }
     #[getter]
