@@ -143,89 +143,91 @@ impl Chunked {
                     line,
                     hex,
                     size,
-                } => {
-                    if line + 1 > MAX_LINE {
-                        return Err(Malformed);
-                    }
-                    let next = |at| State::Size {
-                        at,
-                        line: line + 1,
-                        hex,
-                        size,
-                    };
-                    match (at, b) {
-                        (Line::Size, _) if b.is_ascii_hexdigit() => {
-                            let digit = u64::from((b as char).to_digit(16).unwrap_or(0));
-                            let size = size
-                                .checked_mul(16)
-                                .and_then(|s| s.checked_add(digit))
-                                .ok_or(Malformed)?;
-                            State::Size {
-                                at,
-                                line: line + 1,
-                                hex: hex + 1,
-                                size,
-                            }
-                        }
-                        (Line::Size, b';' | b'\r') if hex == 0 => return Err(Malformed),
-                        (
-                            Line::Size
-                            | Line::NameStart
-                            | Line::Name
-                            | Line::ValueStart
-                            | Line::Value
-                            | Line::Unquoted,
-                            b';',
-                        ) => next(Line::NameStart),
-                        (
-                            Line::Size
-                            | Line::Name
-                            | Line::ValueStart
-                            | Line::Value
-                            | Line::Unquoted,
-                            b'\r',
-                        ) => next(Line::Lf),
-                        (Line::NameStart | Line::Name, _) if tchar(b) => next(Line::Name),
-                        (Line::Name, b'=') => next(Line::ValueStart),
-                        (Line::ValueStart, b'"') => next(Line::Quoted),
-                        (Line::ValueStart | Line::Value, _) if tchar(b) => next(Line::Value),
-                        (Line::Quoted, b'"') => next(Line::Unquoted),
-                        (Line::Quoted, b'\\') => next(Line::Escaped),
-                        (Line::Quoted, _) if qdtext(b) => next(Line::Quoted),
-                        (Line::Escaped, _) if field_byte(b) => next(Line::Quoted),
-                        (Line::Lf, b'\n') if size == 0 => State::Trailer {
-                            at: Field::Start,
-                            line: 0,
-                        },
-                        (Line::Lf, b'\n') => State::Data(size),
-                        _ => return Err(Malformed),
-                    }
-                }
-                State::Trailer { at, line } => {
-                    if line + 1 > MAX_LINE {
-                        return Err(Malformed);
-                    }
-                    let next = |at| State::Trailer { at, line: line + 1 };
-                    match (at, b) {
-                        (Field::Start, b'\r') => next(Field::EndLf),
-                        (Field::Start | Field::Name, _) if tchar(b) => next(Field::Name),
-                        (Field::Name, b':') => next(Field::Value),
-                        (Field::Value, b'\r') => next(Field::Lf),
-                        (Field::Value, _) if field_byte(b) => next(Field::Value),
-                        (Field::Lf, b'\n') => State::Trailer {
-                            at: Field::Start,
-                            line: 0,
-                        },
-                        (Field::EndLf, b'\n') => State::Done,
-                        _ => return Err(Malformed),
-                    }
-                }
+                } => size_line(at, line, hex, size, b)?,
+                State::Trailer { at, line } => trailer(at, line, b)?,
                 State::Done => unreachable!("the loop stops when done"),
             };
             i += 1;
         }
         Ok(i)
     }
+}
+
+/// The state after byte `b` of a chunk-size line (at `at`, `line` bytes into it, `hex` digits
+/// read, the size so far).
+fn size_line(at: Line, line: usize, hex: usize, size: u64, b: u8) -> Result<State, Malformed> {
+    if line + 1 > MAX_LINE {
+        return Err(Malformed);
+    }
+    let next = |at| State::Size {
+        at,
+        line: line + 1,
+        hex,
+        size,
+    };
+    Ok(match (at, b) {
+        (Line::Size, _) if b.is_ascii_hexdigit() => {
+            let digit = u64::from((b as char).to_digit(16).unwrap_or(0));
+            let size = size
+                .checked_mul(16)
+                .and_then(|s| s.checked_add(digit))
+                .ok_or(Malformed)?;
+            State::Size {
+                at,
+                line: line + 1,
+                hex: hex + 1,
+                size,
+            }
+        }
+        (Line::Size, b';' | b'\r') if hex == 0 => return Err(Malformed),
+        (
+            Line::Size
+            | Line::NameStart
+            | Line::Name
+            | Line::ValueStart
+            | Line::Value
+            | Line::Unquoted,
+            b';',
+        ) => next(Line::NameStart),
+        (Line::Size | Line::Name | Line::ValueStart | Line::Value | Line::Unquoted, b'\r') => {
+            next(Line::Lf)
+        }
+        (Line::NameStart | Line::Name, _) if tchar(b) => next(Line::Name),
+        (Line::Name, b'=') => next(Line::ValueStart),
+        (Line::ValueStart, b'"') => next(Line::Quoted),
+        (Line::ValueStart | Line::Value, _) if tchar(b) => next(Line::Value),
+        (Line::Quoted, b'"') => next(Line::Unquoted),
+        (Line::Quoted, b'\\') => next(Line::Escaped),
+        (Line::Quoted, _) if qdtext(b) => next(Line::Quoted),
+        (Line::Escaped, _) if field_byte(b) => next(Line::Quoted),
+        (Line::Lf, b'\n') if size == 0 => State::Trailer {
+            at: Field::Start,
+            line: 0,
+        },
+        (Line::Lf, b'\n') => State::Data(size),
+        _ => return Err(Malformed),
+    })
+}
+
+/// The state after byte `b` of the trailer section (at `at`, `line` bytes into a line).
+fn trailer(at: Field, line: usize, b: u8) -> Result<State, Malformed> {
+    if line + 1 > MAX_LINE {
+        return Err(Malformed);
+    }
+    let next = |at| State::Trailer { at, line: line + 1 };
+    Ok(match (at, b) {
+        (Field::Start, b'\r') => next(Field::EndLf),
+        (Field::Start | Field::Name, _) if tchar(b) => next(Field::Name),
+        (Field::Name, b':') => next(Field::Value),
+        (Field::Value, b'\r') => next(Field::Lf),
+        (Field::Value, _) if field_byte(b) => next(Field::Value),
+        (Field::Lf, b'\n') => State::Trailer {
+            at: Field::Start,
+            line: 0,
+        },
+        (Field::EndLf, b'\n') => State::Done,
+        _ => return Err(Malformed),
+    })
 }
 
 /// A chunked request body read into its data, within a limit.
