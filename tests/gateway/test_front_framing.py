@@ -121,6 +121,7 @@ CASES: dict[str, tuple[list[bytes], bool]] = {
     "options": ([_head(COMPLETIONS, method="OPTIONS")], False),
     "delete_chunked": ([_head(CHAT, CHUNKED, method="DELETE"), _chunks(b"abc")], False),
     "get_over": ([_head(COMPLETIONS, "content-length: 5000", method="GET")], False),
+    "head_over": ([_head(CHAT, "content-length: 5000", method="HEAD")], False),
     # still the app's: an upgrade, and what the native server declines (re-sent as one chunk)
     "upgrade_h2c": ([_sized(COMPLETIONS, BODY, "connection: upgrade", "upgrade: h2c")], True),
     "chunked_declined": (

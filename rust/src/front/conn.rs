@@ -187,7 +187,7 @@ async fn take(native: Arc<dyn Native>, head: http::Head, mut conn: Conn, limits:
     if matches!(framing, Framing::Length(n) if n > limits.max_body_bytes as u64) {
         let too_large = body_too_large(limits.max_body_bytes);
         let answer = uvicorn_error(413, TOO_LARGE, &too_large.message, CODE_TOO_LARGE, now);
-        return match conn.stream.write_all(&answer).await {
+        return match conn.stream.write_all(headed(&answer, &request)).await {
             Ok(()) => Step::Linger(conn),
             Err(_) => Step::Gone,
         };
@@ -198,13 +198,10 @@ async fn take(native: Arc<dyn Native>, head: http::Head, mut conn: Conn, limits:
         _ => None,
     };
     if let Some(error) = early {
-        let mut answer = app_error(&error, request.keep_alive, now);
-        if request.method == "HEAD" {
-            answer.truncate(head_length(&answer));
-        }
+        let answer = app_error(&error, request.keep_alive, now);
         return answered(
             conn,
-            &answer,
+            headed(&answer, &request),
             request.keep_alive,
             Unwanted::whole(framing),
             deadline,
@@ -310,12 +307,16 @@ fn method_not_allowed() -> ErrorReply {
     error
 }
 
-/// The length of a response's head (a HEAD request's answer is that alone).
-fn head_length(response: &[u8]) -> usize {
-    response
+/// A response as uvicorn writes it to `request`: to a HEAD, its head alone.
+fn headed<'a>(response: &'a [u8], request: &Request) -> &'a [u8] {
+    if request.method != "HEAD" {
+        return response;
+    }
+    let head = response
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .map_or(response.len(), |at| at + 4)
+        .map_or(response.len(), |at| at + 4);
+    &response[..head]
 }
 
 #[cfg(test)]
@@ -400,7 +401,9 @@ mod tests {
                  \"code\":\"method_not_allowed\",\"param\":null}}}}"
             )
         );
-        assert_eq!(head_length(&kept), kept.len() - 114);
+        let head = request("HEAD", "/v1/completions", &[]);
+        assert_eq!(headed(&kept, &head), &kept[..kept.len() - 114]);
+        assert_eq!(headed(&kept, &request("GET", "/", &[])), &kept[..]);
         let counted = app_error(&body_too_large(2048), true, at);
         assert!(String::from_utf8(counted).unwrap().ends_with(
             "content-length: 153\r\ncontent-type: application/json\r\n\r\n{\"error\":\
