@@ -4,6 +4,12 @@
 //! Requests on one connection are served one after another, so pipelined requests are
 //! answered in order: what a client sent ahead waits in `Conn::buffered` (read ahead while
 //! the current reply is written) and is parsed when the reply is done.
+//!
+//! A request on a governed path is the front's whatever its framing or method (`take`): it
+//! answers as the app does what the app answers before reading a body, reads the body as
+//! uvicorn does (a declared length, chunks, after a `100 Continue` when asked), and hands it
+//! to the native server; the app gets only what the native server's `screen` leaves to its
+//! guards, what the native server declines, and an upgrade.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
