@@ -364,7 +364,7 @@ mod tests {
         assert_eq!(Decoder::new(10).feed(b"3\r\nabcX"), Err(Malformed));
     }
 
-    // What llhttp (httptools 0.6, under uvicorn) accepts and refuses, fed whole and byte by
+    // What llhttp (httptools 0.9, under uvicorn 0.55) accepts and refuses, fed whole and byte by
     // byte: the front reads what the app would have read, and refuses what it refused.
     #[test]
     fn llhttps_grammar() {
