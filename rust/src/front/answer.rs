@@ -89,6 +89,14 @@ pub fn uvicorn_error(
     out
 }
 
+/// The app's `GatewayError` answer (its `response()`) as uvicorn writes it: the server's
+/// `date` and `server` first, `connection: close` unless the connection goes on.
+pub fn app_error(error: &super::reply::ErrorReply, keep_alive: bool, now: SystemTime) -> Vec<u8> {
+    let date = http_date(now);
+    let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
+    error.response_bytes(&defaults, keep_alive)
+}
+
 /// `errors.py`'s `error_bytes`: `json.dumps(error_body(...))`, with its separators.
 pub fn error_json(status: u16, message: &str, code: &str) -> Vec<u8> {
     let kind = super::reply::error_type(status);

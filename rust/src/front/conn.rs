@@ -4,6 +4,12 @@
 //! Requests on one connection are served one after another, so pipelined requests are
 //! answered in order: what a client sent ahead waits in `Conn::buffered` (read ahead while
 //! the current reply is written) and is parsed when the reply is done.
+//!
+//! A request on a governed path is the front's whatever its framing or method (`take`): it
+//! answers as the app does what the app answers before reading a body, reads the body as
+//! uvicorn does (a declared length, chunks, after a `100 Continue` when asked), and hands it
+//! to the native server; the app gets only what the native server's `screen` leaves to its
+//! guards, what the native server declines, and an upgrade.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,10 +19,13 @@ use std::os::fd::AsRawFd;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::answer::answer;
-use super::http::{self, Ending, Framing, Limits, Refusal};
+use std::time::SystemTime;
+
+use super::answer::{answer, app_error, uvicorn_error};
+use super::http::{self, Ending, Framing, Limits, Refusal, Unread, Unwanted};
 use super::pass::{self, After, Body, Upstream};
-use super::{Conn, Native, Outcome, Request};
+use super::reply::ErrorReply;
+use super::{Conn, Native, Outcome, Request, Screen};
 
 /// Requests a connection may have queued behind the one being answered (`guard.py`'s
 /// `MAX_PIPELINE`): a client that pipelines more is answered those, then closed.
@@ -81,29 +90,23 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
             Err(Ending::Refused(refusal)) => return http::refuse(conn, refusal).await,
         };
         idle = limits.keep_alive_timeout;
-        let mut request = head.request;
-        let mut body = Body::Wire(head.framing);
         let native = setup.native.read().expect("never poisoned").clone();
-        if let (Some(native), Some(length)) = (native, offered(&request, head.framing, limits)) {
-            request.body = match http::read_body(&mut conn, length, head.deadline).await {
-                Ok(read) => read,
-                Err(Ending::Closed) => return,
-                Err(Ending::Refused(refusal)) => return http::refuse(conn, refusal).await,
-            };
-            let keep_alive = request.keep_alive;
-            match native.serve(request, conn).await {
-                Outcome::Served(Some(next)) if keep_alive => {
+        let (request, body) = match native.filter(|_| governed(&head.request)) {
+            Some(native) => match take(native, head, conn, limits).await {
+                Step::Next(next) => {
                     conn = next;
                     continue;
                 }
-                Outcome::Served(Some(last)) => return http::linger(last).await,
-                Outcome::Served(None) => return,
-                Outcome::Declined(declined, back) => {
-                    (request, conn) = (declined, back);
-                    body = Body::Read;
+                Step::Linger(last) => return http::linger(last).await,
+                Step::Refuse(last, refusal) => return http::refuse(last, refusal).await,
+                Step::Gone => return,
+                Step::Pass(request, body, back) => {
+                    conn = back;
+                    (request, body)
                 }
-            }
-        }
+            },
+            None => (head.request, Body::Wire(head.framing)),
+        };
         let app = Path::new(&setup.app);
         let passing = Passing::new(&setup.passing);
         let after = pass::forward(app, &mut upstream, &mut conn, &request, body, limits).await;
@@ -147,26 +150,183 @@ async fn refuse_for_fds(mut conn: Conn, limits: &Limits) {
     }
 }
 
-/// The body length of a request the native server is offered, or None: a governed route,
-/// `POST`, a body of a declared length within the limit, nothing that changes how the
-/// exchange goes (`Expect`, `Upgrade`); the app serves everything else as before.
-fn offered(request: &Request, framing: Framing, limits: &Limits) -> Option<usize> {
-    let Framing::Length(length) = framing else {
-        return None;
+/// A request on a governed route that the front takes: any method but an upgrade (a
+/// WebSocket handshake or `h2c` on these routes is the app's to answer, as before).
+fn governed(request: &Request) -> bool {
+    NATIVE_PATHS.contains(&request.path()) && request.header("upgrade").is_none()
+}
+
+/// What became of a governed request.
+enum Step {
+    /// Answered: the connection's next request.
+    Next(Conn),
+    /// Answered, and the connection ends: linger, then close.
+    Linger(Conn),
+    /// Answer this refusal below the app, then close.
+    Refuse(Conn, Refusal),
+    /// The connection is gone, or ended already.
+    Gone,
+    /// The app's to serve: the request, its body, the connection.
+    Pass(Request, Body, Conn),
+}
+
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n"; // uvicorn's, as the app reads
+
+/// A governed request, answered as the app answers it, in the app's order: its guards' (the
+/// native server's `screen`: the app's own answer), `BodyLimit`'s 413 for a declared length
+/// over the limit (connection closed), the router's 405 for a method other than POST, a bad
+/// key's 401; only then is the body read (uvicorn's `100 Continue` first when asked), a chunked
+/// one decoded and answered 413 once its data passes the limit, and the request served as
+/// one of a declared length is. What the app answered before reading is read past, as
+/// uvicorn's parser does, and the connection goes on.
+async fn take(native: Arc<dyn Native>, head: http::Head, mut conn: Conn, limits: &Limits) -> Step {
+    let http::Head {
+        mut request,
+        framing,
+        deadline,
+    } = head;
+    let screen = native.screen(&request);
+    if matches!(screen, Screen::App) {
+        return Step::Pass(request, Body::Wire(framing), conn);
+    }
+    let now = SystemTime::now();
+    if matches!(framing, Framing::Length(n) if n > limits.max_body_bytes as u64) {
+        let too_large = body_too_large(limits.max_body_bytes);
+        let answer = uvicorn_error(413, TOO_LARGE, &too_large.message, CODE_TOO_LARGE, now);
+        return match conn.stream.write_all(headed(&answer, &request)).await {
+            Ok(()) => Step::Linger(conn),
+            Err(_) => Step::Gone,
+        };
+    }
+    let early = match screen {
+        _ if request.method != "POST" => Some(method_not_allowed()),
+        Screen::Refuse(error) => Some(error),
+        _ => None,
     };
-    let plain = request.method == "POST"
-        && NATIVE_PATHS.contains(&request.path())
-        && request.header("content-length").is_some()
-        && request.header("expect").is_none()
-        && request.header("upgrade").is_none();
-    let length = usize::try_from(length).ok()?;
-    (plain && length <= limits.max_body_bytes).then_some(length)
+    if let Some(error) = early {
+        let answer = app_error(&error, request.keep_alive, now);
+        return answered(
+            conn,
+            headed(&answer, &request),
+            request.keep_alive,
+            Unwanted::whole(framing),
+            deadline,
+        )
+        .await;
+    }
+    let continued = expects_continue(&request);
+    if continued && conn.stream.write_all(CONTINUE).await.is_err() {
+        return Step::Gone;
+    }
+    let read = match framing {
+        Framing::Length(n) => http::read_body(&mut conn, n as usize, deadline)
+            .await
+            .map_err(Unread::Ending),
+        Framing::Chunked => http::read_chunked(&mut conn, limits.max_body_bytes, deadline).await,
+    };
+    request.body = match read {
+        Ok(body) => body,
+        Err(Unread::Ending(Ending::Closed)) => return Step::Gone,
+        Err(Unread::Ending(Ending::Refused(refusal))) => return Step::Refuse(conn, refusal),
+        Err(Unread::TooLarge(rest)) => {
+            let error = body_too_large(limits.max_body_bytes);
+            let answer = app_error(&error, request.keep_alive, now);
+            let rest = Unwanted::Chunked(rest);
+            return answered(conn, &answer, request.keep_alive, rest, deadline).await;
+        }
+    };
+    let keep_alive = request.keep_alive;
+    match native.serve(request, conn).await {
+        Outcome::Served(Some(next)) if keep_alive => Step::Next(next),
+        Outcome::Served(Some(last)) => Step::Linger(last),
+        Outcome::Served(None) => Step::Gone,
+        Outcome::Declined(declined, back) => {
+            Step::Pass(for_the_app(declined, framing, continued), Body::Read, back)
+        }
+    }
+}
+
+/// After an answer the app gave before reading the body: the rest of the body read past on a
+/// kept-alive connection (the next request follows it), or the connection ended (uvicorn
+/// closes it lingering, the body unread).
+async fn answered(
+    mut conn: Conn,
+    answer: &[u8],
+    keep_alive: bool,
+    rest: Unwanted,
+    deadline: tokio::time::Instant,
+) -> Step {
+    if conn.stream.write_all(answer).await.is_err() {
+        return Step::Gone;
+    }
+    if !keep_alive {
+        return Step::Linger(conn);
+    }
+    match http::skip_body(&mut conn, rest, deadline).await {
+        Ok(()) => Step::Next(conn),
+        Err(Ending::Closed) => Step::Gone,
+        Err(Ending::Refused(refusal)) => Step::Refuse(conn, refusal),
+    }
+}
+
+/// A declined request as the app gets it, its body read already: a chunked one sent as one
+/// chunk (the client's headers kept; its trailers, which the app never reads, dropped), and
+/// no `Expect` once the front has sent the `100 Continue` (the app would send a second).
+fn for_the_app(mut request: Request, framing: Framing, continued: bool) -> Request {
+    if framing == Framing::Chunked {
+        let mut body = format!("{:x}\r\n", request.body.len()).into_bytes();
+        if request.body.is_empty() {
+            body.extend_from_slice(b"\r\n");
+        } else {
+            body.extend_from_slice(&request.body);
+            body.extend_from_slice(b"\r\n0\r\n\r\n");
+        }
+        request.body = body.into();
+    }
+    if continued {
+        request.headers.retain(|(name, _)| name != "expect");
+    }
+    request
+}
+
+/// uvicorn sends `100 Continue` when the app first reads a body whose request asked for it.
+fn expects_continue(request: &Request) -> bool {
+    request.headers.iter().any(|(name, value)| {
+        name == "expect" && value.trim_ascii().eq_ignore_ascii_case(b"100-continue")
+    })
+}
+
+const TOO_LARGE: &str = "Request Entity Too Large";
+const CODE_TOO_LARGE: &str = "body_too_large";
+
+/// `BodyLimit`'s 413 (`middleware._message`).
+fn body_too_large(limit: usize) -> ErrorReply {
+    let message = format!("request body is larger than the gateway's limit of {limit} bytes");
+    ErrorReply::checks(413, message, CODE_TOO_LARGE, None)
+}
+
+/// The router's 405 for a governed path (each is POST only), through `errors._on_http_error`.
+fn method_not_allowed() -> ErrorReply {
+    let mut error =
+        ErrorReply::checks(405, "Method Not Allowed".into(), "method_not_allowed", None);
+    error.headers = vec![("allow".into(), "POST".into())];
+    error
+}
+
+/// A response as uvicorn writes it to `request`: to a HEAD, its head alone.
+fn headed<'a>(response: &'a [u8], request: &Request) -> &'a [u8] {
+    if request.method != "HEAD" {
+        return response;
+    }
+    let head = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(response.len(), |at| at + 4);
+    &response[..head]
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use bytes::Bytes;
 
     use super::*;
@@ -185,45 +345,76 @@ mod tests {
         }
     }
 
-    fn limits() -> Limits {
-        Limits {
-            max_header_bytes: 8192,
-            max_body_bytes: 100,
-            read_timeout: Duration::from_secs(1),
-            keep_alive_timeout: Duration::from_secs(1),
-            write_timeout: Duration::from_secs(1),
-        }
+    // Every method on a governed path is the front's, but an upgrade; other paths are not.
+    #[test]
+    fn governed_paths_but_upgrades() {
+        let on = |m: &str, t: &str, h: &[(&str, &str)]| governed(&request(m, t, h));
+        assert!(on("POST", "/v1/chat/completions", &[]));
+        assert!(on("POST", "/v1/completions?x=1", &[]));
+        assert!(on("GET", "/v1/responses", &[]));
+        assert!(on("POST", "/v1/completions", &[("expect", "100-continue")]));
+        assert!(!on("POST", "/v1/embeddings", &[]));
+        assert!(!on("POST", "/v1/completions/", &[]));
+        assert!(!on("POST", "/v1/completions", &[("upgrade", "h2c")]));
+        assert!(!on("GET", "/v1/responses", &[("upgrade", "websocket")]));
     }
 
-    // Only a plain POST to a governed route, with a declared body within the limit, is offered.
+    // `100 Continue` is asked by `Expect: 100-continue` alone (uvicorn ignores other values).
     #[test]
-    fn offered_only_plain_governed_posts() {
-        let cl = ("content-length", "10");
-        let l = limits();
-        let post =
-            |t: &str, h: &[(&str, &str)]| offered(&request("POST", t, h), Framing::Length(10), &l);
-        assert_eq!(post("/v1/chat/completions", &[cl]), Some(10));
-        assert_eq!(post("/v1/completions?x=1", &[cl]), Some(10));
-        assert_eq!(post("/v1/responses", &[cl]), Some(10));
-        assert_eq!(post("/v1/embeddings", &[cl]), None);
-        assert_eq!(post("/v1/chat/completions", &[]), None);
+    fn continue_asked() {
+        let asks = |v: &str| expects_continue(&request("POST", "/", &[("expect", v)]));
+        assert!(asks("100-continue"));
+        assert!(asks("100-Continue "));
+        assert!(!asks("foo"));
+        assert!(!expects_continue(&request("POST", "/", &[])));
+    }
+
+    // A declined chunked body goes to the app as one chunk, its headers as the client sent
+    // them, less the `Expect` the front answered.
+    #[test]
+    fn declined_as_the_app_reads_it() {
+        let headers = [("transfer-encoding", "chunked"), ("expect", "100-continue")];
+        let mut declined = request("POST", "/v1/completions", &headers);
+        declined.body = Bytes::from_static(b"0123456789abcdefg");
+        let sent = for_the_app(declined.clone(), Framing::Chunked, true);
+        assert_eq!(sent.body.as_ref(), b"11\r\n0123456789abcdefg\r\n0\r\n\r\n");
         assert_eq!(
-            post("/v1/chat/completions", &[cl, ("expect", "100-continue")]),
-            None
+            sent.headers,
+            [("transfer-encoding".into(), b"chunked".to_vec())]
         );
+        let mut empty = declined.clone();
+        empty.body = Bytes::new();
+        let sent = for_the_app(empty, Framing::Chunked, false);
+        assert_eq!(sent.body.as_ref(), b"0\r\n\r\n");
+        assert_eq!(sent.headers.len(), 2);
+        let sized = for_the_app(declined.clone(), Framing::Length(17), false);
+        assert_eq!(sized, declined);
+    }
+
+    // The 405 and the 413s as the app writes them (recorded through uvicorn, `date` aside).
+    #[test]
+    fn the_apps_answers() {
+        let at = std::time::UNIX_EPOCH;
+        let date = "date: Thu, 01 Jan 1970 00:00:00 GMT\r\n";
+        let kept = app_error(&method_not_allowed(), true, at);
         assert_eq!(
-            post("/v1/chat/completions", &[cl, ("upgrade", "h2c")]),
-            None
+            String::from_utf8(kept.clone()).unwrap(),
+            format!(
+                "HTTP/1.1 405 Method Not Allowed\r\n{date}server: uvicorn\r\nallow: POST\r\n\
+                 x-llmflow-reason: method_not_allowed\r\ncontent-length: 114\r\n\
+                 content-type: application/json\r\n\r\n{{\"error\":{{\"message\":\
+                 \"Method Not Allowed\",\"type\":\"invalid_request_error\",\
+                 \"code\":\"method_not_allowed\",\"param\":null}}}}"
+            )
         );
-        let get = request("GET", "/v1/completions", &[cl]);
-        assert_eq!(offered(&get, Framing::Length(10), &l), None);
-        let chunked = request(
-            "POST",
-            "/v1/completions",
-            &[("transfer-encoding", "chunked")],
-        );
-        assert_eq!(offered(&chunked, Framing::Chunked, &l), None);
-        let big = request("POST", "/v1/completions", &[("content-length", "101")]);
-        assert_eq!(offered(&big, Framing::Length(101), &l), None);
+        let head = request("HEAD", "/v1/completions", &[]);
+        assert_eq!(headed(&kept, &head), &kept[..kept.len() - 114]);
+        assert_eq!(headed(&kept, &request("GET", "/", &[])), &kept[..]);
+        let counted = app_error(&body_too_large(2048), true, at);
+        assert!(String::from_utf8(counted).unwrap().ends_with(
+            "content-length: 153\r\ncontent-type: application/json\r\n\r\n{\"error\":\
+             {\"message\":\"request body is larger than the gateway's limit of 2048 bytes\",\
+             \"type\":\"invalid_request_error\",\"code\":\"body_too_large\",\"param\":null}}"
+        ));
     }
 }

@@ -75,6 +75,16 @@ impl super::Native for Governed {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>> {
         Box::pin(async move { self.serve_request(request, conn).await })
     }
+
+    fn screen(&self, request: &Request) -> super::Screen {
+        if self.foreign(request) || encoded(request) {
+            return super::Screen::App;
+        }
+        match self.keys.check(header(request, "authorization")) {
+            Ok(_) => super::Screen::Read,
+            Err(message) => super::Screen::Refuse(super::reply::ErrorReply::unauthorized(message)),
+        }
+    }
 }
 
 /// A request the checks accepted: who sent it, what it asks, how the runtime names them.
@@ -946,9 +956,7 @@ fn encoded(request: &Request) -> bool {
 /// never hears of it, and the connection goes on as the app's would (kept alive unless the
 /// client ends it).
 async fn refuse(error: &super::reply::ErrorReply, keep_alive: bool, mut conn: Conn) -> Outcome {
-    let date = super::answer::http_date(std::time::SystemTime::now());
-    let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
-    let bytes = error.response_bytes(&defaults, keep_alive);
+    let bytes = super::answer::app_error(error, keep_alive, std::time::SystemTime::now());
     match conn.stream.write_all(&bytes).await {
         Ok(()) => Outcome::Served(Some(conn)),
         Err(_) => Outcome::Served(None),

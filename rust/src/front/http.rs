@@ -7,9 +7,10 @@
 //! with 400 `invalid_http`, and a request not received within `server.read_timeout_ms` with
 //! 408 `request_timeout`; each with an OpenAI-style body and `connection: close`, after which
 //! it lingers (reads and drops what the client still sends) so the client reads the answer
-//! rather than a reset. This module writes the same bytes. Everything about a body past its
-//! framing (413 `body_too_large`, 415) is the app's: its middleware answers it, through the
-//! pass-through, exactly as before.
+//! rather than a reset. This module writes the same bytes. It reads a governed request's body
+//! as uvicorn does for the app (a declared length, or chunks decoded within
+//! `server.max_body_bytes`: `chunked::Decoder`), and reads past one nobody will read (the app
+//! answered before reading it) as uvicorn's parser does before the next request.
 
 use std::time::{Duration, SystemTime};
 
@@ -18,6 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{timeout_at, Instant};
 
 use super::answer::answer;
+use super::chunked::Decoder;
 use super::{Conn, Request};
 
 /// The bounds a request is read and answered within (`limits.max_header_bytes`,
@@ -126,6 +128,95 @@ pub async fn read_body(conn: &mut Conn, length: usize, deadline: Instant) -> Res
         }
     }
     Ok(conn.buffered.split_to(length).freeze())
+}
+
+/// Why a chunked body was not read whole.
+#[derive(Debug)]
+pub enum Unread {
+    Ending(Ending),
+    /// Its data passed the limit: the decoder, to read past the rest with (`skip_body`).
+    TooLarge(Decoder),
+}
+
+/// Read a chunked body whole, its data within `limit` bytes (the head's deadline still holds);
+/// malformed framing is refused as uvicorn's parser refuses it (400 `invalid_http`).
+pub async fn read_chunked(
+    conn: &mut Conn,
+    limit: usize,
+    deadline: Instant,
+) -> Result<Bytes, Unread> {
+    let mut decoder = Decoder::new(limit);
+    loop {
+        if !conn.buffered.is_empty() {
+            let used = decoder
+                .feed(&conn.buffered)
+                .map_err(|_| Unread::Ending(Ending::Refused(Refusal::Invalid)))?;
+            conn.buffered.advance(used);
+            if decoder.too_large() {
+                return Err(Unread::TooLarge(decoder));
+            }
+            if decoder.done() {
+                return Ok(decoder.into_data().into());
+            }
+        }
+        match timeout_at(deadline, conn.stream.read_buf(&mut conn.buffered)).await {
+            Ok(Ok(0) | Err(_)) => return Err(Unread::Ending(Ending::Closed)),
+            Ok(Ok(_)) => {}
+            Err(_) => return Err(Unread::Ending(Ending::Refused(Refusal::TimedOut))),
+        }
+    }
+}
+
+/// A body the app answered before reading: what is left of it on the wire.
+#[derive(Debug)]
+pub enum Unwanted {
+    Length(u64),
+    Chunked(Decoder),
+}
+
+impl Unwanted {
+    /// All of a body of this framing.
+    pub fn whole(framing: Framing) -> Self {
+        match framing {
+            Framing::Length(n) => Self::Length(n),
+            Framing::Chunked => Self::Chunked(Decoder::new(0)),
+        }
+    }
+}
+
+/// Read past the rest of a body after its request was answered, as uvicorn's parser does
+/// before it reads the next request: bytes that frame badly are its 400 (`Refused`), and a
+/// client that stops sending is closed quietly at the request's deadline (its answer went
+/// already: the read timer sends no 408 then).
+pub async fn skip_body(
+    conn: &mut Conn,
+    mut rest: Unwanted,
+    deadline: Instant,
+) -> Result<(), Ending> {
+    loop {
+        let used = match &mut rest {
+            Unwanted::Length(0) => return Ok(()),
+            Unwanted::Chunked(decoder) if decoder.done() => return Ok(()),
+            Unwanted::Length(left) => {
+                let used = (*left).min(conn.buffered.len() as u64);
+                *left -= used;
+                used as usize
+            }
+            Unwanted::Chunked(decoder) => decoder
+                .feed(&conn.buffered)
+                .map_err(|_| Ending::Refused(Refusal::Invalid))?,
+        };
+        conn.buffered.advance(used);
+        let done = matches!(&rest, Unwanted::Length(0))
+            || matches!(&rest, Unwanted::Chunked(d) if d.done());
+        if done {
+            return Ok(());
+        }
+        match timeout_at(deadline, conn.stream.read_buf(&mut conn.buffered)).await {
+            Ok(Ok(0) | Err(_)) | Err(_) => return Err(Ending::Closed),
+            Ok(Ok(_)) => {}
+        }
+    }
 }
 
 // Blank lines before a request line are allowed (RFC 9112 2.2), as httptools allows them.

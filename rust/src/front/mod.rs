@@ -92,6 +92,18 @@ pub enum Outcome {
     Declined(Request, Conn),
 }
 
+/// What the app does with a governed request before it reads the body (`Native::screen`).
+pub enum Screen {
+    /// A guard of the app's may answer it (a foreign Host or an Origin, a compressed body):
+    /// the app's to serve, its body passed as it arrives.
+    App,
+    /// The app answers it before reading the body (a bad key): with this error, no `100
+    /// Continue` first, the body then read past.
+    Refuse(reply::ErrorReply),
+    /// The app reads the body: read it (after a `100 Continue` if asked), then `serve`.
+    Read,
+}
+
 /// Serves the governed generation routes in Rust (`POST /v1/chat/completions`,
 /// `/v1/completions` and `/v1/responses`, body read whole, within the limit); the rest goes to
 /// the app.
@@ -101,6 +113,12 @@ pub trait Native: Send + Sync + 'static {
         request: Request,
         conn: Conn,
     ) -> Pin<Box<dyn Future<Output = Outcome> + Send>>;
+
+    /// What the app would do with `request`, its head alone known, before reading its body
+    /// (a server with no guard of its own reads every body).
+    fn screen(&self, _request: &Request) -> Screen {
+        Screen::Read
+    }
 }
 
 /// The front door: accepts on the public listener and serves each connection in a task.
