@@ -19,6 +19,7 @@ pub mod governed;
 pub mod http;
 pub mod invalid;
 pub mod json;
+pub mod origin;
 pub mod owner;
 pub mod pass;
 pub mod prepare;
