@@ -150,7 +150,8 @@ async def test_a_refusal_that_closes_the_connection_closes_it_kept_alive_too() -
 async def test_a_gateway_with_keys_refuses_the_encoding_before_the_key_and_judges_no_host() -> (
     None
 ):
-    front, app = await on_both(raw(CHAT, "host: evil.example\r\ncontent-encoding: gzip\r\n"), **KEYS)
+    request = raw(CHAT, "host: evil.example\r\ncontent-encoding: gzip\r\n")
+    front, app = await on_both(request, **KEYS)
     assert front.startswith(b"HTTP/1.1 415"), front
     assert front == app
     # With keys, the Host is no matter: a missing key is the route's 401.
@@ -272,7 +273,7 @@ def test_the_rule_is_the_pythons_it_replaced(host: bytes | None, origin: bytes |
     ],
 )
 def test_an_origin_python_could_not_split_is_refused(host: bytes, origin: bytes) -> None:
-    with pytest.raises(ValueError, match="IPv|address"):
+    with pytest.raises(ValueError, match=r"IPv|address"):
         _python_foreign_request(host, origin, frozenset({"localhost", "v.x"}))
     reason = foreign_request(host, origin, frozenset({"localhost", "v.x"}))
     assert reason == (
@@ -285,7 +286,9 @@ _SIGNAL_NAMES = st.sampled_from([
     b"x-stainless-read-timeout", b"x-llmflow-deadline-ms",
 ])
 _SIGNAL_VALUES = st.one_of(
-    st.text(alphabet="0123456789.eE+-_ \t\x0b\x0c\x1c\x1finfatyINFATY", max_size=12).map(str.encode),
+    st.text(alphabet="0123456789.eE+-_ \t\x0b\x0c\x1c\x1finfatyINFATY", max_size=12).map(
+        str.encode
+    ),
     st.binary(max_size=8),
 )
 
@@ -298,7 +301,12 @@ def test_the_front_reads_every_signal_as_python_does(headers: list[tuple[bytes, 
     try:
         python = read_signals(headers)
     except GatewayError as exc:
-        assert exc.status == 400
+        status = exc.status
+        python = None
+    else:
+        status = 200
+    assert status in (200, 400)
+    if python is None:
         assert rust is None
-        return
-    assert rust == (python.retries, python.deadline_ms)
+    else:
+        assert rust == (python.retries, python.deadline_ms)
