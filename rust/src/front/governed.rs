@@ -950,8 +950,10 @@ pub fn middleware_answer(
             };
             // `value.isdigit() and int(value) > max_bytes`: ASCII digits, of any length.
             let digits = !value.is_empty() && value.iter().all(u8::is_ascii_digit);
-            let over = value.len() > 20
-                || std::str::from_utf8(value)
+            let first = value.iter().position(|&b| b != b'0').unwrap_or(value.len());
+            let significant = &value[first..]; // past 20 digits, past any usize
+            let over = significant.len() > 20
+                || std::str::from_utf8(significant)
                     .ok()
                     .and_then(|v| v.parse::<u128>().ok())
                     .is_some_and(|n| n > limit as u128);
@@ -1070,4 +1072,69 @@ fn readopt(fd: i32) -> Option<tokio::net::TcpStream> {
     let socket = unsafe { std::net::TcpStream::from_raw_fd(fd) };
     socket.set_nonblocking(true).ok()?;
     tokio::net::TcpStream::from_std(socket).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(headers: &[(&str, &[u8])]) -> Request {
+        Request {
+            method: "POST".into(),
+            target: "/v1/chat/completions".into(),
+            version: 1,
+            headers: headers
+                .iter()
+                .map(|(n, v)| ((*n).into(), v.to_vec()))
+                .collect(),
+            body: bytes::Bytes::new(),
+            keep_alive: true,
+        }
+    }
+
+    fn answered(headers: &[(&str, &[u8])], own: Option<&[String]>) -> Option<String> {
+        let answer = middleware_answer(&request(headers), own, Some(100))?;
+        let text = String::from_utf8(answer).expect("ASCII");
+        let status = text[9..12].to_owned();
+        let body = &text[text.find("\r\n\r\n").expect("a head") + 4..];
+        let message = body.split("\"message\": \"").nth(1).expect("a message");
+        Some(format!(
+            "{status} {}",
+            &message[..message.find('"').expect("its end")]
+        ))
+    }
+
+    // The app's order: HostGuard first, then BodyLimit's walk, the first header that fails.
+    #[test]
+    fn the_middlewares_order() {
+        let own = vec!["localhost".to_owned()];
+        let own = Some(own.as_slice());
+        let (big, gzip) = (
+            ("content-length", b"101".as_slice()),
+            ("content-encoding", b"gzip".as_slice()),
+        );
+        let foreign = ("host", b"evil.example".as_slice());
+        let too_large = "413 request body is larger than the gateway's limit of 100 bytes";
+        let encoded = "415 Content-Encoding 'gzip' is not supported: send plain JSON";
+        assert_eq!(answered(&[big, gzip], own).as_deref(), Some(too_large));
+        assert_eq!(answered(&[gzip, big], own).as_deref(), Some(encoded));
+        let refused = answered(&[big, gzip, foreign], own).expect("refused");
+        assert!(refused.starts_with("403 Host 'evil.example'"), "{refused}");
+        // Keys configured: no HostGuard.
+        assert_eq!(answered(&[foreign, big], None).as_deref(), Some(too_large));
+        // Within the limit, leading zeros and all; identity in any case; a length that is
+        // not digits is not BodyLimit's.
+        let fine: [(&str, &[u8]); 4] = [
+            ("content-length", b"0000000000000000000000100"),
+            ("content-encoding", b" Identity\x0b"),
+            ("content-length", b"+101"),
+            ("content-encoding", b""),
+        ];
+        assert_eq!(answered(&fine, own), None);
+        let huge = (
+            "content-length",
+            b"99999999999999999999999999999999999999999999".as_slice(),
+        );
+        assert_eq!(answered(&[huge], own).as_deref(), Some(too_large));
+    }
 }
