@@ -9,7 +9,7 @@
 //! What the checks refuse it answers with the app's error (`accept`), before the runtime hears
 //! of it, the app's middleware's too (`middleware_answer`: a keyless gateway's foreign Host
 //! or Origin, a compressed body), and a runtime that does not take the arrival is the app's
-//! 500: it declines none of these routes' requests. The task decides
+//! 500; it declines (to the app) only a body the checks are unsure of. The task decides
 //! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
 //! the client's window and departure) and carries out what the runtime answers (queue, start,
 //! abort, reply, cut, end), as the owner routes it here. A `Start` naming a prefill instance
