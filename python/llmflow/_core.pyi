@@ -1170,8 +1170,23 @@ class FrontKeys:
         """
 
 def front_signals(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, int | None] | None:
-    """`read_signals` in Rust: (retries, deadline_ms), or None where Python answers 400 or
-    the reading is unsure."""
+    """`read_signals` in Rust: (retries, deadline_ms), or None where Python answers 400."""
+
+def front_foreign_request(
+    host: bytes | None, origin: bytes | None, allowed: frozenset[str] | set[str]
+) -> str | None:
+    """Why a keyless gateway refuses a request with this Host and Origin, or None.
+
+    The rule of `HostGuard` and of the native front (`front/origin.rs`), in one place.
+
+    Args:
+        host: the first `host` header's raw value, if any.
+        origin: the first `origin` header's raw value, if any.
+        allowed: the gateway's own host names, lower-cased (`allowed_host_names`).
+
+    Returns:
+        The 403's message, or None when the request may be answered.
+    """
 
 def front_traceparent(header: bytes) -> tuple[int, int, int] | None:
     """A client's `traceparent` as the native front reads it: (trace_id, span_id, flags), or

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.asyncio.client import connect as ws_connect
 
 from llmflow._core import replay_trace
 from llmflow.gateway.app import create_app
@@ -38,6 +39,7 @@ from .both_paths import (
 )
 from .fake_vllm import FakeVllm
 from .harness import (
+    NATIVE_IDS,
     assert_idle,
     serve_asgi,
     serve_gateway,
@@ -94,22 +96,38 @@ async def test_the_native_path_sends_what_the_python_path_sends(
     assert native[-1] == "[DONE]"
 
 
+async def _over_websocket(url: str, body: dict[str, Any]) -> tuple[str, int]:
+    """A completion over the WebSocket, which the app serves on the Python path: its end's
+    reason and its request id (every chunk acknowledged as it comes)."""
+    async with ws_connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+        request = {"type": "request", "id": "r", "endpoint": "chat", "body": body}
+        await ws.send(json.dumps(request))
+        request_id = -1
+        while True:
+            message = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            if message["type"] == "start":
+                request_id = message["request_id"]
+            elif message["type"] == "chunk":
+                await ws.send(json.dumps({"type": "ack", "id": "r", "seq": message["seq"]}))
+            else:
+                return message.get("reason", message["type"]), request_id
+
+
 async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_them() -> None:
     cap = 2
     async with start_gateway(gate={"max_concurrency_per_gpu": cap}) as h:
         streamed = _body(max_tokens=8, fake={"itl": 0.01})
-        # a page's request (same origin): the front passes it to Python, which judges it
-        whole = {**streamed, "stream": False}
-        page = {"origin": h.url}
+        # the WebSocket's completions: the app serves them, on the Python path
+        over_ws = {k: v for k, v in streamed.items() if k != "stream"}
         results = await asyncio.gather(
             *(read_stream(h.client, CHAT, streamed) for _ in range(6)),
-            *(h.client.post(CHAT, json=whole, headers=page) for _ in range(6)),
+            *(_over_websocket(h.url, over_ws) for _ in range(6)),
         )
         native = results[:6]
-        python: list[httpx.Response] = list(results[6:])  # type: ignore[arg-type]
+        python: list[tuple[str, int]] = list(results[6:])  # type: ignore[arg-type]
         assert all(status == 200 and by_front(headers) for status, _, headers in native)
-        assert all(r.status_code == 200 for r in python)
-        assert not any(by_front(dict(r.headers)) for r in python)
+        assert all(reason == "completed" for reason, _ in python)
+        assert not any(request_id >= NATIVE_IDS for _, request_id in python)
         assert h.fake.peak_running == cap  # the fake's own count, over both paths
         assert h.fake.completed == 12
         await assert_idle(h)

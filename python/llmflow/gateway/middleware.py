@@ -3,10 +3,9 @@ Origin, refused as OpenAI-style errors; behind the native front door, the client
 
 from __future__ import annotations
 
-import ipaddress
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
+from llmflow._core import front_foreign_request
 from llmflow.gateway.contract import reason_header
 from llmflow.gateway.errors import GatewayError, error_bytes
 
@@ -32,35 +31,11 @@ def foreign_request(
     Origin with a POST or a WebSocket upgrade, so an Origin whose host and port are not the
     request's Host is refused. Same-origin pages (the dashboard, the playground) send an
     Origin equal to their Host, and tools send none.
+
+    The rule is the core's (`front/origin.rs`), which the native front door answers its own
+    routes with, so the app and the front refuse the same requests with the same words.
     """
-    if host is not None:
-        name = _host_name(host.decode("latin-1")).lower()
-        if name and not _is_ip(name) and name not in allowed:
-            return (
-                f"Host {name!r} is not a name this gateway answers on: add it to "
-                "server.allowed_hosts, or configure API keys"
-            )
-    if origin is not None:
-        parts = urlsplit(origin.decode("latin-1").strip())
-        if not parts.netloc or parts.netloc.lower() != (host or b"").decode("latin-1").lower():
-            text = origin.decode("latin-1")[:100]
-            return f"cross-origin request from {text!r} refused by a gateway without API keys"
-    return None
-
-
-def _host_name(host: str) -> str:
-    if host.startswith("["):  # [::1]:8080
-        return host[1 : host.find("]")] if "]" in host else host
-    name, _, port = host.rpartition(":")
-    return name if name and port.isdigit() else host
-
-
-def _is_ip(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
+    return front_foreign_request(host, origin, allowed)
 
 
 def allowed_host_names(configured: Iterable[str]) -> frozenset[str]:

@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use std::time::SystemTime;
 
-use super::answer::{answer, app_error, uvicorn_error};
+use super::answer::{answer, app_error};
 use super::http::{self, Ending, Framing, Limits, Refusal, Unread, Unwanted};
 use super::pass::{self, After, Body, Upstream};
 use super::reply::ErrorReply;
@@ -172,10 +172,10 @@ enum Step {
 
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n"; // uvicorn's, as the app reads
 
-/// A governed request, answered as the app answers it, in the app's order: its guards' (the
-/// native server's `screen`: the app's own answer), `BodyLimit`'s 413 for a declared length
-/// over the limit (connection closed), the router's 405 for a method other than POST, a bad
-/// key's 401; only then is the body read (uvicorn's `100 Continue` first when asked), a chunked
+/// A governed request, answered as the app answers it, in the app's order: its middleware's
+/// (the native server's `screen`: a foreign Host or Origin's 403, a declared length over the
+/// limit's 413, a compressed body's 415, the connection closed), the router's 405 for a method
+/// other than POST, a bad key's 401; only then is the body read (uvicorn's `100 Continue` first when asked), a chunked
 /// one decoded and answered 413 once its data passes the limit, and the request served as
 /// one of a declared length is. What the app answered before reading is read past, as
 /// uvicorn's parser does, and the connection goes on.
@@ -185,19 +185,14 @@ async fn take(native: Arc<dyn Native>, head: http::Head, mut conn: Conn, limits:
         framing,
         deadline,
     } = head;
-    let screen = native.screen(&request);
-    if matches!(screen, Screen::App) {
-        return Step::Pass(request, Body::Wire(framing), conn);
-    }
-    let now = SystemTime::now();
-    if matches!(framing, Framing::Length(n) if n > limits.max_body_bytes as u64) {
-        let too_large = body_too_large(limits.max_body_bytes);
-        let answer = uvicorn_error(413, TOO_LARGE, &too_large.message, CODE_TOO_LARGE, now);
-        return match conn.stream.write_all(headed(&answer, &request)).await {
+    let screen = native.screen(&request, limits.max_body_bytes);
+    if let Screen::Close(answer) = &screen {
+        return match conn.stream.write_all(headed(answer, &request)).await {
             Ok(()) => Step::Linger(conn),
             Err(_) => Step::Gone,
         };
     }
+    let now = SystemTime::now();
     let early = match screen {
         _ if request.method != "POST" => Some(method_not_allowed()),
         Screen::Refuse(error) => Some(error),
@@ -296,13 +291,16 @@ fn expects_continue(request: &Request) -> bool {
     })
 }
 
-const TOO_LARGE: &str = "Request Entity Too Large";
 const CODE_TOO_LARGE: &str = "body_too_large";
 
 /// `BodyLimit`'s 413 (`middleware._message`).
 fn body_too_large(limit: usize) -> ErrorReply {
-    let message = format!("request body is larger than the gateway's limit of {limit} bytes");
-    ErrorReply::checks(413, message, CODE_TOO_LARGE, None)
+    ErrorReply::checks(
+        413,
+        super::middleware::too_large(limit),
+        CODE_TOO_LARGE,
+        None,
+    )
 }
 
 /// The router's 405 for a governed path (each is POST only), through `errors._on_http_error`.

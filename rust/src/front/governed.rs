@@ -7,7 +7,9 @@
 //! (`responses.rs`): the same life, with the relay reading vLLM's events (`ReplyKind::Events`),
 //! the whole reply kept as `ResponsesParser` keeps it, and a cut ending in an `error` event.
 //! What the checks refuse it answers with the app's error (`accept`), before the runtime hears
-//! of it; it declines everything else, and the app serves that as before. The task decides
+//! of it, the app's middleware's too (`middleware_answer`: a keyless gateway's foreign Host
+//! or Origin, a compressed body), and a runtime that does not take the arrival is the app's
+//! 500; it declines (to the app) only a body the checks are unsure of. The task decides
 //! nothing: it feeds the runtime what happened (arrive, started, tokens, done, failed,
 //! the client's window and departure) and carries out what the runtime answers (queue, start,
 //! abort, reply, cut, end), as the owner routes it here. A `Start` naming a prefill instance
@@ -58,7 +60,7 @@ pub struct Governed {
     pub keys: super::auth::KeyRing,
     pub backends: Vec<BackendRoute>,
     /// A keyless gateway's own names (`server.allowed_hosts` and the like): a request whose
-    /// Host is another name, or that carries an Origin, is the app's to judge (`HostGuard`).
+    /// Host is another name, or whose Origin is not its Host, is refused (`origin.rs`).
     pub own_hosts: Option<Vec<String>>,
     /// How long a client may take none of a reply this task writes (`server.write_timeout_ms`,
     /// as the Python listener's write timer).
@@ -76,9 +78,12 @@ impl super::Native for Governed {
         Box::pin(async move { self.serve_request(request, conn).await })
     }
 
-    fn screen(&self, request: &Request) -> super::Screen {
-        if self.foreign(request) || encoded(request) {
-            return super::Screen::App;
+    fn screen(&self, request: &Request, max_body_bytes: usize) -> super::Screen {
+        let own = self.own_hosts.as_deref();
+        if let Some(answer) =
+            super::middleware::middleware_answer(request, own, Some(max_body_bytes))
+        {
+            return super::Screen::Close(answer);
         }
         match self.keys.check(header(request, "authorization")) {
             Ok(_) => super::Screen::Read,
@@ -100,7 +105,10 @@ struct Accepted {
 /// answers (before the runtime hears of it, as there), or pass it to the app.
 enum Checked {
     Accept(Accepted),
+    /// The route's error: the connection goes on as the client asked.
     Refuse(super::reply::ErrorReply),
+    /// An answer after which the connection closes (the middleware's, written whole).
+    Close(Vec<u8>),
     Decline,
 }
 
@@ -168,9 +176,7 @@ impl Governed {
             "/v1/responses" => Endpoint::Responses,
             _ => return Checked::Decline,
         };
-        if self.foreign(request) || encoded(request) {
-            return Checked::Decline;
-        }
+        // The middleware's answers came first (`screen`, before the body was read).
         let identity = match self.keys.check(header(request, "authorization")) {
             Ok(identity) => identity.clone(),
             Err(message) => {
@@ -178,36 +184,42 @@ impl Governed {
             }
         };
         match super::prepare::checked(endpoint, &request.body, &self.checks) {
-            Ok(prepared) => self
-                .accept_body(identity, prepared, request)
-                .map_or(Checked::Decline, Checked::Accept),
+            Ok(prepared) => self.accept_body(identity, prepared, request),
             Err(super::prepare::NotServed::Refused(error)) => Checked::Refuse(*error),
             Err(super::prepare::NotServed::Unsure) => Checked::Decline,
         }
     }
 
-    /// The rest of `accept`, once the key and the body are known good.
+    /// The rest of `accept`, once the key and the body are known good: the client's signals
+    /// (ours malformed: the route's 400), the runtime's names for its tenant and pool (which
+    /// the checks make sure of; failing, Python's `arrive` raises: the app's 500).
     fn accept_body(
         &self,
         identity: super::auth::Identity,
         prepared: super::prepare::Prepared,
         request: &Request,
-    ) -> Option<Accepted> {
+    ) -> Checked {
         // Streamed, or assembled whole from the stream (`whole.rs`), any number of choices;
         // or asked unstreamed (prompt logprobs: vLLM's answer goes on as it wrote it).
         let headers = request
             .headers
             .iter()
             .map(|(n, v)| (n.as_bytes(), v.as_slice()));
-        let signals = super::signals::read_signals(headers).ok()?;
-        let (tenant, pool) = self.owner.read(|runtime| {
+        let signals = match super::signals::read_signals(headers) {
+            Ok(signals) => signals,
+            Err(invalid) => return Checked::Refuse(invalid.reply()),
+        };
+        let names = self.owner.read(|runtime| {
             let gov = runtime.governor();
             Some((
                 gov.tenant_id(&identity.tenant).ok()?,
                 gov.pool_of(Some(&prepared.model)).ok()?,
             ))
-        })?;
-        Some(Accepted {
+        });
+        let Some((tenant, pool)) = names else {
+            return Checked::Close(internal_error(request.keep_alive));
+        };
+        Checked::Accept(Accepted {
             identity,
             prepared,
             signals,
@@ -226,6 +238,7 @@ impl Governed {
         } = match self.accept(&request) {
             Checked::Accept(accepted) => accepted,
             Checked::Refuse(error) => return refuse(&error, request.keep_alive, conn).await,
+            Checked::Close(answer) => return answer_and_close(&answer, conn).await,
             Checked::Decline => return Outcome::Declined(request, conn),
         };
         let id = self.owner.new_id();
@@ -251,9 +264,10 @@ impl Governed {
             deadline_ms: signals.deadline_ms,
         };
         if self.owner.feed(&event).is_err() {
-            // The runtime never took it: the app answers it (with the same error it raises).
+            // The runtime never took it (short of a bug, it takes every arrival): Python's
+            // `arrive` raises there, and the app answers its 500.
             self.owner.unregister(id);
-            return Outcome::Declined(request, conn);
+            return answer_and_close(&internal_error(request.keep_alive), conn).await;
         }
         // Taken: of the request's head and body, only whether the connection goes on and the
         // trace it continues are kept.
@@ -919,37 +933,23 @@ impl Drop for Abandon<'_> {
     }
 }
 
-impl Governed {
-    /// Whether a keyless gateway's guard might refuse this request (the app then answers it;
-    /// this only ever declines: an IP literal or one of its own names as Host, and no Origin,
-    /// is what the guard lets through).
-    fn foreign(&self, request: &Request) -> bool {
-        let Some(own) = &self.own_hosts else {
-            return false;
-        };
-        if header(request, "origin").is_some() {
-            return true;
-        }
-        let Some(host) = header(request, "host") else {
-            return false;
-        };
-        let Ok(host) = std::str::from_utf8(host) else {
-            return true;
-        };
-        let name = host_name(host).to_ascii_lowercase();
-        !(name.is_empty() || name.parse::<std::net::IpAddr>().is_ok() || own.contains(&name))
-    }
+/// `_on_unexpected`'s 500, as uvicorn writes it when the app raised after answering: the
+/// connection closes after it.
+fn internal_error(keep_alive: bool) -> Vec<u8> {
+    let message = "the gateway failed on this request; it is logged, please report it";
+    let error = super::reply::ErrorReply::checks(500, message.to_owned(), "internal_error", None);
+    let date = super::answer::http_date(std::time::SystemTime::now());
+    let defaults: [(&[u8], &[u8]); 2] = [(b"date", date.as_bytes()), (b"server", b"uvicorn")];
+    error.response_bytes(&defaults, keep_alive)
 }
 
-/// Whether the body is compressed (`BodyLimit` answers 415 before anything else looks).
-fn encoded(request: &Request) -> bool {
-    request.headers.iter().any(|(n, v)| {
-        n == "content-encoding"
-            && !matches!(
-                v.trim_ascii().to_ascii_lowercase().as_slice(),
-                b"" | b"identity"
-            )
-    })
+/// Write an answer after which the connection ends, then close it as the front closes one
+/// (lingering, so the client reads the answer rather than a reset).
+async fn answer_and_close(answer: &[u8], mut conn: Conn) -> Outcome {
+    if conn.stream.write_all(answer).await.is_ok() {
+        super::http::linger(conn).await;
+    }
+    Outcome::Served(None)
 }
 
 /// Answer a request the checks refuse as uvicorn writes the app's `GatewayError`: the runtime
@@ -960,17 +960,6 @@ async fn refuse(error: &super::reply::ErrorReply, keep_alive: bool, mut conn: Co
     match conn.stream.write_all(&bytes).await {
         Ok(()) => Outcome::Served(Some(conn)),
         Err(_) => Outcome::Served(None),
-    }
-}
-
-/// The name part of a Host header (`[::1]:8080` -> `::1`, `example.com:80` -> `example.com`).
-fn host_name(host: &str) -> &str {
-    if let Some(rest) = host.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match host.rsplit_once(':') {
-        Some((name, port)) if !name.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => name,
-        _ => host,
     }
 }
 

@@ -19,6 +19,8 @@ pub mod governed;
 pub mod http;
 pub mod invalid;
 pub mod json;
+pub mod middleware;
+pub mod origin;
 pub mod owner;
 pub mod pass;
 pub mod prepare;
@@ -94,9 +96,10 @@ pub enum Outcome {
 
 /// What the app does with a governed request before it reads the body (`Native::screen`).
 pub enum Screen {
-    /// A guard of the app's may answer it (a foreign Host or an Origin, a compressed body):
-    /// the app's to serve, its body passed as it arrives.
-    App,
+    /// The app's middleware answers it (`middleware.rs`: a keyless gateway's foreign Host or
+    /// Origin, a declared body past the limit, a compressed body): these bytes, then the
+    /// connection closes, its body unread.
+    Close(Vec<u8>),
     /// The app answers it before reading the body (a bad key): with this error, no `100
     /// Continue` first, the body then read past.
     Refuse(reply::ErrorReply),
@@ -115,9 +118,10 @@ pub trait Native: Send + Sync + 'static {
     ) -> Pin<Box<dyn Future<Output = Outcome> + Send>>;
 
     /// What the app would do with `request`, its head alone known, before reading its body
-    /// (a server with no guard of its own reads every body).
-    fn screen(&self, _request: &Request) -> Screen {
-        Screen::Read
+    /// (a server with no guard of its own has the middleware's body limit and reads the rest).
+    fn screen(&self, request: &Request, max_body_bytes: usize) -> Screen {
+        middleware::middleware_answer(request, None, Some(max_body_bytes))
+            .map_or(Screen::Read, Screen::Close)
     }
 }
 

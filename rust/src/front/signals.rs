@@ -2,11 +2,11 @@
 //! retries it made and how long it waits, for the runtime's `arrive`.
 //!
 //! The same reading as Python's: the SDKs' retry count and Envoy's attempt count (the larger),
-//! the SDKs' timeout in seconds (the first that parses), and ours, `x-llmflow-deadline-ms`,
+//! the SDKs' timeout in seconds (the first that parses, as Python's `float()` parses it:
+//! its whitespace, `_` between digits, `inf` and `nan`), and ours, `x-llmflow-deadline-ms`,
 //! which wins. A header we do not own that does not parse is ignored. Ours, malformed, is
-//! Python's 400: `Unsure`, and the front passes the request to the app to answer it. So is a
-//! timeout this reading cannot be sure of (Python's `float()` takes `1_0`, `inf`, and
-//! separators `str.strip` removes; those are for the app to read).
+//! Python's 400 `invalid_deadline`, with its message: never a guess, so the front answers
+//! every request itself.
 
 /// What a request's client said of it (`None`: nothing, or nothing usable).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -17,9 +17,29 @@ pub struct ClientSignals {
     pub deadline_ms: Option<u64>,
 }
 
-/// The headers cannot be read as Python reads them here: the app answers the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Unsure;
+/// Ours is malformed: Python's 400, with the value as it shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidDeadline {
+    /// The value, stripped, its first 40 bytes (`text[:40]`).
+    pub shown: Vec<u8>,
+}
+
+impl InvalidDeadline {
+    /// `_own_deadline`'s `GatewayError(400, ..., "invalid_deadline", param=...)`.
+    pub fn reply(&self) -> super::reply::ErrorReply {
+        let message = format!(
+            "x-llmflow-deadline-ms must be a whole number of milliseconds from 1 to \
+             {MAX_DEADLINE_MS} (how long the client waits for the answer), got {}",
+            super::origin::repr(&self.shown)
+        );
+        super::reply::ErrorReply::checks(
+            400,
+            message,
+            "invalid_deadline",
+            Some("x-llmflow-deadline-ms"),
+        )
+    }
+}
 
 const DEADLINE: &[u8] = b"x-llmflow-deadline-ms"; // ours: ms the client waits, from sending
 const RETRY_COUNT: &[u8] = b"x-stainless-retry-count"; // SDKs: retries before this one
@@ -31,7 +51,7 @@ const MAX_DEADLINE_MS: u64 = 86_400_000; // a day; a longer wait is no deadline:
 /// The signals in a request's headers (lower-case names, raw values), in their order.
 pub fn read_signals<'a>(
     headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
-) -> Result<ClientSignals, Unsure> {
+) -> Result<ClientSignals, InvalidDeadline> {
     let mut retries: Option<u32> = None;
     let mut deadline_ms = None;
     let mut timeout_ms = None;
@@ -42,10 +62,10 @@ pub fn read_signals<'a>(
             retries = most(retries, count(value).filter(|n| *n > 0).map(|n| n - 1));
         } else if TIMEOUTS.contains(&name) {
             if timeout_ms.is_none() {
-                timeout_ms = seconds_ms(value)?;
+                timeout_ms = seconds_ms(value);
             }
         } else if name == DEADLINE {
-            deadline_ms = Some(own_deadline(value).ok_or(Unsure)?);
+            deadline_ms = Some(own_deadline(value)?);
         }
     }
     Ok(ClientSignals {
@@ -62,7 +82,7 @@ fn most(a: Option<u32>, b: Option<u32>) -> Option<u32> {
 }
 
 /// `bytes.strip()`: ASCII whitespace, `\x0b` included (which `trim_ascii` keeps).
-fn strip(value: &[u8]) -> &[u8] {
+pub(super) fn strip(value: &[u8]) -> &[u8] {
     let space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r' | b'\x0b' | b'\x0c');
     let start = value.iter().position(|b| !space(b)).unwrap_or(value.len());
     let end = value
@@ -86,34 +106,66 @@ fn count(value: &[u8]) -> Option<u32> {
         .filter(|n| *n <= MAX_COUNT)
 }
 
-/// A timeout in seconds as milliseconds, `Ok(None)` when Python ignores it, `Unsure` when
-/// the text is not a plain decimal (Python's `float()` may or may not take it).
-fn seconds_ms(value: &[u8]) -> Result<Option<u64>, Unsure> {
+/// A timeout in seconds as milliseconds, None when Python ignores it: `float()` of the
+/// stripped ASCII text, finite and positive, rounded half to even, at most a day.
+fn seconds_ms(value: &[u8]) -> Option<u64> {
     let text = strip(value);
     if text.is_empty() || !text.is_ascii() {
-        return Ok(None); // Python's `decode("ascii")` or `float("")` fails: ignored
+        return None; // Python's `decode("ascii")` or `float("")` fails: ignored
     }
-    if !decimal(text) {
-        // What no `float()` text holds (its digits, signs, point, exponent, `_`, spaces and
-        // the letters of inf, infinity and nan) is surely ignored; the rest is unsure.
-        let floaty =
-            |b: &u8| b"0123456789+-.eE_ \t\n\r\x0b\x0c\x1c\x1d\x1e\x1finfatyINFATY".contains(b);
-        return if text.iter().all(floaty) {
-            Err(Unsure)
-        } else {
-            Ok(None)
-        };
-    }
-    let seconds: f64 = std::str::from_utf8(text)
-        .ok()
-        .and_then(|t| t.parse().ok())
-        .ok_or(Unsure)?;
+    let seconds = py_float(text)?;
     if !seconds.is_finite() || seconds <= 0.0 {
-        return Ok(None);
+        return None;
     }
     // Python's `round()`: half to even; past a day (or past any integer) it is ignored.
     let ms = (seconds * 1000.0).round_ties_even();
-    Ok((ms > 0.0 && ms <= MAX_DEADLINE_MS as f64).then_some(ms as u64))
+    (ms > 0.0 && ms <= MAX_DEADLINE_MS as f64).then_some(ms as u64)
+}
+
+/// CPython's `float(str)` of ASCII text: its ASCII whitespace stripped (not the separators
+/// `\x1c`..`\x1f`, which `str.isspace` holds: only non-ASCII spaces become blanks), `_` only between two digits and then dropped, `inf`, `infinity` or `nan` in any
+/// case with a sign, else a decimal (read correctly rounded, as both `dtoa`s read it).
+fn py_float(text: &[u8]) -> Option<f64> {
+    let space = |b: &u8| matches!(b, b' ' | b'\t'..=b'\r');
+    let start = text.iter().position(|b| !space(b))?;
+    let end = text
+        .iter()
+        .rposition(|b| !space(b))
+        .map_or(start, |i| i + 1);
+    let text = &text[start..end];
+    let mut plain = Vec::with_capacity(text.len());
+    let mut prev = 0u8;
+    for &b in text {
+        if b == b'_' {
+            if !prev.is_ascii_digit() {
+                return None;
+            }
+        } else {
+            if prev == b'_' && !b.is_ascii_digit() {
+                return None;
+            }
+            plain.push(b);
+        }
+        prev = b;
+    }
+    if prev == b'_' {
+        return None;
+    }
+    let unsigned = plain
+        .strip_prefix(b"+")
+        .or(plain.strip_prefix(b"-"))
+        .unwrap_or(&plain);
+    let word = unsigned.to_ascii_lowercase();
+    if matches!(word.as_slice(), b"inf" | b"infinity") {
+        return Some(f64::INFINITY); // its sign: not positive or not finite, ignored either way
+    }
+    if word == b"nan" {
+        return Some(f64::NAN);
+    }
+    if !decimal(&plain) {
+        return None;
+    }
+    std::str::from_utf8(&plain).ok()?.parse().ok()
 }
 
 /// `[+-]? (digits [. digits?] | . digits) ([eE] [+-]? digits)?`, the text both Python's
@@ -146,15 +198,20 @@ fn decimal(text: &[u8]) -> bool {
 }
 
 /// Ours: a whole number of milliseconds in 1..=a day, else Python's 400.
-fn own_deadline(value: &[u8]) -> Option<u64> {
-    digits(strip(value), 8).filter(|ms| (1..=MAX_DEADLINE_MS).contains(ms))
+fn own_deadline(value: &[u8]) -> Result<u64, InvalidDeadline> {
+    let text = strip(value);
+    digits(text, 8)
+        .filter(|ms| (1..=MAX_DEADLINE_MS).contains(ms))
+        .ok_or_else(|| InvalidDeadline {
+            shown: text[..text.len().min(40)].to_vec(),
+        })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn read(headers: &[(&str, &str)]) -> Result<ClientSignals, Unsure> {
+    fn read(headers: &[(&str, &str)]) -> Result<ClientSignals, InvalidDeadline> {
         read_signals(headers.iter().map(|(n, v)| (n.as_bytes(), v.as_bytes())))
     }
 
@@ -236,18 +293,62 @@ mod tests {
         assert_eq!(read(&ours), Ok(signals(None, Some(1_500))));
     }
 
-    // Ours malformed is Python's 400; a timeout Python's float() may read otherwise, unsure.
+    // Ours malformed is Python's 400, showing the stripped value's first 40 bytes.
     #[test]
-    fn unsure() {
+    fn invalid_deadlines() {
         for bad in ["0", "abc", "1.5", "86400001", "123456789", ""] {
-            assert_eq!(
-                read(&[("x-llmflow-deadline-ms", bad)]),
-                Err(Unsure),
-                "{bad}"
-            );
+            let shown = bad.as_bytes().to_vec();
+            let read = read(&[("x-llmflow-deadline-ms", bad)]);
+            assert_eq!(read, Err(InvalidDeadline { shown }), "{bad}");
         }
-        for odd in ["1_0", "inf", "nan", "\u{1c}5", "Infinity", "."] {
-            assert_eq!(read(&[("x-stainless-timeout", odd)]), Err(Unsure), "{odd}");
+        let long = read(&[("x-llmflow-deadline-ms", &format!(" {} ", "9".repeat(50)))]);
+        let shown = "9".repeat(40).into_bytes();
+        assert_eq!(long, Err(InvalidDeadline { shown }));
+        let error = InvalidDeadline {
+            shown: b"1'5\xe9".to_vec(),
+        }
+        .reply();
+        assert_eq!(
+            error.message,
+            "x-llmflow-deadline-ms must be a whole number of milliseconds from 1 to 86400000 \
+             (how long the client waits for the answer), got \"1'5\u{e9}\""
+        );
+        assert_eq!(
+            (error.status, error.code.as_str()),
+            (400, "invalid_deadline")
+        );
+        assert_eq!(error.param.as_deref(), Some("x-llmflow-deadline-ms"));
+    }
+
+    // What Python's float() takes beyond a plain decimal is read as it reads it.
+    #[test]
+    fn python_floats() {
+        let cases = [
+            ("1_0", Some(10_000)),
+            ("1_0.2_5", Some(10_250)),
+            ("\u{1c}5", None),
+            ("5\u{1f}", None),
+            ("+.5", Some(500)),
+            ("5.", Some(5_000)),
+            ("1E1", Some(10_000)),
+            ("inf", None),
+            ("-Infinity", None),
+            ("nan", None),
+            ("_1", None),
+            ("1_", None),
+            ("1__0", None),
+            ("1_.5", None),
+            ("1._5", None),
+            ("1e_5", None),
+            (".", None),
+            ("1e", None),
+            ("infinit", None),
+            ("1 0", None),
+            ("1e400", None),
+        ];
+        for (value, ms) in cases {
+            let read = read(&[("x-stainless-timeout", value)]);
+            assert_eq!(read, Ok(signals(None, ms)), "{value}");
         }
     }
 }

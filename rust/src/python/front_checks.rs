@@ -247,8 +247,7 @@ fn wire<'py>(
     PyBytes::new(py, &error.response_bytes(&headers, keep_alive))
 }
 
-/// `read_signals`: `(retries, deadline_ms)`, or None where Python answers 400 or this
-/// reading is unsure.
+/// `read_signals`: `(retries, deadline_ms)`, or None where Python answers 400.
 #[pyfunction]
 #[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python list over as an owned Vec
 pub fn front_signals(headers: Vec<(Vec<u8>, Vec<u8>)>) -> Option<(Option<u32>, Option<u64>)> {
@@ -424,4 +423,17 @@ pub fn front_merge_frames(py: Python<'_>, frames: Vec<Vec<u8>>) -> Vec<Bound<'_,
 #[pyfunction]
 pub fn front_cut_names_itself(reason: &str) -> bool {
     crate::front::reply::names_itself_when_cut(reason)
+}
+
+/// `middleware.foreign_request`: why a keyless gateway refuses a request with this Host and
+/// Origin (the first of each, raw), or None; `allowed`: its own names, lower-cased. The rule
+/// lives in `front/origin.rs`, which the front answers its own requests with.
+#[pyfunction]
+#[allow(clippy::needless_pass_by_value)] // PyO3 hands the Python set over as an owned set
+pub fn front_foreign_request(
+    host: Option<&[u8]>,
+    origin: Option<&[u8]>,
+    allowed: HashSet<String>,
+) -> Option<String> {
+    crate::front::origin::foreign_request(host, origin, |name| allowed.contains(name))
 }

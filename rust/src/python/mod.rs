@@ -72,9 +72,10 @@ pub mod _core {
     #[cfg(feature = "relay")]
     #[pymodule_export]
     use super::front_checks::{
-        front_cut_frame, front_cut_names_itself, front_in_band_error, front_merge_frames,
-        front_refusal_bytes, front_signals, front_stream_frames, front_trace_sampled,
-        front_traceparent, front_whole_reply, PyFrontChecks, PyFrontKeys, PyFrontPrepared,
+        front_cut_frame, front_cut_names_itself, front_foreign_request, front_in_band_error,
+        front_merge_frames, front_refusal_bytes, front_signals, front_stream_frames,
+        front_trace_sampled, front_traceparent, front_whole_reply, PyFrontChecks, PyFrontKeys,
+        PyFrontPrepared,
     };
 
     #[pymodule_init]
