@@ -56,7 +56,7 @@ COMPLETIONS = "/v1/completions"
 
 def _body(path: str = CHAT, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "fake-model", "stream": True, "max_tokens": 5, **extra}
-    if path == CHAT:
+    if path.startswith(CHAT):
         body["messages"] = [{"role": "user", "content": "hi"}]
     else:
         body["prompt"] = "hi"
@@ -70,6 +70,7 @@ def _body(path: str = CHAT, **extra: Any) -> dict[str, Any]:
         (CHAT, {"stream_options": {"include_usage": True}}),
         (COMPLETIONS, {}),
         (COMPLETIONS, {"stream_options": {"include_usage": True}}),
+        (CHAT + "?api-version=2024-06-01", {}),  # a query, as Azure's clients send one
     ],
 )
 async def test_the_native_path_sends_what_the_python_path_sends(

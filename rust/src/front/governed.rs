@@ -170,7 +170,7 @@ impl Governed {
     /// What the native path needs of a request it is sure of, or the error Python answers it
     /// with, in the order Python's checks run (the middleware, the key, the body).
     fn accept(&self, request: &Request) -> Checked {
-        let endpoint = match request.target.as_str() {
+        let endpoint = match request.path() {
             "/v1/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
             "/v1/responses" => Endpoint::Responses,
