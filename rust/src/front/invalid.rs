@@ -12,6 +12,7 @@
 
 use super::json::{self, Json, Style};
 use super::prepare::Endpoint;
+use super::pyrepr::repr_str;
 use super::request::MAX_INT;
 
 /// The fields of `ChatCompletionRequest` / `CompletionRequest`, in pydantic's order (a
@@ -308,43 +309,6 @@ const PLAIN: Style = Style {
     compact: true,
 };
 
-/// `repr(str)`: single quotes unless it holds one and no double quote, the escapes of `\\`,
-/// the quote and `\t \n \r`, and every character Python does not print as it is written
-/// `\xhh`, `\uhhhh` or `\Uhhhhhhhh` by its size.
-fn repr_str(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push(quote);
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\t' => out.push_str("\\t"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if super::printable::is_printable(c) => out.push(c),
-            c => {
-                let code = u32::from(c);
-                let escape = match code {
-                    0..=0xff => format!("\\x{code:02x}"),
-                    0x100..=0xffff => format!("\\u{code:04x}"),
-                    _ => format!("\\U{code:08x}"),
-                };
-                out.push_str(&escape);
-            }
-        }
-    }
-    out.push(quote);
-    out
-}
-
 /// `f"{text:.80}"`: the first `n` characters.
 fn truncated(text: &str, n: usize) -> &str {
     text.char_indices()
@@ -437,20 +401,9 @@ mod tests {
         assert_eq!(first(Endpoint::Chat, text), None, "{text}");
     }
 
-    // Text as Python's `repr` shows it: printable characters as they are, others escaped by
-    // their size, the quote chosen by what the text holds.
+    // Text shown as Python's `repr` shows it (`pyrepr.rs`).
     #[test]
-    fn text_as_python_repr() {
-        for (text, shown) in [
-            ("é😀", "'é😀'"),
-            ("\u{a0}\u{ad}\u{7f}", r"'\xa0\xad\x7f'"),
-            ("\u{200b}\u{2028}", r"'\u200b\u2028'"),
-            ("\u{e0001}\u{10ffff}", r"'\U000e0001\U0010ffff'"),
-            ("it's", r#""it's""#),
-            ("'\"", r#"'\'"'"#),
-        ] {
-            assert_eq!(repr_str(text), shown, "{text:?}");
-        }
+    fn non_ascii_input() {
         let body = r#"{"model":"é","stream":"é","messages":[]}"#;
         let (message, _) = first(Endpoint::Chat, body).unwrap();
         assert_eq!(message, "stream: Input should be a valid boolean (got 'é')");

@@ -57,7 +57,7 @@ pub fn middleware_answer(
                 b"" | b"identity"
             )
         {
-            let shown = super::origin::repr(&value[..value.len().min(40)]);
+            let shown = super::pyrepr::repr_latin1(&value[..value.len().min(40)]);
             let message = format!("Content-Encoding {shown} is not supported: send plain JSON");
             let code = "unsupported_content_encoding";
             let phrase = "Unsupported Media Type";

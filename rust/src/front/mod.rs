@@ -26,6 +26,7 @@ pub mod pass;
 pub mod prepare;
 pub mod printable;
 pub mod prompt;
+pub mod pyrepr;
 pub mod record;
 pub mod reply;
 pub mod request;

@@ -15,7 +15,7 @@
 //! and the reasons' `repr`s. An Origin that `urlsplit` cannot split (an unbalanced or invalid
 //! bracketed host) is no same-origin page: refused (Python's `urlsplit` raised there, a 500).
 
-use std::fmt::Write as _;
+use super::pyrepr::repr_latin1;
 
 /// Why a keyless gateway must not answer a request with this Host and Origin (the first of
 /// each header, raw), or None; `allowed`: whether a lower-cased name is one of its own.
@@ -30,7 +30,7 @@ pub fn foreign_request(
             return Some(format!(
                 "Host {} is not a name this gateway answers on: add it to \
                  server.allowed_hosts, or configure API keys",
-                repr(&name)
+                repr_latin1(&name)
             ));
         }
     }
@@ -43,7 +43,7 @@ pub fn foreign_request(
     let shown = &origin_raw[..origin_raw.len().min(100)];
     Some(format!(
         "cross-origin request from {} refused by a gateway without API keys",
-        repr(shown)
+        repr_latin1(shown)
     ))
 }
 
@@ -239,37 +239,6 @@ fn bracketed_host(host: &[u8]) -> bool {
     !is_v4(host) && is_v6(host)
 }
 
-/// `repr()` of latin-1 text: single quotes unless it holds one and no double quote; `\\`, the
-/// quote, `\t \n \r`, and the characters `str.isprintable` does not hold (the controls, DEL,
-/// `\x80`..`\xa0`, the soft hyphen) as escapes; every other character as itself.
-pub fn repr(text: &[u8]) -> String {
-    let quote = if text.contains(&b'\'') && !text.contains(&b'"') {
-        b'"'
-    } else {
-        b'\''
-    };
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push(char::from(quote));
-    for &b in text {
-        match b {
-            b'\\' => out.push_str("\\\\"),
-            b'\t' => out.push_str("\\t"),
-            b'\n' => out.push_str("\\n"),
-            b'\r' => out.push_str("\\r"),
-            b if b == quote => {
-                out.push('\\');
-                out.push(char::from(b));
-            }
-            0..=0x1f | 0x7f..=0xa0 | 0xad => {
-                write!(out, "\\x{b:02x}").expect("a String takes every write");
-            }
-            b => out.push(char::from(b)),
-        }
-    }
-    out.push(char::from(quote));
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -432,17 +401,6 @@ mod tests {
         assert_eq!(
             foreign(Some("localhost"), Some(&long)),
             origin_refused(&shown)
-        );
-    }
-
-    // Python's `repr` quotes and escapes.
-    #[test]
-    fn reprs() {
-        assert_eq!(repr(b"a'b"), "\"a'b\"");
-        assert_eq!(repr(b"a'\"b"), "'a\\'\"b'");
-        assert_eq!(
-            repr(b"\\\t\x00\x7f\xad\xff"),
-            "'\\\\\\t\\x00\\x7f\\xad\u{ff}'"
         );
     }
 }

@@ -30,7 +30,7 @@ impl InvalidDeadline {
         let message = format!(
             "x-llmflow-deadline-ms must be a whole number of milliseconds from 1 to \
              {MAX_DEADLINE_MS} (how long the client waits for the answer), got {}",
-            super::origin::repr(&self.shown)
+            super::pyrepr::repr_latin1(&self.shown)
         );
         super::reply::ErrorReply::checks(
             400,
