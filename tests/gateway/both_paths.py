@@ -7,8 +7,9 @@ they share, and the runs on both paths that check each reply was served where it
 `PYTHON_PATH` says whether the Python path is still there to run. While it is, each run here
 answers on both paths (native first), and the tests hold each masked reply of the Python
 path to its golden as well (`goldens.reference`). The deletion of the Python path sets it
-False: each run then answers on the native front alone (a list of one), and the tests hold
-the native reply to the goldens only.
+False: each run then answers on the native front alone (a list of one), the tests hold the
+native reply to the goldens only, and the checks of each path on its own (`on_each_path`)
+check the native front's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+import pytest
 
 from .harness import NATIVE_IDS, start_gateway, until
 
@@ -29,6 +32,7 @@ __all__ = [
     "by_front",
     "completed",
     "connect",
+    "on_each_path",
     "paths",
     "post",
     "raw_on_both_paths",
@@ -48,6 +52,13 @@ def paths() -> tuple[bool, ...]:
     """The paths a parity test runs a request on, as `native` flags: the native front's, then
     the Python path's while it is there (`PYTHON_PATH`)."""
     return (True, False) if PYTHON_PATH else (True,)
+
+
+def on_each_path(python: str = "python") -> pytest.MarkDecorator:
+    """A test parametrized by `native` over `paths()` (read as the module is collected), its
+    cases named `native` and `python` (the Python path's id): a check of each path on its
+    own, whose Python case goes with the Python path."""
+    return pytest.mark.parametrize("native", paths(), ids=["native", python][: len(paths())])
 
 
 async def read_stream(

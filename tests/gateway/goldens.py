@@ -205,8 +205,15 @@ def _differ(data: bytes, golden: bytes, what: str) -> None:
         lineterm="",
     )
     shown = "\n".join(line if len(line) < 400 else line[:400] + "..." for line in lines)
-    pytest.fail(f"{what} is not its golden ({_case.path if _case else ''}):\n{shown}",
-                pytrace=False)
+    pairs = enumerate(zip(data, golden, strict=False))  # where they part, or the shorter ends
+    at = next((i for i, (x, y) in pairs if x != y), min(len(data), len(golden)))
+    start = max(at - 40, 0)
+    first = f"golden {golden[start : at + 40]!r}, this run {data[start : at + 40]!r}"
+    pytest.fail(
+        f"{what} is not its golden ({_case.path if _case else ''}), first at byte {at}: "
+        f"{first}\n{shown}",
+        pytrace=False,
+    )
 
 
 def _read(path: Path) -> dict[str, bytes]:

@@ -20,6 +20,7 @@ import re
 
 import pytest
 
+from .both_paths import on_each_path
 from .goldens import with_reference
 from .test_front_refusals import KEY, Served, served, served_by_python
 
@@ -142,7 +143,7 @@ async def test_bad_input_is_answered_natively_with_the_apps_bytes(
     assert fast.arrivals() == []  # nor did the runtime
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "app"])
+@on_each_path("app")
 async def test_a_refusal_then_a_good_request_on_one_keep_alive_connection(native: bool) -> None:
     """The connection goes on after a native refusal, as after the app's, and serves the next
     request natively, whole; a pipelined pair is answered in order."""

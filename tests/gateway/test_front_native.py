@@ -28,6 +28,7 @@ from .both_paths import (
     by_front,
     completed,
     connect,
+    on_each_path,
     paths,
     post,
     raw_on_both_paths,
@@ -165,7 +166,7 @@ async def test_keep_alive_and_a_pipelined_second_request_are_answered_in_order()
         await assert_idle(h)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
     tmp_path: Any, native: bool
 ) -> None:
@@ -420,7 +421,7 @@ async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -
     assert done == set(read)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_a_stream_cut_by_its_deadline_keeps_the_connection(native: bool) -> None:
     """The cut ends the reply whole (notice, `[DONE]`, last chunk) and promised no close: the
     connection serves the client's next request, on either path (a client's pool reuses it)."""

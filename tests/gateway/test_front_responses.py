@@ -20,6 +20,7 @@ from .both_paths import (
     by_front,
     completed,
     connect,
+    on_each_path,
     paths,
     post,
     raw_on_both_paths,
@@ -331,7 +332,7 @@ async def test_a_response_past_its_first_token_timeout_is_the_python_paths(
         assert reply["incomplete_details"] == {"reason": "first_token_timeout"}
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
     tmp_path: Any, native: bool
 ) -> None:
@@ -356,7 +357,7 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
             assert (fields["output_tokens"], fields["outcome"]) == ("5", "completed")
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_a_client_that_stops_reading_a_response_is_cut_for_its_stall(native: bool) -> None:
     big = _body(stream=True, max_output_tokens=3000, fake={"chunk_bytes": 16384})  # ~48 MB
     async with start_gateway(

@@ -25,7 +25,7 @@ import pytest
 
 from llmflow.request_log import COLUMNS, format_row
 
-from .both_paths import by_front, paths, read_stream
+from .both_paths import by_front, on_each_path, paths, read_stream
 from .goldens import with_reference
 from .harness import Harness, start_gateway, until
 from .test_front_native import CHAT, COMPLETIONS, _body
@@ -200,7 +200,7 @@ async def _counted(
     return _masked(rows), families
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_a_refusal_flood_is_counted_and_logged_exactly(tmp_path: Path, native: bool) -> None:
     flood = 300
     log = tmp_path / "access.csv"
