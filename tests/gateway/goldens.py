@@ -44,7 +44,7 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["GOLDENS", "RECORD", "case", "reference", "with_reference"]
+__all__ = ["GOLDENS", "RECORD", "case", "inputs", "reference", "with_reference"]
 
 GOLDENS = Path(__file__).parent / "goldens"
 RECORD = os.environ.get("LLMFLOW_RECORD_GOLDENS") == "1"  # write the Python path's replies
@@ -155,6 +155,22 @@ def with_reference(
     assert len(python) <= 1, replies
     held = reference(native, python[0] if python else None, part, mask)
     return (native if python or mask is None else mask(native)), held
+
+
+def inputs(draw: Callable[[], list[bytes]]) -> list[bytes]:
+    """The running test's inputs, kept in its golden (parts `input <n>`) beside the replies
+    to them: drawn by `draw` when recording, else read back (none kept: the test fails, as
+    for a missing golden). For a test whose requests are drawn at random (a property test's
+    strategies): the ones drawn once are kept with the Python path's replies to them."""
+    if _case is None:
+        raise RuntimeError("inputs() outside a test (the gateway conftest opens its case)")
+    if RECORD:
+        drawn = draw()
+        for n, data in enumerate(drawn):
+            _case.record(f"input {n}", data)
+        return drawn
+    _case.golden("input 0")
+    return [data for name, data in (_case.stored or {}).items() if name.startswith("input ")]
 
 
 def _same(value: T) -> T:
