@@ -1,10 +1,10 @@
 .DEFAULT_GOAL := help
 PYTHON ?= python3
 HYPOTHESIS_PROFILE ?= ci
+export HYPOTHESIS_PROFILE
 # the tests that hold the native front to the Python path's goldens (tests/gateway/goldens.py)
 PARITY_TESTS = $(addprefix tests/gateway/,test_front_native.py test_front_responses.py \
-	test_front_refusals.py test_front_errors.py test_tally.py)
-export HYPOTHESIS_PROFILE
+	test_front_refusals.py test_front_errors.py test_tally.py test_front_mangled.py)
 
 .PHONY: help
 help: ## Show this help

@@ -14,7 +14,9 @@ per process) is masked for the golden only (`mask`), the two paths still compare
 Recording: only when asked, with `LLMFLOW_RECORD_GOLDENS=1` in the environment; the tests
 run then write the Python path's masked replies (`make parity-goldens` runs every file that
 has goldens; review the diff under `goldens/` before committing it). Without it a golden is
-never written: a missing one fails its test, with the command that records it.
+never written: a missing one fails its test, with the command that records it. A test whose
+requests are drawn at random keeps in its golden those it drew once (`inputs`), with the
+replies to them.
 
 Dropping the Python path: set `both_paths.PYTHON_PATH = False`. The runs on both paths then
 run the native front alone, the tests pass `reference` no Python reply, and it returns the
@@ -159,18 +161,22 @@ def with_reference(
 
 def inputs(draw: Callable[[], list[bytes]]) -> list[bytes]:
     """The running test's inputs, kept in its golden (parts `input <n>`) beside the replies
-    to them: drawn by `draw` when recording, else read back (none kept: the test fails, as
-    for a missing golden). For a test whose requests are drawn at random (a property test's
-    strategies): the ones drawn once are kept with the Python path's replies to them."""
+    to them: read back, or drawn by `draw` when recording a golden that has none (a golden
+    recorded again keeps its inputs: delete its file to draw anew); none kept and not
+    recording, the test fails, as for a missing golden. For a test whose requests are drawn
+    at random (a property test's strategies): those drawn once are kept with the Python
+    path's replies to them."""
     if _case is None:
         raise RuntimeError("inputs() outside a test (the gateway conftest opens its case)")
-    if RECORD:
-        drawn = draw()
-        for n, data in enumerate(drawn):
-            _case.record(f"input {n}", data)
-        return drawn
-    _case.golden("input 0")
-    return [data for name, data in (_case.stored or {}).items() if name.startswith("input ")]
+    kept = _read(_case.path) if _case.path.exists() else {}
+    found = [data for name, data in kept.items() if name.startswith("input ")]
+    if not RECORD:
+        _case.golden("input 0")  # fails if none are kept
+        return found
+    found = found or draw()
+    for n, data in enumerate(found):
+        _case.record(f"input {n}", data)
+    return found
 
 
 def _same(value: T) -> T:
