@@ -5,7 +5,7 @@ export HYPOTHESIS_PROFILE
 # the tests that hold the native front to the Python path's goldens (tests/gateway/goldens.py)
 PARITY_TESTS = $(addprefix tests/gateway/,test_front_native.py test_front_responses.py \
 	test_front_refusals.py test_front_errors.py test_tally.py test_front_mangled.py \
-	test_front_tls.py test_disagg.py)
+	test_front_tls.py test_disagg.py test_shadow.py test_telemetry.py)
 
 .PHONY: help
 help: ## Show this help

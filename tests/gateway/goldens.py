@@ -25,9 +25,9 @@ only. Recording needs the Python path; once it is gone, the goldens are what is 
 
 A golden file holds one part per comparison in its test, in order: a line
 `### <part> (<n> bytes)`, then the n bytes compared (text as UTF-8, any other value as JSON,
-a container of containers one item a line), then a newline. The bytes are exact
-(`goldens/.gitattributes`: no line-ending conversion), so each `\\r\\n` stays as it went on
-the wire.
+its objects' keys sorted, a container of containers one item a line), then a newline. The
+bytes are exact (`goldens/.gitattributes`: no line-ending conversion), so each `\\r\\n`
+stays as it went on the wire.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["GOLDENS", "RECORD", "case", "inputs", "reference", "with_reference"]
+__all__ = ["GOLDENS", "RECORD", "case", "inputs", "plain", "reference", "with_reference"]
 
 GOLDENS = Path(__file__).parent / "goldens"
 RECORD = os.environ.get("LLMFLOW_RECORD_GOLDENS") == "1"  # write the Python path's replies
@@ -179,6 +179,12 @@ def inputs(draw: Callable[[], list[bytes]]) -> list[bytes]:
     return found
 
 
+def plain(value: Any) -> Any:
+    """`value` as JSON reads it back (lists for tuples, a dict for a `Counter`): a value
+    `reference` can keep, and equal to its golden read back."""
+    return json.loads(json.dumps(value))
+
+
 def _same(value: T) -> T:
     return value
 
@@ -194,13 +200,14 @@ def _encode(value: Any) -> bytes:
 
 
 def _json(value: Any, line: str) -> str:
-    """`value` as JSON, a container of containers one item a line, any other on one line."""
-    items = list(value.items()) if isinstance(value, dict) else value
+    """`value` as JSON, a container of containers one item a line, any other on one line; an
+    object's keys sorted (Python compares dicts in any order: the order is no part of it)."""
+    items = sorted(value.items()) if isinstance(value, dict) else value
     if not isinstance(value, (dict, list, tuple)) or not any(
         isinstance(v, (dict, list, tuple)) for v in (value.values() if isinstance(value, dict)
                                                       else value)
     ):
-        return json.dumps(value, ensure_ascii=False)
+        return json.dumps(value, ensure_ascii=False, sort_keys=True)
     inner = line + " "
     if isinstance(value, dict):
         shown = [f"{json.dumps(k, ensure_ascii=False)}: {_json(v, inner)}" for k, v in items]

@@ -26,7 +26,7 @@ import pytest
 from llmflow.request_log import COLUMNS, format_row
 
 from .both_paths import by_front, on_each_path, paths, read_stream
-from .goldens import with_reference
+from .goldens import plain, with_reference
 from .harness import Harness, start_gateway, until
 from .test_front_native import CHAT, COMPLETIONS, _body
 
@@ -139,10 +139,7 @@ def _sample(families: dict[str, float], name: str, **labels: str) -> float:
 async def test_both_paths_count_and_log_the_same_traffic_as_it_went_over_the_wire(
     tmp_path: Path,
 ) -> None:
-    counted = [
-        json.loads(json.dumps(await _counted(tmp_path / f"{native}.csv", native=native)))
-        for native in paths()
-    ]  # as JSON reads it (lists for tuples), as its golden is read
+    counted = [plain(await _counted(tmp_path / f"{n}.csv", native=n)) for n in paths()]
     native, python = with_reference(counted)
     assert native == python
 
