@@ -33,7 +33,7 @@ from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
 from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
-from .both_paths import paths
+from .both_paths import on_each_path, paths
 from .fake_vllm import FakeVllm
 from .goldens import plain, with_reference
 from .harness import (
@@ -74,7 +74,7 @@ SECTIONS: dict[str, Any] = {
     "timeouts": {"total_ms": 1500},  # held replies are cut here (enforce)
 }
 TOKENS = 8  # each request's max_tokens: what vLLM generates for it
-PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+PATHS = on_each_path()
 
 
 @dataclass

@@ -26,7 +26,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from llmflow._core import front_trace_sampled, front_traceparent
 
-from .both_paths import paths
+from .both_paths import on_each_path, paths
 from .goldens import plain, with_reference
 from .harness import served_by, start_gateway
 from .otlp_receiver import OtlpReceiver
@@ -51,7 +51,7 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"  # the client's own trace and 
 CLIENT_SPAN = "00f067aa0ba902b7"
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
 # Each test on both paths: the native front's (the default) and Python's (the app alone).
-PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+PATHS = on_each_path()
 
 
 def _body(stream: bool, **fake: Any) -> dict[str, Any]:
