@@ -34,3 +34,10 @@ def golden_case(request: pytest.FixtureRequest) -> Iterator[None]:
     """The running test's goldens, for `goldens.reference` (read only if it asks)."""
     with goldens.case(request.node.path.stem, request.node.name):
         yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test that passed held a reply to every part of its golden (`goldens.all_held`)."""
+    yield
+    goldens.all_held()

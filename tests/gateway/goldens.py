@@ -46,7 +46,16 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["GOLDENS", "RECORD", "case", "inputs", "plain", "reference", "with_reference"]
+__all__ = [
+    "GOLDENS",
+    "RECORD",
+    "all_held",
+    "case",
+    "inputs",
+    "plain",
+    "reference",
+    "with_reference",
+]
 
 GOLDENS = Path(__file__).parent / "goldens"
 RECORD = os.environ.get("LLMFLOW_RECORD_GOLDENS") == "1"  # write the Python path's replies
@@ -63,6 +72,7 @@ class _Case:
     stored: dict[str, bytes] | None = None  # None: not read yet
     recorded: dict[str, bytes] | None = None  # this run's recording, once it has begun
     asked: dict[str, int] = field(default_factory=dict)  # times each part was asked for
+    held: set[str] = field(default_factory=set)  # the parts read, by their numbered names
 
     def name(self, part: str) -> str:
         """`part`, numbered from its second comparison in the test on."""
@@ -76,9 +86,11 @@ class _Case:
             where = self.path.relative_to(GOLDENS.parent.parent.parent)
             pytest.fail(
                 f"no golden for part {name!r} in {where}: record it from the Python path with "
-                f"LLMFLOW_RECORD_GOLDENS=1 (run this test with it, review the diff, commit it)",
+                f"LLMFLOW_RECORD_GOLDENS=1 (run this test with it, or `make parity-goldens`; "
+                f"review the diff, commit it)",
                 pytrace=False,
             )
+        self.held.add(name)
         return self.stored[name]
 
     def record(self, name: str, data: bytes) -> None:
@@ -86,6 +98,7 @@ class _Case:
         if self.recorded is None:
             self.recorded = {}
         self.recorded[name] = data
+        self.held.add(name)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_bytes(
             b"".join(
@@ -109,6 +122,17 @@ def case(module: str, test: str) -> Iterator[None]:
         yield
     finally:
         _case = None
+
+
+def all_held() -> None:
+    """Fail the running test (once it passed) if its golden has a part it never held a reply
+    to: a comparison the test no longer makes, or one its file was recorded by that it now
+    skips."""
+    if _case is None or _case.stored is None:
+        return
+    left = [name for name in _case.stored if name not in _case.held]
+    if left:
+        pytest.fail(f"{_case.path}: parts never compared: {left} (record it again?)", pytrace=False)
 
 
 def reference(
@@ -172,6 +196,7 @@ def inputs(draw: Callable[[], list[bytes]]) -> list[bytes]:
     found = [data for name, data in kept.items() if name.startswith("input ")]
     if not RECORD:
         _case.golden("input 0")  # fails if none are kept
+        _case.held.update(f"input {n}" for n in range(len(found)))
         return found
     found = found or draw()
     for n, data in enumerate(found):
