@@ -2,6 +2,10 @@
 PYTHON ?= python3
 HYPOTHESIS_PROFILE ?= ci
 export HYPOTHESIS_PROFILE
+# the tests that hold the native front to the Python path's goldens (tests/gateway/goldens.py)
+PARITY_TESTS = $(addprefix tests/gateway/,test_front_native.py test_front_responses.py \
+	test_front_refusals.py test_front_errors.py test_tally.py test_front_mangled.py \
+	test_front_tls.py test_disagg.py test_shadow.py test_telemetry.py)
 
 .PHONY: help
 help: ## Show this help
@@ -59,3 +63,7 @@ bench: ## Core benchmark (Rust, PyO3 and the reference model side by side)
 .PHONY: goldens
 goldens: ## Rewrite the simulator's golden .out files (review the diff before committing)
 	LLMFLOW_UPDATE_GOLDENS=1 $(PYTHON) -m pytest sim
+
+.PHONY: parity-goldens
+parity-goldens: ## Record the parity tests' goldens from the Python path (review the diff before committing)
+	LLMFLOW_RECORD_GOLDENS=1 $(PYTHON) -m pytest -q $(PARITY_TESTS)

@@ -3,6 +3,13 @@
 The tests of the routes the front serves natively hold it to the Python path: they send the
 same request through each and compare what a client reads. These are the requests on the wire
 they share, and the runs on both paths that check each reply was served where it should be.
+
+`PYTHON_PATH` says whether the Python path is still there to run. While it is, each run here
+answers on both paths (native first), and the tests hold each masked reply of the Python
+path to its golden as well (`goldens.reference`). The deletion of the Python path sets it
+False: each run then answers on the native front alone (a list of one), the tests hold the
+native reply to the goldens only, and the checks of each path on its own (`on_each_path`)
+check the native front's.
 """
 
 from __future__ import annotations
@@ -13,15 +20,20 @@ import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import pytest
+
 from .harness import NATIVE_IDS, start_gateway, until
 
 if TYPE_CHECKING:
     import httpx
 
 __all__ = [
+    "PYTHON_PATH",
     "by_front",
     "completed",
     "connect",
+    "on_each_path",
+    "paths",
     "post",
     "raw_on_both_paths",
     "read_stream",
@@ -31,6 +43,22 @@ __all__ = [
     "unsized",
     "without_date",
 ]
+
+
+PYTHON_PATH = True  # the app's own serving of the governed routes; False once it is deleted
+
+
+def paths() -> tuple[bool, ...]:
+    """The paths a parity test runs a request on, as `native` flags: the native front's, then
+    the Python path's while it is there (`PYTHON_PATH`)."""
+    return (True, False) if PYTHON_PATH else (True,)
+
+
+def on_each_path(python: str = "python") -> pytest.MarkDecorator:
+    """A test parametrized by `native` over `paths()` (read as the module is collected), its
+    cases named `native` and `python` (the Python path's id): a check of each path on its
+    own, whose Python case goes with the Python path."""
+    return pytest.mark.parametrize("native", paths(), ids=["native", python][: len(paths())])
 
 
 async def read_stream(
@@ -102,10 +130,11 @@ async def streamed_on_both_paths(
     """The streamed reply to `body` (its text and headers, a 200) from the native front, then
     from the Python path, each checked to be served where it should, and the body vLLM was
     sent; `steps`: the fake emits that many tokens once the request runs, then holds the
-    rest. `sections`: the gateway's config over the harness's."""
+    rest. `sections`: the gateway's config over the harness's. Once the Python path is gone
+    (`PYTHON_PATH`), the native front's alone."""
     replies = []
     server = sections.pop("server", {})
-    for native in (True, False):
+    for native in paths():
         async with start_gateway(server=server, native=native, **sections) as h:
             request = asyncio.create_task(read_stream(h.client, path, body))
             if steps is not None:
@@ -126,10 +155,10 @@ async def raw_on_both_paths(
     """The raw reply to `body` (its connection closed with it, read to the end) from the
     native front, then from the Python path, each checked to be served where it should, and
     the body vLLM was sent (`{}` if none); `steps` and `sections` as for
-    `streamed_on_both_paths`."""
+    `streamed_on_both_paths`; once the Python path is gone, the native front's alone."""
     replies = []
     server = sections.pop("server", {})
-    for native in (True, False):
+    for native in paths():
         async with start_gateway(server=server, native=native, **sections) as h:
             reader, writer = await connect(h.url, post(path, body, close=True))
             if steps is not None:
@@ -149,9 +178,10 @@ async def refused_on_both_paths(
 ) -> list[tuple[bytes, tuple[int, str, dict[str, str]]]]:
     """The raw refusal of `body` (one slot, taken by `held`, which the fake holds, and no place
     to wait: a 429) from the native front, then from the Python path, and the held request's
-    reply (`read_stream`'s) once the fake let it go on."""
+    reply (`read_stream`'s) once the fake let it go on; once the Python path is gone, the
+    native front's alone."""
     answers = []
-    for native in (True, False):
+    for native in paths():
         async with start_gateway(
             native=native,
             gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 0}},

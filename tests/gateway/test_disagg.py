@@ -8,7 +8,8 @@ read from their own `/metrics`.
 Each check runs on both paths: the native front's (the default; its requests' ids are from the
 front's range, which the backends see in `X-Request-Id`) and Python's (the app alone);
 the hops each backend received and the replies the client read are compared byte for byte
-between the two.
+between the two, and held to their goldens, the Python path's recorded (`goldens`), which
+are the reference alone once the Python path is gone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from llmflow.gateway.app import create_app
 from llmflow.sim import server as sim_server
 from llmflow.sim.server_pd import KvTransfer
 
+from .both_paths import on_each_path, paths
+from .goldens import with_reference
 from .harness import (
     SIM_MODEL,
     Harness,
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.anyio
 # Each test on both paths: the native front's (the default) and Python's (the app alone).
-PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+PATHS = on_each_path()
 
 
 @dataclass
@@ -386,6 +389,16 @@ def _same_reply(native: bytes, python: bytes) -> None:
     )
 
 
+def _heads_sorted(reply: bytes) -> bytes:
+    """A reply as `_same_reply` compares it (for its golden): a stream's head as its sorted
+    lines less uvicorn's `server`, then its body; any other whole."""
+    head, _, text = reply.partition(b"\r\n\r\n")
+    if b"text/event-stream" not in head:
+        return reply
+    lines = sorted(line for line in head.split(b"\r\n") if line != b"server: uvicorn")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + text
+
+
 def _hops(s: Split) -> tuple[bytes, bytes, str]:
     """The one prefill hop and the one decode hop the backends received, as they came, and
     their `X-Request-Id` (the same on both); the decode hop's `kv_transfer_params` checked to
@@ -416,7 +429,7 @@ async def test_both_paths_send_the_same_hops_and_give_the_same_reply(stream: boo
     }
     body = {k: v for k, v in body.items() if v is not None}
     seen: dict[bool, tuple[bytes, bytes, bytes, list[str]]] = {}
-    for native in (True, False):
+    for native in paths():
         trace = io.StringIO()
         async with split_gateway(
             backend={"scheduling_policy": "priority"}, native=native, trace=trace
@@ -425,7 +438,14 @@ async def test_both_paths_send_the_same_hops_and_give_the_same_reply(stream: boo
             assert served_natively == native
             hop, decode, request_id = _hops(s)
         seen[native] = (hop, decode, reply, _fed(trace, request_id))
-    (hop, decode, reply, fed), python = seen[True], seen[False]
+    (hop, decode, reply, fed) = seen[True]
+    python = tuple(
+        with_reference([seen[n][i] for n in paths()], part, mask)[1]
+        for i, part, mask in (
+            (0, "prefill hop", None), (1, "decode hop", None), (2, "reply", _heads_sorted),
+            (3, "fed", None),
+        )
+    )
     assert hop == python[0]
     assert decode == python[1]
     assert reply.startswith(b"HTTP/1.1 200 OK\r\n"), reply
@@ -445,7 +465,7 @@ async def test_a_failed_prefill_hop_is_the_python_paths_failure_byte_for_byte() 
             "max_tokens": 10, "stream": True}
     short = {**long, "messages": [{"role": "user", "content": "hello"}]}
     seen: dict[tuple[str, bool], tuple[bytes, list[str]]] = {}
-    for native in (True, False):
+    for native in paths():
         trace = io.StringIO()
         async with split_gateway(
             prefill_max_model_len=1024, native=native, trace=trace,
@@ -476,7 +496,11 @@ async def test_a_failed_prefill_hop_is_the_python_paths_failure_byte_for_byte() 
                     for ev in events if "failed" in ev]
         assert failures == [(400, False), (502, True)]
     for case in ("refused", "gone"):
-        assert seen[case, True] == seen[case, False], case
+        python = tuple(
+            with_reference([seen[case, n][i] for n in paths()], f"{case} {part}")[1]
+            for i, part in ((0, "reply"), (1, "fed"))
+        )
+        assert seen[case, True] == python, case
     assert seen["refused", True][0].startswith(b"HTTP/1.1 400 "), seen["refused", True][0]
     assert b"1024" in seen["refused", True][0]
     assert seen["gone", True][0].startswith(b"HTTP/1.1 502 "), seen["gone", True][0]
@@ -533,7 +557,7 @@ async def test_a_first_token_timeout_during_the_prefill_hop_is_the_python_paths(
             "max_tokens": 10, "stream": stream}
     streaming = {"first_token_timeout_ms": 300, "on_first_token_timeout": mode}
     replies = {}
-    for native in (True, False):
+    for native in paths():
         trace = io.StringIO()
         async with split_gateway(speed=0.05, native=native, trace=trace, streaming=streaming) as s:
             served_natively, replies[native] = await _exchange(s.harness.url, body)
@@ -544,5 +568,6 @@ async def test_a_first_token_timeout_during_the_prefill_hop_is_the_python_paths(
             await until(lambda s=s: s.harness.gateway.relay.relay.live == 0)
             assert s.recorders["d0"].raw == []
         assert _fed(trace, hop["x-request-id"]) == ["arrive"]  # the runtime's own timer ended it
-    _same_reply(replies[True], replies[False])
+    _, python = with_reference([replies[n] for n in paths()], mask=_heads_sorted)
+    _same_reply(replies[True], python)
     assert b"first_token_timeout" in replies[True], replies[True]

@@ -29,6 +29,8 @@ from .both_paths import (
     by_front,
     completed,
     connect,
+    on_each_path,
+    paths,
     post,
     raw_on_both_paths,
     read_stream,
@@ -38,6 +40,7 @@ from .both_paths import (
     without_date,
 )
 from .fake_vllm import FakeVllm
+from .goldens import with_reference
 from .harness import (
     NATIVE_IDS,
     assert_idle,
@@ -72,12 +75,13 @@ def _body(path: str = CHAT, **extra: Any) -> dict[str, Any]:
         (COMPLETIONS, {"stream_options": {"include_usage": True}}),
         (CHAT + "?api-version=2024-06-01", {}),  # a query, as Azure's clients send one
     ],
+    ids=["chat", "chat-usage", "completions", "completions-usage"],
 )
 async def test_the_native_path_sends_what_the_python_path_sends(
     path: str, extra: dict[str, Any]
 ) -> None:
     replies = []
-    for native in (True, False):
+    for native in paths():
         async with start_gateway(native=native) as h:
             status, text, headers = await read_stream(h.client, path, _body(path, **extra))
             assert status == 200, text
@@ -92,7 +96,7 @@ async def test_the_native_path_sends_what_the_python_path_sends(
                 "include_usage": True,
                 "continuous_usage_stats": True,
             }
-    native, python = replies
+    native, python = with_reference(replies)
     assert native == python
     assert native[-1] == "[DONE]"
 
@@ -137,7 +141,9 @@ async def test_one_cap_holds_for_native_requests_and_those_python_serves_beside_
 async def test_a_native_refusal_is_the_python_paths_refusal_byte_for_byte() -> None:
     answers = await refused_on_both_paths(CHAT, _body(fake={"step": True}), _body())
     # the ids differ by path (the front's range): compare the rest
-    native, python = (re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(a[0])) for a in answers)
+    native, python = with_reference(
+        [re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(a[0])) for a in answers]
+    )
     assert native.startswith(b"HTTP/1.1 429 ")
     assert b"retry-after: " in native.lower()
     assert native == python
@@ -179,7 +185,7 @@ async def test_keep_alive_and_a_pipelined_second_request_are_answered_in_order()
         await assert_idle(h)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_the_metrics_and_the_access_log_count_requests_on_either_path(
     tmp_path: Any, native: bool
 ) -> None:
@@ -244,9 +250,10 @@ async def _whole_on_both_paths(
     unstreamed: bool = False,
     **sections: Any,
 ) -> list[bytes]:
-    """The raw reply to `body`, not streamed, from the native front and from the Python path
-    (the app alone); `steps`: the fake emits that many tokens, then holds the rest;
-    `unstreamed`: the request asks what vLLM computes only unstreamed (prompt logprobs)."""
+    """The raw reply to `body`, not streamed, from the native front, masked, and its reference:
+    the Python path's (the app alone), or its golden once it is gone (`with_reference`);
+    `steps`: the fake emits that many tokens, then holds the rest; `unstreamed`: the request
+    asks what vLLM computes only unstreamed (prompt logprobs)."""
     replies = []
     for raw, sent in await raw_on_both_paths(path, body, steps, **sections):
         if sent and unstreamed:  # sent as the client sent it, either way
@@ -256,12 +263,13 @@ async def _whole_on_both_paths(
             assert sent["stream"] is True
             assert sent["stream_options"]["continuous_usage_stats"] is True
         replies.append(_wire(raw))
-    return replies
+    return list(with_reference(replies))
 
 
 @pytest.mark.parametrize(
     ("path", "extra"),
     [(CHAT, {}), (COMPLETIONS, {}), (CHAT, {"max_tokens": 1}), (COMPLETIONS, {"echo": False})],
+    ids=["chat", "completions", "chat-one-token", "completions-no-echo"],
 )
 async def test_a_whole_reply_is_the_python_paths_byte_for_byte(
     path: str, extra: dict[str, Any]
@@ -432,7 +440,7 @@ async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -
     assert done == set(read)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_a_stream_cut_by_its_deadline_keeps_the_connection(native: bool) -> None:
     """The cut ends the reply whole (notice, `[DONE]`, last chunk) and promised no close: the
     connection serves the client's next request, on either path (a client's pool reuses it)."""
@@ -467,15 +475,16 @@ def _sse_body(text: str) -> str:
 async def _streams_on_both_paths(
     path: str, body: dict[str, Any], steps: int | None = None, **sections: Any
 ) -> list[str]:
-    """The body of the streamed reply to `body` from the native front and from the Python
-    path (the app alone), each checked to be served where it should; `steps`: the fake
-    emits that many steps, then holds the rest."""
+    """The body of the streamed reply to `body` from the native front, masked, and its
+    reference: the Python path's (the app alone), or its golden once it is gone
+    (`with_reference`); each checked to be served where it should; `steps`: the fake emits
+    that many steps, then holds the rest."""
     replies = []
     for text, _, sent in await streamed_on_both_paths(path, body, steps, **sections):
         # vLLM streamed it either way, with continuous usage
         assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         replies.append(_sse_body(text))
-    return replies
+    return list(with_reference(replies))
 
 
 def _chunks(text: str) -> list[dict[str, Any]]:
@@ -550,7 +559,7 @@ async def test_a_cut_after_every_choice_finished_is_no_truncation_on_either_path
     body = _body(max_tokens=50, n=2, fake={"step": True, "choice_tokens": [1, 1],
                                            "hold_done": True})
     replies, counted = [], []
-    for native in (True, False):
+    for native in paths():
         async with start_gateway(native=native, timeouts={"total_ms": 400}) as h:
             request = asyncio.create_task(read_stream(h.client, CHAT, body))
             await until(lambda h=h: h.fake.running == 1)
@@ -564,9 +573,10 @@ async def test_a_cut_after_every_choice_finished_is_no_truncation_on_either_path
             metrics = (await h.client.get("/metrics")).text
             counted.append(re.findall(r"^llmflow_truncations_total\{.*\} (\S+)$", metrics, re.M))
             replies.append(_sse_body(text))
+    replies = list(with_reference(replies))
     assert replies[0] == replies[1]
     assert not any("llmflow" in chunk for chunk in _chunks(replies[0]))
-    assert counted == [[], []]
+    assert counted == [[]] * len(paths())
 
 
 @pytest.mark.parametrize(

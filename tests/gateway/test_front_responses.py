@@ -20,6 +20,8 @@ from .both_paths import (
     by_front,
     completed,
     connect,
+    on_each_path,
+    paths,
     post,
     raw_on_both_paths,
     refused_on_both_paths,
@@ -28,6 +30,7 @@ from .both_paths import (
     unsized,
     without_date,
 )
+from .goldens import with_reference
 from .harness import NATIVE_IDS, assert_idle, start_gateway, until
 
 pytestmark = pytest.mark.anyio
@@ -59,20 +62,24 @@ def _wire(raw: bytes) -> bytes:
 async def _streamed_on_both_paths(
     body: dict[str, Any], steps: int | None = None, **sections: Any
 ) -> list[tuple[str, dict[str, Any]]]:
-    """The body of the streamed reply to `body` on the native front and on the Python path,
-    and what vLLM was sent; `steps`: the fake emits that many tokens, then holds the rest."""
-    replies = []
+    """The body of the streamed reply to `body` on the native front, and what vLLM was sent;
+    then their references: the Python path's, or their goldens once it is gone
+    (`with_reference`); `steps`: the fake emits that many tokens, then holds the rest."""
+    texts, bodies = [], []
     for text, headers, sent in await streamed_on_both_paths(RESPONSES, body, steps, **sections):
         assert headers["content-type"] == "text/event-stream; charset=utf-8"
-        replies.append((_masked(text.encode()).decode(), sent))
-    return replies
+        texts.append(_masked(text.encode()).decode())
+        bodies.append(sent)
+    return list(zip(with_reference(texts), with_reference(bodies, "sent"), strict=True))
 
 
 async def _whole_on_both_paths(
     body: dict[str, Any], steps: int | None = None, **sections: Any
 ) -> list[bytes]:
-    """The raw reply to `body`, not streamed, on the native front and on the Python path."""
-    return [_wire(raw) for raw, _ in await raw_on_both_paths(RESPONSES, body, steps, **sections)]
+    """The raw reply to `body`, not streamed, on the native front, masked, and its reference:
+    the Python path's, or its golden once it is gone (`with_reference`)."""
+    replies = await raw_on_both_paths(RESPONSES, body, steps, **sections)
+    return list(with_reference([_wire(raw) for raw, _ in replies]))
 
 
 @pytest.mark.parametrize(
@@ -180,9 +187,10 @@ def _dechunked(raw: bytes) -> bytes:
 
 
 async def _dechunked_on_both_paths(body: dict[str, Any], **sections: Any) -> list[bytes]:
-    """What a client reads of the reply to `body` (see `_dechunked`) on the native front and on
-    the Python path."""
-    return [_dechunked(raw) for raw, _ in await raw_on_both_paths(RESPONSES, body, **sections)]
+    """What a client reads of the reply to `body` (see `_dechunked`) on the native front, and
+    its reference: the Python path's, or its golden once it is gone (`with_reference`)."""
+    replies = await raw_on_both_paths(RESPONSES, body, **sections)
+    return list(with_reference([_dechunked(raw) for raw, _ in replies]))
 
 
 _BAD = [
@@ -217,7 +225,7 @@ def _raw_post(body: bytes) -> bytes:
 
 async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> None:
     answers: list[list[bytes]] = []
-    for native in (True, False):
+    for native in paths():
         async with start_gateway(
             native=native,
             limits={"max_tokens": 100},
@@ -230,7 +238,9 @@ async def test_each_refused_body_is_refused_as_the_python_path_refuses_it() -> N
                 writer.close()
             assert h.fake.seen == 0  # no backend saw any of them
             answers.append(replies)
-    native, python = answers
+    each_body = enumerate(zip(*answers, strict=True))
+    pairs = [with_reference(list(replies), f"body {n}") for n, replies in each_body]
+    native, python = ([pair[i] for pair in pairs] for i in (0, 1))
     for body, a, b in zip(_BAD, native, python, strict=True):
         assert a == b, body[:80]
         assert a.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 404 ")), a
@@ -251,13 +261,13 @@ async def test_a_refusal_with_retry_after_is_the_python_paths_byte_for_byte() ->
     held = _body(stream=True, fake={"step": True})
     answers = []
     for native, (raw, (status, _, headers)) in zip(
-        (True, False), await refused_on_both_paths(RESPONSES, held, _body()), strict=True
+        paths(), await refused_on_both_paths(RESPONSES, held, _body()), strict=True
     ):
         assert (reply_id(raw) >= NATIVE_IDS) == native, raw
         assert status == 200
         assert by_front(headers) == native
         answers.append(re.sub(rb"llmflow-\d+", b"llmflow-ID", without_date(raw)))
-    native, python = answers
+    native, python = with_reference(answers)
     assert native.startswith(b"HTTP/1.1 429 ")
     assert b"retry-after: " in native.lower()
     assert native == python
@@ -322,7 +332,7 @@ async def test_a_response_past_its_first_token_timeout_is_the_python_paths(
         assert reply["incomplete_details"] == {"reason": "first_token_timeout"}
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
     tmp_path: Any, native: bool
 ) -> None:
@@ -347,7 +357,7 @@ async def test_the_metrics_and_the_access_log_count_responses_on_either_path(
             assert (fields["output_tokens"], fields["outcome"]) == ("5", "completed")
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_a_client_that_stops_reading_a_response_is_cut_for_its_stall(native: bool) -> None:
     big = _body(stream=True, max_output_tokens=3000, fake={"chunk_bytes": 16384})  # ~48 MB
     async with start_gateway(

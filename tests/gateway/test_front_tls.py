@@ -23,9 +23,10 @@ import pytest
 
 from llmflow.gateway.app import create_app
 
-from .both_paths import connect, post, without_date
+from .both_paths import connect, paths, post, without_date
 from .certs import Authority
 from .fake_vllm import FakeVllm
+from .goldens import with_reference
 from .harness import NATIVE_IDS, serve_asgi, serve_gateway, settings_for, until
 from .test_front_native import _body, _whole_body, _wire
 
@@ -139,7 +140,7 @@ async def test_an_https_backend_is_served_natively_with_an_http_backends_bytes(
     body = _body(max_tokens=4) if stream else _whole_body(max_tokens=4)
     replies = {}
     async with tls_backend(pki.cert) as backend:
-        for native in (True, False):
+        for native in paths():
             async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
                 served_natively, replies["https", native] = await _exchange(base, body)
                 assert served_natively == native
@@ -148,7 +149,7 @@ async def test_an_https_backend_is_served_natively_with_an_http_backends_bytes(
                     assert (await _exchange(base, body))[0]
                     assert len(backend.handshakes) == handshakes
                 await until(lambda g=gateway: g.runtime.live == 0)
-        assert backend.fake.completed == 3
+        assert backend.fake.completed == len(paths()) + 1
         assert set(backend.handshakes) == {"localhost"}  # SNI, from the scraper and the relay
     fake = FakeVllm()
     async with serve_asgi(fake.app) as (url, _), gateway_over(url, True, None) as (base, _):
@@ -157,7 +158,9 @@ async def test_an_https_backend_is_served_natively_with_an_http_backends_bytes(
     assert replies["https", True] == replies["http", True]
     # the Python path writes a stream's head in its own order (uvicorn's): its body is the same
     head, _, text = replies["https", True].partition(b"\r\n\r\n")
-    assert replies["https", False].partition(b"\r\n\r\n")[2] == text
+    texts = [replies["https", n].partition(b"\r\n\r\n")[2] for n in paths()]
+    _, python_text = with_reference(texts)
+    assert python_text == text
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     if stream:
         assert text.endswith(b"data: [DONE]\n\n")
@@ -174,8 +177,8 @@ async def test_a_certificate_not_to_be_trusted_fails_as_on_the_python_path(
     then the backend shows another CA's certificate, or one for another name: the completion's
     own connection is refused on its handshake, the backend never sees the request, and
     nothing stays held."""
-    native_reply, python_reply = await _failed_once_healthy(
-        pki, stream, lambda b: b.show(getattr(pki, shown))
+    native_reply, python_reply = with_reference(
+        await _failed_once_healthy(pki, stream, lambda b: b.show(getattr(pki, shown)))
     )
     assert native_reply == python_reply
     head, _, text = native_reply.partition(b"\r\n\r\n")
@@ -187,14 +190,14 @@ async def test_a_certificate_not_to_be_trusted_fails_as_on_the_python_path(
 
 async def _failed_once_healthy(
     pki: Pki, stream: bool, change: Callable[[Backend], None]
-) -> tuple[bytes, bytes]:
+) -> list[bytes]:
     """On each path: a gateway finds the backend healthy (its scrapes keep their connection),
     then `change` makes the backend refuse new handshakes; the completion's new connection is
     refused, the backend never sees it, and nothing stays held. Returns the replies (the
-    native path's, the Python path's)."""
+    native path's, then the Python path's while it is there: `paths`)."""
     body = _body() if stream else _whole_body()
     replies = []
-    for native in (True, False):
+    for native in paths():
         async with tls_backend(pki.cert) as backend:
             async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
                 state = gateway.scraper.states["b0"]  # type: ignore[union-attr]
@@ -207,8 +210,7 @@ async def _failed_once_healthy(
                 runtime = gateway.runtime
                 assert (runtime.running, runtime.queued, runtime.kv_blocks_in_use) == (0, 0, 0)
             assert backend.fake.seen == 0
-    native_reply, python_reply = replies
-    return native_reply, python_reply
+    return replies
 
 
 async def test_a_backend_whose_ca_is_not_configured_is_refused_on_both_paths(pki: Pki) -> None:
@@ -216,14 +218,14 @@ async def test_a_backend_whose_ca_is_not_configured_is_refused_on_both_paths(pki
     and each path answers the same 503 as for any backend down, with a Retry-After."""
     replies = []
     async with tls_backend(pki.cert) as backend:
-        for native in (True, False):
+        for native in paths():
             async with gateway_over(backend.url, native, None) as (base, gateway):
                 served_natively, raw = await _exchange(base, _body())
                 assert served_natively == native
                 replies.append(raw)
                 assert gateway.runtime.live == 0
         assert backend.fake.seen == 0
-    native_reply, python_reply = replies
+    native_reply, python_reply = with_reference(replies)
     assert native_reply == python_reply
     assert native_reply.startswith(b"HTTP/1.1 503 ")
     assert b"\r\nretry-after: " in native_reply
@@ -242,7 +244,7 @@ async def test_a_backend_that_asks_for_a_client_certificate_is_shown_the_configu
     body = _body(max_tokens=4) if stream else _whole_body(max_tokens=4)
     replies = {}
     async with tls_backend(pki.cert, pki.clients.ca_file) as backend:
-        for native in (True, False):
+        for native in paths():
             async with gateway_over(backend.url, native, pki.ca.ca_file, pki.client) as (
                 base,
                 gateway,
@@ -250,10 +252,11 @@ async def test_a_backend_that_asks_for_a_client_certificate_is_shown_the_configu
                 served_natively, replies[native] = await _exchange(base, body)
                 assert served_natively == native
                 await until(lambda g=gateway: g.runtime.live == 0)
-        assert backend.fake.completed == 2
+        assert backend.fake.completed == len(paths())
     # the Python path writes a stream's head in its own order (uvicorn's): its body is the same
     head, _, text = replies[True].partition(b"\r\n\r\n")
-    assert replies[False].partition(b"\r\n\r\n")[2] == text
+    _, python_text = with_reference([replies[n].partition(b"\r\n\r\n")[2] for n in paths()])
+    assert python_text == text
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert text.endswith(b"data: [DONE]\n\n") if stream else json.loads(text)["choices"]
 
@@ -265,13 +268,14 @@ async def test_a_backend_that_asks_for_a_client_certificate_refuses_a_gateway_wi
     each path answers the same 503 as for any backend down; the backend never sees a request."""
     replies = []
     async with tls_backend(pki.cert, pki.clients.ca_file) as backend:
-        for native in (True, False):
+        for native in paths():
             async with gateway_over(backend.url, native, pki.ca.ca_file) as (base, gateway):
                 served_natively, raw = await _exchange(base, _body())
                 assert served_natively == native
                 replies.append(raw)
                 assert gateway.runtime.live == 0
         assert backend.fake.seen == 0
+    replies = list(with_reference(replies))
     assert replies[0] == replies[1]
     assert replies[0].startswith(b"HTTP/1.1 503 ")
 

@@ -33,7 +33,9 @@ from llmflow.config import load_settings
 from llmflow.gateway.app import create_app
 from llmflow.gateway.shadow import forwarding_config, uncapped_light
 
+from .both_paths import on_each_path, paths
 from .fake_vllm import FakeVllm
+from .goldens import plain, with_reference
 from .harness import (
     NATIVE_IDS,
     serve_asgi,
@@ -72,7 +74,7 @@ SECTIONS: dict[str, Any] = {
     "timeouts": {"total_ms": 1500},  # held replies are cut here (enforce)
 }
 TOKENS = 8  # each request's max_tokens: what vLLM generates for it
-PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+PATHS = on_each_path()
 
 
 @dataclass
@@ -313,7 +315,7 @@ async def test_both_paths_give_the_same_verdicts(tmp_path: Path) -> None:
     """The same traffic in shadow mode, served by the native front and by Python: the same
     would-have counts and the same verdict per request, every reply vLLM's own."""
     seen: dict[bool, tuple[dict[str, Counter[str]], Counter[str], Seen]] = {}
-    for native in (True, False):
+    for native in paths():
         log = tmp_path / f"access-{native}.csv"
         sections = {**SECTIONS, "gate": {**SECTIONS["gate"], "mode": "shadow"},
                     "server": {"access_log": str(log)}}
@@ -323,10 +325,16 @@ async def test_both_paths_give_the_same_verdicts(tmp_path: Path) -> None:
             counts = _shadow_counts((await h.client.get("/metrics")).text)
         verdicts = Counter(row["shadow"] for row in _rows(log, native).values())
         seen[native] = (counts, verdicts, run)
-    assert seen[True][0] == seen[False][0]
+    # the Python path's, held to their goldens (the reference alone once it is gone)
+    python = [
+        with_reference([plain(seen[n][i]) for n in paths()], part)[1]
+        for i, part in ((0, "would-have counts"), (1, "verdicts"))
+    ]
+    python.append(with_reference([plain(seen[n][2].replies) for n in paths()], "replies")[1])
+    assert seen[True][0] == python[0]
     assert seen[True][0]["refused"] == {"rate_limited": 1, "queue_full": 2}
-    assert seen[True][1] == seen[False][1]
-    assert seen[True][2].replies == seen[False][2].replies
+    assert seen[True][1] == python[1]
+    assert plain(seen[True][2].replies) == python[2]
 
 
 async def test_native_bytes_in_shadow_mode_are_the_forwarded_answer() -> None:

@@ -5,7 +5,9 @@ must come out as the same `/metrics` families and the same access-log rows (ids 
 masked), each checked against what the test sent and saw on the wire: the statuses, the
 request ids, the tokens the fake vLLM sent. The rows are the bytes `csv.writer` writes of
 `request_log.format_row`'s cells, a tenant named with a comma and quotes included. The
-families keep the names, help, types and bucket bounds prometheus_client gave them.
+families keep the names, help, types and bucket bounds prometheus_client gave them. What
+both paths counted is also held to its golden, the Python path's recorded (`goldens`), which
+is the reference alone once the Python path is gone.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import pytest
 
 from llmflow.request_log import COLUMNS, format_row
 
-from .both_paths import by_front, read_stream
+from .both_paths import by_front, on_each_path, paths, read_stream
+from .goldens import plain, with_reference
 from .harness import Harness, start_gateway, until
 from .test_front_native import CHAT, COMPLETIONS, _body
 
@@ -136,8 +139,8 @@ def _sample(families: dict[str, float], name: str, **labels: str) -> float:
 async def test_both_paths_count_and_log_the_same_traffic_as_it_went_over_the_wire(
     tmp_path: Path,
 ) -> None:
-    native = await _counted(tmp_path / "native.csv", native=True)
-    python = await _counted(tmp_path / "python.csv", native=False)
+    counted = [plain(await _counted(tmp_path / f"{n}.csv", native=n)) for n in paths()]
+    native, python = with_reference(counted)
     assert native == python
 
 
@@ -194,7 +197,7 @@ async def _counted(
     return _masked(rows), families
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@on_each_path()
 async def test_a_refusal_flood_is_counted_and_logged_exactly(tmp_path: Path, native: bool) -> None:
     flood = 300
     log = tmp_path / "access.csv"

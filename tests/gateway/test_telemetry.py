@@ -26,6 +26,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from llmflow._core import front_trace_sampled, front_traceparent
 
+from .both_paths import on_each_path, paths
+from .goldens import plain, with_reference
 from .harness import served_by, start_gateway
 from .otlp_receiver import OtlpReceiver
 
@@ -49,7 +51,7 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"  # the client's own trace and 
 CLIENT_SPAN = "00f067aa0ba902b7"
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
 # Each test on both paths: the native front's (the default) and Python's (the app alone).
-PATHS = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+PATHS = on_each_path()
 
 
 def _body(stream: bool, **fake: Any) -> dict[str, Any]:
@@ -330,7 +332,7 @@ async def test_both_paths_export_the_same_spans() -> None:
     """The same requests through the native front and through Python: the same spans, with
     the same attributes, kinds, statuses and children."""
     trees = {}
-    for native in (True, False):
+    for native in paths():
         with OtlpReceiver() as rx:
             async with start_gateway(
                 tenants=TENANTS,
@@ -355,7 +357,8 @@ async def test_both_paths_export_the_same_spans() -> None:
                 ids["failed"] = failed.headers["x-request-id"]
         served_by(native, *ids.values())
         trees[native] = {label: _tree(rx, request_id) for label, request_id in ids.items()}
-    assert trees[True] == trees[False]
+    _, python = with_reference([plain(trees[n]) for n in paths()], "spans")
+    assert plain(trees[True]) == python
     assert trees[True]["failed"][1] == 2  # ERROR
     assert trees[True]["continued"][2] == CLIENT_SPAN
 
