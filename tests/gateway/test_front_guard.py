@@ -28,8 +28,9 @@ from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.middleware import foreign_request
 from llmflow.gateway.signals import read_signals
 
-from .both_paths import connect, reply_id, without_date
+from .both_paths import connect, paths, reply_id, without_date
 from .fake_vllm import FakeVllm
+from .goldens import with_reference
 from .harness import NATIVE_IDS, serve_asgi, serve_gateway, settings_for, until
 from .test_front_refusals import Counted
 
@@ -91,7 +92,7 @@ async def on_both(request: bytes, **sections: Any) -> tuple[bytes, bytes]:
     """The reply to `request` from the front and from the app alone; the front's app never
     saw it, and nothing of it reached the runtime or vLLM."""
     replies = []
-    for native in (True, False):
+    for native in paths():
         async with served(native, **sections) as gw:
             before = gw.counted.requests
             reply = await exchange(gw.url, request)
@@ -100,7 +101,7 @@ async def on_both(request: bytes, **sections: Any) -> tuple[bytes, bytes]:
             if native:
                 assert gw.counted.requests == before, reply  # answered by the front
             replies.append(without_date(reply))
-    return replies[0], replies[1]
+    return with_reference(replies)
 
 
 REFUSED = [  # (headers, the status and the reason the app answers with), keyless

@@ -75,7 +75,7 @@ def _body(path: str = CHAT, **extra: Any) -> dict[str, Any]:
         (COMPLETIONS, {"stream_options": {"include_usage": True}}),
         (CHAT + "?api-version=2024-06-01", {}),  # a query, as Azure's clients send one
     ],
-    ids=["chat", "chat-usage", "completions", "completions-usage"],
+    ids=["chat", "chat-usage", "completions", "completions-usage", "chat-query"],
 )
 async def test_the_native_path_sends_what_the_python_path_sends(
     path: str, extra: dict[str, Any]
