@@ -19,8 +19,6 @@ __all__ = [
     "ChunkParser",
     "ClientOptions",
     "Item",
-    "encode_event",
-    "encode_item",
     "merge_chunks",
     "notice_for",
     "parse_item",
@@ -56,16 +54,6 @@ class ClientOptions:
 def notice_for(reason: str) -> str:
     """The visible notice for a cut reply."""
     return NOTICES.get(reason, f"\n\n[llmflow: reply truncated ({reason})]")
-
-
-def encode_event(chunk: Json) -> bytes:
-    """One SSE frame: `data: {json}` and a blank line."""
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
-
-def encode_item(item: Item) -> bytes:
-    """The SSE frame of an item (frames pass through untouched)."""
-    return item if isinstance(item, bytes) else encode_event(item)
 
 
 def parse_item(item: Item) -> Json:
