@@ -1,13 +1,13 @@
 """The relay's frames for a streaming client against the Python path's, on random streams.
 
-The Python path shapes each upstream payload with `ChunkParser` and writes what it returns
-with `encode_item`; at the stream's end it writes the finishing chunks still held, and a cut
-writes them and then the notice for the choices still open (`StreamSession.on_cut`). The
-relay does the same in `rust/src/relay/chunk.rs` (`ChunkShaper`). Fed the same payloads, for
-one choice or several, with and without the usage chunk and continuous usage, both must write
-the same bytes (before coalescing), or both fail the stream with the same message; and the
-frames that wait for the flush interval coalesce into the same bytes (`merge_chunks`, the
-relay's `merge_frames`).
+The Python path shaped each upstream payload with `ChunkParser` and wrote what it returned
+with `encode_item` (kept as the reference, `tests/gateway/reference/frames.py`); at the
+stream's end it wrote the finishing chunks still held, and a cut wrote them and then the
+notice for the choices still open (`StreamSession.on_cut`). The relay does the same in
+`rust/src/relay/chunk.rs` (`ChunkShaper`). Fed the same payloads, for one choice or several,
+with and without the usage chunk and continuous usage, both must write the same bytes (before
+coalescing), or both fail the stream with the same message; and the frames that wait for the
+flush interval coalesce into the same bytes (`merge_chunks`, the relay's `merge_frames`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from unittest.mock import patch
 
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from tests.gateway.reference.frames import encode_event, encode_item
 
 from llmflow._core import front_merge_frames, front_stream_frames
 from llmflow.gateway import streaming
@@ -28,8 +29,6 @@ from llmflow.gateway.streaming import (
     ChunkParser,
     ClientOptions,
     MalformedChunk,
-    encode_event,
-    encode_item,
     merge_chunks,
     tail_chunk,
 )

@@ -1,9 +1,10 @@
-"""The native front's non-streamed replies against the Python path's, on random streams.
+"""The native front's non-streamed replies against the reference model's, on random streams.
 
 The gateway streams every completion upstream; a client that asked for one JSON object gets
-the stream folded into vLLM's unstreamed reply. The Python path folds it with `ChunkParser`
-and `Accumulator` and renders it with `JSONResponse`; the native front with
-`rust/src/front/whole.rs`. Fed the same payloads (text and reasoning deltas, tool call
+the stream folded into vLLM's unstreamed reply: by the native front, `rust/src/front/whole.rs`.
+The reference folds it as the Python path did before the front served every request (with
+`ChunkParser` and `tests/gateway/reference/whole.py`'s `Accumulator`) and renders it with
+`JSONResponse`. Fed the same payloads (text and reasoning deltas, tool call
 deltas, logprobs, token ids, finish and stop reasons, continuous usage, top-level fields, the
 marker, a cut's tail naming the choices still open), for one choice or several (`n`, or the
 prompts of a batch), both must give the same bytes, or both fail the request with the same
@@ -20,12 +21,13 @@ from unittest.mock import patch
 from fastapi.responses import JSONResponse
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.gateway.reference import whole
+from tests.gateway.reference.whole import Accumulator
 
 from llmflow._core import front_whole_reply
 from llmflow.gateway import streaming
 from llmflow.gateway.streaming import (
     NOTICES,
-    Accumulator,
     ChunkParser,
     ClientOptions,
     MalformedChunk,
@@ -86,11 +88,12 @@ def streams(draw: Any) -> tuple[str, list[bytes]]:
     now_s=st.integers(0, 2**40),
     n=st.sampled_from([1, 1, 2, 3]),
 )
-def test_the_native_whole_reply_is_the_python_paths(
+def test_the_native_whole_reply_is_the_reference_models(
     stream: tuple[str, list[bytes]], model: str, cut: tuple[str, int] | None, now_s: int, n: int
 ) -> None:
     endpoint, payloads = stream
-    with patch.object(streaming, "time", SimpleNamespace(time=lambda: now_s + 0.75)):
+    clock = SimpleNamespace(time=lambda: now_s + 0.75)
+    with patch.object(streaming, "time", clock), patch.object(whole, "time", clock):
         expected = python_reply(endpoint, model, payloads, cut, n)
     got = front_whole_reply(endpoint, model, payloads, now_s, cut, n)  # type: ignore[arg-type]
     assert got == expected

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-PYTHON_PATH = True  # the app's own serving of the governed routes; False once it is deleted
+PYTHON_PATH = False  # the app's own serving of the governed routes: deleted
 
 
 def paths() -> tuple[bool, ...]:

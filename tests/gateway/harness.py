@@ -41,6 +41,7 @@ __all__ = [
     "served_by",
     "settings_for",
     "start_gateway",
+    "start_gateway_losing_its_backend",
     "start_sim_gateway",
     "until",
 ]
@@ -229,6 +230,33 @@ async def start_gateway(
         yield harness
         if check_idle:
             await assert_idle(harness)
+
+
+@contextlib.asynccontextmanager
+async def start_gateway_losing_its_backend() -> AsyncIterator[Harness]:
+    """`start_gateway` over one fake vLLM that then stops, its port refusing connections (vLLM
+    gone after the gateway started): the next request's connect is refused (502). On exit,
+    asserts everything returned to zero."""
+    fake = FakeVllm()
+    async with contextlib.AsyncExitStack() as stack:
+        fake_url, server = await stack.enter_async_context(serve_asgi(fake.app))
+        app = create_app(settings_for({"b0": fake_url}))
+        url = await stack.enter_async_context(serve_gateway(app))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+        server.should_exit = True
+        port = int(fake_url.rsplit(":", 1)[1])
+        await until(lambda: _refused("127.0.0.1", port))
+        harness = Harness(url, app.state.gateway, client, {"b0": fake}, app)
+        yield harness
+        await assert_idle(harness)
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
 
 
 SIM_MODEL = "fake-model"  # the model name `settings_for` configures

@@ -18,8 +18,7 @@ TIERS = [
 ]
 
 
-@pytest.mark.parametrize("relay", [True, False], ids=["relay", "python"])
-async def test_a_pressed_tier_is_sent_upstream_with_max_tokens_clamped(relay: bool) -> None:
+async def test_a_pressed_tier_is_sent_upstream_with_max_tokens_clamped() -> None:
     """One slot, four waiting places, brownout from one waiting: the first two requests go
     upstream as asked, every later one with max_tokens 7 (max_completion_tokens where the
     client used it), as the fake vLLM received them."""
@@ -27,7 +26,6 @@ async def test_a_pressed_tier_is_sent_upstream_with_max_tokens_clamped(relay: bo
         tiers=TIERS,
         default_tier="normal",
         gate={"max_concurrency_per_gpu": 1, "queue": {"max_waiting": 4}},
-        native=relay,
     ) as h:
         h.fake.default = {"step": True}
         one = {"fake": {"tokens": 1}}  # each reply is one token: one release() ends it

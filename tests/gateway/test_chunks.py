@@ -7,7 +7,6 @@ from typing import Any
 
 from llmflow.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from llmflow.gateway.streaming import (
-    Accumulator,
     ChunkParser,
     ClientOptions,
     merge_chunks,
@@ -15,6 +14,8 @@ from llmflow.gateway.streaming import (
     tail_chunk,
 )
 from llmflow.gateway.tokens import chat_prompt_tokens, completion_prompt_tokens, text_tokens
+
+from .reference.whole import Accumulator
 
 CHAT = ClientOptions("chat", "m", stream=True)
 

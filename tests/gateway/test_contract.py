@@ -24,7 +24,7 @@ from llmflow.gateway.contract import REASON_HEADER, REFUSALS
 from llmflow.gateway.ws import MAX_PENDING
 from tests.processes import GatewayProcess
 
-from .harness import start_gateway, start_sim_gateway, until
+from .harness import start_gateway, start_gateway_losing_its_backend, start_sim_gateway, until
 from .outside import fake_in_thread
 from .sse_client import frames
 
@@ -332,11 +332,7 @@ async def first_token_timeout() -> None:
 
 
 async def backend_unavailable() -> None:
-    # The route table patched here is the Python path's: the app alone, every completion its.
-    async with start_gateway(check_idle=False, native=False) as h:
-        dead = "http://127.0.0.1:9"  # the discard port: connection refused
-        assert h.gateway.ctx is not None
-        h.gateway.ctx.routes["b0"] = type(h.gateway.ctx.routes["b0"])(dead, False)
+    async with start_gateway_losing_its_backend() as h:
         check_http(await h.client.post(CHAT, json=chat(max_tokens=1)), "backend_unavailable")
 
 

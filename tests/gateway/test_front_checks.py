@@ -26,10 +26,10 @@ from llmflow._core import FrontChecks, FrontPrepared
 from llmflow.config import Limits
 from llmflow.gateway.auth import Identity
 from llmflow.gateway.errors import GatewayError
-from llmflow.gateway.responses import prepare_response
 from llmflow.gateway.serving import CompletionService
 from llmflow.gateway.session import _FINGERPRINT_KEY, BackendRoute, Prepared, upstream_body
 
+from .reference.responses import prepare_response
 from .test_front_replies import SERVER, _reply_bytes
 
 IDENTITY = Identity("acme", "vip")

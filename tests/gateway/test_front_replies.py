@@ -31,8 +31,10 @@ from llmflow._core import (
 from llmflow.gateway import streaming
 from llmflow.gateway.contract import REFUSALS
 from llmflow.gateway.session import _MESSAGES, in_band_error, reply_error
-from llmflow.gateway.streaming import NOTICES, ClientOptions, encode_event, tail_chunk
+from llmflow.gateway.streaming import NOTICES, ClientOptions, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
+
+from .reference.frames import encode_event
 
 if TYPE_CHECKING:
     from llmflow.gateway.errors import GatewayError

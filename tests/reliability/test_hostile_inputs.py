@@ -296,7 +296,7 @@ async def test_garbage_in_the_shared_redis_hashes_and_scrape_record_is_contained
         await r.aclose()
 
 
-# -- 4. an SSE event without end is bounded, on the relay and on the Python path -------------
+# -- 4. an SSE event without end is bounded --------------------------------------------------
 
 EVENT_LIMIT = 1 << 20  # server.max_event_bytes in these cases
 HUGE_EVENT = 48 << 20  # what the backend sends without ever ending the event
@@ -329,19 +329,15 @@ async def _endless_event(_body: dict[str, Any]) -> AsyncIterator[bytes]:
         yield piece
 
 
-@pytest.mark.parametrize(
-    ("relay", "stream"),
-    [(True, True), (False, True), (True, False)],
-    ids=["relay", "python", "unstreamed"],
-)
-async def test_an_sse_event_that_never_ends_is_bounded(relay: bool, stream: bool) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unstreamed"])
+async def test_an_sse_event_that_never_ends_is_bounded(stream: bool) -> None:
     """A backend sends 48 MiB of one event with no end. On main it was all buffered and
     rescanned from its start on every read (the relay's thread stalled; RSS grew by the
     event). Now the stream fails with a 502 once the event passes server.max_event_bytes
     (1 MiB here): this process's peak RSS (gateway, backend and client together, from /proc)
     grows by a few MiB, and the next request is served."""
     server = {"max_event_bytes": EVENT_LIMIT}
-    async with start_gateway(configure=install, server=server, native=relay) as h:
+    async with start_gateway(configure=install, server=server) as h:
         backend = h.fake.app
         backend.script = _endless_event
         gc.collect()
@@ -378,7 +374,7 @@ async def test_a_crlf_split_between_reads_never_merges_two_events() -> None:
             await asyncio.sleep(0.02)
         yield b"data: [DONE]\r\n\r\n"
 
-    async with start_gateway(configure=install, native=False) as h:  # the app's decoder
+    async with start_gateway(configure=install) as h:
         h.fake.app.script = split
         r = await h.client.post(CHAT, json=chat(stream=False, max_tokens=5))
         assert r.status_code == 200, r.text
@@ -458,14 +454,8 @@ WRONG_SHAPES = (
 
 
 @pytest.mark.parametrize("bad", WRONG_SHAPES, ids=["choices-int", "delta-str", "usage-str", "list"])
-@pytest.mark.parametrize(
-    ("relay", "stream"),
-    [(True, True), (False, True), (True, False)],
-    ids=["relay", "python", "unstreamed"],
-)
-async def test_a_chunk_of_the_wrong_shape_fails_the_reply(
-    relay: bool, stream: bool, bad: bytes
-) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unstreamed"])
+async def test_a_chunk_of_the_wrong_shape_fails_the_reply(stream: bool, bad: bytes) -> None:
     """On main such a chunk raised outside the caught errors (Python path: the client got a
     clean [DONE], or a 200 with part of the text) or was skipped (the relay). Now the reply
     fails visibly: an in-band error once streaming, a 502 before."""
@@ -476,7 +466,7 @@ async def test_a_chunk_of_the_wrong_shape_fails_the_reply(
         yield chunk_event("three ")
         yield b"data: [DONE]\n\n"
 
-    async with start_gateway(configure=install, native=relay) as h:
+    async with start_gateway(configure=install) as h:
         h.fake.app.script = reply
         r = await h.client.post(CHAT, json=chat(stream=stream, max_tokens=5))
         if stream:
@@ -492,12 +482,7 @@ async def test_a_chunk_of_the_wrong_shape_fails_the_reply(
 # -- 11. a client that never reads gives its fd back ------------------------------------------
 
 
-# Behind the front door, a reply the app serves (a same-origin page's request, which the front
-# passes on for the app's guard to judge) reaches the client through the front's
-# pass-through: blocked writing to a client that reads nothing, it still checks whether the
-# app hung up on the reply (`rust/src/front/from_app.rs`), and drops the client then.
-@pytest.mark.parametrize("relay", [True, False], ids=["relay", "python"])
-async def test_a_client_that_never_reads_gives_back_its_fd_and_buffer(relay: bool) -> None:
+async def test_a_client_that_never_reads_gives_back_its_fd_and_buffer() -> None:
     """Three clients ask for 48 MB streams and never read a byte, nor close. The stall
     timer cuts them; on main the Python path's socket then waited for a flush that never
     came, holding its fd (and the buffered reply) as long as the client stayed. Now the
@@ -509,12 +494,11 @@ async def test_a_client_that_never_reads_gives_back_its_fd_and_buffer(relay: boo
         baseline = fds_of_self()
         socks = []
         body = chat(max_tokens=3000, fake={"chunk_bytes": 16384})
-        page = "" if relay else "origin: http://127.0.0.1\r\n"  # passed on to the app
         for _ in range(3):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(tuple_of(h.url))
-            sock.sendall(post_bytes(CHAT, body, page))
+            sock.sendall(post_bytes(CHAT, body))
             socks.append(sock)
         try:
             await until(lambda: h.fake.aborted == 3, timeout_s=10)  # cut for the stall
@@ -536,12 +520,11 @@ def tuple_of(url: str) -> tuple[str, int]:
 async def raw_gateway(**sections: Any) -> AsyncIterator[tuple[Any, RawBackend]]:
     backend = RawBackend()
     url = await backend.start()
-    front = sections.pop("native", False)  # the app's reader unless asked
     settings = settings_for({"raw": url}, **sections)
     app = create_app(settings)
     try:
         async with (
-            serve_gateway(app, front=front) as gw_url,
+            serve_gateway(app) as gw_url,
             httpx.AsyncClient(base_url=gw_url, timeout=10) as client,
         ):
             yield client, backend
@@ -649,7 +632,7 @@ async def test_a_relayed_reply_framed_wrong_does_not_take_the_backend_down() -> 
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
         b"\r\n%x\r\n%s\r\nzz\r\n" % (len(bad), bad)
     )
-    async with raw_gateway(native=True) as (client, backend):
+    async with raw_gateway() as (client, backend):
         backend.mode = reply
         r = await client.post(CHAT, json=chat(max_tokens=2))
         assert r.status_code == 200

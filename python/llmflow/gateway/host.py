@@ -4,7 +4,8 @@
 stall timer, backend health, Retry-After, the drain) and reads no clock. This module gives it
 the time (`time.monotonic_ns() // 1000`), keeps the one loop timer it asks for with `Arm`, and
 hands every other action to the session it names. It holds no policy of its own; the bytes and
-HTTP live in `session.py`, `sse.py` and `upstream.py`.
+HTTP of a WebSocket's sessions live in `session.py`, `ws.py` and `upstream.py` (the native front
+hosts the same runtime for HTTP, `rust/src/front/owner.rs`).
 """
 
 from __future__ import annotations

@@ -176,8 +176,51 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+# The governed generation routes, which the native front door serves (the app has no route
+# for them): path -> (tag, summary, description, request model), as the app's own were.
+_FRONT_ROUTES: dict[str, tuple[str, str, str, type[BaseModel]]] = {
+    "/v1/chat/completions": (
+        "openai",
+        "Chat Completions",
+        "Create a chat completion (streamed as SSE when `stream` is true).",
+        ChatCompletionRequest,
+    ),
+    "/v1/completions": (
+        "openai",
+        "Completions",
+        "Create a text completion (streamed as SSE when `stream` is true).",
+        CompletionRequest,
+    ),
+    "/v1/responses": (
+        "vllm",
+        "Responses",
+        "Create a model response (streamed as SSE events when `stream` is true).",
+        ResponsesRequest,
+    ),
+}
+
+
+def _front_operation(path: str) -> dict[str, Any]:
+    tag, summary, description, model = _FRONT_ROUTES[path]
+    name = path.strip("/").replace("/", "_")
+    return {
+        "tags": [tag],
+        "summary": summary,
+        "description": description,
+        "operationId": f"{name.removeprefix('v1_')}_{name}_post",
+        **request_body(model),
+        "responses": {
+            "200": {
+                "description": "Successful Response",
+                "content": {"application/json": {"schema": {}}},
+            }
+        },
+    }
+
+
 def install_schemas(app: FastAPI) -> None:
-    """Publish the request models in the app's OpenAPI schema, where `request_body` points."""
+    """Publish the request models in the app's OpenAPI schema, and the routes the native front
+    door serves, so `/docs` shows every route a client may call."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -192,6 +235,9 @@ def install_schemas(app: FastAPI) -> None:
                 ref_template="#/components/schemas/{model}",
             )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            paths = schema.setdefault("paths", {})
+            for path in _FRONT_ROUTES:
+                paths.setdefault(path, {})["post"] = _front_operation(path)
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -1,15 +1,15 @@
-"""The completion service: validate, submit to the core, wait, and hand back a reply or a stream.
+"""The completion service of the WebSocket route: validate, submit to the core, hand back a
+session.
 
-No FastAPI here. Routes pass raw bytes and the ASGI `receive` channel; the service answers with
-a JSON body, a live `StreamSession` for SSE, or a `GatewayError`. Everything that can refuse a
-request without a backend (JSON, types, model, context length, the core's decision) runs before
-any backend is touched, and a client that disconnects at any stage cancels the wait and frees
-its ticket.
+No FastAPI here. The route passes raw bytes; the service answers with a `StreamSession` the
+runtime admitted (or queued), or a `GatewayError`. Everything that can refuse a request without
+a backend (JSON, types, model, context length, the core's decision) runs before any backend is
+touched. HTTP requests to these routes are the native front door's (`rust/src/front/`), whose
+checks are the twin of `prepare` (`tests/gateway/test_front_checks.py` holds them together).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -200,46 +200,6 @@ class CompletionService:
             self.ctx.metrics.rejected(prepared, exc)
             raise
         return session
-
-    async def serve(
-        self,
-        prepared: Prepared,
-        receive: Receive,
-        admitted: StreamSession | None = None,
-    ) -> StreamSession:
-        """Run a prepared request as the runtime directs.
-
-        `admitted`: its session, when the route already admitted it (`/v1/responses`).
-
-        Returns:
-            The session: done, with its `response()` (non-streaming), or past its first token,
-            its window for the caller to stream (SSE).
-
-        Raises:
-            GatewayError: the runtime's `Reply`: 429/503 with `Retry-After`, 503 when the queue
-                wait expired, 502/504 from the backend, 504 on first-token timeout (when so
-                configured); `ClientGone` when the client disconnected first.
-        """
-        session = admitted if admitted is not None else self.admit(prepared)
-        departure = Departure()
-        watcher = asyncio.create_task(_watch_disconnect(receive, departure))
-        handed_over = False
-        try:
-            await departure.run(session.start())
-            if session.error is not None:
-                raise session.error
-            if prepared.options.stream:
-                handed_over = True
-                return session
-            await departure.run(session.done.wait())
-            if session.error is not None:
-                raise session.error
-            return session
-        finally:
-            watcher.cancel()
-            await asyncio.wait([watcher])
-            if not handed_over:
-                await session.close()
 
 
 class Departure:

@@ -1,8 +1,8 @@
 """One governed request: the upstream reader, and the runtime's actions carried out on it.
 
 A session announces itself to the runtime (`Host.arrive`) and then does what the runtime says:
-`on_start` opens the upstream stream and reads it in a task of its own into a sink (the bounded
-`ChunkWindow` for streaming clients, an `Accumulator` for the rest); `on_reply` answers with a
+`on_start` opens the upstream stream and reads it in a task of its own into the client's bounded
+`ChunkWindow` (a WebSocket's: HTTP requests are the native front's); `on_reply` answers with a
 status; `on_cut` stops the read and ends the reply with the visible notice; `on_abort` closes
 upstream (vLLM aborts and frees the KV at once); `on_end` marks it over. What happens on the
 wire goes back as events: started, tokens, done, failed, window full or drained, client gone.
@@ -23,17 +23,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from llmflow.gateway.backpressure import ChunkWindow
-from llmflow.gateway.contract import REASON_HEADER, REFUSALS
 from llmflow.gateway.disagg import decode_body, prefill_hop
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.signals import NO_SIGNALS, ClientSignals
-from llmflow.gateway.streaming import (
-    Accumulator,
-    ChunkParser,
-    MalformedChunk,
-    parse_item,
-    tail_chunk,
-)
+from llmflow.gateway.streaming import ChunkParser, MalformedChunk, tail_chunk
 from llmflow.gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -196,7 +189,6 @@ class StreamSession:
         options = prepared.options
         self.parser = ChunkParser(options)
         self.window = ChunkWindow(ctx.client_window, ctx.pause_when_full)
-        self.accumulator = Accumulator(options)
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ready = asyncio.Event()  # first token arrived, or the read ended
         self.done = asyncio.Event()  # the read ended and the request is over
@@ -228,16 +220,6 @@ class StreamSession:
     def id_header(self) -> dict[str, str]:
         """`X-Request-Id` for the reply: the id upstream and the trace know it by."""
         return request_id_header(self.request_id)
-
-    @property
-    def reply_headers(self) -> dict[str, str]:
-        """A whole (non-streamed) reply's headers: its id, and `x-llmflow-reason` when the
-        gateway cut it (the partial text ends with the notice; its status is still 200)."""
-        headers = self.id_header
-        rule = REFUSALS.get(self.end)
-        if rule is not None and rule.cut:
-            headers[REASON_HEADER] = self.end
-        return headers
 
     def traceparent(self) -> str | None:
         """W3C `traceparent` for the upstream request (it opens the upstream span), if tracing."""
@@ -354,10 +336,7 @@ class StreamSession:
         if open_choices:
             tail = tail_chunk(options, self.parser.template, open_choices, reason, self.request_id)
             self.ctx.metrics.truncated(reason)
-            if self.streaming:
-                self.window.put_final(tail)
-            else:
-                self.accumulator.add(tail)
+            self.window.put_final(tail)
         self.ready.set()
 
     def on_end(self, outcome: str) -> None:
@@ -515,16 +494,10 @@ class StreamSession:
             conn.shut_down_now()
 
     def _emit_final(self, chunk: Json) -> None:
-        if self.streaming:
-            self.window.put_final(chunk)
-        else:
-            self.accumulator.add(chunk)
+        self.window.put_final(chunk)
 
     async def _emit(self, chunk: Item) -> None:
-        if self.streaming:
-            await self.window.put(chunk)
-        else:
-            self.accumulator.add(parse_item(chunk))
+        await self.window.put(chunk)
 
     def window_full(self) -> None:
         """The client's window of unacknowledged chunks is full (the stall timer runs)."""
@@ -542,12 +515,6 @@ class StreamSession:
                 self.ctx.metrics.upstream_aborted(self.end)
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
-
-    def response(self) -> Json:
-        """The non-streaming reply, once `done` (partial text and notice when cut)."""
-        if self.answer is not None:
-            return self.answer
-        return self.accumulator.response(self.parser.usage)
 
 
 def error_event(chunk: Json) -> UpstreamError:

@@ -1,43 +1,24 @@
-"""The OpenAI-compatible routes: completions, chat completions, models."""
+"""The OpenAI-compatible routes the app serves: the model list.
+
+The generation routes (`/v1/chat/completions`, `/v1/completions`) are the native front door's
+(`rust/src/front/`), which serves every HTTP request to them; the app's OpenAPI document still
+describes them (`protocol.install_schemas`).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
 
 from llmflow.gateway.auth import Identity  # noqa: TC001 - FastAPI resolves it at runtime
-from llmflow.gateway.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    request_body,
-)
-from llmflow.gateway.routes.deps import gateway, identity, service
-from llmflow.gateway.signals import read_signals
-from llmflow.gateway.sse import SessionStream
-
-if TYPE_CHECKING:
-    from llmflow.gateway.types import Endpoint
+from llmflow.gateway.protocol import ModelCard, ModelList
+from llmflow.gateway.routes.deps import gateway, identity
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-
-@router.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
-async def chat_completions(request: Request) -> Response:
-    """Create a chat completion (streamed as SSE when `stream` is true)."""
-    return await _complete("chat", request)
-
-
-@router.post("/completions", openapi_extra=request_body(CompletionRequest))
-async def completions(request: Request) -> Response:
-    """Create a text completion (streamed as SSE when `stream` is true)."""
-    return await _complete("completions", request)
 
 
 @router.get("/models")
@@ -51,14 +32,3 @@ async def models(request: Request, _who: Annotated[Identity, Depends(identity)])
             for name, length in sorted(gw.models.items())
         ]
     )
-
-
-async def _complete(endpoint: Endpoint, request: Request) -> Response:
-    svc, settings = service(request), gateway(request).settings
-    prepared = svc.prepare(endpoint, identity(request), await request.body())
-    prepared.traceparent = request.headers.get("traceparent")  # continued by its span
-    prepared.signals = read_signals(request.headers.raw)
-    session = await svc.serve(prepared, request.receive)
-    if not prepared.options.stream:
-        return JSONResponse(session.response(), headers=session.reply_headers)
-    return SessionStream(session, settings.streaming.sse_flush_interval / 1e3)

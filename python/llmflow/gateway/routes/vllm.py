@@ -1,23 +1,19 @@
-"""vLLM's routes beyond completions: the Responses API (governed) and the light routes.
+"""vLLM's routes beyond completions that the app serves: the light routes.
 
-`/v1/responses` generates tokens, so the runtime governs it as it does a completion (the
-native front serves it, as it serves a completion; this route serves what it passes on). The
-light routes (embeddings, rerank, score, tokenize, detokenize, audio) pass through under the
-core's light lane (`light.py`). Every route authenticates the API key first. The policy of
+`/v1/responses` generates tokens, so the runtime governs it as it does a completion, and the
+native front door serves it (`rust/src/front/responses.rs`). The light routes (embeddings,
+rerank, score, tokenize, detokenize, audio) pass through under the core's light lane
+(`light.py`). Every route authenticates the API key first. The policy of
 each route is tabled in `docs/gateway.md`.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
 
 from llmflow.gateway.errors import GatewayError
 from llmflow.gateway.light import LightReply  # noqa: TC001 - FastAPI reads the return type
-from llmflow.gateway.protocol import ResponsesRequest, request_body
-from llmflow.gateway.responses import ResponsesSession, ResponsesStream, prepare_response
-from llmflow.gateway.routes.deps import gateway, identity, service
-from llmflow.gateway.signals import read_signals
+from llmflow.gateway.routes.deps import gateway, identity
 
 __all__ = ["LIGHT_PATHS", "router"]
 
@@ -36,34 +32,6 @@ LIGHT_PATHS = (
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
 )
-
-
-@router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
-async def responses(request: Request) -> Response:
-    """Create a model response (streamed as SSE events when `stream` is true)."""
-    gw, svc = gateway(request), service(request)
-    who = identity(request)
-    s = gw.settings
-    prepared = prepare_response(
-        who,
-        await request.body(),
-        gw.models,
-        s.server.bytes_per_token,
-        s.limits.max_tokens,
-        s.streaming.enabled,
-        aliases=dict(s.models),
-    )
-    prepared.signals = read_signals(request.headers.raw)
-    session = ResponsesSession(svc.ctx, prepared)
-    try:
-        session.arrive()
-    except GatewayError as exc:
-        svc.ctx.metrics.rejected(prepared, exc)
-        raise
-    await svc.serve(prepared, request.receive, admitted=session)
-    if not prepared.options.stream:
-        return JSONResponse(session.response(), headers=session.reply_headers)
-    return ResponsesStream(session, 0.0)
 
 
 async def _light(request: Request) -> LightReply:
