@@ -17,7 +17,7 @@ from llmflow.gateway.streaming import notice_for
 from tests.processes import free_port
 
 from .fake_vllm import FakeVllm
-from .harness import serve_asgi, start_gateway, until
+from .harness import serve_asgi, serve_gateway, start_gateway, until
 from .sse_client import frames, text_of
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ async def test_llmflow_serve_runs_and_drains_on_sigterm(tmp_path: Path) -> None:
 
 async def test_a_backend_without_url_runs_the_built_in_simulator() -> None:
     app = create_app(load_settings(data={"streaming": {"sse_flush_interval": 0}}))
-    async with serve_asgi(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=30) as c:
+    async with serve_gateway(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
         r = await c.post(
             CHAT,

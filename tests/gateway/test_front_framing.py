@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from .both_paths import PYTHON_PATH
+from .both_paths import PYTHON_PATH, paths
 from .goldens import with_reference
 from .test_front_refusals import Served, served
 
@@ -129,8 +129,6 @@ CASES: dict[str, tuple[list[bytes], bool]] = {
         [_head(COMPLETIONS + "?x=1", CHUNKED, "expect: 100-continue"), SPLIT],
         False,
     ),
-    # still the app's: an upgrade
-    "upgrade_h2c": ([_sized(COMPLETIONS, BODY, "connection: upgrade", "upgrade: h2c")], True),
 }
 
 
@@ -228,10 +226,24 @@ def test_a_chunked_request_gets_the_reply_its_sized_twin_gets(pair: tuple[Served
     assert fast.counted.requests == seen + 1  # the health check alone reached the app
 
 
+def test_an_h2c_upgrade_is_ignored_and_the_request_served(pair: tuple[Served, Served]) -> None:
+    """An HTTP/1.1 server may ignore `Upgrade`: a POST asking for h2c gets the reply its
+    plain twin gets, served natively (the app's uvicorn dropped its body: a 400)."""
+    fast, _ = pair
+    plain = _exchange(fast.url, [_sized(COMPLETIONS, BODY)])
+    seen = fast.counted.requests
+    upgrade = _exchange(
+        fast.url, [_sized(COMPLETIONS, BODY, "connection: upgrade", "upgrade: h2c")]
+    )
+    assert plain.startswith(b"HTTP/1.1 200 OK\r\n"), plain
+    assert _comparable(upgrade) == _comparable(plain)
+    assert fast.counted.requests == seen + 1  # the health check alone reached the app
+
+
 def test_the_100_comes_before_the_body_and_not_before_an_early_answer(
     pair: tuple[Served, Served],
 ) -> None:
-    for gw in pair:
+    for gw in pair[: len(paths())]:  # and the app alone, while it served these routes
         expect = _head(COMPLETIONS, f"content-length: {len(BODY)}", "expect: 100-continue")
         with _connect(gw.url) as sock:
             sock.sendall(expect)

@@ -8,8 +8,7 @@
 //! A request on a governed path is the front's whatever its framing or method (`take`): it
 //! answers as the app does what the app answers before reading a body, reads the body as
 //! uvicorn does (a declared length, chunks, after a `100 Continue` when asked), and hands it
-//! to the native server; the app gets only what the native server's `screen` leaves to its
-//! guards, what the native server declines, and an upgrade.
+//! to the native server; of these paths the app gets only a WebSocket handshake.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -150,10 +149,14 @@ async fn refuse_for_fds(mut conn: Conn, limits: &Limits) {
     }
 }
 
-/// A request on a governed route that the front takes: any method but an upgrade (a
-/// WebSocket handshake or `h2c` on these routes is the app's to answer, as before).
+/// A request on a governed route that the front takes: any method but a WebSocket handshake
+/// (the app's to answer, as it answers one on any route). Another upgrade (`h2c`) is ignored,
+/// as an HTTP/1.1 server may: the request is served as if it asked none.
 fn governed(request: &Request) -> bool {
-    NATIVE_PATHS.contains(&request.path()) && request.header("upgrade").is_none()
+    let websocket = request
+        .header("upgrade")
+        .is_some_and(|value| http::tokens(value).any(|t| t.eq_ignore_ascii_case(b"websocket")));
+    NATIVE_PATHS.contains(&request.path()) && !websocket
 }
 
 /// What became of a governed request.
@@ -343,9 +346,10 @@ mod tests {
         }
     }
 
-    // Every method on a governed path is the front's, but an upgrade; other paths are not.
+    // Every method on a governed path is the front's, but a WebSocket handshake; other paths
+    // are not.
     #[test]
-    fn governed_paths_but_upgrades() {
+    fn governed_paths_but_websocket_handshakes() {
         let on = |m: &str, t: &str, h: &[(&str, &str)]| governed(&request(m, t, h));
         assert!(on("POST", "/v1/chat/completions", &[]));
         assert!(on("POST", "/v1/completions?x=1", &[]));
@@ -353,8 +357,13 @@ mod tests {
         assert!(on("POST", "/v1/completions", &[("expect", "100-continue")]));
         assert!(!on("POST", "/v1/embeddings", &[]));
         assert!(!on("POST", "/v1/completions/", &[]));
-        assert!(!on("POST", "/v1/completions", &[("upgrade", "h2c")]));
+        assert!(on("POST", "/v1/completions", &[("upgrade", "h2c")]));
         assert!(!on("GET", "/v1/responses", &[("upgrade", "websocket")]));
+        assert!(!on(
+            "GET",
+            "/v1/responses",
+            &[("upgrade", "foo, WebSocket")]
+        ));
     }
 
     // `100 Continue` is asked by `Expect: 100-continue` alone (uvicorn ignores other values).

@@ -9,7 +9,7 @@
 //! read as pydantic-core reads it (`decode.rs`) and every field as pydantic judges it, so the
 //! checks are sure of every body the property tests draw (`tests/gateway/test_front_checks.py`
 //! fails on an unsure one); `NotServed::Unsure` is left for the two walks of a body
-//! (`request.rs` and `invalid.rs`) disagreeing, and the front then passes the request on.
+//! (`request.rs` and `invalid.rs`) disagreeing: a bug, which the front answers with a 500.
 
 use std::collections::{HashMap, HashSet};
 
@@ -24,7 +24,7 @@ pub enum NotServed {
     /// Python refuses it with this error (`GatewayError`), before the runtime hears of it.
     Refused(Box<ErrorReply>),
     /// The strict reading refused a field that pydantic's walk (`invalid.rs`) passes, or an
-    /// estimate overflowed: none is known; the app answers it.
+    /// estimate overflowed: none is known; the front answers it with a 500.
     Unsure,
 }
 
