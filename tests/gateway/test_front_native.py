@@ -11,19 +11,15 @@ everything at vLLM, keep-alive and pipelining, and the metrics and trace countin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import re
-import socket
 from typing import Any
 
-import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from llmflow._core import replay_trace
-from llmflow.gateway.app import create_app
 
 from .both_paths import (
     by_front,
@@ -39,15 +35,12 @@ from .both_paths import (
     unsized,
     without_date,
 )
-from .fake_vllm import FakeVllm
 from .goldens import with_reference
 from .harness import (
     NATIVE_IDS,
     assert_idle,
-    serve_asgi,
-    serve_gateway,
-    settings_for,
     start_gateway,
+    start_gateway_losing_its_backend,
     until,
 )
 from .test_relay import _comparable, _events
@@ -373,21 +366,13 @@ async def test_an_unreachable_backend_is_502_then_503_on_the_native_path() -> No
     """vLLM gone after the gateway started: the relay's connect is refused, the request gets
     502 backend_unavailable, the backend is marked down by that request, and the next one
     gets 503 no_healthy_backend with a Retry-After; nothing stays held."""
-    fake = FakeVllm()
-    async with contextlib.AsyncExitStack() as stack:
-        fake_url, server = await stack.enter_async_context(serve_asgi(fake.app))
-        app = create_app(settings_for({"b0": fake_url}))
-        url = await stack.enter_async_context(serve_gateway(app))
-        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
-        server.should_exit = True  # vLLM stops: its port refuses connections
-        port = int(fake_url.rsplit(":", 1)[1])
-        await until(lambda: _refused("127.0.0.1", port))
-        gateway = app.state.gateway
+    async with start_gateway_losing_its_backend() as h:
+        gateway = h.gateway
         for stream, status, code in (
             (True, 502, "backend_unavailable"),
             (False, 503, "no_healthy_backend"),
         ):
-            r = await client.post(CHAT, json={**_body(), "stream": stream})
+            r = await h.client.post(CHAT, json={**_body(), "stream": stream})
             assert by_front(dict(r.headers)), r.headers
             assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
             if status == 502:
@@ -397,15 +382,7 @@ async def test_an_unreachable_backend_is_502_then_503_on_the_native_path() -> No
         assert int(r.headers["retry-after"]) >= 1
         await until(lambda: gateway.runtime.live == 0)
         assert (gateway.runtime.running, gateway.runtime.queued) == (0, 0)
-        assert fake.seen == 0
-
-
-def _refused(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=1).close()
-    except ConnectionRefusedError:
-        return True
-    return False
+        assert h.fake.seen == 0
 
 
 async def test_every_token_a_client_reads_reaches_the_runtime_before_its_end() -> None:

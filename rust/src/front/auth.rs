@@ -81,7 +81,7 @@ impl KeyRing {
         if header.len() < BEARER.len() || !header[..BEARER.len()].eq_ignore_ascii_case(BEARER) {
             return Err("missing API key: send 'Authorization: Bearer KEY'".to_owned());
         }
-        let key = strip(&header[BEARER.len()..]);
+        let key = super::pytext::strip_latin1(&header[BEARER.len()..]);
         if key.len() > self.max_bytes {
             // Checked before hashing: a megabyte key costs nothing. A latin-1 character is
             // one byte: Python's `len` of the text is this length.
@@ -105,18 +105,6 @@ fn digest(key: &[u8]) -> [u8; 32] {
 fn equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
     let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
     std::hint::black_box(diff) == 0
-}
-
-/// `str.strip()` of latin-1 text: the characters `str.isspace` holds (`\t`..`\r`, the
-/// separators `\x1c`..`\x1f`, space, NEL `\x85`, NBSP `\xa0`).
-fn strip(text: &[u8]) -> &[u8] {
-    let space = |b: &u8| matches!(b, 0x09..=0x0d | 0x1c..=0x20 | 0x85 | 0xa0);
-    let start = text.iter().position(|b| !space(b)).unwrap_or(text.len());
-    let end = text
-        .iter()
-        .rposition(|b| !space(b))
-        .map_or(start, |i| i + 1);
-    &text[start..end]
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 
 use super::json::{self, Json, Style};
 use super::prepare::Endpoint;
-use super::pyrepr::repr_str;
+use super::pytext::repr_str;
 use super::request::MAX_INT;
 
 /// The fields of `ChatCompletionRequest` / `CompletionRequest`, in pydantic's order (a
@@ -401,7 +401,7 @@ mod tests {
         assert_eq!(first(Endpoint::Chat, text), None, "{text}");
     }
 
-    // Text shown as Python's `repr` shows it (`pyrepr.rs`).
+    // Text shown as Python's `repr` shows it (`pytext.rs`).
     #[test]
     fn non_ascii_input() {
         let body = r#"{"model":"é","stream":"é","messages":[]}"#;

@@ -53,11 +53,13 @@ pub fn middleware_answer(
             }
         } else if name == "content-encoding"
             && !matches!(
-                super::signals::strip(value).to_ascii_lowercase().as_slice(),
+                super::pytext::strip_bytes(value)
+                    .to_ascii_lowercase()
+                    .as_slice(),
                 b"" | b"identity"
             )
         {
-            let shown = super::pyrepr::repr_latin1(&value[..value.len().min(40)]);
+            let shown = super::pytext::repr_latin1(&value[..value.len().min(40)]);
             let message = format!("Content-Encoding {shown} is not supported: send plain JSON");
             let code = "unsupported_content_encoding";
             let phrase = "Unsupported Media Type";

@@ -26,7 +26,7 @@ pub mod pass;
 pub mod prepare;
 pub mod printable;
 pub mod prompt;
-pub mod pyrepr;
+pub mod pytext;
 pub mod record;
 pub mod reply;
 pub mod request;

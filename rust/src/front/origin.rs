@@ -15,7 +15,7 @@
 //! and the reasons' `repr`s. An Origin that `urlsplit` cannot split (an unbalanced or invalid
 //! bracketed host) is no same-origin page: refused (Python's `urlsplit` raised there, a 500).
 
-use super::pyrepr::repr_latin1;
+use super::pytext::{repr_latin1, strip_latin1};
 
 /// Why a keyless gateway must not answer a request with this Host and Origin (the first of
 /// each header, raw), or None; `allowed`: whether a lower-cased name is one of its own.
@@ -35,7 +35,7 @@ pub fn foreign_request(
         }
     }
     let origin_raw = origin?;
-    let same = netloc(strip(origin_raw))
+    let same = netloc(strip_latin1(origin_raw))
         .is_some_and(|n| !n.is_empty() && lower(&n) == lower(host.unwrap_or_default()));
     if same {
         return None;
@@ -61,17 +61,6 @@ fn lower(text: &[u8]) -> Vec<u8> {
             _ => b,
         })
         .collect()
-}
-
-/// `str.strip()` of latin-1 text: the characters `str.isspace` holds.
-fn strip(text: &[u8]) -> &[u8] {
-    let space = |b: &u8| matches!(b, 0x09..=0x0d | 0x1c..=0x20 | 0x85 | 0xa0);
-    let start = text.iter().position(|b| !space(b)).unwrap_or(text.len());
-    let end = text
-        .iter()
-        .rposition(|b| !space(b))
-        .map_or(start, |i| i + 1);
-    &text[start..end]
 }
 
 /// `_host_name`: `[::1]:8080` -> `::1`, `example.com:80` -> `example.com`; a port is what

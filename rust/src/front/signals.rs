@@ -8,6 +8,8 @@
 //! Python's 400 `invalid_deadline`, with its message: never a guess, so the front answers
 //! every request itself.
 
+use super::pytext::strip_bytes;
+
 /// What a request's client said of it (`None`: nothing, or nothing usable).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ClientSignals {
@@ -30,7 +32,7 @@ impl InvalidDeadline {
         let message = format!(
             "x-llmflow-deadline-ms must be a whole number of milliseconds from 1 to \
              {MAX_DEADLINE_MS} (how long the client waits for the answer), got {}",
-            super::pyrepr::repr_latin1(&self.shown)
+            super::pytext::repr_latin1(&self.shown)
         );
         super::reply::ErrorReply::checks(
             400,
@@ -81,17 +83,6 @@ fn most(a: Option<u32>, b: Option<u32>) -> Option<u32> {
     }
 }
 
-/// `bytes.strip()`: ASCII whitespace, `\x0b` included (which `trim_ascii` keeps).
-pub(super) fn strip(value: &[u8]) -> &[u8] {
-    let space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r' | b'\x0b' | b'\x0c');
-    let start = value.iter().position(|b| !space(b)).unwrap_or(value.len());
-    let end = value
-        .iter()
-        .rposition(|b| !space(b))
-        .map_or(start, |i| i + 1);
-    &value[start..end]
-}
-
 /// Digits only, at most `max_len` of them: the number, else `None`.
 fn digits(text: &[u8], max_len: usize) -> Option<u64> {
     if text.is_empty() || text.len() > max_len || !text.iter().all(u8::is_ascii_digit) {
@@ -101,7 +92,7 @@ fn digits(text: &[u8], max_len: usize) -> Option<u64> {
 }
 
 fn count(value: &[u8]) -> Option<u32> {
-    digits(strip(value), 7)
+    digits(strip_bytes(value), 7)
         .and_then(|n| u32::try_from(n).ok())
         .filter(|n| *n <= MAX_COUNT)
 }
@@ -109,7 +100,7 @@ fn count(value: &[u8]) -> Option<u32> {
 /// A timeout in seconds as milliseconds, None when Python ignores it: `float()` of the
 /// stripped ASCII text, finite and positive, rounded half to even, at most a day.
 fn seconds_ms(value: &[u8]) -> Option<u64> {
-    let text = strip(value);
+    let text = strip_bytes(value);
     if text.is_empty() || !text.is_ascii() {
         return None; // Python's `decode("ascii")` or `float("")` fails: ignored
     }
@@ -199,7 +190,7 @@ fn decimal(text: &[u8]) -> bool {
 
 /// Ours: a whole number of milliseconds in 1..=a day, else Python's 400.
 fn own_deadline(value: &[u8]) -> Result<u64, InvalidDeadline> {
-    let text = strip(value);
+    let text = strip_bytes(value);
     digits(text, 8)
         .filter(|ms| (1..=MAX_DEADLINE_MS).contains(ms))
         .ok_or_else(|| InvalidDeadline {

@@ -1,6 +1,7 @@
-//! Python's `repr` of text, as the app's error messages show a client's input: the 400s of
-//! `invalid.rs` (`serving._invalid`), the 415's encoding and the deadline's 400 (header bytes
-//! read as latin-1, as Starlette decodes them).
+//! Python's ways with a client's text, where the front must match the app's: `repr`, as the
+//! app's error messages show input (the 400s of `invalid.rs`, `serving._invalid`; the 415's
+//! encoding and the deadline's 400, header bytes read as latin-1, as Starlette decodes them),
+//! and `strip`, of bytes and of latin-1 text.
 
 use super::printable::is_printable;
 
@@ -46,6 +47,31 @@ pub fn repr_latin1(text: &[u8]) -> String {
     repr_str(&text.iter().map(|&b| char::from(b)).collect::<String>())
 }
 
+/// `bytes.strip()`: ASCII whitespace, `\x0b` included (which `trim_ascii` keeps).
+pub fn strip_bytes(value: &[u8]) -> &[u8] {
+    strip_where(value, |b| {
+        matches!(b, b' ' | b'\t' | b'\n' | b'\r' | b'\x0b' | b'\x0c')
+    })
+}
+
+/// `str.strip()` of latin-1 text: the characters `str.isspace` holds (`\t`..`\r`, the
+/// separators `\x1c`..`\x1f`, space, NEL `\x85`, NBSP `\xa0`).
+pub fn strip_latin1(text: &[u8]) -> &[u8] {
+    strip_where(
+        text,
+        |b| matches!(b, 0x09..=0x0d | 0x1c..=0x20 | 0x85 | 0xa0),
+    )
+}
+
+fn strip_where(text: &[u8], space: impl Fn(u8) -> bool) -> &[u8] {
+    let start = text.iter().position(|&b| !space(b)).unwrap_or(text.len());
+    let end = text
+        .iter()
+        .rposition(|&b| !space(b))
+        .map_or(start, |i| i + 1);
+    &text[start..end]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,6 +95,15 @@ mod tests {
             repr_latin1(b"gz\x85\xa0\xad\xe9\x01"),
             r"'gz\x85\xa0\xad\xe9\x01'".replace("\\xe9", "é")
         );
+    }
+
+    // `bytes.strip` and `str.strip` of latin-1: which bytes each takes for space.
+    #[test]
+    fn strips() {
+        assert_eq!(strip_bytes(b"\x0b 1 \x0c"), b"1");
+        assert_eq!(strip_bytes(b"\x1c1\xa0"), b"\x1c1\xa0");
+        assert_eq!(strip_latin1(b"\x1c\x85 k \xa0"), b"k");
+        assert_eq!(strip_latin1(b"  "), b"");
     }
 
     // Python's `repr` quotes and escapes.
