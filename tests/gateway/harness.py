@@ -36,6 +36,7 @@ __all__ = [
     "NATIVE_IDS",
     "Harness",
     "assert_idle",
+    "port_refuses",
     "serve_asgi",
     "serve_gateway",
     "served_by",
@@ -245,13 +246,14 @@ async def start_gateway_losing_its_backend() -> AsyncIterator[Harness]:
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         server.should_exit = True
         port = int(fake_url.rsplit(":", 1)[1])
-        await until(lambda: _refused("127.0.0.1", port))
+        await until(lambda: port_refuses("127.0.0.1", port))
         harness = Harness(url, app.state.gateway, client, {"b0": fake}, app)
         yield harness
         await assert_idle(harness)
 
 
-def _refused(host: str, port: int) -> bool:
+def port_refuses(host: str, port: int) -> bool:
+    """Whether a connection to `host:port` is refused (nothing listens there)."""
     try:
         socket.create_connection((host, port), timeout=1).close()
     except ConnectionRefusedError:

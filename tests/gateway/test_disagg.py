@@ -37,6 +37,7 @@ from .harness import (
     SIM_MODEL,
     Harness,
     assert_idle,
+    port_refuses,
     serve_asgi,
     serve_gateway,
     served_by,
@@ -44,7 +45,6 @@ from .harness import (
     until,
 )
 from .sse_client import frames
-from .test_front_native import _refused
 from .test_front_tls import _exchange
 
 if TYPE_CHECKING:
@@ -481,7 +481,7 @@ async def test_a_failed_prefill_hop_is_the_python_paths_failure_byte_for_byte() 
                 s.servers[name].should_exit = True
             for name in ("p0", "p1"):
                 port = int(s.urls[name].rsplit(":", 1)[1])
-                await until(lambda port=port: _refused("127.0.0.1", port))
+                await until(lambda port=port: port_refuses("127.0.0.1", port))
             served_natively, gone = await _exchange(s.harness.url, short)
             assert served_natively == native
             assert s.recorders["d0"].raw == []
