@@ -1,4 +1,6 @@
-//! `POST /v1/responses` on the native path: `gateway/responses.py` for the front.
+//! `POST /v1/responses`, served by the front alone (the deleted Python path's
+//! `gateway/responses.py` is the tests' goldens and, for its checks, a reference model:
+//! `tests/gateway/reference/responses.py`).
 //!
 //! A response generates tokens, so it takes the completions' path (`governed.rs`, the relay,
 //! `whole.rs`); only its shapes differ, and this module holds the front's side of them: the

@@ -1,12 +1,13 @@
-//! A non-streamed reply assembled from the upstream stream, as the Python path assembles it.
+//! A non-streamed reply assembled from the upstream stream, as the deleted Python path did.
 //!
 //! The gateway always streams upstream; a client that asked for one JSON object gets the
 //! stream's chunks folded into the shape vLLM gives an unstreamed request. This is the twin of
-//! `streaming.Accumulator` fed as `StreamSession` feeds it (every chunk that is not an error, the
-//! tail of a cut, `response(parser.usage)`); `ChunkParser.feed`'s shape checks are the relay's
-//! (`relay::chunk::ChunkShaper`, which sees every payload before this does), and its bytes are
-//! those of `JSONResponse`: Python's key order, `ensure_ascii=False`, compact separators.
-//! `property_tests/test_whole_reply.py` holds it against the Python accumulator on random
+//! that path's `Accumulator` (kept as the tests' reference model,
+//! `tests/gateway/reference/whole.py`) fed as its session fed it (every chunk that is not an
+//! error, the tail of a cut, `response(parser.usage)`); `ChunkParser.feed`'s shape checks are
+//! the relay's (`relay::chunk::ChunkShaper`, which sees every payload before this does), and
+//! its bytes are those of `JSONResponse`: Python's key order, `ensure_ascii=False`, compact
+//! separators. `property_tests/test_whole_reply.py` holds it against that reference on random
 //! streams.
 //!
 //! What the Python fold would hold in a way this tree cannot (an index that is not an integer,

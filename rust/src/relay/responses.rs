@@ -1,5 +1,5 @@
-//! vLLM's Responses event stream (`/v1/responses`), read as `gateway/responses.py`'s
-//! `ResponsesParser` reads it: a reply *kind* of the relay beside the completions' chunks.
+//! vLLM's Responses event stream (`/v1/responses`), read as the deleted Python path's
+//! `ResponsesParser` read it: a reply *kind* of the relay beside the completions' chunks.
 //!
 //! Each `data:` payload is one event (`{"type": "response.output_text.delta", ...}`). Tokens
 //! are counted one per `*.delta` event (text, reasoning, tool-call arguments: vLLM sends one
