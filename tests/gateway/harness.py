@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import uvicorn
@@ -29,13 +30,14 @@ from llmflow.sim import server as sim_server
 from .fake_vllm import FakeVllm
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
     from typing import TextIO
 
 __all__ = [
     "NATIVE_IDS",
     "Harness",
     "assert_idle",
+    "on_a_loop_of_their_own",
     "port_refuses",
     "serve_asgi",
     "serve_gateway",
@@ -47,6 +49,7 @@ __all__ = [
     "until",
 ]
 
+T = TypeVar("T")
 NATIVE_IDS = 1 << 40  # the native front numbers its requests from here (`front/owner.rs`)
 
 
@@ -259,6 +262,25 @@ def port_refuses(host: str, port: int) -> bool:
     except ConnectionRefusedError:
         return True
     return False
+
+
+@contextlib.contextmanager
+def on_a_loop_of_their_own(
+    up: Callable[[contextlib.AsyncExitStack[Any]], Awaitable[T]],
+) -> Iterator[T]:
+    """What `up` starts (entering it on the stack it is given), on an event loop of its own in
+    a thread, so synchronous tests (hypothesis, raw sockets) can use it; closed on exit."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    stack = contextlib.AsyncExitStack()
+    try:
+        yield asyncio.run_coroutine_threadsafe(up(stack), loop).result(60)
+    finally:
+        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 SIM_MODEL = "fake-model"  # the model name `settings_for` configures

@@ -15,21 +15,20 @@ declines, as a target with a query string).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import re
 import socket
 import struct
-import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from .both_paths import PYTHON_PATH, paths
 from .goldens import with_reference
+from .harness import on_a_loop_of_their_own
 from .test_front_refusals import Served, served
 
 if TYPE_CHECKING:
@@ -135,24 +134,14 @@ CASES: dict[str, tuple[list[bytes], bool]] = {
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[Served, Served]]:
     """The native gateway and the app alone, on an event loop of their own."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    stack = contextlib.AsyncExitStack()
-
-    async def up() -> tuple[Served, Served]:
+    async def up(stack: contextlib.AsyncExitStack[Any]) -> tuple[Served, Served]:
         server = {"max_body_bytes": LIMIT, "read_timeout_ms": 3000}
         fast = await stack.enter_async_context(served(native=True, server=server))
         slow = await stack.enter_async_context(served(native=False, server=server))
         return fast, slow
 
-    try:
-        yield asyncio.run_coroutine_threadsafe(up(), loop).result(60)
-    finally:
-        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with on_a_loop_of_their_own(up) as pair:
+        yield pair
 
 
 def _connect(url: str) -> socket.socket:

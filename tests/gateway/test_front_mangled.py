@@ -17,13 +17,10 @@ only for what needs no reference).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
 import socket
-import threading
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -31,10 +28,12 @@ from hypothesis import strategies as st
 from hypothesis.errors import NonInteractiveExampleWarning
 
 from .goldens import inputs, with_reference
+from .harness import on_a_loop_of_their_own
 from .test_front_checks import mangled, raws
 from .test_front_refusals import Served, served, served_by_python
 
 if TYPE_CHECKING:
+    import contextlib
     from collections.abc import Iterator
 
 _DATE = re.compile(rb"\r\ndate: [^\r]*")
@@ -47,12 +46,7 @@ CORPUS = 120  # requests an endpoint's corpus keeps (drawn once, when its golden
 def pair() -> Iterator[tuple[Served, Served | None]]:
     """The two gateways, each holding its slot, on an event loop of their own (the app's
     while the Python path is there, else None)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    stack = contextlib.AsyncExitStack()
-
-    async def up() -> tuple[Served, Served | None]:
+    async def up(stack: contextlib.AsyncExitStack[Any]) -> tuple[Served, Served | None]:
         fast = await stack.enter_async_context(served(native=True))
         slow = await stack.enter_async_context(served_by_python())
         for gw in (fast, slow):
@@ -60,13 +54,8 @@ def pair() -> Iterator[tuple[Served, Served | None]]:
                 await gw.hold_the_slot()
         return fast, slow
 
-    try:
-        yield asyncio.run_coroutine_threadsafe(up(), loop).result(60)
-    finally:
-        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with on_a_loop_of_their_own(up) as pair:
+        yield pair
 
 
 def _exchange(url: str, request: bytes) -> bytes:
