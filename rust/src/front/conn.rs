@@ -43,6 +43,8 @@ pub struct Setup {
     /// Requests passed to the app whose reply is not yet all written to its client: a
     /// shutdown waits for them before it drops the connections (`Front::passing`).
     pub passing: AtomicUsize,
+    /// Turns at reading a request, for the connections not known to be a protected tier's.
+    pub intake: Arc<super::intake::Intake>,
 }
 
 /// Counts a passed request in `Setup::passing` while it lives.
@@ -83,6 +85,13 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
             // guard.py's bound: those queued are answered, the rest never read.
             return http::linger(conn).await;
         }
+        if !conn.express {
+            // Bytes first (an idle connection holds no turn), then the turn, then the read.
+            if conn.buffered.is_empty() && !arrives_within(&mut conn, idle).await {
+                return;
+            }
+            setup.intake.turn().await;
+        }
         let head = match http::read_head(&mut conn, limits, idle).await {
             Ok(head) => head,
             Err(Ending::Closed) => return,
@@ -114,6 +123,28 @@ pub async fn serve(setup: Arc<Setup>, mut conn: Conn) {
             After::KeepAlive => {}
             After::Close => return http::linger(conn).await,
             After::Drop => return,
+        }
+    }
+}
+
+/// Wait until the client has sent something (read into `conn.buffered`), closed, or sent
+/// nothing for `idle` (false: the connection is closed, as `read_head` closes it). The bytes
+/// are read, not only awaited: tokio may call a fresh socket readable with nothing to read,
+/// and a turn taken then would be spent on a wait, not on a request.
+async fn arrives_within(conn: &mut Conn, idle: std::time::Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + idle;
+    loop {
+        if !matches!(
+            tokio::time::timeout_at(deadline, conn.stream.readable()).await,
+            Ok(Ok(()))
+        ) {
+            return false;
+        }
+        match conn.stream.try_read_buf(&mut conn.buffered) {
+            // Bytes, or the client's end (the read that follows sees it too).
+            Ok(_) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return false,
         }
     }
 }

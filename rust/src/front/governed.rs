@@ -99,6 +99,8 @@ struct Accepted {
     signals: super::signals::ClientSignals,
     tenant: u32,
     pool: u32,
+    /// The runtime protects the tenant's tier: its connection skips the intake's turns.
+    protected: bool,
 }
 
 /// What the checks make of a request: serve it, answer it with the error Python's path
@@ -152,6 +154,9 @@ struct Life {
     finished: bool,
     /// Orders of `arrive`'s own answer not yet carried out (a `Reply` among them: refused).
     arrival_orders: usize,
+    /// The runtime protects the request's tier (the connection's next request skips the
+    /// intake's turns).
+    express: bool,
 }
 
 /// A split request's prefill hop in flight (`disagg.rs`), and the decode hop that follows it.
@@ -216,12 +221,11 @@ impl Governed {
         };
         let names = self.owner.read(|runtime| {
             let gov = runtime.governor();
-            Some((
-                gov.tenant_id(&identity.tenant).ok()?,
-                gov.pool_of(Some(&prepared.model)).ok()?,
-            ))
+            let tenant = gov.tenant_id(&identity.tenant).ok()?;
+            let pool = gov.pool_of(Some(&prepared.model)).ok()?;
+            Some((tenant, pool, gov.is_protected(tenant)))
         });
-        let Some((tenant, pool)) = names else {
+        let Some((tenant, pool, protected)) = names else {
             let why = format!(
                 "the runtime knows no tenant {:?} or no pool of model {:?}",
                 identity.tenant, prepared.model
@@ -234,6 +238,7 @@ impl Governed {
             signals,
             tenant,
             pool,
+            protected,
         })
     }
 
@@ -244,6 +249,7 @@ impl Governed {
             signals,
             tenant,
             pool,
+            protected,
         } = match self.accept(&request) {
             Checked::Accept(accepted) => accepted,
             Checked::Refuse(error) => return refuse(&error, request.keep_alive, conn).await,
@@ -330,6 +336,7 @@ impl Governed {
             prefill: None,
             finished: false,
             arrival_orders: 0,
+            express: protected,
         };
         let mut guard = Abandon {
             owner: &self.owner,
@@ -384,6 +391,7 @@ impl Governed {
             stream,
             peer: life.peer,
             buffered: life.buffered,
+            express: life.express,
         })
     }
 

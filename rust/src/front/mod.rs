@@ -17,6 +17,7 @@ pub mod disagg;
 pub mod from_app;
 pub mod governed;
 pub mod http;
+pub mod intake;
 pub mod invalid;
 pub mod json;
 pub mod middleware;
@@ -54,6 +55,9 @@ pub struct Conn {
     pub peer: SocketAddr,
     /// Bytes read past the current request: a pipelined next request.
     pub buffered: BytesMut,
+    /// The runtime took this connection's last request as a protected tier's: its next one
+    /// is read without waiting for a turn (`intake.rs`).
+    pub express: bool,
 }
 
 /// One request, its body read whole (a request offered to [`Native`]), or still on the wire
@@ -152,13 +156,15 @@ impl Front {
             let _entered = runtime.enter();
             tokio::net::TcpListener::from_std(listener)?
         };
+        let (closed, watching) = watch::channel(false);
+        let per_round = intake::TURNS_PER_WORKER * runtime.metrics().num_workers();
         let setup = Arc::new(conn::Setup {
             limits,
             app,
             native: RwLock::new(None),
             passing: AtomicUsize::new(0),
+            intake: intake::Intake::start(runtime, per_round, watching.clone()),
         });
-        let (closed, watching) = watch::channel(false);
         runtime.spawn(accept(listener, Arc::clone(&setup), watching));
         Ok(Self { setup, closed })
     }
@@ -234,6 +240,7 @@ async fn accept(
             stream,
             peer,
             buffered: BytesMut::with_capacity(8192),
+            express: false,
         };
         let (setup, mut closed) = (Arc::clone(&setup), closed.clone());
         tokio::spawn(async move {

@@ -273,6 +273,14 @@ impl Governor {
         &self.backends[backend as usize].name
     }
 
+    /// Whether the tenant's tier is protected (never shed; its requests go first wherever the
+    /// host orders work, as the front's intake does).
+    pub fn is_protected(&self, tenant: u32) -> bool {
+        let tier = self.tenant_tier.get(tenant as usize).copied();
+        tier.and_then(|t| self.config.tiers.get(t))
+            .is_some_and(|t| t.protected)
+    }
+
     pub fn tier_name(&self, tier: usize) -> &str {
         &self.config.tiers[tier].name
     }
