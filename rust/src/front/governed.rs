@@ -159,6 +159,16 @@ struct Life {
     express: bool,
 }
 
+/// An idle stream keeps no read buffer (the front's 8 KiB): a pipelined request's bytes, if
+/// any, are kept as they are.
+fn kept_for_an_idle_stream(buffered: bytes::BytesMut) -> bytes::BytesMut {
+    if buffered.is_empty() {
+        bytes::BytesMut::new()
+    } else {
+        buffered
+    }
+}
+
 /// A split request's prefill hop in flight (`disagg.rs`), and the decode hop that follows it.
 struct Prefill {
     /// The decode hop's `Start`: its backend, priority and brownout bound.
@@ -314,13 +324,7 @@ impl Governed {
             prepared,
             stream: Some(conn.stream),
             peer: conn.peer,
-            // An idle stream keeps no read buffer (the front's 8 KiB): a pipelined request's
-            // bytes, if any, are kept as they are.
-            buffered: if conn.buffered.is_empty() {
-                bytes::BytesMut::new()
-            } else {
-                conn.buffered
-            },
+            buffered: kept_for_an_idle_stream(conn.buffered),
             keep_alive,
             record,
             opened: false,

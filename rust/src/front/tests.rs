@@ -150,3 +150,91 @@ fn native_then_declined_then_passed_in_order() {
     front.close();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Serves every request with a 200, noting its body in the order served; a request whose body
+/// is `vip` marks its connection as a protected tier's (as `Governed` does from the runtime).
+struct Ordered(Mutex<Vec<String>>);
+
+impl Native for Ordered {
+    fn serve(
+        self: Arc<Self>,
+        request: Request,
+        mut conn: Conn,
+    ) -> Pin<Box<dyn Future<Output = Outcome> + Send>> {
+        Box::pin(async move {
+            let body = String::from_utf8_lossy(&request.body).into_owned();
+            conn.express = body == "vip";
+            self.0.lock().unwrap().push(body);
+            let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            conn.stream.write_all(reply).await.unwrap();
+            Outcome::Served(Some(conn))
+        })
+    }
+}
+
+// A protected tier's connection is read before the crowd that was ready ahead of it, not
+// behind all of it: 150 crowd requests, then the VIP's, then 50 more, all land while the
+// front's one worker is busy; without turns, the VIP's is served 151st.
+#[test]
+fn a_protected_connection_is_read_before_the_crowd_ahead_of_it() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let limits = Limits {
+        max_header_bytes: 8192,
+        max_body_bytes: 1024,
+        read_timeout: Duration::from_secs(10),
+        keep_alive_timeout: Duration::from_secs(10),
+        write_timeout: Duration::from_secs(10),
+    };
+    let app = std::env::temp_dir().join("llmflow-front-test-no-app.sock");
+    let front = Front::start(runtime.handle(), listener, app, limits).unwrap();
+    let served = Arc::new(Ordered(Mutex::default()));
+    front.set_native(Arc::clone(&served) as Arc<dyn Native>);
+    let connect = || {
+        let stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream
+    };
+    let answered = |stream: &mut std::net::TcpStream| {
+        let mut reply = [0u8; 40];
+        stream.read_exact(&mut reply).unwrap();
+        assert!(reply.ends_with(b"ok"));
+    };
+    let mut vip = connect();
+    vip.write_all(post("vip", false).as_bytes()).unwrap();
+    answered(&mut vip);
+    let mut crowd: Vec<_> = (0..200).map(|_| connect()).collect();
+    std::thread::sleep(Duration::from_millis(300)); // every connection accepted, and idle
+    served.0.lock().unwrap().clear();
+
+    let busy = runtime.spawn(async { std::thread::sleep(Duration::from_millis(300)) });
+    std::thread::sleep(Duration::from_millis(50)); // the worker is in it
+    for (i, stream) in crowd.iter_mut().enumerate() {
+        if i == 150 {
+            vip.write_all(post("vip", false).as_bytes()).unwrap();
+        }
+        stream.write_all(post("crowd", false).as_bytes()).unwrap();
+    }
+    runtime.block_on(busy).unwrap();
+    answered(&mut vip);
+    for stream in &mut crowd {
+        answered(stream);
+    }
+    let order = served.0.lock().unwrap().clone();
+    assert_eq!(order.len(), 201);
+    let at = order.iter().position(|body| body == "vip").unwrap();
+    // The first round (one worker: 16 turns) is read before the VIP task comes up; the second
+    // only after it.
+    assert!(
+        at <= intake::TURNS_PER_WORKER,
+        "the VIP's request was served after {at} of the crowd's"
+    );
+    front.close();
+}
