@@ -25,8 +25,11 @@ while llmflow runs, a second VIP client sends the same request straight to the s
 (which shares the client's CPU with the flood): what the backend itself takes then, so the
 difference is what the gateway adds.
 
-Usage: `python -m benchmarks.flood_floor [--repeats 2] [--json OUT]` (needs `nginx` on PATH:
-`apt-get install nginx-light`; the fd limit raised to 12,000 or more).
+With `--baseline DIR` (another checkout's `python/`, its extension built), that build runs
+too, as `llmflow-base`, interleaved with this one in each repeat: a change's A/B.
+
+Usage: `python -m benchmarks.flood_floor [--repeats 2] [--baseline DIR] [--json OUT]` (needs
+`nginx` on PATH: `apt-get install nginx-light`; the fd limit raised to 12,000 or more).
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def _vip_table(runs: list[dict[str, Any]]) -> None:
             f"{b['p50_ms']} / {b['p99_ms']} | {a['requests']}, {a['p50_ms']} / {a['p99_ms']} / "
             f"{a['max_ms']} | {p['requests']}, {p['p50_ms']} / {p['p99_ms']} / {p['max_ms']} |"
         )
-    for server, probe in itertools.product(("llmflow", "nginx"), ("vip", "vip_direct")):
+    for server, probe in itertools.product(_SERVERS, ("vip", "vip_direct")):
         for phase in ("all_at_once", "paced"):
             during = sorted(
                 s
@@ -187,6 +190,7 @@ def _vip_table(runs: list[dict[str, Any]]) -> None:
 
 
 _PROBES = {"vip": "through the server", "vip_direct": "straight to the simulated vLLM"}
+_SERVERS = ("llmflow", "llmflow-base", "nginx")
 
 
 @contextlib.contextmanager
@@ -221,10 +225,33 @@ def _nginx(workdir: Path, body: bytes, retry_after: str) -> Iterator[int]:
         proc.wait(timeout=10)
 
 
+def _llmflow_flood(
+    workdir: Path, hard: int, pythonpath: Path | None, args: argparse.Namespace
+) -> tuple[dict[str, Any], bytes, str]:
+    """One flood through `llmflow serve` (of this checkout, or of `pythonpath`): its figures,
+    and the refusal it answers (nginx answers the same)."""
+    with SimServeProcess(workdir, "--model-name", MODEL, "--speed", "4") as backend:
+        with _pinned(SERVER_CPU):
+            gw = GatewayProcess(
+                _config(backend.url), workdir, max_open_files=hard, pythonpath=pythonpath
+            )
+            gw.start()
+        try:
+            body, retry_after = asyncio.run(_refused_reply(gw.port))
+            time.sleep(2.0)  # the filling requests finish
+            probes = {"vip": _probe(gw.port, stream=args.vip_stream),
+                      "vip_direct": _probe(backend.port, stream=args.vip_stream)}
+            return asyncio.run(_flood(gw.port, probes)), body, retry_after
+        finally:
+            gw.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--baseline", type=Path,
+                        help="another checkout's python/ (its extension built), run beside")
     parser.add_argument("--vip-stream", action="store_true",
                         help="the VIP asks for a streamed reply (timed to its last byte)")
     args = parser.parse_args()
@@ -239,23 +266,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for repeat in range(args.repeats):
-            with SimServeProcess(workdir, "--model-name", MODEL, "--speed", "4") as backend:
-                with _pinned(SERVER_CPU):
-                    gw = GatewayProcess(_config(backend.url), workdir, max_open_files=hard)
-                    gw.start()
-                try:
-                    body, retry_after = asyncio.run(_refused_reply(gw.port))
-                    time.sleep(2.0)  # the filling requests finish
-                    probes = {"vip": _probe(gw.port, stream=args.vip_stream),
-                              "vip_direct": _probe(backend.port, stream=args.vip_stream)}
-                    figures = asyncio.run(_flood(gw.port, probes))
-                    runs.append({"server": "llmflow", "repeat": repeat, **figures})
-                finally:
-                    gw.stop()
+            builds: list[tuple[str, Path | None]] = [("llmflow", None)]
+            if args.baseline is not None:
+                builds.append(("llmflow-base", args.baseline))
+            for server, pythonpath in builds:
+                figures, body, retry_after = _llmflow_flood(workdir, hard, pythonpath, args)
+                runs.append({"server": server, "repeat": repeat, **figures})
             with _nginx(workdir, body, retry_after) as port:
                 figures = asyncio.run(_flood(port, {"vip": _probe(port, stream=False)}))
                 runs.append({"server": "nginx", "repeat": repeat, **figures})
-            for run in runs[-2:]:
+            for run in runs[-len(builds) - 1 :]:
                 print(json.dumps({k: v for k, v in run.items() if not k.startswith("vip")}),
                       flush=True)
     print("\n| server | run | all at once p50 / p99 (ms) | paced 1,000/s p50 / p99 (ms) |")

@@ -96,6 +96,8 @@ class GatewayProcess:
         startup_timeout_s: how long to wait for `/readyz`.
         extra_args: more `llmflow serve` arguments (`--trace FILE`).
         max_open_files: the child's file-descriptor limit (`RLIMIT_NOFILE`), if set.
+        pythonpath: another checkout's `python/` (its extension built) to run instead of this
+            one (a benchmark's baseline).
     """
 
     def __init__(
@@ -105,8 +107,10 @@ class GatewayProcess:
         startup_timeout_s: float = 60.0,
         extra_args: tuple[str, ...] = (),
         max_open_files: int | None = None,
+        pythonpath: Path | None = None,
     ):
         self.config = config
+        self.pythonpath = pythonpath
         self.max_open_files = max_open_files
         self.extra_args = extra_args
         self.port = free_port()
@@ -149,7 +153,7 @@ class GatewayProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                env=self._env(),
                 **self._limits(),
             )
         try:
@@ -158,6 +162,12 @@ class GatewayProcess:
             self.stop()
             raise
         return self
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = str(self.pythonpath)
+        return env
 
     def _limits(self) -> dict[str, Any]:
         """Popen arguments: its own process group, and the fd limit set in the child."""

@@ -10,7 +10,8 @@
 //! So a connection not known to be a protected tier's takes a turn before its next request is
 //! read (`Intake::turn`). Turns come in rounds of `per_round`; once a round's turns are
 //! taken, the next round starts only after every task ready at that moment has run (the
-//! pump goes to the back of the run queue before it hands out the next round). A VIP step
+//! pump goes to the back of the run queue, and waits for the runtime's shared queue, where a
+//! burst of wake-ups past the worker's own queue lands, to be empty). A VIP step
 //! then waits behind one round's requests, not behind the crowd, and the crowd's requests
 //! are still read in order and as fast as the runtime runs them: a turn is taken and spent
 //! at once, never held, so a slow client holds nothing and the count of requests in progress
@@ -30,9 +31,6 @@ use tokio::sync::{watch, Notify, Semaphore};
 /// each, what a VIP step may wait behind; the pump's round trip (two polls) is paid once per
 /// this many requests.
 pub const TURNS_PER_WORKER: usize = 16;
-
-/// How long the pump waits before it looks at the runtime's shared queue again.
-const SHARED_QUEUE_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The turns of the current round, and the pump that starts the next.
 pub struct Intake {
@@ -86,13 +84,15 @@ impl Intake {
             back_of_the_run_queue().await;
             // A burst of wake-ups past the worker's local queue waits in the runtime's shared
             // queue, which a busy worker serves one task per ~200 µs: until it is empty, no
-            // new round (a task left there would wait behind round after round).
+            // new round (a task left there would wait behind round after round). Waiting for
+            // the worker's next look at the I/O driver lets the local queue run dry, and a
+            // worker with nothing local takes the shared queue's tasks in batches.
             while tokio::runtime::Handle::current()
                 .metrics()
                 .global_queue_depth()
                 > 0
             {
-                tokio::time::sleep(SHARED_QUEUE_WAIT).await;
+                tokio::task::yield_now().await;
             }
             let left = self.turns.available_permits();
             self.turns.add_permits(self.per_round.saturating_sub(left));
