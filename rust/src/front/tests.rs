@@ -67,6 +67,36 @@ async fn fake_app(listener: tokio::net::UnixListener, seen: Arc<Mutex<Vec<Vec<u8
     }
 }
 
+/// A runtime of one worker thread, as the front's tests run it.
+fn one_worker() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A front on a free loopback port of `runtime`, passing to the app at `app` what `native`
+/// declines: the front, and its port.
+fn start_front(
+    runtime: &tokio::runtime::Runtime,
+    app: std::path::PathBuf,
+    native: Arc<dyn Native>,
+) -> (Front, u16) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let limits = Limits {
+        max_header_bytes: 8192,
+        max_body_bytes: 1024,
+        read_timeout: Duration::from_secs(10),
+        keep_alive_timeout: Duration::from_secs(10),
+        write_timeout: Duration::from_secs(10),
+    };
+    let front = Front::start(runtime.handle(), listener, app, limits).unwrap();
+    front.set_native(native);
+    (front, port)
+}
+
 fn post(body: &str, last: bool) -> String {
     let close = if last { "connection: close\r\n" } else { "" };
     format!(
@@ -80,11 +110,7 @@ fn post(body: &str, last: bool) -> String {
 // declines and what is not offered to it.
 #[test]
 fn native_then_declined_then_passed_in_order() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = one_worker();
     let dir = std::env::temp_dir().join(format!("llmflow-front-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let app_path = dir.join("app.sock");
@@ -95,17 +121,7 @@ fn native_then_declined_then_passed_in_order() {
         let app = tokio::net::UnixListener::bind(&app_path).unwrap();
         runtime.spawn(fake_app(app, Arc::clone(&seen)));
     }
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let limits = Limits {
-        max_header_bytes: 8192,
-        max_body_bytes: 1024,
-        read_timeout: Duration::from_secs(5),
-        keep_alive_timeout: Duration::from_secs(5),
-        write_timeout: Duration::from_secs(5),
-    };
-    let front = Front::start(runtime.handle(), listener, app_path.clone(), limits).unwrap();
-    front.set_native(Arc::new(Picky));
+    let (front, port) = start_front(&runtime, app_path.clone(), Arc::new(Picky));
 
     let mut client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     client
@@ -177,24 +193,10 @@ impl Native for Ordered {
 // front's one worker is busy; without turns, the VIP's is served 151st.
 #[test]
 fn a_protected_connection_is_read_before_the_crowd_ahead_of_it() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let limits = Limits {
-        max_header_bytes: 8192,
-        max_body_bytes: 1024,
-        read_timeout: Duration::from_secs(10),
-        keep_alive_timeout: Duration::from_secs(10),
-        write_timeout: Duration::from_secs(10),
-    };
-    let app = std::env::temp_dir().join("llmflow-front-test-no-app.sock");
-    let front = Front::start(runtime.handle(), listener, app, limits).unwrap();
+    let runtime = one_worker();
     let served = Arc::new(Ordered(Mutex::default()));
-    front.set_native(Arc::clone(&served) as Arc<dyn Native>);
+    let app = std::env::temp_dir().join("llmflow-front-test-no-app.sock");
+    let (front, port) = start_front(&runtime, app, Arc::clone(&served) as Arc<dyn Native>);
     let connect = || {
         let stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         stream
